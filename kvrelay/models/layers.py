@@ -1,0 +1,176 @@
+"""Transformer building blocks shared by the AR decoder and the DiT.
+
+Owns RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face Llama and
+Qwen2, so their checkpoints load without permuting q/k), the SwiGLU MLP (tensor parallel), the
+attention core (grouped-query, deterministic, optionally causal over a prefix) and the tensor
+parallel attention projections. Tensors are heads-major (HND: [..., heads, tokens, head_dim]),
+the layout that KV pages use, so K/V go to pages without a transpose.
+Never owns processes, weights files or paging: see worker.py, loader.py, paged_attention.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype of a preset/geometry dtype name ("bfloat16" | "float16" | "float32")."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm; statistics in fp32 whatever the activation dtype (bf16 would lose
+    the small variances), result cast back, weight applied in the activation dtype (HF Llama)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, *, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [T, head_dim] for integer `positions` [T].
+
+    Angles are computed in fp32 (positions up to a few thousand times the base frequency lose
+    precision in bf16) and only the tables are cast to `dtype`.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., heads, T, head_dim] by the tables [T, head_dim] of rope_cos_sin."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Scaled dot-product attention, grouped-query, heads-major.
+
+    q: [..., Hq, Tq, D]; k, v: [..., Hkv, Tk, D] with Hq a multiple of Hkv (query head h reads kv
+    head h // (Hq / Hkv), the Llama grouping). Returns [..., Hq, Tq, D].
+    `causal` aligns the mask to the end: query i sees keys 0 .. i + (Tk - Tq), so queries that
+    follow a prefix of Tk - Tq cached tokens see all of it (prefill with a prefix, chunked prefill).
+    Deterministic: same inputs, same bits (one kernel choice per shape, no atomics on CPU).
+    """
+    hq, hkv = q.shape[-3], k.shape[-3]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    tq, tk = q.shape[-2], k.shape[-2]
+    if hkv != hq:
+        # Explicit expansion instead of SDPA's enable_gqa: one code path on every torch >= 2.11 build.
+        k = k.repeat_interleave(hq // hkv, dim=-3)
+        v = v.repeat_interleave(hq // hkv, dim=-3)
+    if not causal:
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+    if tq == tk:
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if tq > tk:
+        raise ValueError(f"causal attention with more queries ({tq}) than keys ({tk})")
+    # SDPA's is_causal aligns to the top-left when Tq != Tk; we need bottom-right.
+    mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+    return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); gate/up column parallel, down row parallel, so the
+    intermediate activation never leaves the rank and one all-reduce ends the block."""
+
+    def __init__(
+        self, hidden: int, mlp: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden, mlp, tp, dtype=dtype, device=device)
+        self.up_proj = ColumnParallelLinear(hidden, mlp, tp, dtype=dtype, device=device)
+        self.down_proj = RowParallelLinear(mlp, hidden, tp, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ParallelAttention(nn.Module):
+    """GQA projections split by heads over the TP group: rank r holds query heads
+    [r*Hq/tp, (r+1)*Hq/tp) and kv heads [r*Hkv/tp, ...), which are exactly the kv heads its query
+    heads read, so attention itself needs no communication; o_proj (row parallel) reduces.
+
+    `forward` returns (output [B, T, hidden], k, v) with k after RoPE, k/v [B, Hkv_local, T, D],
+    so callers can keep them as the KV cache. `prefix_kv` (k, v of earlier tokens,
+    [B, Hkv_local, P, D]) is attended before the own tokens: `[prefix K/V | own K/V]`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        tp: TpGroup,
+        *,
+        qkv_bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        super().__init__()
+        if num_kv_heads % tp.world_size:
+            raise ValueError(f"tensor parallel size {tp.world_size} does not divide num_kv_heads={num_kv_heads}")
+        self.num_heads_local = num_heads // tp.world_size
+        self.num_kv_heads_local = num_kv_heads // tp.world_size
+        self.head_dim = head_dim
+        self.q_proj = ColumnParallelLinear(hidden, num_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device)
+        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device)
+        self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, tp, dtype=dtype, device=device)
+
+    def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        causal: bool,
+        prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        q = apply_rotary(self._heads(self.q_proj(x), self.num_heads_local), cos, sin)
+        k = apply_rotary(self._heads(self.k_proj(x), self.num_kv_heads_local), cos, sin)
+        v = self._heads(self.v_proj(x), self.num_kv_heads_local)
+        if prefix_kv is not None:
+            k_all = torch.cat((prefix_kv[0].to(k.dtype), k), dim=-2)
+            v_all = torch.cat((prefix_kv[1].to(v.dtype), v), dim=-2)
+        else:
+            k_all, v_all = k, v
+        out = attention(q, k_all, v_all, causal=causal)
+        out = out.transpose(1, 2).reshape(b, t, self.num_heads_local * self.head_dim)
+        return self.o_proj(out), k, v
+
+
+def init_std(fan_in: int) -> float:
+    """Std of random weights: 1/sqrt(fan_in) keeps activations O(1) through deep random stacks."""
+    return 1.0 / math.sqrt(fan_in)

@@ -1,0 +1,206 @@
+"""Megatron-style tensor parallelism over torch.distributed.
+
+Owns: the `TpGroup` (this rank's place in its tensor parallel group), process group start-up
+(backend choice: gloo on CPU, NCCL on CUDA, gloo when two ranks share one GPU, since NCCL refuses
+two ranks on one device) and the column/row parallel linear layers. Everything works in a single
+process with world size 1, where the collectives are no-ops, so models have one code path.
+Never starts processes: the rank worker harness (kvrelay/worker.py) does that.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class TpGroup:
+    """This rank's view of its tensor parallel group. `group=None` means the default (world) group."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: Any = None
+
+    @classmethod
+    def single(cls) -> TpGroup:
+        return cls(0, 1, None)
+
+    @classmethod
+    def from_default_group(cls) -> TpGroup:
+        if not dist.is_available() or not dist.is_initialized():
+            return cls.single()
+        return cls(dist.get_rank(), dist.get_world_size(), None)
+
+    def shard_range(self, total: int) -> tuple[int, int]:
+        """[start, end) of this rank's equal share of `total` items (heads, features)."""
+        if total % self.world_size:
+            raise ValueError(f"{total} does not split evenly over tensor parallel size {self.world_size}")
+        per = total // self.world_size
+        return self.rank * per, (self.rank + 1) * per
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's contiguous slice of a full tensor along `dim` (a copy, so the full tensor
+        can be freed)."""
+        start, end = self.shard_range(tensor.shape[dim])
+        return tensor.narrow(dim, start, end - start).contiguous()
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place; returns `tensor`."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's `tensor` along `dim` in rank order."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+
+def choose_backend(devices: Sequence[str]) -> str:
+    """gloo for CPU ranks and for ranks that share a GPU; NCCL when every rank has its own GPU."""
+    if not devices or any(not d.startswith("cuda") for d in devices):
+        return "gloo"
+    if len(set(devices)) < len(devices):
+        return "gloo"
+    return "nccl"
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    init_address: str,
+    *,
+    backend: str = "gloo",
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> TpGroup:
+    """Join the default process group at `init_address` ("tcp://host:port") and return its TpGroup.
+
+    World size 1 starts no process group at all: the TpGroup's collectives are no-ops there.
+    """
+    if world_size == 1:
+        return TpGroup.single()
+    if backend == "gloo" and ("127.0.0.1" in init_address or "localhost" in init_address):
+        # gloo otherwise binds the interface that the hostname resolves to, which in containers is
+        # often unreachable from the other ranks; every rank of a replica runs on this host.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_address,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    return TpGroup(rank, world_size, None)
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output features split over ranks: each rank computes its slice of y.
+
+    Weight shape on this rank: [out_features / tp, in_features]. `gather_output` concatenates the
+    slices (rarely wanted: the next layer is normally a RowParallelLinear that takes them as is).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TpGroup,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        super().__init__()
+        start, end = tp.shard_range(out_features)
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(torch.empty(end - start, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (
+            nn.Parameter(torch.zeros(end - start, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's rows of the full (unsharded) weight [out, in] (and bias [out])."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        with torch.no_grad():
+            self.weight.copy_(self.tp.shard(weight, 0))
+            if self.bias is not None:
+                if bias is None:
+                    raise ValueError("layer has a bias but none was given")
+                self.bias.copy_(self.tp.shard(bias, 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        return self.tp.all_gather(y, dim=-1) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input features split over ranks: each rank multiplies its slice of x
+    and the partial sums are all-reduced, so every rank ends with the full y.
+
+    Weight shape on this rank: [out_features, in_features / tp]. The bias is added once, after
+    the reduction (adding it on every rank would count it tp times).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tp: TpGroup,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        super().__init__()
+        start, end = tp.shard_range(in_features)
+        self.tp = tp
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, end - start, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's columns of the full weight [out, in] (the bias is replicated)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
+        with torch.no_grad():
+            self.weight.copy_(self.tp.shard(weight, 1))
+            if self.bias is not None:
+                if bias is None:
+                    raise ValueError("layer has a bias but none was given")
+                self.bias.copy_(bias)
+
+    def forward(self, x_parallel: torch.Tensor) -> torch.Tensor:
+        y = nn.functional.linear(x_parallel, self.weight)
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
