@@ -32,7 +32,14 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm; statistics in fp32 whatever the activation dtype (bf16 would lose
     the small variances), result cast back, weight applied in the activation dtype (HF Llama)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
@@ -51,7 +58,9 @@ def rope_cos_sin(
     Angles are computed in fp32 (positions up to a few thousand times the base frequency lose
     precision in bf16) and only the tables are cast to `dtype`.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -100,7 +109,13 @@ class SwiGLU(nn.Module):
     intermediate activation never leaves the rank and one all-reduce ends the block."""
 
     def __init__(
-        self, hidden: int, mlp: int, tp: TpGroup, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        self,
+        hidden: int,
+        mlp: int,
+        tp: TpGroup,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
     ):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(hidden, mlp, tp, dtype=dtype, device=device)
@@ -135,13 +150,21 @@ class ParallelAttention(nn.Module):
     ):
         super().__init__()
         if num_kv_heads % tp.world_size:
-            raise ValueError(f"tensor parallel size {tp.world_size} does not divide num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"tensor parallel size {tp.world_size} does not divide num_kv_heads={num_kv_heads}"
+            )
         self.num_heads_local = num_heads // tp.world_size
         self.num_kv_heads_local = num_kv_heads // tp.world_size
         self.head_dim = head_dim
-        self.q_proj = ColumnParallelLinear(hidden, num_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device)
-        self.k_proj = ColumnParallelLinear(hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device)
-        self.v_proj = ColumnParallelLinear(hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device)
+        self.q_proj = ColumnParallelLinear(
+            hidden, num_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device
+        )
+        self.k_proj = ColumnParallelLinear(
+            hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device
+        )
+        self.v_proj = ColumnParallelLinear(
+            hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device
+        )
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, tp, dtype=dtype, device=device)
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:

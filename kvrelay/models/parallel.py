@@ -142,9 +142,13 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
-        self.weight = nn.Parameter(torch.empty(end - start, in_features, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(end - start, in_features, dtype=dtype, device=device), requires_grad=False
+        )
         self.bias = (
-            nn.Parameter(torch.zeros(end - start, dtype=dtype, device=device), requires_grad=False) if bias else None
+            nn.Parameter(torch.zeros(end - start, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
         )
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -186,8 +190,14 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, end - start, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, end - start, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's columns of the full weight [out, in] (the bias is replicated)."""
