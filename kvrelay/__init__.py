@@ -19,4 +19,4 @@ _root = _os.path.dirname(_here)
 if not _os.path.isdir(_os.path.join(_here, "broker")) and _os.path.isfile(
     _os.path.join(_root, "broker", "__init__.py")
 ):
-    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
+    __path__.append(_root)  # noqa: F821

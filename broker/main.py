@@ -1,0 +1,64 @@
+"""`kvrelay broker`: the broker process.
+
+Serves BrokerService (registry, pages, tickets) and GenerationService (the public API) on one
+port, with health, reflection and metrics from kvrelay.server. Never imports torch or a model
+service: it talks to AR and DiT replicas over gRPC only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kvrelay.config import ConfigError, KvRelayConfig, load_config
+from kvrelay.logging import configure_logging, get_logger
+from kvrelay.server import GrpcServer
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+log = get_logger(__name__)
+
+BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
+GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+async def serve(cfg: KvRelayConfig, host: str, port: int, metrics_port: int | None) -> None:
+    server = GrpcServer(
+        name="broker",
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        registrations=[
+            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, broker_pb2_grpc.BrokerServiceServicer(), BROKER_SERVICE),
+            (
+                generation_pb2_grpc.add_GenerationServiceServicer_to_server,
+                generation_pb2_grpc.GenerationServiceServicer(),
+                GENERATION_SERVICE,
+            ),
+        ],
+        api_token=cfg.broker.api_token,
+        guarded_prefixes=(f"/{GENERATION_SERVICE}/",),
+        tls_cert=cfg.broker.tls_cert,
+        tls_key=cfg.broker.tls_key,
+    )
+    await server.start()
+    server.install_signal_handlers()
+    await server.set_serving(True)
+    print(f"kvrelay broker listening on {server.address}", flush=True)
+    try:
+        await server.wait_for_stop()
+    finally:
+        await server.stop(grace=2.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, process="broker")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as err:
+        print(f"kvrelay broker: {err}")
+        return 2
+    host = args.host or cfg.broker.host
+    port = cfg.broker.port if args.port is None else args.port
+    metrics_port = cfg.broker.metrics_port if args.metrics_port is None else args.metrics_port
+    asyncio.run(serve(cfg, host, port, metrics_port))
+    return 0

@@ -1,0 +1,132 @@
+"""The `kvrelay` command line: the composition root.
+
+It parses arguments and imports a service package only inside the subcommand that starts it, so
+`kvrelay generate` never loads torch and `kvrelay broker` never loads a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvrelay import __version__
+from kvrelay.config import DEFAULT_CONFIG
+
+# subcommand -> "module:function(args) -> int"
+HANDLERS = {
+    "up": "kvrelay.supervisor:run_up",
+    "broker": "kvrelay.broker.main:run",
+    "ar": "kvrelay.ar_service.main:run",
+    "dit": "kvrelay.dit_service.main:run",
+    "generate": "kvrelay.client.cli:run_generate",
+    "status": "kvrelay.client.cli:run_status",
+    "bench": "kvrelay.bench:run",
+    "verify": "kvrelay.verify:run",
+}
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="deployment YAML (default: %(default)s)")
+    p.add_argument("--host", default=None, help="address to listen on (default: the config's host, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port to listen on (0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free port)")
+    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: INFO or $KVRELAY_LOG_LEVEL)")
+    if replica:
+        p.add_argument("--replica", type=int, default=0, help="replica index within the stage (default: 0)")
+        p.add_argument("--broker", default=None, help="broker address HOST:PORT (default: from the config)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvrelay",
+        description="Disaggregated text-to-image serving: AR prefill -> KV relay over Mooncake -> DiT denoise.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvrelay {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("up", help="start the broker and every AR/DiT replica of a config; Ctrl-C stops all")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="deployment YAML (default: %(default)s)")
+    p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
+    p.add_argument("--log-level", default=None, help="log level for every child")
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+
+    p = sub.add_parser("broker", help="run the broker: registry, pages, tickets, journal and the public API")
+    _add_service_args(p, replica=False)
+
+    p = sub.add_parser("ar", help="run one AR replica (prefill + KV sender)")
+    _add_service_args(p, replica=True)
+
+    p = sub.add_parser("dit", help="run one DiT replica (page memory + denoiser)")
+    _add_service_args(p, replica=True)
+
+    p = sub.add_parser("generate", help="generate one image and write it as PNG")
+    p.add_argument("prompt", help="the text prompt")
+    p.add_argument("--negative-prompt", default="", help="negative prompt (CFG row 1)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: assigned by the server)")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--steps", type=int, default=2, help="num_inference_steps (default: %(default)s)")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale; 1.0 = no CFG")
+    p.add_argument("-o", "--output", default="out.png", help="PNG path (default: %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--request-id", default=None, help="idempotency key; re-running attaches to it")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--token", default=None, help="bearer token for the public API")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser("status", help="show replicas, page pools and tickets")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--token", default=None, help="bearer token for the public API")
+
+    p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
+    p.add_argument("--config", default=None, help="base config (default: built-in single-node CPU config)")
+    p.add_argument("--preset", default=None, help="model preset for both stages (default: the config's)")
+    p.add_argument("--requests", type=int, default=20, help="requests per run (default: %(default)s)")
+    p.add_argument("--runs", type=int, default=2, help="independent runs per implementation")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--guidance-scale", type=float, default=2.0)
+    p.add_argument("--impls", default="mooncake,grpc,colocated", help="comma list of implementations")
+    p.add_argument("--colocated", action="store_true", help="run only the colocated (no transfer) baseline")
+    p.add_argument("--scenario", default="seed", choices=["seed", "transfer", "both"], help="workload")
+    p.add_argument("--dataset", default="benchmarks/data/t2i-50.jsonl")
+    p.add_argument("--output", default="benchmarks/results/latest", help="folder for JSON and plots")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per node")
+
+    p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
+    p.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    p.add_argument("--prompt", default="a red fox in the snow, watercolor")
+    p.add_argument("--negative-prompt", default="blurry")
+    p.add_argument("--ar-tp", type=int, default=1)
+    p.add_argument("--dit-tp", type=int, default=1)
+    p.add_argument("--dit-sp", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    module_name, func_name = HANDLERS[args.command].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            print(f"kvrelay {args.command}: not available yet in this build ({module_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    handler = getattr(module, func_name)
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,306 @@
+"""Deployment configuration: the YAML of DESIGN.md section 10, validated at load.
+
+Owns parsing and every startup rejection (stage graph, async_chunk, sleep mode with native
+transfer, TP vs kv heads, AR/DiT geometry, transfer_timeout, unknown keys). Errors name the key.
+Must never import torch or a service package: every process and the CLI load this.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_CONFIG = "configs/single-node.yaml"
+
+# Transfer connectors by config name (DESIGN.md section 5).
+NATIVE_CONNECTORS = ("MooncakeConnector", "CudaIpcConnector")
+# vLLM-engine AR stages route through kvrelay's own connector (never vLLM's MooncakeConnector).
+VLLM_CONNECTOR = "KvRelayConnector"
+
+
+class ConfigError(ValueError):
+    """A configuration that kvrelay refuses to start with; the message names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BrokerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535)
+    metrics_port: int = Field(9400, ge=0, le=65535)
+    journal_path: str = ".kvrelay/broker.sqlite"
+    lease_seconds: float = Field(10.0, gt=0)
+    heartbeat_seconds: float | None = Field(None, gt=0)
+    max_queue: int = Field(256, ge=1)
+    result_ttl_seconds: float = Field(300.0, ge=0)
+    max_results: int = Field(1024, ge=1)
+    drain_quiet_seconds: float = Field(2.0, ge=0)
+    # Optional shared secret replicas present on RegisterReplica, and bearer token for the public API.
+    registration_token: str | None = None
+    api_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    @property
+    def heartbeat_interval(self) -> float:
+        return self.heartbeat_seconds if self.heartbeat_seconds is not None else self.lease_seconds / 3.0
+
+
+class ModelConfig(_Strict):
+    preset: str | None = None
+    engine: Literal["builtin", "vllm"] = "builtin"
+    path: str | None = None
+    tokenizer: str | None = None
+    weight_seed: int = 0
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+
+    @model_validator(mode="after")
+    def _preset_or_path(self) -> ModelConfig:
+        if self.engine == "vllm" and not self.path:
+            raise ValueError("model.path is required with engine: vllm")
+        if self.preset is None and self.path is None:
+            raise ValueError("model needs a preset or a path")
+        return self
+
+
+class KvTransferConfig(_Strict):
+    kv_connector: str
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"]
+    engine_id: str | None = None
+    kv_connector_module_path: str | None = None
+    kv_connector_extra_config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kv_connector")
+    @classmethod
+    def _known_connector(cls, value: str) -> str:
+        if value not in NATIVE_CONNECTORS + (VLLM_CONNECTOR,):
+            raise ValueError(f"unknown kv_connector {value!r}; expected one of {NATIVE_CONNECTORS}")
+        return value
+
+    @field_validator("kv_connector_extra_config")
+    @classmethod
+    def _check_extra(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        allowed = {"mooncake_protocol", "transfer_timeout", "verify_checksums", "device_name"}
+        unknown = sorted(set(extra) - allowed)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
+        if "mooncake_protocol" in extra and extra["mooncake_protocol"] not in ("tcp", "rdma"):
+            raise ValueError("mooncake_protocol must be 'tcp' or 'rdma'")
+        if "transfer_timeout" in extra:
+            timeout = extra["transfer_timeout"]
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+                raise ValueError("transfer_timeout must be a number of seconds")
+            if not math.isfinite(timeout) or timeout <= 0:
+                raise ValueError(f"transfer_timeout must be positive and finite, got {timeout}")
+        if "verify_checksums" in extra and not isinstance(extra["verify_checksums"], bool):
+            raise ValueError("verify_checksums must be true or false")
+        return extra
+
+
+class StageConfig(_Strict):
+    stage_id: int
+    kind: Literal["ar", "dit"]
+    num_replicas: int = Field(1, ge=1)
+    devices: str = "cpu"
+    tensor_parallel_size: int = Field(1, ge=1)
+    sequence_parallel_size: int = Field(1, ge=1)
+    max_num_seqs: int = Field(1, ge=1)
+    kv_cache_memory_bytes: int = Field(..., gt=0)
+    # Tokens per KV page (the DiT's pages; DESIGN.md section 3).
+    page_size: int = Field(16, ge=1, le=4096)
+    host: str = "127.0.0.1"
+    advertise_host: str = "127.0.0.1"
+    port: int | None = Field(None, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    model: ModelConfig
+    kv_transfer_config: KvTransferConfig | None = None
+    enable_sleep_mode: bool = False
+    enable_expert_parallel: bool = False
+    # Per-request deadline the broker gives a stage call when the client set none.
+    request_timeout_seconds: float = Field(600.0, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.sequence_parallel_size
+
+    @property
+    def default_port(self) -> int:
+        return 50061 if self.kind == "ar" else 50071
+
+    def port_for(self, replica: int) -> int:
+        """gRPC port of replica N: consecutive from the stage's base (0 = pick a free port)."""
+        base = self.port if self.port is not None else self.default_port
+        return 0 if base == 0 else base + replica
+
+    def metrics_port_for(self, replica: int) -> int:
+        base = self.metrics_port if self.metrics_port is not None else (9410 if self.kind == "ar" else 9420)
+        return 0 if base == 0 else base + replica
+
+    @property
+    def transport(self) -> str:
+        """`mooncake`, `cuda_ipc` or `grpc` (the fallback when kv_transfer_config is absent)."""
+        if self.kv_transfer_config is None:
+            return "grpc"
+        if self.kv_transfer_config.kv_connector == "CudaIpcConnector":
+            return "cuda_ipc"
+        return "mooncake"
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return dict(self.kv_transfer_config.kv_connector_extra_config) if self.kv_transfer_config else {}
+
+    @property
+    def mooncake_protocol(self) -> str:
+        return str(self.extra.get("mooncake_protocol", "tcp"))
+
+    @property
+    def transfer_timeout(self) -> float:
+        return float(self.extra.get("transfer_timeout", 60.0))
+
+    @property
+    def verify_checksums(self) -> bool:
+        return bool(self.extra.get("verify_checksums", True))
+
+    def device_list(self) -> list[str]:
+        if self.devices.strip() == "cpu":
+            return ["cpu"]
+        return [f"cuda:{d.strip()}" for d in self.devices.split(",") if d.strip()]
+
+    def devices_for(self, replica: int) -> list[str]:
+        """The device of each rank of replica N: `cpu`, or consecutive GPUs from `devices`."""
+        devices = self.device_list()
+        if devices == ["cpu"]:
+            return ["cpu"] * self.world_size
+        start = replica * self.world_size
+        chosen = devices[start : start + self.world_size]
+        if len(chosen) < self.world_size:
+            # Fewer GPUs than ranks: ranks share GPUs round-robin (gloo then, DESIGN.md section 9).
+            chosen = [devices[(start + i) % len(devices)] for i in range(self.world_size)]
+        return chosen
+
+
+class KvRelayConfig(_Strict):
+    async_chunk: bool = False
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)  # type: ignore[arg-type]
+    stages: list[StageConfig]
+    edges: list[dict[str, int]]
+
+    @property
+    def ar_stage(self) -> StageConfig:
+        return next(s for s in self.stages if s.kind == "ar")
+
+    @property
+    def dit_stage(self) -> StageConfig:
+        return next(s for s in self.stages if s.kind == "dit")
+
+    def stage(self, kind: str) -> StageConfig:
+        return self.ar_stage if kind == "ar" else self.dit_stage
+
+    @model_validator(mode="after")
+    def _check_deployment(self) -> KvRelayConfig:
+        if self.async_chunk:
+            raise ValueError("async_chunk: true is not supported: native AR->DiT transfer needs async_chunk: false")
+        kinds = [(s.stage_id, s.kind) for s in self.stages]
+        if sorted(kinds) != [(0, "ar"), (1, "dit")]:
+            raise ValueError(f"stages: only the two-stage graph AR(0) -> DiT(1) is supported, got {kinds}")
+        edges = [(e.get("from"), e.get("to")) for e in self.edges]
+        if edges != [(0, 1)] or any(set(e) != {"from", "to"} for e in self.edges):
+            raise ValueError(f"edges: only [{{from: 0, to: 1}}] (AR(0) -> DiT(1)) is supported, got {self.edges}")
+        ar, dit = self.ar_stage, self.dit_stage
+        if dit.enable_sleep_mode and dit.kv_transfer_config is not None:
+            raise ValueError(
+                "stages[1].enable_sleep_mode: sleep mode is not allowed on a DiT stage with native transfer "
+                "(registered KV pages must stay mapped for the connector's lifetime)"
+            )
+        if (ar.kv_transfer_config is None) != (dit.kv_transfer_config is None):
+            raise ValueError("kv_transfer_config: set it on both stages (native transfer) or on neither (fallback)")
+        if ar.kv_transfer_config and dit.kv_transfer_config:
+            if ar.kv_transfer_config.kv_connector not in (dit.kv_transfer_config.kv_connector, VLLM_CONNECTOR):
+                raise ValueError("kv_transfer_config.kv_connector: AR and DiT stages must use the same connector")
+            if ar.kv_transfer_config.kv_role == "kv_consumer":
+                raise ValueError("stages[0].kv_transfer_config.kv_role: the AR stage is the kv_producer")
+            if dit.kv_transfer_config.kv_role == "kv_producer":
+                raise ValueError("stages[1].kv_transfer_config.kv_role: the DiT stage is the kv_consumer")
+        if ar.sequence_parallel_size != 1:
+            raise ValueError("stages[0].sequence_parallel_size: the AR stage supports tensor parallelism only")
+        if ar.model.engine == "vllm" and ar.tensor_parallel_size != 1:
+            raise ValueError("stages[0].tensor_parallel_size: the vLLM engine path supports TP=1 here")
+        if dit.model.engine != "builtin":
+            raise ValueError("stages[1].model.engine: the DiT runs the built-in engine")
+        return self
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc}: {msg}")
+    return f"invalid config {source}:\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: Any, source: str = "<config>") -> KvRelayConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: the top level must be a mapping")
+    try:
+        cfg = KvRelayConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+    check_model_geometry(cfg)
+    return cfg
+
+
+def check_model_geometry(cfg: KvRelayConfig) -> None:
+    """Reject at load what can never run: TP not dividing kv heads, AR/DiT geometry that cannot match.
+
+    Preset geometry comes from kvrelay.models.presets, imported lazily (it imports no torch);
+    checkpoint directories are checked at registration instead, where the broker names the field.
+    """
+    from kvrelay.models.presets import get_preset
+
+    geometries: dict[str, tuple[int, int, int, str]] = {}
+    for idx, stage in enumerate(cfg.stages):
+        if stage.model.preset is None:
+            continue
+        try:
+            preset = get_preset(stage.model.preset)
+        except (KeyError, ValueError) as err:
+            raise ConfigError(f"invalid config: stages[{idx}].model.preset: {err}") from None
+        heads = preset.num_kv_heads
+        shards = stage.world_size
+        if heads % shards:
+            key = "tensor_parallel_size" if stage.sequence_parallel_size == 1 else "sequence_parallel_size"
+            raise ConfigError(
+                f"invalid config: stages[{idx}].{key}: {shards} rank(s) must divide num_kv_heads={heads} "
+                f"of preset {preset.name!r}"
+            )
+        dtype = stage.model.dtype or preset.dtype
+        geometries[stage.kind] = (preset.num_layers, preset.num_kv_heads, preset.head_dim, dtype)
+    if "ar" in geometries and "dit" in geometries and geometries["ar"] != geometries["dit"]:
+        names = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+        field = next(n for n, a, d in zip(names, geometries["ar"], geometries["dit"], strict=True) if a != d)
+        raise ConfigError(
+            f"invalid config: stages: AR and DiT KV geometry differ in {field} "
+            f"(AR {geometries['ar'][names.index(field)]}, DiT {geometries['dit'][names.index(field)]})"
+        )
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
+    """Load and validate a YAML config; `None` = configs/single-node.yaml (or $KVRELAY_CONFIG)."""
+    chosen = Path(path or os.environ.get("KVRELAY_CONFIG") or DEFAULT_CONFIG)
+    if not chosen.is_file():
+        raise ConfigError(f"config file not found: {chosen}")
+    try:
+        data = yaml.safe_load(chosen.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"invalid YAML in {chosen}: {err}") from None
+    return parse_config(data, str(chosen))

@@ -1,0 +1,87 @@
+"""Server-side errors: one exception type that maps to a gRPC status with google.rpc.ErrorInfo.
+
+Handlers raise `KvRelayServerError(code, reason, message)`; `abort_with` turns it into a status
+whose details carry a machine-readable reason, so SDK users get `code`, `reason`, `message`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+ERROR_DOMAIN = "kvrelay.dev"
+
+
+class KvRelayServerError(Exception):
+    """An error to return to a gRPC caller: status code, UPPER_SNAKE reason, human message."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str, **metadata: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.message = message
+        self.metadata = {k: str(v) for k, v in metadata.items()}
+
+    def __str__(self) -> str:
+        return f"{self.code.name} {self.reason}: {self.message}"
+
+
+def invalid_argument(field: str, message: str) -> KvRelayServerError:
+    return KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", f"{field}: {message}", field=field)
+
+
+def not_found(what: str, ident: str) -> KvRelayServerError:
+    return KvRelayServerError(grpc.StatusCode.NOT_FOUND, f"{what.upper()}_NOT_FOUND", f"unknown {what} {ident!r}")
+
+
+def failed_precondition(reason: str, message: str) -> KvRelayServerError:
+    return KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, reason, message)
+
+
+def to_status(err: KvRelayServerError) -> Any:
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=err.code.value[0], message=err.message, details=[detail])
+    return rpc_status.to_status(status)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, err: KvRelayServerError) -> NoReturn:
+    """Abort the RPC with `err` as a rich status (code, message, ErrorInfo detail)."""
+    await context.abort_with_status(to_status(err))
+    raise AssertionError("unreachable: abort_with_status raises")
+
+
+def reason_of(error: grpc.RpcError) -> tuple[str, str, str]:
+    """(code name, reason, message) of an RpcError from another kvrelay service."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
+    reason = code.name if code is not None else "UNKNOWN"
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a transport error carries no trailing metadata
+        status = None
+    if status is not None:
+        for detail in status.details:
+            if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+                info = error_details_pb2.ErrorInfo()
+                detail.Unpack(info)
+                reason = info.reason
+    return (code.name if code is not None else "UNKNOWN", reason, message or "")
+
+
+__all__ = [
+    "ERROR_DOMAIN",
+    "KvRelayServerError",
+    "abort_with",
+    "code_pb2",
+    "failed_precondition",
+    "invalid_argument",
+    "not_found",
+    "reason_of",
+    "to_status",
+]

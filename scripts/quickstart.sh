@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine: set up, start a node (`kvrelay up` with configs/single-node.yaml:
+# broker + 1 AR + 1 DiT on CPU, KV over Mooncake TCP), generate one image, stop the node.
+# Usage: scripts/quickstart.sh ["prompt"] [output.png]   (KVRELAY_CONFIG=... picks another config)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+prompt="${1:-a lighthouse on a cliff at sunset, oil painting}"
+out="${2:-out.png}"
+config="${KVRELAY_CONFIG:-configs/single-node.yaml}"
+mkdir -p .kvrelay/logs
+
+kvrelay up --config "$config" --log-dir .kvrelay/logs &
+up_pid=$!
+stop_node() { kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true; }
+trap stop_node EXIT INT TERM
+
+target="$(python - "$config" <<'PY'
+import sys
+from kvrelay.config import load_config
+b = load_config(sys.argv[1]).broker
+print(f"{b.host}:{b.port}")
+PY
+)"
+echo "quickstart: waiting for the node at $target (models load, memory registers) ..."
+for _ in $(seq 1 300); do
+  if ! kill -0 "$up_pid" 2>/dev/null; then echo "quickstart: kvrelay up exited; logs in .kvrelay/logs" >&2; exit 1; fi
+  if kvrelay status --target "$target" --json 2>/dev/null | python -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d.get("ready") else 1)' 2>/dev/null; then break; fi
+  sleep 1
+done
+kvrelay status --target "$target"
+kvrelay generate "$prompt" --target "$target" -o "$out"
+kvrelay status --target "$target"
+echo "quickstart: wrote $out"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up (if needed), then run every check CI runs: lint, architecture contracts, types, tests.
+# Extra arguments go to pytest, e.g. scripts/test.sh -k broker
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export PATH="$PWD/.venv/bin:$PATH"
+
+echo "== ruff"; ruff check .
+echo "== import-linter"; ./scripts/lint_imports.sh
+echo "== mypy (strict on the pure cores)"; mypy kvrelay/config.py $(ls kvrelay/transfer/planner.py kvrelay/transfer/layout.py broker/pool.py broker/tickets.py 2>/dev/null)
+echo "== pytest"
+set +e
+pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi
+exit "$rc"

@@ -1,0 +1,136 @@
+"""Config validation: every startup rejection of DESIGN.md sections 6 and 10, errors naming the key."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvrelay.config import ConfigError, load_config, parse_config
+
+
+@pytest.fixture
+def base(repo_root: Path) -> dict[str, Any]:
+    return yaml.safe_load((repo_root / "configs" / "single-node.yaml").read_text())
+
+
+def _reject(data: dict[str, Any], *needles: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "test.yaml")
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+@pytest.mark.parametrize("name", ["single-node.yaml", "debug-4gpu.yaml", "reference-8gpu.yaml"])
+def test_shipped_configs_load(repo_root: Path, name: str) -> None:
+    cfg = load_config(repo_root / "configs" / name)
+    assert cfg.ar_stage.transfer_timeout == 60.0 or cfg.dit_stage.transfer_timeout == 60.0
+    assert cfg.dit_stage.kv_transfer_config is not None
+    assert cfg.dit_stage.kv_transfer_config.kv_connector_extra_config["transfer_timeout"] == 60.0
+
+
+def test_reference_topology_is_the_seeds(repo_root: Path) -> None:
+    cfg = load_config(repo_root / "configs" / "reference-8gpu.yaml")
+    ar, dit = cfg.ar_stage, cfg.dit_stage
+    assert (ar.num_replicas, ar.tensor_parallel_size, dit.num_replicas, dit.tensor_parallel_size) == (2, 2, 2, 2)
+    assert [ar.devices_for(r) for r in (0, 1)] == [["cuda:0", "cuda:1"], ["cuda:2", "cuda:3"]]
+    assert [dit.devices_for(r) for r in (0, 1)] == [["cuda:4", "cuda:5"], ["cuda:6", "cuda:7"]]
+    assert ar.kv_cache_memory_bytes == 2 * 1024**3 and dit.kv_cache_memory_bytes == 1024**3
+
+
+def test_test_config_is_fast(repo_root: Path) -> None:
+    cfg = load_config(repo_root / "tests" / "configs" / "test-fast.yaml")
+    assert cfg.broker.lease_seconds <= 2 and cfg.dit_stage.transfer_timeout <= 5
+
+
+def test_rejects_other_stage_graph(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["edges"] = [{"from": 1, "to": 0}]
+    _reject(data, "edges", "AR(0) -> DiT(1)")
+    data = copy.deepcopy(base)
+    data["stages"].append({**copy.deepcopy(data["stages"][1]), "stage_id": 2})
+    _reject(data, "stages", "AR(0) -> DiT(1)")
+
+
+def test_rejects_async_chunk(base: dict[str, Any]) -> None:
+    _reject({**base, "async_chunk": True}, "async_chunk")
+
+
+def test_rejects_sleep_mode_on_native_dit(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][1]["enable_sleep_mode"] = True
+    _reject(data, "enable_sleep_mode", "mapped")
+    # Without native transfer (the gRPC fallback) sleep mode is not about registered pages.
+    for stage in data["stages"]:
+        del stage["kv_transfer_config"]
+    assert parse_config(data).dit_stage.enable_sleep_mode
+
+
+def test_rejects_tp_not_dividing_kv_heads(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][0]["tensor_parallel_size"] = 3
+    _reject(data, "stages[0].tensor_parallel_size", "num_kv_heads=4")
+    data = copy.deepcopy(base)
+    data["stages"][1]["sequence_parallel_size"] = 8
+    _reject(data, "stages[1].sequence_parallel_size", "num_kv_heads")
+
+
+def test_rejects_geometry_that_cannot_match(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][1]["model"] = {"preset": "tiny"}
+    _reject(data, "geometry differ", "num_layers")
+    data = copy.deepcopy(base)
+    data["stages"][1]["model"] = {"preset": "small", "dtype": "bfloat16"}
+    _reject(data, "geometry differ", "dtype")
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), "soon"])
+def test_rejects_bad_transfer_timeout(base: dict[str, Any], timeout: Any) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][1]["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout"] = timeout
+    _reject(data, "stages.1.kv_transfer_config.kv_connector_extra_config", "transfer_timeout")
+
+
+@pytest.mark.parametrize(
+    ("path", "key"),
+    [((), "bogus"), (("broker",), "lease_secs"), (("stages", 0), "tensor_parallel"), (("stages", 1, "model"), "presett")],
+)
+def test_rejects_unknown_keys(base: dict[str, Any], path: tuple[Any, ...], key: str) -> None:
+    data = copy.deepcopy(base)
+    node = data
+    for part in path:
+        node = node[part]
+    node[key] = 1
+    _reject(data, key, "unknown key")
+
+
+def test_rejects_unknown_connector_and_mixed_transport(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][0]["kv_transfer_config"]["kv_connector"] = "NixlConnector"
+    _reject(data, "kv_connector", "NixlConnector")
+    data = copy.deepcopy(base)
+    del data["stages"][0]["kv_transfer_config"]
+    _reject(data, "kv_transfer_config", "both stages")
+
+
+def test_fallback_when_transfer_config_absent(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        del stage["kv_transfer_config"]
+    cfg = parse_config(data)
+    assert cfg.ar_stage.transport == cfg.dit_stage.transport == "grpc"
+    assert cfg.dit_stage.transfer_timeout == 60.0
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages: [\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
