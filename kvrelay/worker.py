@@ -1,0 +1,695 @@
+"""Rank worker harness: one process per tensor/sequence parallel rank, driven by its service.
+
+Owns the lifecycle of rank processes (spawn, startup handshake, commands, stop, death detection)
+and the per-replica lock file. It guarantees DESIGN.md section 1's rules: workers die with their
+parent (PR_SET_PDEATHSIG), a replica's lock is held by the service *and* every one of its workers
+(each inherits the locked file description), so a new incarnation that takes the lock proves that
+no process of the old one is alive; each worker sets torch's thread count to its share of cores.
+
+What a rank computes is not this module's business: the service passes a picklable
+`worker_factory(ctx: RankContext) -> handler`, and each rank runs `handler.handle(command)` for
+the typed (frozen dataclass) commands the service sends. Commands go to every rank in the same
+order (one caller at a time), so collectives inside handlers line up across ranks.
+
+`import kvrelay.worker` does not import torch: ranks import it after their thread settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import reduction
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvrelay.models.parallel import TpGroup
+
+DEFAULT_LOCK_DIR = Path(".kvrelay/locks")
+_PR_SET_PDEATHSIG = 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerGroupError(RuntimeError):
+    """Base of every error the harness raises."""
+
+
+class WorkerDied(WorkerGroupError):
+    """A rank process exited without being asked to. The group is unusable afterwards (its
+    collectives can never complete), so the harness has already stopped the other ranks."""
+
+    def __init__(self, rank: int, exitcode: int | None, during: str = ""):
+        self.rank = rank
+        self.exitcode = exitcode
+        how = f"exit code {exitcode}"
+        if exitcode is not None and exitcode < 0:
+            with contextlib.suppress(ValueError):
+                how = f"signal {signal.Signals(-exitcode).name}"
+        super().__init__(f"worker rank {rank} died ({how})" + (f" during {during}" if during else ""))
+
+
+class WorkerTimeout(WorkerGroupError):
+    """Ranks did not answer in time. The group is stopped: a rank stuck in a collective cannot
+    be told apart from a hung one, and the next command would pair with stale collectives."""
+
+    def __init__(self, ranks: Sequence[int], during: str, timeout_s: float):
+        self.ranks = tuple(ranks)
+        super().__init__(f"worker ranks {list(ranks)} did not answer {during} within {timeout_s:.1f}s")
+
+
+class WorkerGroupBroken(WorkerGroupError):
+    """A command was sent to a group that already failed (a rank died or timed out) or stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankError:
+    """What a handler raised, as it crosses the pipe. `exception` is the original exception when
+    it pickles (so services can map their own error types), else None."""
+
+    rank: int
+    error_type: str
+    message: str
+    traceback: str
+    exception: BaseException | None = None
+
+
+class WorkerCommandError(WorkerGroupError):
+    """One or more ranks' handlers raised. The group stays usable: every rank answered."""
+
+    def __init__(self, command: object, errors: Sequence[RankError]):
+        self.command = command
+        self.errors = tuple(errors)
+        first = self.errors[0]
+        super().__init__(
+            f"{type(command).__name__} failed on rank(s) {[e.rank for e in self.errors]}: "
+            f"{first.error_type}: {first.message}\n--- rank {first.rank} traceback ---\n{first.traceback}"
+        )
+
+    @property
+    def first_exception(self) -> BaseException | None:
+        return self.errors[0].exception
+
+
+class LockTimeout(WorkerGroupError):
+    def __init__(self, path: Path, timeout_s: float, holder: str):
+        self.path = path
+        super().__init__(
+            f"replica lock {path} still held after {timeout_s:.1f}s (holder: {holder}); "
+            "a process of the previous incarnation (service or worker rank) is still alive"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands and values that cross the pipe
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """Close the handler and end the rank process. Sent by WorkerGroup.stop()."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Answered by the harness itself (never reaches the handler) with the rank's RankInfo."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    pid: int
+    device: str
+    backend: str
+    num_threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankContext:
+    """What a rank's handler factory gets. `tp` spans all ranks of the group (world group)."""
+
+    rank: int
+    world_size: int
+    device: str
+    backend: str
+    num_threads: int
+    tp: TpGroup
+
+
+class RankHandler(Protocol):
+    def handle(self, command: Any) -> Any:
+        """Run one command on this rank; called once per command, in order, on every rank."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Ok:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _Err:
+    error: RankError
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    info: RankInfo
+
+
+@dataclass(frozen=True, slots=True)
+class _RankSpec:
+    rank: int
+    world_size: int
+    device: str
+    backend: str
+    init_address: str
+    num_threads: int
+    parent_pid: int
+    dist_timeout_s: float
+    env: tuple[tuple[str, str], ...] = field(default=())
+
+
+# Plain pickle both ways: tensors travel inline (no shared-memory fds whose lifetime the other
+# side would have to manage); big data between stages goes over the transfer plane, not here.
+def _send(conn: Connection, obj: object) -> None:
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _rank_error(rank: int, exc: BaseException) -> RankError:
+    try:
+        pickle.loads(pickle.dumps(exc))
+        picklable: BaseException | None = exc
+    except Exception:
+        picklable = None
+    return RankError(
+        rank=rank,
+        error_type=type(exc).__name__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(exc)),
+        exception=picklable,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Lock file
+# ---------------------------------------------------------------------------------------------
+
+
+def replica_lock_path(replica_id: str, lock_dir: str | os.PathLike[str] = DEFAULT_LOCK_DIR) -> Path:
+    return Path(lock_dir) / f"{replica_id}.lock"
+
+
+class ReplicaLock:
+    """Exclusive flock on a per-replica file, taken before the replica registers.
+
+    The lock belongs to the open file description, which WorkerGroup hands to every rank: it is
+    released only when the service and all its workers have exited (or all closed it). That is
+    why `release()` closes this process's descriptor instead of unlocking (LOCK_UN would drop the
+    lock for the workers too).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise RuntimeError(f"replica lock {self.path} is not held")
+        return self._fd
+
+    def acquire(self, timeout_s: float = 0.0, poll_s: float = 0.05) -> ReplicaLock:
+        """Take the lock, waiting up to `timeout_s` for a previous incarnation's processes to go."""
+        if self._fd is not None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise
+                if time.monotonic() >= deadline:
+                    holder = self._read_holder(fd)
+                    os.close(fd)
+                    raise LockTimeout(self.path, timeout_s, holder) from None
+                time.sleep(poll_s)
+        # Who holds it, for the error message of the next incarnation; not used for correctness.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    @staticmethod
+    def _read_holder(fd: int) -> str:
+        try:
+            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        except OSError:
+            text = ""
+        return f"pid {text} or one of its worker ranks" if text else "unknown"
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ReplicaLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _InheritedFd:
+    """Pickles into the spawned child as the same open file description (multiprocessing passes
+    the fd through exec), so the child shares the parent's flock."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_inherited_fd, (reduction.DupFd(self.fd),))
+
+
+def _rebuild_inherited_fd(dup: Any) -> int:
+    return int(dup.detach())
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank process side
+# ---------------------------------------------------------------------------------------------
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    # The parent may have died before prctl took effect; then we were re-parented already.
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _rank_main(spec: _RankSpec, conn: Connection, factory_bytes: bytes, lock_fd: int | None) -> None:
+    _die_with_parent(spec.parent_pid)
+    # The service orchestrates shutdown (Stop, or PDEATHSIG when it dies); a terminal's Ctrl-C
+    # reaching the workers directly would kill them mid-collective and bury the real error.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # lock_fd is deliberately never closed: this process holds the replica lock until it exits.
+    for key, value in spec.env:
+        os.environ[key] = value
+    threads = str(spec.num_threads)
+    os.environ["OMP_NUM_THREADS"] = threads
+    os.environ["MKL_NUM_THREADS"] = threads
+
+    import torch
+
+    torch.set_num_threads(spec.num_threads)
+    with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
+        torch.set_num_interop_threads(1)
+
+    from kvrelay.models.parallel import destroy_process_group, init_process_group
+
+    handler: Any = None
+    try:
+        tp = init_process_group(
+            spec.rank,
+            spec.world_size,
+            spec.init_address,
+            backend=spec.backend,
+            device=spec.device,
+            timeout_s=spec.dist_timeout_s,
+        )
+        ctx = RankContext(spec.rank, spec.world_size, spec.device, spec.backend, spec.num_threads, tp)
+        # Unpickled only now, so the factory's module imports (torch, models) see our thread settings.
+        factory = pickle.loads(factory_bytes)
+        handler = factory(ctx)
+    except BaseException as exc:
+        _send(conn, _Err(_rank_error(spec.rank, exc)))
+        conn.close()
+        os._exit(3)
+    info = RankInfo(
+        spec.rank, spec.world_size, os.getpid(), spec.device, spec.backend, torch.get_num_threads()
+    )
+    _send(conn, _Ready(info))
+    try:
+        while True:
+            try:
+                command = _recv(conn)
+            except (EOFError, OSError):
+                break  # the service is gone or closed the pipe: nothing left to serve
+            if isinstance(command, Stop):
+                _close_handler(handler)
+                handler = None
+                _send(conn, _Ok(None))
+                break
+            if isinstance(command, Ping):
+                _send(conn, _Ok(info))
+                continue
+            try:
+                reply: object = _Ok(handler.handle(command))
+            except Exception as exc:
+                reply = _Err(_rank_error(spec.rank, exc))
+            try:
+                _send(conn, reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                _send(conn, _Err(_rank_error(spec.rank, exc)))
+    finally:
+        _close_handler(handler)
+        destroy_process_group()
+        conn.close()
+
+
+def _close_handler(handler: Any) -> None:
+    close = getattr(handler, "close", None)
+    if close is not None:
+        close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Service side
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def default_threads_per_rank(world_size: int) -> int:
+    """This process's share of the cores it may run on (affinity, which equals os.cpu_count()
+    on an unrestricted host) split over the ranks: ranks that oversubscribe cores slow each
+    other down in every collective."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+class WorkerGroup:
+    """`world_size` rank processes, each running `worker_factory(RankContext)`'s handler.
+
+    Usage: `with WorkerGroup(2, factory) as group: results = group.call_all(MyCommand(...))`.
+    `devices` is one device string per rank ("cpu", "cuda:0", ...); the collective backend is
+    chosen from them (models/parallel.py: choose_backend) unless given. Pass the replica's held
+    `lock` so the workers share it. Not thread-safe to start/stop concurrently; calls are
+    serialized internally (one command in flight), so any thread may call.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        worker_factory: Callable[[RankContext], Any],
+        *,
+        devices: Sequence[str] | None = None,
+        backend: str | None = None,
+        lock: ReplicaLock | None = None,
+        threads_per_rank: int | None = None,
+        start_timeout_s: float = 180.0,
+        dist_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
+        name: str = "kvrelay-rank",
+        error_grace_s: float = 10.0,
+    ):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.devices = list(devices) if devices is not None else ["cpu"] * world_size
+        if len(self.devices) != world_size:
+            raise ValueError(f"{len(self.devices)} devices given for world_size={world_size}")
+        self._factory_bytes = pickle.dumps(worker_factory)  # fails here, not in the child
+        self._backend = backend
+        self._lock = lock
+        self.threads_per_rank = threads_per_rank or default_threads_per_rank(world_size)
+        self._start_timeout_s = start_timeout_s
+        self._dist_timeout_s = dist_timeout_s
+        self._env = tuple(sorted((env or {}).items()))
+        self._name = name
+        self.error_grace_s = error_grace_s
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._call_lock = threading.Lock()
+        self._keeper_release = threading.Event()
+        self._broken: WorkerGroupError | None = None
+        self._started = False
+        self._stopped = False
+        self.infos: list[RankInfo] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    @property
+    def backend(self) -> str:
+        if self._backend is None:
+            from kvrelay.models.parallel import choose_backend
+
+            self._backend = choose_backend(self.devices)
+        return self._backend
+
+    def start(self) -> list[RankInfo]:
+        """Spawn every rank and wait until each has built its handler. Raises WorkerDied or
+        WorkerCommandError (a factory raised) after stopping whatever started."""
+        if self._started:
+            raise RuntimeError("WorkerGroup already started")
+        self._started = True
+        ctx = mp.get_context("spawn")
+        init_address = f"tcp://127.0.0.1:{free_port()}"
+        lock_arg = _InheritedFd(self._lock.fileno()) if self._lock is not None else None
+        child_conns = []
+        for rank in range(self.world_size):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            spec = _RankSpec(
+                rank=rank,
+                world_size=self.world_size,
+                device=self.devices[rank],
+                backend=self.backend,
+                init_address=init_address,
+                num_threads=self.threads_per_rank,
+                parent_pid=os.getpid(),
+                dist_timeout_s=self._dist_timeout_s,
+                env=self._env,
+            )
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(spec, child_conn, self._factory_bytes, lock_arg),
+                name=f"{self._name}-{rank}",
+                daemon=True,
+            )
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+            child_conns.append(child_conn)
+        self._spawn_from_keeper_thread()
+        for c in child_conns:
+            c.close()
+        try:
+            replies = self._gather(range(self.world_size), "startup", self._start_timeout_s)
+        except WorkerGroupError:
+            self._kill_all()
+            raise
+        errors = [r.error for r in replies if isinstance(r, _Err)]
+        if errors:
+            self._kill_all()
+            self._broken = WorkerGroupBroken("worker group failed to start")
+            raise WorkerCommandError(_Named("startup"), errors)
+        self.infos = [r.info for r in replies]
+        return self.infos
+
+    def _spawn_from_keeper_thread(self) -> None:
+        # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process.
+        # Services call start() from executor threads that may come and go, so the processes are
+        # forked by a thread that lives until stop().
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def keeper() -> None:
+            try:
+                for proc in self._procs:
+                    proc.start()
+            except BaseException as exc:
+                failure.append(exc)
+            finally:
+                started.set()
+            self._keeper_release.wait()
+
+        threading.Thread(target=keeper, name=f"{self._name}-keeper", daemon=True).start()
+        started.wait()
+        if failure:
+            self._kill_all()
+            raise failure[0]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask every rank to close its handler and exit; kill those that do not within
+        `timeout_s`. Idempotent."""
+        if self._stopped or not self._started:
+            self._stopped = True
+            return
+        self._stopped = True
+        with self._call_lock:
+            alive = [r for r, p in enumerate(self._procs) if p.is_alive()]
+            for rank in alive:
+                with contextlib.suppress(OSError, ValueError):
+                    _send(self._conns[rank], Stop())
+            deadline = time.monotonic() + timeout_s
+            for rank in alive:
+                self._procs[rank].join(max(0.0, deadline - time.monotonic()))
+            self._kill_all()
+            if self._broken is None:
+                self._broken = WorkerGroupBroken("worker group stopped")
+
+    def _kill_all(self) -> None:
+        for proc in self._procs:
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns = [_ClosedConn() for _ in self._conns]  # type: ignore[misc]
+        self._keeper_release.set()
+
+    def __enter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- commands -------------------------------------------------------------------------------
+
+    def call_all(self, command: object, timeout_s: float | None = None) -> list[Any]:
+        """Send `command` to every rank; return each rank's result in rank order.
+
+        Raises WorkerCommandError if any handler raised (group still usable), WorkerDied /
+        WorkerTimeout if a rank died or did not answer (group stopped), WorkerGroupBroken if the
+        group had already failed or was stopped.
+        """
+        return self.call_each([command] * self.world_size, timeout_s)
+
+    def call_each(self, commands: Sequence[object], timeout_s: float | None = None) -> list[Any]:
+        """Like call_all, with one command per rank (e.g. each rank's share of the writes)."""
+        if len(commands) != self.world_size:
+            raise ValueError(f"{len(commands)} commands for {self.world_size} ranks")
+        with self._call_lock:
+            if self._broken is not None:
+                raise WorkerGroupBroken(f"worker group unusable: {self._broken}") from self._broken
+            if not self._started:
+                raise WorkerGroupBroken("worker group not started")
+            for rank, command in enumerate(commands):
+                try:
+                    _send(self._conns[rank], command)
+                except (OSError, ValueError):
+                    self._fail(WorkerDied(rank, self._procs[rank].exitcode, type(command).__name__))
+            replies = self._gather(range(self.world_size), type(commands[0]).__name__, timeout_s)
+        errors = [r.error for r in replies if isinstance(r, _Err)]
+        if errors:
+            raise WorkerCommandError(commands[errors[0].rank], errors)
+        return [r.value for r in replies]
+
+    def _fail(self, error: WorkerGroupError) -> None:
+        self._broken = error
+        self._kill_all()
+        raise error
+
+    def _gather(self, ranks: Sequence[int] | range, during: str, timeout_s: float | None) -> list[Any]:
+        pending = set(ranks)
+        replies: list[Any] = [None] * self.world_size
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            if any(isinstance(r, _Err) for r in replies):
+                # A rank failed; the others may be blocked in a collective that now never
+                # completes. Give them a short grace to fail or finish on their own.
+                grace_end = time.monotonic() + self.error_grace_s
+                deadline = grace_end if deadline is None else min(deadline, grace_end)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            waitables: dict[Any, tuple[str, int]] = {}
+            for rank in pending:
+                waitables[self._conns[rank]] = ("conn", rank)
+                waitables[self._procs[rank].sentinel] = ("proc", rank)
+            ready = wait(list(waitables), timeout=left)
+            if not ready:
+                errors = [r.error for r in replies if isinstance(r, _Err)]
+                if errors:
+                    # Ranks that failed leave the rest stuck: the group cannot be trusted again.
+                    self._broken = WorkerGroupBroken(f"ranks {sorted(pending)} hung after a rank failed")
+                    self._kill_all()
+                    raise WorkerCommandError(_Named(during), errors)
+                self._fail(WorkerTimeout(sorted(pending), during, timeout_s or 0.0))
+            dead = []
+            for obj in ready:
+                kind, rank = waitables[obj]
+                if rank not in pending:
+                    continue
+                if kind == "conn":
+                    try:
+                        replies[rank] = _recv(self._conns[rank])
+                    except (EOFError, OSError):
+                        dead.append(rank)
+                        continue
+                    pending.discard(rank)
+                else:
+                    dead.append(rank)
+            for rank in dead:
+                # A rank may answer and then exit (startup failure): read the answer first.
+                if rank in pending and self._conns[rank].poll():
+                    with contextlib.suppress(EOFError, OSError):
+                        replies[rank] = _recv(self._conns[rank])
+                        pending.discard(rank)
+                        continue
+                if rank in pending:
+                    self._procs[rank].join(1.0)
+                    self._fail(WorkerDied(rank, self._procs[rank].exitcode, during))
+        return replies
+
+    def ping(self, timeout_s: float = 10.0) -> list[RankInfo]:
+        return self.call_all(Ping(), timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """Stands for a phase (startup) or command in WorkerCommandError messages."""
+
+    name: str
+
+
+class _ClosedConn:
+    """Placeholder for a closed pipe: sending raises like a broken pipe would."""
+
+    def send_bytes(self, *_: object) -> None:
+        raise OSError("worker pipe closed")
+
+    def close(self) -> None:
+        pass
