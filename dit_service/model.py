@@ -1,0 +1,559 @@
+"""The built-in DiT: a mixture-of-transformers image expert over an AR prefix, its decoder, and
+the runner that the DiT service's rank workers call.
+
+Owns the model math (DESIGN.md section 9): image latents are patchified (patch 2) into tokens
+that, in every layer, attend over ``[AR prefix K/V of that layer, read from the pages | own K/V]``
+(BAGEL's generation expert); image RoPE positions start at the row's prefix length; the timestep
+conditions every block through adaLN modulation. Tensor parallel over heads (Megatron column/row
+linears) and Ulysses sequence parallel (image tokens split over SP ranks, all-to-all to heads
+around attention). Weights are random from a seed, generated whole per tensor and then sharded,
+so every TP/SP size sees the same model.
+
+It never owns page memory, tickets or processes: the caller hands in each CFG row's prefix as
+per-layer ``(k, v)`` (views from ``kvrelay.models.paged_attention.read_prefix``) for this rank's
+head shard, and must keep those pages reserved until ``denoise`` returns.
+
+Rank mapping: world rank ``r = tp_rank * sp + sp_rank``. After the Ulysses all-to-all, rank r
+computes kv heads ``[r * H_kv / world, (r + 1) * H_kv / world)``: head shard r of ``world`` shards,
+which is exactly ``PageLayout(geometry, num_shards=world, shard=r)``, the pages rank r receives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from kvrelay.dit_service.sampler import StepCallback, cfg_rows, euler_sample, initial_noise
+from torch import nn
+
+from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, apply_rotary, init_std, rope_cos_sin
+from kvrelay.models.paged_attention import LayerKv, prefix_attention
+from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
+from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
+from kvrelay.models.ulysses import heads_to_seq, seq_to_heads
+from kvrelay.transfer.layout import PageLayout
+
+# One CFG row's prefix on this rank: per layer (k, v), each [heads_local, T, head_dim], K after RoPE.
+PrefixRow = Sequence[LayerKv]
+
+TIMESTEP_FREQ_DIM = 256  # sinusoidal timestep features before the MLP (DiT's frequency_embedding_size)
+
+
+class DenoiseCancelled(Exception):
+    """Raised on every rank whose own step callback did not raise, when another rank's did:
+    all ranks of a replica stop after the same step, so no rank waits in a collective forever."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Parallel layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DitParallel:
+    """This rank's place in the DiT replica: ``rank = tp_rank * sp + sp_rank`` of ``world = tp * sp``."""
+
+    rank: int
+    world: int
+    tp: TpGroup
+    sp: TpGroup
+
+    @classmethod
+    def single(cls) -> DitParallel:
+        return cls(0, 1, TpGroup.single(), TpGroup.single())
+
+    @classmethod
+    def build(cls, rank: int, world: int, tp: int, sp: int) -> DitParallel:
+        """Create the TP and SP subgroups. Collective: every rank of the default process group
+        must call it with the same sizes (torch.distributed.new_group is collective)."""
+        if tp < 1 or sp < 1 or tp * sp != world:
+            raise ValueError(f"tp={tp} x sp={sp} must equal world={world}")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} out of range for world {world}")
+        if world == 1:
+            return cls.single()
+        if not dist.is_initialized() or dist.get_world_size() != world:
+            raise RuntimeError(f"world={world} needs an initialized default process group of that size")
+        tp_rank, sp_rank = divmod(rank, sp)
+        tp_group, sp_group = TpGroup(tp_rank, tp, None), TpGroup(sp_rank, sp, None)
+        if tp == 1:
+            tp_group, sp_group = TpGroup.single(), TpGroup(sp_rank, sp, None)
+        elif sp == 1:
+            tp_group, sp_group = TpGroup(tp_rank, tp, None), TpGroup.single()
+        else:
+            # Every rank creates every subgroup in the same order (new_group is collective).
+            for s in range(sp):
+                g = dist.new_group([t * sp + s for t in range(tp)])
+                if s == sp_rank:
+                    tp_group = TpGroup(tp_rank, tp, g)
+            for t in range(tp):
+                g = dist.new_group([t * sp + s for s in range(sp)])
+                if t == tp_rank:
+                    sp_group = TpGroup(sp_rank, sp, g)
+        return cls(rank, world, tp_group, sp_group)
+
+    def page_layout(self, preset: ModelPreset, page_size: int) -> PageLayout:
+        """The layout of the pages this rank receives: head shard ``rank`` of ``world``."""
+        return PageLayout(preset.kv_geometry(page_size), num_shards=self.world, shard=self.rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+# ---------------------------------------------------------------------------------------------
+
+
+def timestep_features(t: torch.Tensor, dim: int = TIMESTEP_FREQ_DIM) -> torch.Tensor:
+    """Sinusoidal features [rows, dim] of flow times t in [0, 1] (scaled to DiT's 0..1000 range), fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = (t.float() * 1000.0)[:, None] * freqs[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def sincos_2d(grid_h: int, grid_w: int, dim: int, device: torch.device) -> torch.Tensor:
+    """Fixed 2D sin-cos position embedding [grid_h * grid_w, dim] in raster order, fp32.
+
+    1D RoPE over the raster order (positions after the prefix) does not tell the model which
+    tokens are vertical neighbours; half the channels encode the row, half the column.
+    """
+    if dim % 4:
+        raise ValueError(f"hidden={dim} must be a multiple of 4 for the 2D position embedding")
+    quarter = dim // 4
+    omega = 1.0 / (10000.0 ** (torch.arange(quarter, dtype=torch.float32, device=device) / quarter))
+
+    def axis(n: int) -> torch.Tensor:
+        a = torch.arange(n, dtype=torch.float32, device=device)[:, None] * omega[None, :]
+        return torch.cat([a.sin(), a.cos()], dim=-1)  # [n, dim/2]
+
+    rows = axis(grid_h)[:, None, :].expand(grid_h, grid_w, dim // 2)
+    cols = axis(grid_w)[None, :, :].expand(grid_h, grid_w, dim // 2)
+    return torch.cat([rows, cols], dim=-1).reshape(grid_h * grid_w, dim)
+
+
+class DitAttention(ParallelAttention):
+    """ParallelAttention's TP projections (rank holds its heads; o_proj all-reduces) with QK-norm,
+    per-row RoPE positions, Ulysses all-to-all, and MoT attention over each row's AR prefix."""
+
+    def __init__(self, cfg: DitConfig, tp: TpGroup, sp: TpGroup, *, dtype: torch.dtype, device: torch.device):
+        super().__init__(
+            cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, tp, dtype=dtype, device=device
+        )
+        if self.num_kv_heads_local % sp.world_size:
+            raise ValueError(
+                f"num_kv_heads={cfg.num_kv_heads} does not split over tp={tp.world_size} x sp={sp.world_size} ranks"
+            )
+        self.sp = sp
+        # QK-norm as in BAGEL: keeps attention logits O(1) for the image tokens' own q/k.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, dtype=dtype, device=device)
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prefixes: Sequence[LayerKv],
+        num_valid: int,
+    ) -> torch.Tensor:
+        rows, tokens, _ = x.shape
+        q = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.num_heads_local)), cos, sin)
+        k = apply_rotary(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads_local)), cos, sin)
+        v = self._heads(self.v_proj(x), self.num_kv_heads_local)
+        # Sequence shards -> head shards: this rank now has every image token for the kv heads of
+        # its page shard, so the prefix it holds is exactly the prefix its heads attend over.
+        q, k, v = seq_to_heads(q, self.sp), seq_to_heads(k, self.sp), seq_to_heads(v, self.sp)
+        out = heads_to_seq(prefix_attention(q, k, v, prefixes, num_valid=num_valid), self.sp)
+        return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, self.num_heads_local * self.head_dim))
+
+
+class DitBlock(nn.Module):
+    """Pre-norm transformer block with adaLN modulation (shift, scale, gate for attention and MLP)."""
+
+    def __init__(self, cfg: DitConfig, tp: TpGroup, sp: TpGroup, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        # Replicated on every rank: it acts on the full hidden state, which TP keeps replicated.
+        self.modulation = nn.Linear(cfg.hidden, 6 * cfg.hidden, dtype=dtype, device=device)
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
+        self.attn = DitAttention(cfg, tp, sp, dtype=dtype, device=device)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
+        self.mlp = SwiGLU(cfg.hidden, cfg.mlp, tp, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cond: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        prefixes: Sequence[LayerKv],
+        num_valid: int,
+    ) -> torch.Tensor:
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(cond).unsqueeze(1).chunk(6, dim=-1)
+        h = self.attn_norm(x) * (1 + scale1) + shift1
+        x = x + gate1 * self.attn(h, cos, sin, prefixes, num_valid)
+        h = self.mlp_norm(x) * (1 + scale2) + shift2
+        return x + gate2 * self.mlp(h)
+
+
+class DitModel(nn.Module):
+    """Velocity model: ``forward(latents [rows, C, h, w], t [rows], prefix_rows) -> v [rows, C, h, w]``.
+
+    Every rank passes the full latents (the sampler keeps them replicated); the rank embeds only
+    its sequence shard of the tokens and all-gathers the output tokens over its SP group.
+    """
+
+    def __init__(self, cfg: DitConfig, parallel: DitParallel, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.parallel = parallel
+        self.dtype = dtype
+        self.device = device
+        patch_dim = cfg.latent_channels * cfg.patch_size**2
+        self.patch_embed = nn.Linear(patch_dim, cfg.hidden, dtype=dtype, device=device)
+        self.time_in = nn.Linear(TIMESTEP_FREQ_DIM, cfg.hidden, dtype=dtype, device=device)
+        self.time_out = nn.Linear(cfg.hidden, cfg.hidden, dtype=dtype, device=device)
+        self.blocks = nn.ModuleList(
+            DitBlock(cfg, parallel.tp, parallel.sp, dtype=dtype, device=device) for _ in range(cfg.num_layers)
+        )
+        self.final_modulation = nn.Linear(cfg.hidden, 2 * cfg.hidden, dtype=dtype, device=device)
+        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
+        self.final_proj = nn.Linear(cfg.hidden, patch_dim, dtype=dtype, device=device)
+
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """[rows, C, h, w] -> [rows, (h/p)*(w/p), C*p*p], raster order of patches."""
+        rows, c, h, w = latents.shape
+        p = self.cfg.patch_size
+        x = latents.reshape(rows, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(rows, (h // p) * (w // p), c * p * p)
+
+    def unpatchify(self, tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        rows = tokens.shape[0]
+        p, c = self.cfg.patch_size, self.cfg.latent_channels
+        x = tokens.reshape(rows, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(rows, c, h, w)
+
+    @torch.no_grad()
+    def forward(
+        self, latents: torch.Tensor, t: torch.Tensor, prefix_rows: Sequence[PrefixRow]
+    ) -> torch.Tensor:
+        cfg, sp = self.cfg, self.parallel.sp
+        rows, _, h, w = latents.shape
+        if len(prefix_rows) != rows:
+            raise ValueError(f"{len(prefix_rows)} prefix rows for {rows} latent rows")
+        grid_h, grid_w = h // cfg.patch_size, w // cfg.patch_size
+        n = grid_h * grid_w
+        # Pad the token count to a multiple of the SP size; padded keys are masked in attention
+        # and padded outputs dropped, so any width/height works with any SP size.
+        n_padded = -(-n // sp.world_size) * sp.world_size
+        n_local = n_padded // sp.world_size
+        lo = sp.rank * n_local
+
+        tokens = self.patchify(latents.to(self.dtype))
+        pos = sincos_2d(grid_h, grid_w, cfg.hidden, self.device).to(self.dtype)
+        if n_padded != n:
+            tokens = F.pad(tokens, (0, 0, 0, n_padded - n))
+            pos = F.pad(pos, (0, 0, 0, n_padded - n))
+        x = self.patch_embed(tokens[:, lo : lo + n_local]) + pos[lo : lo + n_local]
+
+        cond = self.time_out(F.silu(self.time_in(timestep_features(t).to(self.dtype))))
+        cond = F.silu(cond)  # every consumer (adaLN linears) takes silu(c), as in DiT
+
+        # Image RoPE positions continue after each row's prefix: token i of row r sits at T_r + i.
+        cos_rows, sin_rows = [], []
+        for prefix in prefix_rows:
+            positions = torch.arange(lo, lo + n_local, device=self.device) + prefix[0][0].shape[1]
+            cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+            cos_rows.append(cos)
+            sin_rows.append(sin)
+        cos, sin = torch.stack(cos_rows)[:, None], torch.stack(sin_rows)[:, None]  # [rows, 1, n_local, D]
+
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cond, cos, sin, [prefix[layer] for prefix in prefix_rows], n)
+
+        shift, scale = self.final_modulation(cond).unsqueeze(1).chunk(2, dim=-1)
+        out = self.final_proj(self.final_norm(x) * (1 + scale) + shift)
+        out = sp.all_gather(out, dim=1)[:, :n]
+        return self.unpatchify(out, h, w)
+
+
+class LatentDecoder(nn.Module):
+    """Latents [C, h, w] -> RGB uint8 [8h, 8w, 3]: a conv, three (nearest 2x upsample, conv, SiLU)
+    stages with shrinking channels, a conv to RGB, then sigmoid * 255. Random seeded weights: a
+    stand-in for a VAE decoder of the same interface, cheap enough for CPU at 2048x2048."""
+
+    CHANNELS = (64, 32, 16, 8)
+
+    def __init__(self, latent_channels: int, *, device: torch.device):
+        super().__init__()
+        c = self.CHANNELS
+        self.conv_in = nn.Conv2d(latent_channels, c[0], 3, padding=1, device=device)
+        self.ups = nn.ModuleList(
+            nn.Conv2d(c[i], c[i + 1], 3, padding=1, device=device) for i in range(len(c) - 1)
+        )
+        self.conv_out = nn.Conv2d(c[-1], 3, 3, padding=1, device=device)
+
+    @torch.no_grad()
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        # fp32 whatever the DiT's dtype: the decoder is small and bf16 would band the colours.
+        x = F.silu(self.conv_in(latents.float().unsqueeze(0)))
+        for conv in self.ups:
+            x = F.silu(conv(F.interpolate(x, scale_factor=2.0, mode="nearest")))
+        rgb = torch.sigmoid(self.conv_out(x))[0]
+        return (rgb * 255.0).round().to(torch.uint8).permute(1, 2, 0).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeded weights
+# ---------------------------------------------------------------------------------------------
+
+
+def _generator(weight_seed: int, name: str, device: torch.device) -> torch.Generator:
+    # One stream per tensor name: a tensor's values depend on (seed, name) only, never on the order
+    # of creation, the TP/SP size or which rank builds it.
+    digest = hashlib.sha256(f"kvrelay-dit:{weight_seed}:{name}".encode()).digest()
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return gen
+
+
+def _full_normal(
+    weight_seed: int, name: str, shape: tuple[int, ...], std: float, device: torch.device
+) -> torch.Tensor:
+    gen = _generator(weight_seed, name, device)
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
+
+
+@torch.no_grad()
+def init_seeded_weights(module: nn.Module, weight_seed: int, device: torch.device) -> None:
+    """Fill every weight from the seed: full (unsharded) tensors, then each rank keeps its shard.
+
+    Draws on ``device`` (a CUDA generator fills a 7B model in seconds; CPU would take minutes), so
+    weights are identical across processes and TP/SP sizes on one device type, not across types.
+    """
+    for name, mod in module.named_modules():
+        if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
+            full = _full_normal(
+                weight_seed,
+                f"{name}.weight",
+                (mod.out_features, mod.in_features),
+                init_std(mod.in_features),
+                device,
+            )
+            bias = torch.zeros(mod.out_features, device=device) if mod.bias is not None else None
+            mod.load_full(full.to(mod.weight.dtype), None if bias is None else bias.to(mod.weight.dtype))
+        elif isinstance(mod, nn.Linear):
+            mod.weight.copy_(
+                _full_normal(
+                    weight_seed, f"{name}.weight", tuple(mod.weight.shape), init_std(mod.in_features), device
+                )
+            )
+            if mod.bias is not None:
+                mod.bias.zero_()
+        elif isinstance(mod, nn.Conv2d):
+            fan_in = mod.in_channels * mod.kernel_size[0] * mod.kernel_size[1]
+            # He gain: SiLU halves the variance per layer, and a decoder that fades to grey would
+            # hide whether the DiT produced anything.
+            mod.weight.copy_(
+                _full_normal(
+                    weight_seed,
+                    f"{name}.weight",
+                    tuple(mod.weight.shape),
+                    math.sqrt(2.0) * init_std(fan_in),
+                    device,
+                )
+            )
+            if mod.bias is not None:
+                mod.bias.copy_(_full_normal(weight_seed, f"{name}.bias", tuple(mod.bias.shape), 0.1, device))
+    for param in module.parameters():
+        param.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Runner: the API the DiT service's rank workers call
+# ---------------------------------------------------------------------------------------------
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are slow there and tests compare bits), bf16 on accelerators."""
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+class DitRunner:
+    """One rank's DiT: builds the model from a preset and seed, denoises over CFG prefix rows,
+    decodes. With ``world > 1`` the default process group must already be initialized (the rank
+    worker harness does it) and every rank must make the same calls in the same order.
+    """
+
+    def __init__(
+        self,
+        preset: ModelPreset | str,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        tp: int = 1,
+        sp: int = 1,
+        weight_seed: int = 0,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        timestep_shift: float = 1.0,
+    ) -> None:
+        self.preset = get_preset(preset) if isinstance(preset, str) else preset
+        self.cfg = self.preset.dit
+        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.parallel = DitParallel.build(rank, world, tp, sp)
+        self.timestep_shift = timestep_shift
+        self.model = DitModel(self.cfg, self.parallel, dtype=self.dtype, device=self.device).eval()
+        init_seeded_weights(self.model, weight_seed, self.device)
+        self.decoder = LatentDecoder(self.cfg.latent_channels, device=self.device).eval()
+        init_seeded_weights(self.decoder, weight_seed, self.device)
+
+    @property
+    def heads_local(self) -> int:
+        """kv heads of this rank's page shard (what each prefix (k, v) must have on dim 0)."""
+        return self.preset.num_kv_heads // self.parallel.world
+
+    def page_layout(self, page_size: int) -> PageLayout:
+        return self.parallel.page_layout(self.preset, page_size)
+
+    def _check_prefix(self, prefix_rows: Sequence[PrefixRow], guidance_scale: float) -> None:
+        rows = cfg_rows(guidance_scale)
+        if len(prefix_rows) != rows:
+            raise ValueError(
+                f"guidance_scale={guidance_scale} needs {rows} CFG row(s) (row 0 prompt, row 1 negative), "
+                f"got {len(prefix_rows)}"
+            )
+        want = (self.heads_local, self.preset.head_dim)
+        for r, row in enumerate(prefix_rows):
+            if len(row) != self.cfg.num_layers:
+                raise ValueError(f"row {r}: prefix has {len(row)} layers, the model {self.cfg.num_layers}")
+            for layer, (k, v) in enumerate(row):
+                if k.dim() != 3 or (k.shape[0], k.shape[2]) != want or k.shape != v.shape:
+                    raise ValueError(
+                        f"row {r} layer {layer}: prefix k/v {tuple(k.shape)}/{tuple(v.shape)} must be "
+                        f"[{want[0]} heads of shard {self.parallel.rank}/{self.parallel.world}, T, {want[1]}]"
+                    )
+                if k.shape[1] != row[0][0].shape[1]:
+                    raise ValueError(f"row {r}: layers disagree on the prefix length")
+
+    def _agreed(self, on_step: StepCallback | None) -> StepCallback | None:
+        """Wrap the step callback so that all ranks stop after the same step (one tiny all-reduce
+        per step); without it a rank that stops leaves the others blocked in a collective."""
+        if self.parallel.world == 1:
+            return on_step
+
+        def agreed(step: int, total: int) -> None:
+            error: BaseException | None = None
+            if on_step is not None:
+                try:
+                    on_step(step, total)
+                except BaseException as err:  # noqa: BLE001 - re-raised below, after the vote
+                    error = err
+            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if error is not None:
+                raise error
+            if int(flag.item()):
+                raise DenoiseCancelled(f"another rank stopped denoising after step {step}/{total}")
+
+        return agreed
+
+    @torch.no_grad()
+    def denoise(
+        self,
+        prefix_rows: Sequence[PrefixRow],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        guidance_scale: float,
+        seed: int,
+        on_step: StepCallback | None = None,
+    ) -> torch.Tensor:
+        """Latents ``[C, height/8, width/8]`` (model dtype, on the model's device) after ``steps``
+        flow-matching Euler steps with CFG over ``prefix_rows`` (1 row when guidance_scale == 1).
+
+        ``prefix_rows[r][layer] = (k, v)``, each ``[heads_local, T_r, head_dim]`` for this rank's
+        head shard. ``on_step(k, steps)`` runs after each step on every rank; if it raises on any
+        rank, every rank stops after that step (others raise ``DenoiseCancelled``).
+        """
+        self._check_prefix(prefix_rows, guidance_scale)
+        lat_h, lat_w = self.cfg.latent_size(width, height)
+        rows = [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in prefix_rows]
+        noise = initial_noise(
+            seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device
+        )
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return self.model(x, t, rows)
+
+        return euler_sample(
+            velocity,
+            noise,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            shift=self.timestep_shift,
+            on_step=self._agreed(on_step),
+        )
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """RGB uint8 ``[8h, 8w, 3]`` on CPU from latents ``[C, h, w]``."""
+        return self.decoder(latents).cpu()
+
+    def generate(
+        self,
+        prefix_rows: Sequence[PrefixRow],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        guidance_scale: float,
+        seed: int,
+        on_step: StepCallback | None = None,
+    ) -> torch.Tensor:
+        """``decode(denoise(...))``: the image, uint8 ``[height, width, 3]`` on CPU, on every rank."""
+        latents = self.denoise(
+            prefix_rows,
+            width=width,
+            height=height,
+            steps=steps,
+            guidance_scale=guidance_scale,
+            seed=seed,
+            on_step=on_step,
+        )
+        return self.decode(latents)
+
+
+def shard_prefix(full_row: Sequence[LayerKv], world: int, rank: int) -> list[LayerKv]:
+    """Rank ``rank``'s head shard of a full prefix row (per layer ``[H_kv, T, D]``), as views: what
+    ``read_prefix`` returns on that rank when the pages hold the same prefix."""
+    out = []
+    for k, v in full_row:
+        per = k.shape[0] // world
+        if per * world != k.shape[0]:
+            raise ValueError(f"{k.shape[0]} kv heads do not split over {world} shards")
+        out.append((k[rank * per : (rank + 1) * per], v[rank * per : (rank + 1) * per]))
+    return out
+
+
+def random_prefix(
+    preset: ModelPreset,
+    num_tokens: int,
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+) -> list[LayerKv]:
+    """A full (all kv heads) seeded prefix row ``[H_kv, T, D]`` per layer, for tests and benchmarks
+    that run the DiT without an AR (values O(1), as RoPE'd keys and values are)."""
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    shape = (preset.num_layers, 2, preset.num_kv_heads, num_tokens, preset.head_dim)
+    kv = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+    return [(kv[layer, 0], kv[layer, 1]) for layer in range(preset.num_layers)]

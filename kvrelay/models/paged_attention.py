@@ -1,0 +1,219 @@
+"""Attention of image tokens over an AR prefix that lives in one rank's KV pages.
+
+Owns two things: reading a row's prefix K/V out of a rank's page pool (the HND layout of
+kvrelay.transfer.layout, page by page in the row's page order), and the attention of image
+queries over ``[prefix K/V of the layer | own K/V]`` with grouped-query heads. Reading never
+writes the pool and never keeps a reference past the call's result, so the page memory's owner
+decides alone when pages are reused. ``write_prefix`` is the inverse, for in-process handoff
+(colocated runs) and for tests; transfers write pages through the transfer plane instead.
+
+Exactness contract (DESIGN.md section 3, the seed's ``attention_bits_equal``): K/V read back from
+pages are the very bits that were written, and ``prefix_attention`` is a pure function of its
+inputs, so a paged prefix and the same prefix held densely give bit-identical outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.models.layers import torch_dtype
+from kvrelay.transfer.layout import K_INDEX, V_INDEX, PageLayout
+
+# One layer's prefix for one row: (k, v), each [heads_local, T, head_dim]; K is after RoPE.
+LayerKv = tuple[torch.Tensor, torch.Tensor]
+
+
+def pool_pages(pool: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Zero-copy typed view ``[num_pages, layers, 2, heads_local, page_size, head_dim]`` of a pool.
+
+    ``pool`` is one rank's region: a flat uint8 tensor (what transports register) or a tensor
+    already of the geometry's dtype. The strides come from the layout's own offsets and are
+    checked against ``PageLayout.offset`` at the far corner, so a layout change that this view
+    does not follow fails here instead of reading the wrong bytes.
+    """
+    g = layout.geometry
+    dtype = torch_dtype(g.dtype)
+    if not pool.is_contiguous():
+        raise ValueError("page pool must be contiguous (it is registered memory)")
+    flat = pool.reshape(-1)
+    if flat.dtype == torch.uint8:
+        if flat.numel() % g.itemsize:
+            raise ValueError(f"pool of {flat.numel()} bytes is not a multiple of itemsize {g.itemsize}")
+        flat = flat.view(dtype)
+    elif flat.dtype != dtype:
+        raise ValueError(f"pool dtype {flat.dtype} does not match the geometry's {g.dtype}")
+    pool_bytes = flat.numel() * g.itemsize
+    if pool_bytes % layout.page_bytes:
+        raise ValueError(
+            f"pool of {pool_bytes} bytes is not a whole number of {layout.page_bytes}-byte pages"
+        )
+    num_pages = pool_bytes // layout.page_bytes
+    item = g.itemsize
+    strides_bytes = (
+        layout.page_bytes,
+        2 * layout.kv_block_bytes,
+        layout.kv_block_bytes,
+        layout.head_block_bytes,
+        g.head_dim * item,
+        item,
+    )
+    shape = (num_pages, g.num_layers, 2, layout.heads_per_shard, g.page_size, g.head_dim)
+    corner = tuple(n - 1 for n in shape)
+    # The strided formula must agree with the layout's offsets (the last head_dim element sits one
+    # item after the corner token's start); checked once per view, costs nothing.
+    expected = layout.offset(*corner[:5]) + corner[5] * item
+    if sum(i * s for i, s in zip(corner, strides_bytes, strict=True)) != expected:
+        raise AssertionError("pool_pages strides disagree with PageLayout.offset: the page layout changed")
+    return flat.as_strided(shape, tuple(s // item for s in strides_bytes))
+
+
+def _page_index(page_ids: Sequence[int], num_pages: int, device: torch.device) -> torch.Tensor | slice:
+    ids = [int(p) for p in page_ids]
+    for p in ids:
+        if not 0 <= p < num_pages:
+            raise ValueError(f"page id {p} out of range for a pool of {num_pages} pages")
+    # A contiguous ascending run (what the broker prefers) is a plain slice: no index tensor.
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return slice(ids[0], ids[0] + len(ids))
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def read_prefix(
+    pool: torch.Tensor, layout: PageLayout, page_ids: Sequence[int], num_tokens: int
+) -> list[LayerKv]:
+    """One row's prefix from a rank's pages: per layer ``(k, v)``, each ``[heads_local, T, head_dim]``.
+
+    Tokens ``[i * page_size, (i + 1) * page_size)`` of the row live in ``page_ids[i]``. A row that
+    fits in one page comes back as views into the pool (zero copy; valid while the pages are
+    reserved). A longer row is gathered into one fresh tensor for all layers at once (one copy),
+    since its tokens are strided across pages and attention needs them adjacent.
+    """
+    g = layout.geometry
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    needed = g.pages_for(num_tokens)
+    if len(page_ids) != needed:
+        raise ValueError(
+            f"a row of {num_tokens} tokens needs {needed} pages of {g.page_size} tokens, got {len(page_ids)} page ids"
+        )
+    pages = pool_pages(pool, layout)
+    if num_tokens == 0:
+        empty = pages.new_empty((layout.heads_per_shard, 0, g.head_dim))
+        return [(empty, empty) for _ in range(g.num_layers)]
+    index = _page_index(page_ids, pages.shape[0], pages.device)
+    if len(page_ids) == 1:
+        one = pages[index][0]  # [layers, 2, heads, page_size, head_dim], a view
+        return [
+            (one[layer, K_INDEX, :, :num_tokens], one[layer, V_INDEX, :, :num_tokens])
+            for layer in range(g.num_layers)
+        ]
+    # [layers, 2, heads, n_pages, page_size, head_dim]: token axis = (page, slot) in row order.
+    by_head = pages.permute(1, 2, 3, 0, 4, 5)
+    if isinstance(index, slice):
+        gathered = by_head[:, :, :, index].contiguous()
+    else:
+        gathered = torch.index_select(by_head, 3, index)
+    tokens = gathered.reshape(
+        g.num_layers, 2, layout.heads_per_shard, len(page_ids) * g.page_size, g.head_dim
+    )
+    return [
+        (tokens[layer, K_INDEX, :, :num_tokens], tokens[layer, V_INDEX, :, :num_tokens])
+        for layer in range(g.num_layers)
+    ]
+
+
+def write_prefix(
+    pool: torch.Tensor, layout: PageLayout, page_ids: Sequence[int], prefix: Sequence[LayerKv]
+) -> None:
+    """Write one row's prefix (this rank's heads, per layer ``(k, v)`` ``[heads_local, T, head_dim]``)
+    into its pages; the tail of the last page is zeroed, as a transfer of whole pages leaves it."""
+    g = layout.geometry
+    if len(prefix) != g.num_layers:
+        raise ValueError(f"prefix has {len(prefix)} layers, geometry has {g.num_layers}")
+    num_tokens = prefix[0][0].shape[1]
+    if len(page_ids) != g.pages_for(num_tokens):
+        raise ValueError(
+            f"a row of {num_tokens} tokens needs {g.pages_for(num_tokens)} pages, got {len(page_ids)}"
+        )
+    pages = pool_pages(pool, layout)
+    expected = (layout.heads_per_shard, num_tokens, g.head_dim)
+    for i, page in enumerate(page_ids):
+        lo, hi = i * g.page_size, min((i + 1) * g.page_size, num_tokens)
+        dst = pages[int(page)]
+        dst.zero_()
+        for layer, (k, v) in enumerate(prefix):
+            for kv, src in ((K_INDEX, k), (V_INDEX, v)):
+                if tuple(src.shape) != expected:
+                    raise ValueError(f"layer {layer} prefix shape {tuple(src.shape)} != {expected}")
+                dst[layer, kv, :, : hi - lo].copy_(src[:, lo:hi])
+
+
+def prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefixes: Sequence[LayerKv],
+    *,
+    num_valid: int | None = None,
+) -> torch.Tensor:
+    """Attention of image queries over ``[prefix K/V | own K/V]``, grouped-query, non-causal.
+
+    ``q``: ``[rows, heads_q, N, head_dim]``; ``k``/``v``: ``[rows, heads_kv, N, head_dim]`` (the image
+    tokens' own, after RoPE); ``prefixes[r]``: row r's ``(k, v)`` ``[heads_kv, T_r, head_dim]`` for this
+    layer. ``heads_q`` must be a multiple of ``heads_kv``; query head h reads kv head
+    ``h // (heads_q / heads_kv)``, the grouping of the AR, whose heads the pages hold. Every image
+    token sees the whole prefix and every image token (BAGEL's full attention within an image).
+    ``num_valid < N`` masks the trailing image keys: padding added so tokens split evenly over
+    sequence parallel ranks must not be attended to.
+    Rows with equal prefix lengths run as one batched call; otherwise each row runs alone, which
+    needs no padding between rows.
+    """
+    rows, heads_q, n, head_dim = q.shape
+    heads_kv = k.shape[1]
+    if len(prefixes) != rows:
+        raise ValueError(f"{len(prefixes)} prefixes for {rows} rows")
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads {heads_q} not a multiple of kv heads {heads_kv}")
+    for r, (pk, pv) in enumerate(prefixes):
+        if pk.shape[0] != heads_kv or pk.shape[2] != head_dim or pk.shape != pv.shape:
+            raise ValueError(
+                f"row {r} prefix shape {tuple(pk.shape)}/{tuple(pv.shape)} does not match "
+                f"{heads_kv} kv heads x head_dim {head_dim}"
+            )
+    if num_valid is None:
+        num_valid = n
+    if not 0 < num_valid <= n:
+        raise ValueError(f"num_valid={num_valid} out of range (0, {n}]")
+    if heads_q != heads_kv:
+        # Expand kv heads to the query heads (the Llama grouping) once, before the concatenation,
+        # instead of SDPA's enable_gqa: one code path on every torch >= 2.11 build (as layers.attention).
+        group = heads_q // heads_kv
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        prefixes = [
+            (pk.repeat_interleave(group, dim=0), pv.repeat_interleave(group, dim=0)) for pk, pv in prefixes
+        ]
+
+    def mask_for(prefix_len: int) -> torch.Tensor | None:
+        if num_valid == n:
+            return None
+        keep = torch.ones(prefix_len + n, dtype=torch.bool, device=q.device)
+        keep[prefix_len + num_valid :] = False
+        return keep
+
+    lengths = {pk.shape[1] for pk, _ in prefixes}
+    if len(lengths) == 1:
+        keys = torch.cat([torch.stack([pk for pk, _ in prefixes]).to(k.dtype), k], dim=2)
+        values = torch.cat([torch.stack([pv for _, pv in prefixes]).to(v.dtype), v], dim=2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_for(lengths.pop()))
+    outs = []
+    for r, (pk, pv) in enumerate(prefixes):
+        keys = torch.cat([pk.to(k.dtype), k[r]], dim=1).unsqueeze(0)
+        values = torch.cat([pv.to(v.dtype), v[r]], dim=1).unsqueeze(0)
+        outs.append(
+            F.scaled_dot_product_attention(q[r : r + 1], keys, values, attn_mask=mask_for(pk.shape[1]))
+        )
+    return torch.cat(outs, dim=0)
