@@ -1,0 +1,285 @@
+"""The Mooncake transport (`kv_connector: MooncakeConnector`, DESIGN.md section 5).
+
+Owns the process's one `mooncake.engine.TransferEngine`: initialised with P2PHANDSHAKE (no
+metadata server), the protocol from config (`tcp` by default), memory registered once per
+buffer, and writes pushed from the AR's staging buffer straight into DiT pool regions.
+
+Facts about the engine this module relies on (mooncake-transfer-engine 0.3.13, verified by
+experiment, see docs/transfer.md):
+- Under P2PHANDSHAKE `initialize(host, ...)` ignores any port in `host` and listens on a random
+  RPC port (`get_rpc_port()`) plus a random TCP data port, on all interfaces: every process
+  start gets fresh ports, and `MC_TCP_BIND_ADDRESS` narrows the interface.
+- `batch_transfer_sync_write(session, src_addrs, dst_addrs, lengths)` returns 0 or -1 and
+  releases the GIL; it rejects a whole batch past MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024)
+  segments, a destination outside the peer's registered memory, and an unreachable peer.
+- It has no per-call timeout (the engine's own is MC_TRANSFER_TIMEOUT, 30 s by default), so
+  the per-call timeout here bounds the wait, and a timed-out write is reported FAILED with the
+  warning that it may still land: the broker keeps its pages until the write resolves.
+
+Never hands a sender "OK" off as proof of delivery: receivers verify checksums.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.transfer.checksum import write_checksum
+from kvrelay.transfer.planner import PlannedWrite
+from kvrelay.transfer.transport import (
+    MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER,
+    RegionDescriptor,
+    WriteOutcome,
+    check_writes_fit,
+    staging_address,
+)
+
+
+class MooncakeError(RuntimeError):
+    """The Mooncake engine could not be started or could not register memory."""
+
+
+def _max_segments_per_batch() -> int:
+    # Stay strictly below the engine's per-peer queue limit, read from the same variable the
+    # engine reads, leaving headroom for other writers to the same peer.
+    limit = int(os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER))
+    return max(1, min(limit - 24, int(limit * 0.9)))
+
+
+@dataclass(slots=True)
+class _SessionProgress:
+    """Per destination session: which writes have fully landed on the sender side, which failed."""
+
+    segments_left: dict[int, int]
+    started: set[int] = field(default_factory=set)
+    failed: dict[int, str] = field(default_factory=dict)
+
+
+class MooncakeEndpoint:
+    """The process's TransferEngine, usable as both a KvSender and a KvReceiver.
+
+    Construct it through `endpoint()` (or the transport factory) so that a process never holds
+    two engines: two engines would listen on two sessions and split registrations.
+    """
+
+    name = "mooncake"
+
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:  # pragma: no cover - exercised where Mooncake is absent
+            raise ImportError(
+                "the mooncake transport needs Mooncake: pip install 'kvrelay[mooncake]'"
+            ) from e
+        self.hostname = hostname
+        self.protocol = protocol
+        self.device_name = device_name
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise MooncakeError(
+                f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, {device_name!r}) "
+                f"returned {rc}: check the protocol and that {hostname} is an address of this host"
+            )
+        self.rpc_port = int(self._engine.get_rpc_port())
+        self.session_id = f"{hostname}:{self.rpc_port}"
+        self._registered: dict[int, int] = {}
+        self._lock = threading.Lock()
+        # Sync writes block in C++ with the GIL released; one thread per concurrent peer.
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mooncake-write")
+        self._closed = False
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def register(self, memory: Any) -> tuple[int, int]:
+        """Register a host buffer once (idempotent per address); returns (address, length)."""
+        addr, length = staging_address(memory)
+        with self._lock:
+            known = self._registered.get(addr)
+            if known is not None:
+                if known < length:
+                    raise MooncakeError(
+                        f"buffer at {addr:#x} was registered with {known} bytes; re-registering a larger "
+                        "buffer at the same address is not supported: register the full buffer up front"
+                    )
+                return addr, length
+            rc = self._engine.register_memory(addr, length)
+            if rc != 0:
+                raise MooncakeError(f"register_memory({addr:#x}, {length}) returned {rc}")
+            self._registered[addr] = length
+        return addr, length
+
+    def _is_registered(self, addr: int, length: int) -> bool:
+        return any(a <= addr and addr + length <= a + n for a, n in self._registered.items())
+
+    # -- receiving side ---------------------------------------------------------------------------
+
+    def register_region(self, memory: Any, rank: int) -> RegionDescriptor:
+        """Register a rank's pool (or its pinned host mirror) and describe it for senders.
+
+        Call at start-up, before any sender connects: a peer caches this process's segment
+        descriptor on its first write, so memory registered later may be unknown to it."""
+        addr, length = self.register(memory)
+        return RegionDescriptor(
+            rank=rank, transport="mooncake", endpoint=self.session_id, base_address=addr, length=length
+        )
+
+    # -- sending side ---------------------------------------------------------------------------
+
+    def write(
+        self,
+        staging: Any,
+        writes: Sequence[PlannedWrite],
+        destinations: Mapping[int, RegionDescriptor],
+        ticket_id: str,
+        timeout_s: float,
+    ) -> list[WriteOutcome]:
+        """Push `writes` from `staging` into their destination regions; one outcome per write.
+
+        Bad input (a segment outside staging or a region, a missing region) raises ValueError
+        before anything is sent; transport failures come back as FAILED outcomes."""
+        if self._closed:
+            raise MooncakeError("write on a closed MooncakeEndpoint")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        base, staging_len = staging_address(staging)
+        check_writes_fit(writes, destinations, staging_len)
+        for w in writes:
+            if destinations[w.dst_rank].transport != "mooncake":
+                raise ValueError(f"destination rank {w.dst_rank} is not a mooncake region")
+        if not self._is_registered(base, staging_len):
+            self.register(staging)
+        checksums = [write_checksum(staging, w) for w in writes]
+
+        # Coalesce every segment bound for one peer session into as few batches as the peer
+        # queue allows: batches, not segments, are what cost round trips.
+        by_session: dict[str, list[int]] = {}
+        for i, w in enumerate(writes):
+            by_session.setdefault(destinations[w.dst_rank].endpoint, []).append(i)
+        cancel = threading.Event()
+        progress: dict[str, _SessionProgress] = {}
+        futures = {}
+        for session, idxs in by_session.items():
+            prog = _SessionProgress(segments_left={i: len(writes[i].segments) for i in idxs})
+            progress[session] = prog
+            futures[session] = self._executor.submit(
+                self._send_session, session, base, [(i, writes[i]) for i in idxs], destinations, prog, cancel
+            )
+        deadline = time.monotonic() + timeout_s
+        timed_out: set[str] = set()
+        for session, fut in futures.items():
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                timed_out.add(session)
+        cancel.set()
+
+        outcomes: list[WriteOutcome] = []
+        for i, w in enumerate(writes):
+            session = destinations[w.dst_rank].endpoint
+            prog = progress[session]
+            with self._lock:
+                left = prog.segments_left[i]
+                started = i in prog.started
+                failure = prog.failed.get(i)
+            if failure is None and left == 0:
+                outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "OK", w.num_bytes, checksums[i]))
+            elif not started:
+                why = failure or f"not started: ticket {ticket_id} timed out after {timeout_s:.1f}s"
+                outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, why))
+            else:
+                why = failure or (
+                    f"timed out after {timeout_s:.1f}s writing to {session}; the write may still land"
+                )
+                outcomes.append(
+                    WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, checksums[i], why)
+                )
+        return outcomes
+
+    def _send_session(
+        self,
+        session: str,
+        base: int,
+        items: list[tuple[int, PlannedWrite]],
+        destinations: Mapping[int, RegionDescriptor],
+        prog: _SessionProgress,
+        cancel: threading.Event,
+    ) -> None:
+        flat = [
+            (i, base + s.src_offset, destinations[w.dst_rank].base_address + s.dst_offset, s.length)
+            for i, w in items
+            for s in w.segments
+        ]
+        step = _max_segments_per_batch()
+        for start in range(0, len(flat), step):
+            batch = flat[start : start + step]
+            batch_writes = {i for i, *_ in batch}
+            with self._lock:
+                if cancel.is_set():
+                    return
+                prog.started |= batch_writes
+            rc = self._engine.batch_transfer_sync_write(
+                session, [b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch]
+            )
+            with self._lock:
+                if rc != 0:
+                    msg = (
+                        f"batch_transfer_sync_write to {session} returned {rc} ({len(batch)} segments): "
+                        "peer unreachable, region not registered there, or queue limit exceeded"
+                    )
+                    for i in batch_writes:
+                        prog.failed.setdefault(i, msg)
+                    # Later batches to a failed peer would only wait out the same failure.
+                    return
+                for i, *_ in batch:
+                    prog.segments_left[i] -= 1
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister memory and stop the write threads. Only call once no write is in flight and
+        no peer may still write here: registered memory must outlive every transfer into it."""
+        global _ENDPOINT
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        with self._lock:
+            for addr in list(self._registered):
+                self._engine.unregister_memory(addr)
+            self._registered.clear()
+        with _ENDPOINT_LOCK:
+            if _ENDPOINT is self:
+                _ENDPOINT = None
+
+
+_ENDPOINT: MooncakeEndpoint | None = None
+_ENDPOINT_LOCK = threading.Lock()
+
+
+def endpoint(hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> MooncakeEndpoint:
+    """The process's one MooncakeEndpoint, created on first use; a second, different config raises."""
+    global _ENDPOINT
+    with _ENDPOINT_LOCK:
+        if _ENDPOINT is None:
+            _ENDPOINT = MooncakeEndpoint(hostname, protocol, device_name)
+        elif (_ENDPOINT.hostname, _ENDPOINT.protocol, _ENDPOINT.device_name) != (hostname, protocol, device_name):
+            raise MooncakeError(
+                f"this process already runs a TransferEngine for {_ENDPOINT.session_id} "
+                f"({_ENDPOINT.protocol}); one engine per process, asked for {hostname} ({protocol})"
+            )
+        return _ENDPOINT
+
+
+def make_sender(hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> MooncakeEndpoint:
+    return endpoint(hostname, protocol, device_name)
+
+
+def make_receiver(hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> MooncakeEndpoint:
+    return endpoint(hostname, protocol, device_name)
