@@ -1,0 +1,158 @@
+"""The rank worker harness with real processes: errors, deaths, thread shares, PDEATHSIG and the
+replica lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from kvrelay.worker import (
+    LockTimeout,
+    ReplicaLock,
+    WorkerCommandError,
+    WorkerDied,
+    WorkerGroup,
+    WorkerGroupBroken,
+    WorkerTimeout,
+    default_threads_per_rank,
+)
+from tests.models.rank_handlers import ExitNow, Explode, Info, ModelsTestHandler, Sleep, failing_factory
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pids, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return all(_gone(p) for p in pids)
+
+
+def test_lock_excludes_a_second_holder_until_released(tmp_path):
+    path = tmp_path / "locks" / "ar-0.lock"
+    first = ReplicaLock(path).acquire()
+    with pytest.raises(LockTimeout, match=f"pid {os.getpid()}"):
+        ReplicaLock(path).acquire(timeout_s=0.2)
+    first.release()
+    second = ReplicaLock(path).acquire(timeout_s=1.0)
+    assert second.held
+    second.release()
+
+
+@pytest.mark.slow
+def test_handler_errors_come_back_typed_and_the_group_stays_usable():
+    with WorkerGroup(2, ModelsTestHandler) as group:
+        with pytest.raises(WorkerCommandError) as info:
+            group.call_all(Explode("bad prompt"))
+        assert [e.rank for e in info.value.errors] == [0, 1]
+        assert isinstance(info.value.first_exception, ValueError)
+        assert "bad prompt" in str(info.value.first_exception)
+        # Every rank answered, so the next command works.
+        pids_threads = group.call_all(Info())
+        share = default_threads_per_rank(2)
+        assert [t for _, t, _ in pids_threads] == [share, share]
+        assert [omp for _, _, omp in pids_threads] == [str(share), str(share)]
+        assert [p for p, _, _ in pids_threads] == group.pids
+        # A rank that dies is reported with its rank and exit code; the rest are stopped.
+        with pytest.raises(WorkerDied, match=r"rank \d died \(exit code 7\)") as died:
+            group.call_each([Sleep(0.0), ExitNow(7)])
+        assert died.value.rank == 1 and died.value.exitcode == 7
+        assert _wait_gone(group.pids, 5.0)
+        with pytest.raises(WorkerGroupBroken):
+            group.call_all(Info())
+
+
+@pytest.mark.slow
+def test_a_rank_that_does_not_answer_times_out_and_the_group_is_stopped():
+    group = WorkerGroup(1, ModelsTestHandler)
+    group.start()
+    try:
+        with pytest.raises(WorkerTimeout):
+            group.call_all(Sleep(30.0), timeout_s=0.5)
+        assert _wait_gone(group.pids, 5.0)
+    finally:
+        group.stop()
+
+
+@pytest.mark.slow
+def test_a_failing_factory_fails_start_with_the_rank_error():
+    group = WorkerGroup(2, failing_factory, start_timeout_s=60.0)
+    with pytest.raises(WorkerCommandError, match="rank 1 cannot load its weights"):
+        group.start()
+    assert _wait_gone(group.pids, 5.0)
+
+
+@pytest.mark.slow
+def test_workers_hold_the_replica_lock_until_they_exit(tmp_path):
+    path = tmp_path / "dit-0.lock"
+    lock = ReplicaLock(path).acquire()
+    group = WorkerGroup(2, ModelsTestHandler, lock=lock)
+    group.start()
+    try:
+        lock.release()  # the service's own descriptor is gone; the workers still hold the lock
+        with pytest.raises(LockTimeout):
+            ReplicaLock(path).acquire(timeout_s=0.3)
+    finally:
+        group.stop()
+    ReplicaLock(path).acquire(timeout_s=5.0).release()
+
+
+_PARENT = textwrap.dedent(
+    """
+    import sys
+    from kvrelay.worker import ReplicaLock, WorkerGroup
+    from tests.models.rank_handlers import ModelsTestHandler, Sleep
+
+    if __name__ == "__main__":
+        lock = ReplicaLock(sys.argv[1]).acquire()
+        group = WorkerGroup(2, ModelsTestHandler, lock=lock)
+        group.start()
+        print(" ".join(str(p) for p in group.pids), flush=True)
+        # Busy ranks: they would not notice the closed pipe, only PDEATHSIG can stop them.
+        group.call_all(Sleep(120))
+    """
+)
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_parent_leaves_no_worker_alive_and_frees_the_lock(tmp_path, repo_root):
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    lock_path = tmp_path / "ar-0.lock"
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(lock_path)],
+        cwd=repo_root,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo_root)},
+    )
+    try:
+        line = parent.stdout.readline()
+        worker_pids = [int(p) for p in line.split()]
+        assert len(worker_pids) == 2, line
+        assert not any(_gone(p) for p in worker_pids)
+        with pytest.raises(LockTimeout):
+            ReplicaLock(lock_path).acquire(timeout_s=0.2)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        assert _wait_gone(worker_pids, 5.0), "worker ranks outlived their parent"
+        # The new incarnation can take the lock: proof that no process of the old one is alive.
+        ReplicaLock(lock_path).acquire(timeout_s=5.0).release()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
