@@ -202,7 +202,7 @@ def prefix_attention(
             return None
         keep = torch.ones(prefix_len + n, dtype=torch.bool, device=q.device)
         keep[prefix_len + num_valid :] = False
-        return keep
+        return keep[None, :]  # [1, keys]: broadcast over rows, heads and queries
 
     lengths = {pk.shape[1] for pk, _ in prefixes}
     if len(lengths) == 1:

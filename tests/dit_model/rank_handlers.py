@@ -1,0 +1,100 @@
+"""DiT rank handlers that the multi-process tests run inside real worker processes (importable by
+name, so spawned ranks can unpickle the factory). Each rank receives its head shard of the prefix
+the way the service will: written into its own page pool, then read back with read_prefix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from kvrelay.dit_service.model import DitRunner, shard_prefix
+
+from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
+from kvrelay.worker import RankContext
+
+PAGE_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    full_rows: Sequence[Sequence[LayerKv]]  # every kv head; each rank keeps its shard
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    stop_on_rank: int = -1  # this rank's step callback raises after `stop_after_step`
+    stop_after_step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    latents: torch.Tensor
+    image: torch.Tensor
+    steps_seen: list[int]
+    page_shard: int
+
+
+class StopRequested(Exception):
+    """What the service's callback raises on cancel (any exception type must work)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DitRankFactory:
+    preset: str
+    tp: int
+    sp: int
+    weight_seed: int
+
+    def __call__(self, ctx: RankContext) -> DitRankHandler:
+        return DitRankHandler(ctx, self)
+
+
+class DitRankHandler:
+    def __init__(self, ctx: RankContext, spec: DitRankFactory):
+        self.ctx = ctx
+        self.runner = DitRunner(
+            spec.preset,
+            rank=ctx.rank,
+            world=ctx.world_size,
+            tp=spec.tp,
+            sp=spec.sp,
+            weight_seed=spec.weight_seed,
+        )
+        self.layout = self.runner.page_layout(PAGE_SIZE)
+
+    def _rows_through_pages(self, full_rows: Sequence[Sequence[LayerKv]]) -> list[list[LayerKv]]:
+        pages_per_row = [self.layout.geometry.pages_for(row[0][0].shape[1]) for row in full_rows]
+        pool = torch.zeros(self.layout.pool_bytes(sum(pages_per_row) + 1), dtype=torch.uint8)
+        rows, next_page = [], 1  # page 0 left unused so no row starts at offset 0 by accident
+        for row, n in zip(full_rows, pages_per_row, strict=True):
+            page_ids = list(range(next_page, next_page + n))[::-1]  # reversed: a non-contiguous gather
+            next_page += n
+            write_prefix(pool, self.layout, page_ids, shard_prefix(row, self.ctx.world_size, self.ctx.rank))
+            rows.append(read_prefix(pool, self.layout, page_ids, row[0][0].shape[1]))
+        return rows
+
+    def handle(self, command: Generate) -> GenerateResult:
+        seen: list[int] = []
+
+        def on_step(step: int, total: int) -> None:
+            seen.append(step)
+            if self.ctx.rank == command.stop_on_rank and step == command.stop_after_step:
+                raise StopRequested(f"rank {self.ctx.rank} stops after step {step}/{total}")
+
+        rows = self._rows_through_pages(command.full_rows)
+        try:
+            latents = self.runner.denoise(
+                rows,
+                width=command.width,
+                height=command.height,
+                steps=command.steps,
+                guidance_scale=command.guidance_scale,
+                seed=command.seed,
+                on_step=on_step,
+            )
+        except Exception as err:
+            # Carry what this rank saw, so the test can check where every rank stopped.
+            raise type(err)(f"{err} [steps_seen={seen}]") from None
+        return GenerateResult(latents, self.runner.decode(latents), seen, self.layout.shard)

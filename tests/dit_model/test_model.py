@@ -1,0 +1,126 @@
+"""The DiT runner in one process: determinism, CFG rows, cancellation, image and PNG output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvrelay.dit_service.image import decode_png, encode_png, png_size
+from kvrelay.dit_service.model import DitRunner, random_prefix
+
+PRESET = "tiny"
+
+
+@pytest.fixture(scope="module")
+def runner() -> DitRunner:
+    return DitRunner(PRESET, weight_seed=0)
+
+
+def _rows(runner: DitRunner, guidance: float, lengths=(13, 6)) -> list:
+    rows = [
+        random_prefix(runner.preset, lengths[0], seed=100),
+        random_prefix(runner.preset, lengths[1], seed=200),
+    ]
+    return rows[:1] if guidance == 1.0 else rows
+
+
+def _generate(runner: DitRunner, *, guidance: float = 2.0, seed: int = 0, rows=None, **kw) -> torch.Tensor:
+    args = dict(width=64, height=64, steps=2, guidance_scale=guidance, seed=seed) | kw
+    return runner.generate(rows if rows is not None else _rows(runner, guidance), **args)
+
+
+def test_same_seeds_same_image_across_runners(runner: DitRunner) -> None:
+    a = _generate(runner, seed=5)
+    b = _generate(DitRunner(PRESET, weight_seed=0), seed=5)
+    assert a.dtype == torch.uint8 and tuple(a.shape) == (64, 64, 3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, _generate(runner, seed=6))  # the noise seed matters
+    assert not torch.equal(a, _generate(DitRunner(PRESET, weight_seed=1), seed=5))  # the weights matter
+
+
+def test_image_depends_on_the_prefix_and_on_guidance(runner: DitRunner) -> None:
+    base = runner.denoise(_rows(runner, 2.0), width=64, height=64, steps=2, guidance_scale=2.0, seed=1)
+    other_prompt = [random_prefix(runner.preset, 13, seed=101), _rows(runner, 2.0)[1]]
+    other_negative = [_rows(runner, 2.0)[0], random_prefix(runner.preset, 6, seed=201)]
+    for rows in (other_prompt, other_negative):
+        changed = runner.denoise(rows, width=64, height=64, steps=2, guidance_scale=2.0, seed=1)
+        assert (changed - base).abs().max() > 1e-3
+    weaker = runner.denoise(_rows(runner, 2.0), width=64, height=64, steps=2, guidance_scale=1.5, seed=1)
+    assert (weaker - base).abs().max() > 1e-3
+
+
+def test_guidance_one_runs_one_row(runner: DitRunner) -> None:
+    batch_rows: list[int] = []
+    handle = runner.model.register_forward_pre_hook(lambda _m, args: batch_rows.append(args[0].shape[0]))
+    try:
+        _generate(runner, guidance=1.0, steps=3)
+        assert batch_rows == [1, 1, 1]
+        batch_rows.clear()
+        _generate(runner, guidance=2.0, steps=3)
+        assert batch_rows == [2, 2, 2]  # both CFG rows in one batched forward per step
+    finally:
+        handle.remove()
+    with pytest.raises(ValueError, match="needs 1 CFG row"):
+        _generate(runner, guidance=1.0, rows=_rows(runner, 2.0))
+    with pytest.raises(ValueError, match="needs 2 CFG row"):
+        _generate(runner, guidance=3.0, rows=_rows(runner, 1.0))
+
+
+def test_step_callback_streams_progress_and_stops_denoising(runner: DitRunner) -> None:
+    forwards: list[int] = []
+    handle = runner.model.register_forward_pre_hook(lambda _m, _a: forwards.append(1))
+
+    class Cancelled(Exception):
+        pass
+
+    progress: list[tuple[int, int]] = []
+
+    def on_step(step: int, total: int) -> None:
+        progress.append((step, total))
+        if step == 2:
+            raise Cancelled
+
+    try:
+        with pytest.raises(Cancelled):
+            _generate(runner, steps=50, on_step=on_step)
+    finally:
+        handle.remove()
+    assert progress == [(1, 50), (2, 50)]
+    assert len(forwards) == 2  # no model evaluation after the callback asked to stop
+
+
+def test_prefix_of_the_wrong_shard_is_rejected(runner: DitRunner) -> None:
+    rows = _rows(runner, 1.0)
+    half_heads = [[(k[:2], v[:2]) for k, v in rows[0]]]
+    with pytest.raises(ValueError, match="heads of shard 0/1"):
+        _generate(runner, guidance=1.0, rows=half_heads)
+    with pytest.raises(ValueError, match="layers"):
+        _generate(runner, guidance=1.0, rows=[rows[0][:1]])
+
+
+@pytest.mark.parametrize(("width", "height"), [(96, 64), (64, 80)])
+def test_png_round_trip_at_the_requested_size(runner: DitRunner, width: int, height: int) -> None:
+    image = _generate(runner, width=width, height=height)
+    assert tuple(image.shape) == (height, width, 3)
+    assert image.float().std() > 10.0  # not a blank image
+    data = encode_png(image)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png_size(data) == (width, height)
+    assert torch.equal(torch.from_numpy(decode_png(data)), image)
+
+
+def test_bad_image_sizes_are_rejected(runner: DitRunner) -> None:
+    with pytest.raises(ValueError, match="multiples of 16"):
+        _generate(runner, width=72, height=64)
+
+
+def test_small_preset_512_is_fast_enough() -> None:
+    """`small` at 512x512 with 2 steps must take seconds on 2 cores (docs/dit.md has the numbers)."""
+    import time
+
+    small = DitRunner("small", weight_seed=0)
+    rows = [random_prefix(small.preset, 32, seed=1), random_prefix(small.preset, 24, seed=2)]
+    start = time.perf_counter()
+    image = small.generate(rows, width=512, height=512, steps=2, guidance_scale=2.0, seed=0)
+    elapsed = time.perf_counter() - start
+    assert tuple(image.shape) == (512, 512, 3)
+    assert elapsed < 10.0, f"small 512x512 2 steps took {elapsed:.1f}s"
