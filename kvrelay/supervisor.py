@@ -1,0 +1,670 @@
+"""`kvrelay up`: run a whole node (broker + every AR and DiT replica) as child processes.
+
+Owns child processes only: it starts the broker, waits for its gRPC health to say SERVING, then
+starts every replica of the config and waits for each to be SERVING; prints where everything
+listens; restarts a child that exits (exponential backoff, capped, logged); and on Ctrl-C or
+SIGTERM stops everything: SIGTERM to each child (replicas first, the broker last), a grace
+period, then SIGKILL to whatever of a child's process group or descendants is still alive.
+
+Every child runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which
+orders the shutdown) and carries PR_SET_PDEATHSIG, so a supervisor killed with SIGKILL still
+takes its children down. PDEATHSIG fires when the *thread* that forked exits, so all children are
+forked by the node's one monitor thread, which lives exactly as long as the node.
+
+It must never import a service package or torch: children are started as `python -m kvrelay`.
+`Node` / `start_node` are the same machinery for tests and `kvrelay bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO, Any
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvrelay.config import ConfigError, KvRelayConfig, load_config
+from kvrelay.logging import configure_logging, get_logger
+
+log = get_logger(__name__)
+
+DEFAULT_GRACE_SECONDS = 10.0
+DEFAULT_READY_TIMEOUT = 300.0
+DEFAULT_BACKOFF_INITIAL = 1.0
+DEFAULT_BACKOFF_MAX = 30.0
+# A child that ran this long before exiting counts as healthy: its next restart starts the
+# backoff from the beginning again.
+DEFAULT_STABLE_SECONDS = 60.0
+_POLL_SECONDS = 0.2
+_LOG_TAIL_LINES = 30
+
+_PR_SET_PDEATHSIG = 1
+
+
+class SupervisorError(RuntimeError):
+    """The node could not be brought up (a child exited or never became SERVING)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """One child process: how to start it and where its gRPC health answers."""
+
+    name: str  # "broker", "ar-0", "dit-1"
+    role: str  # "broker" | "ar" | "dit"
+    argv: tuple[str, ...]
+    address: str  # host:port of its gRPC server (health is checked here)
+    metrics: str | None = None  # host:port of its Prometheus endpoint
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessInfo:
+    """A running child as the supervisor sees it."""
+
+    name: str
+    role: str
+    pid: int | None
+    address: str
+    metrics: str | None
+    serving: bool
+    restarts: int
+
+
+@dataclass(eq=False)
+class _Child:
+    spec: ChildSpec
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    serving: bool = False
+    restarts: int = 0
+    failures: int = 0  # exits in a row without a stable run
+    next_start_at: float | None = None
+    log_file: IO[bytes] | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+
+def _connect_host(host: str) -> str:
+    """Where to reach a listener bound to `host` from this machine."""
+    if host in ("", "0.0.0.0", "*"):
+        return "127.0.0.1"
+    if host in ("::", "[::]"):
+        return "[::1]"
+    return host
+
+
+def _free_port(host: str, taken: set[int]) -> int:
+    bare = host.strip("[]")
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    for _ in range(100):
+        with socket.socket(family) as sock:
+            sock.bind((bare, 0))
+            port = int(sock.getsockname()[1])
+        if port not in taken:
+            taken.add(port)
+            return port
+    raise OSError(f"no free port on {host}")
+
+
+def plan_children(
+    config_path: str | os.PathLike[str],
+    cfg: KvRelayConfig,
+    *,
+    host: str | None = None,
+    command: Sequence[str] | None = None,
+    roles: Sequence[str] = ("broker", "ar", "dit"),
+    log_level: str | None = None,
+) -> list[list[ChildSpec]]:
+    """The node's children in start phases: [[broker], [every AR and DiT replica]].
+
+    Ports set to 0 in the config are chosen here (free now) and passed with `--port` /
+    `--metrics-port`, so the supervisor knows where to check health and a restarted child comes
+    back on the same address. Replicas get `--broker` pointing at the broker chosen here.
+    """
+    prefix = tuple(command) if command is not None else (sys.executable, "-m", "kvrelay")
+    cfg_arg = os.fspath(config_path)
+    common: tuple[str, ...] = ("--log-level", log_level) if log_level else ()
+    taken: set[int] = set()
+
+    broker_listen = host or cfg.broker.host
+    broker_connect = _connect_host(broker_listen)
+    broker_port = cfg.broker.port or _free_port(broker_connect, taken)
+    broker_metrics = cfg.broker.metrics_port or _free_port(broker_connect, taken)
+    broker_address = f"{broker_connect}:{broker_port}"
+    phases: list[list[ChildSpec]] = []
+    if "broker" in roles:
+        argv = (*prefix, "broker", "--config", cfg_arg, "--port", str(broker_port))
+        argv += ("--metrics-port", str(broker_metrics))
+        argv += ("--host", host) if host else ()
+        phases.append(
+            [
+                ChildSpec(
+                    "broker", "broker", argv + common, broker_address, f"{broker_connect}:{broker_metrics}"
+                )
+            ]
+        )
+    replicas: list[ChildSpec] = []
+    for stage in (cfg.ar_stage, cfg.dit_stage):
+        if stage.kind not in roles:
+            continue
+        connect = _connect_host(host or stage.host)
+        for replica in range(stage.num_replicas):
+            port = stage.port_for(replica) or _free_port(connect, taken)
+            metrics = stage.metrics_port_for(replica) or _free_port(connect, taken)
+            argv = (*prefix, stage.kind, "--config", cfg_arg, "--replica", str(replica))
+            argv += ("--port", str(port), "--metrics-port", str(metrics), "--broker", broker_address)
+            argv += ("--host", host) if host else ()
+            replicas.append(
+                ChildSpec(
+                    f"{stage.kind}-{replica}",
+                    stage.kind,
+                    argv + common,
+                    f"{connect}:{port}",
+                    f"{connect}:{metrics}",
+                )
+            )
+    if replicas:
+        phases.append(replicas)
+    return phases
+
+
+class Node:
+    """A set of supervised child processes, started in phases.
+
+    Usable as a context manager; `stop()` is idempotent and always leaves no child (nor any
+    descendant of one) alive. All forking happens on the node's monitor thread.
+    """
+
+    def __init__(
+        self,
+        phases: Sequence[Sequence[ChildSpec]],
+        *,
+        log_dir: str | os.PathLike[str] | None = None,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT,
+        grace: float = DEFAULT_GRACE_SECONDS,
+        backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
+        backoff_max: float = DEFAULT_BACKOFF_MAX,
+        stable_seconds: float = DEFAULT_STABLE_SECONDS,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self._phases = [[_Child(spec) for spec in phase] for phase in phases]
+        self._children = [c for phase in self._phases for c in phase]
+        names = [c.spec.name for c in self._children]
+        if len(set(names)) != len(names):
+            raise ValueError(f"child names must be unique: {names}")
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.ready_timeout = ready_timeout
+        self.grace = grace
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.stable_seconds = stable_seconds
+        self._env = dict(env or {})
+        self._cwd = os.fspath(cwd) if cwd is not None else None
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._hurry = threading.Event()
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    # -- public ---------------------------------------------------------------------------------
+
+    def start(self) -> Node:
+        """Start every phase in order and block until all children are SERVING.
+
+        Raises SupervisorError (after stopping whatever was started) if a child exits or is not
+        SERVING within `ready_timeout`.
+        """
+        if self._thread is not None:
+            raise RuntimeError("node already started")
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="kvrelay-supervisor", daemon=True)
+        self._thread.start()
+        try:
+            while not self._ready.wait(0.2):
+                pass
+            if self._startup_error is not None:
+                raise self._startup_error
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop every child: SIGTERM (replicas before the broker), wait, SIGKILL what is left."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._stopping.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        grace = self.grace if grace is None else grace
+        for phase in reversed(self._phases):
+            self._stop_children(phase, grace)
+        for child in self._children:
+            self._close_channel(child)
+            if child.log_file is not None:
+                child.log_file.close()
+                child.log_file = None
+        log.info("node_stopped")
+
+    def hurry(self) -> None:
+        """Cut the grace period of a stop in progress short (a second Ctrl-C)."""
+        self._hurry.set()
+
+    def processes(self) -> list[ProcessInfo]:
+        with self._lock:
+            return [
+                ProcessInfo(
+                    c.spec.name, c.spec.role, c.pid, c.spec.address, c.spec.metrics, c.serving, c.restarts
+                )
+                for c in self._children
+            ]
+
+    def process(self, name: str) -> ProcessInfo:
+        for info in self.processes():
+            if info.name == name:
+                return info
+        raise KeyError(name)
+
+    def address(self, role: str = "broker") -> str:
+        """The gRPC address of the first child with this role (default: the broker)."""
+        for child in self._children:
+            if child.spec.role == role:
+                return child.spec.address
+        raise KeyError(role)
+
+    def wait_serving(self, name: str, timeout: float, *, not_pid: int | None = None) -> ProcessInfo:
+        """Wait until child `name` is SERVING (and, with `not_pid`, is a new process)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.process(name)
+            if info.serving and info.pid is not None and info.pid != not_pid:
+                return info
+            time.sleep(0.05)
+        raise TimeoutError(f"{name} not SERVING within {timeout}s: {self.process(name)}")
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def describe(self) -> str:
+        """A table of where things are."""
+        rows = [("PROCESS", "PID", "ADDRESS", "METRICS", "STATE")]
+        for p in self.processes():
+            metrics = f"http://{p.metrics}/metrics" if p.metrics else "-"
+            state = "SERVING" if p.serving else "starting"
+            rows.append((p.name, str(p.pid or "-"), p.address, metrics, state))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+
+    def __enter__(self) -> Node:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- the monitor thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._start_phases()
+        except BaseException as err:  # noqa: BLE001 - handed to the thread that called start()
+            self._startup_error = err
+            self._ready.set()
+            return
+        self._ready.set()
+        if self._stopping.is_set():
+            return
+        log.info("node_serving", processes=len(self._children))
+        while not self._stopping.wait(_POLL_SECONDS):
+            for child in self._children:
+                if self._stopping.is_set():
+                    break
+                self._tend(child)
+
+    def _start_phases(self) -> None:
+        for phase in self._phases:
+            for child in phase:
+                self._spawn(child)
+            deadline = time.monotonic() + self.ready_timeout
+            pending = list(phase)
+            while pending:
+                if self._stopping.is_set():
+                    return
+                for child in list(pending):
+                    assert child.proc is not None
+                    code = child.proc.poll()
+                    if code is not None:
+                        raise SupervisorError(
+                            f"{child.spec.name} exited with code {code} before it was SERVING"
+                            + self._log_tail(child)
+                        )
+                    if self._check_serving(child):
+                        with self._lock:
+                            child.serving = True
+                        log.info(
+                            "child_serving", child=child.spec.name, pid=child.pid, address=child.spec.address
+                        )
+                        pending.remove(child)
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(c.spec.name for c in pending)
+                    raise SupervisorError(
+                        f"not SERVING within {self.ready_timeout:g}s: {names}" + self._log_tail(pending[0])
+                    )
+                if pending:
+                    time.sleep(_POLL_SECONDS / 2)
+
+    def _tend(self, child: _Child) -> None:
+        """One monitor pass over a child: notice an exit, restart when its backoff is over."""
+        now = time.monotonic()
+        if child.proc is not None:
+            code = child.proc.poll()
+            if code is None:
+                if not child.serving and self._check_serving(child):
+                    with self._lock:
+                        child.serving = True
+                    log.info("child_serving", child=child.spec.name, pid=child.pid, restarts=child.restarts)
+                return
+            ran = now - child.started_at
+            self._kill_leftovers(child.proc.pid)
+            if ran >= self.stable_seconds:
+                child.failures = 0
+            delay = min(self.backoff_max, self.backoff_initial * (2**child.failures))
+            child.failures += 1
+            with self._lock:
+                child.proc = None
+                child.serving = False
+                child.next_start_at = now + delay
+            log.warning(
+                "child_exited",
+                child=child.spec.name,
+                returncode=code,
+                ran_seconds=round(ran, 3),
+                restart_in_seconds=round(delay, 3),
+                failures_in_a_row=child.failures,
+            )
+            return
+        if child.next_start_at is not None and now >= child.next_start_at:
+            with self._lock:
+                child.restarts += 1
+                child.next_start_at = None
+            self._spawn(child)
+            log.info("child_restarted", child=child.spec.name, pid=child.pid, restarts=child.restarts)
+
+    # -- process handling -----------------------------------------------------------------------
+
+    def _spawn(self, child: _Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, **child.spec.env}
+        stdout: Any = None
+        if self.log_dir is not None:
+            if child.log_file is None:
+                child.log_file = open(self.log_dir / f"{child.spec.name}.log", "ab")  # noqa: SIM115
+            child.log_file.write(f"--- kvrelay up: starting {child.spec.name} ---\n".encode())
+            child.log_file.flush()
+            stdout = child.log_file
+        proc = subprocess.Popen(
+            child.spec.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            env=env,
+            cwd=self._cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        with self._lock:
+            child.proc = proc
+            child.started_at = time.monotonic()
+            child.serving = False
+        self._close_channel(child)
+        log.info("child_started", child=child.spec.name, pid=proc.pid, argv=" ".join(child.spec.argv))
+
+    def _check_serving(self, child: _Child) -> bool:
+        if child.channel is None:
+            child.channel = grpc.insecure_channel(
+                child.spec.address,
+                options=[
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 500),
+                ],
+            )
+        stub = health_pb2_grpc.HealthStub(child.channel)
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+
+    @staticmethod
+    def _close_channel(child: _Child) -> None:
+        if child.channel is not None:
+            child.channel.close()
+            child.channel = None
+
+    def _stop_children(self, children: Sequence[_Child], grace: float) -> None:
+        live: list[tuple[_Child, subprocess.Popen[bytes], list[psutil.Process]]] = []
+        for child in children:
+            proc = child.proc
+            if proc is None:
+                continue
+            descendants = _descendants(proc.pid)
+            if proc.poll() is None:
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            live.append((child, proc, descendants))
+        deadline = time.monotonic() + grace
+        for child, proc, descendants in live:
+            while proc.poll() is None and time.monotonic() < deadline and not self._hurry.is_set():
+                time.sleep(0.05)
+            if proc.poll() is None:
+                log.warning("child_killed", child=child.spec.name, pid=proc.pid, grace_seconds=grace)
+            else:
+                log.info("child_stopped", child=child.spec.name, pid=proc.pid, returncode=proc.returncode)
+            self._kill_leftovers(proc.pid, descendants)
+            proc.wait()
+            with self._lock:
+                child.proc = None
+                child.serving = False
+
+    @staticmethod
+    def _kill_leftovers(pid: int, descendants: Sequence[psutil.Process] = ()) -> None:
+        """SIGKILL the child's process group and every descendant seen earlier that still lives."""
+        try:
+            os.killpg(pid, signal.SIGKILL)  # the child is its session's (and group's) leader
+        except (ProcessLookupError, PermissionError):
+            pass
+        for proc in [*descendants, *_descendants(pid)]:
+            try:
+                proc.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+
+    def _log_tail(self, child: _Child) -> str:
+        if self.log_dir is None:
+            return ""
+        path = self.log_dir / f"{child.spec.name}.log"
+        try:
+            lines = path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        except OSError:
+            return ""
+        return f"\n--- last lines of {path} ---\n" + "\n".join(lines)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+        return prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """In the forked child, before exec: SIGTERM when the supervisor's monitor thread dies."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def build_node(
+    config_path: str | os.PathLike[str],
+    *,
+    cfg: KvRelayConfig | None = None,
+    host: str | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    command: Sequence[str] | None = None,
+    roles: Sequence[str] = ("broker", "ar", "dit"),
+    log_level: str | None = None,
+    **node_options: Any,
+) -> Node:
+    """A Node for a config, not yet started (see `plan_children` for what it will run)."""
+    cfg = cfg if cfg is not None else load_config(config_path)
+    phases = plan_children(config_path, cfg, host=host, command=command, roles=roles, log_level=log_level)
+    return Node(phases, log_dir=log_dir, **node_options)
+
+
+def start_node(
+    config_path: str | os.PathLike[str],
+    *,
+    host: str | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    command: Sequence[str] | None = None,
+    roles: Sequence[str] = ("broker", "ar", "dit"),
+    log_level: str | None = None,
+    **node_options: Any,
+) -> Node:
+    """Start a node for a config and return it once every child is SERVING.
+
+    ``with start_node("tests/configs/test-fast.yaml", log_dir=tmp) as node:`` then talk to
+    ``node.address()`` (the broker); leaving the block stops everything.
+    """
+    node = build_node(
+        config_path,
+        host=host,
+        log_dir=log_dir,
+        command=command,
+        roles=roles,
+        log_level=log_level,
+        **node_options,
+    )
+    return node.start()
+
+
+class _StopRequested(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) -> int:
+    """`kvrelay up`: start the node of `args.config`, report where it is, supervise until a signal."""
+    log_level = getattr(args, "log_level", None)
+    configure_logging(log_level, process="up")
+    config_path = getattr(args, "config", None) or "configs/single-node.yaml"
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as err:
+        print(f"kvrelay up: {err}", file=sys.stderr)
+        return 2
+    try:
+        node = build_node(
+            config_path,
+            cfg=cfg,
+            host=getattr(args, "host", None),
+            log_dir=getattr(args, "log_dir", None),
+            command=command,
+            log_level=log_level,
+            ready_timeout=float(getattr(args, "ready_timeout", None) or DEFAULT_READY_TIMEOUT),
+        )
+    except OSError as err:
+        print(f"kvrelay up: {err}", file=sys.stderr)
+        return 1
+
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        if stopping:
+            log.warning("stop_hurried", signal=signal.Signals(signum).name)
+            node.hurry()
+            return
+        stopping = True
+        raise _StopRequested(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            node.start()
+        except SupervisorError as err:
+            print(f"kvrelay up: {err}", file=sys.stderr)
+            return 1
+        print(f"kvrelay up: every process is SERVING (config {config_path})", flush=True)
+        print(node.describe(), flush=True)
+        print(
+            f'try: kvrelay generate "a red fox in the snow" --target {node.address()}   '
+            "(Ctrl-C here stops everything)",
+            flush=True,
+        )
+        while True:
+            time.sleep(1.0)
+    except _StopRequested as request:
+        log.info("stop_requested", signal=signal.Signals(request.signum).name)
+        print(f"kvrelay up: {signal.Signals(request.signum).name}: stopping", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        stopping = True
+        node.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+__all__ = [
+    "ChildSpec",
+    "Node",
+    "ProcessInfo",
+    "SupervisorError",
+    "build_node",
+    "plan_children",
+    "run_up",
+    "start_node",
+]
