@@ -1,0 +1,892 @@
+"""BrokerCore: the broker's single authority over DiT pages, tickets and replicas.
+
+Composes the replica registry, one PagePool per DiT replica, the ticket records and the
+journal, and enforces the lifecycle of DESIGN.md section 6 across them: reservation, arming,
+reports, draining, fencing, and recovery after a restart. Every change is committed to the
+journal before the method that makes it returns (so before any RPC reveals it).
+Must never do I/O other than the journal, never import gRPC or torch, and never block: it is
+called from one asyncio event loop (the gRPC servicer and the orchestrator) and takes its
+clock as a parameter so tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from kvrelay.broker.journal import Journal, Synchronous
+from kvrelay.broker.pool import NeverFits, PagePool, PageState
+from kvrelay.broker.registry import (
+    MemoryRegionSpec,
+    Registration,
+    ReplicaRecord,
+    ReplicaRegistry,
+    ReplicaRole,
+    ReplicaSpec,
+    ReplicaStatus,
+)
+from kvrelay.broker.tickets import (
+    HOLDING_STATES,
+    AlreadyExists,
+    BrokenInvariant,
+    FailedPrecondition,
+    InvalidArgument,
+    LoadKey,
+    NotFound,
+    ReplicaId,
+    RowPages,
+    Ticket,
+    TicketId,
+    TicketOutcome,
+    TicketRecord,
+    TicketState,
+    Unauthenticated,
+    Unavailable,
+    WriteKey,
+    WriteRecord,
+    WriteStatus,
+)
+
+from kvrelay import LAYOUT_VERSION
+from kvrelay.transfer.layout import KvGeometry
+from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
+
+log = structlog.get_logger("kvrelay.broker")
+
+Clock = Callable[[], float]
+
+# Reasons the broker itself gives when it ends a request.
+BROKER_RESTARTED = "BROKER_RESTARTED"
+DIT_REPLICA_RESTARTED = "DIT_REPLICA_RESTARTED"
+
+
+@dataclass(frozen=True, slots=True)
+class Arming:
+    """What the AR gets when it arms a ticket: where to write, and exactly which writes."""
+
+    ticket: Ticket
+    destinations: tuple[MemoryRegionSpec, ...]
+    writes: tuple[PlannedWrite, ...]
+    dit_geometry: KvGeometry
+    dit_tensor_parallel_size: int
+    dit_sequence_parallel_size: int
+    dit_num_pages: int
+    verify_checksums: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterReply:
+    lease_seconds: float
+    fenced: bool
+    registration: Registration
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReply:
+    fenced: bool
+    fence_reason: str
+    lease_seconds: float
+    # (ticket_id, write) of DRAINING tickets this replica writes: report them when they resolve.
+    poll_writes: tuple[tuple[TicketId, WriteKey], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    replica_id: ReplicaId
+    total: int
+    free: int
+    reserved: int
+    draining: int
+    fenced: bool
+
+
+class BrokerCore:
+    """The broker's state. Single-threaded: call it from one event loop (or one thread)."""
+
+    def __init__(
+        self,
+        journal_path: str | Path | None,
+        *,
+        clock: Clock = time.time,
+        lease_seconds: float = 10.0,
+        drain_quiet_seconds: float = 2.0,
+        registration_token: str | None = None,
+        verify_checksums: bool = True,
+        layout_version: int = LAYOUT_VERSION,
+        journal_synchronous: Synchronous = "FULL",
+        released_history: int = 4096,
+    ) -> None:
+        # journal_path None = an in-memory SQLite journal: same code path, nothing survives.
+        self.journal = Journal(":memory:" if journal_path is None else journal_path, journal_synchronous)
+        self.clock = clock
+        self.lease_seconds = lease_seconds
+        self.drain_quiet_seconds = drain_quiet_seconds
+        self.registration_token = registration_token or None
+        self.verify_checksums = verify_checksums
+        self.registry = ReplicaRegistry(layout_version)
+        self._pools: dict[ReplicaId, PagePool] = {}
+        self._tickets: dict[TicketId, TicketRecord] = {}
+        self._by_request: dict[str, TicketId] = {}
+        self._plans: dict[TicketId, tuple[PlannedWrite, ...]] = {}
+        self._released: OrderedDict[TicketId, Ticket] = OrderedDict()
+        self._released_history = released_history
+        self._sequence = 0
+        self.released_total = 0
+        self._ticket_waiters: dict[TicketId, list[asyncio.Future[None]]] = {}
+        self._change_waiters: list[asyncio.Future[None]] = []
+        self._restore()
+
+    # ================================================================== replicas
+
+    def register_replica(
+        self,
+        spec: ReplicaSpec,
+        *,
+        token: str | None = None,
+        unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = (),
+        held_ticket_ids: Iterable[TicketId] = (),
+    ) -> RegisterReply:
+        """Register (or re-register) a replica. Idempotent for the same incarnation.
+
+        A new incarnation proves the old process gone: its unresolved writes become
+        WRITER_GONE (AR), or its tickets lose their memory and are released (DiT).
+        """
+        if self.registration_token is not None and not hmac.compare_digest(
+            (token or "").encode(), self.registration_token.encode()
+        ):
+            raise Unauthenticated("BAD_REGISTRATION_TOKEN", "RegisterReplica: the registration token is wrong")
+        now = self.clock()
+        old = self.registry.find(spec.replica_id)
+        kind, record = self.registry.register(spec, now, self.lease_seconds)
+        changed: list[TicketRecord] = []
+        if kind is Registration.NEW_INCARNATION:
+            assert old is not None
+            log.warning(
+                "replica_new_incarnation",
+                replica_id=spec.replica_id,
+                old_incarnation=old.spec.incarnation_id,
+                incarnation=spec.incarnation_id,
+            )
+            changed = self._old_incarnation_gone(spec)
+        elif kind is Registration.SAME_INCARNATION:
+            changed = self._reconcile(spec, unresolved_writes, held_ticket_ids)
+        if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:
+            self._pools[spec.replica_id] = PagePool(spec.replica_id, spec.num_pages)
+        self._commit(changed, [record])
+        log.info(
+            "replica_registered",
+            replica_id=spec.replica_id,
+            role=spec.role.value,
+            incarnation=spec.incarnation_id,
+            registration=kind.value,
+            fenced=record.fenced,
+        )
+        self._notify_change()
+        return RegisterReply(self.lease_seconds, record.fenced, kind)
+
+    def heartbeat(
+        self, replica_id: ReplicaId, incarnation_id: str, unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = ()
+    ) -> HeartbeatReply:
+        """Renew the lease; while DRAINING tickets exist, ask the writer about their writes."""
+        try:
+            record = self.registry.heartbeat(replica_id, incarnation_id, self.clock(), self.lease_seconds)
+        except FailedPrecondition as err:
+            if err.reason == "STALE_INCARNATION":
+                log.warning("stale_incarnation_heartbeat_ignored", replica_id=replica_id, incarnation=incarnation_id)
+            raise
+        listed = list(unresolved_writes)
+        if listed:
+            # Informational only: absence from this list is no proof (a ReserveTicket answer may
+            # still be in flight to the writer), so only explicit reports resolve writes.
+            log.info("replica_unresolved_writes", replica_id=replica_id, count=len(listed))
+        poll: list[tuple[TicketId, WriteKey]] = []
+        if record.spec.role is ReplicaRole.AR:
+            for t in self._tickets.values():
+                if (
+                    t.state is TicketState.DRAINING
+                    and t.ar_replica_id == replica_id
+                    and t.armed_incarnation == incarnation_id
+                ):
+                    poll.extend((t.ticket_id, k) for k in t.unresolved())
+        return HeartbeatReply(record.fenced, record.fence_reason, self.lease_seconds, tuple(poll))
+
+    def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
+        """The replica is leaving: no new tickets. Not proof that its writes are over."""
+        record = self.registry.check_incarnation(replica_id, incarnation_id)
+        if record.deregistered:
+            return
+        record.deregistered = True
+        self._commit((), [record])
+        log.info("replica_deregistered", replica_id=replica_id, incarnation=incarnation_id)
+
+    def fence_replica(self, replica_id: ReplicaId, reason: str) -> None:
+        """A broken invariant for this replica: no new tickets; its heartbeats say fenced."""
+        record = self.registry.get(replica_id)
+        if record.fenced:
+            return
+        record.fenced = True
+        record.fence_reason = reason
+        self._commit((), [record])
+        log.error("replica_fenced", replica_id=replica_id, incarnation=record.spec.incarnation_id, reason=reason)
+
+    def list_replicas(self, role: ReplicaRole | None = None) -> list[ReplicaStatus]:
+        now = self.clock()
+        return [
+            self.registry.status(r, now)
+            for r in sorted(self.registry, key=lambda r: r.spec.replica_id)
+            if role is None or r.spec.role is role
+        ]
+
+    def get_replica(self, replica_id: ReplicaId) -> ReplicaStatus:
+        return self.registry.status(self.registry.get(replica_id), self.clock())
+
+    def _schedulable(self, record: ReplicaRecord, now: float) -> bool:
+        return record.up(now) and not record.fenced
+
+    def pages_needed(self, dit_replica_id: ReplicaId, row_token_counts: Sequence[int]) -> list[int]:
+        geometry = self.registry.get(dit_replica_id).spec.geometry
+        return [geometry.pages_for(n) for n in row_token_counts]
+
+    def choose_dit_replica(self, row_token_counts: Sequence[int]) -> ReplicaId | None:
+        """The up, unfenced DiT replica with the most free pages that fits the rows now."""
+        now = self.clock()
+        best: tuple[int, str] | None = None
+        for record in self.registry:
+            rid = record.spec.replica_id
+            if record.spec.role is not ReplicaRole.DIT or not self._schedulable(record, now):
+                continue
+            pool = self._pools[rid]
+            if not pool.fits_now(self.pages_needed(rid, row_token_counts)):
+                continue
+            key = (-pool.counts().free, rid)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[1]
+
+    def choose_ar_replica(self) -> ReplicaId | None:
+        """The up, unfenced AR replica with the fewest live tickets."""
+        now = self.clock()
+        load: dict[str, int] = {}
+        for t in self._tickets.values():
+            load[t.ar_replica_id] = load.get(t.ar_replica_id, 0) + 1
+        candidates = [
+            (load.get(r.spec.replica_id, 0), r.spec.replica_id)
+            for r in self.registry
+            if r.spec.role is ReplicaRole.AR and self._schedulable(r, now)
+        ]
+        return min(candidates)[1] if candidates else None
+
+    # =================================================================== tickets
+
+    def create_ticket(
+        self, request_id: str, ar_replica_id: ReplicaId, dit_replica_id: ReplicaId, row_token_counts: Sequence[int]
+    ) -> Ticket | None:
+        """Reserve pages for every row (all or nothing): RESERVED. None = does not fit now.
+
+        Raises InvalidArgument when it can never fit; idempotent on a live request_id.
+        """
+        counts = [int(n) for n in row_token_counts]
+        if not request_id:
+            raise InvalidArgument("MISSING_FIELD", "request_id is required")
+        if not counts or any(n <= 0 for n in counts):
+            raise InvalidArgument("INVALID_ROWS", f"row_token_counts must be non-empty and positive, got {counts}")
+        existing = self._by_request.get(request_id)
+        if existing is not None:
+            t = self._tickets[existing]
+            if (t.ar_replica_id, t.dit_replica_id, [r.num_tokens for r in t.rows]) == (
+                ar_replica_id,
+                dit_replica_id,
+                counts,
+            ):
+                return t.snapshot()
+            raise AlreadyExists(
+                "TICKET_EXISTS", f"request {request_id} already holds ticket {existing} with other parameters"
+            )
+        now = self.clock()
+        ar = self._bound_replica(ar_replica_id, ReplicaRole.AR, now)
+        dit = self._bound_replica(dit_replica_id, ReplicaRole.DIT, now)
+        if ar.spec.max_tokens and max(counts) > ar.spec.max_tokens:
+            raise InvalidArgument(
+                "TOO_MANY_TOKENS", f"row_token_counts: {max(counts)} tokens > AR max_tokens {ar.spec.max_tokens}"
+            )
+        geometry = dit.spec.geometry
+        pool = self._pools[dit_replica_id]
+        try:
+            pages = pool.reserve([geometry.pages_for(n) for n in counts])
+        except NeverFits as err:
+            raise InvalidArgument("NEVER_FITS", str(err)) from None
+        if pages is None:
+            return None
+        rows = tuple(RowPages(i, n, tuple(p)) for i, (n, p) in enumerate(zip(counts, pages, strict=True)))
+        try:
+            plan = plan_transfer(
+                geometry,
+                ar.spec.tensor_parallel_size,
+                dit.spec.world_size,
+                [RowSpec(r.row, r.num_tokens, r.page_ids) for r in rows],
+            )
+        except ValueError as err:
+            pool.free([p for r in pages for p in r])
+            raise InvalidArgument("UNPLANNABLE", str(err)) from None
+        self._sequence += 1
+        ticket_id = uuid.uuid4().hex
+        t = TicketRecord(
+            ticket_id=ticket_id,
+            request_id=request_id,
+            ar_replica_id=ar_replica_id,
+            dit_replica_id=dit_replica_id,
+            rows=rows,
+            write_keys=[WriteKey(w.row, w.src_rank, w.dst_rank) for w in plan],
+            src_shards=ar.spec.tensor_parallel_size,
+            dst_shards=dit.spec.world_size,
+            sequence=self._sequence,
+            dit_incarnation=dit.spec.incarnation_id,
+            now=now,
+        )
+        self._tickets[ticket_id] = t
+        self._by_request[request_id] = ticket_id
+        self._plans[ticket_id] = plan
+        self._commit([t])
+        log.info("ticket_reserved", ticket_id=ticket_id, request_id=request_id, pages=len(t.page_ids))
+        return t.snapshot()
+
+    def arm_ticket(self, ticket_id: TicketId, ar_replica_id: ReplicaId, incarnation_id: str) -> Arming:
+        """Hand the destination map and expected writes to the AR: WRITING; no rollback after this.
+
+        Idempotent for the arming incarnation, in every later state too, so that a writer whose
+        answer was lost learns which writes to report NOT_STARTED.
+        """
+        t = self._live(ticket_id)
+        if ar_replica_id != t.ar_replica_id:
+            raise FailedPrecondition(
+                "WRONG_REPLICA", f"ticket {ticket_id} is bound to AR {t.ar_replica_id}, not {ar_replica_id}"
+            )
+        record = self._current(ar_replica_id, incarnation_id, "ReserveTicket")
+        if not t.armed and record.fenced:
+            raise Unavailable("REPLICA_FENCED", f"AR {ar_replica_id} is fenced: {record.fence_reason}")
+        if t.arm(incarnation_id, self.clock()):
+            self._commit([t])
+            log.info("ticket_armed", ticket_id=ticket_id, request_id=t.request_id, incarnation=incarnation_id)
+        dit = self.registry.get(t.dit_replica_id).spec
+        plan = self._plans.get(ticket_id)
+        if plan is None:
+            plan = self._replan(t)
+        return Arming(
+            ticket=t.snapshot(),
+            destinations=dit.regions,
+            writes=plan,
+            dit_geometry=dit.geometry,
+            dit_tensor_parallel_size=dit.tensor_parallel_size,
+            dit_sequence_parallel_size=dit.sequence_parallel_size,
+            dit_num_pages=dit.num_pages,
+            verify_checksums=self.verify_checksums,
+        )
+
+    def report_write(
+        self,
+        ticket_id: TicketId,
+        key: WriteKey,
+        *,
+        replica_id: ReplicaId,
+        incarnation_id: str,
+        status: WriteStatus,
+        checksum: int = 0,
+        nbytes: int = 0,
+        message: str = "",
+    ) -> Ticket:
+        """A writer's final report of one write. Idempotent."""
+        released = self._released.get(ticket_id)
+        if released is not None:
+            return released
+        t = self._live(ticket_id)
+        self._current(replica_id, incarnation_id, "ReportWrite")
+        if replica_id != t.ar_replica_id:
+            self._fence_and_raise(
+                replica_id,
+                BrokenInvariant("WRONG_REPLICA", f"ticket {ticket_id}: write report from {replica_id}, not its AR"),
+            )
+        if t.armed and incarnation_id != t.armed_incarnation:
+            log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
+            raise FailedPrecondition(
+                "STALE_INCARNATION", f"ticket {ticket_id} was armed by another incarnation of {replica_id}"
+            )
+        try:
+            changed = t.report_write(key, status, checksum, nbytes, message, self.clock())
+        except BrokenInvariant as err:
+            self._fence_and_raise(replica_id, err)
+        if changed:
+            self._try_drain(t)
+            self._commit([t])
+            if status is not WriteStatus.OK:
+                log.warning("write_not_ok", ticket_id=ticket_id, write=str(key), status=status.value, message=message)
+        return self._snapshot(ticket_id)
+
+    def report_load(
+        self,
+        ticket_id: TicketId,
+        row: int,
+        dst_rank: int,
+        *,
+        replica_id: ReplicaId,
+        incarnation_id: str,
+        verified: Mapping[WriteKey, int],
+    ) -> Ticket:
+        """A DiT rank verified the bytes of (row, dst_rank). Idempotent; READY after the last one."""
+        released = self._released.get(ticket_id)
+        if released is not None:
+            return released
+        t = self._live(ticket_id)
+        self._current(replica_id, incarnation_id, "ReportLoad")
+        if replica_id != t.dit_replica_id:
+            self._fence_and_raise(
+                replica_id,
+                BrokenInvariant("WRONG_REPLICA", f"ticket {ticket_id}: load report from {replica_id}, not its DiT"),
+            )
+        if incarnation_id != t.dit_incarnation:
+            log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
+            raise FailedPrecondition("STALE_INCARNATION", f"ticket {ticket_id} belongs to another DiT incarnation")
+        try:
+            changed = t.report_load(LoadKey(row, dst_rank), verified, self.verify_checksums, self.clock())
+        except BrokenInvariant as err:
+            self._fence_and_raise(replica_id, err)
+        if changed:
+            self._commit([t])
+            if t.state is TicketState.READY:
+                log.info("ticket_ready", ticket_id=ticket_id, request_id=t.request_id)
+        return t.snapshot()
+
+    def start_consuming(self, ticket_id: TicketId) -> Ticket:
+        """READY -> CONSUMING: the DiT started reading the pages (called by the orchestrator)."""
+        t = self._live(ticket_id)
+        if t.start_consuming(self.clock()):
+            self._commit([t])
+        return t.snapshot()
+
+    def release_ticket(
+        self,
+        ticket_id: TicketId,
+        outcome: TicketOutcome,
+        reason: str = "",
+        replica_id: ReplicaId = "",
+    ) -> Ticket:
+        """The DiT is done with the ticket (any outcome). Idempotent."""
+        released = self._released.get(ticket_id)
+        if released is not None:
+            return released
+        t = self._live(ticket_id)
+        if replica_id and replica_id != t.dit_replica_id:
+            raise FailedPrecondition(
+                "WRONG_REPLICA", f"ticket {ticket_id} is bound to DiT {t.dit_replica_id}, not {replica_id}"
+            )
+        old = t.state
+        if t.release_by_consumer(outcome, reason, self.clock(), self.drain_quiet_seconds):
+            self._settle(t, old)
+            self._commit([t])
+        return self._snapshot(ticket_id)
+
+    def cancel_ticket(
+        self, ticket_id: TicketId, outcome: TicketOutcome = TicketOutcome.CANCELLED, reason: str = ""
+    ) -> Ticket:
+        """End the request that owns the ticket. Never interrupts a write: armed pages drain."""
+        if outcome is TicketOutcome.OK:
+            raise InvalidArgument("INVALID_OUTCOME", "outcome: a cancelled ticket cannot end OK")
+        released = self._released.get(ticket_id)
+        if released is not None:
+            return released
+        t = self._live(ticket_id)
+        old = t.state
+        if t.end_request(outcome, reason, self.clock(), self.drain_quiet_seconds):
+            self._settle(t, old)
+            self._commit([t])
+            log.info("ticket_ended", ticket_id=ticket_id, outcome=outcome.value, state=t.state.value, reason=reason)
+        return self._snapshot(ticket_id)
+
+    def get_ticket(self, ticket_id: TicketId) -> Ticket:
+        return self._snapshot(ticket_id)
+
+    def ticket_for_request(self, request_id: str) -> Ticket | None:
+        tid = self._by_request.get(request_id)
+        return None if tid is None else self._tickets[tid].snapshot()
+
+    def list_tickets(
+        self, states: Iterable[TicketState] | None = None, replica_id: ReplicaId | None = None
+    ) -> list[Ticket]:
+        """Tickets in `states` (None = every live one), optionally of one replica, in sequence order."""
+        wanted = set(states) if states else None
+        out: list[Ticket] = []
+        if wanted is not None and TicketState.RELEASED in wanted:
+            out.extend(self._released.values())
+        for t in self._tickets.values():
+            if wanted is None or t.state in wanted:
+                out.append(t.snapshot())
+        if replica_id:
+            out = [t for t in out if replica_id in (t.ar_replica_id, t.dit_replica_id)]
+        return sorted(out, key=lambda t: t.sequence)
+
+    def pool_status(self, replica_id: ReplicaId | None = None) -> list[PoolStatus]:
+        if replica_id:
+            self.registry.get(replica_id)
+            if replica_id not in self._pools:
+                raise InvalidArgument("NOT_A_DIT", f"replica {replica_id} is not a DiT replica; it has no pool")
+        out = []
+        for rid in sorted(self._pools):
+            if replica_id and rid != replica_id:
+                continue
+            c = self._pools[rid].counts()
+            out.append(PoolStatus(rid, c.total, c.free, c.reserved, c.draining, self.registry.get(rid).fenced))
+        return out
+
+    def draining_oldest_seconds(self) -> float:
+        starts = [
+            t.drain_start_time
+            for t in self._tickets.values()
+            if t.state is TicketState.DRAINING and t.drain_start_time is not None
+        ]
+        return max(0.0, self.clock() - min(starts)) if starts else 0.0
+
+    def ticket_state_counts(self) -> dict[TicketState, int]:
+        counts = dict.fromkeys(TicketState, 0)
+        for t in self._tickets.values():
+            counts[t.state] += 1
+        return counts
+
+    def tick(self) -> int:
+        """Free DRAINING tickets whose writes are resolved and whose quiet period passed.
+
+        Called periodically by `run_maintenance`; returns how many tickets were released.
+        """
+        now = self.clock()
+        done = [t for t in self._tickets.values() if t.state is TicketState.DRAINING]
+        changed = [t for t in done if self._try_drain(t, now)]
+        if changed:
+            self._commit(changed)
+        return len(changed)
+
+    # ======================================================== async notification
+
+    async def wait_ticket_change(self, ticket_id: TicketId, version: int, timeout: float | None = None) -> Ticket:
+        """The ticket once its version differs from `version` (or now, after `timeout`)."""
+        snap = self._snapshot(ticket_id)
+        if snap.version != version or snap.state is TicketState.RELEASED:
+            return snap
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ticket_waiters.setdefault(ticket_id, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._ticket_waiters.get(ticket_id)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._ticket_waiters[ticket_id]
+        return self._snapshot(ticket_id)
+
+    async def watch_ticket(self, ticket_id: TicketId) -> AsyncIterator[Ticket]:
+        """The ticket now, then every change, ending after RELEASED."""
+        snap = self._snapshot(ticket_id)
+        yield snap
+        while snap.state is not TicketState.RELEASED:
+            nxt = await self.wait_ticket_change(ticket_id, snap.version)
+            if nxt.version != snap.version:
+                yield nxt
+            snap = nxt
+
+    async def wait_for_change(self, timeout: float | None = None) -> None:
+        """Return when pages were freed or a replica registered (the orchestrator's queue retries)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._change_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._change_waiters:
+                self._change_waiters.remove(fut)
+
+    def _notify_ticket(self, ticket_id: TicketId) -> None:
+        for fut in self._ticket_waiters.pop(ticket_id, []):
+            if not fut.done():
+                fut.set_result(None)
+
+    def _notify_change(self) -> None:
+        waiters, self._change_waiters = self._change_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def close(self) -> None:
+        self.journal.close()
+
+    # ================================================================= internals
+
+    def _live(self, ticket_id: TicketId) -> TicketRecord:
+        t = self._tickets.get(ticket_id)
+        if t is None:
+            if ticket_id in self._released:
+                raise FailedPrecondition("TICKET_RELEASED", f"ticket {ticket_id} is RELEASED")
+            raise NotFound("UNKNOWN_TICKET", f"ticket {ticket_id!r} not found")
+        return t
+
+    def _snapshot(self, ticket_id: TicketId) -> Ticket:
+        t = self._tickets.get(ticket_id)
+        if t is not None:
+            return t.snapshot()
+        released = self._released.get(ticket_id)
+        if released is None:
+            raise NotFound("UNKNOWN_TICKET", f"ticket {ticket_id!r} not found")
+        return released
+
+    def _current(self, replica_id: ReplicaId, incarnation_id: str, what: str) -> ReplicaRecord:
+        try:
+            return self.registry.check_incarnation(replica_id, incarnation_id)
+        except FailedPrecondition:
+            log.warning(
+                "stale_incarnation_report_ignored", rpc=what, replica_id=replica_id, incarnation=incarnation_id
+            )
+            raise
+
+    def _bound_replica(self, replica_id: ReplicaId, role: ReplicaRole, now: float) -> ReplicaRecord:
+        record = self.registry.get(replica_id)
+        if record.spec.role is not role:
+            raise InvalidArgument("WRONG_ROLE", f"replica {replica_id} is {record.spec.role.value}, not {role.value}")
+        if record.fenced:
+            raise Unavailable("REPLICA_FENCED", f"replica {replica_id} is fenced: {record.fence_reason}")
+        if not record.up(now):
+            raise Unavailable("REPLICA_DOWN", f"replica {replica_id} is down (lease expired or deregistered)")
+        return record
+
+    def _fence_and_raise(self, replica_id: ReplicaId, err: BrokenInvariant) -> Any:
+        self.fence_replica(replica_id, f"{err.reason}: {err.message}")
+        raise err
+
+    def _try_drain(self, t: TicketRecord, now: float | None = None) -> bool:
+        old = t.state
+        if t.try_drain(self.clock() if now is None else now, self.drain_quiet_seconds):
+            self._settle(t, old)
+            return True
+        return False
+
+    def _settle(self, t: TicketRecord, old: TicketState) -> None:
+        """Move the ticket's pages to match its new state."""
+        new = t.state
+        if old is new:
+            return
+        pool = self._pools[t.dit_replica_id]
+        if new is TicketState.DRAINING:
+            assert old in HOLDING_STATES, f"ticket {t.ticket_id}: {old} -> DRAINING"
+            pool.mark_draining(t.page_ids)
+        elif new is TicketState.RELEASED:
+            pool.free(t.page_ids)
+
+    def _replan(self, t: TicketRecord) -> tuple[PlannedWrite, ...]:
+        dit = self.registry.get(t.dit_replica_id).spec
+        plan = plan_transfer(
+            dit.geometry, t.src_shards, t.dst_shards, [RowSpec(r.row, r.num_tokens, r.page_ids) for r in t.rows]
+        )
+        self._plans[t.ticket_id] = plan
+        return plan
+
+    def _commit(self, tickets: Iterable[TicketRecord], replicas: Iterable[ReplicaRecord] = ()) -> None:
+        """Journal, then publish: callers learn of a change only after it is durable."""
+        tickets = list({t.ticket_id: t for t in tickets}.values())
+        self.journal.commit(
+            replicas={r.spec.replica_id: r.to_json() for r in replicas},
+            # Released tickets leave the journal: nothing can write their pages any more.
+            tickets={
+                t.ticket_id: None if t.state is TicketState.RELEASED else _ticket_to_json(t) for t in tickets
+            },
+            meta={"sequence": str(self._sequence)},
+        )
+        freed = False
+        for t in tickets:
+            if t.state is TicketState.RELEASED and t.ticket_id in self._tickets:
+                self._retire(t)
+                freed = True
+            self._notify_ticket(t.ticket_id)
+        if freed:
+            self._notify_change()
+
+    def _retire(self, t: TicketRecord) -> None:
+        del self._tickets[t.ticket_id]
+        self._plans.pop(t.ticket_id, None)
+        if self._by_request.get(t.request_id) == t.ticket_id:
+            del self._by_request[t.request_id]
+        self._released[t.ticket_id] = t.snapshot()
+        self.released_total += 1
+        while len(self._released) > self._released_history:
+            self._released.popitem(last=False)
+        log.info(
+            "ticket_released",
+            ticket_id=t.ticket_id,
+            request_id=t.request_id,
+            outcome=t.outcome.value if t.outcome else None,
+            reason=t.reason,
+        )
+
+    def _old_incarnation_gone(self, spec: ReplicaSpec) -> list[TicketRecord]:
+        now = self.clock()
+        changed: list[TicketRecord] = []
+        if spec.role is ReplicaRole.AR:
+            for t in self._tickets.values():
+                if t.ar_replica_id == spec.replica_id and t.armed and t.armed_incarnation != spec.incarnation_id:
+                    if t.writer_gone(now):
+                        self._try_drain(t, now)
+                        changed.append(t)
+        else:
+            for t in list(self._tickets.values()):
+                if t.dit_replica_id == spec.replica_id:
+                    old = t.state
+                    t.destination_gone(DIT_REPLICA_RESTARTED, now)
+                    self._settle(t, old)
+                    changed.append(t)
+            pool = self._pools.get(spec.replica_id)
+            if pool is not None:
+                c = pool.counts()
+                assert c.free == c.total, f"pool {spec.replica_id}: pages held after its DiT restarted: {c}"
+            # The new incarnation's memory is new: its pool may have another size.
+            self._pools[spec.replica_id] = PagePool(spec.replica_id, spec.num_pages)
+        return changed
+
+    def _reconcile(
+        self,
+        spec: ReplicaSpec,
+        unresolved_writes: Iterable[tuple[TicketId, WriteKey]],
+        held_ticket_ids: Iterable[TicketId],
+    ) -> list[TicketRecord]:
+        """Same incarnation registering again (after a broker restart): compare what it holds."""
+        now = self.clock()
+        changed: list[TicketRecord] = []
+        for ticket_id, key in unresolved_writes:
+            t = self._tickets.get(ticket_id)
+            if t is None or key not in t.writes:
+                log.warning("reconcile_unknown_write", replica_id=spec.replica_id, ticket_id=ticket_id, write=str(key))
+        if spec.role is ReplicaRole.DIT:
+            held = set(held_ticket_ids)
+            for ticket_id in held - set(self._tickets):
+                log.warning("reconcile_unknown_held_ticket", replica_id=spec.replica_id, ticket_id=ticket_id)
+            for t in list(self._tickets.values()):
+                if (
+                    t.dit_replica_id == spec.replica_id
+                    and t.request_over
+                    and t.state in (TicketState.READY, TicketState.CONSUMING)
+                    and t.ticket_id not in held
+                ):
+                    # Orphaned by the broker restart and the DiT does not read it: every write
+                    # was verified before READY, so nothing can land any more.
+                    old = t.state
+                    t.release_by_consumer(TicketOutcome.FAILED, BROKER_RESTARTED, now, self.drain_quiet_seconds)
+                    self._settle(t, old)
+                    changed.append(t)
+        return changed
+
+    def _restore(self) -> None:
+        contents = self.journal.load()
+        if not contents.replicas and not contents.tickets:
+            return
+        now = self.clock()
+        for data in contents.replicas.values():
+            record = ReplicaRecord.from_json(data)
+            self.registry.restore(record)
+            if record.spec.role is ReplicaRole.DIT:
+                self._pools[record.spec.replica_id] = PagePool(record.spec.replica_id, record.spec.num_pages)
+        self._sequence = int(contents.meta.get("sequence", "0"))
+        restored: list[TicketRecord] = []
+        for data in sorted(contents.tickets.values(), key=lambda d: d["sequence"]):
+            t = _ticket_from_json(data)
+            state = PageState.DRAINING if t.state is TicketState.DRAINING else PageState.RESERVED
+            self._pools[t.dit_replica_id].claim(t.page_ids, state)
+            self._tickets[t.ticket_id] = t
+            self._by_request[t.request_id] = t.ticket_id
+            restored.append(t)
+        for t in restored:
+            # The orchestrator that owned these requests died with the broker: end them. An armed
+            # ticket drains until its writes are resolved; it is never silently freed.
+            old = t.state
+            if t.state is TicketState.DRAINING:
+                self._try_drain(t, now)
+            else:
+                t.orphan(BROKER_RESTARTED, now, self.drain_quiet_seconds)
+                self._settle(t, old)
+        self._commit(restored)
+        log.info("broker_restored", replicas=len(contents.replicas), tickets=len(restored))
+
+
+async def run_maintenance(core: BrokerCore, interval: float = 0.25) -> None:
+    """The broker process's background task: drain quiet periods and lease-based liveness.
+
+    Runs until cancelled. Lease expiry needs no action here (liveness is computed from the
+    lease on read, and an expired lease is never proof that a writer is gone); draining
+    tickets are released once resolved and quiet.
+    """
+    while True:
+        try:
+            core.tick()
+        except Exception:
+            # A journal failure leaves memory ahead of disk: the process must stop and recover.
+            log.exception("broker_maintenance_failed")
+            raise
+        await asyncio.sleep(interval)
+
+
+# ------------------------------------------------------------------ journal format
+
+
+def _ticket_to_json(t: TicketRecord) -> dict[str, Any]:
+    return {
+        "ticket_id": t.ticket_id, "request_id": t.request_id,
+        "ar_replica_id": t.ar_replica_id, "dit_replica_id": t.dit_replica_id,
+        "rows": [[r.row, r.num_tokens, list(r.page_ids)] for r in t.rows],
+        "sequence": t.sequence, "src_shards": t.src_shards, "dst_shards": t.dst_shards,
+        "create_time": t.create_time, "update_time": t.update_time,
+        "state": t.state.value, "outcome": t.outcome.value if t.outcome else None, "reason": t.reason,
+        "armed": t.armed, "armed_incarnation": t.armed_incarnation, "dit_incarnation": t.dit_incarnation,
+        "request_over": t.request_over,
+        "writes": [
+            [k.row, k.src_rank, k.dst_rank, w.status.value, w.checksum, w.bytes, w.message]
+            for k, w in t.writes.items()
+        ],
+        "loads": [[k.row, k.dst_rank, v] for k, v in t.loads.items()],
+        "last_resolution_time": t.last_resolution_time, "drain_start_time": t.drain_start_time,
+        "version": t.version,
+    }  # fmt: skip
+
+
+def _ticket_from_json(d: dict[str, Any]) -> TicketRecord:
+    t = TicketRecord(
+        ticket_id=d["ticket_id"],
+        request_id=d["request_id"],
+        ar_replica_id=d["ar_replica_id"],
+        dit_replica_id=d["dit_replica_id"],
+        rows=tuple(RowPages(r[0], r[1], tuple(r[2])) for r in d["rows"]),
+        write_keys=(),
+        src_shards=d["src_shards"],
+        dst_shards=d["dst_shards"],
+        sequence=d["sequence"],
+        dit_incarnation=d["dit_incarnation"],
+        now=d["create_time"],
+    )
+    t.update_time = d["update_time"]
+    t.state = TicketState(d["state"])
+    t.outcome = TicketOutcome(d["outcome"]) if d["outcome"] else None
+    t.reason = d["reason"]
+    t.armed = d["armed"]
+    t.armed_incarnation = d["armed_incarnation"]
+    t.request_over = d["request_over"]
+    t.writes = {
+        WriteKey(w[0], w[1], w[2]): WriteRecord(WriteStatus(w[3]), w[4], w[5], w[6]) for w in d["writes"]
+    }
+    t.loads = {LoadKey(row, dst): bool(v) for row, dst, v in d["loads"]}
+    t.last_resolution_time = d["last_resolution_time"]
+    t.drain_start_time = d["drain_start_time"]
+    t.version = d["version"]
+    return t

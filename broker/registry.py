@@ -1,0 +1,286 @@
+"""The replica registry: who is registered, with which incarnation, lease and fence.
+
+Owns registration validation (roles, ranks, geometry agreement between AR and DiT naming the
+field, layout version), leases and fences. Pure: no gRPC, no sockets; the clock is passed in.
+Must never decide anything about tickets or pages: BrokerCore reacts to what `register`
+reports (a new incarnation proves the old process gone).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.broker.tickets import FailedPrecondition, InvalidArgument, NotFound, ReplicaId
+
+from kvrelay.transfer.layout import KvGeometry
+
+# Geometry fields that AR and DiT must agree on; page_size is the DiT's alone (DESIGN.md section 3).
+SHARED_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+
+
+class ReplicaRole(enum.Enum):
+    AR = "AR"
+    DIT = "DIT"
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegionSpec:
+    rank: int
+    transport: str  # "mooncake" | "grpc" | "cuda_ipc"
+    endpoint: str
+    base_address: int
+    length: int
+    ipc_handle: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """What a replica says about itself when it registers."""
+
+    replica_id: ReplicaId
+    role: ReplicaRole
+    incarnation_id: str
+    layout_version: int
+    version: str
+    endpoint: str
+    geometry: KvGeometry
+    tensor_parallel_size: int = 1
+    sequence_parallel_size: int = 1
+    regions: tuple[MemoryRegionSpec, ...] = ()
+    num_pages: int = 0
+    max_tokens: int = 0
+    transport: str = "mooncake"
+    stage_id: int = 0
+    max_num_seqs: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.sequence_parallel_size
+
+    def to_json(self) -> dict[str, Any]:
+        g = self.geometry
+        return {
+            "replica_id": self.replica_id, "role": self.role.value, "incarnation_id": self.incarnation_id,
+            "layout_version": self.layout_version, "version": self.version, "endpoint": self.endpoint,
+            "geometry": [g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.page_size],
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "sequence_parallel_size": self.sequence_parallel_size,
+            "regions": [
+                [r.rank, r.transport, r.endpoint, r.base_address, r.length, r.ipc_handle.hex()] for r in self.regions
+            ],
+            "num_pages": self.num_pages, "max_tokens": self.max_tokens, "transport": self.transport,
+            "stage_id": self.stage_id, "max_num_seqs": self.max_num_seqs,
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ReplicaSpec:
+        nl, nh, hd, dt, ps = d["geometry"]
+        return cls(
+            replica_id=d["replica_id"], role=ReplicaRole(d["role"]), incarnation_id=d["incarnation_id"],
+            layout_version=d["layout_version"], version=d["version"], endpoint=d["endpoint"],
+            geometry=KvGeometry(nl, nh, hd, dt, ps),
+            tensor_parallel_size=d["tensor_parallel_size"], sequence_parallel_size=d["sequence_parallel_size"],
+            regions=tuple(
+                MemoryRegionSpec(r[0], r[1], r[2], r[3], r[4], bytes.fromhex(r[5])) for r in d["regions"]
+            ),
+            num_pages=d["num_pages"], max_tokens=d["max_tokens"], transport=d["transport"],
+            stage_id=d["stage_id"], max_num_seqs=d["max_num_seqs"],
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class ReplicaRecord:
+    spec: ReplicaSpec
+    lease_expire_time: float
+    fenced: bool = False
+    fence_reason: str = ""
+    deregistered: bool = False
+    # Restored from the journal after a broker restart: the replica must register again
+    # (same incarnation: reconcile; new one: the old process is proven gone).
+    needs_registration: bool = False
+
+    def up(self, now: float) -> bool:
+        return not self.deregistered and not self.needs_registration and now < self.lease_expire_time
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_json(),
+            "fenced": self.fenced,
+            "fence_reason": self.fence_reason,
+            "deregistered": self.deregistered,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ReplicaRecord:
+        return cls(
+            spec=ReplicaSpec.from_json(d["spec"]),
+            lease_expire_time=float("-inf"),
+            fenced=d["fenced"],
+            fence_reason=d["fence_reason"],
+            deregistered=d["deregistered"],
+            needs_registration=True,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatus:
+    """A snapshot of one replica for listing."""
+
+    spec: ReplicaSpec
+    up: bool
+    fenced: bool
+    fence_reason: str
+    lease_expire_time: float
+    deregistered: bool
+
+
+class Registration(enum.Enum):
+    NEW = "NEW"  # never seen this replica id
+    SAME_INCARNATION = "SAME_INCARNATION"  # re-registration of the same process (e.g. broker restart)
+    NEW_INCARNATION = "NEW_INCARNATION"  # the process restarted: the old one is proven gone
+
+
+def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
+    if not spec.replica_id:
+        raise InvalidArgument("MISSING_FIELD", "replica.replica_id is required")
+    if not spec.incarnation_id:
+        raise InvalidArgument("MISSING_FIELD", "replica.incarnation_id is required")
+    if spec.layout_version != layout_version:
+        raise InvalidArgument(
+            "LAYOUT_VERSION_MISMATCH",
+            f"replica.layout_version: replica {spec.replica_id} uses page layout {spec.layout_version}, "
+            f"the broker {layout_version}",
+        )
+    if spec.tensor_parallel_size < 1 or spec.sequence_parallel_size < 1:
+        raise InvalidArgument("INVALID_PARALLELISM", "replica.parallelism: sizes must be >= 1")
+    if spec.role is ReplicaRole.AR and spec.sequence_parallel_size != 1:
+        raise InvalidArgument("INVALID_PARALLELISM", "replica.parallelism.sequence_parallel_size: AR is TP only")
+    if spec.geometry.num_kv_heads % spec.world_size:
+        raise InvalidArgument(
+            "INVALID_PARALLELISM",
+            f"replica.parallelism: {spec.world_size} ranks do not divide num_kv_heads={spec.geometry.num_kv_heads}",
+        )
+    if spec.role is ReplicaRole.DIT:
+        if spec.num_pages <= 0:
+            raise InvalidArgument("MISSING_FIELD", "replica.num_pages: a DiT replica needs pages")
+        ranks = sorted(r.rank for r in spec.regions)
+        if ranks != list(range(spec.world_size)):
+            # A DiT rank without a region is a missing worker rank: nothing could land there.
+            raise InvalidArgument(
+                "MISSING_RANK",
+                f"replica.regions: DiT {spec.replica_id} has {spec.world_size} ranks but regions for {ranks}",
+            )
+
+
+def geometry_mismatch(a: KvGeometry, b: KvGeometry) -> str | None:
+    for name in SHARED_GEOMETRY_FIELDS:
+        if getattr(a, name) != getattr(b, name):
+            return name
+    return None
+
+
+class ReplicaRegistry:
+    def __init__(self, layout_version: int) -> None:
+        self.layout_version = layout_version
+        self._replicas: dict[ReplicaId, ReplicaRecord] = {}
+
+    def __iter__(self) -> Iterator[ReplicaRecord]:
+        return iter(self._replicas.values())
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._replicas
+
+    def get(self, replica_id: ReplicaId) -> ReplicaRecord:
+        try:
+            return self._replicas[replica_id]
+        except KeyError:
+            raise NotFound("UNKNOWN_REPLICA", f"replica {replica_id!r} is not registered") from None
+
+    def find(self, replica_id: ReplicaId) -> ReplicaRecord | None:
+        return self._replicas.get(replica_id)
+
+    def restore(self, record: ReplicaRecord) -> None:
+        self._replicas[record.spec.replica_id] = record
+
+    def check_compatible(self, spec: ReplicaSpec) -> None:
+        for other in self._replicas.values():
+            if other.spec.replica_id == spec.replica_id or other.deregistered:
+                continue
+            bad = geometry_mismatch(spec.geometry, other.spec.geometry)
+            if bad is not None:
+                raise InvalidArgument(
+                    "GEOMETRY_MISMATCH",
+                    f"replica.geometry.{bad}: {spec.replica_id} has {bad}={getattr(spec.geometry, bad)!r} but "
+                    f"{other.spec.replica_id} ({other.spec.role.value}) has {getattr(other.spec.geometry, bad)!r}",
+                )
+
+    def register(self, spec: ReplicaSpec, now: float, lease_seconds: float) -> tuple[Registration, ReplicaRecord]:
+        validate_spec(spec, self.layout_version)
+        self.check_compatible(spec)
+        old = self._replicas.get(spec.replica_id)
+        if old is not None and old.spec.role is not spec.role:
+            raise InvalidArgument(
+                "ROLE_MISMATCH",
+                f"replica.role: {spec.replica_id} registered as {old.spec.role.value}, now {spec.role.value}",
+            )
+        if old is None:
+            kind = Registration.NEW
+            record = ReplicaRecord(spec=spec, lease_expire_time=now + lease_seconds)
+        elif old.spec.incarnation_id == spec.incarnation_id:
+            kind = Registration.SAME_INCARNATION
+            if old.spec.role is ReplicaRole.DIT and (
+                old.spec.num_pages != spec.num_pages or old.spec.world_size != spec.world_size
+            ):
+                raise InvalidArgument(
+                    "INCARNATION_CHANGED_SHAPE",
+                    f"replica {spec.replica_id}: same incarnation re-registered with other pages or ranks",
+                )
+            # Same process: the fence (if any) stays; it must fail stop.
+            record = ReplicaRecord(
+                spec=spec,
+                lease_expire_time=now + lease_seconds,
+                fenced=old.fenced,
+                fence_reason=old.fence_reason,
+            )
+        else:
+            # A new incarnation took the replica's lock file: every worker of the old one is dead,
+            # and the fence on the old process is lifted with it.
+            kind = Registration.NEW_INCARNATION
+            record = ReplicaRecord(spec=spec, lease_expire_time=now + lease_seconds)
+        self._replicas[spec.replica_id] = record
+        return kind, record
+
+    def check_incarnation(self, replica_id: ReplicaId, incarnation_id: str) -> ReplicaRecord:
+        record = self.get(replica_id)
+        if record.spec.incarnation_id != incarnation_id:
+            raise FailedPrecondition(
+                "STALE_INCARNATION",
+                f"replica {replica_id}: incarnation {incarnation_id!r} is not the registered "
+                f"{record.spec.incarnation_id!r}; the report is ignored",
+            )
+        return record
+
+    def heartbeat(self, replica_id: ReplicaId, incarnation_id: str, now: float, lease_seconds: float) -> ReplicaRecord:
+        record = self.check_incarnation(replica_id, incarnation_id)
+        if record.needs_registration:
+            raise NotFound(
+                "REPLICA_NOT_REGISTERED",
+                f"replica {replica_id}: the broker restarted; register again with the same incarnation",
+            )
+        if record.deregistered:
+            raise FailedPrecondition("REPLICA_DEREGISTERED", f"replica {replica_id} deregistered")
+        record.lease_expire_time = now + lease_seconds
+        return record
+
+    def status(self, record: ReplicaRecord, now: float) -> ReplicaStatus:
+        return ReplicaStatus(
+            spec=record.spec,
+            up=record.up(now),
+            fenced=record.fenced,
+            fence_reason=record.fence_reason,
+            lease_expire_time=record.lease_expire_time,
+            deregistered=record.deregistered,
+        )

@@ -1,0 +1,373 @@
+"""BrokerService: the thin grpc.aio adapter over BrokerCore (DESIGN.md section 8).
+
+Owns the proto <-> dataclass conversions of the broker's messages and the mapping of the
+core's errors to gRPC status codes with google.rpc.ErrorInfo reasons. Must never hold
+lifecycle logic of its own: every decision is BrokerCore's, so the orchestrator (which calls
+the core in-process) and remote replicas (which call this servicer) see the same rules.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import timestamp_pb2
+from kvrelay.broker.core import BrokerCore, PoolStatus
+from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec, ReplicaStatus
+from kvrelay.broker.tickets import (
+    BrokerError,
+    InvalidArgument,
+    Ticket,
+    TicketOutcome,
+    TicketState,
+    WriteKey,
+    WriteStatus,
+)
+
+from kvrelay.errors import KvRelayServerError, abort_with
+from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+
+_ROLE_FROM_PB = {common_pb2.REPLICA_ROLE_AR: ReplicaRole.AR, common_pb2.REPLICA_ROLE_DIT: ReplicaRole.DIT}
+_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
+_TRANSPORT_FROM_PB = {
+    common_pb2.TRANSPORT_KIND_MOONCAKE: "mooncake",
+    common_pb2.TRANSPORT_KIND_GRPC_STREAM: "grpc",
+    common_pb2.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
+}
+_TRANSPORT_TO_PB = {v: k for k, v in _TRANSPORT_FROM_PB.items()}
+_STATE_TO_PB = {s: getattr(broker_pb2, f"TICKET_STATE_{s.value}") for s in TicketState}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+_OUTCOME_TO_PB = {o: getattr(broker_pb2, f"TICKET_OUTCOME_{o.value}") for o in TicketOutcome}
+_OUTCOME_FROM_PB = {v: k for k, v in _OUTCOME_TO_PB.items()}
+_WRITE_STATUS_TO_PB = {
+    WriteStatus.PENDING: common_pb2.WRITE_STATUS_UNSPECIFIED,
+    WriteStatus.OK: common_pb2.WRITE_STATUS_OK,
+    WriteStatus.FAILED: common_pb2.WRITE_STATUS_FAILED,
+    WriteStatus.NOT_STARTED: common_pb2.WRITE_STATUS_NOT_STARTED,
+    WriteStatus.WRITER_GONE: common_pb2.WRITE_STATUS_WRITER_GONE,
+}
+_WRITE_STATUS_FROM_PB = {v: k for k, v in _WRITE_STATUS_TO_PB.items()}
+
+
+def to_server_error(err: BrokerError) -> KvRelayServerError:
+    return KvRelayServerError(grpc.StatusCode[err.code], err.reason, err.message)
+
+
+# ---------------------------------------------------------------- conversions
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    if seconds == seconds and abs(seconds) != float("inf"):
+        ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def ticket_to_proto(t: Ticket) -> broker_pb2.Ticket:
+    return broker_pb2.Ticket(
+        ticket_id=t.ticket_id,
+        request_id=t.request_id,
+        state=_STATE_TO_PB[t.state],
+        outcome=_OUTCOME_TO_PB[t.outcome] if t.outcome else broker_pb2.TICKET_OUTCOME_UNSPECIFIED,
+        ar_replica_id=t.ar_replica_id,
+        dit_replica_id=t.dit_replica_id,
+        rows=[common_pb2.RowPages(row=r.row, num_tokens=r.num_tokens, page_ids=list(r.page_ids)) for r in t.rows],
+        armed=t.armed,
+        writes=[
+            broker_pb2.WriteProgress(
+                row=w.key.row,
+                src_rank=w.key.src_rank,
+                dst_rank=w.key.dst_rank,
+                status=_WRITE_STATUS_TO_PB[w.status],
+                checksum=w.checksum,
+                bytes=w.bytes,
+            )
+            for w in t.writes
+        ],
+        loads=[broker_pb2.LoadProgress(row=ld.key.row, dst_rank=ld.key.dst_rank, loaded=ld.loaded) for ld in t.loads],
+        reason=t.reason,
+        create_time=_timestamp(t.create_time),
+        update_time=_timestamp(t.update_time),
+        sequence=t.sequence,
+    )
+
+
+def spec_from_proto(pb: broker_pb2.ReplicaInfo) -> ReplicaSpec:
+    role = _ROLE_FROM_PB.get(pb.role)
+    if role is None:
+        raise InvalidArgument("INVALID_ARGUMENT", "replica.role: must be REPLICA_ROLE_AR or REPLICA_ROLE_DIT")
+    try:
+        geometry = geometry_from_proto(pb.geometry)
+    except ValueError as err:
+        raise InvalidArgument("INVALID_ARGUMENT", f"replica.geometry: {err}") from None
+    regions = []
+    for r in pb.regions:
+        transport = _TRANSPORT_FROM_PB.get(r.transport)
+        if transport is None:
+            raise InvalidArgument("INVALID_ARGUMENT", f"replica.regions[{r.rank}].transport: unspecified")
+        regions.append(MemoryRegionSpec(r.rank, transport, r.endpoint, r.base_address, r.length, r.ipc_handle))
+    return ReplicaSpec(
+        replica_id=pb.replica_id,
+        role=role,
+        incarnation_id=pb.incarnation_id,
+        layout_version=pb.layout_version,
+        version=pb.version,
+        endpoint=pb.endpoint,
+        geometry=geometry,
+        # proto3 zero = unset = no parallelism along that axis.
+        tensor_parallel_size=pb.parallelism.tensor_parallel_size or 1,
+        sequence_parallel_size=pb.parallelism.sequence_parallel_size or 1,
+        regions=tuple(sorted(regions, key=lambda r: r.rank)),
+        num_pages=pb.num_pages,
+        max_tokens=pb.max_tokens,
+        transport=_TRANSPORT_FROM_PB.get(pb.transport, "mooncake"),
+        stage_id=pb.stage_id,
+        max_num_seqs=pb.max_num_seqs or 1,
+    )
+
+
+def region_to_proto(r: MemoryRegionSpec) -> common_pb2.MemoryRegion:
+    return common_pb2.MemoryRegion(
+        rank=r.rank,
+        transport=_TRANSPORT_TO_PB[r.transport],
+        endpoint=r.endpoint,
+        base_address=r.base_address,
+        length=r.length,
+        ipc_handle=r.ipc_handle,
+    )
+
+
+def replica_to_proto(s: ReplicaStatus) -> broker_pb2.ReplicaInfo:
+    spec = s.spec
+    return broker_pb2.ReplicaInfo(
+        replica_id=spec.replica_id,
+        role=_ROLE_TO_PB[spec.role],
+        incarnation_id=spec.incarnation_id,
+        layout_version=spec.layout_version,
+        version=spec.version,
+        endpoint=spec.endpoint,
+        regions=[region_to_proto(r) for r in spec.regions],
+        geometry=geometry_to_proto(spec.geometry),
+        parallelism=common_pb2.Parallelism(
+            tensor_parallel_size=spec.tensor_parallel_size, sequence_parallel_size=spec.sequence_parallel_size
+        ),
+        num_pages=spec.num_pages,
+        max_tokens=spec.max_tokens,
+        transport=_TRANSPORT_TO_PB.get(spec.transport, common_pb2.TRANSPORT_KIND_UNSPECIFIED),
+        stage_id=spec.stage_id,
+        max_num_seqs=spec.max_num_seqs,
+        up=s.up,
+        fenced=s.fenced,
+        lease_expire_time=_timestamp(s.lease_expire_time),
+    )
+
+
+def pool_to_proto(p: PoolStatus) -> broker_pb2.PoolStatus:
+    return broker_pb2.PoolStatus(
+        replica_id=p.replica_id,
+        total_pages=p.total,
+        free_pages=p.free,
+        reserved_pages=p.reserved,
+        draining_pages=p.draining,
+        fenced=p.fenced,
+    )
+
+
+def _write_key(pb: common_pb2.WriteKey) -> tuple[str, WriteKey]:
+    return pb.ticket_id, WriteKey(pb.row, pb.src_rank, pb.dst_rank)
+
+
+# ------------------------------------------------------------------ servicer
+
+_Req = TypeVar("_Req")
+_Resp = TypeVar("_Resp")
+_Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
+
+
+def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
+    @functools.wraps(fn)
+    async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+        try:
+            return await fn(self, request, context)
+        except BrokerError as err:
+            await abort_with(context, to_server_error(err))
+
+    return handler
+
+
+class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
+    """Every BrokerService RPC, each one call into BrokerCore."""
+
+    def __init__(self, core: BrokerCore) -> None:
+        self.core = core
+
+    @_maps_errors
+    async def RegisterReplica(
+        self, request: broker_pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.RegisterReplicaResponse:
+        reply = self.core.register_replica(
+            spec_from_proto(request.replica),
+            token=request.token,
+            unresolved_writes=[_write_key(k) for k in request.unresolved_writes],
+            held_ticket_ids=list(request.held_ticket_ids),
+        )
+        return broker_pb2.RegisterReplicaResponse(lease_seconds=reply.lease_seconds, fenced=reply.fenced)
+
+    @_maps_errors
+    async def Heartbeat(
+        self, request: broker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.HeartbeatResponse:
+        reply = self.core.heartbeat(
+            request.replica_id, request.incarnation_id, [_write_key(k) for k in request.unresolved_writes]
+        )
+        return broker_pb2.HeartbeatResponse(
+            fenced=reply.fenced,
+            fence_reason=reply.fence_reason,
+            lease_seconds=reply.lease_seconds,
+            poll_writes=[
+                common_pb2.WriteKey(ticket_id=tid, row=k.row, src_rank=k.src_rank, dst_rank=k.dst_rank)
+                for tid, k in reply.poll_writes
+            ],
+        )
+
+    @_maps_errors
+    async def DeregisterReplica(
+        self, request: broker_pb2.DeregisterReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.DeregisterReplicaResponse:
+        self.core.deregister_replica(request.replica_id, request.incarnation_id)
+        return broker_pb2.DeregisterReplicaResponse()
+
+    @_maps_errors
+    async def CreateTicket(
+        self, request: broker_pb2.CreateTicketRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.CreateTicketResponse:
+        ticket = self.core.create_ticket(
+            request.request_id, request.ar_replica_id, request.dit_replica_id, list(request.row_token_counts)
+        )
+        if ticket is None:
+            no_room = KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "NO_FREE_PAGES",
+                f"DiT replica {request.dit_replica_id} has not enough free pages now; retry later",
+            )
+            await abort_with(context, no_room)
+        return broker_pb2.CreateTicketResponse(ticket=ticket_to_proto(ticket))
+
+    @_maps_errors
+    async def ReserveTicket(
+        self, request: broker_pb2.ReserveTicketRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ReserveTicketResponse:
+        arming = self.core.arm_ticket(request.ticket_id, request.ar_replica_id, request.incarnation_id)
+        return broker_pb2.ReserveTicketResponse(
+            ticket=ticket_to_proto(arming.ticket),
+            destinations=[region_to_proto(r) for r in arming.destinations],
+            writes=[write_to_proto(w) for w in arming.writes],
+            dit_geometry=geometry_to_proto(arming.dit_geometry),
+            dit_parallelism=common_pb2.Parallelism(
+                tensor_parallel_size=arming.dit_tensor_parallel_size,
+                sequence_parallel_size=arming.dit_sequence_parallel_size,
+            ),
+            dit_num_pages=arming.dit_num_pages,
+            verify_checksums=arming.verify_checksums,
+        )
+
+    @_maps_errors
+    async def ReportWrite(
+        self, request: broker_pb2.ReportWriteRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ReportWriteResponse:
+        status = _WRITE_STATUS_FROM_PB.get(request.status, WriteStatus.PENDING)
+        if status is WriteStatus.PENDING or status is WriteStatus.WRITER_GONE:
+            raise InvalidArgument("INVALID_ARGUMENT", "status: a writer reports OK, FAILED or NOT_STARTED")
+        ticket = self.core.report_write(
+            request.ticket_id,
+            WriteKey(request.row, request.src_rank, request.dst_rank),
+            replica_id=request.replica_id,
+            incarnation_id=request.incarnation_id,
+            status=status,
+            checksum=request.checksum,
+            nbytes=request.bytes,
+            message=request.message,
+        )
+        return broker_pb2.ReportWriteResponse(ticket=ticket_to_proto(ticket))
+
+    @_maps_errors
+    async def ReportLoad(
+        self, request: broker_pb2.ReportLoadRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ReportLoadResponse:
+        verified = {WriteKey(v.row, v.src_rank, v.dst_rank): v.checksum for v in request.verified}
+        ticket = self.core.report_load(
+            request.ticket_id,
+            request.row,
+            request.dst_rank,
+            replica_id=request.replica_id,
+            incarnation_id=request.incarnation_id,
+            verified=verified,
+        )
+        return broker_pb2.ReportLoadResponse(ticket=ticket_to_proto(ticket))
+
+    @_maps_errors
+    async def ReleaseTicket(
+        self, request: broker_pb2.ReleaseTicketRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ReleaseTicketResponse:
+        outcome = _OUTCOME_FROM_PB.get(request.outcome, TicketOutcome.OK)
+        ticket = self.core.release_ticket(request.ticket_id, outcome, request.reason, request.replica_id)
+        return broker_pb2.ReleaseTicketResponse(ticket=ticket_to_proto(ticket))
+
+    @_maps_errors
+    async def CancelTicket(
+        self, request: broker_pb2.CancelTicketRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.CancelTicketResponse:
+        outcome = _OUTCOME_FROM_PB.get(request.outcome, TicketOutcome.CANCELLED)
+        ticket = self.core.cancel_ticket(request.ticket_id, outcome, request.reason)
+        return broker_pb2.CancelTicketResponse(ticket=ticket_to_proto(ticket))
+
+    @_maps_errors
+    async def GetTicket(
+        self, request: broker_pb2.GetTicketRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.GetTicketResponse:
+        return broker_pb2.GetTicketResponse(ticket=ticket_to_proto(self.core.get_ticket(request.ticket_id)))
+
+    async def WatchTicket(
+        self, request: broker_pb2.WatchTicketRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[broker_pb2.WatchTicketResponse]:
+        # The core's waiter is removed in its own `finally` when this stream is cancelled.
+        try:
+            async for ticket in self.core.watch_ticket(request.ticket_id):
+                yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
+        except BrokerError as err:
+            await abort_with(context, to_server_error(err))
+
+    @_maps_errors
+    async def ListTickets(
+        self, request: broker_pb2.ListTicketsRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ListTicketsResponse:
+        states = [_STATE_FROM_PB[s] for s in request.states if s in _STATE_FROM_PB]
+        if len(states) != len(request.states):
+            raise InvalidArgument("INVALID_ARGUMENT", "states: TICKET_STATE_UNSPECIFIED is not a state")
+        tickets = self.core.list_tickets(states or None, request.replica_id or None)
+        return broker_pb2.ListTicketsResponse(tickets=[ticket_to_proto(t) for t in tickets])
+
+    @_maps_errors
+    async def GetPool(
+        self, request: broker_pb2.GetPoolRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.GetPoolResponse:
+        pools = self.core.pool_status(request.replica_id or None)
+        return broker_pb2.GetPoolResponse(pools=[pool_to_proto(p) for p in pools])
+
+    @_maps_errors
+    async def ListReplicas(
+        self, request: broker_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ListReplicasResponse:
+        return broker_pb2.ListReplicasResponse(replicas=[replica_to_proto(s) for s in self.core.list_replicas()])
+
+
+def add_broker_servicer(core: BrokerCore, server: grpc.aio.Server) -> BrokerServicer:
+    servicer = BrokerServicer(core)
+    broker_pb2_grpc.add_BrokerServiceServicer_to_server(servicer, server)
+    return servicer
+
+
+__all__ = ["BrokerServicer", "add_broker_servicer", "ticket_to_proto", "spec_from_proto"]
