@@ -8,7 +8,8 @@ imports torch: memory comes in as anything exporting the buffer protocol (or a C
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
@@ -62,3 +63,26 @@ def verify_write(region_memory: Any, write: PlannedWrite, expected_checksum: int
     Called by a receiving rank, repeatedly until its transfer timeout, before it reports a load.
     """
     return checksum_segments(region_memory, write.segments, side="dst") == expected_checksum
+
+
+def verify_write_until(
+    region_memory: Any,
+    write: PlannedWrite,
+    expected_checksum: int,
+    timeout_s: float,
+    *,
+    interval_s: float = 0.005,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Re-check `verify_write` until it holds or `timeout_s` passes (the receiver's transfer_timeout).
+
+    Mooncake's TCP transport may report completion while bytes are still in flight, so a first
+    mismatch right after the sender's OK is not yet a failure."""
+    deadline = clock() + timeout_s
+    while True:
+        if verify_write(region_memory, write, expected_checksum):
+            return True
+        if clock() >= deadline:
+            return False
+        sleep(interval_s)

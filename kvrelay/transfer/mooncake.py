@@ -101,6 +101,10 @@ class MooncakeEndpoint:
         """Register a host buffer once (idempotent per address); returns (address, length)."""
         addr, length = staging_address(memory)
         with self._lock:
+            if self._is_registered(addr, length):
+                # A view into a registered buffer (a rank's pool inside one arena, a slice of the
+                # staging buffer): registering it again would overlap the first registration.
+                return addr, length
             known = self._registered.get(addr)
             if known is not None:
                 if known < length:

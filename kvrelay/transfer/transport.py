@@ -146,17 +146,17 @@ def _load(name: str) -> Any:
             import mooncake.engine  # noqa: F401
         except ImportError as e:
             raise ImportError(f"the mooncake transport needs Mooncake: {_INSTALL_HINT['mooncake']}") from e
-        from kvrelay.transfer import mooncake as module
+        from kvrelay.transfer import mooncake as mooncake_module
 
-        return module
+        return mooncake_module
     if name == "grpc":
         try:
             import grpc  # noqa: F401
         except ImportError as e:
             raise ImportError(f"the grpc transport needs gRPC: {_INSTALL_HINT['grpc']}") from e
-        from kvrelay.transfer import grpc_stream as module
+        from kvrelay.transfer import grpc_stream as grpc_module
 
-        return module
+        return grpc_module
     if name == "cuda_ipc":
         raise NotImplementedError("the cuda_ipc transport is not built yet; use MooncakeConnector or none")
     raise ValueError(f"unknown transport {name!r}; expected 'mooncake', 'grpc' or 'cuda_ipc'")
