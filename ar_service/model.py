@@ -1,0 +1,206 @@
+"""The built-in AR model: a Llama-style decoder whose prefill yields the KV prefix.
+
+Owns the decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; blocks from kvrelay.models),
+tensor parallel over kv heads, with weights either random from a seed or read from a local
+Llama/Qwen2-family safetensors directory. `prefill` returns every layer's K (after RoPE) and V
+for this rank's kv heads, heads-major, ready for packing into DiT pages. It does not tokenize,
+transfer or serve: tokenizer.py, the sender and the service do.
+
+Random weights are generated whole, tensor by tensor, from (seed, parameter name) and then
+sliced, so every TP size and every process sees the same model (bit-identical weights on the
+same device type; CPU and CUDA generators differ).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, init_std, rope_cos_sin, torch_dtype
+from kvrelay.models.loader import (
+    KeyMap,
+    ar_config_to_hf,
+    llama_key_map,
+    load_into_module,
+    read_checkpoint,
+    read_hf_config,
+    write_checkpoint,
+)
+from kvrelay.models.parallel import TpGroup
+from kvrelay.models.presets import ArConfig, get_preset
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the model's max_tokens (maps to INVALID_ARGUMENT)."""
+
+
+class ArDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArConfig, tp: TpGroup, *, dtype: torch.dtype, device: str | torch.device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
+        self.self_attn = ParallelAttention(
+            cfg.hidden,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            tp,
+            qkv_bias=cfg.qkv_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.post_attention_layernorm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
+        self.mlp = SwiGLU(cfg.hidden, cfg.mlp, tp, dtype=dtype, device=device)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # Per-parameter seeds make each tensor independent of creation order and of which other
+    # tensors exist (a Qwen2 bias does not shift the Llama weights).
+    digest = hashlib.sha256(f"kvrelay-ar:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+class ArModel(nn.Module):
+    """Llama-style decoder. Parameter names follow `llama_key_map` (Hugging Face names without
+    the `model.` prefix); the LM head and final norm are absent because prefill only needs K/V."""
+
+    def __init__(
+        self,
+        config: ArConfig,
+        tp: TpGroup | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        super().__init__()
+        self.config = config
+        self.tp = tp or TpGroup.single()
+        if config.num_kv_heads % self.tp.world_size:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp.world_size} does not divide num_kv_heads={config.num_kv_heads}"
+            )
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # Replicated: a byte vocabulary is tiny, and a vocab-parallel embedding would add an
+        # all-reduce per prefill for little memory saved at 7B scale.
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            [ArDecoderLayer(config, self.tp, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        )
+        self.num_kv_heads_local = config.num_kv_heads // self.tp.world_size
+
+    @property
+    def key_map(self) -> KeyMap:
+        return llama_key_map(self.config.num_layers, qkv_bias=self.config.qkv_bias)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def init_random(self, seed: int) -> ArModel:
+        """Fill every parameter from `seed`: each full tensor is drawn, then this rank's slice kept."""
+        specs = {s.model_key: s for s in self.key_map}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                full_shape = list(param.shape)
+                shard_dim = specs[name].shard_dim
+                if shard_dim is not None:
+                    full_shape[shard_dim] *= self.tp.world_size
+                gen = torch.Generator(device=self.device).manual_seed(_param_seed(seed, name))
+                full = torch.randn(full_shape, generator=gen, device=self.device, dtype=torch.float32)
+                if name.endswith("norm.weight"):
+                    full = 1.0 + 0.1 * full  # near 1 like trained norms, but not all equal
+                elif name == "embed_tokens.weight":
+                    pass  # unit variance per channel, as RMSNorm expects on the way in
+                elif name.endswith(".bias"):
+                    full = 0.02 * full
+                else:
+                    full = full * init_std(full_shape[1])
+                if shard_dim is not None:
+                    full = self.tp.shard(full, shard_dim)
+                param.copy_(full.to(self.dtype))
+        return self
+
+    def load_checkpoint(self, directory: str | Path) -> ArModel:
+        """Load this rank's shards from a Llama/Qwen2-style safetensors directory."""
+        tensors = read_checkpoint(directory, self.key_map, self.tp, dtype=self.dtype, device=self.device)
+        load_into_module(self, tensors)
+        return self
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Write the model as a Llama-family checkpoint (model.safetensors + config.json).
+        Only a TP=1 model holds whole tensors."""
+        if self.tp.world_size != 1:
+            raise ValueError("save_checkpoint needs the unsharded (tensor_parallel_size=1) model")
+        tensors = {name: p.detach() for name, p in self.named_parameters()}
+        return write_checkpoint(directory, tensors, self.key_map, config=ar_config_to_hf(self.config))
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def check_prompt(self, token_ids: torch.Tensor) -> None:
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        n = token_ids.numel()
+        if n == 0:
+            raise ValueError("prompt has no tokens")
+        if n > self.config.max_tokens:
+            raise PromptTooLong(f"prompt has {n} tokens; the model's max is {self.config.max_tokens}")
+        lo, hi = int(token_ids.min()), int(token_ids.max())
+        if lo < 0 or hi >= self.config.vocab:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab}), got [{lo}, {hi}]")
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """K/V of every prompt token: [num_layers, 2, num_kv_heads_local, T, head_dim], K after
+        RoPE at positions 0..T-1, in the model dtype, on the model device. Every TP rank must
+        call it with the same tokens (the row parallel layers all-reduce)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        self.check_prompt(ids)
+        cfg = self.config
+        t = ids.numel()
+        ids = ids.to(self.device)
+        cos, sin = rope_cos_sin(
+            torch.arange(t, device=self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype
+        )
+        kv = torch.empty(
+            cfg.num_layers, 2, self.num_kv_heads_local, t, cfg.head_dim, dtype=self.dtype, device=self.device
+        )
+        x = self.embed_tokens(ids)[None]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True)
+            kv[i, 0] = k[0]
+            kv[i, 1] = v[0]
+            if i == last:
+                break  # nothing after the last layer's attention changes any K/V
+            x = x + attn_out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return kv
+
+
+def build_ar_model(
+    *,
+    preset: str | None = None,
+    path: str | Path | None = None,
+    seed: int = 0,
+    tp: TpGroup | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+) -> ArModel:
+    """The AR model of a stage config's `model:` entry: `{preset: NAME}` (random weights from
+    `seed`) or `{path: DIR}` (a local Llama-family safetensors directory with config.json).
+
+    `dtype` defaults to the preset's, or for a checkpoint to bfloat16 on CUDA and float32 on CPU.
+    """
+    if (preset is None) == (path is None):
+        raise ValueError("give exactly one of preset or path")
+    if preset is not None:
+        p = get_preset(preset)
+        model = ArModel(p.ar, tp, dtype=torch_dtype(dtype or p.dtype), device=device)
+        return model.eval().init_random(seed)
+    assert path is not None
+    cfg = read_hf_config(path)
+    default = "bfloat16" if device.startswith("cuda") else "float32"
+    model = ArModel(cfg, tp, dtype=torch_dtype(dtype or default), device=device)
+    return model.eval().load_checkpoint(path)

@@ -1,0 +1,80 @@
+"""Tokenizers for the AR stage: a byte-level one built in, or a Hugging Face tokenizer directory.
+
+The byte tokenizer needs no vocabulary file and never touches the network: ids 0..255 are the
+UTF-8 bytes of the prompt, then BOS/EOS/PAD (kvrelay.models.presets). A Hugging Face directory
+(`tokenizer.json`) is read with the `tokenizers` package, imported only when asked for so the
+default install does not need it. Owns text -> ids; never the model or the prompt length policy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from kvrelay.models.presets import BOS_ID, BYTE_TOKENIZER_VOCAB, BYTE_VOCAB, EOS_ID, PAD_ID
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with the tokenizer's BOS when it has one."""
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    vocab_size = BYTE_TOKENIZER_VOCAB
+    bos_id: int | None = BOS_ID
+    eos_id: int | None = EOS_ID
+    pad_id = PAD_ID
+
+    def encode(self, text: str) -> list[int]:
+        return [BOS_ID, *text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        # Specials are dropped; a byte sequence cut mid-character decodes with U+FFFD.
+        return bytes(i for i in ids if 0 <= i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+
+class HfTokenizer:
+    """A Hugging Face `tokenizer.json` (fast tokenizer); BOS added by its post-processor."""
+
+    def __init__(self, directory: str | Path):
+        try:
+            from tokenizers import Tokenizer as _HfTokenizer
+        except ImportError as exc:
+            raise ImportError(
+                "a Hugging Face tokenizer directory needs the `tokenizers` package: pip install tokenizers"
+            ) from exc
+        path = Path(directory)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self._tok = _HfTokenizer.from_file(str(file))
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.bos_id = self._special_id(("<|begin_of_text|>", "<s>", "<|endoftext|>"))
+        self.eos_id = self._special_id(("<|end_of_text|>", "</s>", "<|im_end|>", "<|endoftext|>"))
+
+    def _special_id(self, names: tuple[str, ...]) -> int | None:
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return int(token_id)
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """The byte tokenizer, or the Hugging Face tokenizer at `path` (a directory or tokenizer.json)."""
+    if path is None:
+        return ByteTokenizer()
+    return HfTokenizer(path)

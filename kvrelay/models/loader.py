@@ -1,0 +1,243 @@
+"""Safetensors checkpoints with explicit key maps, sharded on load for tensor parallelism.
+
+Owns: the mapping between a model's parameter names and a checkpoint's tensor names (with the
+dimension each tensor is split along under TP), reading only this rank's slice of each tensor
+(safetensors slices, so a TP rank never materializes the full matrix), writing checkpoints
+(tests and users export random models), and the Llama/Qwen2 family's names and config.json.
+Never downloads anything: a checkpoint is a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kvrelay.models.parallel import TpGroup
+from kvrelay.models.presets import ArConfig
+
+COLUMN = 0  # split along output features (q/k/v, gate/up): Megatron column parallel
+ROW = 1  # split along input features (o_proj, down_proj): Megatron row parallel
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One parameter: its name in the model (`model_key`), in the files (`file_key`), and the
+    dimension it is split along over TP ranks (None: every rank holds all of it)."""
+
+    model_key: str
+    file_key: str
+    shard_dim: int | None = None
+    optional: bool = False  # absent from a checkpoint without error (e.g. biases some families lack)
+
+
+KeyMap = tuple[TensorSpec, ...]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory does not fit the model: missing tensor, wrong shape, no files."""
+
+
+def llama_key_map(num_layers: int, *, qkv_bias: bool = False) -> KeyMap:
+    """Hugging Face Llama / Qwen2 names (`model.layers.{i}.self_attn.q_proj.weight`, ...) for the
+    built-in AR decoder. The LM head and final norm are not mapped: prefill only needs K/V."""
+    specs = [TensorSpec("embed_tokens.weight", "model.embed_tokens.weight")]
+    for i in range(num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        specs += [
+            TensorSpec(ours + "input_layernorm.weight", theirs + "input_layernorm.weight"),
+            TensorSpec(ours + "self_attn.q_proj.weight", theirs + "self_attn.q_proj.weight", COLUMN),
+            TensorSpec(ours + "self_attn.k_proj.weight", theirs + "self_attn.k_proj.weight", COLUMN),
+            TensorSpec(ours + "self_attn.v_proj.weight", theirs + "self_attn.v_proj.weight", COLUMN),
+            TensorSpec(ours + "self_attn.o_proj.weight", theirs + "self_attn.o_proj.weight", ROW),
+            TensorSpec(ours + "post_attention_layernorm.weight", theirs + "post_attention_layernorm.weight"),
+            TensorSpec(ours + "mlp.gate_proj.weight", theirs + "mlp.gate_proj.weight", COLUMN),
+            TensorSpec(ours + "mlp.up_proj.weight", theirs + "mlp.up_proj.weight", COLUMN),
+            TensorSpec(ours + "mlp.down_proj.weight", theirs + "mlp.down_proj.weight", ROW),
+        ]
+        if qkv_bias:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                specs.append(
+                    TensorSpec(ours + f"self_attn.{proj}.bias", theirs + f"self_attn.{proj}.bias", COLUMN)
+                )
+    return tuple(specs)
+
+
+def checkpoint_files(directory: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (the index's files when there is one)."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [directory / n for n in names]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {directory}")
+    return files
+
+
+def _tensor_locations(files: Iterable[Path]) -> dict[str, Path]:
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                where[key] = path
+    return where
+
+
+def read_checkpoint(
+    directory: str | Path,
+    key_map: KeyMap,
+    tp: TpGroup | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """This rank's share of every mapped tensor, keyed by model name.
+
+    Split dimensions must divide evenly over the TP size (CheckpointError otherwise); tensors
+    are cast to `dtype` when given. Tensors in the files that the map does not name are ignored
+    (LM heads, vision towers of a bigger checkpoint).
+    """
+    tp = tp or TpGroup.single()
+    where = _tensor_locations(checkpoint_files(directory))
+    out: dict[str, torch.Tensor] = {}
+    handles: dict[Path, Any] = {}
+    try:
+        for spec in key_map:
+            path = where.get(spec.file_key)
+            if path is None:
+                if spec.optional:
+                    continue
+                raise CheckpointError(f"checkpoint {directory} has no tensor {spec.file_key!r}")
+            if path not in handles:
+                handles[path] = safe_open(str(path), framework="pt").__enter__()
+            piece = handles[path].get_slice(spec.file_key)
+            shape = piece.get_shape()
+            if spec.shard_dim is None or tp.world_size == 1:
+                tensor = piece[:]
+            else:
+                size = shape[spec.shard_dim]
+                if size % tp.world_size:
+                    raise CheckpointError(
+                        f"{spec.file_key}: dim {spec.shard_dim} of size {size} does not split over "
+                        f"tensor parallel size {tp.world_size}"
+                    )
+                start, end = tp.shard_range(size)
+                index = tuple(
+                    slice(start, end) if d == spec.shard_dim else slice(None) for d in range(len(shape))
+                )
+                tensor = piece[index]
+            out[spec.model_key] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    return out
+
+
+def write_checkpoint(
+    directory: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    key_map: KeyMap,
+    *,
+    config: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write full (unsharded) tensors keyed by model name as `model.safetensors` under the map's
+    file names, plus `config.json` when given. Returns the file written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    by_model = {spec.model_key: spec for spec in key_map}
+    unknown = sorted(set(tensors) - set(by_model))
+    if unknown:
+        raise CheckpointError(f"tensors not in the key map: {unknown[:5]}")
+    missing = [s.model_key for s in key_map if s.model_key not in tensors and not s.optional]
+    if missing:
+        raise CheckpointError(f"missing tensors for the key map: {missing[:5]}")
+    files = {by_model[k].file_key: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    path = directory / "model.safetensors"
+    save_file(files, str(path), metadata={"format": "pt", **(metadata or {})})
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load_into_module(
+    module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
+    """Copy tensors (this rank's shards, keyed by parameter name) into `module`'s parameters,
+    checking every shape: a wrong split shows up here, not as garbage activations later."""
+    params = dict(module.named_parameters())
+    if strict:
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise CheckpointError(f"no weights for parameters {missing[:5]}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if name not in params:
+                raise CheckpointError(f"tensor {name!r} matches no parameter of {type(module).__name__}")
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}"
+                )
+            param.copy_(tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-family config.json
+# ---------------------------------------------------------------------------------------------
+
+
+def ar_config_from_hf(config: Mapping[str, Any]) -> ArConfig:
+    """ArConfig of a Hugging Face Llama/Qwen2 `config.json`."""
+    archs = " ".join(config.get("architectures", []))
+    hidden = int(config["hidden_size"])
+    num_heads = int(config["num_attention_heads"])
+    return ArConfig(
+        num_layers=int(config["num_hidden_layers"]),
+        hidden=hidden,
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads", num_heads)),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        mlp=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]),
+        max_tokens=int(config.get("max_position_embeddings", 4096)),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(config.get("attention_bias", False)) or "Qwen2" in archs,
+    )
+
+
+def ar_config_to_hf(cfg: ArConfig) -> dict[str, Any]:
+    """A Llama `config.json` for a built-in AR shape (Qwen2 when it has q/k/v biases)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM" if cfg.qkv_bias else "LlamaForCausalLM"],
+        "model_type": "qwen2" if cfg.qkv_bias else "llama",
+        "hidden_size": cfg.hidden,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.mlp,
+        "vocab_size": cfg.vocab,
+        "max_position_embeddings": cfg.max_tokens,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "attention_bias": cfg.qkv_bias,
+        "hidden_act": "silu",
+    }
+
+
+def read_hf_config(directory: str | Path) -> ArConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no config.json")
+    return ar_config_from_hf(json.loads(path.read_text()))

@@ -1,0 +1,28 @@
+"""AR prefill on worker ranks, for the harness-driven AR tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ar_service.model import build_ar_model
+from kvrelay.worker import RankContext
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    token_ids: tuple[int, ...]
+
+
+class ArPrefillHandler:
+    def __init__(self, ctx: RankContext, *, preset: str = "tiny", seed: int = 0, path: str | None = None):
+        if path is not None:
+            self.model = build_ar_model(path=path, tp=ctx.tp)
+        else:
+            self.model = build_ar_model(preset=preset, seed=seed, tp=ctx.tp)
+
+    def handle(self, command: object) -> torch.Tensor:
+        if isinstance(command, Prefill):
+            return self.model.prefill(list(command.token_ids))
+        raise TypeError(f"unknown command {command!r}")
