@@ -333,6 +333,9 @@ def _rank_main(spec: _RankSpec, conn: Connection, factory_bytes: bytes, lock_fd:
     import torch
 
     torch.set_num_threads(spec.num_threads)
+    if spec.device.startswith("cuda"):
+        # Before any CUDA work, so default allocations and NCCL land on this rank's GPU.
+        torch.cuda.set_device(torch.device(spec.device))
     with contextlib.suppress(RuntimeError):  # only settable before any inter-op work
         torch.set_num_interop_threads(1)
 

@@ -51,16 +51,28 @@ class TpGroup:
         start, end = self.shard_range(tensor.shape[dim])
         return tensor.narrow(dim, start, end - start).contiguous()
 
+    def stages_through_host(self, tensor: torch.Tensor) -> bool:
+        """True when `tensor` is on a GPU but the group is gloo (ranks sharing one GPU): gloo's
+        CUDA support does not cover every collective, so those go through host memory."""
+        return tensor.is_cuda and dist.get_backend(self.group) == "gloo"
+
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the group, in place; returns `tensor`."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            if self.stages_through_host(tensor):
+                host = tensor.cpu()
+                dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.group)
+                tensor.copy_(host)
+            else:
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim` in rank order."""
         if self.world_size == 1:
             return tensor
+        if self.stages_through_host(tensor):
+            return self.all_gather(tensor.cpu(), dim).to(tensor.device)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

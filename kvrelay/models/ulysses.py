@@ -25,6 +25,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: TpGrou
         raise ValueError(
             f"dim {scatter_dim} of size {x.shape[scatter_dim]} does not split over {world} ranks"
         )
+    if group.stages_through_host(x):  # gloo has no all-to-all on CUDA tensors
+        return all_to_all(x.cpu(), scatter_dim, gather_dim, group).to(x.device)
     inputs = [chunk.contiguous() for chunk in x.chunk(world, dim=scatter_dim)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(world)]
     dist.all_to_all(outputs, inputs, group=group.group)

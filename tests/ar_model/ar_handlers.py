@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from kvrelay.ar_service.model import build_ar_model
 
-from ar_service.model import build_ar_model
 from kvrelay.worker import RankContext
 
 
@@ -16,11 +16,19 @@ class Prefill:
 
 
 class ArPrefillHandler:
-    def __init__(self, ctx: RankContext, *, preset: str = "tiny", seed: int = 0, path: str | None = None):
+    def __init__(
+        self,
+        ctx: RankContext,
+        *,
+        preset: str = "tiny",
+        seed: int = 0,
+        path: str | None = None,
+        dtype: str | None = None,
+    ):
         if path is not None:
-            self.model = build_ar_model(path=path, tp=ctx.tp)
+            self.model = build_ar_model(path=path, tp=ctx.tp, device=ctx.device, dtype=dtype)
         else:
-            self.model = build_ar_model(preset=preset, seed=seed, tp=ctx.tp)
+            self.model = build_ar_model(preset=preset, seed=seed, tp=ctx.tp, device=ctx.device, dtype=dtype)
 
     def handle(self, command: object) -> torch.Tensor:
         if isinstance(command, Prefill):

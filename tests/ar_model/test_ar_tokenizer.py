@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from kvrelay.ar_service.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 
-from ar_service.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 from kvrelay.models.presets import BOS_ID, get_preset
 
 
@@ -34,3 +34,21 @@ def test_hf_tokenizer_without_the_package_says_what_to_install(tmp_path):
 def test_hf_tokenizer_directory_without_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         HfTokenizer(tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="tokenizers not installed")
+def test_hf_tokenizer_directory_encodes_and_decodes(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["a red fox in the snow", "a blue fox on the ice"] * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+
+    hf = load_tokenizer(tmp_path)
+    ids = hf.encode("a red fox")
+    assert hf.bos_id == 1 and ids[0] == 1 and len(ids) > 1
+    assert hf.decode(ids).replace(" ", "").replace("Ġ", "") == "aredfox"
+    assert hf.vocab_size <= 300
