@@ -1,0 +1,230 @@
+"""Replica registry checks and the journal: write-ahead commits and recovery after a restart."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.registry import Registration
+from kvrelay.broker.tickets import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    TicketOutcome,
+    TicketState,
+    Unauthenticated,
+    Unavailable,
+    WriteStatus,
+)
+
+from kvrelay.transfer.layout import KvGeometry
+from tests.broker.helpers import (
+    GEOMETRY,
+    ManualClock,
+    ar_spec,
+    dit_spec,
+    load_all,
+    new_incarnation,
+    write_all,
+)
+
+QUIET = 2.0
+
+
+def make_core(path: Path | None, clock: ManualClock, **kw) -> BrokerCore:
+    return BrokerCore(path, clock=clock, drain_quiet_seconds=QUIET, journal_synchronous="NORMAL", **kw)
+
+
+def pages(core: BrokerCore, replica: str = "dit-0") -> tuple[int, int, int]:
+    p = core.pool_status(replica)[0]
+    return p.free, p.reserved, p.draining
+
+
+# ------------------------------------------------------------------- registry
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("num_layers", 3), ("num_kv_heads", 8), ("head_dim", 16), ("dtype", "float16")]
+)
+def test_geometry_mismatch_between_ar_and_dit_names_the_field(field: str, value: object) -> None:
+    core = make_core(None, ManualClock())
+    core.register_replica(ar_spec())
+    other = replace(GEOMETRY, **{field: value})
+    with pytest.raises(InvalidArgument) as err:
+        core.register_replica(dit_spec(geometry=other))
+    assert err.value.reason == "GEOMETRY_MISMATCH"
+    assert f"geometry.{field}" in err.value.message
+    assert "dit-0" not in {s.spec.replica_id for s in core.list_replicas()}
+
+
+def test_page_size_is_the_dits_own() -> None:
+    core = make_core(None, ManualClock())
+    core.register_replica(ar_spec())
+    core.register_replica(dit_spec(geometry=KvGeometry(2, 4, 8, "bfloat16", page_size=64)))
+    t = core.create_ticket("r", "ar-0", "dit-0", [65])
+    assert t is not None and len(t.page_ids) == 2, "65 tokens in pages of 64"
+
+
+def test_layout_version_and_token_are_checked() -> None:
+    core = make_core(None, ManualClock(), registration_token="s3cret")
+    with pytest.raises(Unauthenticated):
+        core.register_replica(ar_spec(), token="wrong")
+    with pytest.raises(InvalidArgument) as err:
+        core.register_replica(replace(ar_spec(), layout_version=99), token="s3cret")
+    assert err.value.reason == "LAYOUT_VERSION_MISMATCH"
+    assert core.register_replica(ar_spec(), token="s3cret").registration is Registration.NEW
+
+
+def test_heartbeat_renews_the_lease_and_deregister_stops_scheduling() -> None:
+    clock = ManualClock()
+    core = make_core(None, clock, lease_seconds=5.0)
+    ar, dit = ar_spec(), dit_spec()
+    core.register_replica(ar)
+    core.register_replica(dit)
+    for _ in range(4):
+        clock.advance(4)
+        core.heartbeat("ar-0", ar.incarnation_id)
+        core.heartbeat("dit-0", dit.incarnation_id)
+    assert core.get_replica("ar-0").up
+    assert core.choose_ar_replica() == "ar-0"
+    core.deregister_replica("ar-0", ar.incarnation_id)
+    assert not core.get_replica("ar-0").up and core.choose_ar_replica() is None
+    with pytest.raises(Unavailable):
+        core.create_ticket("r", "ar-0", "dit-0", [3])
+    with pytest.raises(NotFound):
+        core.heartbeat("ar-9", "x")
+    with pytest.raises(FailedPrecondition) as err:
+        core.heartbeat("dit-0", "not-the-incarnation")
+    assert err.value.reason == "STALE_INCARNATION"
+
+
+def test_choose_dit_prefers_most_free_pages() -> None:
+    core = make_core(None, ManualClock())
+    ar = ar_spec()
+    core.register_replica(ar)
+    core.register_replica(dit_spec("dit-0", num_pages=16))
+    core.register_replica(dit_spec("dit-1", num_pages=16))
+    assert core.create_ticket("a", "ar-0", "dit-0", [16 * 4]) is not None
+    assert core.choose_dit_replica([16]) == "dit-1"
+    assert core.choose_dit_replica([16 * 13]) == "dit-1"
+    assert core.choose_dit_replica([16 * 17]) is None
+
+
+# -------------------------------------------------------------------- journal
+
+
+def journal_state(path: Path, ticket_id: str) -> str | None:
+    db = sqlite3.connect(path)
+    try:
+        row = db.execute("SELECT data FROM tickets WHERE ticket_id = ?", (ticket_id,)).fetchone()
+    finally:
+        db.close()
+    return None if row is None else json.loads(row[0])["state"]
+
+
+def test_every_transition_is_committed_before_it_is_revealed(tmp_path: Path) -> None:
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(), dit_spec()
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r", "ar-0", "dit-0", [20, 5])
+    assert t is not None and journal_state(path, t.ticket_id) == "RESERVED"
+    assert core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id).ticket.state.value == journal_state(
+        path, t.ticket_id
+    ) == "WRITING"
+    assert core.cancel_ticket(t.ticket_id).state.value == journal_state(path, t.ticket_id) == "DRAINING"
+    write_all(core, t, ar)
+    clock.advance(QUIET)
+    core.tick()
+    assert journal_state(path, t.ticket_id) is None, "released tickets leave the journal"
+    core.close()
+
+
+def test_restart_brings_armed_tickets_back_draining_and_never_frees_silently(tmp_path: Path) -> None:
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(tp=2), dit_spec(tp=2, num_pages=32)
+    core.register_replica(ar)
+    core.register_replica(dit)
+
+    unarmed = core.create_ticket("unarmed", "ar-0", "dit-0", [16])
+    writing = core.create_ticket("writing", "ar-0", "dit-0", [32])
+    ready = core.create_ticket("ready", "ar-0", "dit-0", [16])
+    consuming = core.create_ticket("consuming", "ar-0", "dit-0", [16])
+    assert unarmed and writing and ready and consuming
+    for t in (writing, ready, consuming):
+        core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+    for t in (ready, consuming):
+        load_all(core, write_all(core, t, ar), dit)
+    core.start_consuming(consuming.ticket_id)
+    core.report_write(writing.ticket_id, writing.writes[0].key, replica_id="ar-0",
+                      incarnation_id=ar.incarnation_id, status=WriteStatus.OK, checksum=5)
+    assert pages(core) == (27, 5, 0)
+    core.close()
+
+    clock.advance(60)
+    core = make_core(path, clock)
+    # Unarmed: no AR ever had a destination map, so rollback is proven. Armed WRITING: drains.
+    assert core.get_ticket(writing.ticket_id).state is TicketState.DRAINING
+    assert core.ticket_for_request("unarmed") is None
+    assert pages(core) == (28, 2, 2), "READY + CONSUMING still reserved, WRITING draining"
+    # Replicas must register again before anything else.
+    with pytest.raises(NotFound):
+        core.heartbeat("ar-0", ar.incarnation_id)
+    assert core.choose_ar_replica() is None
+    # Same DiT incarnation: it still reads `consuming`, not `ready`.
+    reply = core.register_replica(dit, held_ticket_ids=[consuming.ticket_id])
+    assert reply.registration is Registration.SAME_INCARNATION
+    assert core.get_ticket(ready.ticket_id).state is TicketState.RELEASED
+    assert core.get_ticket(consuming.ticket_id).state is TicketState.CONSUMING
+    core.release_ticket(consuming.ticket_id, TicketOutcome.OK)
+    assert pages(core) == (30, 0, 2)
+    # Same AR incarnation: its writes are still unresolved; only reports resolve them.
+    core.register_replica(ar, unresolved_writes=[(writing.ticket_id, w.key) for w in writing.writes[1:]])
+    hb = core.heartbeat("ar-0", ar.incarnation_id)
+    assert sorted(k for _, k in hb.poll_writes) == sorted(w.key for w in writing.writes[1:])
+    clock.advance(3600)
+    core.tick()
+    assert core.get_ticket(writing.ticket_id).state is TicketState.DRAINING
+    for w in writing.writes[1:]:
+        core.report_write(writing.ticket_id, w.key, replica_id="ar-0", incarnation_id=ar.incarnation_id,
+                          status=WriteStatus.NOT_STARTED)
+    clock.advance(QUIET)
+    core.tick()
+    assert core.get_ticket(writing.ticket_id).state is TicketState.RELEASED
+    assert pages(core) == (32, 0, 0)
+    core.close()
+
+
+def test_restart_then_new_ar_incarnation_resolves_as_writer_gone(tmp_path: Path) -> None:
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(), dit_spec()
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r", "ar-0", "dit-0", [40])
+    assert t is not None
+    core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+    core.fence_replica("dit-0", "test fence survives restart")
+    core.close()
+
+    core = make_core(path, clock)
+    assert core.get_replica("dit-0").fenced
+    core.register_replica(new_incarnation(ar))
+    assert {w.status for w in core.get_ticket(t.ticket_id).writes} == {WriteStatus.WRITER_GONE}
+    clock.advance(QUIET)
+    core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+    core.close()
+    # And the ticket stays released across another restart.
+    core = make_core(path, clock)
+    assert pages(core) == (64, 0, 0)
+    core.close()
