@@ -1,0 +1,296 @@
+"""`kvrelay generate` and `kvrelay status`: thin command-line front ends over the SDK.
+
+Owns presentation only (progress on stderr, tables and paths on stdout, exit codes). Talks to the
+broker only through `KvRelayClient`; never imports torch, the config or a service package, so a
+client-only install runs it.
+
+Exit codes: 0 success, 1 an error from kvrelay (code, reason and message are printed),
+130 interrupted (Ctrl-C cancels the generation on the server first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import enum
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from ._common import DEFAULT_TARGET
+from .errors import KvRelayError
+from .sync import GenerationHandle, KvRelayClient
+from .types import GenerationEvent, GenerationState, PhaseTimings, PoolStatus, Replica, Ticket
+
+TOKEN_ENV = "KVRELAY_API_TOKEN"
+_PHASES = ("queue", "prefill", "transfer", "load", "denoise", "decode")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    return getattr(args, "token", None) or os.environ.get(TOKEN_ENV) or None
+
+
+def _print_error(command: str, err: KvRelayError, stream: TextIO) -> None:
+    reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
+    print(f"kvrelay {command}: {err.code}{reason}: {err.message}", file=stream)
+    for key, value in sorted(err.details.items()):
+        print(f"  {key}: {value}", file=stream)
+    if err.request_id:
+        print(f"  request_id: {err.request_id}", file=stream)
+
+
+# ---------------------------------------------------------------------------------------------
+# kvrelay generate
+# ---------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Stages and denoising steps on stderr: a tqdm bar on a terminal, plain lines otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool) -> None:
+        self._stream = stream
+        self._enabled = enabled
+        self._tty = enabled and stream.isatty()
+        self._bar: Any = None
+        self._started = time.monotonic()
+        self._last: tuple[GenerationState, int] | None = None
+
+    def update(self, event: GenerationEvent) -> None:
+        if not self._enabled or (event.state, event.step) == self._last:
+            return
+        self._last = (event.state, event.step)
+        if self._tty:
+            self._update_bar(event)
+            return
+        elapsed = time.monotonic() - self._started
+        text = event.state.name
+        if event.state == GenerationState.DENOISING and event.total_steps:
+            text += f" {event.step}/{event.total_steps}"
+        print(f"[{elapsed:7.2f}s] {text}", file=self._stream, flush=True)
+
+    def _update_bar(self, event: GenerationEvent) -> None:
+        from tqdm import tqdm
+
+        if self._bar is None:
+            self._bar = tqdm(
+                total=None,
+                file=self._stream,
+                unit="step",
+                dynamic_ncols=True,
+                bar_format="{desc:<14}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]",
+            )
+        bar = self._bar
+        bar.set_description_str(event.state.name.lower(), refresh=False)
+        if event.state == GenerationState.DENOISING and event.total_steps:
+            if bar.total != event.total_steps:
+                bar.reset(total=event.total_steps)
+            bar.n = event.step
+        elif event.state == GenerationState.SUCCEEDED and bar.total:
+            bar.n = bar.total
+        bar.refresh()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def format_timings(timings: PhaseTimings) -> str:
+    parts = [f"{name} {getattr(timings, f'{name}_seconds'):.3f}s" for name in _PHASES]
+    return "  ".join(parts) + f"  | total {timings.total_seconds:.3f}s"
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`kvrelay generate PROMPT -o out.png`: one image, progress on stderr, Ctrl-C cancels."""
+    stdout, stderr = sys.stdout, sys.stderr
+    quiet = bool(getattr(args, "quiet", False))
+    output = getattr(args, "output", None) or "out.png"
+    progress = _Progress(stderr, enabled=not quiet)
+    handle: GenerationHandle | None = None
+    with KvRelayClient(getattr(args, "target", None) or DEFAULT_TARGET, token=_token(args)) as client:
+        try:
+            handle = client.generate(
+                args.prompt,
+                negative_prompt=getattr(args, "negative_prompt", "") or "",
+                seed=getattr(args, "seed", None),
+                width=getattr(args, "width", 512),
+                height=getattr(args, "height", 512),
+                num_inference_steps=getattr(args, "steps", 2),
+                guidance_scale=getattr(args, "guidance_scale", 2.0),
+                request_id=getattr(args, "request_id", None),
+                timeout=getattr(args, "timeout", None),
+            )
+            for event in handle.events():
+                progress.update(event)
+            progress.close()
+            result = handle.result()
+        except KeyboardInterrupt:
+            progress.close()
+            return _cancel_on_interrupt(handle, stderr)
+        except KvRelayError as err:
+            progress.close()
+            _print_error("generate", err, stderr)
+            return 1
+    try:
+        result.save(output)
+    except OSError as err:
+        print(f"kvrelay generate: cannot write {output}: {err}", file=stderr)
+        return 1
+    print(
+        f"wrote {output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})",
+        file=stdout,
+    )
+    if not quiet:
+        print(f"timings: {format_timings(result.timings)}", file=stdout)
+    return 0
+
+
+def _cancel_on_interrupt(handle: GenerationHandle | None, stderr: TextIO) -> int:
+    if handle is None:
+        print("kvrelay generate: interrupted", file=stderr)
+        return 130
+    request = handle.request_id or "(not yet assigned)"
+    print(f"kvrelay generate: interrupted; cancelling request {request}", file=stderr, flush=True)
+    try:
+        handle.cancel()
+    except KvRelayError as err:
+        # The dropped stream still cancels it server-side; say that the explicit cancel failed.
+        _print_error("generate", err, stderr)
+    return 130
+
+
+# ---------------------------------------------------------------------------------------------
+# kvrelay status
+# ---------------------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [list(headers)] + [["-" if v is None or v == "" else str(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def _age(when: _dt.datetime | None, now: _dt.datetime) -> str:
+    if when is None:
+        return "-"
+    seconds = max(0.0, (now - when).total_seconds())
+    return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+
+def _until(when: _dt.datetime | None, now: _dt.datetime) -> str:
+    if when is None:
+        return "-"
+    return f"{(when - now).total_seconds():+.1f}s"
+
+
+def replicas_table(replicas: Sequence[Replica], now: _dt.datetime) -> str:
+    rows = [
+        (
+            r.replica_id,
+            r.role.name.lower(),
+            r.endpoint,
+            f"tp{r.tensor_parallel_size}"
+            + (f" sp{r.sequence_parallel_size}" if r.sequence_parallel_size > 1 else ""),
+            r.transport.name.lower(),
+            "yes" if r.up else "no",
+            "FENCED" if r.fenced else "",
+            _until(r.lease_expire_time, now),
+            r.incarnation_id[:8],
+        )
+        for r in sorted(replicas, key=lambda r: (r.role, r.replica_id))
+    ]
+    return format_table(
+        ("REPLICA", "ROLE", "ENDPOINT", "PARALLEL", "TRANSPORT", "UP", "FENCED", "LEASE", "INCARNATION"), rows
+    )
+
+
+def pools_table(pools: Sequence[PoolStatus]) -> str:
+    rows = [
+        (
+            p.replica_id,
+            p.total_pages,
+            p.free_pages,
+            p.reserved_pages,
+            p.draining_pages,
+            "FENCED" if p.fenced else "",
+        )
+        for p in sorted(pools, key=lambda p: p.replica_id)
+    ]
+    return format_table(("POOL", "TOTAL", "FREE", "RESERVED", "DRAINING", "FENCED"), rows)
+
+
+def tickets_table(tickets: Sequence[Ticket], now: _dt.datetime) -> str:
+    rows = []
+    for t in sorted(tickets, key=lambda t: t.sequence):
+        writes_done = sum(1 for w in t.writes if w.status != 0)
+        loads_done = sum(1 for x in t.loads if x.loaded)
+        rows.append(
+            (
+                t.ticket_id,
+                t.request_id,
+                t.state.name,
+                t.outcome.name if t.outcome else "",
+                t.ar_replica_id,
+                t.dit_replica_id,
+                t.num_pages,
+                f"{writes_done}/{len(t.writes)}",
+                f"{loads_done}/{len(t.loads)}",
+                _age(t.create_time, now),
+                t.reason,
+            )
+        )
+    return format_table(
+        ("TICKET", "REQUEST", "STATE", "OUTCOME", "AR", "DIT", "PAGES", "WRITES", "LOADS", "AGE", "REASON"),
+        rows,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, _dt.datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        return len(value)
+    return value
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """`kvrelay status`: replicas, page pools and live tickets of a broker, as tables or JSON."""
+    target = getattr(args, "target", None) or DEFAULT_TARGET
+    try:
+        with KvRelayClient(target, token=_token(args), timeout=10.0) as client:
+            replicas = client.list_replicas()
+            pools = client.get_pools()
+            tickets = client.list_tickets()
+    except KvRelayError as err:
+        _print_error("status", err, sys.stderr)
+        return 1
+    if getattr(args, "json", False):
+        doc = {"target": target, "replicas": replicas, "pools": pools, "tickets": tickets}
+        print(json.dumps(_jsonable(doc), indent=2))
+        return 0
+    now = _dt.datetime.now(_dt.UTC)
+    print(f"broker {target}")
+    print()
+    print(replicas_table(replicas, now) if replicas else "REPLICAS: none registered")
+    print()
+    print(pools_table(pools) if pools else "POOLS: none")
+    print()
+    print(tickets_table(tickets, now) if tickets else "TICKETS: none in flight")
+    return 0
+
+
+__all__ = ["format_table", "format_timings", "run_generate", "run_status"]

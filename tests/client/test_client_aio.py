@@ -1,0 +1,164 @@
+"""The asyncio SDK against the same real gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from kvrelay.client import AsyncKvRelayClient, GenerationState, KvRelayError, RetryPolicy
+from PIL import Image
+
+from kvrelay.v1 import generation_pb2
+from tests.client.harness import Harness, ServerThread
+
+S = GenerationState
+PB = generation_pb2.GenerationState
+FAST_RETRY = RetryPolicy(max_attempts=4, initial_backoff=0.01, max_backoff=0.05)
+
+
+def run(address: str, body: Callable[[AsyncKvRelayClient], Awaitable[Any]], **options: Any) -> Any:
+    async def main() -> Any:
+        async with AsyncKvRelayClient(address, retry=FAST_RETRY, **options) as client:
+            return await asyncio.wait_for(body(client), 30)
+
+    return asyncio.run(main())
+
+
+def test_async_generate_streams_stages_and_returns_the_png(server: ServerThread) -> None:
+    async def body(client: AsyncKvRelayClient) -> tuple[list[Any], Any]:
+        handle = await client.generate("a fox", seed=9, width=96, height=64, num_inference_steps=2)
+        events = [event async for event in handle.events()]
+        return events, await handle.result()
+
+    events, result = run(server.address, body)
+    assert [e.state for e in events] == [
+        S.QUEUED,
+        S.PREFILLING,
+        S.TRANSFERRING,
+        S.DENOISING,
+        S.DENOISING,
+        S.SUCCEEDED,
+    ]
+    assert Image.open(io.BytesIO(result.png)).size == (96, 64)
+    assert result.seed == 9 and result.request_id == events[0].request_id
+
+
+def test_async_errors_are_kvrelay_errors(server: ServerThread) -> None:
+    async def body(client: AsyncKvRelayClient) -> list[KvRelayError]:
+        errors = []
+        for action in (
+            lambda: _result(client.generate("x", height=70)),
+            lambda: client.get_generation("missing"),
+            lambda: _result(client.generate("fail:CHECKSUM_MISMATCH", width=64, height=64)),
+        ):
+            try:
+                await action()
+            except KvRelayError as err:
+                errors.append(err)
+        return errors
+
+    bad_height, missing, failed = run(server.address, body)
+    assert not isinstance(bad_height, grpc.RpcError)
+    assert (bad_height.code, bad_height.details["field"]) == ("INVALID_ARGUMENT", "height")
+    assert (missing.code, missing.reason) == ("NOT_FOUND", "GENERATION_NOT_FOUND")
+    assert (failed.code, failed.reason) == ("DEADLINE_EXCEEDED", "CHECKSUM_MISMATCH")
+
+
+async def _result(handle_coro: Awaitable[Any]) -> Any:
+    handle = await handle_coro
+    return await handle.result()
+
+
+def test_async_cancel_from_another_task_cancels_on_the_server(server: ServerThread, harness: Harness) -> None:
+    harness.step_delay = 0.1
+
+    async def body(client: AsyncKvRelayClient) -> tuple[list[GenerationState], str]:
+        handle = await client.generate("slow", width=64, height=64, num_inference_steps=300)
+        states: list[GenerationState] = []
+
+        async def consume() -> None:
+            async for event in handle.events():
+                states.append(event.state)
+
+        consumer = asyncio.create_task(consume())
+        while S.DENOISING not in states:
+            await asyncio.sleep(0.01)
+        await handle.cancel()
+        await asyncio.wait_for(consumer, 5)
+        with pytest.raises(KvRelayError) as info:
+            await handle.result()
+        assert info.value.code == "CANCELLED"
+        return states, handle.request_id or ""
+
+    states, request_id = run(server.address, body)
+    assert states[-1] == S.CANCELLED
+    assert harness.calls["CancelGeneration"] == 1
+    generation = server.wait_for_state(request_id, PB.GENERATION_STATE_CANCELLED)
+    assert generation.step < 300
+
+
+def test_cancelling_the_consuming_task_still_propagates(server: ServerThread, harness: Harness) -> None:
+    harness.step_delay = 0.1
+
+    async def body(client: AsyncKvRelayClient) -> str:
+        handle = await client.generate("slow", width=64, height=64, num_inference_steps=300)
+
+        async def consume() -> None:
+            async for _ in handle.events():
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        async with handle:  # leaving the block cancels the unfinished generation
+            pass
+        return handle.request_id or ""
+
+    request_id = run(server.address, body)
+    server.wait_for_state(request_id, PB.GENERATION_STATE_CANCELLED)
+
+
+def test_async_deadline_retry_and_reattach(server: ServerThread, harness: Harness) -> None:
+    async def body(client: AsyncKvRelayClient) -> list[str]:
+        codes = []
+        harness.step_delay = 0.2
+        try:
+            await _result(client.generate("slow", width=64, height=64, num_inference_steps=100, timeout=0.6))
+        except KvRelayError as err:
+            codes.append(err.code)
+        harness.step_delay = 0.01
+        harness.unavailable["ListGenerations"] = 2
+        await client.list_generations()
+        harness.break_stream_after, harness.break_streams = 3, 1
+        handle = await client.generate("y", width=64, height=64, request_id="ra-1")
+        codes.append((await handle.result()).request_id)
+        harness.unavailable["Generate"] = 1
+        try:
+            await _result(client.generate("z", width=64, height=64))
+        except KvRelayError as err:
+            codes.append(err.code)
+        return codes
+
+    assert run(server.address, body) == ["DEADLINE_EXCEEDED", "ra-1", "UNAVAILABLE"]
+    assert 0 < harness.deadlines["Generate"][0] <= 0.65
+    assert harness.calls["ListGenerations"] == 3
+    assert harness.calls["Generate"] == 1 + 2 + 1  # deadline; ra-1 + one re-attach; no retry without an id
+    assert "ra-1" in harness.generations
+
+
+def test_async_status_reads_and_token(server: ServerThread, harness: Harness) -> None:
+    harness.token = "t0k"
+
+    async def body(client: AsyncKvRelayClient) -> tuple[list[Any], list[Any], list[Any]]:
+        return await client.list_replicas(), await client.get_pools(), await client.list_tickets()
+
+    assert run(server.address, body, token="t0k") == ([], [], [])
+    with pytest.raises(KvRelayError) as info:
+        run(server.address, body)
+    assert info.value.code == "UNAUTHENTICATED"

@@ -1,0 +1,229 @@
+"""`kvrelay generate` and `kvrelay status` against the real gRPC harness server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kvrelay.client.cli import run_generate, run_status
+from PIL import Image
+
+from kvrelay.v1 import broker_pb2, common_pb2, generation_pb2
+from tests.client.harness import Harness, ServerThread
+
+REPO = Path(__file__).resolve().parents[2]
+PB = generation_pb2.GenerationState
+
+
+def generate_args(target: str, output: Path, **overrides: object) -> argparse.Namespace:
+    values: dict[str, object] = dict(
+        prompt="a red fox",
+        negative_prompt="",
+        seed=5,
+        width=64,
+        height=80,
+        steps=3,
+        guidance_scale=2.0,
+        output=str(output),
+        target=target,
+        request_id=None,
+        timeout=None,
+        token=None,
+        quiet=False,
+    )
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_generate_writes_the_png_and_prints_where_and_the_timings(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "images" / "fox.png"
+    assert run_generate(generate_args(server.address, output)) == 0
+    assert Image.open(output).size == (64, 80)
+    out, err = capsys.readouterr()
+    assert f"wrote {output} (64x80, seed 5" in out
+    assert "timings: queue" in out and "total" in out
+    # Not a terminal here: one plain line per stage and step, in order.
+    lines = [line.split("] ", 1)[1] for line in err.splitlines() if "] " in line]
+    assert lines == [
+        "QUEUED",
+        "PREFILLING",
+        "TRANSFERRING",
+        "DENOISING 1/3",
+        "DENOISING 2/3",
+        "DENOISING 3/3",
+        "SUCCEEDED",
+    ]
+
+
+def test_generate_quiet_prints_only_the_path(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_generate(generate_args(server.address, tmp_path / "q.png", quiet=True)) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert out.startswith("wrote ") and "timings" not in out
+
+
+def test_generate_errors_print_code_reason_message_and_exit_1(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "bad.png"
+    assert run_generate(generate_args(server.address, output, width=100)) == 1
+    err = capsys.readouterr().err
+    assert "kvrelay generate: INVALID_ARGUMENT: width: must be a multiple of 16" in err
+    assert "field: width" in err
+    assert not output.exists()
+    assert (
+        run_generate(generate_args(server.address, output, prompt="fail:TRANSFER_TIMEOUT", quiet=True)) == 1
+    )
+    assert "DEADLINE_EXCEEDED (TRANSFER_TIMEOUT)" in capsys.readouterr().err
+    assert run_generate(generate_args("127.0.0.1:1", output, quiet=True)) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_ctrl_c_cancels_on_the_server_and_exits_130(
+    server: ServerThread, harness: Harness, tmp_path: Path
+) -> None:
+    harness.step_delay = 0.1
+    output = tmp_path / "never.png"
+    argv = [
+        sys.executable,
+        "-m",
+        "kvrelay",
+        "generate",
+        "slow",
+        "--steps",
+        "500",
+        "--width",
+        "64",
+        "--height",
+        "64",
+    ]
+    argv += ["--target", server.address, "--request-id", "ctrl-c", "-o", str(output)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        server.wait_for_state("ctrl-c", PB.GENERATION_STATE_DENOISING, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert "cancelling request ctrl-c" in err
+    generation = server.wait_for_state("ctrl-c", PB.GENERATION_STATE_CANCELLED)
+    assert harness.generations["ctrl-c"].cancelled_by == "CancelGeneration"
+    assert generation.step < 500
+    assert not output.exists()
+
+
+def _fill_status(harness: Harness) -> None:
+    harness.replicas = [
+        broker_pb2.ReplicaInfo(
+            replica_id="ar-0",
+            role=common_pb2.REPLICA_ROLE_AR,
+            endpoint="127.0.0.1:50061",
+            incarnation_id="aaaa1111",
+        ),
+        broker_pb2.ReplicaInfo(
+            replica_id="dit-0",
+            role=common_pb2.REPLICA_ROLE_DIT,
+            endpoint="127.0.0.1:50071",
+            incarnation_id="bbbb2222",
+            parallelism=common_pb2.Parallelism(tensor_parallel_size=2, sequence_parallel_size=1),
+            transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
+            up=True,
+            fenced=True,
+        ),
+    ]
+    harness.pools = [
+        broker_pb2.PoolStatus(
+            replica_id="dit-0", total_pages=64, free_pages=60, reserved_pages=3, draining_pages=1
+        )
+    ]
+    harness.tickets = [
+        broker_pb2.Ticket(
+            ticket_id="tk-1",
+            request_id="req-1",
+            state=broker_pb2.TICKET_STATE_WRITING,
+            ar_replica_id="ar-0",
+            dit_replica_id="dit-0",
+            rows=[
+                common_pb2.RowPages(row=0, num_tokens=30, page_ids=[0, 1]),
+                common_pb2.RowPages(row=1, page_ids=[2]),
+            ],
+            writes=[
+                broker_pb2.WriteProgress(row=0, status=common_pb2.WRITE_STATUS_OK),
+                broker_pb2.WriteProgress(row=1),
+            ],
+            sequence=1,
+        )
+    ]
+
+
+def test_status_prints_replicas_pools_and_tickets_as_tables(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fill_status(harness)
+    assert run_status(argparse.Namespace(target=server.address, json=False, token=None)) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("REPLICA "))
+    assert header.split() == [
+        "REPLICA",
+        "ROLE",
+        "ENDPOINT",
+        "PARALLEL",
+        "TRANSPORT",
+        "UP",
+        "FENCED",
+        "LEASE",
+        "INCARNATION",
+    ]
+    dit_row = next(line for line in lines if line.startswith("dit-0 "))
+    assert dit_row.split()[:7] == ["dit-0", "dit", "127.0.0.1:50071", "tp2", "mooncake", "yes", "FENCED"]
+    pool_row = next(line for line in lines if line.startswith("dit-0") and "64" in line)
+    assert pool_row.split()[:5] == ["dit-0", "64", "60", "3", "1"]
+    ticket_row = next(line for line in lines if line.startswith("tk-1"))
+    assert ticket_row.split()[:9] == ["tk-1", "req-1", "WRITING", "-", "ar-0", "dit-0", "3", "1/2", "0/0"]
+
+
+def test_status_json_and_empty_broker(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_status(argparse.Namespace(target=server.address, json=False, token=None)) == 0
+    out = capsys.readouterr().out
+    assert "none registered" in out and "none in flight" in out
+    _fill_status(harness)
+    assert run_status(argparse.Namespace(target=server.address, json=True, token=None)) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["replica_id"] for r in doc["replicas"]] == ["ar-0", "dit-0"]
+    assert doc["replicas"][1]["role"] == "DIT" and doc["replicas"][1]["fenced"] is True
+    assert doc["pools"][0]["free_pages"] == 60
+    assert doc["tickets"][0]["state"] == "WRITING" and doc["tickets"][0]["rows"][0]["page_ids"] == [0, 1]
+
+
+def test_status_error_exits_1_with_the_code(capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ.pop("KVRELAY_API_TOKEN", None)
+    started = time.monotonic()
+    assert run_status(argparse.Namespace(target="127.0.0.1:1", json=False, token=None)) == 1
+    assert "kvrelay status: UNAVAILABLE" in capsys.readouterr().err
+    assert time.monotonic() - started < 15
+
+
+def test_status_uses_the_token(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    harness.token = "tok"
+    assert run_status(argparse.Namespace(target=server.address, json=True, token=None)) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert run_status(argparse.Namespace(target=server.address, json=True, token="tok")) == 0
