@@ -1,0 +1,66 @@
+"""AR and DiT in one process with the KV handed over in memory: the no-transfer baseline.
+
+`kvrelay bench --colocated` measures disaggregation against this. The prefix still goes through
+the same HND pages the DiT reads in a disaggregated deployment (written with a plain copy instead of
+a transport), so the two differ only in where the work runs and how the bytes move. A composition
+root like the CLI: it is the one place besides the CLI allowed to import both services.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvrelay.models.paged_attention import read_prefix, write_prefix
+from kvrelay.models.presets import get_preset
+
+
+class ColocatedPipeline:
+    def __init__(self, preset: str, *, page_size: int = 16, weight_seed: int = 0, device: str = "cpu") -> None:
+        from kvrelay.ar_service.model import build_ar_model
+        from kvrelay.ar_service.tokenizer import ByteTokenizer
+        from kvrelay.dit_service.model import DitRunner
+
+        self.preset = get_preset(preset)
+        self.tokenizer = ByteTokenizer()
+        self.ar = build_ar_model(preset=preset, seed=weight_seed, device=device)
+        self.dit = DitRunner(self.preset, weight_seed=weight_seed, device=device)
+        self.layout = self.dit.page_layout(page_size)
+        # Room for two CFG rows of the longest prompt: what one request of max_num_seqs=1 needs.
+        self.pages_per_row = self.layout.geometry.pages_for(self.preset.ar.max_tokens + 1)
+        self.pool = torch.zeros(2 * self.pages_per_row * self.layout.page_bytes, dtype=torch.uint8, device=device)
+
+    def generate(
+        self, prompt: str, negative_prompt: str, seed: int, width: int, height: int, steps: int, guidance_scale: float
+    ) -> dict[str, float]:
+        """One generation; returns its phase timings (seconds) like a served request's."""
+        from kvrelay.dit_service.image import encode_png
+
+        t0 = time.perf_counter()
+        texts = [prompt, negative_prompt] if guidance_scale > 1.0 else [prompt]
+        kvs = [self.ar.prefill(self.tokenizer.encode(text)) for text in texts]
+        t1 = time.perf_counter()
+        prefix_rows = []
+        for row, kv in enumerate(kvs):
+            n = kv.shape[3]
+            pages = list(range(row * self.pages_per_row, row * self.pages_per_row + self.layout.geometry.pages_for(n)))
+            write_prefix(self.pool, self.layout, pages, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
+            prefix_rows.append(read_prefix(self.pool, self.layout, pages, n))
+        t2 = time.perf_counter()
+        latents = self.dit.denoise(
+            prefix_rows, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed
+        )
+        t3 = time.perf_counter()
+        png = encode_png(self.dit.decode(latents))
+        t4 = time.perf_counter()
+        assert png
+        return {
+            "prefill_seconds": t1 - t0,
+            "transfer_seconds": t2 - t1,
+            "handoff_seconds": t2 - t1,
+            "load_seconds": 0.0,
+            "denoise_seconds": t3 - t2,
+            "decode_seconds": t4 - t3,
+            "total_seconds": t4 - t0,
+        }
