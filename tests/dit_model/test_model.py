@@ -124,3 +124,18 @@ def test_small_preset_512_is_fast_enough() -> None:
     elapsed = time.perf_counter() - start
     assert tuple(image.shape) == (512, 512, 3)
     assert elapsed < 10.0, f"small 512x512 2 steps took {elapsed:.1f}s"
+
+
+def test_image_rope_positions_start_at_each_rows_prefix_length(runner: DitRunner, monkeypatch) -> None:
+    import kvrelay.dit_service.model as model_module
+
+    starts: list[tuple[int, int]] = []
+    real = model_module.rope_cos_sin
+
+    def spy(positions, head_dim, theta, *, dtype):
+        starts.append((int(positions[0]), int(positions[-1])))
+        return real(positions, head_dim, theta, dtype=dtype)
+
+    monkeypatch.setattr(model_module, "rope_cos_sin", spy)
+    _generate(runner, rows=_rows(runner, 2.0, lengths=(13, 6)), steps=1)  # 64x64 -> 16 image tokens
+    assert starts == [(13, 13 + 15), (6, 6 + 15)]

@@ -48,7 +48,8 @@ def test_parallel_image_equals_single_rank(tp: int, sp: int, width: int, height:
         torch.testing.assert_close(r.latents, ref_latents, atol=1e-4, rtol=1e-4)
         assert tuple(r.image.shape) == (height, width, 3)
         assert (r.image.int() - ref_image.int()).abs().max().item() <= 1  # uint8 rounding only
-    # Every rank ends with the same image: the service may take it from any rank.
+    # Every rank ends with the same latents and image: the service may take it from any rank.
+    assert all(torch.equal(r.latents, results[0].latents) for r in results)
     assert all(torch.equal(r.image, results[0].image) for r in results)
 
 
