@@ -1,0 +1,257 @@
+"""GenerationService: the public API of kvrelay (DESIGN.md section 8), a grpc.aio servicer.
+
+Owns input validation (every error names its field), the defaults of the seed's workload, the
+proto <-> record conversions, and the rule that a Generate stream which is cancelled or dropped
+cancels its generation (as vLLM aborts a request on disconnect). Everything else is the
+orchestrator's: this module decides nothing about replicas, pages or tickets.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from typing import Final
+
+import grpc
+from google.protobuf import timestamp_pb2
+from kvrelay.broker.generations import GenerationParams, GenerationSnapshot, GenState
+from kvrelay.broker.orchestrator import Orchestrator
+from kvrelay.broker.tickets import BrokerError
+
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
+from kvrelay.logging import bind_request, get_logger
+from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+log = get_logger(__name__)
+
+# The seed's acceptance workload (DESIGN.md section 8).
+DEFAULT_WIDTH: Final = 512
+DEFAULT_HEIGHT: Final = 512
+DEFAULT_STEPS: Final = 2
+DEFAULT_GUIDANCE: Final = 2.0
+MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 2048, 16
+MIN_STEPS, MAX_STEPS = 1, 1000
+# The AR's max tokens is the real bound (checked by Tokenize); this only keeps megabytes of text
+# from being shipped to a replica just to be refused.
+MAX_PROMPT_BYTES: Final = 1 << 20
+MAX_REQUEST_ID_LENGTH: Final = 128
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]+")
+# Seeds are drawn below 2**63 so that every consumer (torch generators take int64) accepts them.
+_SEED_BITS: Final = 63
+DEFAULT_LIST_PAGE_SIZE: Final = 100
+MAX_LIST_PAGE_SIZE: Final = 1000
+
+_STATE_FROM_PB = {int(s): s for s in GenState}
+
+
+def resolve_request(request: generation_pb2.GenerateRequest) -> tuple[str, GenerationParams, bool]:
+    """(request_id, resolved params, whether the client chose the seed), or INVALID_ARGUMENT."""
+    request_id = request.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LENGTH or not _REQUEST_ID.fullmatch(request_id):
+        raise invalid_argument(
+            "request_id",
+            f"at most {MAX_REQUEST_ID_LENGTH} characters of [A-Za-z0-9._:~-], got {request_id[:40]!r}",
+        )
+    if not request.prompt.strip():
+        raise invalid_argument("prompt", "must not be empty")
+    for name in ("prompt", "negative_prompt"):
+        size = len(getattr(request, name).encode())
+        if size > MAX_PROMPT_BYTES:
+            raise invalid_argument(name, f"{size} bytes; at most {MAX_PROMPT_BYTES}")
+    width = request.width if request.HasField("width") else DEFAULT_WIDTH
+    height = request.height if request.HasField("height") else DEFAULT_HEIGHT
+    for name, side in (("width", width), ("height", height)):
+        if not MIN_SIDE <= side <= MAX_SIDE or side % SIDE_MULTIPLE:
+            raise invalid_argument(
+                name, f"must be a multiple of {SIDE_MULTIPLE} in [{MIN_SIDE}, {MAX_SIDE}], got {side}"
+            )
+    steps = request.num_inference_steps if request.HasField("num_inference_steps") else DEFAULT_STEPS
+    if not MIN_STEPS <= steps <= MAX_STEPS:
+        raise invalid_argument("num_inference_steps", f"must be in [{MIN_STEPS}, {MAX_STEPS}], got {steps}")
+    guidance = request.guidance_scale if request.HasField("guidance_scale") else DEFAULT_GUIDANCE
+    if not math.isfinite(guidance) or guidance < 1.0:
+        raise invalid_argument("guidance_scale", f"must be finite and >= 1.0 (1.0 = no CFG), got {guidance}")
+    seed_given = request.HasField("seed")
+    seed = request.seed if seed_given else secrets.randbits(_SEED_BITS)
+    params = GenerationParams(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        seed=seed,
+        width=width,
+        height=height,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+    )
+    return request_id, params, seed_given
+
+
+# ------------------------------------------------------------------ conversions
+
+
+def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def _timings(snap: GenerationSnapshot) -> common_pb2.PhaseTimings:
+    return common_pb2.PhaseTimings(**{f"{phase}_seconds": value for phase, value in snap.timings.items()})
+
+
+def _image(snap: GenerationSnapshot) -> common_pb2.Image | None:
+    if snap.image is None:
+        return None
+    img = snap.image
+    return common_pb2.Image(png=img.png, width=img.width, height=img.height, seed=img.seed)
+
+
+def _error(snap: GenerationSnapshot) -> common_pb2.ErrorStatus | None:
+    if snap.error is None:
+        return None
+    return common_pb2.ErrorStatus(code=snap.error.code, reason=snap.error.reason, message=snap.error.message)
+
+
+def event_to_proto(snap: GenerationSnapshot) -> generation_pb2.GenerationEvent:
+    """The image, timings and error ride only on the terminal event."""
+    terminal = snap.state.terminal
+    return generation_pb2.GenerationEvent(
+        request_id=snap.request_id,
+        state=int(snap.state),
+        step=snap.step,
+        total_steps=snap.total_steps,
+        image=_image(snap) if terminal else None,
+        timings=_timings(snap) if terminal else None,
+        error=_error(snap),
+        ticket_id=snap.ticket_id,
+        event_time=_timestamp(snap.update_time),
+    )
+
+
+def generation_to_proto(snap: GenerationSnapshot, with_image: bool = True) -> generation_pb2.Generation:
+    p = snap.params
+    return generation_pb2.Generation(
+        request_id=snap.request_id,
+        state=int(snap.state),
+        params=generation_pb2.GenerationParams(
+            prompt=p.prompt,
+            negative_prompt=p.negative_prompt,
+            seed=p.seed,
+            width=p.width,
+            height=p.height,
+            num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale,
+        ),
+        step=snap.step,
+        total_steps=snap.total_steps,
+        image=_image(snap) if with_image else None,
+        timings=_timings(snap),
+        error=_error(snap),
+        ticket_id=snap.ticket_id,
+        create_time=_timestamp(snap.create_time),
+        update_time=_timestamp(snap.update_time),
+    )
+
+
+# ---------------------------------------------------------------------- servicer
+
+
+def _server_error(err: BrokerError) -> KvRelayServerError:
+    return KvRelayServerError(grpc.StatusCode[err.code], err.reason, err.message)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """Every GenerationService RPC over one Orchestrator."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerationEvent]:
+        try:
+            request_id, params, seed_given = resolve_request(request)
+            # The client's deadline bounds the whole generation, queueing included.
+            timeout = context.time_remaining()
+            record = await self.orchestrator.submit(
+                request_id, params, seed_given=seed_given, timeout=timeout
+            )
+        except KvRelayServerError as err:
+            await abort_with(context, err)
+        except BrokerError as err:
+            await abort_with(context, _server_error(err))
+        queue = record.subscribe()
+        finished = False
+        with bind_request(request_id=request_id):
+            try:
+                while True:
+                    snap = await queue.get()
+                    yield event_to_proto(snap)
+                    if snap.state.terminal:
+                        finished = True
+                        return
+            finally:
+                # Whatever ends this handler early (client cancel, dropped connection, deadline,
+                # server stop) ends the generation: nobody is left to receive its image.
+                record.unsubscribe(queue)
+                if not finished and not record.state.terminal:
+                    remaining = context.time_remaining()
+                    if remaining is not None and remaining <= 0:
+                        self.orchestrator.expire(request_id)
+                    else:
+                        log.info("generate_stream_dropped")
+                        self.orchestrator.cancel(
+                            request_id,
+                            "CLIENT_DISCONNECTED",
+                            "the client cancelled or dropped the Generate stream",
+                        )
+
+    async def GetGeneration(
+        self, request: generation_pb2.GetGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GetGenerationResponse:
+        try:
+            snap = self.orchestrator.get(request.request_id)
+        except KvRelayServerError as err:
+            await abort_with(context, err)
+        return generation_pb2.GetGenerationResponse(generation=generation_to_proto(snap))
+
+    async def CancelGeneration(
+        self, request: generation_pb2.CancelGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.CancelGenerationResponse:
+        try:
+            snap = self.orchestrator.cancel(request.request_id)
+        except KvRelayServerError as err:
+            await abort_with(context, err)
+        return generation_pb2.CancelGenerationResponse(generation=generation_to_proto(snap))
+
+    async def ListGenerations(
+        self, request: generation_pb2.ListGenerationsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListGenerationsResponse:
+        states = []
+        for value in request.states:
+            if value not in _STATE_FROM_PB:
+                await abort_with(context, invalid_argument("states", f"{value} is not a generation state"))
+            states.append(_STATE_FROM_PB[value])
+        # Above the maximum is coerced to it (AIP-158), 0 means the default.
+        limit = min(request.page_size or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
+        snaps = self.orchestrator.list(states, limit)
+        return generation_pb2.ListGenerationsResponse(
+            generations=[generation_to_proto(s, with_image=False) for s in snaps]
+        )
+
+
+def add_generation_servicer(orchestrator: Orchestrator, server: grpc.aio.Server) -> GenerationServicer:
+    servicer = GenerationServicer(orchestrator)
+    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    return servicer
+
+
+__all__ = [
+    "GenerationServicer",
+    "add_generation_servicer",
+    "event_to_proto",
+    "generation_to_proto",
+    "resolve_request",
+]

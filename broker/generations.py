@@ -1,0 +1,317 @@
+"""The generation store: every generation the broker knows, by `request_id`.
+
+Owns the record of each generation (resolved parameters, state, step, image, timings, error),
+idempotent submission (the same id and parameters attach; other parameters: ALREADY_EXISTS),
+the fan-out of state changes to every attached stream, and the retention of finished
+generations: kept `result_ttl_seconds` after they end, at most `max_results` of them (oldest
+evicted first). Must never talk to replicas or tickets: the orchestrator drives the states,
+this module only records them and tells subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvrelay.errors import KvRelayServerError, not_found
+
+RequestId = str
+
+
+class GenState(enum.IntEnum):
+    """Mirrors `kvrelay.v1.GenerationState` (same numbers)."""
+
+    QUEUED = 1
+    PREFILLING = 2
+    TRANSFERRING = 3
+    DENOISING = 4
+    SUCCEEDED = 5
+    FAILED = 6
+    CANCELLED = 7
+
+    @property
+    def terminal(self) -> bool:
+        return self >= GenState.SUCCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """Resolved parameters (defaults filled in, seed assigned)."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+
+    @property
+    def rows(self) -> tuple[str, ...]:
+        """One text per CFG row: the prompt, then the negative prompt when CFG is on."""
+        if self.guidance_scale > 1.0:
+            return (self.prompt, self.negative_prompt)
+        return (self.prompt,)
+
+    def same_request(self, other: GenerationParams, other_seed_given: bool) -> bool:
+        """Whether `other` (a retry) asks for this generation.
+
+        A retry that left the seed out matches whatever seed was assigned the first time, so a
+        client that retries the very request it sent attaches instead of getting ALREADY_EXISTS.
+        """
+        seed_matches = (not other_seed_given) or other.seed == self.seed
+        return seed_matches and (
+            self.prompt,
+            self.negative_prompt,
+            self.width,
+            self.height,
+            self.num_inference_steps,
+            self.guidance_scale,
+        ) == (
+            other.prompt,
+            other.negative_prompt,
+            other.width,
+            other.height,
+            other.num_inference_steps,
+            other.guidance_scale,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorInfo:
+    code: str  # gRPC status code name
+    reason: str  # UPPER_SNAKE
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class ImageResult:
+    png: bytes
+    width: int
+    height: int
+    seed: int
+
+
+# Phase names of `PhaseTimings` (and of the kvrelay_phase_seconds{phase} label).
+PHASES = ("queue", "prefill", "transfer", "load", "denoise", "decode", "handoff", "total")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSnapshot:
+    """One generation at one moment: what events, Get and List hand out."""
+
+    request_id: RequestId
+    state: GenState
+    params: GenerationParams
+    step: int
+    total_steps: int
+    image: ImageResult | None
+    timings: dict[str, float]
+    error: ErrorInfo | None
+    ticket_id: str
+    create_time: float  # wall clock (seconds since the epoch)
+    update_time: float
+
+
+@dataclass(slots=True)
+class GenerationRecord:
+    """The mutable state of one generation. Only the orchestrator mutates it, via `update`."""
+
+    request_id: RequestId
+    params: GenerationParams
+    create_time: float
+    created_mono: float
+    state: GenState = GenState.QUEUED
+    step: int = 0
+    image: ImageResult | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: ErrorInfo | None = None
+    ticket_id: str = ""
+    update_time: float = 0.0
+    finished_mono: float | None = None
+    subscribers: list[asyncio.Queue[GenerationSnapshot]] = field(default_factory=list)
+    # Set once the generation is terminal; waiters (cancel, tests) use it.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def total_steps(self) -> int:
+        return self.params.num_inference_steps
+
+    def snapshot(self) -> GenerationSnapshot:
+        return GenerationSnapshot(
+            request_id=self.request_id,
+            state=self.state,
+            params=self.params,
+            step=self.step,
+            total_steps=self.total_steps,
+            image=self.image,
+            timings=dict(self.timings),
+            error=self.error,
+            ticket_id=self.ticket_id,
+            create_time=self.create_time,
+            update_time=self.update_time or self.create_time,
+        )
+
+    def subscribe(self) -> asyncio.Queue[GenerationSnapshot]:
+        """A queue that gets the generation now, then every change (a terminal one last).
+
+        Unbounded on purpose: one generation makes at most ~num_inference_steps + 5 changes
+        (steps are bounded at 1000), and a slow stream must still see the terminal event.
+        """
+        queue: asyncio.Queue[GenerationSnapshot] = asyncio.Queue()
+        queue.put_nowait(self.snapshot())
+        if not self.state.terminal:
+            self.subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[GenerationSnapshot]) -> None:
+        if queue in self.subscribers:
+            self.subscribers.remove(queue)
+
+
+class GenerationStore:
+    """Every generation by request_id: the live ones and the finished ones still retained.
+
+    Single-threaded (the broker's event loop). Retention is checked lazily on every access, so
+    no timer task is needed: an expired generation is gone the next time anyone asks.
+    """
+
+    def __init__(
+        self,
+        *,
+        result_ttl_seconds: float,
+        max_results: int,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.result_ttl_seconds = result_ttl_seconds
+        self.max_results = max_results
+        self._clock = clock
+        self._wall = wall_clock
+        self._live: dict[RequestId, GenerationRecord] = {}
+        # Finished generations in the order they finished: eviction takes the oldest first.
+        self._finished: OrderedDict[RequestId, GenerationRecord] = OrderedDict()
+
+    # ------------------------------------------------------------------ queries
+
+    def find(self, request_id: RequestId) -> GenerationRecord | None:
+        self.expire()
+        return self._live.get(request_id) or self._finished.get(request_id)
+
+    def get(self, request_id: RequestId) -> GenerationRecord:
+        record = self.find(request_id)
+        if record is None:
+            raise not_found("generation", request_id)
+        return record
+
+    def live(self) -> list[GenerationRecord]:
+        return list(self._live.values())
+
+    def list(self, states: Iterable[GenState] = (), limit: int | None = None) -> list[GenerationSnapshot]:
+        """Newest first (by create time), optionally only in `states`."""
+        self.expire()
+        wanted = set(states)
+        records = [*self._live.values(), *self._finished.values()]
+        records.sort(key=lambda r: r.created_mono, reverse=True)
+        out = [r.snapshot() for r in records if not wanted or r.state in wanted]
+        return out if limit is None else out[:limit]
+
+    def counts(self) -> tuple[int, int]:
+        """(live, finished retained)."""
+        self.expire()
+        return len(self._live), len(self._finished)
+
+    # ---------------------------------------------------------------- mutations
+
+    def create_or_attach(
+        self, request_id: RequestId, params: GenerationParams, seed_given: bool
+    ) -> tuple[GenerationRecord, bool]:
+        """(record, created). Same id and parameters: the existing record; other parameters:
+        ALREADY_EXISTS. A finished generation past its retention is forgotten, so its id is free."""
+        existing = self.find(request_id)
+        if existing is not None:
+            if not existing.params.same_request(params, seed_given):
+                raise KvRelayServerError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    "REQUEST_ID_REUSED",
+                    f"request_id {request_id!r} names a generation with other parameters",
+                    request_id=request_id,
+                )
+            return existing, False
+        record = GenerationRecord(
+            request_id=request_id,
+            params=params,
+            create_time=self._wall(),
+            created_mono=self._clock(),
+        )
+        self._live[request_id] = record
+        return record, True
+
+    def discard(self, record: GenerationRecord) -> None:
+        """Forget a generation that was rejected at admission: the caller got an error status, so
+        nothing was accepted under this id and a retry is judged afresh."""
+        if self._live.get(record.request_id) is record:
+            del self._live[record.request_id]
+        if self._finished.get(record.request_id) is record:
+            del self._finished[record.request_id]
+
+    def update(
+        self,
+        record: GenerationRecord,
+        state: GenState,
+        *,
+        step: int | None = None,
+        image: ImageResult | None = None,
+        error: ErrorInfo | None = None,
+        ticket_id: str | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> bool:
+        """Move a generation on and tell every subscriber. A terminal generation never changes
+        again (the first end wins, as the client saw it); returns False then."""
+        if record.state.terminal:
+            return False
+        record.state = state
+        if step is not None:
+            record.step = step
+        if image is not None:
+            record.image = image
+        if error is not None:
+            record.error = error
+        if ticket_id is not None:
+            record.ticket_id = ticket_id
+        if timings:
+            record.timings.update(timings)
+        record.update_time = self._wall()
+        snap = record.snapshot()
+        for queue in record.subscribers:
+            queue.put_nowait(snap)
+        if state.terminal:
+            record.finished_mono = self._clock()
+            self._live.pop(record.request_id, None)
+            self._finished[record.request_id] = record
+            self._finished.move_to_end(record.request_id)
+            self._finish_subscribers(record)
+            record.done.set()
+            self.expire()
+        return True
+
+    def expire(self) -> None:
+        now = self._clock()
+        while self._finished:
+            request_id, oldest = next(iter(self._finished.items()))
+            assert oldest.finished_mono is not None, f"generation {request_id} finished without a finish time"
+            too_many = len(self._finished) > self.max_results
+            if not too_many and now - oldest.finished_mono < self.result_ttl_seconds:
+                break
+            del self._finished[request_id]
+
+    @staticmethod
+    def _finish_subscribers(record: GenerationRecord) -> None:
+        # Subscribers stop reading after a terminal snapshot; dropping them frees the queues.
+        record.subscribers.clear()

@@ -1,0 +1,603 @@
+"""A broker (real BrokerCore, BrokerServicer, Orchestrator, GenerationServicer on grpc.aio) with
+protocol-honest AR and DiT replicas as grpc.aio servers in the same event loop.
+
+The replicas follow docs/internals.md "The request protocol" over real gRPC against the real
+broker: they register, arm tickets with ReserveTicket, write the planned segments' bytes into
+the DiT's page memory (a bytearray standing in for a registered region), report each write with
+the xxh3 checksum of its staging bytes, watch the ticket, verify destination bytes before
+ReportLoad, stream steps and release the ticket. What they skip is the model: the KV bytes are
+a deterministic function of (seed, row), the image a flat PNG. Gates let a test hold a request
+in any state. Nothing here stands in for the product under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import yaml
+from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.generation import GenerationServicer
+from kvrelay.broker.orchestrator import Orchestrator
+from kvrelay.broker.service import BrokerServicer
+from prometheus_client import CollectorRegistry
+
+from kvrelay import LAYOUT_VERSION
+from kvrelay.config import parse_config
+from kvrelay.errors import KvRelayServerError, abort_with
+from kvrelay.server import GRPC_OPTIONS, GrpcServer
+from kvrelay.transfer.checksum import checksum_segments
+from kvrelay.transfer.convert import geometry_to_proto, writes_from_proto
+from kvrelay.transfer.layout import KvGeometry, PageLayout
+from kvrelay.transfer.planner import PlannedWrite
+from kvrelay.v1 import (
+    ar_pb2,
+    ar_pb2_grpc,
+    broker_pb2,
+    broker_pb2_grpc,
+    common_pb2,
+    dit_pb2,
+    dit_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+)
+
+GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
+RPC_TIMEOUT = 10.0
+
+
+def tokens_of(text: str) -> int:
+    """The test AR's tokenizer: one token per UTF-8 byte plus BOS (so "" is BOS alone)."""
+    return len(text.encode()) + 1
+
+
+def pages_of(text: str) -> int:
+    return GEOMETRY.pages_for(tokens_of(text))
+
+
+def make_png(width: int, height: int, shade: int) -> bytes:
+    """A valid grayscale PNG of one shade (enough for the broker, which never decodes it)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"".join(b"\x00" + bytes([shade]) * width for _ in range(height))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    )
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    width, height = struct.unpack(">II", png[16:24])
+    return width, height
+
+
+def _opened() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
+
+
+# ------------------------------------------------------------------------ replicas
+
+
+@dataclass
+class DitMemory:
+    """The DiT replica's one rank's page region (a registered region in the real service)."""
+
+    num_pages: int
+    layout: PageLayout = field(init=False)
+    pool: bytearray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.layout = PageLayout(GEOMETRY, 1, 0)
+        self.pool = bytearray(self.layout.page_bytes * self.num_pages)
+
+
+class ArReplica(ar_pb2_grpc.ArServiceServicer):
+    """Tokenize + Prefill as docs/internals.md specifies, writing straight into `memory`."""
+
+    def __init__(
+        self, broker_target: str, memory: DitMemory, *, replica_id: str = "ar-0", max_tokens: int = 64
+    ):
+        self.replica_id = replica_id
+        self.incarnation_id = uuid.uuid4().hex
+        self.broker_target = broker_target
+        self.memory = memory
+        self.max_tokens = max_tokens
+        self.endpoint = ""
+        # Gates: cleared = hold there. `prefill_gate` holds before arming (PREFILLING),
+        # `write_gate` after arming with the writes in flight (TRANSFERRING).
+        self.prefill_gate = _opened()
+        self.write_gate = _opened()
+        self.prefill_started = asyncio.Event()
+        self.armed = asyncio.Event()
+        self.fail_prefill: KvRelayServerError | None = None
+        self.prefills: list[str] = []
+        self.writes_resolved = 0
+        self._writers: set[asyncio.Task[None]] = set()
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def broker(self) -> broker_pb2_grpc.BrokerServiceStub:
+        assert self._channel is not None
+        return broker_pb2_grpc.BrokerServiceStub(self._channel)
+
+    async def start(self) -> None:
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        ar_pb2_grpc.add_ArServiceServicer_to_server(self, self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        self.endpoint = f"127.0.0.1:{port}"
+        self._channel = grpc.aio.insecure_channel(self.broker_target, options=GRPC_OPTIONS)
+        info = broker_pb2.ReplicaInfo(
+            replica_id=self.replica_id,
+            role=common_pb2.REPLICA_ROLE_AR,
+            incarnation_id=self.incarnation_id,
+            layout_version=LAYOUT_VERSION,
+            version="test",
+            endpoint=self.endpoint,
+            geometry=geometry_to_proto(GEOMETRY),
+            parallelism=common_pb2.Parallelism(tensor_parallel_size=1, sequence_parallel_size=1),
+            max_tokens=self.max_tokens,
+            transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
+            stage_id=0,
+        )
+        await self.broker.RegisterReplica(
+            broker_pb2.RegisterReplicaRequest(replica=info), timeout=RPC_TIMEOUT
+        )
+
+    async def stop(self) -> None:
+        self.prefill_gate.set()
+        self.write_gate.set()
+        if self._writers:
+            await asyncio.wait(self._writers, timeout=5)
+        if self._server is not None:
+            await self._server.stop(0)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def Tokenize(self, request: ar_pb2.TokenizeRequest, context: Any) -> ar_pb2.TokenizeResponse:
+        return ar_pb2.TokenizeResponse(
+            token_counts=[tokens_of(t) for t in request.texts], max_tokens=self.max_tokens
+        )
+
+    async def Prefill(self, request: ar_pb2.PrefillRequest, context: Any) -> ar_pb2.PrefillResponse:
+        self.prefills.append(request.request_id)
+        self.prefill_started.set()
+        started = time.monotonic()
+        await self.prefill_gate.wait()
+        if self.fail_prefill is not None:
+            await abort_with(context, self.fail_prefill)
+        prefill_seconds = time.monotonic() - started
+        armed = await self.broker.ReserveTicket(
+            broker_pb2.ReserveTicketRequest(
+                ticket_id=request.ticket_id, ar_replica_id=self.replica_id, incarnation_id=self.incarnation_id
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+        self.armed.set()
+        writes = writes_from_proto(armed.writes)
+        staging = self._staging(request, writes)
+        # Armed: the writes run to their final reports even if this RPC is cancelled.
+        writer = asyncio.create_task(self._write_and_report(request.ticket_id, writes, staging))
+        self._writers.add(writer)
+        writer.add_done_callback(self._writers.discard)
+        t0 = time.monotonic()
+        total = await asyncio.shield(writer)
+        return ar_pb2.PrefillResponse(
+            token_counts=[tokens_of(t) for t in request.rows],
+            bytes_written=total,
+            prefill_seconds=prefill_seconds,
+            transfer_seconds=time.monotonic() - t0,
+        )
+
+    def _staging(self, request: ar_pb2.PrefillRequest, writes: tuple[PlannedWrite, ...]) -> bytes:
+        size = max((s.src_offset + s.length for w in writes for s in w.segments), default=0)
+        pattern = f"{request.seed}:{'|'.join(request.rows)}".encode() or b"\x00"
+        return (pattern * (size // len(pattern) + 1))[:size]
+
+    async def _write_and_report(
+        self, ticket_id: str, writes: tuple[PlannedWrite, ...], staging: bytes
+    ) -> int:
+        reported: set[int] = set()
+        total = 0
+        try:
+            await self.write_gate.wait()
+            for i, w in enumerate(writes):
+                for seg in w.segments:
+                    self.memory.pool[seg.dst_offset : seg.dst_offset + seg.length] = staging[
+                        seg.src_offset : seg.src_offset + seg.length
+                    ]
+                checksum = checksum_segments(staging, w.segments, side="src")
+                await self._report(ticket_id, w, common_pb2.WRITE_STATUS_OK, checksum, w.num_bytes)
+                reported.add(i)
+                total += w.num_bytes
+        finally:
+            for i, w in enumerate(writes):
+                if i not in reported:
+                    await self._report(ticket_id, w, common_pb2.WRITE_STATUS_NOT_STARTED, 0, 0)
+        return total
+
+    async def _report(self, ticket_id: str, w: PlannedWrite, status: int, checksum: int, nbytes: int) -> None:
+        await self.broker.ReportWrite(
+            broker_pb2.ReportWriteRequest(
+                ticket_id=ticket_id,
+                row=w.row,
+                src_rank=w.src_rank,
+                dst_rank=w.dst_rank,
+                replica_id=self.replica_id,
+                incarnation_id=self.incarnation_id,
+                status=status,  # type: ignore[arg-type]
+                checksum=checksum,
+                bytes=nbytes,
+            ),
+            timeout=RPC_TIMEOUT,
+        )
+        self.writes_resolved += 1
+
+
+class DitReplica(dit_pb2_grpc.DitServiceServicer):
+    """Denoise as docs/internals.md specifies: wait for the rows, verify, report, step, decode."""
+
+    def __init__(
+        self,
+        broker_target: str,
+        memory: DitMemory,
+        *,
+        replica_id: str = "dit-0",
+        transfer_timeout: float = 5.0,
+        step_seconds: float = 0.0,
+    ):
+        self.replica_id = replica_id
+        self.incarnation_id = uuid.uuid4().hex
+        self.broker_target = broker_target
+        self.memory = memory
+        self.transfer_timeout = transfer_timeout
+        self.step_seconds = step_seconds
+        self.endpoint = ""
+        # Cleared = hold before the first step (DENOISING 0/n).
+        self.step_gate = _opened()
+        self.denoise_started = asyncio.Event()
+        self.loaded = asyncio.Event()
+        self.released: list[tuple[str, int]] = []
+        self.fail_denoise: KvRelayServerError | None = None
+        self._server: grpc.aio.Server | None = None
+        self._channel: grpc.aio.Channel | None = None
+
+    @property
+    def broker(self) -> broker_pb2_grpc.BrokerServiceStub:
+        assert self._channel is not None
+        return broker_pb2_grpc.BrokerServiceStub(self._channel)
+
+    async def start(self) -> None:
+        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        dit_pb2_grpc.add_DitServiceServicer_to_server(self, self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        self.endpoint = f"127.0.0.1:{port}"
+        self._channel = grpc.aio.insecure_channel(self.broker_target, options=GRPC_OPTIONS)
+        info = broker_pb2.ReplicaInfo(
+            replica_id=self.replica_id,
+            role=common_pb2.REPLICA_ROLE_DIT,
+            incarnation_id=self.incarnation_id,
+            layout_version=LAYOUT_VERSION,
+            version="test",
+            endpoint=self.endpoint,
+            regions=[
+                common_pb2.MemoryRegion(
+                    rank=0,
+                    transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
+                    endpoint="127.0.0.1:1",
+                    base_address=0,
+                    length=len(self.memory.pool),
+                )
+            ],
+            geometry=geometry_to_proto(GEOMETRY),
+            parallelism=common_pb2.Parallelism(tensor_parallel_size=1, sequence_parallel_size=1),
+            num_pages=self.memory.num_pages,
+            transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
+            stage_id=1,
+        )
+        await self.broker.RegisterReplica(
+            broker_pb2.RegisterReplicaRequest(replica=info), timeout=RPC_TIMEOUT
+        )
+
+    async def stop(self) -> None:
+        self.step_gate.set()
+        if self._server is not None:
+            await self._server.stop(0)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def Denoise(
+        self, request: dit_pb2.DenoiseRequest, context: Any
+    ) -> AsyncIterator[dit_pb2.DenoiseEvent]:
+        self.denoise_started.set()
+        ticket_id = request.ticket_id
+        outcome = broker_pb2.TICKET_OUTCOME_CANCELLED
+        reason = "DENOISE_CANCELLED"
+        try:
+            yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING)
+            if self.fail_denoise is not None:
+                outcome, reason = broker_pb2.TICKET_OUTCOME_FAILED, self.fail_denoise.reason
+                await abort_with(context, self.fail_denoise)
+            t0 = time.monotonic()
+            remaining = context.time_remaining()
+            wait = self.transfer_timeout if remaining is None else min(self.transfer_timeout, remaining)
+            ticket = await self._wait_for_writes(ticket_id, wait)
+            if ticket is None:
+                outcome, reason = broker_pb2.TICKET_OUTCOME_TIMED_OUT, "TRANSFER_TIMEOUT"
+                await abort_with(
+                    context,
+                    KvRelayServerError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT", "rows did not land in time"
+                    ),
+                )
+            if any(w.status != common_pb2.WRITE_STATUS_OK for w in ticket.writes):
+                outcome, reason = broker_pb2.TICKET_OUTCOME_FAILED, "TRANSFER_FAILED"
+                await abort_with(
+                    context,
+                    KvRelayServerError(
+                        grpc.StatusCode.FAILED_PRECONDITION, "TRANSFER_FAILED", "a write failed"
+                    ),
+                )
+            await self._verify_and_report(ticket)
+            self.loaded.set()
+            yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, load_seconds=time.monotonic() - t0)
+            t1 = time.monotonic()
+            await self.step_gate.wait()
+            for k in range(1, request.num_inference_steps + 1):
+                await asyncio.sleep(self.step_seconds)
+                yield dit_pb2.DenoiseEvent(
+                    phase=dit_pb2.DENOISE_PHASE_STEP, step=k, total_steps=request.num_inference_steps
+                )
+            denoise_seconds = time.monotonic() - t1
+            t2 = time.monotonic()
+            png = make_png(request.width, request.height, request.seed % 256)
+            image = common_pb2.Image(png=png, width=request.width, height=request.height, seed=request.seed)
+            outcome, reason = broker_pb2.TICKET_OUTCOME_OK, ""
+            await self._release(ticket_id, outcome, reason)
+            yield dit_pb2.DenoiseEvent(
+                phase=dit_pb2.DENOISE_PHASE_DECODED,
+                image=image,
+                denoise_seconds=denoise_seconds,
+                decode_seconds=time.monotonic() - t2,
+            )
+        finally:
+            if outcome != broker_pb2.TICKET_OUTCOME_OK:
+                # Shielded: a cancelled stream must still hand the pages back.
+                await asyncio.shield(self._release(ticket_id, outcome, reason))
+
+    async def _wait_for_writes(self, ticket_id: str, timeout: float) -> broker_pb2.Ticket | None:
+        watch = self.broker.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id=ticket_id), timeout=timeout)
+        try:
+            async for reply in watch:
+                t = reply.ticket
+                if t.state in (broker_pb2.TICKET_STATE_DRAINING, broker_pb2.TICKET_STATE_RELEASED):
+                    return t  # request over: let the caller fail it (its writes are not all OK)
+                if t.writes and all(w.status != common_pb2.WRITE_STATUS_UNSPECIFIED for w in t.writes):
+                    return t
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return None
+            raise
+        finally:
+            watch.cancel()
+        return None
+
+    async def _verify_and_report(self, ticket: broker_pb2.Ticket) -> None:
+        rows = {(w.row, w.dst_rank) for w in ticket.writes}
+        plan = await self._plan(ticket)
+        for row, dst in sorted(rows):
+            verified = []
+            for w in ticket.writes:
+                if (w.row, w.dst_rank) != (row, dst):
+                    continue
+                planned = plan[(w.row, w.src_rank, w.dst_rank)]
+                got = checksum_segments(self.memory.pool, planned.segments, side="dst")
+                verified.append(
+                    broker_pb2.WriteProgress(
+                        row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, checksum=got
+                    )
+                )
+            await self.broker.ReportLoad(
+                broker_pb2.ReportLoadRequest(
+                    ticket_id=ticket.ticket_id,
+                    row=row,
+                    dst_rank=dst,
+                    replica_id=self.replica_id,
+                    incarnation_id=self.incarnation_id,
+                    verified=verified,
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+
+    async def _plan(self, ticket: broker_pb2.Ticket) -> dict[tuple[int, int, int], PlannedWrite]:
+        from kvrelay.transfer.planner import RowSpec, plan_transfer
+
+        rows = [RowSpec(r.row, r.num_tokens, tuple(r.page_ids)) for r in ticket.rows]
+        return {(w.row, w.src_rank, w.dst_rank): w for w in plan_transfer(GEOMETRY, 1, 1, rows)}
+
+    async def _release(self, ticket_id: str, outcome: int, reason: str) -> None:
+        self.released.append((ticket_id, outcome))
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.broker.ReleaseTicket(
+                broker_pb2.ReleaseTicketRequest(
+                    ticket_id=ticket_id,
+                    outcome=outcome,  # type: ignore[arg-type]
+                    reason=reason,
+                    replica_id=self.replica_id,
+                ),
+                timeout=RPC_TIMEOUT,
+            )
+
+
+# ------------------------------------------------------------------------- broker
+
+
+def test_config(**broker: Any) -> Any:
+    data = {
+        "async_chunk": False,
+        "broker": {"host": "127.0.0.1", "port": 0, "max_queue": 8, "result_ttl_seconds": 30, **broker},
+        "stages": [
+            {
+                "stage_id": 0,
+                "kind": "ar",
+                "kv_cache_memory_bytes": 1 << 20,
+                "request_timeout_seconds": 20,
+                "model": {"preset": "tiny"},
+            },
+            {
+                "stage_id": 1,
+                "kind": "dit",
+                "kv_cache_memory_bytes": 1 << 20,
+                "request_timeout_seconds": 20,
+                "model": {"preset": "tiny"},
+            },
+        ],
+        "edges": [{"from": 0, "to": 1}],
+    }
+    return parse_config(yaml.safe_load(yaml.safe_dump(data)), "<test>")
+
+
+@dataclass
+class Cluster:
+    core: BrokerCore
+    orchestrator: Orchestrator
+    registry: CollectorRegistry
+    target: str
+    channel: grpc.aio.Channel
+    ar: ArReplica
+    dit: DitReplica
+    memory: DitMemory
+    clock_offset: list[float]
+
+    @property
+    def api(self) -> generation_pb2_grpc.GenerationServiceStub:
+        return generation_pb2_grpc.GenerationServiceStub(self.channel)
+
+    def pool(self) -> Any:
+        (pool,) = self.core.pool_status(self.dit.replica_id)
+        return pool
+
+    async def wait_pool_free(self, timeout: float = 5.0) -> Any:
+        deadline = time.monotonic() + timeout
+        while True:
+            pool = self.pool()
+            if pool.free == pool.total:
+                return pool
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pages did not come back: {pool}")
+            await asyncio.sleep(0.02)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        value = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if value is None else value
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    *,
+    num_pages: int = 32,
+    max_tokens: int = 64,
+    transfer_timeout: float = 5.0,
+    step_seconds: float = 0.0,
+    drain_quiet_seconds: float = 0.05,
+    **broker: Any,
+) -> AsyncIterator[Cluster]:
+    cfg = test_config(**broker)
+    clock_offset = [0.0]
+    core = BrokerCore(
+        None, lease_seconds=60.0, drain_quiet_seconds=drain_quiet_seconds, journal_synchronous="OFF"
+    )
+    registry = CollectorRegistry()
+    orchestrator = Orchestrator(core, cfg, registry, clock=lambda: time.monotonic() + clock_offset[0])
+    server = GrpcServer(
+        name="broker",
+        host="127.0.0.1",
+        port=0,
+        registrations=[
+            (
+                broker_pb2_grpc.add_BrokerServiceServicer_to_server,
+                BrokerServicer(core),
+                "kvrelay.v1.BrokerService",
+            ),
+            (
+                generation_pb2_grpc.add_GenerationServiceServicer_to_server,
+                GenerationServicer(orchestrator),
+                "kvrelay.v1.GenerationService",
+            ),
+        ],
+    )
+    await server.start()
+    await server.set_serving(True)
+    maintenance = asyncio.create_task(run_maintenance(core, interval=0.02))
+    await orchestrator.start()
+    memory = DitMemory(num_pages)
+    ar = ArReplica(server.address, memory, max_tokens=max_tokens)
+    dit = DitReplica(server.address, memory, transfer_timeout=transfer_timeout, step_seconds=step_seconds)
+    channel = grpc.aio.insecure_channel(server.address, options=GRPC_OPTIONS)
+    try:
+        await ar.start()
+        await dit.start()
+        yield Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset)
+    finally:
+        await channel.close()
+        await ar.stop()
+        await dit.stop()
+        await orchestrator.stop()
+        maintenance.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await maintenance
+        await server.stop(grace=0)
+        core.close()
+
+
+def run(coro: Any, timeout: float = 60.0) -> Any:
+    """Run one async test body on a fresh event loop, bounded so a hang fails instead of stalling."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def request(prompt: str = "a cat", **fields: Any) -> generation_pb2.GenerateRequest:
+    fields.setdefault("width", 64)
+    fields.setdefault("height", 64)
+    return generation_pb2.GenerateRequest(prompt=prompt, **fields)
+
+
+async def collect(call: Any) -> list[generation_pb2.GenerationEvent]:
+    return [event async for event in call]
+
+
+def error_info(err: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:
+    """(code, ErrorInfo reason, ErrorInfo metadata) of a kvrelay error status."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, f"no rich status on {err}"
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            return err.code(), info.reason, dict(info.metadata)
+    raise AssertionError(f"no ErrorInfo in {err}")
