@@ -1,0 +1,260 @@
+"""The DiT rank handler: what runs inside each rank worker process of a DiT replica.
+
+Owns, per rank: the mapping of its host page pool (shared with the service process), its
+transport registration (Mooncake: one TransferEngine per rank process, the pool registered once
+for the process lifetime), the device pool and mirror -> device copy when the model runs on a GPU,
+checksum verification of the writes that target this rank, and its share of the DiT (TP heads or
+Ulysses SP tokens). Rank 0 decodes the latents and encodes the PNG.
+
+It never talks to the broker and never decides when pages are free: the service process does,
+after the rank has answered. Step progress and cancellation cross a small shared control block
+(not the command pipe, which carries one reply per command) so the service can stream steps and
+stop a denoise within one step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.dit_service.memory import HostPool, PoolSpec
+
+from kvrelay.transfer.checksum import checksum_segments
+from kvrelay.transfer.planner import PlannedWrite, RowSpec
+from kvrelay.transfer.transport import RegionDescriptor
+from kvrelay.worker import RankContext
+
+# Control block: one row of int64 per slot: [steps done, cancel requested, sequence number].
+CONTROL_FIELDS = 3
+STEP, CANCEL, SERIAL = 0, 1, 2
+
+
+def control_bytes(slots: int) -> int:
+    return slots * CONTROL_FIELDS * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands (sent to every rank in the same order; frozen so they pickle cheaply)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DescribeRegion:
+    """Register this rank's pool with its transport (once) and describe it. None for the gRPC
+    fallback, whose regions the service process describes (it receives the chunks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyWrites:
+    """Checksum the destination bytes of `writes` (this rank's share) in segment order."""
+
+    writes: tuple[PlannedWrite, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RunDenoise:
+    slot: int
+    serial: int
+    rows: tuple[RowSpec, ...]
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class DenoiseResult:
+    rank: int
+    steps_done: int
+    cancelled: bool
+    png: bytes | None
+    width: int
+    height: int
+    copy_seconds: float
+    denoise_seconds: float
+    decode_seconds: float
+
+
+class DenoiseStopped(Exception):
+    """The service asked this denoise to stop (its caller cancelled)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Factory (picklable) and handler
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DitRankSpec:
+    """Everything a rank needs to build itself; pickled into the spawned worker."""
+
+    preset: str
+    weight_seed: int
+    dtype: str | None
+    tp: int
+    sp: int
+    page_size: int
+    num_pages: int
+    pools: tuple[PoolSpec, ...]
+    control: PoolSpec
+    slots: int
+    transport: str
+    mooncake_host: str = "127.0.0.1"
+    mooncake_protocol: str = "tcp"
+    mooncake_device_name: str = ""
+
+    def __call__(self, ctx: RankContext) -> DitRankHandler:
+        return DitRankHandler(ctx, self)
+
+
+class DitRankHandler:
+    def __init__(self, ctx: RankContext, spec: DitRankSpec) -> None:
+        import numpy as np
+        import torch
+        from kvrelay.dit_service.model import DitRunner
+
+        from kvrelay.models.layers import torch_dtype
+
+        self.ctx = ctx
+        self.spec = spec
+        self._torch = torch
+        device = torch.device(ctx.device)
+        dtype = torch_dtype(spec.dtype) if spec.dtype else None
+        self.runner = DitRunner(
+            spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
+            weight_seed=spec.weight_seed, device=device, dtype=dtype,
+        )
+        self.layout = self.runner.page_layout(spec.page_size)
+        pool_spec = spec.pools[ctx.rank]
+        if pool_spec.num_bytes != self.layout.pool_bytes(spec.num_pages):
+            raise ValueError(
+                f"rank {ctx.rank}: pool of {pool_spec.num_bytes} bytes does not hold {spec.num_pages} pages "
+                f"of {self.layout.page_bytes} bytes: the service and the model disagree on the layout"
+            )
+        self.host = HostPool.attach(pool_spec)
+        self.host_tensor = self.host.tensor()
+        self.control_pool = HostPool.attach(spec.control)
+        self.control = np.frombuffer(self.control_pool.buffer, dtype=np.int64).reshape(spec.slots, CONTROL_FIELDS)
+        self._pinned = False
+        self.device_pool = None
+        if device.type == "cuda":
+            # Transports here write host memory: the host pool is the pinned mirror; pages are
+            # copied to the device pool for the ticket being loaded.
+            self._pin_mirror()
+            self.device_pool = torch.empty(pool_spec.num_bytes, dtype=torch.uint8, device=device)
+        self._endpoint: Any = None
+        self._region: RegionDescriptor | None = None
+
+    def _pin_mirror(self) -> None:
+        torch = self._torch
+        try:
+            rc = torch.cuda.cudart().cudaHostRegister(self.host_tensor.data_ptr(), self.host_tensor.numel(), 0)
+            self._pinned = int(rc) == 0
+        except Exception:  # noqa: BLE001 - pinning is a speed-up; pageable copies stay correct
+            self._pinned = False
+
+    # -- commands -------------------------------------------------------------------------------
+
+    def handle(self, command: Any) -> Any:
+        if isinstance(command, DescribeRegion):
+            return self._describe()
+        if isinstance(command, VerifyWrites):
+            return self._verify(command.writes)
+        if isinstance(command, RunDenoise):
+            return self._denoise(command)
+        raise TypeError(f"DiT rank {self.ctx.rank} got an unknown command {type(command).__name__}")
+
+    def _describe(self) -> RegionDescriptor | None:
+        if self.spec.transport != "mooncake":
+            return None
+        if self._region is None:
+            from kvrelay.transfer.mooncake import endpoint
+
+            self._endpoint = endpoint(self.spec.mooncake_host, self.spec.mooncake_protocol, self.spec.mooncake_device_name)
+            self._region = self._endpoint.register_region(self.host_tensor, self.ctx.rank)
+        return self._region
+
+    def _verify(self, writes: Sequence[PlannedWrite]) -> list[int]:
+        out = []
+        for w in writes:
+            if w.dst_rank != self.ctx.rank:
+                raise ValueError(f"rank {self.ctx.rank} asked to verify a write for rank {w.dst_rank}")
+            out.append(checksum_segments(self.host_tensor, w.segments, side="dst"))
+        return out
+
+    def _load_to_device(self, rows: Sequence[RowSpec]) -> float:
+        if self.device_pool is None:
+            return 0.0
+        start = time.perf_counter()
+        page_bytes = self.layout.page_bytes
+        for row in rows:
+            for page in row.page_ids:
+                lo, hi = page * page_bytes, (page + 1) * page_bytes
+                self.device_pool[lo:hi].copy_(self.host_tensor[lo:hi], non_blocking=self._pinned)
+        self._torch.cuda.synchronize(self.device_pool.device)
+        return time.perf_counter() - start
+
+    def _denoise(self, cmd: RunDenoise) -> DenoiseResult:
+        from kvrelay.dit_service.image import encode_png
+        from kvrelay.dit_service.model import DenoiseCancelled
+
+        from kvrelay.models.paged_attention import read_prefix
+
+        control = self.control[cmd.slot]
+        copy_seconds = self._load_to_device(cmd.rows)
+        pool = self.device_pool if self.device_pool is not None else self.host_tensor
+        prefix_rows = [read_prefix(pool, self.layout, row.page_ids, row.num_tokens) for row in cmd.rows]
+        steps_done = 0
+
+        def on_step(step: int, total: int) -> None:
+            nonlocal steps_done
+            steps_done = step
+            if self.ctx.rank == 0 and int(control[SERIAL]) == cmd.serial:
+                control[STEP] = step
+            # Every rank checks; DitRunner's vote makes all ranks stop after the same step.
+            if int(control[SERIAL]) == cmd.serial and int(control[CANCEL]):
+                raise DenoiseStopped(f"cancelled after step {step}/{total}")
+
+        start = time.perf_counter()
+        try:
+            if int(control[SERIAL]) == cmd.serial and int(control[CANCEL]):
+                raise DenoiseStopped("cancelled before the first step")
+            latents = self.runner.denoise(
+                prefix_rows, width=cmd.width, height=cmd.height, steps=cmd.steps,
+                guidance_scale=cmd.guidance_scale, seed=cmd.seed, on_step=on_step,
+            )
+        except (DenoiseStopped, DenoiseCancelled):
+            return DenoiseResult(self.ctx.rank, steps_done, True, None, cmd.width, cmd.height,
+                                 copy_seconds, time.perf_counter() - start, 0.0)
+        finally:
+            del prefix_rows  # views into the pool: none outlives the call
+        denoise_seconds = time.perf_counter() - start
+        png, decode_seconds = None, 0.0
+        if self.ctx.rank == 0:
+            start = time.perf_counter()
+            png = encode_png(self.runner.decode(latents))
+            decode_seconds = time.perf_counter() - start
+        return DenoiseResult(self.ctx.rank, steps_done, False, png, cmd.width, cmd.height,
+                             copy_seconds, denoise_seconds, decode_seconds)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister from the transport, then unmap. Called by the harness on Stop; the service
+        frees (unlinks) the pools only after every rank has exited."""
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
+        if self._pinned:
+            try:
+                self._torch.cuda.cudart().cudaHostUnregister(self.host_tensor.data_ptr())
+            except Exception:  # noqa: BLE001 - the process is exiting; the mapping goes with it
+                pass
+            self._pinned = False
+        self.control = None  # type: ignore[assignment]
+        self.host_tensor = None
+        self.host.close()
+        self.control_pool.close()

@@ -1,0 +1,187 @@
+"""`kvrelay dit --config FILE --replica N`: one DiT replica process.
+
+Owns the order of start and stop. Start: take the replica lock (proof that no process of the
+previous incarnation is alive), bind the gRPC port (and print `kvrelay dit listening on
+HOST:PORT`), allocate the page pools, start the rank workers (each builds its model and registers
+its pool with the transport), register with the broker, heartbeat, and only then turn health
+SERVING. Stop on SIGTERM/SIGINT: NOT_SERVING, drain the server, deregister, stop the workers,
+free the pools, exit 0. Fail stop (fenced, a rank died, a broken invariant): stop the workers
+before the memory is unregistered and freed, then exit 3 so the supervisor restarts the replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+
+from kvrelay.config import ConfigError, KvRelayConfig, load_config
+from kvrelay.logging import configure_logging, get_logger
+from kvrelay.server import GrpcServer
+from kvrelay.v1 import dit_pb2, dit_pb2_grpc
+
+log = get_logger(__name__)
+
+DIT_SERVICE = dit_pb2.DESCRIPTOR.services_by_name["DitService"].full_name
+EXIT_FAIL_STOP = 3
+LOCK_WAIT_S = 30.0
+
+
+class _Stopper:
+    """Why the process stops: a clean request (signal) or a fail stop with its reason."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.fail_reason: str | None = None
+
+    def fail_stop(self, reason: str) -> None:
+        if self.fail_reason is None:
+            self.fail_reason = reason
+            log.error("fail_stop", reason=reason)
+        self.event.set()
+
+    def clean_stop(self) -> None:
+        self.event.set()
+
+
+async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
+    import grpc
+    from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
+    from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
+    from kvrelay.dit_service.registration import (
+        DitReplicaInfo,
+        Registration,
+        new_incarnation_id,
+        replica_id_for,
+    )
+    from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
+
+    from kvrelay.models.presets import get_preset
+    from kvrelay.server import GRPC_OPTIONS
+    from kvrelay.transfer.transport import make_receiver
+    from kvrelay.v1 import broker_pb2_grpc
+    from kvrelay.worker import ReplicaLock, WorkerGroup, replica_lock_path
+
+    stage = cfg.dit_stage
+    replica = args.replica
+    replica_id = replica_id_for(replica)
+    if not 0 <= replica < stage.num_replicas:
+        print(f"kvrelay dit: --replica {replica} out of range: the DiT stage has {stage.num_replicas} replica(s)")
+        return 2
+    if stage.model.preset is None:
+        print("kvrelay dit: stages[1].model.preset is required (the built-in DiT has no checkpoint loader)")
+        return 2
+    incarnation_id = new_incarnation_id()
+    host = args.host or stage.host
+    port = stage.port_for(replica) if args.port is None else args.port
+    metrics_port = stage.metrics_port_for(replica) if args.metrics_port is None else args.metrics_port
+    broker_address = args.broker or f"{cfg.broker.host}:{cfg.broker.port}"
+
+    lock = ReplicaLock(replica_lock_path(replica_id))
+    await asyncio.to_thread(lock.acquire, LOCK_WAIT_S)
+    stopper = _Stopper()
+    metrics = DitMetrics(replica_id)
+    servicer = DitServicer()
+    server = GrpcServer(
+        name=replica_id, host=host, port=port, metrics_port=metrics_port, metrics_registry=metrics.registry,
+        registrations=[(dit_pb2_grpc.add_DitServiceServicer_to_server, servicer, DIT_SERVICE)],
+    )
+    memory: ReplicaMemory | None = None
+    control_pool: HostPool | None = None
+    group: WorkerGroup | None = None
+    registration: Registration | None = None
+    channel = None
+    try:
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig_name in ("SIGTERM", "SIGINT"):
+            import signal
+
+            loop.add_signal_handler(getattr(signal, sig_name), stopper.clean_stop)
+        print(f"kvrelay dit listening on {server.address}", flush=True)
+        endpoint = f"{stage.advertise_host}:{server.bound_port}"
+
+        preset = get_preset(stage.model.preset)
+        geometry = dit_geometry(preset, stage.page_size, stage.model.dtype)
+        world = stage.world_size
+        memory = ReplicaMemory(geometry, world, stage.kv_cache_memory_bytes, tag=replica_id)
+        control_pool = HostPool.create(-1, control_bytes(stage.max_num_seqs), f"{replica_id}-control")
+        metrics.pages.labels(replica_id).set(memory.num_pages)
+        spec = DitRankSpec(
+            preset=preset.name, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype,
+            tp=stage.tensor_parallel_size, sp=stage.sequence_parallel_size, page_size=stage.page_size,
+            num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
+            slots=stage.max_num_seqs, transport=stage.transport, mooncake_host=stage.advertise_host,
+            mooncake_protocol=stage.mooncake_protocol, mooncake_device_name=str(stage.extra.get("device_name", "")),
+        )
+        group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
+        await asyncio.to_thread(group.start)
+        described = await asyncio.to_thread(group.call_all, DescribeRegion(), 120.0)
+        if stage.transport == "grpc":
+            receiver = make_receiver("grpc", endpoint=endpoint)
+            regions = tuple(receiver.register_region(memory.region(r), r) for r in range(world))
+        else:
+            regions = tuple(described)
+        log.info("page_memory_ready", replica_id=replica_id, num_pages=memory.num_pages, page_bytes=memory.page_bytes,
+                 ranks=world, transport=stage.transport, regions=[r.endpoint for r in regions])
+
+        channel = grpc.aio.insecure_channel(broker_address, options=GRPC_OPTIONS)
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        state = DitReplicaState(
+            replica_id=replica_id, incarnation_id=incarnation_id, stage=stage, geometry=geometry, memory=memory,
+            control=control_view(control_pool.buffer, stage.max_num_seqs), group=group, broker=stub,
+            metrics=metrics, fail_stop=stopper.fail_stop,
+        )
+        servicer.attach(state)
+        info = DitReplicaInfo(
+            replica_id=replica_id, incarnation_id=incarnation_id, endpoint=endpoint, stage_id=stage.stage_id,
+            geometry=geometry, tensor_parallel_size=stage.tensor_parallel_size,
+            sequence_parallel_size=stage.sequence_parallel_size, num_pages=memory.num_pages,
+            max_num_seqs=stage.max_num_seqs, transport=stage.transport, regions=regions,
+        )
+        registration = Registration(
+            stub, info, interval_s=cfg.broker.heartbeat_interval, token=cfg.broker.registration_token,
+            on_fenced=stopper.fail_stop, held_tickets=lambda: list(state.scheduler.active.values()),
+        )
+        await registration.register()
+        registration.start_heartbeats()
+        if stopper.fail_reason is None:
+            await server.set_serving(True)
+            log.info("dit_serving", replica_id=replica_id, incarnation_id=incarnation_id, address=server.address)
+        await stopper.event.wait()
+    except Exception as err:  # noqa: BLE001 - startup failure: stop what started, exit non-zero
+        log.exception("dit_failed", error=str(err))
+        stopper.fail_stop(f"startup failed: {err}")
+    finally:
+        failed = stopper.fail_reason is not None
+        with contextlib.suppress(Exception):
+            await server.set_serving(False)
+        servicer.attach(None) if failed else None
+        if registration is not None:
+            await registration.stop(deregister=not failed)
+        # In-flight Denoise calls finish (clean stop) or are cut (fail stop) before workers go.
+        await server.stop(grace=0.5 if failed else 5.0)
+        servicer.attach(None)
+        if group is not None:
+            # Workers first: their transport registrations of the pools end with them.
+            await asyncio.to_thread(group.stop)
+        if memory is not None:
+            memory.close()
+        if control_pool is not None:
+            control_pool.close()
+        if channel is not None:
+            await channel.close()
+        lock.release()
+        log.info("dit_stopped", replica_id=replica_id, fail_stop=failed, reason=stopper.fail_reason)
+    return EXIT_FAIL_STOP if stopper.fail_reason is not None else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level, process=f"dit-{args.replica}")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as err:
+        print(f"kvrelay dit: {err}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(cfg, args))

@@ -1,0 +1,184 @@
+"""Registration of one DiT replica with the broker, and its lease (heartbeats).
+
+Owns the replica's identity (`dit-N`, a fresh `incarnation_id` per process start), the
+ReplicaInfo it registers (geometry with the stage's page_size, parallelism, num_pages, one
+MemoryRegion per rank, transport), and the heartbeat loop. A `fenced` answer, at registration or
+on any heartbeat, is a broken invariant: it calls `on_fenced` and the process fails stop. A broker
+that is unreachable is not a reason to stop (the lease is not proof of anything): heartbeats keep
+trying, and a broker that forgot the replica gets it registered again with the same incarnation
+and the tickets being read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.logging import get_logger
+from kvrelay.transfer.convert import geometry_to_proto, region_to_proto
+from kvrelay.transfer.layout import KvGeometry
+from kvrelay.transfer.transport import RegionDescriptor
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+
+log = get_logger(__name__)
+
+# Every broker call has a deadline; registration may wait for a broker that is still starting.
+RPC_TIMEOUT_S = 5.0
+
+_TRANSPORT_KIND = {
+    "mooncake": common_pb2.TRANSPORT_KIND_MOONCAKE,
+    "grpc": common_pb2.TRANSPORT_KIND_GRPC_STREAM,
+    "cuda_ipc": common_pb2.TRANSPORT_KIND_CUDA_IPC,
+}
+
+
+class RegistrationRefused(RuntimeError):
+    """The broker refused the registration (fenced, incompatible geometry, bad token)."""
+
+
+def replica_id_for(replica: int) -> str:
+    return f"dit-{replica}"
+
+
+@dataclass(frozen=True, slots=True)
+class DitReplicaInfo:
+    replica_id: str
+    incarnation_id: str
+    endpoint: str
+    stage_id: int
+    geometry: KvGeometry
+    tensor_parallel_size: int
+    sequence_parallel_size: int
+    num_pages: int
+    max_num_seqs: int
+    transport: str
+    regions: tuple[RegionDescriptor, ...]
+
+    def to_proto(self) -> broker_pb2.ReplicaInfo:
+        return broker_pb2.ReplicaInfo(
+            replica_id=self.replica_id,
+            role=common_pb2.REPLICA_ROLE_DIT,
+            incarnation_id=self.incarnation_id,
+            layout_version=LAYOUT_VERSION,
+            version=__version__,
+            endpoint=self.endpoint,
+            regions=[region_to_proto(r) for r in self.regions],
+            geometry=geometry_to_proto(self.geometry),
+            parallelism=common_pb2.Parallelism(
+                tensor_parallel_size=self.tensor_parallel_size, sequence_parallel_size=self.sequence_parallel_size
+            ),
+            num_pages=self.num_pages,
+            transport=_TRANSPORT_KIND[self.transport],  # type: ignore[arg-type]
+            stage_id=self.stage_id,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+
+def new_incarnation_id() -> str:
+    return str(uuid.uuid4())
+
+
+class Registration:
+    """RegisterReplica, then heartbeats every `interval_s` until `stop()`."""
+
+    def __init__(
+        self,
+        stub: broker_pb2_grpc.BrokerServiceStub,
+        info: DitReplicaInfo,
+        *,
+        interval_s: float,
+        token: str | None,
+        on_fenced: Callable[[str], None],
+        held_tickets: Callable[[], Sequence[str]] = lambda: (),
+    ) -> None:
+        self.stub = stub
+        self.info = info
+        self.interval_s = interval_s
+        self.token = token or ""
+        self.on_fenced = on_fenced
+        self.held_tickets = held_tickets
+        self.lease_seconds = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def register(self, *, wait_s: float = 30.0) -> None:
+        """Register, retrying while the broker is unreachable for up to `wait_s` seconds."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait_s
+        delay = 0.1
+        while True:
+            try:
+                reply = await self.stub.RegisterReplica(
+                    broker_pb2.RegisterReplicaRequest(
+                        replica=self.info.to_proto(), token=self.token, held_ticket_ids=list(self.held_tickets())
+                    ),
+                    timeout=RPC_TIMEOUT_S,
+                    wait_for_ready=True,
+                )
+                break
+            except grpc.aio.AioRpcError as err:
+                retriable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retriable or loop.time() + delay > give_up:
+                    raise RegistrationRefused(
+                        f"RegisterReplica {self.info.replica_id} failed: {err.code().name}: {err.details()}"
+                    ) from err
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        if reply.fenced:
+            self.on_fenced("registration answered fenced")
+            raise RegistrationRefused(f"replica {self.info.replica_id} is fenced")
+        self.lease_seconds = reply.lease_seconds
+        log.info("replica_registered", replica_id=self.info.replica_id, incarnation_id=self.info.incarnation_id,
+                 num_pages=self.info.num_pages, transport=self.info.transport, lease_seconds=reply.lease_seconds)
+
+    def start_heartbeats(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="dit-heartbeat")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                reply = await self.stub.Heartbeat(
+                    broker_pb2.HeartbeatRequest(replica_id=self.info.replica_id, incarnation_id=self.info.incarnation_id),
+                    timeout=RPC_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    # The broker lost us (e.g. a fresh journal): register again, same incarnation.
+                    try:
+                        await self.register(wait_s=RPC_TIMEOUT_S)
+                    except RegistrationRefused as refused:
+                        log.warning("reregistration_failed", error=str(refused))
+                    continue
+                if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    # Our incarnation is no longer the registered one: someone replaced us.
+                    self.on_fenced(f"heartbeat refused: {err.details()}")
+                    return
+                log.warning("heartbeat_failed", code=err.code().name, details=err.details())
+                continue
+            if reply.fenced:
+                self.on_fenced(reply.fence_reason or "heartbeat answered fenced")
+                return
+
+    async def stop(self, *, deregister: bool) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping; nothing to report
+                pass
+            self._task = None
+        if deregister:
+            try:
+                await self.stub.DeregisterReplica(
+                    broker_pb2.DeregisterReplicaRequest(
+                        replica_id=self.info.replica_id, incarnation_id=self.info.incarnation_id
+                    ),
+                    timeout=RPC_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as err:
+                log.warning("deregister_failed", code=err.code().name, details=err.details())

@@ -1,0 +1,578 @@
+"""DitService: the grpc.aio servicer of one DiT replica (Denoise and the PutKv fallback).
+
+Owns the request protocol of docs/internals.md on the DiT side: admission in reservation order,
+the wait for every (row, dst_rank) to be written, verified by its rank and reported with
+ReportLoad, the denoise with its step stream, and the release of the ticket with the outcome
+that happened. Model work runs in the rank workers (dit_service/engine.py); every blocking
+harness call goes through a thread so the event loop never stalls.
+
+What it must never do: release a ticket while a rank may still read its pages (a cancelled
+Denoise first stops the ranks, then releases), accept a PutKv chunk outside the pages the broker
+reserved for the named ticket and row, or keep serving after a broken invariant (a rank died,
+the broker fenced us): then it asks the process to fail stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+from kvrelay.dit_service.engine import CANCEL, SERIAL, STEP, DenoiseResult, RunDenoise, VerifyWrites
+from kvrelay.dit_service.memory import ReplicaMemory
+from kvrelay.dit_service.scheduler import AdmissionQueue
+
+from kvrelay.config import StageConfig
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
+from kvrelay.logging import get_logger
+from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
+from kvrelay.transfer.layout import KvGeometry
+from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, dit_pb2, dit_pb2_grpc
+from kvrelay.worker import WorkerCommandError, WorkerGroup, WorkerGroupError
+
+log = get_logger(__name__)
+
+BROKER_RPC_TIMEOUT_S = 5.0
+# Ends the load wait this much before the caller's deadline, so that our TRANSFER_TIMEOUT status
+# (not a bare transport deadline) is what the caller sees.
+DEADLINE_MARGIN_S = 0.25
+# Checksum re-check backoff while bytes may still be landing (Mooncake TCP may report early).
+RECHECK_FIRST_S = 0.01
+RECHECK_MAX_S = 0.2
+STEP_POLL_S = 0.01
+# A single rank command (a whole denoise) may take this long before the group counts as hung.
+WORKER_CALL_TIMEOUT_S = 3600.0
+
+_FINAL_WRITE_FAILURES = {
+    common_pb2.WRITE_STATUS_FAILED: "FAILED",
+    common_pb2.WRITE_STATUS_NOT_STARTED: "NOT_STARTED",
+    common_pb2.WRITE_STATUS_WRITER_GONE: "WRITER_GONE",
+}
+_OUTCOME_PB = {
+    "OK": broker_pb2.TICKET_OUTCOME_OK,
+    "CANCELLED": broker_pb2.TICKET_OUTCOME_CANCELLED,
+    "TIMED_OUT": broker_pb2.TICKET_OUTCOME_TIMED_OUT,
+    "FAILED": broker_pb2.TICKET_OUTCOME_FAILED,
+}
+_OVER_STATES = (broker_pb2.TICKET_STATE_DRAINING, broker_pb2.TICKET_STATE_RELEASED)
+_LOADED_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING)
+_MAX_DIM, _MIN_DIM = 2048, 64
+
+
+class DitMetrics:
+    """Prometheus metrics of one DiT process, on its own registry (passed to GrpcServer)."""
+
+    def __init__(self, replica_id: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+        self.phase_seconds = Histogram(
+            "kvrelay_phase_seconds", "Seconds per request phase, measured where it happens",
+            ["phase"], buckets=buckets, registry=self.registry,
+        )
+        self.transfer_bytes = Counter(
+            "kvrelay_transfer_bytes_total", "KV bytes received and verified into DiT pages",
+            ["transport"], registry=self.registry,
+        )
+        self.denoise_requests = Counter(
+            "kvrelay_dit_requests_total", "Denoise calls by outcome", ["outcome"], registry=self.registry
+        )
+        self.denoise_steps = Counter(
+            "kvrelay_dit_denoise_steps_total", "Denoising steps executed by the ranks", registry=self.registry
+        )
+        self.active = Gauge("kvrelay_dit_active_requests", "Denoise calls holding a slot", registry=self.registry)
+        self.waiting = Gauge("kvrelay_dit_waiting_requests", "Denoise calls waiting for admission",
+                             registry=self.registry)
+        self.pages = Gauge("kvrelay_dit_pages_per_rank", "Pages in each rank's pool", ["replica"],
+                           registry=self.registry)
+        self.pages.labels(replica_id)
+
+
+@dataclass
+class DitReplicaState:
+    """What the servicer serves with; filled by main.py once workers and memory are up."""
+
+    replica_id: str
+    incarnation_id: str
+    stage: StageConfig
+    geometry: KvGeometry
+    memory: ReplicaMemory
+    control: Any  # int64 [slots, 3] numpy view of the shared control block
+    group: WorkerGroup
+    broker: broker_pb2_grpc.BrokerServiceStub
+    metrics: DitMetrics
+    fail_stop: Callable[[str], None]
+    scheduler: AdmissionQueue = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scheduler = AdmissionQueue(self.stage.max_num_seqs)
+
+    @property
+    def world_size(self) -> int:
+        return self.memory.world_size
+
+
+def _validate(request: dit_pb2.DenoiseRequest) -> None:
+    if not request.ticket_id:
+        raise invalid_argument("ticket_id", "required")
+    for name in ("width", "height"):
+        value = getattr(request, name)
+        if value % 16 or not _MIN_DIM <= value <= _MAX_DIM:
+            raise invalid_argument(name, f"must be a multiple of 16 in [{_MIN_DIM}, {_MAX_DIM}], got {value}")
+    if not 1 <= request.num_inference_steps <= 1000:
+        raise invalid_argument("num_inference_steps", f"must be in [1, 1000], got {request.num_inference_steps}")
+    g = request.guidance_scale
+    if not math.isfinite(g) or g < 1.0:
+        raise invalid_argument("guidance_scale", f"must be finite and >= 1.0, got {g}")
+
+
+def _rows_of(ticket: broker_pb2.Ticket) -> tuple[RowSpec, ...]:
+    return tuple(
+        RowSpec(row=r.row, num_tokens=r.num_tokens, page_ids=tuple(r.page_ids))
+        for r in sorted(ticket.rows, key=lambda r: r.row)
+    )
+
+
+def _transfer_error(code: grpc.StatusCode, reason: str, message: str) -> KvRelayServerError:
+    return KvRelayServerError(code, reason, message)
+
+
+_NOT_READY = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NOT_READY",
+                                "the DiT replica is starting or stopping (health is not SERVING)")
+
+
+class DitServicer(dit_pb2_grpc.DitServiceServicer):
+    """Registered with the server before the replica is ready (the port must be bound to describe
+    gRPC-fallback regions); calls are refused UNAVAILABLE until `attach`."""
+
+    def __init__(self, state: DitReplicaState | None = None) -> None:
+        self._state = state
+        self._serials = itertools.count(1)
+
+    def attach(self, state: DitReplicaState | None) -> None:
+        self._state = state
+
+    @property
+    def s(self) -> DitReplicaState:
+        if self._state is None:
+            raise _NOT_READY
+        return self._state
+
+    # ======================================================================= broker calls
+
+    async def _broker_call(self, method: Any, request: Any, *, attempts: int = 4) -> Any:
+        """A unary broker RPC with a deadline, retried while the broker is unreachable (every
+        broker RPC the DiT makes is idempotent)."""
+        delay = 0.05
+        for attempt in range(attempts):
+            try:
+                return await method(request, timeout=BROKER_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                retriable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not retriable or attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
+
+    async def _get_ticket(self, ticket_id: str) -> broker_pb2.Ticket:
+        try:
+            reply = await self._broker_call(self.s.broker.GetTicket, broker_pb2.GetTicketRequest(ticket_id=ticket_id))
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                raise KvRelayServerError(grpc.StatusCode.NOT_FOUND, "TICKET_NOT_FOUND",
+                                         f"unknown ticket {ticket_id!r}") from None
+            raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "BROKER_UNAVAILABLE",
+                                     f"GetTicket {ticket_id}: {err.code().name}: {err.details()}") from None
+        return reply.ticket
+
+    async def _release(self, ticket_id: str, outcome: str, reason: str) -> None:
+        """ReleaseTicket, retried; never raises (the pages are the broker's to account)."""
+        try:
+            reply = await self._broker_call(
+                self.s.broker.ReleaseTicket,
+                broker_pb2.ReleaseTicketRequest(
+                    ticket_id=ticket_id, outcome=_OUTCOME_PB[outcome], reason=reason, replica_id=self.s.replica_id
+                ),
+                attempts=6,
+            )
+            log.info("ticket_released", ticket_id=ticket_id, outcome=outcome, reason=reason,
+                     state=broker_pb2.TicketState.Name(reply.ticket.state))
+        except grpc.aio.AioRpcError as err:
+            log.error("release_failed", ticket_id=ticket_id, outcome=outcome, code=err.code().name,
+                      details=err.details())
+
+    # ======================================================================= worker calls
+
+    async def _call_each(self, commands: Sequence[object], timeout_s: float = WORKER_CALL_TIMEOUT_S) -> list[Any]:
+        try:
+            return await asyncio.to_thread(self.s.group.call_each, list(commands), timeout_s)
+        except WorkerCommandError:
+            raise
+        except WorkerGroupError as err:
+            # A missing or hung rank: the replica can no longer keep its pages' invariants.
+            self.s.fail_stop(f"worker group failed: {err}")
+            raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", str(err)) from err
+
+    # ======================================================================= Denoise
+
+    async def Denoise(
+        self, request: dit_pb2.DenoiseRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[dit_pb2.DenoiseEvent]:
+        if self._state is None:
+            await abort_with(context, _NOT_READY)
+        start = time.monotonic()
+        remaining = context.time_remaining()
+        deadline = start + (remaining if remaining is not None else self.s.stage.request_timeout_seconds)
+        outcome, reason = "CANCELLED", "denoise cancelled by the caller"
+        ticket_id = request.ticket_id
+        release = False
+        error: KvRelayServerError | None = None
+        self.s.metrics.waiting.inc()
+        waiting = True
+        try:
+            _validate(request)
+            ticket = await self._get_ticket(ticket_id)
+            if ticket.dit_replica_id != self.s.replica_id:
+                raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
+                                         f"ticket {ticket_id} is bound to {ticket.dit_replica_id}, "
+                                         f"not {self.s.replica_id}")
+            rows = _rows_of(ticket)
+            want_rows = 1 if request.guidance_scale == 1.0 else 2
+            if len(rows) != want_rows:
+                raise invalid_argument("guidance_scale", f"{request.guidance_scale} needs {want_rows} CFG row(s); "
+                                       f"ticket {ticket_id} has {len(rows)}")
+            if ticket.state == broker_pb2.TICKET_STATE_RELEASED:
+                raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "TICKET_RELEASED",
+                                         f"ticket {ticket_id} is already released")
+            # From here on the ticket is ours to release, whatever happens.
+            release = True
+            async with self.s.scheduler.admit(ticket.sequence, ticket_id) as slot:
+                waiting = False
+                self.s.metrics.waiting.dec()
+                self.s.metrics.active.inc()
+                try:
+                    yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING,
+                                               total_steps=request.num_inference_steps)
+                    load_start = time.monotonic()
+                    loaded_bytes = await self._load(ticket, rows, deadline)
+                    load_seconds = time.monotonic() - load_start
+                    self.s.metrics.phase_seconds.labels("load").observe(load_seconds)
+                    self.s.metrics.transfer_bytes.labels(self.s.stage.transport).inc(loaded_bytes)
+                    yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
+                                               load_seconds=load_seconds, total_steps=request.num_inference_steps)
+                    result: DenoiseResult | None = None
+                    async for event in self._denoise(slot, request, rows, context):
+                        if isinstance(event, DenoiseResult):
+                            result = event
+                        else:
+                            yield event
+                    assert result is not None and result.png is not None
+                    self.s.metrics.phase_seconds.labels("denoise").observe(result.denoise_seconds)
+                    self.s.metrics.phase_seconds.labels("decode").observe(result.decode_seconds)
+                    # Release before the final event: the caller may act on DECODED at once (and
+                    # tests check the pool right after it).
+                    outcome, reason = "OK", ""
+                    release = False
+                    await self._release(ticket_id, "OK", "")
+                    yield dit_pb2.DenoiseEvent(
+                        phase=dit_pb2.DENOISE_PHASE_DECODED,
+                        step=request.num_inference_steps, total_steps=request.num_inference_steps,
+                        image=common_pb2.Image(png=result.png, width=result.width, height=result.height,
+                                               seed=request.seed),
+                        load_seconds=load_seconds, denoise_seconds=result.denoise_seconds + result.copy_seconds,
+                        decode_seconds=result.decode_seconds, bytes_loaded=loaded_bytes,
+                    )
+                finally:
+                    self.s.metrics.active.dec()
+        except KvRelayServerError as err:
+            error = err
+            outcome = "TIMED_OUT" if err.reason == "TRANSFER_TIMEOUT" else "FAILED"
+            reason = f"{err.reason}: {err.message}"
+        except WorkerCommandError as err:
+            error = KvRelayServerError(grpc.StatusCode.INTERNAL, "DENOISE_FAILED", str(err).splitlines()[0])
+            outcome, reason = "FAILED", f"DENOISE_FAILED: {error.message}"
+        finally:
+            if waiting:
+                self.s.metrics.waiting.dec()
+            self.s.metrics.denoise_requests.labels(outcome if error is None else error.reason).inc()
+            if release:
+                # Shielded: a cancelled caller must not leave the ticket unreleased.
+                await asyncio.shield(self._release(ticket_id, outcome, reason))
+        if error is not None:
+            await abort_with(context, error)
+
+    async def _denoise(
+        self, slot: int, request: dit_pb2.DenoiseRequest, rows: tuple[RowSpec, ...], context: Any
+    ) -> AsyncIterator[dit_pb2.DenoiseEvent | DenoiseResult]:
+        """Run the denoise on every rank, streaming steps from the shared control block. On any
+        exit (cancel included) the ranks are told to stop and awaited before this returns, so no
+        rank reads the pages after the ticket is released."""
+        control = self.s.control[slot]
+        serial = next(self._serials)
+        control[STEP], control[CANCEL], control[SERIAL] = 0, 0, serial
+        total = request.num_inference_steps
+        command = RunDenoise(slot, serial, rows, request.width, request.height, total,
+                             request.guidance_scale, request.seed)
+        task = asyncio.ensure_future(self._call_each([command] * self.s.world_size))
+
+        def on_rpc_done(_: Any) -> None:
+            # A caller that cancels while a step event is being sent is not seen by this
+            # coroutine until the generator is finalized: tell the ranks at once. Guarded by the
+            # serial so a late callback never cancels the next request's denoise.
+            if not task.done() and int(control[SERIAL]) == serial:
+                control[CANCEL] = 1
+
+        context.add_done_callback(on_rpc_done)
+        sent = 0
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=STEP_POLL_S)
+                done = int(control[STEP])
+                while sent < done:
+                    sent += 1
+                    yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_STEP, step=sent, total_steps=total)
+            results: list[DenoiseResult] = task.result()
+            lead = results[0]
+            self.s.metrics.denoise_steps.inc(lead.steps_done)
+            if lead.cancelled:
+                raise KvRelayServerError(grpc.StatusCode.CANCELLED, "CANCELLED", "denoise stopped")
+            while sent < lead.steps_done:
+                sent += 1
+                yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_STEP, step=sent, total_steps=total)
+            yield lead
+        finally:
+            if not task.done():
+                control[CANCEL] = 1
+                try:
+                    results = await asyncio.shield(task)
+                    self.s.metrics.denoise_steps.inc(results[0].steps_done)
+                    log.info("denoise_cancelled", steps_done=results[0].steps_done, total_steps=total)
+                except Exception as err:  # noqa: BLE001 - already ending; the group error fail-stops
+                    log.warning("denoise_stop_failed", error=str(err))
+
+    # ======================================================================= loading
+
+    async def _load(self, ticket: broker_pb2.Ticket, rows: tuple[RowSpec, ...], deadline: float) -> int:
+        """Wait until every (row, dst_rank) of the ticket is written, verified and reported; return
+        the bytes loaded. Raises KvRelayServerError TRANSFER_TIMEOUT / TRANSFER_FAILED / TICKET_ENDED."""
+        s = self.s
+        ticket_id = ticket.ticket_id
+        loop_start = time.monotonic()
+        budget_end = min(loop_start + s.stage.transfer_timeout, deadline - DEADLINE_MARGIN_S)
+        world = s.world_size
+        src_shards = max((w.src_rank for w in ticket.writes), default=0) + 1
+        plan = plan_transfer(s.geometry, src_shards, world, rows)
+        planned: dict[tuple[int, int, int], PlannedWrite] = {(w.row, w.src_rank, w.dst_rank): w for w in plan}
+        listed = {(w.row, w.src_rank, w.dst_rank) for w in ticket.writes}
+        if listed != set(planned):
+            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH",
+                                     f"ticket {ticket_id}: the broker expects writes {sorted(listed)}, "
+                                     f"the DiT plans {sorted(planned)}")
+        pending = {(r.row, d) for r in rows for d in range(world)}
+        total_bytes = sum(w.num_bytes for w in plan)
+
+        latest: list[broker_pb2.Ticket] = [ticket]
+        changed = asyncio.Event()
+        watcher = asyncio.ensure_future(self._watch(ticket_id, latest, changed, budget_end))
+        recheck = RECHECK_FIRST_S
+        try:
+            while True:
+                t = latest[0]
+                if t.state in _LOADED_STATES and not pending:
+                    return total_bytes
+                if t.state in _OVER_STATES:
+                    raise _transfer_error(grpc.StatusCode.ABORTED, "TICKET_ENDED",
+                                          f"ticket {ticket_id} ended ({broker_pb2.TicketState.Name(t.state)}) "
+                                          "while loading")
+                reported = {(w.row, w.src_rank, w.dst_rank): w for w in t.writes}
+                for key, w in reported.items():
+                    if w.status in _FINAL_WRITE_FAILURES:
+                        raise _transfer_error(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED",
+                                              f"ticket {ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} "
+                                              f"ended {_FINAL_WRITE_FAILURES[w.status]}")
+                for loaded in t.loads:
+                    if loaded.loaded:
+                        pending.discard((loaded.row, loaded.dst_rank))
+                ready = sorted(
+                    load for load in pending
+                    if all(reported[k].status == common_pb2.WRITE_STATUS_OK
+                           for k in planned if (k[0], k[2]) == load)
+                )
+                mismatched = False
+                if ready:
+                    verified = await self._verify(ready, planned, reported)
+                    for load, checks in verified.items():
+                        if checks is None:
+                            mismatched = True
+                            continue
+                        reply_ticket = await self._report_load(ticket_id, load, checks)
+                        if reply_ticket is None:
+                            mismatched = True
+                            continue
+                        pending.discard(load)
+                        latest[0] = reply_ticket
+                    if not mismatched:
+                        recheck = RECHECK_FIRST_S
+                    continue_now = not pending or latest[0] is not t
+                    if continue_now and not mismatched:
+                        continue
+                now = time.monotonic()
+                if now >= budget_end:
+                    waiting_for = sorted(pending)
+                    raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
+                                          f"ticket {ticket_id}: rows/ranks {waiting_for} not loaded within "
+                                          f"{now - loop_start:.2f}s (transfer_timeout {s.stage.transfer_timeout}s)")
+                wait_s = budget_end - now
+                if mismatched:
+                    # Bytes may still be landing: look again soon even without a ticket change.
+                    wait_s = min(wait_s, recheck)
+                    recheck = min(RECHECK_MAX_S, recheck * 2)
+                changed.clear()
+                if latest[0] is t:
+                    try:
+                        await asyncio.wait_for(changed.wait(), timeout=wait_s)
+                    except TimeoutError:
+                        pass
+        finally:
+            watcher.cancel()
+            try:
+                await watcher
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - watcher errors are logged inside
+                pass
+
+    async def _watch(self, ticket_id: str, latest: list[broker_pb2.Ticket], changed: asyncio.Event,
+                     until: float) -> None:
+        """Follow the ticket with WatchTicket (GetTicket polling if the stream breaks) until `until`."""
+        while time.monotonic() < until:
+            call = self.s.broker.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id=ticket_id),
+                                             timeout=max(0.01, until - time.monotonic()))
+            try:
+                async for reply in call:
+                    latest[0] = reply.ticket
+                    changed.set()
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return
+                log.warning("watch_ticket_failed", ticket_id=ticket_id, code=err.code().name, details=err.details())
+            finally:
+                call.cancel()
+            try:
+                reply = await self._broker_call(self.s.broker.GetTicket,
+                                                broker_pb2.GetTicketRequest(ticket_id=ticket_id))
+                latest[0] = reply.ticket
+                changed.set()
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
+
+    async def _verify(
+        self,
+        loads: Sequence[tuple[int, int]],
+        planned: dict[tuple[int, int, int], PlannedWrite],
+        reported: dict[tuple[int, int, int], broker_pb2.WriteProgress],
+    ) -> dict[tuple[int, int], list[broker_pb2.WriteProgress] | None]:
+        """Checksums of the destination bytes, computed by each destination rank. Per load: the
+        verified list for ReportLoad, or None while some write's bytes do not match yet."""
+        per_rank: list[list[PlannedWrite]] = [[] for _ in range(self.s.world_size)]
+        for row, dst in loads:
+            per_rank[dst].extend(w for k, w in sorted(planned.items()) if (k[0], k[2]) == (row, dst))
+        if self.s.stage.verify_checksums:
+            sums = await self._call_each([VerifyWrites(tuple(ws)) for ws in per_rank])
+        else:
+            # Opt-out (RDMA deployments that trust completion): report the writer's checksums.
+            sums = [[reported[(w.row, w.src_rank, w.dst_rank)].checksum for w in ws] for ws in per_rank]
+        actual = {
+            (w.row, w.src_rank, w.dst_rank): c
+            for ws, cs in zip(per_rank, sums, strict=True) for w, c in zip(ws, cs, strict=True)
+        }
+        out: dict[tuple[int, int], list[broker_pb2.WriteProgress] | None] = {}
+        for row, dst in loads:
+            keys = [k for k in sorted(planned) if (k[0], k[2]) == (row, dst)]
+            if any(actual[k] != reported[k].checksum for k in keys):
+                out[(row, dst)] = None
+                continue
+            out[(row, dst)] = [
+                broker_pb2.WriteProgress(row=k[0], src_rank=k[1], dst_rank=k[2], status=common_pb2.WRITE_STATUS_OK,
+                                         checksum=actual[k], bytes=planned[k].num_bytes)
+                for k in keys
+            ]
+        return out
+
+    async def _report_load(self, ticket_id: str, load: tuple[int, int],
+                           verified: list[broker_pb2.WriteProgress]) -> broker_pb2.Ticket | None:
+        """ReportLoad (idempotent, retried). None when the broker says the checksums do not match
+        its writer's yet (bytes still landing): the caller re-verifies."""
+        request = broker_pb2.ReportLoadRequest(ticket_id=ticket_id, row=load[0], dst_rank=load[1],
+                                               replica_id=self.s.replica_id,
+                                               incarnation_id=self.s.incarnation_id, verified=verified)
+        try:
+            reply = await self._broker_call(self.s.broker.ReportLoad, request)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.FAILED_PRECONDITION and "CHECKSUM_MISMATCH" in (err.details() or ""):
+                return None
+            raise KvRelayServerError(err.code(), "REPORT_LOAD_FAILED",
+                                     f"ReportLoad {ticket_id} row={load[0]} rank={load[1]}: {err.details()}") from None
+        return reply.ticket
+
+    # ======================================================================= PutKv
+
+    async def PutKv(
+        self, request_iterator: AsyncIterator[dit_pb2.PutKvRequest], context: grpc.aio.ServicerContext
+    ) -> dit_pb2.PutKvResponse:
+        if self._state is None:
+            await abort_with(context, _NOT_READY)
+        s = self.s
+        allowed: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        received = chunks = 0
+        try:
+            async for chunk in request_iterator:
+                if chunk.dst_rank >= s.world_size:
+                    raise invalid_argument("dst_rank", f"{chunk.dst_rank} is not a rank of this replica "
+                                           f"({s.world_size} ranks)")
+                key = (chunk.ticket_id, chunk.row)
+                ranges = allowed.get(key)
+                if ranges is None:
+                    ranges = await self._allowed_ranges(chunk.ticket_id, chunk.row)
+                    allowed[key] = ranges
+                region = s.memory.region(chunk.dst_rank)
+                try:
+                    received += apply_put_kv(region, chunk, len(region), ranges)
+                except PutKvRejected as err:
+                    raise invalid_argument("dst_offset", str(err)) from None
+                chunks += 1
+        except KvRelayServerError as err:
+            await abort_with(context, err)
+        s.metrics.transfer_bytes.labels("grpc_received").inc(received)
+        return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
+
+    async def _allowed_ranges(self, ticket_id: str, row: int) -> list[tuple[int, int]]:
+        """Byte ranges of the pages the broker reserved for (ticket, row); the ticket must be ours
+        and armed, and not released (its pages may belong to another ticket by now)."""
+        ticket = await self._get_ticket(ticket_id)
+        if ticket.dit_replica_id != self.s.replica_id:
+            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
+                                     f"ticket {ticket_id} is bound to {ticket.dit_replica_id}, not {self.s.replica_id}")
+        if ticket.state == broker_pb2.TICKET_STATE_RELEASED or not ticket.armed:
+            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "TICKET_NOT_WRITABLE",
+                                     f"ticket {ticket_id} is {broker_pb2.TicketState.Name(ticket.state)}"
+                                     f"{'' if ticket.armed else ' and not armed'}: no write may land in its pages")
+        for r in ticket.rows:
+            if r.row == row:
+                return self.s.memory.page_ranges(tuple(r.page_ids))
+        raise invalid_argument("row", f"ticket {ticket_id} has no row {row}")
+
+
+def control_view(buffer: Any, slots: int) -> Any:
+    from kvrelay.dit_service.engine import CONTROL_FIELDS
+
+    return np.frombuffer(buffer, dtype=np.int64).reshape(slots, CONTROL_FIELDS)

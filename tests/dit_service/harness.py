@@ -1,0 +1,273 @@
+"""What the DiT service tests drive: a config in tmp_path, a real broker, a DiT process, and an AR
+writer the test controls (it registers as `ar-0`, arms tickets, packs a seeded prefix into
+staging, writes it with a real transport and reports each write when the test says so)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+import yaml
+from kvrelay.dit_service.model import random_prefix
+
+from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.models.presets import get_preset
+from kvrelay.server import GRPC_OPTIONS, GrpcServer
+from kvrelay.transfer.convert import (
+    geometry_to_proto,
+    outcome_to_report,
+    region_from_proto,
+    writes_from_proto,
+)
+from kvrelay.transfer.pack import pack_staging
+from kvrelay.transfer.planner import RowSpec, staging_bytes
+from kvrelay.transfer.transport import WriteOutcome, make_sender
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from tests.procs import _LISTEN
+
+PAGE_SIZE = 16
+
+
+def write_config(
+    tmp_path: Path,
+    *,
+    transport: str = "mooncake",
+    preset: str = "tiny",
+    tp: int = 1,
+    sp: int = 1,
+    transfer_timeout: float = 5.0,
+    max_num_seqs: int = 1,
+    kv_cache_memory_bytes: int = 4 << 20,
+    drain_quiet_seconds: float = 0.2,
+    lease_seconds: float = 3.0,
+) -> Path:
+    ar: dict[str, Any] = {
+        "stage_id": 0, "kind": "ar", "devices": "cpu", "kv_cache_memory_bytes": 16 << 20, "port": 0,
+        "metrics_port": 0, "model": {"preset": preset},
+    }
+    dit: dict[str, Any] = {
+        "stage_id": 1, "kind": "dit", "devices": "cpu", "tensor_parallel_size": tp, "sequence_parallel_size": sp,
+        "max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes, "page_size": PAGE_SIZE,
+        "port": 0, "metrics_port": 0, "request_timeout_seconds": 60, "model": {"preset": preset},
+    }
+    if transport == "mooncake":
+        ar["kv_transfer_config"] = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                                    "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+        dit["kv_transfer_config"] = {"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                                     "kv_connector_extra_config": {"mooncake_protocol": "tcp",
+                                                                   "transfer_timeout": transfer_timeout}}
+    elif transport == "grpc":
+        # The fallback has no kv_transfer_config, so transfer_timeout is the default 60 s there.
+        pass
+    cfg = {
+        "async_chunk": False,
+        "broker": {"host": "127.0.0.1", "port": 0, "metrics_port": 0, "journal_path": str(tmp_path / "broker.sqlite"),
+                   "lease_seconds": lease_seconds, "drain_quiet_seconds": drain_quiet_seconds},
+        "stages": [ar, dit],
+        "edges": [{"from": 0, "to": 1}],
+    }
+    path = tmp_path / "kvrelay.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Broker: the real BrokerCore behind the real BrokerService servicer, on this test's event loop
+# ------------------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 3.0) -> AsyncIterator[Any]:
+    from kvrelay.broker.core import BrokerCore, run_maintenance
+    from kvrelay.broker.service import BrokerServicer
+
+    core = BrokerCore(None, lease_seconds=lease_seconds, drain_quiet_seconds=drain_quiet_seconds)
+    name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
+    server = GrpcServer(name="broker", host="127.0.0.1", port=0,
+                        registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
+                                        BrokerServicer(core), name)])
+    await server.start()
+    maintenance = asyncio.get_running_loop().create_task(run_maintenance(core, 0.05))
+    try:
+        yield server, core
+    finally:
+        maintenance.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await maintenance
+        await server.stop(grace=0.5)
+        core.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# DiT process
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DitProcess:
+    proc: subprocess.Popen[str]
+    address: str
+    lines: list[str]
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return int(self.proc.returncode)
+
+    def metrics_port(self) -> int | None:
+        for line in self.lines:
+            if '"grpc_listening"' in line and "metrics_port" in line:
+                import json
+
+                with contextlib.suppress(ValueError):
+                    return int(json.loads(line)["metrics_port"])
+        return None
+
+
+def start_dit(config: Path, broker_address: str, *, cwd: Path, timeout: float = 60.0) -> DitProcess:
+    """`python -m kvrelay dit` with this config; returns once it printed its listening line. Every
+    output line is kept (read on a thread) for failure messages."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVRELAY_LOG_FORMAT": "json"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay", "dit", "--config", str(config), "--replica", "0", "--broker", broker_address],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    lines: list[str] = []
+    found: list[str] = []
+    seen = threading.Event()
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            match = _LISTEN.search(line)
+            if match and not found:
+                found.append(f"{match.group(1)}:{match.group(2)}")
+                seen.set()
+        seen.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+    if not seen.wait(timeout) or not found:
+        proc.kill()
+        proc.wait(5)
+        raise RuntimeError("DiT did not start:\n" + "".join(lines[-40:]))
+    return DitProcess(proc, found[0], lines)
+
+
+async def wait_serving(address: str, timeout: float = 90.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"DiT at {address} not SERVING after {timeout}s")
+
+
+# ------------------------------------------------------------------------------------------------
+# The AR writer the test controls
+# ------------------------------------------------------------------------------------------------
+
+
+class ArWriter:
+    """Registers as ar-0 (TP=1) and plays the AR's part of the protocol, step by step."""
+
+    def __init__(self, broker_address: str, preset: str, transport: str) -> None:
+        self.preset = get_preset(preset)
+        self.geometry = self.preset.kv_geometry(PAGE_SIZE)
+        self.transport = transport
+        self.channel = grpc.aio.insecure_channel(broker_address, options=GRPC_OPTIONS)
+        self.stub = broker_pb2_grpc.BrokerServiceStub(self.channel)
+        self.incarnation_id = str(uuid.uuid4())
+        self.sender: Any = None
+
+    async def register(self) -> None:
+        info = broker_pb2.ReplicaInfo(
+            replica_id="ar-0", role=common_pb2.REPLICA_ROLE_AR, incarnation_id=self.incarnation_id,
+            layout_version=LAYOUT_VERSION, version=__version__, endpoint="127.0.0.1:1",
+            geometry=geometry_to_proto(self.geometry), parallelism=common_pb2.Parallelism(tensor_parallel_size=1),
+            max_tokens=self.preset.ar.max_tokens, stage_id=0,
+            transport=common_pb2.TRANSPORT_KIND_MOONCAKE if self.transport == "mooncake"
+            else common_pb2.TRANSPORT_KIND_GRPC_STREAM,
+        )
+        await self.stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info), timeout=5.0)
+
+    async def create_ticket(self, token_counts: Sequence[int], request_id: str | None = None) -> broker_pb2.Ticket:
+        reply = await self.stub.CreateTicket(
+            broker_pb2.CreateTicketRequest(request_id=request_id or uuid.uuid4().hex, ar_replica_id="ar-0",
+                                           dit_replica_id="dit-0", row_token_counts=list(token_counts)),
+            timeout=5.0,
+        )
+        return reply.ticket
+
+    async def arm(self, ticket_id: str) -> broker_pb2.ReserveTicketResponse:
+        return await self.stub.ReserveTicket(
+            broker_pb2.ReserveTicketRequest(ticket_id=ticket_id, ar_replica_id="ar-0",
+                                            incarnation_id=self.incarnation_id),
+            timeout=5.0,
+        )
+
+    def rows_kv(self, token_counts: Sequence[int], seed: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Seeded full prefixes (every kv head), one per row: what 'the AR' computed."""
+        return [random_prefix(self.preset, n, seed + row) for row, n in enumerate(token_counts)]
+
+    def write(self, armed: broker_pb2.ReserveTicketResponse, prefixes: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+              only: Sequence[tuple[int, int]] | None = None) -> list[WriteOutcome]:
+        """Pack and send (blocking: call from a thread); `only` restricts to (row, dst_rank) writes."""
+        writes = writes_from_proto(armed.writes)
+        rows = [RowSpec(r.row, r.num_tokens, tuple(r.page_ids)) for r in armed.ticket.rows]
+        staging = torch.zeros(max(1, staging_bytes(writes, 0)), dtype=torch.uint8)
+        kv_by_row = {
+            row: torch.stack([torch.stack([k, v]) for k, v in prefix]) for row, prefix in enumerate(prefixes)
+        }
+        dst_shards = max(w.dst_rank for w in writes) + 1
+        pack_staging(staging, kv_by_row, self.geometry, 1, dst_shards, rows, writes, 0)
+        chosen = [w for w in writes if only is None or (w.row, w.dst_rank) in only]
+        destinations = {r.rank: region_from_proto(r) for r in armed.destinations}
+        if self.sender is None:
+            self.sender = make_sender(self.transport)
+        return list(self.sender.write(staging, chosen, destinations, armed.ticket.ticket_id, 10.0))
+
+    async def report(self, ticket_id: str, outcomes: Sequence[WriteOutcome]) -> broker_pb2.Ticket:
+        ticket = None
+        for o in outcomes:
+            reply = await self.stub.ReportWrite(outcome_to_report(o, ticket_id, "ar-0", self.incarnation_id),
+                                                timeout=5.0)
+            ticket = reply.ticket
+        assert ticket is not None
+        return ticket
+
+    async def pool(self) -> broker_pb2.PoolStatus:
+        reply = await self.stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-0"), timeout=5.0)
+        return reply.pools[0]
+
+    async def ticket(self, ticket_id: str) -> broker_pb2.Ticket:
+        return (await self.stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=ticket_id), timeout=5.0)).ticket
+
+    async def close(self) -> None:
+        if self.sender is not None and self.transport == "grpc":
+            self.sender.close()
+        await self.channel.close()
