@@ -455,7 +455,9 @@ class DitRunner:
                 except BaseException as err:  # noqa: BLE001 - re-raised below, after the vote
                     error = err
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            # Through TpGroup over the whole replica: it stages through host memory when ranks
+            # that share a GPU use gloo, which has no collectives on CUDA tensors there.
+            TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flag)
             if error is not None:
                 raise error
             if int(flag.item()):
