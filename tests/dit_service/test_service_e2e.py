@@ -4,6 +4,7 @@ behind the BrokerService servicer), and an AR writer the test controls."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 from kvrelay.dit_service.image import decode_png
 from kvrelay.dit_service.model import DitRunner
 
+from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
 from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
 
@@ -65,6 +67,127 @@ def test_denoise_over_mooncake_matches_local_and_frees_pages(tmp_path: Path, rep
                 released = await writer.ticket(ticket.ticket_id)
                 assert released.state == broker_pb2.TICKET_STATE_RELEASED
                 assert released.outcome == broker_pb2.TICKET_OUTCOME_OK
+                await writer.close()
+            finally:
+                assert dit.stop() == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+def _fetch_metric(port: int, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not exported")
+
+
+async def _wait_ticket(writer: ArWriter, ticket_id: str, state: int, timeout: float) -> broker_pb2.Ticket:
+    deadline = time.monotonic() + timeout
+    while True:
+        ticket = await writer.ticket(ticket_id)
+        if ticket.state == state or time.monotonic() > deadline:
+            return ticket
+        await asyncio.sleep(0.05)
+
+
+def test_transfer_timeout_keeps_pages_until_late_completion(tmp_path: Path) -> None:
+    """A writer still in flight at the transfer timeout: Denoise fails DEADLINE_EXCEEDED /
+    TRANSFER_TIMEOUT, the pages stay reserved (DRAINING), and the late report frees them."""
+    config = write_config(tmp_path, transport="mooncake", transfer_timeout=1.0, drain_quiet_seconds=0.2)
+
+    async def scenario() -> None:
+        async with inprocess_broker(drain_quiet_seconds=0.2) as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit.address)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                counts = [40, 3]
+                ticket = await writer.create_ticket(counts)
+                armed = await writer.arm(ticket.ticket_id)
+                prefixes = writer.rows_kv(counts, seed=3)
+                outcomes = await asyncio.to_thread(writer.write, armed, prefixes)
+                # Row 0 is reported; row 1's writer has not reported yet: it is still in flight.
+                await writer.report(ticket.ticket_id, [o for o in outcomes if o.row == 0])
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    request = dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, request_id=ticket.request_id,
+                                                     width=64, height=64, num_inference_steps=2,
+                                                     guidance_scale=2.0, seed=1)
+                    started = time.monotonic()
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _collect(stub, request, timeout=30.0)
+                    waited = time.monotonic() - started
+                code, reason, _ = reason_of(info.value)
+                assert (code, reason) == ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT"), info.value
+                assert 0.9 <= waited < 10.0
+                ticket_now = await writer.ticket(ticket.ticket_id)
+                assert ticket_now.state == broker_pb2.TICKET_STATE_DRAINING
+                assert ticket_now.outcome == broker_pb2.TICKET_OUTCOME_TIMED_OUT
+                pages = sum(len(r.page_ids) for r in ticket_now.rows)
+                # Well past the quiet period: still held, because a write may still land.
+                await asyncio.sleep(0.6)
+                pool = await writer.pool()
+                assert pool.draining_pages == pages and pool.free_pages == pool.total_pages - pages
+                # The late completion resolves the last write: the pages free after the quiet period.
+                await writer.report(ticket.ticket_id, [o for o in outcomes if o.row == 1])
+                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 5.0)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                pool = await writer.pool()
+                assert (pool.free_pages, pool.reserved_pages, pool.draining_pages) == (pool.total_pages, 0, 0)
+                await writer.close()
+            finally:
+                assert dit.stop() == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
+    config = write_config(tmp_path, transport="mooncake")
+    total = 200
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit.address)
+                metrics_port = dit.metrics_port()
+                assert metrics_port is not None
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                counts = [12, 4]
+                ticket = await writer.create_ticket(counts)
+                armed = await writer.arm(ticket.ticket_id)
+                outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv(counts, seed=5))
+                await writer.report(ticket.ticket_id, outcomes)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=256, height=256,
+                                                               num_inference_steps=total, guidance_scale=2.0,
+                                                               seed=2), timeout=60.0)
+                    seen = 0
+                    async for event in call:
+                        if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                            seen = event.step
+                            if seen >= 2:
+                                break
+                    call.cancel()
+                    cancelled_at = time.monotonic()
+                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+                stop_seconds = time.monotonic() - cancelled_at
+                steps_run = _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total")
+                # The ranks may be one step ahead of the stream when the caller cancels, and finish
+                # the step they are in: never more than that.
+                assert seen <= steps_run <= seen + 2, (seen, steps_run)
+                assert steps_run < total
+                assert stop_seconds < 5.0
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages
                 await writer.close()
             finally:
                 assert dit.stop() == 0, "".join(dit.lines[-30:])
