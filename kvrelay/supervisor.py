@@ -448,18 +448,14 @@ class Node:
 
     def _check_serving(self, child: _Child) -> bool:
         if child.channel is None:
-            child.channel = grpc.insecure_channel(
-                child.spec.address,
-                options=[
-                    ("grpc.initial_reconnect_backoff_ms", 100),
-                    ("grpc.min_reconnect_backoff_ms", 100),
-                    ("grpc.max_reconnect_backoff_ms", 500),
-                ],
-            )
+            child.channel = grpc.insecure_channel(child.spec.address)
         stub = health_pb2_grpc.HealthStub(child.channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
         except grpc.RpcError:
+            # A channel that failed to connect waits out gRPC's reconnect backoff (seconds);
+            # a fresh one notices a child that has just started listening at once.
+            self._close_channel(child)
             return False
         return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
 

@@ -1,0 +1,110 @@
+"""A real child process for supervisor tests: takes `kvrelay broker|ar|dit` arguments, serves gRPC
+health on the `--port` it is given, and behaves as the test asks (through $CHILD_BEHAVIOUR).
+
+Each start writes a JSON record to $CHILD_STATE_DIR (argv, pid, a grandchild's pid, times), so
+tests assert on what really ran. A replica checks the broker's health at `--broker` first and
+refuses to start if it is not SERVING: that is how the supervisor's start order is checked.
+
+Behaviour keys (per child name, e.g. "ar-0", or per role): serving_delay (s), crash_after (s after
+SERVING, exit code 3), exit_at_start (exit code), ignore_sigterm (bool), grandchild (bool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+
+def main() -> int:
+    started = time.time()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["broker", "ar", "dit"])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--replica", type=int, default=None)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--metrics-port", type=int, required=True)
+    parser.add_argument("--broker", default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args()
+    name = args.role if args.role == "broker" else f"{args.role}-{args.replica}"
+    behaviours = json.loads(os.environ.get("CHILD_BEHAVIOUR", "{}"))
+    behaviour = {**behaviours.get(args.role, {}), **behaviours.get(name, {})}
+    state_dir = Path(os.environ["CHILD_STATE_DIR"])
+    record: dict[str, object] = {"name": name, "pid": os.getpid(), "argv": sys.argv[1:], "started": started}
+    record_path = state_dir / f"{name}.{os.getpid()}.json"
+
+    def save(**more: object) -> None:
+        record.update(more)
+        tmp = record_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(record_path)
+
+    save()
+    if "exit_at_start" in behaviour:
+        print(f"{name}: exiting at start as asked", flush=True)
+        return int(behaviour["exit_at_start"])
+    if args.role != "broker":
+        if not args.broker or not _serving(args.broker):
+            print(f"{name}: broker {args.broker} is not SERVING", flush=True)
+            return 4
+        save(broker_checked=args.broker)
+
+    if behaviour.get("grandchild", True):
+        grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        save(grandchild=grandchild.pid)
+
+    stop = {"requested": False}
+
+    def on_term(signum: int, frame: object) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if behaviour.get("ignore_sigterm") else on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor, not a terminal, stops us
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    if server.add_insecure_port(f"{args.host}:{args.port}") == 0:
+        return 5
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    time.sleep(float(behaviour.get("serving_delay", 0)))
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    save(serving=time.time())
+    print(f"{name} listening on {args.host}:{args.port}", flush=True)
+    crash_at = time.monotonic() + float(behaviour["crash_after"]) if "crash_after" in behaviour else None
+    while not stop["requested"]:
+        if crash_at is not None and time.monotonic() >= crash_at:
+            save(exited=time.time(), exit_code=3)
+            os._exit(3)  # a crash: no cleanup, the grandchild is left for the supervisor
+        time.sleep(0.02)
+    server.stop(0.2)
+    if behaviour.get("grandchild", True):
+        grandchild.terminate()
+        grandchild.wait()
+    save(exited=time.time(), exit_code=0)
+    return 0
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+if __name__ == "__main__":
+    sys.exit(main())
