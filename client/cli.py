@@ -16,6 +16,7 @@ import datetime as _dt
 import enum
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -80,7 +81,8 @@ class _Progress:
                 total=None,
                 file=self._stream,
                 unit="step",
-                dynamic_ncols=True,
+                # A terminal that reports no size (some ptys) would get a zero-width bar.
+                ncols=min(100, shutil.get_terminal_size((80, 24)).columns or 80),
                 bar_format="{desc:<14}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]",
             )
         bar = self._bar
