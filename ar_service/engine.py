@@ -1,0 +1,285 @@
+"""The AR rank handler: what runs inside each tensor parallel worker process of an AR replica.
+
+Owns, per rank: this rank's shard of the AR model, the KV of every ticket it has prefilled
+(held until every write from it has a final outcome), one staging buffer registered once with
+the rank's transport (Mooncake: one TransferEngine per rank process, fresh ports per start), the
+packing of a ticket's KV into that buffer in the destination page layout, and the writes.
+
+It never talks to the broker and never decides whether a write may start: the service process
+arms the ticket and reports the outcomes this handler returns. A write command always answers
+with exactly one outcome per write of this rank (it never raises for a transfer failure), and
+frees the ticket's KV before answering, because by then every write has a final outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.transfer.layout import KvGeometry
+from kvrelay.transfer.planner import PlannedWrite, RowSpec, staging_bytes
+from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, not_started_outcomes
+from kvrelay.worker import RankContext
+
+# ---------------------------------------------------------------------------------------------
+# Commands (sent to every rank in the same order; frozen so they pickle cheaply)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DescribeRank:
+    """What the service needs to register the replica: geometry, limits, transport session."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankDescription:
+    rank: int
+    pid: int
+    device: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_tokens: int
+    vocab: int
+    transport: str
+    # Mooncake session "host:rpc_port" of this rank's engine (fresh per process); "" for gRPC.
+    session: str
+    staging_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTicket:
+    """Prefill every CFG row of a ticket and keep its KV until WriteTicket or DropTicket."""
+
+    ticket_id: str
+    rows: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone:
+    rank: int
+    token_counts: tuple[int, ...]
+    kv_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class WriteTicket:
+    """Pack and write this rank's share of `plan` (every rank gets the whole plan and keeps the
+    writes whose src_rank is its own), then free the ticket's KV."""
+
+    ticket_id: str
+    rows: tuple[RowSpec, ...]
+    geometry: KvGeometry
+    src_shards: int
+    dst_shards: int
+    plan: tuple[PlannedWrite, ...]
+    destinations: tuple[RegionDescriptor, ...]
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    rank: int
+    outcomes: tuple[WriteOutcome, ...]
+    packed_bytes: int
+    pack_seconds: float
+    write_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DropTicket:
+    """Free a ticket's KV without writing (the ticket was never armed, or the request ended)."""
+
+    ticket_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class HeldTickets:
+    """The ticket ids whose KV this rank still holds (tests check that nothing leaks)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rank side
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ArRankSpec:
+    """The picklable factory WorkerGroup hands each rank: `spec(ctx) -> ArRankHandler`."""
+
+    preset: str | None
+    path: str | None
+    weight_seed: int
+    dtype: str | None
+    transport: str  # "mooncake" | "grpc"
+    hostname: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    staging_bytes: int = 64 << 20
+
+    def __call__(self, ctx: RankContext) -> ArRankHandler:
+        return ArRankHandler(ctx, self)
+
+
+class ArRankHandler:
+    def __init__(self, ctx: RankContext, spec: ArRankSpec) -> None:
+        import torch
+        from kvrelay.ar_service.model import build_ar_model
+
+        from kvrelay.transfer.transport import make_sender
+
+        self.ctx = ctx
+        self.spec = spec
+        self.model = build_ar_model(
+            preset=spec.preset,
+            path=spec.path,
+            seed=spec.weight_seed,
+            tp=ctx.tp,
+            device=ctx.device,
+            dtype=spec.dtype,
+        )
+        # KV per ticket, per row: [layers, 2, kv_heads_local, T, head_dim] on the model's device.
+        self._held: dict[str, dict[int, Any]] = {}
+        pin = ctx.device.startswith("cuda") and torch.cuda.is_available()
+        # One staging buffer for the process lifetime, registered once: a transport registration
+        # per ticket would cost a round of memory pinning per request. Host memory (pinned on GPU
+        # hosts) because the Mooncake TCP transport reads host memory.
+        self.staging = torch.zeros(spec.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+        if spec.transport == "mooncake":
+            self.sender = make_sender(
+                "mooncake", hostname=spec.hostname, protocol=spec.protocol, device_name=spec.device_name
+            )
+            self.sender.register(self.staging)  # type: ignore[attr-defined]
+            self.session = str(self.sender.session_id)  # type: ignore[attr-defined]
+        elif spec.transport == "grpc":
+            self.sender = make_sender("grpc")
+            self.session = ""
+        else:
+            raise ValueError(f"transport {spec.transport!r} is not supported by the AR service")
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def handle(self, command: Any) -> Any:
+        if isinstance(command, PrefillTicket):
+            return self._prefill(command)
+        if isinstance(command, WriteTicket):
+            return self._write(command)
+        if isinstance(command, DropTicket):
+            self._held.pop(command.ticket_id, None)
+            return None
+        if isinstance(command, DescribeRank):
+            return self._describe()
+        if isinstance(command, HeldTickets):
+            return sorted(self._held)
+        raise TypeError(f"unknown AR rank command {type(command).__name__}")
+
+    def _describe(self) -> RankDescription:
+        cfg = self.model.config
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return RankDescription(
+            rank=self.ctx.rank,
+            pid=os.getpid(),
+            device=self.ctx.device,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=dtype,
+            max_tokens=cfg.max_tokens,
+            vocab=cfg.vocab,
+            transport=self.spec.transport,
+            session=self.session,
+            staging_bytes=int(self.staging.numel()),
+        )
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def _prefill(self, cmd: PrefillTicket) -> PrefillDone:
+        # Drop any earlier KV of this ticket first: a retried prefill must not double the memory.
+        self._held.pop(cmd.ticket_id, None)
+        start = time.perf_counter()
+        kv_by_row = {}
+        for row, ids in enumerate(cmd.rows):
+            kv_by_row[row] = self.model.prefill(list(ids))
+        if self.model.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.model.device)
+        seconds = time.perf_counter() - start
+        self._held[cmd.ticket_id] = kv_by_row
+        kv_bytes = sum(int(kv.numel()) * kv.element_size() for kv in kv_by_row.values())
+        return PrefillDone(self.ctx.rank, tuple(len(ids) for ids in cmd.rows), kv_bytes, seconds)
+
+    # -- write -----------------------------------------------------------------------------------
+
+    def _write(self, cmd: WriteTicket) -> WriteDone:
+        from kvrelay.transfer.pack import pack_staging
+
+        mine = [w for w in cmd.plan if w.src_rank == self.ctx.rank]
+        outcomes: list[WriteOutcome] | None = None
+        packed = 0
+        pack_s = write_s = 0.0
+        try:
+            kv_by_row = self._held.get(cmd.ticket_id)
+            if not mine:
+                return WriteDone(self.ctx.rank, (), 0, 0.0, 0.0)
+            if kv_by_row is None:
+                outcomes = not_started_outcomes(
+                    mine, f"rank {self.ctx.rank} holds no KV for ticket {cmd.ticket_id}"
+                )
+                return WriteDone(self.ctx.rank, tuple(outcomes), 0, 0.0, 0.0)
+            need = staging_bytes(cmd.plan, self.ctx.rank)
+            if need > self.staging.numel():
+                outcomes = not_started_outcomes(
+                    mine,
+                    f"rank {self.ctx.rank} needs {need} staging bytes, has {self.staging.numel()}: "
+                    "raise the AR stage's kv_cache_memory_bytes",
+                )
+                return WriteDone(self.ctx.rank, tuple(outcomes), 0, 0.0, 0.0)
+            t0 = time.perf_counter()
+            try:
+                packed = pack_staging(
+                    self.staging, kv_by_row, cmd.geometry, cmd.src_shards, cmd.dst_shards, cmd.rows, cmd.plan,
+                    self.ctx.rank,
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - nothing was sent: every write is NOT_STARTED
+                outcomes = not_started_outcomes(mine, f"packing failed on rank {self.ctx.rank}: {exc}")
+                return WriteDone(self.ctx.rank, tuple(outcomes), 0, time.perf_counter() - t0, 0.0)
+            t1 = time.perf_counter()
+            pack_s = t1 - t0
+            # The KV is in staging now; the model-side tensors are no longer needed.
+            self._held.pop(cmd.ticket_id, None)
+            destinations = {d.rank: d for d in cmd.destinations}
+            try:
+                outcomes = list(
+                    self.sender.write(self.staging, mine, destinations, cmd.ticket_id, cmd.timeout_s)
+                )
+            except ValueError as exc:
+                # The senders validate everything before the first byte leaves (their contract).
+                outcomes = not_started_outcomes(mine, f"write refused before sending: {exc}")
+            except Exception as exc:  # noqa: BLE001 - unknown how far it got: the bytes may land
+                outcomes = [
+                    WriteOutcome(
+                        w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, 0, f"sender raised: {exc!r}"
+                    )
+                    for w in mine
+                ]
+            write_s = time.perf_counter() - t1
+            return WriteDone(self.ctx.rank, tuple(outcomes), packed, pack_s, write_s)
+        finally:
+            # Every write has a final outcome (or never began): the source KV can go.
+            self._held.pop(cmd.ticket_id, None)
+
+    def close(self) -> None:
+        self._held.clear()
+        # Closing the sender waits for its write threads and unregisters staging; it runs only
+        # after the last write command answered, so no transfer still reads this memory.
+        self.sender.close()
+
+
+def rank_share(plan: Sequence[PlannedWrite], rank: int) -> list[PlannedWrite]:
+    return [w for w in plan if w.src_rank == rank]

@@ -1,0 +1,254 @@
+"""`kvrelay ar --config FILE --replica N`: one AR replica process.
+
+Start-up order (docs/internals.md): take the replica lock (proof that no process of an older
+incarnation is alive), bind the gRPC port and print `kvrelay ar listening on HOST:PORT`, start one
+worker per TP rank (model shard + staging buffer registered with a fresh transport endpoint),
+register with the broker under a fresh incarnation id, then turn health SERVING. Heartbeats run
+until SIGTERM (clean stop: NOT_SERVING, let running requests finish their writes and reports,
+deregister, stop workers, exit 0) or a fail stop (fenced, superseded, a worker died: stop workers
+first, which unregisters their memory, then exit 3 so a supervisor restarts the replica).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import uuid
+
+import grpc
+
+from kvrelay.config import ConfigError, KvRelayConfig, StageConfig, load_config
+from kvrelay.logging import configure_logging, get_logger
+from kvrelay.server import GRPC_OPTIONS, GrpcServer
+from kvrelay.v1 import ar_pb2_grpc
+
+log = get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_STARTUP = 1
+EXIT_CONFIG = 2
+EXIT_FAIL_STOP = 3
+# How long a clean stop lets running Prefills finish their writes and reports.
+STOP_GRACE_S = 30.0
+
+
+def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
+    if getattr(args, "broker", None):
+        return str(args.broker)
+    return f"{cfg.broker.host}:{cfg.broker.port}"
+
+
+def _rank_spec(stage: StageConfig) -> object:
+    from kvrelay.ar_service.engine import ArRankSpec
+
+    transport = stage.transport
+    if transport not in ("mooncake", "grpc"):
+        raise ConfigError(
+            f"stages[0].kv_transfer_config.kv_connector: the AR does not support {transport!r} yet"
+        )
+    return ArRankSpec(
+        preset=stage.model.preset if stage.model.path is None else None,
+        path=stage.model.path,
+        weight_seed=stage.model.weight_seed,
+        dtype=stage.model.dtype,
+        transport=transport,
+        hostname=stage.advertise_host,
+        protocol=stage.mooncake_protocol,
+        device_name=str(stage.extra.get("device_name", "")),
+        # The per-worker memory budget of the stage is this rank's staging buffer.
+        staging_bytes=stage.kv_cache_memory_bytes,
+    )
+
+
+async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
+    from kvrelay.ar_service.engine import DescribeRank, RankDescription
+    from kvrelay.ar_service.registration import ArIdentity, ArRegistration, Fenced, RegistrationRefused
+    from kvrelay.ar_service.sender import broker_stub
+    from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
+    from kvrelay.ar_service.tokenizer import load_tokenizer
+
+    from kvrelay.worker import ReplicaLock, WorkerGroup, replica_lock_path
+
+    stage = cfg.ar_stage
+    replica = int(args.replica)
+    if not 0 <= replica < stage.num_replicas:
+        print(f"kvrelay ar: --replica {replica} outside [0, {stage.num_replicas}) of stages[0].num_replicas")
+        return EXIT_CONFIG
+    replica_id = f"ar-{replica}"
+    host = args.host or stage.host
+    port = stage.port_for(replica) if args.port is None else args.port
+    metrics_port = stage.metrics_port_for(replica) if args.metrics_port is None else args.metrics_port
+    incarnation_id = uuid.uuid4().hex
+
+    # Wait out a previous incarnation's workers (they die with their parent, within moments).
+    lock = await asyncio.to_thread(
+        ReplicaLock(replica_lock_path(replica_id)).acquire, timeout_s=max(10.0, 2 * cfg.broker.lease_seconds)
+    )
+
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    metrics = ArMetrics.create(registry)
+    stop_reason: list[str] = []
+    fail_stop = asyncio.Event()
+
+    def on_fail_stop(reason: str) -> None:
+        if not fail_stop.is_set():
+            log.error("fail_stop", replica_id=replica_id, reason=reason)
+            stop_reason.append(reason)
+            fail_stop.set()
+
+    channel = grpc.aio.insecure_channel(_broker_address(args, cfg), options=GRPC_OPTIONS)
+    stub = broker_stub(channel)
+    servicer = ArServicer(stub, metrics, on_fail_stop)
+    server = GrpcServer(
+        name=replica_id,
+        host=host,
+        port=port,
+        metrics_port=metrics_port,
+        metrics_registry=registry,
+        registrations=[(ar_pb2_grpc.add_ArServiceServicer_to_server, servicer, AR_SERVICE)],
+    )
+    await server.start()
+    server.install_signal_handlers()
+    print(f"kvrelay ar listening on {server.address}", flush=True)
+    stop_requested = asyncio.Event()
+
+    async def watch_stop() -> None:
+        await server.wait_for_stop()
+        stop_requested.set()
+
+    stop_watcher = asyncio.ensure_future(watch_stop())
+
+    group = WorkerGroup(
+        stage.tensor_parallel_size,
+        _rank_spec(stage),
+        devices=stage.devices_for(replica),
+        lock=lock,
+        name=f"kvrelay-{replica_id}",
+    )
+    registration: ArRegistration | None = None
+    heartbeats: asyncio.Task[None] | None = None
+    code = EXIT_OK
+    try:
+        # SIGTERM during model load lets the load finish (the harness cannot abort a spawn half
+        # way); the stop is honoured right after.
+        await asyncio.to_thread(group.start)
+        infos: list[RankDescription] = await asyncio.to_thread(group.call_all, DescribeRank())
+        first = infos[0]
+        tokenizer = load_tokenizer(stage.model.tokenizer)
+        state = ArReplicaState(
+            replica_id=replica_id,
+            incarnation_id=incarnation_id,
+            group=group,
+            tokenizer=tokenizer,
+            max_tokens=first.max_tokens,
+            vocab=first.vocab,
+            tensor_parallel_size=stage.tensor_parallel_size,
+            transport=stage.transport,
+            transfer_timeout_s=stage.transfer_timeout,
+            request_timeout_s=stage.request_timeout_seconds,
+        )
+        servicer.attach(state)
+        assert servicer.reporter is not None
+        identity = ArIdentity(
+            replica_id=replica_id,
+            incarnation_id=incarnation_id,
+            endpoint=f"{stage.advertise_host}:{server.bound_port}",
+            num_layers=first.num_layers,
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            dtype=first.dtype,
+            page_size=cfg.dit_stage.page_size,
+            tensor_parallel_size=stage.tensor_parallel_size,
+            max_tokens=first.max_tokens,
+            transport=stage.transport,
+            stage_id=stage.stage_id,
+            max_num_seqs=stage.max_num_seqs,
+        )
+        registration = ArRegistration(
+            stub,
+            identity,
+            servicer.ledger,
+            servicer.reporter,
+            heartbeat_interval_s=cfg.broker.heartbeat_interval,
+            token=cfg.broker.registration_token,
+            on_fail_stop=on_fail_stop,
+        )
+        if not stop_requested.is_set():
+            try:
+                await registration.register()
+            except Fenced as err:
+                on_fail_stop(str(err))
+            except RegistrationRefused as err:
+                log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
+                print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)
+                return EXIT_STARTUP
+        if not fail_stop.is_set() and not stop_requested.is_set():
+            await server.set_serving(True)
+            log.info(
+                "ar_serving",
+                replica_id=replica_id,
+                incarnation=incarnation_id,
+                ranks=[(i.rank, i.pid, i.device, i.session) for i in infos],
+                transport=stage.transport,
+            )
+            heartbeats = asyncio.ensure_future(registration.run())
+            stop = asyncio.ensure_future(stop_requested.wait())
+            failed = asyncio.ensure_future(fail_stop.wait())
+            await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            failed.cancel()
+        if fail_stop.is_set():
+            code = EXIT_FAIL_STOP
+        else:
+            # Clean stop: no new requests; running ones finish their writes and reports.
+            await server.set_serving(False)
+            await servicer.drain(STOP_GRACE_S)
+    except Exception as err:  # noqa: BLE001 - any start-up failure ends the process with a message
+        log.exception("ar_failed", replica_id=replica_id)
+        print(f"kvrelay ar: {type(err).__name__}: {err}", file=sys.stderr)
+        code = EXIT_STARTUP
+    finally:
+        stop_watcher.cancel()
+        if registration is not None:
+            registration.stop()
+        if heartbeats is not None:
+            heartbeats.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await heartbeats
+        if code == EXIT_FAIL_STOP:
+            # Workers first: their memory registrations die with them, and no write of ours can
+            # be in flight afterwards. Then nothing else is trusted: exit without deregistering.
+            await asyncio.to_thread(group.stop)
+        else:
+            if registration is not None:
+                await registration.deregister()
+            await asyncio.to_thread(group.stop)
+        await server.stop(grace=1.0)
+        await channel.close()
+        lock.release()
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    replica = getattr(args, "replica", 0)
+    configure_logging(args.log_level, process=f"ar-{replica}")
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as err:
+        print(f"kvrelay ar: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        code = asyncio.run(serve(args, cfg))
+    except ConfigError as err:
+        print(f"kvrelay ar: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    sys.stdout.flush()
+    if code == EXIT_FAIL_STOP:
+        # Fail stop: do not run interpreter teardown that could block on a wedged thread.
+        os._exit(EXIT_FAIL_STOP)
+    return code

@@ -1,0 +1,214 @@
+"""The AR replica's membership with the broker: RegisterReplica, heartbeats, polls and fences.
+
+Owns the replica's description (ReplicaInfo: incarnation, geometry, parallelism, max tokens,
+transport) and the lease loop. Each heartbeat carries the writes the broker asked about last
+time that are still unresolved; when the reply lists `poll_writes`, the ledger answers them
+(report what resolved, list what is in flight, NOT_STARTED for what this incarnation never began).
+A `fenced` reply, a refused registration that says fenced, or a newer incarnation registered
+under our id (STALE_INCARNATION) means this process must fail stop: it calls `on_fail_stop` and
+never heartbeats again. A broker that restarted (REPLICA_NOT_REGISTERED) gets a re-registration
+with the same incarnation and the writes still unresolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
+
+from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.errors import reason_of
+from kvrelay.logging import get_logger
+from kvrelay.v1 import broker_pb2, common_pb2
+
+log = get_logger(__name__)
+
+_DTYPES = {
+    "bfloat16": common_pb2.DTYPE_BFLOAT16,
+    "float16": common_pb2.DTYPE_FLOAT16,
+    "float32": common_pb2.DTYPE_FLOAT32,
+}
+_TRANSPORTS = {"mooncake": common_pb2.TRANSPORT_KIND_MOONCAKE, "grpc": common_pb2.TRANSPORT_KIND_GRPC_STREAM}
+RPC_TIMEOUT_S = 5.0
+
+
+class Fenced(Exception):
+    """The broker refuses this incarnation for good: fail stop."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArIdentity:
+    replica_id: str
+    incarnation_id: str
+    endpoint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    tensor_parallel_size: int
+    max_tokens: int
+    transport: str
+    stage_id: int
+    max_num_seqs: int
+
+    def to_proto(self) -> broker_pb2.ReplicaInfo:
+        return broker_pb2.ReplicaInfo(
+            replica_id=self.replica_id,
+            role=common_pb2.REPLICA_ROLE_AR,
+            incarnation_id=self.incarnation_id,
+            layout_version=LAYOUT_VERSION,
+            version=__version__,
+            endpoint=self.endpoint,
+            geometry=common_pb2.KvGeometry(
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=_DTYPES[self.dtype],  # type: ignore[arg-type]
+                page_size=self.page_size,
+            ),
+            parallelism=common_pb2.Parallelism(
+                tensor_parallel_size=self.tensor_parallel_size, sequence_parallel_size=1
+            ),
+            max_tokens=self.max_tokens,
+            transport=_TRANSPORTS[self.transport],  # type: ignore[arg-type]
+            stage_id=self.stage_id,
+            max_num_seqs=self.max_num_seqs,
+        )
+
+
+class ArRegistration:
+    def __init__(
+        self,
+        stub: object,
+        identity: ArIdentity,
+        ledger: WriteLedger,
+        reporter: WriteReporter,
+        *,
+        heartbeat_interval_s: float,
+        token: str | None,
+        on_fail_stop: Callable[[str], None],
+    ) -> None:
+        self.stub = stub
+        self.identity = identity
+        self.ledger = ledger
+        self.reporter = reporter
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.token = token or ""
+        self.on_fail_stop = on_fail_stop
+        self.lease_seconds = 0.0
+        self._asked: set[WriteId] = set()
+        self._stopped = asyncio.Event()
+
+    async def register(self, *, give_up_s: float = 120.0) -> None:
+        """Register, retrying while the broker is unreachable (a replica may start first).
+        Raises Fenced when the broker says so, KvRelay errors on a refusal (bad geometry...)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + give_up_s
+        delay = 0.2
+        while True:
+            try:
+                await self._register_once()
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE or loop.time() + delay > end:
+                    code, reason, message = reason_of(err)
+                    raise RegistrationRefused(code, reason, message) from None
+                log.info("broker_not_reachable_yet", code=err.code().name, retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    async def _register_once(self) -> None:
+        request = broker_pb2.RegisterReplicaRequest(
+            replica=self.identity.to_proto(),
+            token=self.token,
+            unresolved_writes=[write_key_proto(w) for w in self.ledger.in_flight()],
+        )
+        reply = await self.stub.RegisterReplica(request, timeout=RPC_TIMEOUT_S)  # type: ignore[attr-defined]
+        self.lease_seconds = reply.lease_seconds
+        if reply.fenced:
+            raise Fenced(f"replica {self.identity.replica_id} is fenced")
+        log.info(
+            "replica_registered",
+            replica_id=self.identity.replica_id,
+            incarnation=self.identity.incarnation_id,
+            lease_seconds=reply.lease_seconds,
+        )
+
+    async def heartbeat_once(self) -> broker_pb2.HeartbeatResponse:
+        unresolved = [w for w in self.ledger.in_flight() if w in self._asked]
+        request = broker_pb2.HeartbeatRequest(
+            replica_id=self.identity.replica_id,
+            incarnation_id=self.identity.incarnation_id,
+            unresolved_writes=[write_key_proto(w) for w in unresolved],
+        )
+        reply: broker_pb2.HeartbeatResponse = await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)  # type: ignore[attr-defined]
+        if reply.fenced:
+            raise Fenced(reply.fence_reason or "fenced by the broker")
+        polled = [(k.ticket_id, k.row, k.src_rank, k.dst_rank) for k in reply.poll_writes]
+        unresolved_now, to_report = self.ledger.answer_poll(polled)
+        self._asked = set(unresolved_now)
+        if to_report:
+            await asyncio.gather(
+                *(self.reporter.report(tid, o, budget_s=RPC_TIMEOUT_S) for tid, o in to_report)
+            )
+        return reply
+
+    async def run(self) -> None:
+        """The heartbeat loop, until stop() or a fence."""
+        while not self._stopped.is_set():
+            try:
+                await self.heartbeat_once()
+                await self.reporter.report_pending()
+            except Fenced as err:
+                log.error("replica_fenced", replica_id=self.identity.replica_id, reason=str(err))
+                self.on_fail_stop(f"fenced: {err}")
+                return
+            except grpc.aio.AioRpcError as err:
+                _, reason, message = reason_of(err)
+                if reason == "STALE_INCARNATION":
+                    # Another process registered under our id: it took our lock, so either we are a
+                    # zombie or the lock was bypassed; either way this incarnation must go.
+                    log.error("replica_superseded", replica_id=self.identity.replica_id, message=message)
+                    self.on_fail_stop(f"superseded: {message}")
+                    return
+                if reason == "REPLICA_NOT_REGISTERED":
+                    log.warning("broker_restarted_reregistering", replica_id=self.identity.replica_id)
+                    try:
+                        await self._register_once()
+                    except Fenced as fenced:
+                        self.on_fail_stop(f"fenced: {fenced}")
+                        return
+                    except grpc.aio.AioRpcError as again:
+                        log.warning("reregistration_failed", code=again.code().name, details=again.details())
+                else:
+                    log.warning("heartbeat_failed", code=err.code().name, reason=reason, details=message)
+            try:
+                await asyncio.wait_for(self._stopped.wait(), timeout=self.heartbeat_interval_s)
+            except TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def deregister(self) -> None:
+        try:
+            await self.stub.DeregisterReplica(  # type: ignore[attr-defined]
+                broker_pb2.DeregisterReplicaRequest(
+                    replica_id=self.identity.replica_id, incarnation_id=self.identity.incarnation_id
+                ),
+                timeout=2.0,
+            )
+        except grpc.aio.AioRpcError as err:
+            log.warning("deregister_failed", code=err.code().name, details=err.details())
+
+
+class RegistrationRefused(Exception):
+    def __init__(self, code: str, reason: str, message: str) -> None:
+        super().__init__(f"{code} {reason}: {message}")
+        self.code = code
+        self.reason = reason
+        self.message = message

@@ -1,0 +1,218 @@
+"""The AR replica's write ledger and its reports to the broker (the sending side's bookkeeping).
+
+Owns what this incarnation knows about every write it was handed: arming in progress, in
+flight, or final (OK / FAILED / NOT_STARTED) and whether the broker has acknowledged the report.
+It answers the broker's polls (`HeartbeatResponse.poll_writes`) from that knowledge:
+
+- a final write is reported (again: `ReportWrite` is idempotent) until the broker acknowledges;
+- a write in flight, or of a ticket whose `ReserveTicket` answer has not arrived, is listed as
+  unresolved in the next heartbeat (absence is no proof: the answer may still be on its way);
+- a write this incarnation has never heard of was never begun by it: `NOT_STARTED`, and the
+  ledger remembers that, so the write can never start afterwards.
+
+It must never report a write twice with different statuses (the broker fences a writer that
+contradicts itself), so every report is derived from the one final outcome recorded here.
+All methods run on the service's event loop; the state changes are synchronous (no await between
+a check and the change it guards), which is what makes "check unknown, then mark" atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvrelay.logging import get_logger
+from kvrelay.transfer.convert import outcome_to_report
+from kvrelay.transfer.planner import PlannedWrite
+from kvrelay.transfer.transport import WriteOutcome
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+
+log = get_logger(__name__)
+
+WriteId = tuple[str, int, int, int]  # (ticket_id, row, src_rank, dst_rank)
+
+# Codes after which a retry of the same idempotent RPC can succeed.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})  # fmt: skip
+# How many tickets' final outcomes to keep after the broker acknowledged them, to answer a poll
+# with the real outcome rather than "never heard of it".
+HISTORY = 4096
+
+
+def write_id(ticket_id: str, w: PlannedWrite | WriteOutcome) -> WriteId:
+    return (ticket_id, w.row, w.src_rank, w.dst_rank)
+
+
+@dataclass(slots=True)
+class _TicketWrites:
+    in_flight: set[WriteId] = field(default_factory=set)
+    final: dict[WriteId, WriteOutcome] = field(default_factory=dict)
+    acknowledged: set[WriteId] = field(default_factory=set)
+
+
+class WriteLedger:
+    def __init__(self) -> None:
+        self._arming: set[str] = set()
+        self._tickets: OrderedDict[str, _TicketWrites] = OrderedDict()
+        # Tickets answered NOT_STARTED in full before we knew them: they must never start.
+        self._refused: set[str] = set()
+
+    # -- transitions -------------------------------------------------------------------------------
+
+    def begin_arming(self, ticket_id: str) -> None:
+        """Before ReserveTicket: from now on a poll about this ticket is answered 'unresolved'."""
+        self._arming.add(ticket_id)
+
+    def end_arming(self, ticket_id: str) -> None:
+        """ReserveTicket was refused (the ticket is not armed) or its outcome is settled."""
+        self._arming.discard(ticket_id)
+
+    def start(self, ticket_id: str, writes: Sequence[PlannedWrite]) -> bool:
+        """Mark `writes` in flight. False when the ticket's writes were already answered
+        NOT_STARTED (a poll came first): then nothing may be sent."""
+        self._arming.discard(ticket_id)
+        if ticket_id in self._refused:
+            return False
+        entry = self._tickets.setdefault(ticket_id, _TicketWrites())
+        for w in writes:
+            wid = write_id(ticket_id, w)
+            if wid not in entry.final:
+                entry.in_flight.add(wid)
+        return True
+
+    def finish(self, ticket_id: str, outcome: WriteOutcome) -> WriteOutcome:
+        """Record the final outcome of one write; the first one recorded wins (see module doc)."""
+        entry = self._tickets.setdefault(ticket_id, _TicketWrites())
+        wid = write_id(ticket_id, outcome)
+        entry.in_flight.discard(wid)
+        return entry.final.setdefault(wid, outcome)
+
+    def acknowledge(self, ticket_id: str, outcome: WriteOutcome) -> None:
+        entry = self._tickets.get(ticket_id)
+        if entry is not None:
+            entry.acknowledged.add(write_id(ticket_id, outcome))
+            self._trim()
+
+    def _trim(self) -> None:
+        while len(self._tickets) > HISTORY:
+            oldest, entry = next(iter(self._tickets.items()))
+            if entry.in_flight or len(entry.acknowledged) < len(entry.final):
+                break
+            del self._tickets[oldest]
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    def pending_reports(self) -> list[tuple[str, WriteOutcome]]:
+        """Final outcomes the broker has not acknowledged yet."""
+        return [
+            (tid, o)
+            for tid, entry in self._tickets.items()
+            for wid, o in entry.final.items()
+            if wid not in entry.acknowledged
+        ]
+
+    def in_flight(self) -> list[WriteId]:
+        return [wid for entry in self._tickets.values() for wid in entry.in_flight]
+
+    def busy_tickets(self) -> list[str]:
+        """Tickets with writes in flight or being armed (a clean stop waits for them)."""
+        return sorted(self._arming | {tid for tid, e in self._tickets.items() if e.in_flight})
+
+    def answer_poll(self, polled: Iterable[WriteId]) -> tuple[list[WriteId], list[tuple[str, WriteOutcome]]]:
+        """(unresolved, to_report) for the writes the broker asks about."""
+        unresolved: list[WriteId] = []
+        to_report: list[tuple[str, WriteOutcome]] = []
+        for wid in polled:
+            ticket_id, row, src, dst = wid
+            entry = self._tickets.get(ticket_id)
+            if ticket_id in self._arming or (entry is not None and wid in entry.in_flight):
+                unresolved.append(wid)
+            elif entry is not None and wid in entry.final:
+                to_report.append((ticket_id, entry.final[wid]))
+            else:
+                # Never heard of: this incarnation never began it, and now never will.
+                self._refused.add(ticket_id)
+                outcome = WriteOutcome(
+                    row, src, dst, "NOT_STARTED", 0, 0, "the writer never received this write"
+                )
+                to_report.append((ticket_id, self.finish(ticket_id, outcome)))
+        return unresolved, to_report
+
+
+def write_key_proto(wid: WriteId) -> common_pb2.WriteKey:
+    return common_pb2.WriteKey(ticket_id=wid[0], row=wid[1], src_rank=wid[2], dst_rank=wid[3])
+
+
+class WriteReporter:
+    """Sends ReportWrite for final outcomes, retried (the RPC is idempotent) with a deadline per try."""
+
+    def __init__(
+        self,
+        stub: broker_pb2_grpc.BrokerServiceStub,
+        ledger: WriteLedger,
+        replica_id: str,
+        incarnation_id: str,
+        *,
+        rpc_timeout_s: float = 5.0,
+    ) -> None:
+        self.stub = stub
+        self.ledger = ledger
+        self.replica_id = replica_id
+        self.incarnation_id = incarnation_id
+        self.rpc_timeout_s = rpc_timeout_s
+
+    async def report(self, ticket_id: str, outcome: WriteOutcome, budget_s: float = 30.0) -> bool:
+        """Report one final outcome; True once the broker acknowledged it. A report still
+        unacknowledged after `budget_s` stays pending: heartbeats retry it."""
+        outcome = self.ledger.finish(ticket_id, outcome)
+        request = outcome_to_report(outcome, ticket_id, self.replica_id, self.incarnation_id)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + budget_s
+        delay = 0.05
+        while True:
+            try:
+                await self.stub.ReportWrite(request, timeout=self.rpc_timeout_s)
+                self.ledger.acknowledge(ticket_id, outcome)
+                return True
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code not in RETRYABLE:
+                    # The broker refused it for good (released ticket, stale incarnation, fence):
+                    # retrying would be refused the same way; nothing more can be proven.
+                    log.warning(
+                        "report_write_refused", ticket_id=ticket_id, row=outcome.row, src_rank=outcome.src_rank,
+                        dst_rank=outcome.dst_rank, code=code.name, details=err.details(),
+                    )  # fmt: skip
+                    self.ledger.acknowledge(ticket_id, outcome)
+                    return False
+                if loop.time() + delay >= give_up:
+                    log.warning(
+                        "report_write_pending", ticket_id=ticket_id, code=code.name, details=err.details()
+                    )
+                    return False
+            await asyncio.sleep(delay * (1 + random.random() * 0.5))
+            delay = min(delay * 2, 1.0)
+
+    async def report_all(
+        self, ticket_id: str, outcomes: Iterable[WriteOutcome], budget_s: float = 30.0
+    ) -> bool:
+        results = await asyncio.gather(*(self.report(ticket_id, o, budget_s) for o in outcomes))
+        return all(results)
+
+    async def report_pending(self, budget_s: float = 2.0) -> None:
+        """Retry every unacknowledged report once more (called on each heartbeat)."""
+        pending = self.ledger.pending_reports()
+        if pending:
+            await asyncio.gather(*(self.report(tid, o, budget_s) for tid, o in pending))
+
+
+def broker_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.BrokerServiceStub:
+    return broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+
+
+__all__ = ["WriteLedger", "WriteReporter", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]

@@ -1,0 +1,541 @@
+"""ArService: the AR replica's gRPC servicer (Tokenize, Prefill) and the Prefill protocol.
+
+Owns one request's path through the AR (docs/internals.md, "The request protocol"): validate and
+tokenize the rows, check the ticket with the broker, prefill on every TP rank, arm the ticket
+(`BrokerService.ReserveTicket`), write on every rank, report every write (`ReportWrite`), and
+answer with token counts, bytes and timings.
+
+Rules it keeps: nothing is armed before the input is known good and the prefill is done, so
+every early failure can still roll the ticket back; once armed, the write-and-report part runs
+to the end even when the RPC is cancelled (a cancelled request never interrupts a remote write)
+and every write gets a final report (`NOT_STARTED` from a `finally` for any never begun). It never
+runs model work on the event loop: ranks do, and blocking pipe calls go through a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from kvrelay.ar_service.engine import DropTicket, PrefillDone, PrefillTicket, WriteDone, WriteTicket
+from kvrelay.ar_service.sender import RETRYABLE, WriteLedger, WriteReporter
+from kvrelay.ar_service.tokenizer import Tokenizer
+
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
+from kvrelay.logging import get_logger
+from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
+from kvrelay.transfer.planner import PlannedWrite, plan_transfer
+from kvrelay.transfer.transport import WriteOutcome, not_started_outcomes
+from kvrelay.v1 import ar_pb2, ar_pb2_grpc, broker_pb2
+from kvrelay.worker import WorkerCommandError, WorkerGroup, WorkerGroupError
+
+log = get_logger(__name__)
+
+AR_SERVICE = ar_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
+
+# Broker calls are quick; a short per-try deadline keeps a hung broker from eating the request.
+BROKER_RPC_TIMEOUT_S = 5.0
+# Least time worth starting a transfer with; less than this and the writes are NOT_STARTED.
+MIN_TRANSFER_S = 0.05
+
+
+class FailStop(Exception):
+    """A broken invariant for this replica (a worker died, the broker fenced it): stop now."""
+
+
+@dataclass(slots=True)
+class ArMetrics:
+    """Prometheus metrics of DESIGN.md section 11 that the AR owns."""
+
+    transfer_bytes: Any
+    transfer_seconds: Any
+    prefill_seconds: Any
+    prefill_tokens: Any
+
+    @classmethod
+    def create(cls, registry: Any) -> ArMetrics:
+        from prometheus_client import Counter, Histogram
+
+        return cls(
+            transfer_bytes=Counter(
+                "kvrelay_transfer_bytes_total", "KV bytes written by AR ranks (OK writes)", ["transport"],
+                registry=registry,
+            ),
+            transfer_seconds=Histogram(
+                "kvrelay_transfer_seconds", "Pack + write time of one ticket on the slowest AR rank", ["transport"],
+                registry=registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            ),
+            prefill_seconds=Histogram(
+                "kvrelay_ar_prefill_seconds", "Prefill time of all rows of one ticket", registry=registry,
+                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            ),
+            prefill_tokens=Counter("kvrelay_ar_prefill_tokens_total", "Tokens prefilled", registry=registry),
+        )  # fmt: skip
+
+
+@dataclass(slots=True)
+class ArReplicaState:
+    """What the servicer needs once the replica is up (set by main after start-up)."""
+
+    replica_id: str
+    incarnation_id: str
+    group: WorkerGroup
+    tokenizer: Tokenizer
+    max_tokens: int
+    vocab: int
+    tensor_parallel_size: int
+    transport: str
+    transfer_timeout_s: float
+    request_timeout_s: float
+
+
+@dataclass(slots=True)
+class _Job:
+    task: asyncio.Task[ar_pb2.PrefillResponse]
+    cancel_requested: bool = False
+    armed: bool = False
+
+
+@dataclass(slots=True)
+class _Deadline:
+    at: float
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+
+    def left(self) -> float:
+        return self.at - self.loop.time()
+
+
+def _broker_error(err: grpc.aio.AioRpcError, what: str) -> KvRelayServerError:
+    """The broker's error, passed through with its code and reason."""
+    code_name, reason, message = reason_of(err)
+    code = err.code() or grpc.StatusCode.UNKNOWN
+    if code in RETRYABLE:
+        return KvRelayServerError(
+            grpc.StatusCode.UNAVAILABLE, "BROKER_UNAVAILABLE", f"{what}: {code_name}: {message}"
+        )
+    return KvRelayServerError(code, reason, message)
+
+
+class ArServicer(ar_pb2_grpc.ArServiceServicer):
+    def __init__(self, broker: Any, metrics: ArMetrics, on_fail_stop: Callable[[str], None]) -> None:
+        self.broker = broker  # BrokerServiceStub on the replica's channel
+        self.metrics = metrics
+        self.on_fail_stop = on_fail_stop
+        self.ledger = WriteLedger()
+        self.state: ArReplicaState | None = None
+        self.reporter: WriteReporter | None = None
+        self._jobs: dict[str, _Job] = {}
+        # Background work that must outlive RPCs (shielded writes, late arming resolution).
+        self._background: set[asyncio.Task[Any]] = set()
+        # WorkerGroup serializes commands anyway; this keeps a ticket's prefill and write from
+        # interleaving with another ticket's across the to_thread hop, and bounds staging use to
+        # one ticket at a time (the staging buffer is one per rank).
+        self._ranks = asyncio.Lock()
+
+    def attach(self, state: ArReplicaState) -> None:
+        self.state = state
+        self.reporter = WriteReporter(self.broker, self.ledger, state.replica_id, state.incarnation_id)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for running Prefills and background reports (a clean stop)."""
+        pending = [j.task for j in self._jobs.values()] + list(self._background)
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+
+    # -- Tokenize --------------------------------------------------------------------------------
+
+    async def Tokenize(
+        self, request: ar_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> ar_pb2.TokenizeResponse:
+        state = await self._ready(context)
+        counts = [len(state.tokenizer.encode(text)) for text in request.texts]
+        return ar_pb2.TokenizeResponse(token_counts=counts, max_tokens=state.max_tokens)
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> ArReplicaState:
+        if self.state is None:
+            await abort_with(
+                context,
+                KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NOT_READY", "the AR replica is starting"),
+            )
+        assert self.state is not None
+        return self.state
+
+    # -- Prefill ---------------------------------------------------------------------------------
+
+    async def Prefill(
+        self, request: ar_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> ar_pb2.PrefillResponse:
+        state = await self._ready(context)
+        remaining = context.time_remaining()
+        budget = state.request_timeout_s if remaining is None else remaining
+        deadline = _Deadline(asyncio.get_running_loop().time() + budget)
+        job = self._jobs.get(request.ticket_id)
+        if job is None:
+            try:
+                token_ids = self._validate(request, state)
+            except KvRelayServerError as err:
+                # Bad input can never succeed: roll the (unarmed) ticket back so nothing is left.
+                await self._rollback_if_ours(request.ticket_id, state, "FAILED", err.reason)
+                await abort_with(context, err)
+            job = _Job(task=asyncio.ensure_future(self._prefill(request, token_ids, state, deadline)))
+            self._jobs[request.ticket_id] = job
+            job.task.add_done_callback(lambda _t, tid=request.ticket_id: self._jobs.pop(tid, None))
+        try:
+            # Shielded: a cancelled RPC must not cancel a write in progress; the job itself looks
+            # at `cancel_requested` at the one point where stopping is still safe (before arming).
+            return await asyncio.shield(job.task)
+        except asyncio.CancelledError:
+            job.cancel_requested = True
+            raise
+        except KvRelayServerError as err:
+            await abort_with(context, err)
+        except FailStop as err:
+            await abort_with(
+                context, KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", str(err))
+            )
+
+    def _validate(self, request: ar_pb2.PrefillRequest, state: ArReplicaState) -> list[list[int]]:
+        if not request.ticket_id:
+            raise invalid_argument("ticket_id", "is required")
+        if not request.rows:
+            raise invalid_argument("rows", "at least one row (the prompt) is required")
+        token_ids = []
+        for i, text in enumerate(request.rows):
+            ids = state.tokenizer.encode(text)
+            if not ids:
+                raise invalid_argument(f"rows[{i}]", "tokenizes to no tokens")
+            if len(ids) > state.max_tokens:
+                raise invalid_argument(
+                    f"rows[{i}]",
+                    f"{len(ids)} tokens is longer than the model's max_tokens {state.max_tokens}",
+                )
+            if max(ids) >= state.vocab:
+                raise invalid_argument(
+                    f"rows[{i}]", f"token id {max(ids)} outside the model's vocabulary {state.vocab}"
+                )
+            token_ids.append(ids)
+        return token_ids
+
+    async def _get_ticket(self, ticket_id: str, deadline: _Deadline) -> broker_pb2.Ticket:
+        try:
+            reply = await self.broker.GetTicket(
+                broker_pb2.GetTicketRequest(ticket_id=ticket_id),
+                timeout=max(0.01, min(BROKER_RPC_TIMEOUT_S, deadline.left())),
+            )
+        except grpc.aio.AioRpcError as err:
+            raise _broker_error(err, "GetTicket") from None
+        return reply.ticket
+
+    async def _rollback_if_ours(
+        self, ticket_id: str, state: ArReplicaState, outcome: str, reason: str
+    ) -> None:
+        """Roll back an unarmed ticket bound to this replica (CancelTicket on a RESERVED ticket frees
+        its pages at once). Best effort: the orchestrator cancels it too when the request ends."""
+        if not ticket_id:
+            return
+        try:
+            ticket = (
+                await self.broker.GetTicket(
+                    broker_pb2.GetTicketRequest(ticket_id=ticket_id), timeout=BROKER_RPC_TIMEOUT_S
+                )
+            ).ticket
+            if ticket.ar_replica_id != state.replica_id or ticket.armed:
+                return
+            await self.broker.CancelTicket(
+                broker_pb2.CancelTicketRequest(
+                    ticket_id=ticket_id,
+                    outcome=getattr(broker_pb2, f"TICKET_OUTCOME_{outcome}"),
+                    reason=reason,
+                ),
+                timeout=BROKER_RPC_TIMEOUT_S,
+            )
+            log.info("ticket_rolled_back", ticket_id=ticket_id, reason=reason)
+        except grpc.aio.AioRpcError as err:
+            log.info(
+                "ticket_rollback_skipped", ticket_id=ticket_id, code=err.code().name, details=err.details()
+            )
+
+    async def _call_ranks(self, command: Any) -> list[Any]:
+        assert self.state is not None
+        try:
+            return await asyncio.to_thread(self.state.group.call_all, command)
+        except WorkerCommandError:
+            raise
+        except WorkerGroupError as err:
+            # A rank died or hung: its collectives can never complete and its writes are unknown.
+            self.on_fail_stop(f"worker group failed: {err}")
+            raise FailStop(str(err)) from err
+
+    async def _prefill(
+        self,
+        request: ar_pb2.PrefillRequest,
+        token_ids: list[list[int]],
+        state: ArReplicaState,
+        deadline: _Deadline,
+    ) -> ar_pb2.PrefillResponse:
+        ticket_id = request.ticket_id
+        job = self._jobs.get(ticket_id)
+        ticket = await self._get_ticket(ticket_id, deadline)
+        if ticket.ar_replica_id != state.replica_id:
+            raise KvRelayServerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "WRONG_REPLICA",
+                f"ticket {ticket_id} is bound to AR {ticket.ar_replica_id}, not {state.replica_id}",
+            )
+        if ticket.state != broker_pb2.TICKET_STATE_RESERVED:
+            raise KvRelayServerError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "TICKET_NOT_RESERVED",
+                f"ticket {ticket_id} is {broker_pb2.TicketState.Name(ticket.state)}; Prefill needs a RESERVED ticket",
+            )
+        counts = [len(ids) for ids in token_ids]
+        reserved = [r.num_tokens for r in sorted(ticket.rows, key=lambda r: r.row)]
+        if counts != reserved:
+            err = invalid_argument(
+                "rows", f"token counts {counts} differ from the ticket's reserved rows {reserved}"
+            )
+            await self._rollback_if_ours(ticket_id, state, "FAILED", err.reason)
+            raise err
+
+        async with self._ranks:
+            t0 = time.perf_counter()
+            try:
+                done: list[PrefillDone] = await self._call_ranks(
+                    PrefillTicket(ticket_id, tuple(tuple(ids) for ids in token_ids))
+                )
+            except WorkerCommandError as err:
+                await self._rollback_if_ours(ticket_id, state, "FAILED", "PREFILL_FAILED")
+                raise KvRelayServerError(
+                    grpc.StatusCode.INTERNAL, "PREFILL_FAILED", str(err).splitlines()[0]
+                ) from err
+            # Measured on the ranks (model time), not including the pipe hop.
+            prefill_s = max(d.seconds for d in done) if done else time.perf_counter() - t0
+            self.metrics.prefill_seconds.observe(prefill_s)
+            self.metrics.prefill_tokens.inc(sum(counts))
+
+            # The last point where stopping is free: nothing is armed, the ticket can roll back.
+            stop = None
+            if job is not None and job.cancel_requested:
+                stop = ("CANCELLED", grpc.StatusCode.CANCELLED, "the request was cancelled during prefill")
+            elif deadline.left() <= MIN_TRANSFER_S:
+                stop = ("TIMED_OUT", grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed during prefill")
+            if stop is not None:
+                await self._call_ranks(DropTicket(ticket_id))
+                await self._rollback_if_ours(ticket_id, state, stop[0], stop[0])
+                raise KvRelayServerError(stop[1], stop[0], stop[2])
+
+            arming = await self._arm(ticket_id, state, deadline)
+            if arming is None:
+                await self._call_ranks(DropTicket(ticket_id))
+                raise KvRelayServerError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "BROKER_UNAVAILABLE",
+                    "ReserveTicket got no answer from the broker",
+                )
+            if isinstance(arming, KvRelayServerError):
+                await self._call_ranks(DropTicket(ticket_id))
+                raise arming
+            if job is not None:
+                job.armed = True
+            # From here on: shielded from cancellation (the caller awaits through asyncio.shield),
+            # every write ends with a report.
+            return await self._write_and_report(request, counts, arming, state, deadline, prefill_s)
+
+    async def _arm(
+        self, ticket_id: str, state: ArReplicaState, deadline: _Deadline
+    ) -> broker_pb2.ReserveTicketResponse | KvRelayServerError | None:
+        """ReserveTicket. A definite refusal comes back as the broker's error; an answer lost in
+        transit is retried (arming is idempotent for this incarnation) and, failing that, settled
+        in the background so that the writes the broker expects still get NOT_STARTED."""
+        request = broker_pb2.ReserveTicketRequest(
+            ticket_id=ticket_id, ar_replica_id=state.replica_id, incarnation_id=state.incarnation_id
+        )
+        self.ledger.begin_arming(ticket_id)
+        for attempt in range(3):
+            try:
+                return await self.broker.ReserveTicket(request, timeout=BROKER_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    self.ledger.end_arming(ticket_id)
+                    return _broker_error(err, "ReserveTicket")
+                log.warning(
+                    "reserve_ticket_retry", ticket_id=ticket_id, attempt=attempt, code=err.code().name
+                )
+                await asyncio.sleep(0.2 * (attempt + 1))
+        self._spawn(self._settle_lost_arming(request))
+        return None
+
+    async def _settle_lost_arming(self, request: broker_pb2.ReserveTicketRequest) -> None:
+        # The ticket may be armed without our knowing its writes; until we learn them, polls
+        # about it are answered "unresolved" (the ledger's arming set), never NOT_STARTED blindly.
+        delay = 1.0
+        while True:
+            try:
+                reply = await self.broker.ReserveTicket(request, timeout=BROKER_RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RETRYABLE:
+                    self.ledger.end_arming(request.ticket_id)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            writes = writes_from_proto(reply.writes)
+            if self.ledger.start(request.ticket_id, writes):
+                assert self.reporter is not None
+                await self.reporter.report_all(
+                    request.ticket_id,
+                    not_started_outcomes(writes, "the request ended before the writes began"),
+                )
+            return
+
+    async def _write_and_report(
+        self,
+        request: ar_pb2.PrefillRequest,
+        counts: list[int],
+        arming: broker_pb2.ReserveTicketResponse,
+        state: ArReplicaState,
+        deadline: _Deadline,
+        prefill_s: float,
+    ) -> ar_pb2.PrefillResponse:
+        ticket_id = request.ticket_id
+        assert self.reporter is not None
+        writes = writes_from_proto(arming.writes)
+        outcomes: dict[tuple[int, int, int], WriteOutcome] = {}
+        transfer_s = 0.0
+        failure: KvRelayServerError | None = None
+        if not self.ledger.start(ticket_id, writes):
+            # A poll already answered these writes NOT_STARTED: they must never begin.
+            await self._call_ranks(DropTicket(ticket_id))
+            raise KvRelayServerError(
+                grpc.StatusCode.CANCELLED,
+                "REQUEST_ENDED",
+                f"ticket {ticket_id} ended before its writes began",
+            )
+        try:
+            geometry = geometry_from_proto(arming.dit_geometry)
+            rows = tuple(row_from_proto(r) for r in sorted(arming.ticket.rows, key=lambda r: r.row))
+            dst_shards = max(1, arming.dit_parallelism.tensor_parallel_size) * max(
+                1, arming.dit_parallelism.sequence_parallel_size
+            )
+            mine = plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows)
+            if tuple(mine) != tuple(writes):
+                # The broker and this replica disagree on the plan: writing would land bytes where
+                # nobody expects them. Nothing is sent; every write is NOT_STARTED.
+                failure = KvRelayServerError(
+                    grpc.StatusCode.INTERNAL,
+                    "PLAN_MISMATCH",
+                    f"ticket {ticket_id}: the broker's plan differs from ours",
+                )
+                return ar_pb2.PrefillResponse()
+            if arming.ticket.state != broker_pb2.TICKET_STATE_WRITING:
+                failure = KvRelayServerError(
+                    grpc.StatusCode.CANCELLED,
+                    "REQUEST_ENDED",
+                    f"ticket {ticket_id} is {broker_pb2.TicketState.Name(arming.ticket.state)}: the request ended",
+                )
+                return ar_pb2.PrefillResponse()
+            timeout_s = min(state.transfer_timeout_s, deadline.left())
+            if timeout_s < MIN_TRANSFER_S:
+                failure = KvRelayServerError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", "no time left for the transfer"
+                )
+                return ar_pb2.PrefillResponse()
+            command = WriteTicket(
+                ticket_id=ticket_id,
+                rows=rows,
+                geometry=geometry,
+                src_shards=state.tensor_parallel_size,
+                dst_shards=dst_shards,
+                plan=tuple(writes),
+                destinations=tuple(region_from_proto(d) for d in arming.destinations),
+                timeout_s=timeout_s,
+            )
+            t0 = time.perf_counter()
+            try:
+                done: list[WriteDone] = await self._call_ranks(command)
+            except WorkerCommandError as err:
+                # The handler catches transfer failures itself; an escape means we cannot say how
+                # far it got, so the writes are FAILED (the pages drain), never NOT_STARTED.
+                for w in writes:
+                    outcomes[(w.row, w.src_rank, w.dst_rank)] = WriteOutcome(
+                        w.row,
+                        w.src_rank,
+                        w.dst_rank,
+                        "FAILED",
+                        w.num_bytes,
+                        0,
+                        f"rank error: {err.errors[0].message}",
+                    )
+                raise KvRelayServerError(
+                    grpc.StatusCode.INTERNAL, "WRITE_FAILED", str(err).splitlines()[0]
+                ) from err
+            except FailStop:
+                for w in writes:
+                    outcomes[(w.row, w.src_rank, w.dst_rank)] = WriteOutcome(
+                        w.row,
+                        w.src_rank,
+                        w.dst_rank,
+                        "FAILED",
+                        w.num_bytes,
+                        0,
+                        "a worker rank died during the write",
+                    )
+                raise
+            transfer_s = time.perf_counter() - t0
+            for d in done:
+                for o in d.outcomes:
+                    outcomes[(o.row, o.src_rank, o.dst_rank)] = o
+            ok_bytes = sum(o.bytes for o in outcomes.values() if o.ok)
+            self.metrics.transfer_bytes.labels(state.transport).inc(ok_bytes)
+            self.metrics.transfer_seconds.labels(state.transport).observe(transfer_s)
+            bad = [o for o in outcomes.values() if not o.ok]
+            if bad:
+                failure = KvRelayServerError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    "TRANSFER_FAILED",
+                    f"{len(bad)} of {len(writes)} writes not OK; first: {bad[0].status} {bad[0].message}",
+                )
+            return ar_pb2.PrefillResponse(
+                token_counts=counts,
+                bytes_written=ok_bytes,
+                prefill_seconds=prefill_s,
+                transfer_seconds=transfer_s,
+            )
+        finally:
+            # Every expected write gets a final report: those without an outcome never began.
+            final = [
+                outcomes.get((w.row, w.src_rank, w.dst_rank))
+                or WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, "never began")
+                for w in writes
+            ]
+            if not outcomes:
+                # Nothing was written: the ranks still hold the ticket's KV.
+                try:
+                    await self._call_ranks(DropTicket(ticket_id))
+                except (FailStop, WorkerCommandError):
+                    pass
+            await self.reporter.report_all(ticket_id, final)
+            log.info(
+                "ticket_written",
+                ticket_id=ticket_id,
+                ok=sum(o.ok for o in final),
+                writes=len(final),
+                bytes=sum(o.bytes for o in final if o.ok),
+                transfer_ms=round(transfer_s * 1000, 3),
+            )
+            if failure is not None:
+                raise failure
+
+
+def _plan_key(w: PlannedWrite) -> tuple[int, int, int]:
+    return (w.row, w.src_rank, w.dst_rank)

@@ -1,0 +1,197 @@
+"""The AR service end to end: a real `python -m kvrelay ar` process, the real broker (BrokerCore
+behind the BrokerService servicer) and a receiver whose pages the test reads back."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from kvrelay.ar_service.model import build_ar_model
+from kvrelay.ar_service.tokenizer import ByteTokenizer
+
+from kvrelay.errors import reason_of
+from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
+from tests.ar_service.harness import Receiver, ar_stub, start_ar, wait_serving, write_config
+from tests.dit_service.harness import inprocess_broker
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "a red fox in the snow, watercolor, soft morning light"
+NEGATIVE = "blurry"
+
+
+def _local_kv(text: str, heads: slice = slice(None)) -> torch.Tensor:
+    ids = ByteTokenizer().encode(text)
+    return build_ar_model(preset="tiny", seed=0).prefill(ids)[:, :, heads]
+
+
+async def _prefill(
+    address: str, request: ar_pb2.PrefillRequest, timeout: float = 60.0
+) -> ar_pb2.PrefillResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await ar_stub(channel).Prefill(request, timeout=timeout)
+
+
+@pytest.mark.parametrize("transport", ["mooncake", "grpc"])
+def test_prefill_writes_two_rows_bit_for_bit_and_reports_every_write(tmp_path: Path, transport: str) -> None:
+    config = write_config(tmp_path, transport=transport)
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            receiver = Receiver(
+                broker.address, preset="tiny", transport=transport, world_size=1, num_pages=32
+            )
+            await receiver.start()
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(ar.address)
+                tok = ByteTokenizer()
+                counts = [len(tok.encode(PROMPT)), len(tok.encode(NEGATIVE))]
+                async with grpc.aio.insecure_channel(ar.address) as channel:
+                    tokenized = await ar_stub(channel).Tokenize(
+                        ar_pb2.TokenizeRequest(texts=[PROMPT, NEGATIVE]), timeout=10.0
+                    )
+                assert list(tokenized.token_counts) == counts and tokenized.max_tokens == 256
+                ticket = await receiver.create_ticket(counts)
+                reply = await _prefill(
+                    ar.address,
+                    ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, request_id=ticket.request_id,
+                                          rows=[PROMPT, NEGATIVE], seed=5),
+                )  # fmt: skip
+                assert list(reply.token_counts) == counts
+                assert reply.prefill_seconds > 0 and reply.transfer_seconds > 0
+                after = await receiver.ticket(ticket.ticket_id)
+                # Armed by the AR, every write reported OK with its checksum and size.
+                assert after.armed and after.state == broker_pb2.TICKET_STATE_WRITING
+                assert len(after.writes) == 2
+                assert all(w.status == common_pb2.WRITE_STATUS_OK and w.checksum for w in after.writes)
+                layout = receiver.layouts[0]
+                whole_pages = sum(len(r.page_ids) for r in after.rows) * layout.page_bytes
+                assert reply.bytes_written == sum(w.bytes for w in after.writes) == whole_pages
+                for row, text in enumerate([PROMPT, NEGATIVE]):
+                    got = receiver.row(0, after, row)
+                    assert torch.equal(got, _local_kv(text)), f"row {row} differs from a local prefill"
+                    # The tail of the last page is zero padding, not stale memory.
+                    spec = next(r for r in after.rows if r.row == row)
+                    used = spec.num_tokens % receiver.geometry.page_size
+                    if used:
+                        last = receiver.page_bytes(0, [spec.page_ids[-1]])[0]
+                        pages = last.view(torch.float32).view(
+                            receiver.geometry.num_layers,
+                            2,
+                            layout.heads_per_shard,
+                            receiver.geometry.page_size,
+                            -1,
+                        )
+                        assert torch.count_nonzero(pages[:, :, :, used:]) == 0
+                # The DiT's side of the lifecycle (load, release) frees every page.
+                for row in (0, 1):
+                    verified = [
+                        broker_pb2.WriteProgress(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank,
+                                                 status=w.status, checksum=w.checksum, bytes=w.bytes)
+                        for w in after.writes if w.row == row
+                    ]  # fmt: skip
+                    await receiver.stub.ReportLoad(
+                        broker_pb2.ReportLoadRequest(ticket_id=ticket.ticket_id, row=row, dst_rank=0,
+                                                     replica_id="dit-0", incarnation_id=receiver.incarnation_id,
+                                                     verified=verified),
+                        timeout=5.0,
+                    )  # fmt: skip
+                assert (await receiver.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_READY
+                await receiver.stub.ReleaseTicket(
+                    broker_pb2.ReleaseTicketRequest(ticket_id=ticket.ticket_id,
+                                                    outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"),
+                    timeout=5.0,
+                )  # fmt: skip
+                pool = await receiver.pool()
+                assert pool.free_pages == pool.total_pages
+                assert ar.stop() == 0, ar.output()
+            finally:
+                ar.stop()
+                await receiver.close()
+
+    asyncio.run(scenario())
+
+
+def test_bad_input_fails_cleanly_and_leaves_no_ticket(tmp_path: Path) -> None:
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            receiver = Receiver(
+                broker.address, preset="tiny", transport="mooncake", world_size=1, num_pages=32
+            )
+            await receiver.start()
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(ar.address)
+                # Too long: tiny takes 256 tokens; the byte tokenizer adds BOS to 300 bytes.
+                ticket = await receiver.create_ticket([12])
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _prefill(
+                        ar.address, ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, rows=["x" * 300])
+                    )
+                code, reason, message = reason_of(err.value)
+                assert (code, reason) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT")
+                assert "rows[0]" in message and "301 tokens" in message and "256" in message
+                # The unarmed ticket was rolled back: no ticket, no pages left behind.
+                gone = await receiver.ticket(ticket.ticket_id)
+                assert gone.state == broker_pb2.TICKET_STATE_RELEASED and not gone.armed
+                pool = await receiver.pool()
+                assert pool.free_pages == pool.total_pages
+
+                # Unknown ticket: the broker's NOT_FOUND and reason, passed through.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _prefill(ar.address, ar_pb2.PrefillRequest(ticket_id="nope", rows=[PROMPT]))
+                assert reason_of(err.value)[:2] == ("NOT_FOUND", "UNKNOWN_TICKET")
+
+                # A ticket bound to another AR replica: FAILED_PRECONDITION, and that ticket untouched.
+                ar0 = next(
+                    r
+                    for r in (
+                        await receiver.stub.ListReplicas(broker_pb2.ListReplicasRequest(), timeout=5.0)
+                    ).replicas
+                    if r.replica_id == "ar-0"
+                )
+                ar1 = broker_pb2.ReplicaInfo()
+                ar1.CopyFrom(ar0)
+                ar1.replica_id, ar1.incarnation_id = "ar-1", "other-incarnation"
+                await receiver.stub.RegisterReplica(
+                    broker_pb2.RegisterReplicaRequest(replica=ar1), timeout=5.0
+                )
+                foreign = await receiver.create_ticket(
+                    [len(ByteTokenizer().encode(PROMPT))], ar_replica_id="ar-1"
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _prefill(
+                        ar.address, ar_pb2.PrefillRequest(ticket_id=foreign.ticket_id, rows=[PROMPT])
+                    )
+                assert reason_of(err.value)[:2] == ("FAILED_PRECONDITION", "WRONG_REPLICA")
+                still = await receiver.ticket(foreign.ticket_id)
+                assert still.state == broker_pb2.TICKET_STATE_RESERVED and not still.armed
+
+                # Row count that differs from the reservation: INVALID_ARGUMENT naming rows, rolled back.
+                ticket = await receiver.create_ticket([5])
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _prefill(
+                        ar.address, ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, rows=[PROMPT])
+                    )
+                assert reason_of(err.value)[0] == "INVALID_ARGUMENT" and "rows" in reason_of(err.value)[2]
+                assert (await receiver.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_RELEASED
+
+                # The replica still serves after all of that.
+                counts = [len(ByteTokenizer().encode(PROMPT))]
+                ok = await receiver.create_ticket(counts)
+                reply = await _prefill(
+                    ar.address, ar_pb2.PrefillRequest(ticket_id=ok.ticket_id, rows=[PROMPT])
+                )
+                assert list(reply.token_counts) == counts and reply.bytes_written > 0
+                assert ar.stop() == 0, ar.output()
+            finally:
+                ar.stop()
+                await receiver.close()
+
+    asyncio.run(scenario())
