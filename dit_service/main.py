@@ -59,7 +59,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
 
     from kvrelay.models.presets import get_preset
     from kvrelay.server import GRPC_OPTIONS
-    from kvrelay.transfer.transport import make_receiver
+    from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
     from kvrelay.worker import ReplicaLock, WorkerGroup, replica_lock_path
 
@@ -119,8 +119,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         await asyncio.to_thread(group.start)
         described = await asyncio.to_thread(group.call_all, DescribeRegion(), 120.0)
         if stage.transport == "grpc":
-            receiver = make_receiver("grpc", endpoint=endpoint)
-            regions = tuple(receiver.register_region(memory.region(r), r) for r in range(world))
+            # The fallback's regions are this service's: senders address them by offset through
+            # PutKv at our advertised address. (Built here rather than with GrpcStreamReceiver,
+            # whose register_region mistakes numpy 2's `ndarray.device` string for a torch device.)
+            regions = tuple(
+                RegionDescriptor(rank=r, transport="grpc", endpoint=endpoint, base_address=0,
+                                 length=len(memory.region(r)))
+                for r in range(world)
+            )
         else:
             regions = tuple(described)
         log.info("page_memory_ready", replica_id=replica_id, num_pages=memory.num_pages, page_bytes=memory.page_bytes,

@@ -172,19 +172,21 @@ def start_dit(config: Path, broker_address: str, *, cwd: Path, timeout: float = 
     return DitProcess(proc, found[0], lines)
 
 
-async def wait_serving(address: str, timeout: float = 90.0) -> None:
+async def wait_serving(dit: DitProcess, timeout: float = 90.0) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with grpc.aio.insecure_channel(dit.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if dit.proc.poll() is not None:
+                raise RuntimeError(f"DiT exited {dit.proc.returncode}:\n" + "".join(dit.lines[-30:]))
             with contextlib.suppress(grpc.aio.AioRpcError):
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             await asyncio.sleep(0.2)
-    raise TimeoutError(f"DiT at {address} not SERVING after {timeout}s")
+    raise TimeoutError(f"DiT at {dit.address} not SERVING after {timeout}s")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def test_denoise_over_mooncake_matches_local_and_frees_pages(tmp_path: Path, rep
         async with inprocess_broker() as (broker, _core):
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
-                await wait_serving(dit.address)
+                await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
                 counts = [21, 5]
@@ -102,7 +102,7 @@ def test_transfer_timeout_keeps_pages_until_late_completion(tmp_path: Path) -> N
         async with inprocess_broker(drain_quiet_seconds=0.2) as (broker, _core):
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
-                await wait_serving(dit.address)
+                await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
                 counts = [40, 3]
@@ -153,7 +153,7 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
         async with inprocess_broker() as (broker, _core):
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
-                await wait_serving(dit.address)
+                await wait_serving(dit)
                 metrics_port = dit.metrics_port()
                 assert metrics_port is not None
                 writer = ArWriter(broker.address, "tiny", "mooncake")

@@ -1,0 +1,120 @@
+"""The gRPC-stream fallback into the DiT's pages: a whole request over PutKv, and the bounds
+check that keeps every chunk inside the pages the broker reserved for its ticket and row."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from kvrelay.dit_service.image import decode_png
+from kvrelay.dit_service.model import DitRunner
+
+from kvrelay.errors import reason_of
+from kvrelay.transfer.convert import writes_from_proto
+from kvrelay.transfer.transport import not_started_outcomes
+from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
+from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
+
+pytestmark = pytest.mark.slow
+
+
+async def _put(stub: dit_pb2_grpc.DitServiceStub, chunks: list[dit_pb2.PutKvRequest]) -> dit_pb2.PutKvResponse:
+    async def gen():  # type: ignore[no-untyped-def]
+        for c in chunks:
+            yield c
+
+    return await stub.PutKv(gen(), timeout=10.0)
+
+
+def test_putkv_fallback_end_to_end_and_bounds(tmp_path: Path) -> None:
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+
+                    # 1. A whole request over the fallback: same tickets, same pages, same image.
+                    counts = [30]
+                    ticket = await writer.create_ticket(counts)
+                    armed = await writer.arm(ticket.ticket_id)
+                    assert armed.destinations[0].endpoint == dit.address
+                    prefixes = writer.rows_kv(counts, seed=9)
+                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=64, height=64,
+                                                               num_inference_steps=2, guidance_scale=1.0, seed=4),
+                                        timeout=60.0)
+                    events = asyncio.ensure_future(_drain(call))
+                    outcomes = await asyncio.to_thread(writer.write, armed, prefixes)
+                    assert all(o.ok for o in outcomes), outcomes
+                    await writer.report(ticket.ticket_id, outcomes)
+                    final = (await events)[-1]
+                    assert final.phase == dit_pb2.DENOISE_PHASE_DECODED
+                    local = DitRunner("tiny").generate(prefixes, width=64, height=64, steps=2, guidance_scale=1.0,
+                                                       seed=4).numpy()
+                    assert int(np.abs(decode_png(final.image.png).astype(int) - local.astype(int)).max()) <= 1
+
+                    # 2. Bounds: only the named row's reserved pages of an armed, unreleased ticket.
+                    counts = [20, 20]
+                    ticket = await writer.create_ticket(counts)
+                    page_bytes = armed.writes[0].segments[0].length // len(armed.ticket.rows[0].page_ids)
+                    row0 = list(ticket.rows[0].page_ids)
+                    inside = dit_pb2.PutKvRequest(ticket_id=ticket.ticket_id, row=0, dst_rank=0,
+                                                  dst_offset=row0[0] * page_bytes, data=b"\x01" * 64)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _put(stub, [inside])  # not armed yet: the map was never handed out
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
+                    await writer.arm(ticket.ticket_id)
+                    reply = await _put(stub, [inside])
+                    assert (reply.bytes_received, reply.chunks_received) == (64, 1)
+
+                    row1_page = ticket.rows[1].page_ids[0]
+                    cases = {
+                        "other row's page": dict(row=0, dst_offset=row1_page * page_bytes),
+                        "straddles the end of the row": dict(row=0, dst_offset=(row0[-1] + 1) * page_bytes - 32),
+                        "past the pool": dict(row=0, dst_offset=1 << 40),
+                        "unknown row": dict(row=5, dst_offset=row0[0] * page_bytes),
+                        "unknown rank": dict(row=0, dst_rank=3, dst_offset=row0[0] * page_bytes),
+                    }
+                    for name, fields in cases.items():
+                        bad = dit_pb2.PutKvRequest(ticket_id=ticket.ticket_id, data=b"\x02" * 64,
+                                                   **{"dst_rank": 0, **fields})
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            await _put(stub, [inside, bad])
+                        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _put(stub, [dit_pb2.PutKvRequest(ticket_id="no-such-ticket", data=b"x")])
+                    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+                    # Cancelled with writes unresolved: DRAINING, and a late chunk may still land.
+                    await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                        ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED), timeout=5.0)
+                    assert (await writer.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_DRAINING
+                    assert (await _put(stub, [inside])).bytes_received == 64
+                    # Once released, the pages may belong to another ticket: nothing lands any more.
+                    await writer.report(ticket.ticket_id, not_started_outcomes(
+                        writes_from_proto((await writer.arm(ticket.ticket_id)).writes), "test"))
+                    for _ in range(100):
+                        if (await writer.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_RELEASED:
+                            break
+                        await asyncio.sleep(0.05)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _put(stub, [inside])
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
+                await writer.close()
+            finally:
+                assert dit.stop() == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+async def _drain(call: object) -> list[dit_pb2.DenoiseEvent]:
+    return [e async for e in call]  # type: ignore[attr-defined]
