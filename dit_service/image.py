@@ -16,7 +16,7 @@ from PIL import Image
 def _as_uint8_hwc(image: object) -> np.ndarray:
     # Accept a torch tensor without importing torch here: image.py is also handy from light tools.
     if hasattr(image, "detach"):
-        image = image.detach().cpu().numpy()  # type: ignore[attr-defined]
+        image = image.detach().cpu().numpy()
     array = np.asarray(image)
     if array.dtype != np.uint8:
         raise ValueError(f"image must be uint8, got {array.dtype}")

@@ -169,7 +169,10 @@ class DitAttention(ParallelAttention):
         # its page shard, so the prefix it holds is exactly the prefix its heads attend over.
         q, k, v = seq_to_heads(q, self.sp), seq_to_heads(k, self.sp), seq_to_heads(v, self.sp)
         out = heads_to_seq(prefix_attention(q, k, v, prefixes, num_valid=num_valid), self.sp)
-        return self.o_proj(out.transpose(1, 2).reshape(rows, tokens, self.num_heads_local * self.head_dim))
+        projected: torch.Tensor = self.o_proj(
+            out.transpose(1, 2).reshape(rows, tokens, self.num_heads_local * self.head_dim)
+        )
+        return projected
 
 
 class DitBlock(nn.Module):
@@ -197,7 +200,9 @@ class DitBlock(nn.Module):
         h = self.attn_norm(x) * (1 + scale1) + shift1
         x = x + gate1 * self.attn(h, cos, sin, prefixes, num_valid)
         h = self.mlp_norm(x) * (1 + scale2) + shift2
-        return x + gate2 * self.mlp(h)
+        mlp_out: torch.Tensor = self.mlp(h)
+        out: torch.Tensor = x + gate2 * mlp_out
+        return out
 
 
 class DitModel(nn.Module):
@@ -492,9 +497,10 @@ class DitRunner:
         )
 
         def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return self.model(x, t, rows)
+            v: torch.Tensor = self.model(x, t, rows)
+            return v
 
-        return euler_sample(
+        latents: torch.Tensor = euler_sample(
             velocity,
             noise,
             steps=steps,
@@ -502,11 +508,13 @@ class DitRunner:
             shift=self.timestep_shift,
             on_step=self._agreed(on_step),
         )
+        return latents
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """RGB uint8 ``[8h, 8w, 3]`` on CPU from latents ``[C, h, w]``."""
-        return self.decoder(latents).cpu()
+        image: torch.Tensor = self.decoder(latents)
+        return image.cpu()
 
     def generate(
         self,

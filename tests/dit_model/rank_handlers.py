@@ -61,17 +61,23 @@ class DitRankHandler:
             tp=spec.tp,
             sp=spec.sp,
             weight_seed=spec.weight_seed,
+            device=ctx.device,
         )
         self.layout = self.runner.page_layout(PAGE_SIZE)
 
     def _rows_through_pages(self, full_rows: Sequence[Sequence[LayerKv]]) -> list[list[LayerKv]]:
         pages_per_row = [self.layout.geometry.pages_for(row[0][0].shape[1]) for row in full_rows]
-        pool = torch.zeros(self.layout.pool_bytes(sum(pages_per_row) + 1), dtype=torch.uint8)
+        pool = torch.zeros(
+            self.layout.pool_bytes(sum(pages_per_row) + 1), dtype=torch.uint8, device=self.runner.device
+        )
         rows, next_page = [], 1  # page 0 left unused so no row starts at offset 0 by accident
         for row, n in zip(full_rows, pages_per_row, strict=True):
             page_ids = list(range(next_page, next_page + n))[::-1]  # reversed: a non-contiguous gather
             next_page += n
-            write_prefix(pool, self.layout, page_ids, shard_prefix(row, self.ctx.world_size, self.ctx.rank))
+            shard = shard_prefix(row, self.ctx.world_size, self.ctx.rank)
+            write_prefix(
+                pool, self.layout, page_ids, [(k.to(pool.device), v.to(pool.device)) for k, v in shard]
+            )
             rows.append(read_prefix(pool, self.layout, page_ids, row[0][0].shape[1]))
         return rows
 
@@ -97,4 +103,4 @@ class DitRankHandler:
         except Exception as err:
             # Carry what this rank saw, so the test can check where every rank stopped.
             raise type(err)(f"{err} [steps_seen={seen}]") from None
-        return GenerateResult(latents, self.runner.decode(latents), seen, self.layout.shard)
+        return GenerateResult(latents.cpu(), self.runner.decode(latents), seen, self.layout.shard)
