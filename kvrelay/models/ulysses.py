@@ -28,9 +28,31 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: TpGrou
     if group.stages_through_host(x):  # gloo has no all-to-all on CUDA tensors
         return all_to_all(x.cpu(), scatter_dim, gather_dim, group).to(x.device)
     inputs = [chunk.contiguous() for chunk in x.chunk(world, dim=scatter_dim)]
-    outputs = [torch.empty_like(inputs[0]) for _ in range(world)]
-    dist.all_to_all(outputs, inputs, group=group.group)
-    return torch.cat(outputs, dim=gather_dim)
+    global _alltoall_unsupported
+    if not _alltoall_unsupported:
+        outputs = [torch.empty_like(inputs[0]) for _ in range(world)]
+        try:
+            dist.all_to_all(outputs, inputs, group=group.group)
+            return torch.cat(outputs, dim=gather_dim)
+        except RuntimeError as exc:
+            # gloo gained alltoall only after torch 2.11 (the GPU image's build lacks it). The
+            # refusal is raised before any communication, on every rank alike, so all ranks
+            # take the fallback together.
+            if "does not support alltoall" not in str(exc):
+                raise
+            _alltoall_unsupported = True
+    return torch.cat(_all_to_all_by_gather(inputs, group), dim=gather_dim)
+
+
+_alltoall_unsupported = False
+
+
+def _all_to_all_by_gather(inputs: list[torch.Tensor], group: TpGroup) -> list[torch.Tensor]:
+    """all-to-all from one all-gather: every rank receives all chunks and keeps the ones
+    addressed to it. world times the traffic, so only for gloo builds without alltoall."""
+    stacked = torch.stack(inputs)  # [dst, ...]
+    gathered = group.all_gather(stacked.unsqueeze(0), dim=0)  # [src, dst, ...]
+    return list(gathered[:, group.rank].unbind(0))
 
 
 def seq_to_heads(x: torch.Tensor, group: TpGroup) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, rope_cos_sin
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
-from kvrelay.models.ulysses import heads_to_seq, seq_to_heads, shard_sequence
+from kvrelay.models.ulysses import _all_to_all_by_gather, heads_to_seq, seq_to_heads, shard_sequence
 from kvrelay.worker import RankContext
 
 HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM = 64, 128, 8, 4, 8
@@ -112,7 +112,10 @@ class ModelsTestHandler:
             local = shard_sequence(command.full, dim=-2, group=tp)
             by_heads = seq_to_heads(local, tp)
             back = heads_to_seq(by_heads, tp)
-            return local, by_heads, back
+            # The fallback for gloo builds without alltoall must route chunks identically.
+            chunks = list(local.chunk(tp.world_size, dim=-3))
+            by_gather = torch.cat(_all_to_all_by_gather(chunks, tp), dim=-2)
+            return local, by_heads, back, by_gather
         if isinstance(command, Explode):
             raise ValueError(command.message)
         if isinstance(command, ExitNow):

@@ -51,10 +51,11 @@ def test_attention_block_tp2_equals_tp1(tp2):
 
 def test_ulysses_all_to_all_round_trips(tp2):
     full = torch.randn(2, 8, 12, 4, generator=torch.Generator().manual_seed(2))  # [B, H, T, D]
-    (local0, heads0, back0), (local1, heads1, back1) = tp2.call_all(UlyssesRoundTrip(full))
+    (local0, heads0, back0, gather0), (local1, heads1, back1, gather1) = tp2.call_all(UlyssesRoundTrip(full))
     # Sequence shards -> head shards: rank r holds all tokens of heads [4r, 4r+4).
     assert torch.equal(heads0, full[:, :4])
     assert torch.equal(heads1, full[:, 4:])
+    assert torch.equal(gather0, heads0) and torch.equal(gather1, heads1)
     # And back, bit for bit.
     assert torch.equal(back0, local0) and torch.equal(local0, full[:, :, :6])
     assert torch.equal(back1, local1) and torch.equal(local1, full[:, :, 6:])
