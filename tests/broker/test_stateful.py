@@ -1,0 +1,356 @@
+"""A hypothesis state machine over BrokerCore: random interleavings of the whole lifecycle.
+
+Several AR and DiT replicas (TP 1 and 2), and rules for create / arm / write reports (OK,
+FAILED, NOT_STARTED, retries, reports outside the plan) / loads / consuming / release /
+timeout / cancel / new incarnations / lease expiry / broker restart from the journal. After
+every step: no page in two tickets, accounting exact, no page of a ticket with an unresolved
+write is free, and no resolved, quiet DRAINING ticket survives a tick. At the end every writer
+is resolved and every ticket must reach RELEASED with every page free.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.pool import PageState
+from kvrelay.broker.registry import ReplicaRole, ReplicaSpec
+from kvrelay.broker.tickets import (
+    HOLDING_STATES,
+    BrokenInvariant,
+    BrokerError,
+    FailedPrecondition,
+    Ticket,
+    TicketOutcome,
+    TicketState,
+    WriteKey,
+    WriteStatus,
+)
+
+from tests.broker.helpers import ManualClock, ar_spec, checksum_of, dit_spec, new_incarnation
+
+QUIET = 2.0
+LEASE = 30.0
+
+
+class BrokerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvrelay-broker-"))
+        self.clock = ManualClock()
+        self.core = self._open()
+        self.specs: dict[str, ReplicaSpec] = {}
+        for spec in (ar_spec("ar-0", tp=1), ar_spec("ar-1", tp=2), dit_spec("dit-0", tp=1, num_pages=12),
+                     dit_spec("dit-1", tp=2, num_pages=20)):
+            self.core.register_replica(spec)
+            self.specs[spec.replica_id] = spec
+        self.ticket_ids: list[str] = []
+        self.counter = 0
+
+    def _open(self) -> BrokerCore:
+        return BrokerCore(self.dir / "journal.sqlite", clock=self.clock, lease_seconds=LEASE,
+                          drain_quiet_seconds=QUIET, journal_synchronous="OFF")
+
+    def teardown(self) -> None:
+        try:
+            self._resolve_everything()
+        finally:
+            self.core.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _live(self) -> list[Ticket]:
+        return self.core.list_tickets()
+
+    def _pick(self, data: st.DataObject) -> Ticket | None:
+        live = self._live()
+        return data.draw(st.sampled_from(live)) if live else None
+
+    def _try(self, fn, *args, **kwargs):  # noqa: ANN001, ANN202 - test plumbing
+        try:
+            return fn(*args, **kwargs)
+        except BrokerError as err:
+            return err
+
+    # -------------------------------------------------------------------- rules
+
+    @precondition(lambda self: len(self._live()) < 6)
+    @rule(ar=st.sampled_from(["ar-0", "ar-1"]), dit=st.sampled_from(["dit-0", "dit-1"]),
+          rows=st.lists(st.integers(1, 80), min_size=1, max_size=2))
+    def create(self, ar: str, dit: str, rows: list[int]) -> None:
+        self.counter += 1
+        result = self._try(self.core.create_ticket, f"req-{self.counter}", ar, dit, rows)
+        if isinstance(result, Ticket):
+            self.ticket_ids.append(result.ticket_id)
+            assert result.state is TicketState.RESERVED
+        elif isinstance(result, BrokerError):
+            need = sum(-(-n // 16) for n in rows)
+            total = self.specs[dit].num_pages
+            assert result.reason in ("NEVER_FITS", "REPLICA_FENCED", "REPLICA_DOWN"), result
+            assert (result.reason == "NEVER_FITS") == (need > total)
+
+    @rule(data=st.data())
+    def arm(self, data: st.DataObject) -> None:
+        t = self._pick(data)
+        if t is not None:
+            self._arm(t)
+
+    def _arm(self, t: Ticket) -> None:
+        ar = self.specs[t.ar_replica_id]
+        result = self._try(self.core.arm_ticket, t.ticket_id, ar.replica_id, ar.incarnation_id)
+        if not isinstance(result, BrokerError):
+            assert result.ticket.armed
+
+    @rule(data=st.data(), status=st.sampled_from([WriteStatus.OK, WriteStatus.OK, WriteStatus.FAILED,
+                                                  WriteStatus.NOT_STARTED]))
+    def report_write(self, data: st.DataObject, status: WriteStatus) -> None:
+        t = self._pick(data)
+        if t is None or not t.armed:
+            return
+        w = data.draw(st.sampled_from(t.writes))
+        ar = self.specs[t.ar_replica_id]
+        before = self.core.get_ticket(t.ticket_id)
+        result = self._try(self.core.report_write, t.ticket_id, w.key, replica_id=ar.replica_id,
+                           incarnation_id=ar.incarnation_id, status=status,
+                           checksum=checksum_of(t.ticket_id, w.key), nbytes=64)
+        if isinstance(result, BrokenInvariant):
+            assert result.reason == "CONFLICTING_REPORT"
+            assert self.core.get_replica(ar.replica_id).fenced
+        elif isinstance(result, BrokerError):
+            assert result.reason in ("STALE_INCARNATION",), result
+        else:
+            prior = next(x for x in before.writes if x.key == w.key)
+            if prior.status is WriteStatus.PENDING and before.state is not TicketState.RELEASED:
+                assert next(x for x in result.writes if x.key == w.key).status is status
+
+    @rule(data=st.data())
+    def happy_step(self, data: st.DataObject) -> None:
+        """Move one ticket 1-5 steps along the happy path, so READY and CONSUMING are reached often."""
+        t = self._pick(data)
+        for _ in range(data.draw(st.integers(1, 5))):
+            if t is None or t.state is TicketState.RELEASED:
+                return
+            if t.state is TicketState.RESERVED:
+                self._arm(t)
+            elif t.state is TicketState.WRITING and t.unresolved_writes():
+                self._write_ok(t)
+            elif t.state is TicketState.WRITING:
+                self._load(t)
+            elif t.state is TicketState.READY:
+                self._try(self.core.start_consuming, t.ticket_id)
+            elif t.state is TicketState.CONSUMING:
+                self.core.release_ticket(t.ticket_id, TicketOutcome.OK, replica_id=t.dit_replica_id)
+            t = self.core.get_ticket(t.ticket_id)
+
+    @rule(data=st.data())
+    def every_write_ok(self, data: st.DataObject) -> None:
+        """The common path: the writer finishes every write (so READY and CONSUMING are reached)."""
+        t = self._pick(data)
+        if t is not None and t.armed:
+            self._write_ok(t)
+
+    def _write_ok(self, t: Ticket) -> None:
+        ar = self.specs[t.ar_replica_id]
+        for k in t.unresolved_writes():
+            self._try(self.core.report_write, t.ticket_id, k, replica_id=ar.replica_id,
+                      incarnation_id=ar.incarnation_id, status=WriteStatus.OK, checksum=checksum_of(t.ticket_id, k))
+
+    @rule(data=st.data())
+    def every_load(self, data: st.DataObject) -> None:
+        t = self._pick(data)
+        if t is not None:
+            self._load(t)
+
+    def _load(self, t: Ticket) -> None:
+        for ld in t.loads:
+            dit = self.specs[t.dit_replica_id]
+            verified = {w.key: checksum_of(t.ticket_id, w.key) for w in t.writes
+                        if w.key.row == ld.key.row and w.key.dst_rank == ld.key.dst_rank}
+            self._try(self.core.report_load, t.ticket_id, ld.key.row, ld.key.dst_rank,
+                      replica_id=dit.replica_id, incarnation_id=dit.incarnation_id, verified=verified)
+
+    @rule(data=st.data())
+    def report_outside_plan(self, data: st.DataObject) -> None:
+        t = self._pick(data)
+        if t is None or not t.armed:
+            return
+        ar = self.specs[t.ar_replica_id]
+        if t.armed and self.core.get_ticket(t.ticket_id).writes and ar.incarnation_id:
+            bad = WriteKey(9, 0, 0)
+            result = self._try(self.core.report_write, t.ticket_id, bad, replica_id=ar.replica_id,
+                               incarnation_id=ar.incarnation_id, status=WriteStatus.OK)
+            assert isinstance(result, BrokerError)
+            if isinstance(result, BrokenInvariant):
+                assert self.core.heartbeat(ar.replica_id, ar.incarnation_id).fenced
+
+    @rule(data=st.data())
+    def report_load(self, data: st.DataObject) -> None:
+        t = self._pick(data)
+        if t is None:
+            return
+        ld = data.draw(st.sampled_from(t.loads))
+        dit = self.specs[t.dit_replica_id]
+        verified = {w.key: checksum_of(t.ticket_id, w.key) for w in t.writes
+                    if w.key.row == ld.key.row and w.key.dst_rank == ld.key.dst_rank}
+        result = self._try(self.core.report_load, t.ticket_id, ld.key.row, ld.key.dst_rank,
+                           replica_id=dit.replica_id, incarnation_id=dit.incarnation_id, verified=verified)
+        if isinstance(result, BrokerError):
+            assert isinstance(result, FailedPrecondition) and result.reason in (
+                "WRITE_NOT_REPORTED", "WRITE_FAILED", "STALE_INCARNATION"
+            ), result
+        elif result.state is TicketState.READY:
+            assert all(w.status is WriteStatus.OK for w in result.writes), "READY means every write final and OK"
+
+    @rule(data=st.data())
+    def start_consuming(self, data: st.DataObject) -> None:
+        t = self._pick(data)
+        if t is not None:
+            self._try(self.core.start_consuming, t.ticket_id)
+
+    @rule(data=st.data(), outcome=st.sampled_from(list(TicketOutcome)))
+    def release(self, data: st.DataObject, outcome: TicketOutcome) -> None:
+        t = self._pick(data)
+        if t is None:
+            return
+        after = self.core.release_ticket(t.ticket_id, outcome, replica_id=t.dit_replica_id)
+        if t.armed and after.unresolved_writes():
+            assert after.state is TicketState.DRAINING
+
+    @rule(data=st.data(), outcome=st.sampled_from([TicketOutcome.CANCELLED, TicketOutcome.TIMED_OUT,
+                                                   TicketOutcome.FAILED]))
+    def cancel(self, data: st.DataObject, outcome: TicketOutcome) -> None:
+        t = self._pick(data)
+        if t is None:
+            return
+        after = self.core.cancel_ticket(t.ticket_id, outcome)
+        if not t.armed:
+            assert after.state is TicketState.RELEASED, "rollback before arming frees at once"
+
+    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1"]))
+    def new_incarnation(self, replica: str) -> None:
+        spec = new_incarnation(self.specs[replica])
+        self.core.register_replica(spec)
+        self.specs[replica] = spec
+        assert not self.core.get_replica(replica).fenced
+        for t in self._live():
+            if spec.role is ReplicaRole.DIT:
+                assert t.dit_replica_id != replica, "a restarted DiT's tickets are released"
+            elif t.ar_replica_id == replica and t.armed:
+                assert not t.unresolved_writes()
+
+    @rule(seconds=st.sampled_from([0.5, QUIET, 10.0, LEASE * 2]))
+    def advance_clock(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        for spec in self.specs.values():
+            if self.core.get_replica(spec.replica_id).up or seconds < LEASE:
+                self._try(self.core.heartbeat, spec.replica_id, spec.incarnation_id)
+        self.core.tick()
+        now = self.clock()
+        for t in self._live():
+            if t.state is TicketState.DRAINING and not t.unresolved_writes():
+                # Resolved yet still DRAINING after a tick: only the quiet period may hold it.
+                assert self._quiet_until(t) > now, f"ticket {t.ticket_id} resolved and quiet, not released"
+
+    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1"]))
+    def renew_after_expiry(self, replica: str) -> None:
+        spec = self.specs[replica]
+        self._try(self.core.heartbeat, spec.replica_id, spec.incarnation_id)
+
+    @rule(data=st.data())
+    def restart_broker(self, data: st.DataObject) -> None:
+        before = {t.ticket_id: t for t in self._live()}
+        self.core.close()
+        self.core = self._open()
+        for tid, t in before.items():
+            if t.armed and t.unresolved_writes():
+                assert self.core.get_ticket(tid).state is TicketState.DRAINING, "never silently freed"
+        # Replicas come back with the same incarnation; the DiT still reads what it consumes.
+        for spec in self.specs.values():
+            held = [t.ticket_id for t in self._live()
+                    if t.dit_replica_id == spec.replica_id and t.state is TicketState.CONSUMING]
+            if data.draw(st.booleans()):
+                self.core.register_replica(spec, held_ticket_ids=held)
+            else:
+                self.core.register_replica(spec, unresolved_writes=[
+                    (t.ticket_id, k) for t in self._live() if t.ar_replica_id == spec.replica_id
+                    for k in t.unresolved_writes()
+                ], held_ticket_ids=held)
+
+    # --------------------------------------------------------------- invariants
+
+    def _quiet_until(self, t: Ticket) -> float:
+        return self.core._tickets[t.ticket_id].quiet_until(QUIET)  # noqa: SLF001 - white-box check
+
+    @invariant()
+    def pages_are_exactly_accounted(self) -> None:
+        live = self._live()
+        for t in live:
+            event(f"state {t.state.value}")
+        for pool in self.core.pool_status():
+            assert pool.free + pool.reserved + pool.draining == pool.total
+            mine = [t for t in live if t.dit_replica_id == pool.replica_id]
+            owned = [p for t in mine for p in t.page_ids]
+            assert len(owned) == len(set(owned)), "a page is in two tickets"
+            assert pool.reserved == sum(len(t.page_ids) for t in mine if t.state in HOLDING_STATES)
+            assert pool.draining == sum(len(t.page_ids) for t in mine if t.state is TicketState.DRAINING)
+            raw = self.core._pools[pool.replica_id]  # noqa: SLF001 - white-box check
+            for t in mine:
+                for p in t.page_ids:
+                    assert raw.state_of(p) is not PageState.FREE, f"page {p} of live ticket {t.ticket_id} is free"
+
+    @invariant()
+    def released_tickets_had_no_write_in_flight(self) -> None:
+        for t in self.core.list_tickets([TicketState.RELEASED]):
+            if t.reason == "DIT_REPLICA_RESTARTED":
+                continue  # the destination memory itself is gone: nothing left to protect
+            if t.armed:
+                assert not t.unresolved_writes(), f"ticket {t.ticket_id} released with writes in flight"
+            else:
+                # Rolled back before arming: no writer had the map, so no write ever started.
+                assert all(w.status is WriteStatus.PENDING for w in t.writes), "rolled back after a write"
+
+    @invariant()
+    def armed_tickets_with_unresolved_writes_hold_their_pages(self) -> None:
+        for t in self._live():
+            assert t.state is not TicketState.RELEASED
+            if t.armed and t.unresolved_writes():
+                assert t.state in (TicketState.WRITING, TicketState.DRAINING)
+
+    # ------------------------------------------------------------------ the end
+
+    def _resolve_everything(self) -> None:
+        """Every writer resolves (some by a new incarnation); then every ticket must be RELEASED."""
+        for i, t in enumerate(self._live()):
+            self.core.cancel_ticket(t.ticket_id)
+            t = self.core.get_ticket(t.ticket_id)
+            ar = self.specs[t.ar_replica_id]
+            if i % 2 and t.unresolved_writes():
+                ar = replace(new_incarnation(ar))
+                self.core.register_replica(ar)
+                self.specs[ar.replica_id] = ar
+            for k in t.unresolved_writes():
+                self._try(self.core.report_write, t.ticket_id, k, replica_id=ar.replica_id,
+                          incarnation_id=ar.incarnation_id, status=WriteStatus.NOT_STARTED)
+            if self.core.get_ticket(t.ticket_id).state is TicketState.CONSUMING:
+                self.core.release_ticket(t.ticket_id, TicketOutcome.CANCELLED)
+        self.clock.advance(QUIET)
+        self.core.tick()
+        assert self._live() == [], [(t.state, t.unresolved_writes()) for t in self._live()]
+        for pool in self.core.pool_status():
+            assert pool.free == pool.total, pool
+        for tid in self.ticket_ids:
+            t = self.core.get_ticket(tid) if tid in self.core._released else None  # noqa: SLF001
+            assert t is None or t.state is TicketState.RELEASED
+
+
+BrokerMachine.TestCase.settings = settings(
+    BrokerMachine.TestCase.settings, stateful_step_count=50, max_examples=100
+)
+TestBrokerLifecycle = BrokerMachine.TestCase
