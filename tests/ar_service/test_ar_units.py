@@ -1,0 +1,112 @@
+"""In-process tests of the AR's pieces: the write ledger's answers to broker polls, and the rank
+handler's rule that a ticket's KV is freed once every write has a final outcome."""
+
+from __future__ import annotations
+
+import torch
+from kvrelay.ar_service.engine import (
+    ArRankHandler,
+    ArRankSpec,
+    DropTicket,
+    HeldTickets,
+    PrefillTicket,
+    WriteTicket,
+)
+from kvrelay.ar_service.model import build_ar_model
+from kvrelay.ar_service.sender import WriteLedger
+
+from kvrelay.models.parallel import TpGroup
+from kvrelay.models.presets import get_preset
+from kvrelay.transfer.planner import PlannedWrite, RowSpec, Segment, plan_transfer
+from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome
+from kvrelay.worker import RankContext
+
+W0 = PlannedWrite(0, 0, 0, (Segment(0, 0, 64),))
+W1 = PlannedWrite(1, 0, 0, (Segment(64, 128, 64),))
+
+
+def test_poll_answers_follow_what_the_writer_knows() -> None:
+    ledger = WriteLedger()
+    # Arming in flight: the broker may already expect writes we do not know yet.
+    ledger.begin_arming("t1")
+    unresolved, report = ledger.answer_poll([("t1", 0, 0, 0)])
+    assert unresolved == [("t1", 0, 0, 0)] and report == []
+    assert ledger.start("t1", [W0, W1])
+    unresolved, report = ledger.answer_poll([("t1", 0, 0, 0), ("t1", 1, 0, 0)])
+    assert sorted(unresolved) == [("t1", 0, 0, 0), ("t1", 1, 0, 0)] and report == []
+    ok = WriteOutcome(0, 0, 0, "OK", 64, 123)
+    ledger.finish("t1", ok)
+    unresolved, report = ledger.answer_poll([("t1", 0, 0, 0), ("t1", 1, 0, 0)])
+    assert unresolved == [("t1", 1, 0, 0)] and report == [("t1", ok)]
+    assert ledger.busy_tickets() == ["t1"]
+    # The first final outcome wins: a later, different one is never reported.
+    assert ledger.finish("t1", WriteOutcome(0, 0, 0, "FAILED", 64, 1)) == ok
+
+
+def test_a_write_never_heard_of_is_not_started_and_can_never_start() -> None:
+    ledger = WriteLedger()
+    unresolved, report = ledger.answer_poll([("t2", 0, 0, 0)])
+    assert unresolved == []
+    assert [(tid, o.status) for tid, o in report] == [("t2", "NOT_STARTED")]
+    # The ReserveTicket answer arriving late must not start what was answered NOT_STARTED.
+    assert not ledger.start("t2", [W0])
+    assert ledger.in_flight() == []
+
+
+def test_unacknowledged_reports_stay_pending_until_acknowledged() -> None:
+    ledger = WriteLedger()
+    ledger.start("t3", [W0, W1])
+    a, b = WriteOutcome(0, 0, 0, "OK", 64, 9), WriteOutcome(1, 0, 0, "NOT_STARTED", 0, 0)
+    ledger.finish("t3", a)
+    ledger.finish("t3", b)
+    assert sorted(o.row for _, o in ledger.pending_reports()) == [0, 1]
+    ledger.acknowledge("t3", a)
+    assert [o.row for _, o in ledger.pending_reports()] == [1]
+    assert ledger.busy_tickets() == []
+
+
+def _handler(staging_bytes: int = 1 << 20) -> ArRankHandler:
+    ctx = RankContext(rank=0, world_size=1, device="cpu", backend="gloo", num_threads=1, tp=TpGroup.single())
+    spec = ArRankSpec(preset="tiny", path=None, weight_seed=0, dtype=None, transport="grpc", hostname="127.0.0.1",
+                      staging_bytes=staging_bytes)  # fmt: skip
+    return ArRankHandler(ctx, spec)
+
+
+def _write_command(ticket_id: str, counts: list[int], endpoint: str) -> WriteTicket:
+    geometry = get_preset("tiny").kv_geometry(16)
+    rows, page = [], 0
+    for row, n in enumerate(counts):
+        pages = geometry.pages_for(n)
+        rows.append(RowSpec(row, n, tuple(range(page, page + pages))))
+        page += pages
+    plan = plan_transfer(geometry, 1, 1, rows)
+    region = RegionDescriptor(0, "grpc", endpoint, 0, 64 << 20)
+    return WriteTicket(ticket_id, tuple(rows), geometry, 1, 1, plan, (region,), timeout_s=2.0)
+
+
+def test_prefill_matches_the_model_and_kv_is_freed_after_failed_writes() -> None:
+    handler = _handler()
+    ids = (256, 104, 105, 33)
+    done = handler.handle(PrefillTicket("t", (ids, ids[:2])))
+    assert done.token_counts == (4, 2) and done.kv_bytes > 0
+    assert torch.equal(handler._held["t"][0], build_ar_model(preset="tiny", seed=0).prefill(list(ids)))
+    assert handler.handle(HeldTickets()) == ["t"]
+    # Nobody listens at port 1: each write gets a final non-OK outcome, and the KV is gone.
+    result = handler.handle(_write_command("t", [4, 2], "127.0.0.1:1"))
+    assert [(o.row, o.status in ("FAILED", "NOT_STARTED")) for o in result.outcomes] == [(0, True), (1, True)]
+    assert handler.handle(HeldTickets()) == []
+    handler.close()
+
+
+def test_staging_too_small_is_not_started_and_frees_the_kv() -> None:
+    handler = _handler(staging_bytes=1024)
+    handler.handle(PrefillTicket("t", ((256, 1, 2),)))
+    result = handler.handle(_write_command("t", [3], "127.0.0.1:1"))
+    assert [o.status for o in result.outcomes] == ["NOT_STARTED"]
+    assert "kv_cache_memory_bytes" in result.outcomes[0].message
+    assert handler.handle(HeldTickets()) == []
+    # A ticket that is never written is dropped explicitly.
+    handler.handle(PrefillTicket("u", ((256, 1),)))
+    handler.handle(DropTicket("u"))
+    assert handler.handle(HeldTickets()) == []
+    handler.close()
