@@ -193,3 +193,64 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
                 assert dit.stop() == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(2, 1), (1, 2)])
+def test_tp2_and_sp2_service_images_equal_tp1(tmp_path: Path, tp: int, sp: int) -> None:
+    """Two rank workers, each verifying and reading its own head shard's pages: the image equals
+    the TP=1 image within fp32 rounding (reductions split across ranks sum in another order)."""
+    config = write_config(tmp_path, transport="mooncake", tp=tp, sp=sp)
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                counts = [19, 6]
+                ticket = await writer.create_ticket(counts)
+                armed = await writer.arm(ticket.ticket_id)
+                assert sorted({w.dst_rank for w in armed.writes}) == [0, 1]
+                prefixes = writer.rows_kv(counts, seed=21)
+                outcomes = await asyncio.to_thread(writer.write, armed, prefixes)
+                await writer.report(ticket.ticket_id, outcomes)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                        guidance_scale=2.0, seed=3))
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                image = decode_png(events[-1].image.png).astype(int)
+                local = DitRunner("tiny").generate(prefixes, width=64, height=64, steps=2, guidance_scale=2.0,
+                                                   seed=3).numpy().astype(int)
+                assert int(np.abs(image - local).max()) <= 2
+                assert (await writer.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_RELEASED
+                await writer.close()
+            finally:
+                assert dit.stop() == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+def test_fenced_replica_fails_stop_with_exit_3(tmp_path: Path) -> None:
+    """The broker fences the replica (a broken invariant): the next heartbeat says so and the DiT
+    stops its workers, frees its memory and exits 3 for its supervisor to restart it."""
+    config = write_config(tmp_path, transport="mooncake", lease_seconds=0.6)
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=0.6) as (broker, core):
+            before = set(Path("/dev/shm").glob("kvrelay-dit-0-*"))
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                core.fence_replica("dit-0", "test: broken invariant")
+                deadline = time.monotonic() + 15.0
+                while dit.proc.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert dit.proc.poll() == 3, "".join(dit.lines[-30:])
+                # Workers stopped, then the page pools freed: nothing of this incarnation is left.
+                assert set(Path("/dev/shm").glob("kvrelay-dit-0-*")) == before
+            finally:
+                dit.stop()
+
+    asyncio.run(scenario())
