@@ -545,16 +545,17 @@ class BrokerCore:
         return out
 
     def draining_oldest_seconds(self) -> float:
+        # list(): the metrics endpoint scrapes from its own thread; copy in one C-level step.
         starts = [
             t.drain_start_time
-            for t in self._tickets.values()
+            for t in list(self._tickets.values())
             if t.state is TicketState.DRAINING and t.drain_start_time is not None
         ]
         return max(0.0, self.clock() - min(starts)) if starts else 0.0
 
     def ticket_state_counts(self) -> dict[TicketState, int]:
         counts = dict.fromkeys(TicketState, 0)
-        for t in self._tickets.values():
+        for t in list(self._tickets.values()):
             counts[t.state] += 1
         return counts
 

@@ -188,7 +188,8 @@ class ReplicaRegistry:
         self._replicas: dict[ReplicaId, ReplicaRecord] = {}
 
     def __iter__(self) -> Iterator[ReplicaRecord]:
-        return iter(self._replicas.values())
+        # A copy: the metrics endpoint iterates from its own thread while the loop registers.
+        return iter(list(self._replicas.values()))
 
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._replicas
