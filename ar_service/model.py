@@ -21,6 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -175,7 +176,8 @@ class ArModel(nn.Module):
         )
         x = self.embed_tokens(ids)[None]
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        for i, module in enumerate(self.layers):
+            layer = cast(ArDecoderLayer, module)
             attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True)
             kv[i, 0] = k[0]
             kv[i, 1] = v[0]

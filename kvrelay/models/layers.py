@@ -123,7 +123,8 @@ class SwiGLU(nn.Module):
         self.down_proj = RowParallelLinear(mlp, hidden, tp, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class ParallelAttention(nn.Module):

@@ -118,7 +118,7 @@ def read_checkpoint(
                     continue
                 raise CheckpointError(f"checkpoint {directory} has no tensor {spec.file_key!r}")
             if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt").__enter__()
+                handles[path] = safe_open(str(path), framework="pt").__enter__()  # type: ignore[no-untyped-call]
             piece = handles[path].get_slice(spec.file_key)
             shape = piece.get_shape()
             if spec.shard_dim is None or tp.world_size == 1:
