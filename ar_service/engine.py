@@ -283,3 +283,48 @@ class ArRankHandler:
 
 def rank_share(plan: Sequence[PlannedWrite], rank: int) -> list[PlannedWrite]:
     return [w for w in plan if w.src_rank == rank]
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement: `python -m kvrelay.ar_service.engine --preset small --tokens 256 --tp 1`
+# ---------------------------------------------------------------------------------------------
+
+
+def _measure(argv: Sequence[str] | None = None) -> None:
+    """Prefill tokens/s on rank workers exactly as the service runs them (same handler, same
+    thread share per rank), for docs/ar.md."""
+    import argparse
+    import statistics
+
+    from kvrelay.worker import WorkerGroup
+
+    parser = argparse.ArgumentParser(prog="python -m kvrelay.ar_service.engine")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    spec = ArRankSpec(
+        preset=args.preset, path=None, weight_seed=0, dtype=None, transport="grpc", hostname="127.0.0.1"
+    )
+    with WorkerGroup(args.tp, spec, name="kvrelay-ar-measure") as group:
+        threads = group.threads_per_rank
+        for n in args.tokens:
+            ids = tuple([256] + [97 + i % 26 for i in range(n - 1)])
+            group.call_all(PrefillTicket("warmup", (ids,)))
+            times = []
+            for _ in range(args.repeats):
+                done = group.call_all(PrefillTicket("measure", (ids,)))
+                times.append(max(d.seconds for d in done))
+            group.call_all(DropTicket("measure"))
+            group.call_all(DropTicket("warmup"))
+            median = statistics.median(times)
+            print(
+                f"preset={args.preset} tp={args.tp} threads/rank={threads} tokens={n} "
+                f"prefill_ms={median * 1000:.1f} tokens_per_s={n / median:.0f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    _measure()
