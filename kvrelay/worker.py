@@ -555,12 +555,16 @@ class WorkerGroup:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask every rank to close its handler and exit; kill those that do not within
-        `timeout_s`. Idempotent."""
+        `timeout_s`. A command still in flight after `timeout_s` is not waited for: the ranks
+        are killed and that call raises WorkerDied. Idempotent."""
         if self._stopped or not self._started:
             self._stopped = True
             return
         self._stopped = True
-        with self._call_lock:
+        if not self._call_lock.acquire(timeout=timeout_s):
+            self.kill()
+            return
+        try:
             alive = [r for r, p in enumerate(self._procs) if p.is_alive()]
             for rank in alive:
                 with contextlib.suppress(OSError, ValueError):
@@ -571,6 +575,28 @@ class WorkerGroup:
             self._kill_all()
             if self._broken is None:
                 self._broken = WorkerGroupBroken("worker group stopped")
+        finally:
+            self._call_lock.release()
+
+    def kill(self) -> None:
+        """SIGKILL every rank now, without waiting for a command in flight (fail-stop: the
+        service must stop its workers before unregistering memory). The caller blocked in
+        that command gets WorkerDied; the group is unusable afterwards."""
+        self._stopped = True
+        if self._broken is None:
+            self._broken = WorkerGroupBroken("worker group killed")
+        for proc in self._procs:
+            if proc.pid is not None and proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.join(5.0)
+        if self._call_lock.acquire(blocking=False):
+            try:
+                self._kill_all()
+            finally:
+                self._call_lock.release()
+        # else: the thread in call_each sees the dead ranks and closes the pipes itself.
 
     def _kill_all(self) -> None:
         for proc in self._procs:

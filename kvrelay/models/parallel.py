@@ -125,6 +125,30 @@ def init_process_group(
     return TpGroup(rank, world_size, None)
 
 
+def new_subgroups(rank: int, world_size: int, group_size: int, *, strided: bool = False) -> TpGroup:
+    """Split the world into groups of `group_size` ranks and return this rank's (e.g. TP groups
+    inside a TP x SP DiT). Contiguous: {0..g-1}, {g..2g-1}, ...; strided: {0, n, 2n, ...},
+    {1, n+1, ...} with n = world_size / group_size. Every rank must call this with the same
+    arguments (process groups are created collectively, all of them on every rank)."""
+    if world_size % group_size:
+        raise ValueError(f"group size {group_size} does not divide world size {world_size}")
+    if group_size == world_size:
+        return TpGroup(rank, world_size, None)
+    num_groups = world_size // group_size
+    mine: TpGroup | None = None
+    for g in range(num_groups):
+        if strided:
+            ranks = list(range(g, world_size, num_groups))
+        else:
+            ranks = list(range(g * group_size, (g + 1) * group_size))
+        # new_group is collective over the world even for ranks outside the new group.
+        handle = dist.new_group(ranks) if group_size > 1 else None
+        if rank in ranks:
+            mine = TpGroup(ranks.index(rank), group_size, handle)
+    assert mine is not None
+    return mine
+
+
 def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, rope_cos_sin
-from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
+from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup, new_subgroups
 from kvrelay.models.ulysses import _all_to_all_by_gather, heads_to_seq, seq_to_heads, shard_sequence
 from kvrelay.worker import RankContext
 
@@ -98,6 +98,12 @@ class Info:
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class SubgroupSums:
+    group_size: int
+    strided: bool
+
+
 class ModelsTestHandler:
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
@@ -123,6 +129,10 @@ class ModelsTestHandler:
         if isinstance(command, Sleep):
             time.sleep(command.seconds)
             return None
+        if isinstance(command, SubgroupSums):
+            sub = new_subgroups(tp.rank, tp.world_size, command.group_size, strided=command.strided)
+            total = sub.all_reduce(torch.tensor([float(10**tp.rank)]))
+            return sub.rank, sub.world_size, float(total)
         if isinstance(command, Info):
             return os.getpid(), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
         raise TypeError(f"unknown command {command!r}")

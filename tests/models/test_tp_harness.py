@@ -14,6 +14,7 @@ from tests.models.rank_handlers import (
     AttentionBlock,
     LinearStack,
     ModelsTestHandler,
+    SubgroupSums,
     UlyssesRoundTrip,
     run_attention_block,
     run_linear_stack,
@@ -59,3 +60,10 @@ def test_ulysses_all_to_all_round_trips(tp2):
     # And back, bit for bit.
     assert torch.equal(back0, local0) and torch.equal(local0, full[:, :, :6])
     assert torch.equal(back1, local1) and torch.equal(local1, full[:, :, 6:])
+
+
+def test_subgroups_reduce_within_their_ranks(tp2):
+    # group_size 1: each rank alone; group_size 2: the whole world (10**0 + 10**1).
+    assert tp2.call_all(SubgroupSums(1, strided=False)) == [(0, 1, 1.0), (0, 1, 10.0)]
+    assert tp2.call_all(SubgroupSums(1, strided=True)) == [(0, 1, 1.0), (0, 1, 10.0)]
+    assert tp2.call_all(SubgroupSums(2, strided=False)) == [(0, 2, 11.0), (1, 2, 11.0)]

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -86,6 +87,29 @@ def test_a_rank_that_does_not_answer_times_out_and_the_group_is_stopped():
         assert _wait_gone(group.pids, 5.0)
     finally:
         group.stop()
+
+
+@pytest.mark.slow
+def test_stop_does_not_wait_forever_for_a_command_in_flight():
+    group = WorkerGroup(2, ModelsTestHandler)
+    group.start()
+    outcome: list[BaseException] = []
+
+    def busy() -> None:
+        try:
+            group.call_all(Sleep(60.0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=busy)
+    caller.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    group.stop(timeout_s=0.5)
+    caller.join(10.0)
+    assert time.monotonic() - started < 8.0
+    assert len(outcome) == 1 and isinstance(outcome[0], WorkerDied), outcome
+    assert _wait_gone(group.pids, 5.0)
 
 
 @pytest.mark.slow
