@@ -268,6 +268,9 @@ class GenerationHandle:
         self._cancel_outcome: GenerationEvent | None = None
         self._last: GenerationEvent | None = None
         self._terminal: GenerationEvent | None = None
+        # Set when the thread following the stream saw the end (terminal event or call failure).
+        self._ended = threading.Event()
+        self._failure: KvRelayError | None = None
         self._call = client._open_generate(request, deadline)
 
     @property
@@ -289,7 +292,8 @@ class GenerationHandle:
         A FAILED or CANCELLED generation is an event, not an exception; a failed *call*
         (deadline, server unreachable, rejected request) raises :class:`KvRelayError`. Breaking
         out of the loop leaves the generation running; a later ``events()`` continues where
-        this one stopped.
+        this one stopped. One thread at a time may iterate (another gets ``RuntimeError``);
+        :meth:`result` and :meth:`cancel` are safe from any thread.
         """
         with self._lock:
             if self._iterating:
@@ -301,11 +305,24 @@ class GenerationHandle:
             self._iterating = False
 
     def result(self) -> GenerationResult:
-        """Wait for the end; the image on SUCCEEDED, else :class:`KvRelayError` with the reason."""
-        if self._terminal is None:
-            for _ in self.events():
-                pass
-        assert self._terminal is not None
+        """Wait for the end; the image on SUCCEEDED, else :class:`KvRelayError` with the reason.
+
+        May be called while another thread iterates :meth:`events`: it then waits for that
+        iteration to see the end.
+        """
+        while self._terminal is None:
+            with self._lock:
+                mine = not self._iterating
+                if mine:
+                    self._iterating = True
+            if mine:
+                try:
+                    for _ in self._follow():
+                        pass
+                finally:
+                    self._iterating = False
+            elif self._ended.wait(0.1) and self._terminal is None and self._failure is not None:
+                raise self._failure
         return result_from_event(self._terminal)
 
     def cancel(self) -> None:
@@ -349,6 +366,8 @@ class GenerationHandle:
     # -- internals ------------------------------------------------------------------------------
 
     def _follow(self) -> Iterator[GenerationEvent]:
+        self._ended.clear()
+        self._failure = None
         backoffs = self._client._retry.backoffs()
         while self._terminal is None:
             error: KvRelayError | None = None
@@ -369,6 +388,8 @@ class GenerationHandle:
                 error = deadline_error("Generate", self._request_id)
             delay = next(backoffs, None) if (self._reattach and error.retryable) else None
             if delay is None or not self._deadline.allows_sleep(delay):
+                self._failure = error
+                self._ended.set()
                 raise error
             time.sleep(delay)
             with self._lock:
@@ -386,6 +407,7 @@ class GenerationHandle:
         self._last = event
         if event.state.is_terminal:
             self._terminal = event
+            self._ended.set()
 
     def _finish_cancelled(self) -> GenerationEvent:
         event = self._cancel_outcome or cancelled_by_client_event(self._request_id or "")

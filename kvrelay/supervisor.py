@@ -347,7 +347,13 @@ class Node:
             for child in self._children:
                 if self._stopping.is_set():
                     break
-                self._tend(child)
+                try:
+                    self._tend(child)
+                except Exception:  # noqa: BLE001 - one bad pass (fork failed, EMFILE) must not end supervision
+                    log.exception("supervise_failed", child=child.spec.name)
+                    with self._lock:
+                        if child.proc is None and child.next_start_at is None:
+                            child.next_start_at = time.monotonic() + self.backoff_max
 
     def _start_phases(self) -> None:
         for phase in self._phases:
@@ -628,12 +634,14 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         raise _StopRequested(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    up = False
     try:
         try:
             node.start()
         except SupervisorError as err:
             print(f"kvrelay up: {err}", file=sys.stderr)
             return 1
+        up = True
         print(f"kvrelay up: every process is SERVING (config {config_path})", flush=True)
         print(node.describe(), flush=True)
         print(
@@ -646,7 +654,8 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     except _StopRequested as request:
         log.info("stop_requested", signal=signal.Signals(request.signum).name)
         print(f"kvrelay up: {signal.Signals(request.signum).name}: stopping", file=sys.stderr, flush=True)
-        return 0
+        # Stopped on request once up: a clean exit. Interrupted while starting: 130, like Ctrl-C.
+        return 0 if up else 130
     finally:
         stopping = True
         node.stop()

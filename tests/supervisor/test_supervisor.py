@@ -236,7 +236,9 @@ def test_a_child_never_serving_times_out_and_nothing_is_left(tmp_path: Path, sta
     assert wait_dead(all_pids(state_dir)) == []
 
 
-def _up_process(tmp_path: Path, state_dir: Path, path: Path) -> subprocess.Popen[str]:
+def _up_process(
+    tmp_path: Path, state_dir: Path, path: Path, behaviour: dict[str, Any] | None = None
+) -> subprocess.Popen[str]:
     code = (
         "import argparse, sys\n"
         "from kvrelay.supervisor import run_up\n"
@@ -244,7 +246,7 @@ def _up_process(tmp_path: Path, state_dir: Path, path: Path) -> subprocess.Popen
         " log_level=None, ready_timeout=60)\n"
         f"sys.exit(run_up(args, command=[sys.executable, {CHILD!r}]))\n"
     )
-    env = {**os.environ, **node_env(state_dir), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **node_env(state_dir, behaviour), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -296,6 +298,27 @@ def test_a_signal_to_kvrelay_up_stops_everything_and_leaves_no_process(
     assert proc.returncode == 0
     assert wait_dead(pids, timeout=5) == []
     assert all(r.get("exit_code") == 0 for r in records(state_dir))  # each child stopped gracefully
+
+
+def test_ctrl_c_while_starting_stops_what_was_started_and_exits_130(tmp_path: Path, state_dir: Path) -> None:
+    path = write_config(tmp_path, ar_replicas=1, dit_replicas=1)
+    proc = _up_process(tmp_path, state_dir, path, behaviour={"dit-0": {"serving_delay": 120}})
+    try:
+        deadline = time.monotonic() + 60
+        while not by_name(state_dir, "dit-0") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert by_name(state_dir, "dit-0"), "dit-0 never started"
+        time.sleep(0.3)  # let it start its grandchild
+        pids = all_pids(state_dir)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130
+    assert wait_dead(pids, timeout=5) == []
+    assert wait_dead(all_pids(state_dir), timeout=5) == []
 
 
 def test_kvrelay_up_killed_outright_still_takes_its_children_down(tmp_path: Path, state_dir: Path) -> None:
