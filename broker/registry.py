@@ -271,8 +271,8 @@ class ReplicaRegistry:
                 "REPLICA_NOT_REGISTERED",
                 f"replica {replica_id}: the broker restarted; register again with the same incarnation",
             )
-        if record.deregistered:
-            raise FailedPrecondition("REPLICA_DEREGISTERED", f"replica {replica_id} deregistered")
+        # A deregistered replica keeps heartbeating while it finishes its writes: it still gets
+        # polled for them, but it stays out of scheduling (`up` is False once deregistered).
         record.lease_expire_time = now + lease_seconds
         return record
 

@@ -228,3 +228,20 @@ def test_restart_then_new_ar_incarnation_resolves_as_writer_gone(tmp_path: Path)
     core = make_core(path, clock)
     assert pages(core) == (64, 0, 0)
     core.close()
+
+
+def test_a_deregistered_writer_is_still_polled_for_its_draining_writes() -> None:
+    clock = ManualClock()
+    core = make_core(None, clock)
+    ar, dit = ar_spec(), dit_spec()
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r", "ar-0", "dit-0", [40])
+    assert t is not None
+    core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+    core.cancel_ticket(t.ticket_id)
+    core.deregister_replica("ar-0", ar.incarnation_id)
+    hb = core.heartbeat("ar-0", ar.incarnation_id)
+    assert [k for _, k in hb.poll_writes] == [w.key for w in t.writes]
+    assert not core.get_replica("ar-0").up, "deregistering is not proof, and not schedulable either"
+    assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
