@@ -158,7 +158,9 @@ class ArModel(nn.Module):
         if lo < 0 or hi >= self.config.vocab:
             raise ValueError(f"token ids must be in [0, {self.config.vocab}), got [{lo}, {hi}]")
 
-    @torch.inference_mode()
+    # no_grad rather than inference_mode: the returned K/V are ordinary tensors that the sender
+    # may slice, pad and copy in place without tripping inference-tensor rules.
+    @torch.no_grad()
     def prefill(self, token_ids: torch.Tensor | list[int]) -> torch.Tensor:
         """K/V of every prompt token: [num_layers, 2, num_kv_heads_local, T, head_dim], K after
         RoPE at positions 0..T-1, in the model dtype, on the model device. Every TP rank must
