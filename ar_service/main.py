@@ -19,6 +19,7 @@ import sys
 import uuid
 
 import grpc
+from kvrelay.ar_service.engine import ArRankSpec
 
 from kvrelay.config import ConfigError, KvRelayConfig, StageConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
@@ -41,9 +42,7 @@ def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
     return f"{cfg.broker.host}:{cfg.broker.port}"
 
 
-def _rank_spec(stage: StageConfig) -> object:
-    from kvrelay.ar_service.engine import ArRankSpec
-
+def _rank_spec(stage: StageConfig) -> ArRankSpec:
     transport = stage.transport
     if transport not in ("mooncake", "grpc"):
         raise ConfigError(

@@ -67,14 +67,14 @@ class ArIdentity:
                 num_layers=self.num_layers,
                 num_kv_heads=self.num_kv_heads,
                 head_dim=self.head_dim,
-                dtype=_DTYPES[self.dtype],  # type: ignore[arg-type]
+                dtype=_DTYPES[self.dtype],
                 page_size=self.page_size,
             ),
             parallelism=common_pb2.Parallelism(
                 tensor_parallel_size=self.tensor_parallel_size, sequence_parallel_size=1
             ),
             max_tokens=self.max_tokens,
-            transport=_TRANSPORTS[self.transport],  # type: ignore[arg-type]
+            transport=_TRANSPORTS[self.transport],
             stage_id=self.stage_id,
             max_num_seqs=self.max_num_seqs,
         )

@@ -212,7 +212,7 @@ class WriteReporter:
 
 
 def broker_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.BrokerServiceStub:
-    return broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+    return broker_pb2_grpc.BrokerServiceStub(channel)
 
 
 __all__ = ["WriteLedger", "WriteReporter", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]

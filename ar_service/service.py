@@ -15,6 +15,7 @@ runs model work on the event loop: ranks do, and blocking pipe calls go through 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -141,7 +142,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         self.reporter = WriteReporter(self.broker, self.ledger, state.replica_id, state.incarnation_id)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -189,7 +190,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 await abort_with(context, err)
             job = _Job(task=asyncio.ensure_future(self._prefill(request, token_ids, state, deadline)))
             self._jobs[request.ticket_id] = job
-            job.task.add_done_callback(lambda _t, tid=request.ticket_id: self._jobs.pop(tid, None))
+            job.task.add_done_callback(functools.partial(self._forget_job, request.ticket_id))
         try:
             # Shielded: a cancelled RPC must not cancel a write in progress; the job itself looks
             # at `cancel_requested` at the one point where stopping is still safe (before arming).
@@ -203,6 +204,9 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             await abort_with(
                 context, KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", str(err))
             )
+
+    def _forget_job(self, ticket_id: str, _task: object) -> None:
+        self._jobs.pop(ticket_id, None)
 
     def _validate(self, request: ar_pb2.PrefillRequest, state: ArReplicaState) -> list[list[int]]:
         if not request.ticket_id:
@@ -234,7 +238,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             )
         except grpc.aio.AioRpcError as err:
             raise _broker_error(err, "GetTicket") from None
-        return reply.ticket
+        ticket: broker_pb2.Ticket = reply.ticket
+        return ticket
 
     async def _rollback_if_ours(
         self, ticket_id: str, state: ArReplicaState, outcome: str, reason: str
@@ -363,7 +368,10 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         self.ledger.begin_arming(ticket_id)
         for attempt in range(3):
             try:
-                return await self.broker.ReserveTicket(request, timeout=BROKER_RPC_TIMEOUT_S)
+                reply: broker_pb2.ReserveTicketResponse = await self.broker.ReserveTicket(
+                    request, timeout=BROKER_RPC_TIMEOUT_S
+                )
+                return reply
             except grpc.aio.AioRpcError as err:
                 if err.code() not in RETRYABLE:
                     self.ledger.end_arming(ticket_id)
