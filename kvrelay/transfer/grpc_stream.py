@@ -212,7 +212,6 @@ class GrpcStreamSender:
         for w in writes:
             if destinations[w.dst_rank].transport != "grpc":
                 raise ValueError(f"destination rank {w.dst_rank} is not a grpc region")
-        checksums = [write_checksum(view, w) for w in writes]
         by_endpoint: dict[str, list[tuple[int, PlannedWrite]]] = {}
         for i, w in enumerate(writes):
             by_endpoint.setdefault(destinations[w.dst_rank].endpoint, []).append((i, w))
@@ -221,6 +220,8 @@ class GrpcStreamSender:
             ep: self._executor.submit(self._send_stream, ep, view, ticket_id, items, progress[ep], timeout_s)
             for ep, items in by_endpoint.items()
         }
+        # Hash while the streams send: the staging bytes do not change during a write.
+        checksums = [write_checksum(view, w) for w in writes]
         failures: dict[str, str] = {}
         for ep, fut in futures.items():
             expected = sum(w.num_bytes for _, w in by_endpoint[ep])
