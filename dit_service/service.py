@@ -15,6 +15,7 @@ the broker fenced us): then it asks the process to fail stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
 import time
@@ -213,8 +214,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
     # ======================================================================= worker calls
 
     async def _call_each(self, commands: Sequence[object], timeout_s: float = WORKER_CALL_TIMEOUT_S) -> list[Any]:
+        call = asyncio.ensure_future(asyncio.to_thread(self.s.group.call_each, list(commands), timeout_s))
         try:
-            return await asyncio.to_thread(self.s.group.call_each, list(commands), timeout_s)
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # The caller went away, but the ranks are still reading this ticket's pages: wait
+                # for them, so that the ticket is released only once no rank touches its pages.
+                with contextlib.suppress(Exception):
+                    await call
+                raise
         except WorkerCommandError:
             raise
         except WorkerGroupError as err:
