@@ -4,8 +4,8 @@ Start-up order (docs/internals.md): take the replica lock (proof that no process
 incarnation is alive), bind the gRPC port and print `kvrelay ar listening on HOST:PORT`, start one
 worker per TP rank (model shard + staging buffer registered with a fresh transport endpoint),
 register with the broker under a fresh incarnation id, then turn health SERVING. Heartbeats run
-until SIGTERM (clean stop: NOT_SERVING, let running requests finish their writes and reports,
-deregister, stop workers, exit 0) or a fail stop (fenced, superseded, a worker died: stop workers
+until SIGTERM (clean stop: NOT_SERVING, deregister so no new tickets come while heartbeats go on,
+let running requests finish their writes and reports, stop workers, exit 0) or a fail stop (fenced, superseded, a worker died: stop workers
 first, which unregisters their memory, then exit 3 so a supervisor restarts the replica).
 """
 
@@ -132,6 +132,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     registration: ArRegistration | None = None
     heartbeats: asyncio.Task[None] | None = None
     code = EXIT_OK
+    deregistered = False
     try:
         # SIGTERM during model load lets the load finish (the harness cannot abort a spawn half
         # way); the stop is honoured right after.
@@ -206,6 +207,11 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         else:
             # Clean stop: no new requests; running ones finish their writes and reports.
             await server.set_serving(False)
+            if registration is not None and heartbeats is not None:
+                # Deregistered first so the broker hands out no new tickets; heartbeats go on (the
+                # broker keeps polling a deregistered writer) until the running writes are reported.
+                await registration.deregister()
+                deregistered = True
             await servicer.drain(STOP_GRACE_S)
     except Exception as err:  # noqa: BLE001 - any start-up failure ends the process with a message
         log.exception("ar_failed", replica_id=replica_id)
@@ -224,7 +230,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             # be in flight afterwards. Then nothing else is trusted: exit without deregistering.
             await asyncio.to_thread(group.stop)
         else:
-            if registration is not None:
+            if registration is not None and not deregistered:
                 await registration.deregister()
             await asyncio.to_thread(group.stop)
         await server.stop(grace=1.0)

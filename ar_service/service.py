@@ -205,8 +205,13 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 context, KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", str(err))
             )
 
-    def _forget_job(self, ticket_id: str, _task: object) -> None:
+    def _forget_job(self, ticket_id: str, task: asyncio.Task[Any]) -> None:
         self._jobs.pop(ticket_id, None)
+        # A job whose RPC was cancelled has nobody awaiting it: log its error here instead.
+        if not task.cancelled() and task.exception() is not None:
+            err = task.exception()
+            if not isinstance(err, (KvRelayServerError, FailStop)):
+                log.error("prefill_job_failed", ticket_id=ticket_id, error=repr(err))
 
     def _validate(self, request: ar_pb2.PrefillRequest, state: ArReplicaState) -> list[list[int]]:
         if not request.ticket_id:
