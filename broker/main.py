@@ -9,6 +9,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+from pathlib import Path
+
+from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.generation import GenerationServicer
+from kvrelay.broker.metrics import register_broker_metrics
+from kvrelay.broker.orchestrator import Orchestrator
+from kvrelay.broker.service import BrokerServicer
+from prometheus_client import CollectorRegistry
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
@@ -22,19 +31,33 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationServi
 
 
 async def serve(cfg: KvRelayConfig, host: str, port: int, metrics_port: int | None) -> None:
+    b = cfg.broker
+    if b.journal_path:
+        Path(b.journal_path).parent.mkdir(parents=True, exist_ok=True)
+    core = BrokerCore(
+        b.journal_path,
+        lease_seconds=b.lease_seconds,
+        drain_quiet_seconds=b.drain_quiet_seconds,
+        registration_token=b.registration_token,
+        verify_checksums=cfg.dit_stage.verify_checksums,
+    )
+    registry = CollectorRegistry()
+    register_broker_metrics(core, registry)
+    orchestrator = Orchestrator(core, cfg, registry)
     server = GrpcServer(
         name="broker",
         host=host,
         port=port,
         metrics_port=metrics_port,
         registrations=[
-            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, broker_pb2_grpc.BrokerServiceServicer(), BROKER_SERVICE),
+            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(core), BROKER_SERVICE),
             (
                 generation_pb2_grpc.add_GenerationServiceServicer_to_server,
-                generation_pb2_grpc.GenerationServiceServicer(),
+                GenerationServicer(orchestrator),
                 GENERATION_SERVICE,
             ),
         ],
+        metrics_registry=registry,
         api_token=cfg.broker.api_token,
         guarded_prefixes=(f"/{GENERATION_SERVICE}/",),
         tls_cert=cfg.broker.tls_cert,
@@ -42,12 +65,23 @@ async def serve(cfg: KvRelayConfig, host: str, port: int, metrics_port: int | No
     )
     await server.start()
     server.install_signal_handlers()
+    maintenance = asyncio.create_task(run_maintenance(core), name="broker-maintenance")
+    await orchestrator.start()
     await server.set_serving(True)
     print(f"kvrelay broker listening on {server.address}", flush=True)
     try:
-        await server.wait_for_stop()
+        stop = asyncio.create_task(server.wait_for_stop())
+        # A failed maintenance pass (journal error) stops the process: memory would run ahead of disk.
+        done, _ = await asyncio.wait({stop, maintenance}, return_when=asyncio.FIRST_COMPLETED)
+        if maintenance in done:
+            maintenance.result()
     finally:
+        await orchestrator.stop()
         await server.stop(grace=2.0)
+        maintenance.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await maintenance
+        core.close()
 
 
 def run(args: argparse.Namespace) -> int:
