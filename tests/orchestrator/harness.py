@@ -124,6 +124,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.armed = asyncio.Event()
         self.fail_prefill: KvRelayServerError | None = None
         self.prefills: list[str] = []
+        self.deadlines: list[float | None] = []
         self.writes_resolved = 0
         self._writers: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
@@ -175,6 +176,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
 
     async def Prefill(self, request: ar_pb2.PrefillRequest, context: Any) -> ar_pb2.PrefillResponse:
         self.prefills.append(request.request_id)
+        self.deadlines.append(context.time_remaining())
         self.prefill_started.set()
         started = time.monotonic()
         await self.prefill_gate.wait()
@@ -272,6 +274,7 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         self.denoise_started = asyncio.Event()
         self.loaded = asyncio.Event()
         self.released: list[tuple[str, int]] = []
+        self.deadlines: list[float | None] = []
         self.fail_denoise: KvRelayServerError | None = None
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -325,6 +328,7 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         self, request: dit_pb2.DenoiseRequest, context: Any
     ) -> AsyncIterator[dit_pb2.DenoiseEvent]:
         self.denoise_started.set()
+        self.deadlines.append(context.time_remaining())
         ticket_id = request.ticket_id
         outcome = broker_pb2.TICKET_OUTCOME_CANCELLED
         reason = "DENOISE_CANCELLED"
@@ -432,7 +436,8 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
 
     async def _release(self, ticket_id: str, outcome: int, reason: str) -> None:
         self.released.append((ticket_id, outcome))
-        with contextlib.suppress(grpc.aio.AioRpcError):
+        # UsageError: the test is tearing down and this replica's channel is already closed.
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
             await self.broker.ReleaseTicket(
                 broker_pb2.ReleaseTicketRequest(
                     ticket_id=ticket_id,
@@ -585,7 +590,13 @@ def request(prompt: str = "a cat", **fields: Any) -> generation_pb2.GenerateRequ
 
 
 async def collect(call: Any) -> list[generation_pb2.GenerationEvent]:
-    return [event async for event in call]
+    """Every remaining event of a Generate call (read() style, so a test may read() first)."""
+    events = []
+    while True:
+        event = await call.read()
+        if event is grpc.aio.EOF:
+            return events
+        events.append(event)
 
 
 def error_info(err: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:

@@ -1,0 +1,241 @@
+"""GenerationService over real gRPC: validation, defaults, idempotency, Get/List/Cancel, retention."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+
+from kvrelay.v1 import generation_pb2
+
+from .harness import cluster, collect, error_info, png_size, request, run
+
+S = generation_pb2
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "   "}, "prompt"),
+        ({"width": 63}, "width"),
+        ({"width": 72}, "width"),
+        ({"width": 48}, "width"),
+        ({"width": 2064}, "width"),
+        ({"height": 0}, "height"),
+        ({"height": 100}, "height"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"num_inference_steps": 1001}, "num_inference_steps"),
+        ({"guidance_scale": 0.99}, "guidance_scale"),
+        ({"guidance_scale": math.nan}, "guidance_scale"),
+        ({"guidance_scale": math.inf}, "guidance_scale"),
+        ({"request_id": "has space"}, "request_id"),
+        ({"request_id": "x" * 129}, "request_id"),
+    ],
+)
+def test_invalid_input_is_rejected_naming_the_field(fields: dict[str, object], field: str) -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            prompt = fields.pop("prompt", "a cat")
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(c.api.Generate(request(str(prompt), **fields), timeout=5))
+            code, reason, metadata = error_info(exc.value)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert reason == "INVALID_ARGUMENT"
+            assert metadata["field"] == field
+            assert exc.value.details().startswith(f"{field}:")
+            # Nothing was accepted: no generation, no ticket, no prefill.
+            assert c.orchestrator.list() == []
+            assert c.core.list_tickets() == []
+            assert c.ar.prefills == []
+
+    run(body())
+
+
+def test_bounds_are_inclusive() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            events = await collect(
+                c.api.Generate(
+                    request(width=64, height=2048, num_inference_steps=1, guidance_scale=1.0, seed=3),
+                    timeout=10,
+                )
+            )
+            final = events[-1]
+            assert final.state == S.GENERATION_STATE_SUCCEEDED, final.error
+            assert png_size(final.image.png) == (64, 2048)
+            # guidance 1.0 = no CFG: one row, so one row's pages were reserved.
+            (ticket,) = c.core.list_tickets([c.core.get_ticket(final.ticket_id).state])
+            assert len(ticket.rows) == 1
+
+    run(body())
+
+
+def test_defaults_are_the_seed_workload_and_a_seed_is_assigned() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            events = await collect(c.api.Generate(S.GenerateRequest(prompt="a red fox"), timeout=10))
+            final = events[-1]
+            assert final.state == S.GENERATION_STATE_SUCCEEDED, final.error
+            assert (final.image.width, final.image.height) == (512, 512)
+            assert png_size(final.image.png) == (512, 512)
+            got = (
+                await c.api.GetGeneration(S.GetGenerationRequest(request_id=final.request_id), timeout=5)
+            ).generation
+            assert (got.params.width, got.params.height, got.params.num_inference_steps) == (512, 512, 2)
+            assert got.params.guidance_scale == 2.0
+            assert got.params.seed == final.image.seed
+            assert final.total_steps == 2
+            # guidance 2.0: the negative (here unconditional) row was reserved too.
+            assert len(c.core.get_ticket(final.ticket_id).rows) == 2
+            # Each request without a seed gets its own.
+            again = await collect(c.api.Generate(S.GenerateRequest(prompt="a red fox"), timeout=10))
+            assert again[-1].image.seed != final.image.seed
+
+    run(body())
+
+
+def test_same_request_id_and_params_attach_to_one_generation() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            c.dit.step_gate.clear()
+            first = c.api.Generate(request(request_id="req-1", seed=5), timeout=10)
+            assert (await first.read()).state == S.GENERATION_STATE_QUEUED
+            await c.dit.loaded.wait()
+            # A retry with the same seed attaches, and so does one that leaves the seed out
+            # (it asks for "any seed", which the existing generation satisfies).
+            second = c.api.Generate(request(request_id="req-1", seed=5), timeout=10)
+            third = c.api.Generate(request(request_id="req-1"), timeout=10)
+            c.dit.step_gate.set()
+            a, b, d = await asyncio.gather(collect(first), collect(second), collect(third))
+            for events in (a, b, d):
+                assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+                assert events[-1].image.png == a[-1].image.png
+            assert c.ar.prefills == ["req-1"]
+            # Finished and retained: attaching again returns the result at once.
+            replay = await collect(c.api.Generate(request(request_id="req-1", seed=5), timeout=5))
+            assert [e.state for e in replay] == [S.GENERATION_STATE_SUCCEEDED]
+            assert c.ar.prefills == ["req-1"]
+
+    run(body())
+
+
+def test_same_request_id_other_params_is_already_exists() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            await collect(c.api.Generate(request(request_id="req-2", seed=5), timeout=10))
+            for other in (
+                request(request_id="req-2", seed=6),
+                request("a dog", request_id="req-2", seed=5),
+                request(request_id="req-2", seed=5, num_inference_steps=3),
+                request(request_id="req-2", seed=5, negative_prompt="blurry"),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await collect(c.api.Generate(other, timeout=5))
+                code, reason, _ = error_info(exc.value)
+                assert (code, reason) == (grpc.StatusCode.ALREADY_EXISTS, "REQUEST_ID_REUSED")
+            assert c.ar.prefills == ["req-2"]
+
+    run(body())
+
+
+def test_get_generation_within_ttl_then_not_found() -> None:
+    async def body() -> None:
+        async with cluster(result_ttl_seconds=30) as c:
+            events = await collect(c.api.Generate(request(request_id="keep", seed=1), timeout=10))
+            assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+            c.clock_offset[0] += 29.0
+            got = (await c.api.GetGeneration(S.GetGenerationRequest(request_id="keep"), timeout=5)).generation
+            assert got.state == S.GENERATION_STATE_SUCCEEDED
+            assert got.image.png == events[-1].image.png
+            assert got.timings.total_seconds > 0
+            c.clock_offset[0] += 2.0
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await c.api.GetGeneration(S.GetGenerationRequest(request_id="keep"), timeout=5)
+            assert error_info(exc.value)[:2] == (grpc.StatusCode.NOT_FOUND, "GENERATION_NOT_FOUND")
+            # Forgotten: the id may be used again, with any parameters.
+            again = await collect(c.api.Generate(request("other", request_id="keep", seed=2), timeout=10))
+            assert again[-1].state == S.GENERATION_STATE_SUCCEEDED
+
+    run(body())
+
+
+def test_finished_generations_are_bounded_by_max_results() -> None:
+    async def body() -> None:
+        async with cluster(max_results=2) as c:
+            for i in range(3):
+                await collect(c.api.Generate(request(request_id=f"g{i}", seed=i), timeout=10))
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await c.api.GetGeneration(S.GetGenerationRequest(request_id="g0"), timeout=5)
+            assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+            for rid in ("g1", "g2"):
+                await c.api.GetGeneration(S.GetGenerationRequest(request_id=rid), timeout=5)
+
+    run(body())
+
+
+def test_list_generations_newest_first_filtered_without_images() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            for i in range(3):
+                await collect(c.api.Generate(request(request_id=f"l{i}", seed=i), timeout=10))
+            c.ar.prefill_gate.clear()
+            live = c.api.Generate(request(request_id="l3", seed=3), timeout=10)
+            await c.ar.prefill_started.wait()
+            listed = (await c.api.ListGenerations(S.ListGenerationsRequest(), timeout=5)).generations
+            assert [g.request_id for g in listed] == ["l3", "l2", "l1", "l0"]
+            assert all(not g.image.png for g in listed)
+            done = await c.api.ListGenerations(
+                S.ListGenerationsRequest(states=[S.GENERATION_STATE_SUCCEEDED], page_size=2), timeout=5
+            )
+            assert [g.request_id for g in done.generations] == ["l2", "l1"]
+            running = await c.api.ListGenerations(
+                S.ListGenerationsRequest(states=[S.GENERATION_STATE_PREFILLING]), timeout=5
+            )
+            assert [g.request_id for g in running.generations] == ["l3"]
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await c.api.ListGenerations(
+                    S.ListGenerationsRequest(states=[S.GENERATION_STATE_UNSPECIFIED]), timeout=5
+                )
+            assert error_info(exc.value)[2]["field"] == "states"
+            c.ar.prefill_gate.set()
+            assert (await collect(live))[-1].state == S.GENERATION_STATE_SUCCEEDED
+
+    run(body())
+
+
+def test_cancel_unknown_and_finished() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="nope"), timeout=5)
+            assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+            await collect(c.api.Generate(request(request_id="done", seed=1), timeout=10))
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="done"), timeout=5)
+            assert error_info(exc.value)[:2] == (grpc.StatusCode.FAILED_PRECONDITION, "ALREADY_FINISHED")
+            got = (await c.api.GetGeneration(S.GetGenerationRequest(request_id="done"), timeout=5)).generation
+            assert got.state == S.GENERATION_STATE_SUCCEEDED
+
+    run(body())
+
+
+def test_metrics_count_outcomes_and_phases() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            await collect(c.api.Generate(request(seed=1), timeout=10))
+            c.ar.prefill_gate.clear()
+            call = c.api.Generate(request(request_id="to-cancel", seed=2), timeout=10)
+            await c.ar.prefill_started.wait()
+            await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="to-cancel"), timeout=5)
+            await collect(call)
+            assert c.metric("kvrelay_generations_total", {"outcome": "succeeded"}) == 1
+            assert c.metric("kvrelay_generations_total", {"outcome": "cancelled"}) == 1
+            assert c.metric("kvrelay_generations_total", {"outcome": "failed"}) == 0
+            assert c.metric("kvrelay_generation_seconds_count") == 1
+            for phase in ("queue", "prefill", "transfer", "load", "denoise", "decode", "handoff", "total"):
+                assert c.metric("kvrelay_phase_seconds_count", {"phase": phase}) == 1, phase
+
+    run(body())
