@@ -224,7 +224,8 @@ class AsyncKvRelayClient:
 class AsyncGenerationHandle:
     """One submitted generation (asyncio); see :class:`GenerationHandle`.
 
-    ``async with handle:`` cancels the generation if the block exits before it ended.
+    ``async with handle:`` cancels the generation if the block exits before it ended. One task
+    at a time reads the stream (``events()`` or ``result()``); ``cancel()`` is safe from any task.
     """
 
     def __init__(

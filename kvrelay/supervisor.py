@@ -18,6 +18,7 @@ It must never import a service package or torch: children are started as `python
 from __future__ import annotations
 
 import argparse
+import contextvars
 import ctypes
 import os
 import signal
@@ -237,7 +238,11 @@ class Node:
             raise RuntimeError("node already started")
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._thread = threading.Thread(target=self._run, name="kvrelay-supervisor", daemon=True)
+        # The monitor logs with the caller's bound context (e.g. process="up").
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._run,), name="kvrelay-supervisor", daemon=True
+        )
         self._thread.start()
         try:
             while not self._ready.wait(0.2):
