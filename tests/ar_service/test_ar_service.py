@@ -195,3 +195,68 @@ def test_bad_input_fails_cleanly_and_leaves_no_ticket(tmp_path: Path) -> None:
                 await receiver.close()
 
     asyncio.run(scenario())
+
+
+def test_real_dit_denoises_over_what_the_ar_wrote(tmp_path: Path) -> None:
+    """The AR process and the DiT process (issue 7) through the broker: Denoise waits for the AR's
+    writes, verifies them, and draws the image a local AR prefill + DiT would draw."""
+    import numpy as np
+    from kvrelay.dit_service.image import decode_png
+    from kvrelay.dit_service.model import DitRunner
+
+    from kvrelay.v1 import dit_pb2, dit_pb2_grpc
+    from tests.dit_service.harness import start_dit
+
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            dit = await asyncio.to_thread(start_dit, config, broker.address, cwd=tmp_path)
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit.address)
+                await wait_serving(ar.address)
+                tok = ByteTokenizer()
+                counts = [len(tok.encode(PROMPT)), len(tok.encode(NEGATIVE))]
+                ticket = core.create_ticket("req-1", "ar-0", "dit-0", counts)
+                assert ticket is not None
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    request = dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, request_id="req-1", width=64, height=64,
+                        num_inference_steps=2, guidance_scale=2.0, seed=3,
+                    )  # fmt: skip
+
+                    async def collect() -> list[dit_pb2.DenoiseEvent]:
+                        stub = dit_pb2_grpc.DitServiceStub(channel)  # type: ignore[no-untyped-call]
+                        return [e async for e in stub.Denoise(request, timeout=60.0)]
+
+                    denoise = asyncio.ensure_future(collect())
+                    reply = await _prefill(
+                        ar.address, ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, rows=[PROMPT, NEGATIVE])
+                    )
+                    events = await denoise
+                final = events[-1]
+                assert final.phase == dit_pb2.DENOISE_PHASE_DECODED
+                assert final.bytes_loaded == reply.bytes_written > 0
+                prefixes = []
+                for text in (PROMPT, NEGATIVE):
+                    kv = _local_kv(text)
+                    prefixes.append([(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
+                local = DitRunner("tiny").generate(
+                    prefixes, width=64, height=64, steps=2, guidance_scale=2.0, seed=3
+                )
+                image = decode_png(final.image.png)
+                # Thread counts may round the DiT's matmuls differently; the prefix itself is exact.
+                assert int(np.abs(image.astype(int) - local.numpy().astype(int)).max()) <= 1
+                for _ in range(100):
+                    done = core.get_ticket(ticket.ticket_id)
+                    if done.state.value == "RELEASED":
+                        break
+                    await asyncio.sleep(0.05)
+                assert (done.state.value, done.outcome.value if done.outcome else None) == ("RELEASED", "OK")
+                assert ar.stop() == 0, ar.output()
+            finally:
+                ar.stop()
+                dit.stop()
+
+    asyncio.run(scenario())
