@@ -49,9 +49,6 @@ class RetryPolicy:
             delay *= self.multiplier
 
 
-NO_RETRY = RetryPolicy(max_attempts=1)
-
-
 def channel_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -113,19 +110,24 @@ def build_generate_request(
     request = generation_pb2.GenerateRequest(
         request_id=request_id or "", prompt=prompt, negative_prompt=negative_prompt or ""
     )
-    if seed is not None:
-        if seed < 0:
+    unsigned = (
+        ("seed", seed, 64),
+        ("width", width, 32),
+        ("height", height, 32),
+        ("num_inference_steps", num_inference_steps, 32),
+    )
+    for field, value, bits in unsigned:
+        if value is None:
+            continue
+        # The wire type is unsigned: a value it cannot carry is refused here, like the server would.
+        if not 0 <= int(value) < 1 << bits:
             raise KvRelayError(
-                "INVALID_ARGUMENT", "INVALID_ARGUMENT", "seed: must be >= 0", {"field": "seed"}
+                "INVALID_ARGUMENT",
+                "INVALID_ARGUMENT",
+                f"{field}: must be in [0, 2**{bits}), got {value}",
+                {"field": field},
             )
-        request.seed = int(seed)
-    for field, value in (("width", width), ("height", height), ("num_inference_steps", num_inference_steps)):
-        if value is not None:
-            if value < 0:
-                raise KvRelayError(
-                    "INVALID_ARGUMENT", "INVALID_ARGUMENT", f"{field}: must be positive", {"field": field}
-                )
-            setattr(request, field, int(value))
+        setattr(request, field, int(value))
     if guidance_scale is not None:
         request.guidance_scale = float(guidance_scale)
     return request

@@ -102,6 +102,16 @@ def test_invalid_input_is_one_kvrelay_error_naming_the_field(client: KvRelayClie
     assert info.value.details["field"] == "prompt"
 
 
+def test_values_the_wire_cannot_carry_are_refused_before_any_call(
+    client: KvRelayClient, harness: Harness
+) -> None:
+    for kwargs in ({"seed": -1}, {"width": -64}, {"num_inference_steps": 2**33}):
+        with pytest.raises(KvRelayError) as info:
+            client.generate("x", **kwargs)
+        assert info.value.code == "INVALID_ARGUMENT" and info.value.details["field"] == next(iter(kwargs))
+    assert harness.calls["Generate"] == 0
+
+
 def test_unknown_id_is_not_found_with_the_servers_reason(client: KvRelayClient) -> None:
     with pytest.raises(KvRelayError) as info:
         client.get_generation("nope")
