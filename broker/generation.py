@@ -45,6 +45,8 @@ DEFAULT_LIST_PAGE_SIZE: Final = 100
 MAX_LIST_PAGE_SIZE: Final = 1000
 
 _STATE_FROM_PB = {int(s): s for s in GenState}
+# Enum names, which message constructors accept: typed, and no int/enum-wrapper mismatch.
+_STATE_TO_PB = {s: f"GENERATION_STATE_{s.name}" for s in GenState}
 
 
 def resolve_request(request: generation_pb2.GenerateRequest) -> tuple[str, GenerationParams, bool]:
@@ -119,7 +121,7 @@ def event_to_proto(snap: GenerationSnapshot) -> generation_pb2.GenerationEvent:
     terminal = snap.state.terminal
     return generation_pb2.GenerationEvent(
         request_id=snap.request_id,
-        state=int(snap.state),
+        state=_STATE_TO_PB[snap.state],
         step=snap.step,
         total_steps=snap.total_steps,
         image=_image(snap) if terminal else None,
@@ -134,7 +136,7 @@ def generation_to_proto(snap: GenerationSnapshot, with_image: bool = True) -> ge
     p = snap.params
     return generation_pb2.Generation(
         request_id=snap.request_id,
-        state=int(snap.state),
+        state=_STATE_TO_PB[snap.state],
         params=generation_pb2.GenerationParams(
             prompt=p.prompt,
             negative_prompt=p.negative_prompt,

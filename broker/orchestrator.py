@@ -320,9 +320,11 @@ class Orchestrator:
             )
         for name, count in zip(("prompt", "negative_prompt"), counts, strict=False):
             if reply.max_tokens and count > reply.max_tokens:
-                err = invalid_argument(name, f"{count} tokens; the AR model takes at most {reply.max_tokens}")
-                err.reason = "PROMPT_TOO_LONG"
-                raise err
+                too_long = invalid_argument(
+                    name, f"{count} tokens; the AR model takes at most {reply.max_tokens}"
+                )
+                too_long.reason = "PROMPT_TOO_LONG"
+                raise too_long
         self._check_ever_fits(counts)
         return counts
 
@@ -334,13 +336,13 @@ class Orchestrator:
         if any(needed[s.spec.replica_id] <= s.spec.num_pages for s in dits):
             return
         largest = max(s.spec.num_pages for s in dits)
-        err = invalid_argument(
+        never = invalid_argument(
             "prompt",
             f"the prompt rows need {min(needed.values())} KV pages; the largest DiT replica has {largest}: "
             "this request can never fit (shorten the prompt or the negative prompt)",
         )
-        err.reason = "NEVER_FITS"
-        raise err
+        never.reason = "NEVER_FITS"
+        raise never
 
     # ================================================================ placement
 
