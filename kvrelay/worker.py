@@ -411,7 +411,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 def default_threads_per_rank(world_size: int) -> int:
     """This process's share of the cores it may run on (affinity, which equals os.cpu_count()
     on an unrestricted host) split over the ranks: ranks that oversubscribe cores slow each
-    other down in every collective."""
+    other down in every collective.
+
+    `KVRELAY_THREADS_PER_RANK` overrides it: `kvrelay up` on one small host runs AR and DiT
+    ranks side by side, and only the supervisor knows how many share the cores.
+    """
+    override = os.environ.get("KVRELAY_THREADS_PER_RANK")
+    if override:
+        return max(1, int(override))
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

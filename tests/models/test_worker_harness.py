@@ -180,3 +180,13 @@ def test_sigkill_of_the_parent_leaves_no_worker_alive_and_frees_the_lock(tmp_pat
         if parent.poll() is None:
             parent.kill()
             parent.wait(10)
+
+
+def test_threads_per_rank_is_the_share_of_cores_unless_overridden(monkeypatch):
+    monkeypatch.delenv("KVRELAY_THREADS_PER_RANK", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert default_threads_per_rank(1) == cores
+    assert default_threads_per_rank(2) == max(1, cores // 2)
+    assert default_threads_per_rank(cores * 4) == 1
+    monkeypatch.setenv("KVRELAY_THREADS_PER_RANK", "3")
+    assert default_threads_per_rank(2) == 3
