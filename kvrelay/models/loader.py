@@ -199,6 +199,16 @@ def load_into_module(
 def ar_config_from_hf(config: Mapping[str, Any]) -> ArConfig:
     """ArConfig of a Hugging Face Llama/Qwen2 `config.json`."""
     archs = " ".join(config.get("architectures", []))
+    # transformers >= 5 nests RoPE settings under rope_parameters; older files use rope_theta and
+    # rope_scaling. Only plain RoPE is built in: a scaled variant (llama3, yarn, ...) would give
+    # K at the wrong angles without any error, so it is refused here.
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise CheckpointError(
+            f"rope type {rope_type!r} is not supported by the built-in AR (plain RoPE only)"
+        )
+    rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     hidden = int(config["hidden_size"])
     num_heads = int(config["num_attention_heads"])
     return ArConfig(
@@ -210,7 +220,7 @@ def ar_config_from_hf(config: Mapping[str, Any]) -> ArConfig:
         mlp=int(config["intermediate_size"]),
         vocab=int(config["vocab_size"]),
         max_tokens=int(config.get("max_position_embeddings", 4096)),
-        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         qkv_bias=bool(config.get("attention_bias", False)) or "Qwen2" in archs,
     )

@@ -99,3 +99,13 @@ def test_qwen2_config_maps_biases():
     assert (cfg.head_dim, cfg.qkv_bias, cfg.num_kv_heads) == (128, True, 4)
     assert ar_config_from_hf(ar_config_to_hf(cfg)) == cfg
     assert any(s.file_key == "model.layers.0.self_attn.k_proj.bias" for s in llama_key_map(1, qkv_bias=True))
+
+
+def test_rope_settings_of_both_config_generations():
+    base = ar_config_to_hf(get_preset("tiny").ar)
+    del base["rope_theta"]
+    newer = {**base, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    assert ar_config_from_hf(newer).rope_theta == 500000.0
+    scaled = {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(CheckpointError, match="llama3"):
+        ar_config_from_hf(scaled)
