@@ -50,7 +50,7 @@ def specs() -> tuple[ReplicaSpec, ReplicaSpec]:
 
 
 def in_process(n: int, journal: Path | None, synchronous: str) -> float:
-    core = BrokerCore(journal, drain_quiet_seconds=0.0, journal_synchronous=synchronous)  # type: ignore[arg-type]
+    core = BrokerCore(journal, lease_seconds=1e9, drain_quiet_seconds=0.0, journal_synchronous=synchronous)  # type: ignore[arg-type]
     ar, dit = specs()
     core.register_replica(ar)
     core.register_replica(dit)
@@ -96,7 +96,7 @@ def _key(w):  # noqa: ANN001, ANN202
 
 
 async def over_grpc(n: int, concurrency: int, journal: Path, synchronous: str) -> float:
-    core = BrokerCore(journal, drain_quiet_seconds=0.0, journal_synchronous=synchronous)  # type: ignore[arg-type]
+    core = BrokerCore(journal, lease_seconds=1e9, drain_quiet_seconds=0.0, journal_synchronous=synchronous)  # type: ignore[arg-type]
     ar, dit = specs()
     core.register_replica(ar)
     core.register_replica(dit)
