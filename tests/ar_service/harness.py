@@ -110,6 +110,19 @@ class ArProcess:
         return "".join(self.lines[-60:])
 
 
+@contextlib.asynccontextmanager
+async def broker_process(config: Path, *, cwd: Path) -> Any:
+    """`python -m kvrelay broker` with this config; yields its address, stopped (SIGTERM) after."""
+    from tests.procs import start_service
+
+    broker = await asyncio.to_thread(start_service, ["broker", "--config", str(config)], cwd=cwd)
+    try:
+        yield broker.address
+    finally:
+        code = await asyncio.to_thread(broker.stop)
+        assert code == 0, f"broker exited {code}"
+
+
 def start_ar(
     config: Path, broker_address: str, *, cwd: Path, replica: int = 0, timeout: float = 60.0
 ) -> ArProcess:

@@ -1,5 +1,6 @@
-"""The AR service end to end: a real `python -m kvrelay ar` process, the real broker (BrokerCore
-behind the BrokerService servicer) and a receiver whose pages the test reads back."""
+"""The AR service end to end: a real `python -m kvrelay ar` process, a real broker (a `python -m
+kvrelay broker` process, or BrokerCore in-process where the test drives the core directly) and a
+receiver whose pages the test reads back."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kvrelay.ar_service.tokenizer import ByteTokenizer
 
 from kvrelay.errors import reason_of
 from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
-from tests.ar_service.harness import Receiver, ar_stub, start_ar, wait_serving, write_config
+from tests.ar_service.harness import Receiver, ar_stub, broker_process, start_ar, wait_serving, write_config
 from tests.dit_service.harness import inprocess_broker
 
 pytestmark = pytest.mark.slow
@@ -37,15 +38,16 @@ async def _prefill(
 
 @pytest.mark.parametrize("transport", ["mooncake", "grpc"])
 def test_prefill_writes_two_rows_bit_for_bit_and_reports_every_write(tmp_path: Path, transport: str) -> None:
-    config = write_config(tmp_path, transport=transport)
+    # A lease long enough that the receiver (which does not heartbeat) stays up for the test.
+    config = write_config(tmp_path, transport=transport, lease_seconds=60.0)
 
     async def scenario() -> None:
-        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+        async with broker_process(config, cwd=tmp_path) as broker_address:
             receiver = Receiver(
-                broker.address, preset="tiny", transport=transport, world_size=1, num_pages=32
+                broker_address, preset="tiny", transport=transport, world_size=1, num_pages=32
             )
             await receiver.start()
-            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            ar = await asyncio.to_thread(start_ar, config, broker_address, cwd=tmp_path)
             try:
                 await wait_serving(ar.address)
                 tok = ByteTokenizer()
@@ -117,15 +119,16 @@ def test_prefill_writes_two_rows_bit_for_bit_and_reports_every_write(tmp_path: P
 
 
 def test_bad_input_fails_cleanly_and_leaves_no_ticket(tmp_path: Path) -> None:
-    config = write_config(tmp_path, transport="mooncake")
+    # A lease long enough that the receiver (which does not heartbeat) stays up for the test.
+    config = write_config(tmp_path, transport="mooncake", lease_seconds=60.0)
 
     async def scenario() -> None:
-        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+        async with broker_process(config, cwd=tmp_path) as broker_address:
             receiver = Receiver(
-                broker.address, preset="tiny", transport="mooncake", world_size=1, num_pages=32
+                broker_address, preset="tiny", transport="mooncake", world_size=1, num_pages=32
             )
             await receiver.start()
-            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            ar = await asyncio.to_thread(start_ar, config, broker_address, cwd=tmp_path)
             try:
                 await wait_serving(ar.address)
                 # Too long: tiny takes 256 tokens; the byte tokenizer adds BOS to 300 bytes.
