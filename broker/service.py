@@ -99,8 +99,14 @@ def spec_from_proto(pb: broker_pb2.ReplicaInfo) -> ReplicaSpec:
     role = _ROLE_FROM_PB.get(pb.role)
     if role is None:
         raise InvalidArgument("INVALID_ARGUMENT", "replica.role: must be REPLICA_ROLE_AR or REPLICA_ROLE_DIT")
+    geometry_pb = pb.geometry
+    if role is ReplicaRole.AR and geometry_pb.page_size == 0:
+        # page_size is the DiT's alone; an AR may leave it unset.
+        geometry_pb = common_pb2.KvGeometry()
+        geometry_pb.CopyFrom(pb.geometry)
+        geometry_pb.page_size = 1
     try:
-        geometry = geometry_from_proto(pb.geometry)
+        geometry = geometry_from_proto(geometry_pb)
     except ValueError as err:
         raise InvalidArgument("INVALID_ARGUMENT", f"replica.geometry: {err}") from None
     regions = []

@@ -60,6 +60,7 @@ def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         try:
             ar = replica("ar-0", common_pb2.REPLICA_ROLE_AR, tp=2)
+            ar.geometry.page_size = 0  # the AR may leave the DiT's page_size unset
             dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, tp=2, num_pages=16)
             reg = await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=ar), timeout=TIMEOUT)
             assert reg.lease_seconds == 30.0 and not reg.fenced
