@@ -4,7 +4,9 @@ A receiver process holds one destination region (registered once with Mooncake, 
 grpc.aio PutKv server and a raw socket server); this process sends. Each transfer is one
 planned write of SIZE bytes (a contiguous page run, i.e. one segment, what the planner produces
 for TP=n -> TP=n), timed from the call until the sender holds the transport's completion:
-- mooncake: `MooncakeEndpoint.write` (xxh3 of the staging bytes + batch_transfer_sync_write);
+- mooncake: `MooncakeEndpoint.write` (xxh3 of the staging bytes, hashed while the batch is in
+  flight; async submit, sleep through 75% of the predicted time, then the engine's wait);
+- mooncake-spin: the same with sleep_fraction=0 (the engine's spinning sync call), optional;
 - mooncake-engine: the bare `batch_transfer_sync_write`, to show what the kvrelay layer costs;
 - grpc: `GrpcStreamSender.write` (1 MiB PutKv chunks, acknowledged when applied);
 - raw-socket: sendall of the bytes, the receiver recv_into()s the region and answers one byte.
@@ -175,15 +177,14 @@ def main() -> None:
                     mooncake_region.endpoint, [staging.data_ptr()], [mooncake_region.base_address], [nbytes]
                 )
                 assert rc == 0
-            elif transport == "mooncake-async-sleep":
-                # Experiment: let the caller sleep through most of the transfer instead of the
-                # engine's completion spin, then wait for the tail.
-                bid = engine.batch_transfer_async_write(
-                    mooncake_region.endpoint, [staging.data_ptr()], [mooncake_region.base_address], [nbytes]
-                )
-                assert bid != 0
-                time.sleep(nbytes / 2.0e9 * 0.8)
-                assert engine.get_batch_transfer_status([bid]) == 0
+            elif transport == "mooncake-spin":
+                # The same write with the engine's spinning completion wait (sleep_fraction=0).
+                saved, mc.sleep_fraction = mc.sleep_fraction, 0.0
+                try:
+                    (out,) = mc.write(staging, [write], {0: mooncake_region}, "bench", 120.0)
+                finally:
+                    mc.sleep_fraction = saved
+                assert out.ok, out.message
             elif transport == "grpc":
                 (out,) = grpc_sender.write(staging, [write], {0: grpc_region}, "bench", 120.0)
                 assert out.ok, out.message

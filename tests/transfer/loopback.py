@@ -19,7 +19,7 @@ from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer, staging_bytes
 
 SENTINEL = 0x5A
-ARENA_BYTES = 8 << 20
+ARENA_BYTES = 24 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,12 @@ def _scenarios() -> tuple[Scenario, ...]:
     # past Mooncake's 1024 queued-per-peer limit, so the sender must split batches.
     many = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=1)
     out.append(Scenario("many_segments_tp2_to_tp1", many, 2, 1, (RowSpec(0, 600, tuple(range(600))),), 601))
+    # 8 MiB rows, twice: the first teaches the Mooncake sender the peer's goodput, the second
+    # then takes the submit-sleep-wait path (batches of 1 MiB and more).
+    big = KvGeometry(num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", page_size=16)
+    big_rows = (RowSpec(0, 1000, tuple(range(63))), RowSpec(1, 16, (63,)))
+    out.append(Scenario("large_tp1_to_tp1_first", big, 1, 1, big_rows, 64))
+    out.append(Scenario("large_tp1_to_tp1_second", big, 1, 1, big_rows, 64))
     return tuple(out)
 
 
@@ -206,7 +212,7 @@ def sender_main(conn: Connection, transport: str) -> None:
     from kvrelay.transfer.transport import make_sender
 
     sender = make_sender(transport, hostname="127.0.0.1") if transport == "mooncake" else make_sender(transport)
-    staging_arena = torch.zeros(4 << 20, dtype=torch.uint8)
+    staging_arena = torch.zeros(12 << 20, dtype=torch.uint8)
     if transport == "mooncake":
         sender.register(staging_arena)  # type: ignore[attr-defined]
     try:
@@ -235,6 +241,8 @@ def sender_main(conn: Connection, transport: str) -> None:
                         mine = [w for w in plan if w.src_rank == s]
                         outcomes += sender.write(staging, mine, destinations, f"ticket-{sc.name}", timeout_s)
                     conn.send(("ok", outcomes))
+                elif cmd == "goodput":
+                    conn.send(("ok", dict(getattr(sender, "_goodput", {}))))
                 elif cmd == "send_raw":
                     writes, destinations, timeout_s = arg
                     conn.send(("ok", sender.write(staging_arena, writes, destinations, "ticket-raw", timeout_s)))

@@ -93,6 +93,8 @@ def run_transport(transport: str) -> dict[str, Any]:
                 outcomes=outcomes, writes=ordered, verified=verified, dumps=dumps, destinations=destinations
             )
 
+        results["goodput"] = sender.call("goodput")
+
         # A corrupted byte inside row 0's first page on rank 0 of the first scenario.
         sc0 = SCENARIOS[0]
         layout = PageLayout(sc0.geometry, sc0.dst_shards, 0)
@@ -167,12 +169,19 @@ def test_a_corrupted_byte_is_caught_by_the_checksum(transport: str) -> None:
     assert results["after_corruption"] == [w.row != 0 for w in writes]
 
 
+def test_mooncake_sender_learned_the_peer_goodput_for_the_sleep_path() -> None:
+    # Without a learned goodput the large second scenario would not have exercised the
+    # submit-sleep-wait path whose bytes test_rows_land_bit_identical_to_the_source checks.
+    goodput = run_transport("mooncake")["goodput"]
+    assert len(goodput) == 1 and next(iter(goodput.values())) > 1e6
+
+
 def test_mooncake_failures_come_back_as_failed_outcomes() -> None:
     results = run_transport("mooncake")
     for key in ("fail_unregistered", "fail_unreachable"):
         (outcome,) = results[key]
         assert outcome.status == "FAILED", key
-        assert "batch_transfer_sync_write" in outcome.message
+        assert "Mooncake batch write" in outcome.message
 
 
 def test_grpc_out_of_region_chunk_is_rejected_and_nothing_lands() -> None:
