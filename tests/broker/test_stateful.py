@@ -350,7 +350,6 @@ class BrokerMachine(RuleBasedStateMachine):
             assert t is None or t.state is TicketState.RELEASED
 
 
-BrokerMachine.TestCase.settings = settings(
-    BrokerMachine.TestCase.settings, stateful_step_count=50, max_examples=100
-)
+# max_examples comes from the loaded profile (tests/conftest.py: 40 in CI, 200 with HYPOTHESIS_PROFILE=dev).
+BrokerMachine.TestCase.settings = settings(BrokerMachine.TestCase.settings, stateful_step_count=50)
 TestBrokerLifecycle = BrokerMachine.TestCase
