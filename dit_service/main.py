@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
@@ -43,6 +44,22 @@ class _Stopper:
 
     def clean_stop(self) -> None:
         self.event.set()
+
+
+async def _watch_ranks(group: object, interval_s: float, stopper: _Stopper) -> None:
+    """A missing worker rank is a broken invariant even while no request is running (its pool
+    can no longer be verified or read, and with Mooncake its engine is gone): ping the ranks every
+    interval and fail stop when one is gone. The ping waits its turn behind a running command."""
+    from kvrelay.worker import WorkerGroup, WorkerGroupError
+
+    assert isinstance(group, WorkerGroup)
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await asyncio.to_thread(group.ping, 30.0)
+        except WorkerGroupError as err:
+            stopper.fail_stop(f"worker rank lost: {err}")
+            return
 
 
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
@@ -92,6 +109,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     group: WorkerGroup | None = None
     registration: Registration | None = None
     channel = None
+    watchdog: asyncio.Task[None] | None = None
     try:
         await server.start()
         loop = asyncio.get_running_loop()
@@ -105,8 +123,10 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         preset = get_preset(stage.model.preset)
         geometry = dit_geometry(preset, stage.page_size, stage.model.dtype)
         world = stage.world_size
-        memory = ReplicaMemory(geometry, world, stage.kv_cache_memory_bytes, tag=replica_id)
-        control_pool = HostPool.create(-1, control_bytes(stage.max_num_seqs), f"{replica_id}-control")
+        # The pid in the names tells an operator (and tests) whose pools a /dev/shm file holds.
+        tag = f"{replica_id}-{os.getpid()}"
+        memory = ReplicaMemory(geometry, world, stage.kv_cache_memory_bytes, tag=tag)
+        control_pool = HostPool.create(0, control_bytes(stage.max_num_seqs), f"{tag}-control")
         metrics.pages.labels(replica_id).set(memory.num_pages)
         spec = DitRankSpec(
             preset=preset.name, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype,
@@ -152,6 +172,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         )
         await registration.register()
         registration.start_heartbeats()
+        watchdog = asyncio.get_running_loop().create_task(
+            _watch_ranks(group, cfg.broker.heartbeat_interval, stopper), name="dit-rank-watchdog"
+        )
         if stopper.fail_reason is None:
             await server.set_serving(True)
             log.info("dit_serving", replica_id=replica_id, incarnation_id=incarnation_id, address=server.address)
@@ -160,14 +183,18 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         log.exception("dit_failed", error=str(err))
         stopper.fail_stop(f"startup failed: {err}")
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         failed = stopper.fail_reason is not None
         with contextlib.suppress(Exception):
             await server.set_serving(False)
-        servicer.attach(None) if failed else None
         if registration is not None:
             await registration.stop(deregister=not failed)
         # In-flight Denoise calls finish (clean stop) or are cut (fail stop) before workers go.
         await server.stop(grace=0.5 if failed else 5.0)
+        if servicer.inflight:
+            # Cancelled handlers release their tickets (with the broker channel still open).
+            await asyncio.wait(set(servicer.inflight), timeout=10.0)
         servicer.attach(None)
         if group is not None:
             # Workers first: their transport registrations of the pools end with them.

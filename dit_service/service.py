@@ -157,6 +157,9 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
     def __init__(self, state: DitReplicaState | None = None) -> None:
         self._state = state
         self._serials = itertools.count(1)
+        # Denoise handlers running now: at stop, main waits for them to release their tickets
+        # before the workers and the broker channel go away.
+        self.inflight: set[asyncio.Task[Any]] = set()
 
     def attach(self, state: DitReplicaState | None) -> None:
         self._state = state
@@ -238,6 +241,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
     ) -> AsyncIterator[dit_pb2.DenoiseEvent]:
         if self._state is None:
             await abort_with(context, _NOT_READY)
+        task = asyncio.current_task()
+        if task is not None:
+            self.inflight.add(task)
+            task.add_done_callback(self.inflight.discard)
         start = time.monotonic()
         remaining = context.time_remaining()
         deadline = start + (remaining if remaining is not None else self.s.stage.request_timeout_seconds)

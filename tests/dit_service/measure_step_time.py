@@ -60,7 +60,7 @@ async def measure(preset: str, size: int, steps: int, tp: int, sp: int, guidance
                     "png_bytes": len(final.image.png),
                 }
             finally:
-                dit.stop()
+                await asyncio.to_thread(dit.stop)
 
 
 def main() -> None:

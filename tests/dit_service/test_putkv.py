@@ -111,7 +111,7 @@ def test_putkv_fallback_end_to_end_and_bounds(tmp_path: Path) -> None:
                     assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
                 await writer.close()
             finally:
-                assert dit.stop() == 0, "".join(dit.lines[-30:])
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 

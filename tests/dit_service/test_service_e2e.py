@@ -4,6 +4,9 @@ behind the BrokerService servicer), and an AR writer the test controls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -69,7 +72,7 @@ def test_denoise_over_mooncake_matches_local_and_frees_pages(tmp_path: Path, rep
                 assert released.outcome == broker_pb2.TICKET_OUTCOME_OK
                 await writer.close()
             finally:
-                assert dit.stop() == 0, "".join(dit.lines[-30:])
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 
@@ -140,7 +143,7 @@ def test_transfer_timeout_keeps_pages_until_late_completion(tmp_path: Path) -> N
                 assert (pool.free_pages, pool.reserved_pages, pool.draining_pages) == (pool.total_pages, 0, 0)
                 await writer.close()
             finally:
-                assert dit.stop() == 0, "".join(dit.lines[-30:])
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 
@@ -190,7 +193,7 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
                 assert pool.free_pages == pool.total_pages
                 await writer.close()
             finally:
-                assert dit.stop() == 0, "".join(dit.lines[-30:])
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 
@@ -227,7 +230,7 @@ def test_tp2_and_sp2_service_images_equal_tp1(tmp_path: Path, tp: int, sp: int) 
                 assert (await writer.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_RELEASED
                 await writer.close()
             finally:
-                assert dit.stop() == 0, "".join(dit.lines[-30:])
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 
@@ -239,18 +242,72 @@ def test_fenced_replica_fails_stop_with_exit_3(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         async with inprocess_broker(lease_seconds=0.6) as (broker, core):
-            before = set(Path("/dev/shm").glob("kvrelay-dit-0-*"))
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
                 await wait_serving(dit)
+                assert len(list(Path("/dev/shm").glob(f"kvrelay-dit-0-{dit.proc.pid}-*"))) == 2  # pool + control
                 core.fence_replica("dit-0", "test: broken invariant")
                 deadline = time.monotonic() + 15.0
                 while dit.proc.poll() is None and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
                 assert dit.proc.poll() == 3, "".join(dit.lines[-30:])
                 # Workers stopped, then the page pools freed: nothing of this incarnation is left.
-                assert set(Path("/dev/shm").glob("kvrelay-dit-0-*")) == before
+                assert list(Path("/dev/shm").glob(f"kvrelay-dit-0-{dit.proc.pid}-*")) == []
             finally:
-                dit.stop()
+                await asyncio.to_thread(dit.stop)
+
+    asyncio.run(scenario())
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """The rank worker processes of the DiT process `pid` (spawned children), by /proc."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    ranks = []
+    for child in children:
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                ranks.append(child)
+    return ranks
+
+
+def test_dead_rank_fails_stop(tmp_path: Path) -> None:
+    """A missing worker rank is a broken invariant: with a request waiting for its rows, killing a
+    rank ends that request and the process fails stop (exit 3), pools freed after the workers."""
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.create_ticket([8, 2])
+                await writer.arm(ticket.ticket_id)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                        guidance_scale=2.0, seed=1), timeout=30.0)
+                    first = await call.read()
+                    assert first.phase == dit_pb2.DENOISE_PHASE_LOADING
+                    [rank] = _rank_pids(dit.proc.pid)
+                    os.kill(rank, signal.SIGKILL)
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                # (In a thread: this loop serves the broker the exiting DiT releases its ticket with.)
+                assert await asyncio.to_thread(dit.proc.wait, 20) == 3, "".join(dit.lines[-30:])
+                assert list(Path("/dev/shm").glob(f"kvrelay-dit-0-{dit.proc.pid}-*")) == []
+                # The handler released the ticket on its way out; its armed, unwritten pages drain
+                # (never silently reused) until the writer reports or is proven gone.
+                ended = await writer.ticket(ticket.ticket_id)
+                assert ended.state == broker_pb2.TICKET_STATE_DRAINING, "".join(dit.lines[-25:])
+                assert ended.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+                await writer.close()
+            finally:
+                await asyncio.to_thread(dit.stop)
 
     asyncio.run(scenario())
