@@ -26,7 +26,11 @@ PY
 echo "quickstart: waiting for the node at $target (models load, memory registers) ..."
 for _ in $(seq 1 300); do
   if ! kill -0 "$up_pid" 2>/dev/null; then echo "quickstart: kvrelay up exited; logs in .kvrelay/logs" >&2; exit 1; fi
-  if kvrelay status --target "$target" --json 2>/dev/null | python -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d.get("ready") else 1)' 2>/dev/null; then break; fi
+  # Ready = an AR and a DiT replica registered, up and not fenced (they register once SERVING).
+  if kvrelay status --target "$target" --json 2>/dev/null | python -c '
+import json, sys
+roles = {r["role"] for r in json.load(sys.stdin)["replicas"] if r["up"] and not r["fenced"]}
+sys.exit(0 if {"AR", "DIT"} <= roles else 1)' 2>/dev/null; then break; fi
   sleep 1
 done
 kvrelay status --target "$target"
