@@ -37,7 +37,7 @@ from kvrelay.broker.generations import (
 )
 from kvrelay.broker.registry import ReplicaRole
 from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import KvRelayServerError, failed_precondition, invalid_argument, reason_of
@@ -79,6 +79,7 @@ class _Job:
     enqueued: float  # monotonic
     placed: asyncio.Future[Ticket] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     ticket_id: str = ""
+    ticket_ended: bool = False
     task: asyncio.Task[None] | None = None
 
     @property
@@ -92,7 +93,13 @@ class _Job:
 class GenerationMetrics:
     """kvrelay_generations_total{outcome}, kvrelay_generation_seconds, kvrelay_phase_seconds{phase}."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, queue_depth: Callable[[], int]) -> None:
+        self.queued = Gauge(
+            "kvrelay_generations_queued",
+            "Generations admitted and waiting (FIFO) for pages and a ticket",
+            registry=registry,
+        )
+        self.queued.set_function(queue_depth)
         self.generations = Counter(
             "kvrelay_generations", "Finished generations by outcome", ["outcome"], registry=registry
         )
@@ -147,7 +154,9 @@ class Orchestrator:
         self.store = GenerationStore(
             result_ttl_seconds=cfg.broker.result_ttl_seconds, max_results=cfg.broker.max_results, clock=clock
         )
-        self.metrics = GenerationMetrics(registry if registry is not None else CollectorRegistry())
+        self.metrics = GenerationMetrics(
+            registry if registry is not None else CollectorRegistry(), lambda: len(self._queue)
+        )
         # Admitted jobs waiting for a ticket, in arrival order: only the head is ever placed,
         # so a large request is never starved by smaller ones behind it.
         self._queue: deque[_Job] = deque()
@@ -240,6 +249,15 @@ class Orchestrator:
         finally:
             del self._admitting[request_id]
             admission.set_result(None)
+        if record.state.terminal:
+            # Ended while it was being tokenized: cancelled by its client (keep that answer), or
+            # failed by stop() (then nothing is accepted any more).
+            if self._stopping:
+                self.store.discard(record)
+                raise KvRelayServerError(
+                    grpc.StatusCode.UNAVAILABLE, "BROKER_SHUTTING_DOWN", "the broker is stopping"
+                )
+            return record
         job = _Job(record=record, token_counts=token_counts, deadline=deadline, enqueued=self._clock())
         self._jobs[request_id] = job
         self._queue.append(job)
@@ -481,13 +499,22 @@ class Orchestrator:
             self._denoise(job, denoise_call, dit.replica_id, placed_at, timings), name="denoise"
         )
         watch = asyncio.create_task(self._watch_transfer(job, ticket.ticket_id), name="watch-ticket")
+        stages_done = False
         try:
             pending: set[asyncio.Task[Any]] = {prefill, denoise}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # the first failure ends the request; `finally` stops the other
+            stages_done = True
+        except _RequestEnded as ended:
+            self._end(record, GenState.FAILED, ended.error)
+            raise
         finally:
+            if not stages_done:
+                # End the ticket before cancelling the stage calls, so that its outcome is the
+                # request's and not a stage's echo of the cancellation (the DiT releases on cancel).
+                self._end_ticket(job)
             for task in (prefill, denoise, watch):
                 task.cancel()
             # Cancelling the tasks cancels their RPCs: the AR shields its writes and reports,
@@ -613,7 +640,10 @@ class Orchestrator:
         self._wake.set()
 
     def _end_ticket(self, job: _Job) -> None:
-        """Tell the core the request is over. A no-op for a ticket the DiT already released."""
+        """Tell the core the request is over (once). A no-op for a ticket the DiT already released."""
+        if job.ticket_ended:
+            return
+        job.ticket_ended = True
         state = job.record.state
         if state is GenState.SUCCEEDED:
             return  # the DiT released it OK after decoding

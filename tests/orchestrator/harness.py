@@ -118,6 +118,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.endpoint = ""
         # Gates: cleared = hold there. `prefill_gate` holds before arming (PREFILLING),
         # `write_gate` after arming with the writes in flight (TRANSFERRING).
+        self.tokenize_gate = _opened()
         self.prefill_gate = _opened()
         self.write_gate = _opened()
         self.prefill_started = asyncio.Event()
@@ -160,6 +161,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         )
 
     async def stop(self) -> None:
+        self.tokenize_gate.set()
         self.prefill_gate.set()
         self.write_gate.set()
         if self._writers:
@@ -170,6 +172,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
             await self._channel.close()
 
     async def Tokenize(self, request: ar_pb2.TokenizeRequest, context: Any) -> ar_pb2.TokenizeResponse:
+        await self.tokenize_gate.wait()
         return ar_pb2.TokenizeResponse(
             token_counts=[tokens_of(t) for t in request.texts], max_tokens=self.max_tokens
         )

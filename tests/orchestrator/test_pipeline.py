@@ -148,6 +148,7 @@ def test_request_that_does_not_fit_now_waits_then_runs_in_fifo_order() -> None:
             # Neither is placed: nothing fits, and `small` may not overtake `big` later either.
             assert await state_of(c, "big") == QUEUED and await state_of(c, "small") == QUEUED
             assert c.orchestrator.queue_depth() == 2
+            assert c.metric("kvrelay_generations_queued") == 2
             c.ar.prefill_gate.set()
             results = await asyncio.gather(*(collect(x) for x in (a, b, big, small)))
             assert [r[-1].state for r in results] == [SUCCEEDED] * 4
@@ -220,6 +221,22 @@ async def cancel_and_check(c: Cluster, call: object, request_id: str) -> S.Gener
     assert (final.error.code, final.error.reason) == ("CANCELLED", "CANCELLED_BY_CLIENT")
     assert await state_of(c, request_id) == CANCELLED
     return final
+
+
+def test_cancel_while_tokenizing() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.tokenize_gate.clear()
+            call = c.api.Generate(request(request_id="tok", seed=1), timeout=20)
+            await wait_until(lambda: c.orchestrator.store.find("tok") is not None, what="admission")
+            await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="tok"), timeout=5)
+            c.ar.tokenize_gate.set()
+            events = await collect(call)
+            assert [e.state for e in events] == [CANCELLED]
+            assert c.ar.prefills == [] and c.core.list_tickets() == []
+            assert c.orchestrator.queue_depth() == 0
+
+    run(body())
 
 
 def test_cancel_while_queued() -> None:
@@ -351,6 +368,8 @@ def test_ar_replica_unavailable_fails_the_generation() -> None:
             assert final.state == FAILED
             assert final.error.code == "UNAVAILABLE"
             assert "ar-0" in final.error.message
+            ticket = c.core.get_ticket(final.ticket_id)
+            assert (ticket.outcome, ticket.reason) == (TicketOutcome.FAILED, "REPLICA_UNAVAILABLE")
             await c.wait_pool_free()
             assert c.metric("kvrelay_generations_total", {"outcome": "failed"}) == 1
 
@@ -368,6 +387,7 @@ def test_dit_replica_down_fails_with_unavailable() -> None:
             assert final.state == FAILED
             assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE")
             assert "dit-0" in final.error.message
+            assert c.core.get_ticket(final.ticket_id).outcome is TicketOutcome.FAILED
 
     run(body())
 
