@@ -111,6 +111,20 @@ async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: floa
         core.close()
 
 
+@contextlib.asynccontextmanager
+async def broker_process(config: Path, cwd: Path) -> AsyncIterator[Any]:
+    """`python -m kvrelay broker` with this config (its own journal in tmp_path), stopped after."""
+    from tests.procs import start_service
+
+    proc = await asyncio.to_thread(
+        start_service, ["broker", "--config", str(config), "--port", "0", "--metrics-port", "0"], cwd=cwd
+    )
+    try:
+        yield proc
+    finally:
+        await asyncio.to_thread(proc.stop)
+
+
 # ------------------------------------------------------------------------------------------------
 # DiT process
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,14 @@ from kvrelay.dit_service.model import DitRunner
 
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
-from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
+from tests.dit_service.harness import (
+    ArWriter,
+    broker_process,
+    inprocess_broker,
+    start_dit,
+    wait_serving,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -102,7 +109,8 @@ def test_transfer_timeout_keeps_pages_until_late_completion(tmp_path: Path) -> N
     config = write_config(tmp_path, transport="mooncake", transfer_timeout=1.0, drain_quiet_seconds=0.2)
 
     async def scenario() -> None:
-        async with inprocess_broker(drain_quiet_seconds=0.2) as (broker, _core):
+        # The real broker process: its own maintenance loop frees the pages after the quiet period.
+        async with broker_process(config, tmp_path) as broker:
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
                 await wait_serving(dit)
