@@ -220,6 +220,8 @@ class Node:
         self._cwd = os.fspath(cwd) if cwd is not None else None
         self._lock = threading.RLock()
         self._stopping = threading.Event()
+        self._idle = threading.Event()  # the monitor thread no longer touches children
+        self._released = threading.Event()  # every child is stopped: the monitor thread may end
         self._hurry = threading.Event()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
@@ -261,11 +263,17 @@ class Node:
                 return
             self._stopped = True
         self._stopping.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
+        if self._thread is not None:
+            # Wait until the monitor stops spawning; it stays alive (parked) until we are done.
+            self._idle.wait(timeout=30)
         grace = self.grace if grace is None else grace
-        for phase in reversed(self._phases):
-            self._stop_children(phase, grace)
+        try:
+            for phase in reversed(self._phases):
+                self._stop_children(phase, grace)
+        finally:
+            self._released.set()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout=5)
         for child in self._children:
             self._close_channel(child)
             if child.log_file is not None:
@@ -338,6 +346,15 @@ class Node:
     # -- the monitor thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._supervise()
+        finally:
+            self._idle.set()
+            # Children die with the thread that forked them (PR_SET_PDEATHSIG): stay alive until
+            # stop() has taken them down in order, or until this process itself ends.
+            self._released.wait()
+
+    def _supervise(self) -> None:
         try:
             self._start_phases()
         except BaseException as err:  # noqa: BLE001 - handed to the thread that called start()

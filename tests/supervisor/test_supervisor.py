@@ -298,6 +298,9 @@ def test_a_signal_to_kvrelay_up_stops_everything_and_leaves_no_process(
     assert proc.returncode == 0
     assert wait_dead(pids, timeout=5) == []
     assert all(r.get("exit_code") == 0 for r in records(state_dir))  # each child stopped gracefully
+    # Replicas stop first (they deregister while the broker still listens), the broker last.
+    broker_exit = by_name(state_dir, "broker")[0]["exited"]
+    assert all(r["exited"] < broker_exit for r in records(state_dir) if r["name"] != "broker")
 
 
 def test_ctrl_c_while_starting_stops_what_was_started_and_exits_130(tmp_path: Path, state_dir: Path) -> None:
