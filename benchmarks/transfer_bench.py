@@ -209,11 +209,11 @@ def main() -> None:
         # a serving process sees them (one handoff per request, with gaps between).
         tiny: dict[str, list[float]] = {}
         tiny_idle: dict[str, list[float]] = {}
-        for _ in range(args.tiny_reps):
-            for t in transports:
+        for i in range(args.tiny_reps):
+            for t in transports[i % len(transports) :] + transports[: i % len(transports)]:
                 tiny.setdefault(t, []).append(_run(t, TINY_BYTES))
-        for _ in range(args.tiny_reps):
-            for t in transports:
+        for i in range(args.tiny_reps):
+            for t in transports[i % len(transports) :] + transports[: i % len(transports)]:
                 time.sleep(0.02)
                 tiny_idle.setdefault(t, []).append(_run(t, TINY_BYTES))
 

@@ -40,6 +40,10 @@ from kvrelay.transfer.transport import (
     staging_address,
 )
 
+# Below these, a batch uses the plain sync call and does not update the goodput estimate.
+_MIN_NAP_S = 0.001
+_MIN_LEARN_BYTES = 4 << 20
+
 
 class MooncakeError(RuntimeError):
     """The Mooncake engine could not be started or could not register memory."""
@@ -260,8 +264,9 @@ class MooncakeEndpoint:
         rate = self._goodput.get(session)
         nap = self.sleep_fraction * nbytes / rate if rate else 0.0
         t0 = time.perf_counter()
-        if nap < 0.0005:
-            # Short (or first) batches: the sync call is cheaper than submit + status.
+        if nap < _MIN_NAP_S:
+            # Short (or first) batches: the sync call is cheaper than submit + status, and a
+            # sleep this short would overshoot by a good part of itself.
             rc = int(self._engine.batch_transfer_sync_write(session, srcs, dsts, lengths))
         else:
             batch_id = self._engine.batch_transfer_async_write(session, srcs, dsts, lengths)
@@ -270,7 +275,7 @@ class MooncakeEndpoint:
             time.sleep(nap)
             rc = int(self._engine.get_batch_transfer_status([batch_id]))
         elapsed = time.perf_counter() - t0
-        if rc == 0 and nbytes >= (1 << 20):
+        if rc == 0 and nbytes >= _MIN_LEARN_BYTES:
             # EWMA of this peer's goodput; small batches measure latency, not bandwidth. An
             # estimate that is too low oversleeps once and then rises by 1/sleep_fraction.
             observed = nbytes / max(elapsed, 1e-6)
