@@ -51,6 +51,8 @@ log = get_logger(__name__)
 TOKENIZE_TIMEOUT_SECONDS = 10.0
 # How often the queue re-checks placement without a wake-up (leases expire silently).
 PLACEMENT_POLL_SECONDS = 0.5
+# How long a finished image waits for the AR's Prefill reply (its timings) before it is served.
+PREFILL_REPLY_GRACE_SECONDS = 10.0
 # Seconds a stopping broker gives pipelines to end their tickets before it gives up on them.
 STOP_GRACE_SECONDS = 5.0
 
@@ -503,7 +505,15 @@ class Orchestrator:
         try:
             pending: set[asyncio.Task[Any]] = {prefill, denoise}
             while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                # Once the image is here every write was verified, so a Prefill reply that is
+                # still missing only carries timings: wait for it a while, not for its deadline.
+                grace = PREFILL_REPLY_GRACE_SECONDS if denoise.done() else None
+                done, pending = await asyncio.wait(
+                    pending, timeout=grace, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    log.warning("prefill_reply_late", ar_replica=ar.replica_id, waited_s=grace)
+                    break
                 for task in done:
                     task.result()  # the first failure ends the request; `finally` stops the other
             stages_done = True
@@ -522,10 +532,11 @@ class Orchestrator:
             prefill_call.cancel()
             denoise_call.cancel()
             await asyncio.gather(prefill, denoise, watch, return_exceptions=True)
-        reply: ar_pb2.PrefillResponse = prefill.result()
         image: ImageResult = denoise.result()
-        timings["prefill"] = reply.prefill_seconds
-        timings["transfer"] = reply.transfer_seconds
+        if not prefill.cancelled() and prefill.exception() is None:
+            reply: ar_pb2.PrefillResponse = prefill.result()
+            timings["prefill"] = reply.prefill_seconds
+            timings["transfer"] = reply.transfer_seconds
         timings["total"] = self._clock() - record.created_mono
         self._end(record, GenState.SUCCEEDED, image=image, timings=timings)
 
@@ -549,6 +560,9 @@ class Orchestrator:
                     timings["handoff"] = self._clock() - placed_at
                     timings["load"] = event.load_seconds
                     self._start_consuming(job)
+                    # Loaded implies armed and written: a client always sees TRANSFERRING first,
+                    # even when the ticket watch has not reported it yet.
+                    self._advance(record, GenState.TRANSFERRING)
                     self._advance(record, GenState.DENOISING, step=0, timings=timings)
                 elif phase == dit_pb2.DENOISE_PHASE_STEP:
                     self._advance(record, GenState.DENOISING, step=min(event.step, total))

@@ -121,6 +121,8 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.tokenize_gate = _opened()
         self.prefill_gate = _opened()
         self.write_gate = _opened()
+        # Holds the Prefill reply after every write was reported.
+        self.reply_gate = _opened()
         self.prefill_started = asyncio.Event()
         self.armed = asyncio.Event()
         self.fail_prefill: KvRelayServerError | None = None
@@ -162,6 +164,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
 
     async def stop(self) -> None:
         self.tokenize_gate.set()
+        self.reply_gate.set()
         self.prefill_gate.set()
         self.write_gate.set()
         if self._writers:
@@ -201,6 +204,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         writer.add_done_callback(self._writers.discard)
         t0 = time.monotonic()
         total = await asyncio.shield(writer)
+        await self.reply_gate.wait()
         return ar_pb2.PrefillResponse(
             token_counts=[tokens_of(t) for t in request.rows],
             bytes_written=total,

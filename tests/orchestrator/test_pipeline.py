@@ -392,6 +392,23 @@ def test_dit_replica_down_fails_with_unavailable() -> None:
     run(body())
 
 
+def test_image_is_served_when_the_prefill_reply_is_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay.broker import orchestrator
+
+    monkeypatch.setattr(orchestrator, "PREFILL_REPLY_GRACE_SECONDS", 0.2)
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.reply_gate.clear()  # writes reported, the reply never comes
+            events = await collect(c.api.Generate(request(request_id="late-reply", seed=1), timeout=10))
+            final = events[-1]
+            assert final.state == SUCCEEDED
+            assert final.timings.prefill_seconds == 0 and final.timings.load_seconds > 0
+            await c.wait_pool_free()
+
+    run(body())
+
+
 def test_transfer_timeout_is_deadline_exceeded() -> None:
     async def body() -> None:
         async with cluster(transfer_timeout=0.3) as c:
