@@ -382,6 +382,9 @@ class TicketRecord:
         if self.state is TicketState.RELEASED:
             return False
         self._end(TicketOutcome.FAILED, reason)
+        # The outcome stays what the client saw; the reason records why the pages were freed
+        # with writes possibly unresolved (their destination no longer exists).
+        self.reason = reason
         self._apply(TicketEvent.DESTINATION_GONE, now)
         return True
 

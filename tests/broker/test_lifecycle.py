@@ -315,6 +315,15 @@ def test_a_restarted_dit_releases_its_tickets(core, ar, dit) -> None:
     assert pages(core) == (32, 0, 0)
 
 
+def test_a_restarted_dit_frees_a_draining_ticket_keeping_the_clients_outcome(core, ar, dit) -> None:
+    t = armed(core, ar, dit)
+    core.cancel_ticket(t.ticket_id)
+    core.register_replica(new_incarnation(dit))
+    t = core.get_ticket(t.ticket_id)
+    assert (t.state, t.outcome, t.reason) == (TicketState.RELEASED, TicketOutcome.CANCELLED, "DIT_REPLICA_RESTARTED")
+    assert pages(core) == (32, 0, 0)
+
+
 # --- "Invalid pages, missing Worker ranks, and failures without a proven rollback still stop the
 #      replica before teardown."
 
