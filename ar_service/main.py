@@ -43,6 +43,11 @@ def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
 
 
 def _rank_spec(stage: StageConfig) -> ArRankSpec:
+    if stage.model.engine != "builtin":
+        # Say so at start-up rather than load the directory into the built-in decoder silently.
+        raise ConfigError(
+            "stages[0].model.engine: only the built-in engine is available in this build (engine: vllm is not)"
+        )
     transport = stage.transport
     if transport not in ("mooncake", "grpc"):
         raise ConfigError(
@@ -77,6 +82,11 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         print(f"kvrelay ar: --replica {replica} outside [0, {stage.num_replicas}) of stages[0].num_replicas")
         return EXIT_CONFIG
     replica_id = f"ar-{replica}"
+    try:
+        rank_spec = _rank_spec(stage)
+    except ConfigError as err:
+        print(f"kvrelay ar: {err}", file=sys.stderr)
+        return EXIT_CONFIG
     host = args.host or stage.host
     port = stage.port_for(replica) if args.port is None else args.port
     metrics_port = stage.metrics_port_for(replica) if args.metrics_port is None else args.metrics_port
@@ -124,7 +134,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
 
     group = WorkerGroup(
         stage.tensor_parallel_size,
-        _rank_spec(stage),
+        rank_spec,
         devices=stage.devices_for(replica),
         lock=lock,
         name=f"kvrelay-{replica_id}",
@@ -236,6 +246,12 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         await server.stop(grace=1.0)
         await channel.close()
         lock.release()
+        log.info(
+            "ar_stopped",
+            replica_id=replica_id,
+            exit_code=code,
+            reason=stop_reason[0] if stop_reason else None,
+        )
     return code
 
 
