@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.v1 import generation_pb2
 
-from .harness import cluster, collect, error_info, png_size, request, run
+from .harness import cluster, collect, error_info, png_size, request, run, wait_until
 
 S = generation_pb2
 
@@ -237,5 +237,39 @@ def test_metrics_count_outcomes_and_phases() -> None:
             assert c.metric("kvrelay_generation_seconds_count") == 1
             for phase in ("queue", "prefill", "transfer", "load", "denoise", "decode", "handoff", "total"):
                 assert c.metric("kvrelay_phase_seconds_count", {"phase": phase}) == 1, phase
+
+    run(body())
+
+
+def test_duplicate_during_admission_waits_and_attaches() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.tokenize_gate.clear()
+            first = c.api.Generate(request(request_id="dup", seed=1), timeout=10)
+            await wait_until(lambda: c.orchestrator.store.find("dup") is not None, what="admission")
+            second = c.api.Generate(request(request_id="dup", seed=1), timeout=10)
+            other = c.api.Generate(request("other", request_id="dup", seed=1), timeout=10)
+            await asyncio.sleep(0.1)
+            c.ar.tokenize_gate.set()
+            a, b = await asyncio.gather(collect(first), collect(second))
+            assert a[-1].state == b[-1].state == S.GENERATION_STATE_SUCCEEDED
+            assert a[-1].image.png == b[-1].image.png
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(other)
+            assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert c.ar.prefills == ["dup"]
+
+    run(body())
+
+
+def test_rejected_admission_frees_the_request_id() -> None:
+    async def body() -> None:
+        async with cluster(max_tokens=8) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(c.api.Generate(request("far too long", request_id="retry", seed=1), timeout=5))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            # Nothing was accepted under the id: a corrected request may use it.
+            events = await collect(c.api.Generate(request("short", request_id="retry", seed=1), timeout=10))
+            assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
 
     run(body())
