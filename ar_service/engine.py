@@ -303,11 +303,13 @@ def _measure(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--devices", default="cpu", help="cpu, or one CUDA index per rank: 0,1")
     args = parser.parse_args(argv)
+    devices = ["cpu"] * args.tp if args.devices == "cpu" else [f"cuda:{d}" for d in args.devices.split(",")]
     spec = ArRankSpec(
         preset=args.preset, path=None, weight_seed=0, dtype=None, transport="grpc", hostname="127.0.0.1"
     )
-    with WorkerGroup(args.tp, spec, name="kvrelay-ar-measure") as group:
+    with WorkerGroup(args.tp, spec, devices=devices, name="kvrelay-ar-measure") as group:
         threads = group.threads_per_rank
         for n in args.tokens:
             ids = tuple([256] + [97 + i % 26 for i in range(n - 1)])
@@ -320,7 +322,7 @@ def _measure(argv: Sequence[str] | None = None) -> None:
             group.call_all(DropTicket("warmup"))
             median = statistics.median(times)
             print(
-                f"preset={args.preset} tp={args.tp} threads/rank={threads} tokens={n} "
+                f"preset={args.preset} tp={args.tp} devices={args.devices} threads/rank={threads} tokens={n} "
                 f"prefill_ms={median * 1000:.1f} tokens_per_s={n / median:.0f}",
                 flush=True,
             )
