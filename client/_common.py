@@ -34,12 +34,18 @@ CANCEL_TIMEOUT = 5.0
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Retries of idempotent calls: exponential backoff with jitter, bounded by the deadline."""
+    """Retries of idempotent calls: exponential backoff with jitter, bounded by the deadline.
+
+    Unary reads make at most `max_attempts` attempts. A `Generate` with a caller-chosen
+    `request_id` keeps re-attaching for up to `reattach_seconds` without progress (long enough to
+    ride out a replica or broker that `kvrelay up` is restarting), always within its deadline.
+    """
 
     max_attempts: int = 4
     initial_backoff: float = 0.1
     max_backoff: float = 2.0
     multiplier: float = 2.0
+    reattach_seconds: float = 30.0
 
     def backoffs(self) -> Iterator[float]:
         """Delay before attempt 2, 3, ...: `max_attempts - 1` values."""
@@ -47,6 +53,32 @@ class RetryPolicy:
         for _ in range(self.max_attempts - 1):
             yield min(self.max_backoff, delay) * random.uniform(0.8, 1.0)
             delay *= self.multiplier
+
+
+class Reattach:
+    """When to re-attach a Generate stream: backoff while no event arrives, within a window."""
+
+    def __init__(self, policy: RetryPolicy, deadline: Deadline) -> None:
+        self._policy = policy
+        self._deadline = deadline
+        self._failing_since: float | None = None
+        self._delay = policy.initial_backoff
+
+    def progressed(self) -> None:
+        """An event arrived: the next failure starts a fresh window."""
+        self._failing_since = None
+        self._delay = self._policy.initial_backoff
+
+    def next_delay(self) -> float | None:
+        """Seconds to wait before re-attaching, or None to give up."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if now - self._failing_since >= self._policy.reattach_seconds:
+            return None
+        delay = min(self._policy.max_backoff, self._delay) * random.uniform(0.8, 1.0)
+        self._delay *= self._policy.multiplier
+        return delay if self._deadline.allows_sleep(delay) else None
 
 
 def channel_options() -> list[tuple[str, Any]]:

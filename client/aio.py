@@ -23,6 +23,7 @@ from ._common import (
     DEFAULT_RPC_TIMEOUT,
     DEFAULT_TARGET,
     Deadline,
+    Reattach,
     RetryPolicy,
     build_generate_request,
     call_metadata,
@@ -302,7 +303,7 @@ class AsyncGenerationHandle:
     # -- internals ------------------------------------------------------------------------------
 
     async def _follow(self) -> AsyncIterator[GenerationEvent]:
-        backoffs = self._client._retry.backoffs()
+        reattach = Reattach(self._client._retry, self._deadline)
         while self._terminal is None:
             error: KvRelayError
             try:
@@ -313,6 +314,7 @@ class AsyncGenerationHandle:
                         break
                     event = event_from_pb(message)
                     self._observe(event)
+                    reattach.progressed()
                     yield event
                     if self._terminal is not None:
                         return
@@ -329,8 +331,8 @@ class AsyncGenerationHandle:
                 return
             if self._deadline.expired() and error.code != "DEADLINE_EXCEEDED":
                 error = deadline_error("Generate", self._request_id)
-            delay = next(backoffs, None) if (self._reattach and error.retryable) else None
-            if delay is None or not self._deadline.allows_sleep(delay):
+            delay = reattach.next_delay() if (self._reattach and error.retryable) else None
+            if delay is None:
                 raise error
             await asyncio.sleep(delay)
             if self._cancel_requested:

@@ -24,6 +24,7 @@ from ._common import (
     DEFAULT_RPC_TIMEOUT,
     DEFAULT_TARGET,
     Deadline,
+    Reattach,
     RetryPolicy,
     build_generate_request,
     call_metadata,
@@ -265,6 +266,7 @@ class GenerationHandle:
         self._lock = threading.Lock()
         self._iterating = False
         self._cancel_requested = False
+        self._cancel_event = threading.Event()
         self._cancel_outcome: GenerationEvent | None = None
         self._last: GenerationEvent | None = None
         self._terminal: GenerationEvent | None = None
@@ -335,6 +337,7 @@ class GenerationHandle:
             if self._terminal is not None or self._cancel_requested:
                 return
             self._cancel_requested = True
+        self._cancel_event.set()
         error: KvRelayError | None = None
         if self._request_id:
             try:
@@ -368,13 +371,14 @@ class GenerationHandle:
     def _follow(self) -> Iterator[GenerationEvent]:
         self._ended.clear()
         self._failure = None
-        backoffs = self._client._retry.backoffs()
+        reattach = Reattach(self._client._retry, self._deadline)
         while self._terminal is None:
             error: KvRelayError | None = None
             try:
                 for message in self._call:
                     event = event_from_pb(message)
                     self._observe(event)
+                    reattach.progressed()
                     yield event
                     if self._terminal is not None:
                         return
@@ -386,12 +390,12 @@ class GenerationHandle:
                 return
             if self._deadline.expired() and error.code != "DEADLINE_EXCEEDED":
                 error = deadline_error("Generate", self._request_id)
-            delay = next(backoffs, None) if (self._reattach and error.retryable) else None
-            if delay is None or not self._deadline.allows_sleep(delay):
+            delay = reattach.next_delay() if (self._reattach and error.retryable) else None
+            if delay is None:
                 self._failure = error
                 self._ended.set()
                 raise error
-            time.sleep(delay)
+            self._cancel_event.wait(delay)  # a cancel() ends the wait early
             with self._lock:
                 cancelled = self._cancel_requested
                 if not cancelled:

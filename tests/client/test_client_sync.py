@@ -276,6 +276,24 @@ def test_generate_with_a_request_id_reattaches_to_the_same_generation(
     assert sorted(harness.generations) == ["r-1", "r-2"]  # re-attached, never resubmitted
 
 
+def test_reattach_rides_out_an_outage_within_its_window_then_gives_up(
+    server: ServerThread, harness: Harness
+) -> None:
+    patient = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05, reattach_seconds=10)
+    with KvRelayClient(server.address, retry=patient) as client:
+        harness.unavailable["Generate"] = 12  # far more than max_attempts: a restarting broker
+        assert client.generate("x", width=64, height=64, request_id="outage").result().request_id == "outage"
+        assert harness.calls["Generate"] == 13
+    impatient = RetryPolicy(initial_backoff=0.01, max_backoff=0.05, reattach_seconds=0.5)
+    with KvRelayClient(server.address, retry=impatient) as client:
+        harness.unavailable["Generate"] = 10_000
+        started = time.monotonic()
+        with pytest.raises(KvRelayError) as info:
+            client.generate("x", width=64, height=64, request_id="down").result()
+        assert info.value.code == "UNAVAILABLE"
+        assert 0.5 <= time.monotonic() - started < 3
+
+
 def test_same_request_id_with_other_parameters_is_already_exists(client: KvRelayClient) -> None:
     client.generate("x", width=64, height=64, request_id="dup").result()
     again = client.generate("x", width=64, height=64, request_id="dup").result()
