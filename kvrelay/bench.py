@@ -1,0 +1,521 @@
+"""`kvrelay bench`: the seed's throughput experiment, reproducible, side by side in one run.
+
+Starts one node per transported implementation (Mooncake; the gRPC-stream fallback, i.e. the same
+config without `kv_transfer_config`) plus the colocated baseline (AR and DiT in this process, KV
+handed over in memory), warms each up, then runs N independent runs of M requests at concurrency C
+cycling through the dataset, implementations interleaved run by run so that machine drift hits all
+alike. It reports req/s, latency percentiles, handoff time and its share of latency, and bytes
+moved, per run and mean; each implementation's ratio to the fallback in the seed's table format;
+and writes JSON plus PNG plots to the output folder.
+
+A composition root like the CLI: it may import services (the colocated baseline runs them in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvrelay.config import DEFAULT_CONFIG, KvRelayConfig, load_config, parse_config
+from kvrelay.server import reserve_free_port
+
+IMPL_LABELS = {
+    "grpc": "gRPC stream fallback (legacy path)",
+    "mooncake": "Native MooncakeConnector",
+    "colocated": "Colocated (no transfer)",
+}
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    latency_s: float
+    handoff_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class RunResult:
+    impl: str
+    run: int
+    requests: int
+    completed: int
+    failed: int
+    wall_s: float
+    req_per_s: float
+    latency_p50: float
+    latency_p95: float
+    latency_p99: float
+    handoff_p50: float
+    handoff_p99: float
+    handoff_share: float
+    bytes_moved: int
+    phase_means: dict[str, float]
+    latencies: list[float]
+    errors: list[str]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(
+    impl: str, run: int, records: list[RequestRecord], wall_s: float, bytes_moved: int
+) -> RunResult:
+    done = [r for r in records if r.ok]
+    lat = [r.latency_s for r in done]
+    handoff = [r.handoff_s for r in done]
+    phases: dict[str, float] = {}
+    for r in done:
+        for key, value in r.phases.items():
+            phases[key] = phases.get(key, 0.0) + value
+    return RunResult(
+        impl=impl,
+        run=run,
+        requests=len(records),
+        completed=len(done),
+        failed=len(records) - len(done),
+        wall_s=wall_s,
+        req_per_s=len(done) / wall_s if wall_s > 0 else 0.0,
+        latency_p50=percentile(lat, 50),
+        latency_p95=percentile(lat, 95),
+        latency_p99=percentile(lat, 99),
+        handoff_p50=percentile(handoff, 50),
+        handoff_p99=percentile(handoff, 99),
+        handoff_share=(sum(handoff) / sum(lat)) if lat and sum(lat) > 0 else 0.0,
+        bytes_moved=bytes_moved,
+        phase_means={k: v / len(done) for k, v in phases.items()} if done else {},
+        latencies=lat,
+        errors=sorted({r.error for r in records if not r.ok})[:10],
+    )
+
+
+def load_dataset(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"dataset {path} is empty")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Workloads
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    preset: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    prompts: list[dict[str, Any]]
+
+
+def seed_workload(args: argparse.Namespace, preset: str, dataset: list[dict[str, Any]]) -> Workload:
+    return Workload("seed", preset, args.width, args.height, args.steps, args.guidance_scale, dataset)
+
+
+def transfer_workload(dataset: list[dict[str, Any]], max_tokens: int) -> Workload:
+    """Long prompts, the `tiny`-sized image work (64x64, one step): the transport decides throughput.
+
+    Prompts are the dataset's, repeated up to about 90% of the AR's max tokens (byte tokenizer:
+    one token per byte plus BOS), so every request moves a long prefix for both CFG rows.
+    """
+    target = int(max_tokens * 0.9)
+    prompts = []
+    for row in dataset:
+        text = row["prompt"]
+        while len(text.encode()) + len(row["prompt"]) + 2 < target:
+            text = f"{text}; {row['prompt']}"
+        prompts.append(
+            {**row, "prompt": text, "negative_prompt": (row["negative_prompt"] or "low quality") * 1}
+        )
+    return Workload("transfer", "small", 64, 64, 1, 2.0, prompts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Driving a node
+# ------------------------------------------------------------------------------------------------
+
+
+async def drive(
+    target: str, workload: Workload, requests: int, concurrency: int, offset: int
+) -> list[RequestRecord]:
+    from kvrelay.client import AsyncKvRelayClient, KvRelayError
+
+    records: list[RequestRecord] = []
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+
+    async with AsyncKvRelayClient(target, timeout=600.0) as client:
+
+        async def worker() -> None:
+            while True:
+                try:
+                    i = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                row = workload.prompts[(offset + i) % len(workload.prompts)]
+                start = time.perf_counter()
+                try:
+                    handle = await client.generate(
+                        row["prompt"],
+                        negative_prompt=row.get("negative_prompt", ""),
+                        seed=int(row["seed"]),
+                        width=workload.width,
+                        height=workload.height,
+                        num_inference_steps=workload.steps,
+                        guidance_scale=workload.guidance_scale,
+                        timeout=600.0,
+                    )
+                    result = await handle.result()
+                    timings = result.timings.as_dict()
+                    records.append(
+                        RequestRecord(
+                            True, time.perf_counter() - start, timings.get("handoff_seconds", 0.0), timings
+                        )
+                    )
+                except KvRelayError as err:
+                    records.append(
+                        RequestRecord(False, time.perf_counter() - start, error=f"{err.code} {err.reason}")
+                    )
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
+
+
+def scrape_counter(url: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples at `url` (0 when absent)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            head, _, value = line.rpartition(" ")
+            if head.split("{")[0] == name:
+                total += float(value)
+    return total
+
+
+class NodeUnderTest:
+    """One `kvrelay up`-style node (broker + AR + DiT processes) for one implementation."""
+
+    def __init__(self, impl: str, base: dict[str, Any], workdir: Path) -> None:
+        from kvrelay.supervisor import start_node
+
+        self.impl = impl
+        data = json.loads(json.dumps(base))
+        data["broker"]["port"] = reserve_free_port()
+        data["broker"]["metrics_port"] = reserve_free_port()
+        data["broker"]["journal_path"] = str(workdir / f"{impl}-broker.sqlite")
+        for stage in data["stages"]:
+            stage["port"] = reserve_free_port()
+            stage["metrics_port"] = reserve_free_port()
+            if impl == "grpc":
+                stage.pop("kv_transfer_config", None)
+        self.config: KvRelayConfig = parse_config(data, f"bench-{impl}")
+        self.config_path = workdir / f"{impl}.yaml"
+        self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        self.target = f"{self.config.broker.host}:{self.config.broker.port}"
+        ar = self.config.ar_stage
+        self.ar_metrics = [
+            f"http://{ar.host}:{ar.metrics_port_for(r)}/metrics" for r in range(ar.num_replicas)
+        ]
+        # Each node runs in its own folder: replica lock files and state never collide.
+        rundir = workdir / impl
+        rundir.mkdir(parents=True, exist_ok=True)
+        self.node = start_node(self.config_path, log_dir=workdir / f"{impl}-logs", cwd=rundir)
+
+    def bytes_moved(self) -> float:
+        return sum(scrape_counter(url, "kvrelay_transfer_bytes_total") for url in self.ar_metrics)
+
+    def run(
+        self, workload: Workload, requests: int, concurrency: int, run_idx: int
+    ) -> tuple[list[RequestRecord], float, int]:
+        before = self.bytes_moved()
+        start = time.perf_counter()
+        records = asyncio.run(drive(self.target, workload, requests, concurrency, offset=run_idx * requests))
+        wall = time.perf_counter() - start
+        return records, wall, int(self.bytes_moved() - before)
+
+    def stop(self) -> None:
+        self.node.stop()
+
+
+class ColocatedUnderTest:
+    """AR and DiT in this process, KV handed over in memory: the no-transfer baseline."""
+
+    impl = "colocated"
+
+    def __init__(self, preset: str) -> None:
+        from kvrelay.colocated import ColocatedPipeline
+
+        self.pipeline = ColocatedPipeline(preset)
+
+    def run(
+        self, workload: Workload, requests: int, concurrency: int, run_idx: int
+    ) -> tuple[list[RequestRecord], float, int]:
+        # One process computes both stages, one request at a time (max_num_seqs=1 on one worker):
+        # concurrency only queues requests here, so they run back to back.
+        records = []
+        start = time.perf_counter()
+        for i in range(requests):
+            row = workload.prompts[(run_idx * requests + i) % len(workload.prompts)]
+            t0 = time.perf_counter()
+            try:
+                phases = self.pipeline.generate(
+                    row["prompt"],
+                    row.get("negative_prompt", ""),
+                    int(row["seed"]),
+                    workload.width,
+                    workload.height,
+                    workload.steps,
+                    workload.guidance_scale,
+                )
+                records.append(
+                    RequestRecord(True, time.perf_counter() - t0, phases.get("handoff_seconds", 0.0), phases)
+                )
+            except Exception as err:  # noqa: BLE001 - a failed request is a result here
+                records.append(RequestRecord(False, time.perf_counter() - t0, error=repr(err)))
+        return records, time.perf_counter() - start, 0
+
+    def stop(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting
+# ------------------------------------------------------------------------------------------------
+
+
+def seed_table(results: list[RunResult], impls: list[str], runs: int) -> str:
+    """The seed's table (req/s per run and mean), plus each implementation's ratio to the fallback."""
+    head = (
+        "| Implementation | "
+        + " | ".join(f"Run {i + 1} (req/s)" for i in range(runs))
+        + " | Mean (req/s) | Spread | vs fallback |"
+    )
+    sep = "| --- | " + " | ".join("---:" for _ in range(runs)) + " | ---: | ---: | ---: |"
+    lines = [head, sep]
+    means = {
+        impl: statistics.mean([r.req_per_s for r in results if r.impl == impl] or [0.0]) for impl in impls
+    }
+    base = means.get("grpc") or 0.0
+    for impl in impls:
+        per_run = [r.req_per_s for r in results if r.impl == impl]
+        spread = (max(per_run) - min(per_run)) / means[impl] * 100 if per_run and means[impl] else 0.0
+        ratio = f"{means[impl] / base:.4f}x ({(means[impl] / base - 1) * 100:+.2f}%)" if base else "n/a"
+        cells = " | ".join(f"{v:.4f}" for v in per_run)
+        lines.append(f"| {IMPL_LABELS[impl]} | {cells} | {means[impl]:.4f} | ±{spread / 2:.2f}% | {ratio} |")
+    return "\n".join(lines)
+
+
+def detail_table(results: list[RunResult]) -> str:
+    lines = [
+        "| impl | run | done/failed | req/s | p50 s | p95 s | p99 s | handoff p50 ms | handoff p99 ms | handoff share | MiB moved |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.impl} | {r.run + 1} | {r.completed}/{r.failed} | {r.req_per_s:.4f} | {r.latency_p50:.3f} | "
+            f"{r.latency_p95:.3f} | {r.latency_p99:.3f} | {r.handoff_p50 * 1e3:.1f} | {r.handoff_p99 * 1e3:.1f} | "
+            f"{r.handoff_share * 100:.1f}% | {r.bytes_moved / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[RunResult], impls: list[str], out: Path, name: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench: matplotlib missing, no plots (pip install 'kvrelay[bench]')", file=sys.stderr)
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in impls:
+        runs = [r for r in results if r.impl == impl]
+        ax.plot([r.run + 1 for r in runs], [r.req_per_s for r in runs], marker="o", label=impl)
+    ax.set_xlabel("run")
+    ax.set_ylabel("req/s")
+    ax.set_title(f"throughput per run ({name})")
+    ax.legend()
+    paths.append(out / f"{name}-throughput.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in impls:
+        lat = sorted(x for r in results if r.impl == impl for x in r.latencies)
+        if lat:
+            ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], label=impl)
+    ax.set_xlabel("latency (s)")
+    ax.set_ylabel("CDF")
+    ax.set_title(f"request latency ({name})")
+    ax.legend()
+    paths.append(out / f"{name}-latency-cdf.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+    phases = [
+        "queue_seconds",
+        "prefill_seconds",
+        "transfer_seconds",
+        "load_seconds",
+        "denoise_seconds",
+        "decode_seconds",
+    ]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bottom = [0.0] * len(impls)
+    for phase in phases:
+        vals = []
+        for impl in impls:
+            runs = [r.phase_means.get(phase, 0.0) for r in results if r.impl == impl]
+            vals.append(statistics.mean(runs) if runs else 0.0)
+        ax.bar(impls, vals, bottom=bottom, label=phase.removesuffix("_seconds"))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("seconds per request (mean)")
+    ax.set_title(f"phase breakdown ({name})")
+    ax.legend(fontsize=7)
+    paths.append(out / f"{name}-phases.png")
+    fig.savefig(paths[-1], dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------------
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def run_scenario(
+    args: argparse.Namespace, workload: Workload, impls: list[str], base: dict[str, Any], workdir: Path
+) -> dict[str, Any]:
+    data = json.loads(json.dumps(base))
+    for stage in data["stages"]:
+        stage["model"] = {**stage["model"], "preset": workload.preset}
+    nodes: dict[str, Any] = {}
+    try:
+        for impl in impls:
+            print(f"bench[{workload.name}]: starting {impl} ...", file=sys.stderr, flush=True)
+            nodes[impl] = (
+                ColocatedUnderTest(workload.preset)
+                if impl == "colocated"
+                else NodeUnderTest(impl, data, workdir)
+            )
+        for impl, node in nodes.items():
+            if args.warmup:
+                records, _, _ = node.run(workload, args.warmup, min(args.warmup, args.concurrency), run_idx=0)
+                failed = [r.error for r in records if not r.ok]
+                if failed:
+                    raise RuntimeError(f"warm-up of {impl} failed: {failed[:3]}")
+        results: list[RunResult] = []
+        bar = _progress(args.runs * len(impls))
+        for run_idx in range(args.runs):
+            # Interleaved: run k of every implementation before run k+1 of any.
+            for impl in impls:
+                records, wall, moved = nodes[impl].run(workload, args.requests, args.concurrency, run_idx)
+                results.append(summarize(impl, run_idx, records, wall, moved))
+                if bar is not None:
+                    bar.set_postfix_str(f"{impl} run {run_idx + 1}: {results[-1].req_per_s:.3f} req/s")
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+    finally:
+        for node in nodes.values():
+            node.stop()
+    return {
+        "workload": {k: v for k, v in asdict(workload).items() if k != "prompts"},
+        "results": [asdict(r) for r in results],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    impls = ["colocated"] if args.colocated else [i.strip() for i in args.impls.split(",") if i.strip()]
+    unknown = [i for i in impls if i not in IMPL_LABELS]
+    if unknown:
+        print(
+            f"kvrelay bench: unknown implementation(s) {unknown}; known: {list(IMPL_LABELS)}", file=sys.stderr
+        )
+        return 2
+    base_cfg = load_config(args.config or DEFAULT_CONFIG)
+    base = base_cfg.model_dump(mode="json", exclude_none=True)
+    preset = args.preset or base_cfg.ar_stage.model.preset or "small"
+    dataset = load_dataset(args.dataset)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    scenarios = ["seed", "transfer"] if args.scenario == "both" else [args.scenario]
+    report: dict[str, Any] = {"args": vars(args), "dataset_tokens": _token_stats(dataset), "scenarios": {}}
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
+        for name in scenarios:
+            if name == "seed":
+                workload = seed_workload(args, preset, dataset)
+            else:
+                from kvrelay.models.presets import get_preset
+
+                workload = transfer_workload(dataset, get_preset("small").ar.max_tokens)
+            scenario = run_scenario(args, workload, impls, base, Path(tmp))
+            results = [RunResult(**r) for r in scenario["results"]]
+            scenario["seed_table"] = seed_table(results, impls, args.runs)
+            scenario["detail_table"] = detail_table(results)
+            scenario["plots"] = [str(p) for p in plot(results, impls, out, name)]
+            report["scenarios"][name] = scenario
+            print(
+                f"\n## scenario: {name} ({workload.preset}, {workload.width}x{workload.height}, {workload.steps} step(s), "
+                f"guidance {workload.guidance_scale}, {args.runs} runs x {args.requests} requests, concurrency {args.concurrency})\n"
+            )
+            print(scenario["seed_table"])
+            print()
+            print(scenario["detail_table"])
+            all_ok = all(r.failed == 0 for r in results)
+            print(f"\nall requests completed: {all_ok}")
+    (out / "bench.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nbench: JSON and plots in {out}")
+    return 0
+
+
+def _token_stats(dataset: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens = [int(r.get("prompt_tokens", 0)) for r in dataset]
+    neg = [int(r.get("negative_prompt_tokens", 0)) for r in dataset]
+    return {
+        "prompt_tokens_min": min(tokens),
+        "prompt_tokens_max": max(tokens),
+        "prompt_tokens_mean": statistics.mean(tokens),
+        "negative_prompt_tokens_mean": statistics.mean(neg),
+    }
