@@ -182,10 +182,13 @@ def ar_stub(channel: grpc.aio.Channel) -> ar_pb2_grpc.ArServiceStub:
 class _PutKvServicer(dit_pb2_grpc.DitServiceServicer):
     """The receiving half of the gRPC fallback, as the DiT runs it: chunks into the regions."""
 
-    def __init__(self, receiver: Any) -> None:
+    def __init__(self, receiver: Any, delay_s: float = 0.0) -> None:
         self.receiver = receiver
+        self.delay_s = delay_s
 
     async def PutKv(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> dit_pb2.PutKvResponse:
+        # A slow receiver keeps a write in flight long enough for a test to cancel the request.
+        await asyncio.sleep(self.delay_s)
         sink = self.receiver.sink()
         async for chunk in request_iterator:
             sink.apply(chunk)
@@ -196,8 +199,16 @@ class Receiver:
     """A DiT stand-in with `world_size` rank regions of `num_pages` pages each."""
 
     def __init__(
-        self, broker_address: str, *, preset: str, transport: str, world_size: int, num_pages: int
+        self,
+        broker_address: str,
+        *,
+        preset: str,
+        transport: str,
+        world_size: int,
+        num_pages: int,
+        put_delay_s: float = 0.0,
     ) -> None:
+        self.put_delay_s = put_delay_s
         self.preset = get_preset(preset)
         self.geometry = self.preset.kv_geometry(PAGE_SIZE)
         self.transport = transport
@@ -226,7 +237,7 @@ class Receiver:
                 registrations=[
                     (
                         dit_pb2_grpc.add_DitServiceServicer_to_server,
-                        _PutKvServicer(self),
+                        _PutKvServicer(self, self.put_delay_s),
                         "kvrelay.v1.DitService",
                     )
                 ],

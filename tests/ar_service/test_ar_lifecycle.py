@@ -184,3 +184,49 @@ def test_fenced_replica_fails_stop_with_exit_code_3_and_a_new_incarnation_can_st
                 again.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_cancelled_request_never_interrupts_a_write_in_flight(tmp_path: Path) -> None:
+    """The caller cancels Prefill while the AR's write is in flight (a slow gRPC-fallback receiver):
+    the write still completes, every write is reported, and the pages hold the prefill."""
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, _core):
+            receiver = Receiver(
+                broker.address, preset="tiny", transport="grpc", world_size=1, num_pages=16, put_delay_s=1.5
+            )
+            await receiver.start()
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(ar.address)
+                ticket = await receiver.create_ticket([len(ByteTokenizer().encode(PROMPT))])
+                async with grpc.aio.insecure_channel(ar.address) as channel:
+                    call = ar_stub(channel).Prefill(
+                        ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, rows=[PROMPT]), timeout=60.0
+                    )
+
+                    async def armed() -> bool:
+                        return bool((await receiver.ticket(ticket.ticket_id)).armed)
+
+                    await _wait_for(armed, timeout=20.0, interval=0.02)
+                    call.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await call
+
+                async def reported() -> broker_pb2.Ticket | None:
+                    t = await receiver.ticket(ticket.ticket_id)
+                    return (
+                        t if all(w.status != common_pb2.WRITE_STATUS_UNSPECIFIED for w in t.writes) else None
+                    )
+
+                done = await _wait_for(reported, timeout=20.0)
+                assert [w.status for w in done.writes] == [common_pb2.WRITE_STATUS_OK]
+                local = build_ar_model(preset="tiny", seed=0).prefill(ByteTokenizer().encode(PROMPT))
+                assert torch.equal(receiver.row(0, done, 0), local)
+                assert ar.stop() == 0, ar.output()
+            finally:
+                ar.stop()
+                await receiver.close()
+
+    asyncio.run(scenario())
