@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import structlog
 from kvrelay.broker.journal import Journal, Synchronous
@@ -666,7 +666,7 @@ class BrokerCore:
             raise Unavailable("REPLICA_DOWN", f"replica {replica_id} is down (lease expired or deregistered)")
         return record
 
-    def _fence_and_raise(self, replica_id: ReplicaId, err: BrokenInvariant) -> Any:
+    def _fence_and_raise(self, replica_id: ReplicaId, err: BrokenInvariant) -> NoReturn:
         self.fence_replica(replica_id, f"{err.reason}: {err.message}")
         raise err
 
