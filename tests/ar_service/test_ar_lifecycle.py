@@ -230,3 +230,84 @@ def test_a_cancelled_request_never_interrupts_a_write_in_flight(tmp_path: Path) 
                 await receiver.close()
 
     asyncio.run(scenario())
+
+
+def test_sigterm_lets_a_running_write_finish_and_report_then_exits_0(tmp_path: Path) -> None:
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            receiver = Receiver(
+                broker.address, preset="tiny", transport="grpc", world_size=1, num_pages=16, put_delay_s=1.5
+            )
+            await receiver.start()
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(ar.address)
+                ticket = await receiver.create_ticket([len(ByteTokenizer().encode(PROMPT))])
+                async with grpc.aio.insecure_channel(ar.address) as channel:
+                    call = ar_stub(channel).Prefill(
+                        ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, rows=[PROMPT]), timeout=60.0
+                    )
+
+                    async def armed() -> bool:
+                        return bool((await receiver.ticket(ticket.ticket_id)).armed)
+
+                    await _wait_for(armed, timeout=20.0, interval=0.02)
+                    ar.proc.terminate()
+                    reply = await call
+                assert reply.bytes_written > 0
+                assert await asyncio.to_thread(ar.proc.wait, 30) == 0, ar.output()
+                done = await receiver.ticket(ticket.ticket_id)
+                assert [w.status for w in done.writes] == [common_pb2.WRITE_STATUS_OK]
+                # Deregistered on the way out: no new tickets go to it.
+                assert core.get_replica("ar-0").up is False
+            finally:
+                ar.stop()
+                await receiver.close()
+
+    asyncio.run(scenario())
+
+
+def test_broker_restart_reregisters_the_same_incarnation(tmp_path: Path) -> None:
+    from kvrelay.server import reserve_free_port
+    from tests.procs import start_service
+
+    config = write_config(tmp_path, transport="mooncake", lease_seconds=1.5)
+    port = reserve_free_port()
+
+    def broker() -> object:
+        return start_service(["broker", "--config", str(config), "--port", str(port)], cwd=tmp_path)
+
+    async def replicas(address: str) -> list[broker_pb2.ReplicaInfo]:
+        from kvrelay.v1 import broker_pb2_grpc
+
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+            return list((await stub.ListReplicas(broker_pb2.ListReplicasRequest(), timeout=5.0)).replicas)
+
+    async def scenario() -> None:
+        first = await asyncio.to_thread(broker)
+        address = first.address  # type: ignore[attr-defined]
+        ar = await asyncio.to_thread(start_ar, config, address, cwd=tmp_path)
+        second = None
+        try:
+            await wait_serving(ar.address)
+            (before,) = await replicas(address)
+            assert await asyncio.to_thread(first.stop) == 0  # type: ignore[attr-defined]
+            second = await asyncio.to_thread(broker)
+
+            async def back_up() -> broker_pb2.ReplicaInfo | None:
+                reps = await replicas(address)
+                return reps[0] if reps and reps[0].up else None
+
+            after = await _wait_for(back_up, timeout=20.0)
+            assert after.replica_id == "ar-0" and after.incarnation_id == before.incarnation_id
+            assert ar.proc.poll() is None, ar.output()
+            assert ar.stop() == 0, ar.output()
+        finally:
+            ar.stop()
+            if second is not None:
+                second.stop()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
