@@ -199,3 +199,55 @@ def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
             core.close()
 
     asyncio.run(scenario())
+
+
+def test_unknown_ids_and_filters_over_loopback() -> None:
+    async def scenario() -> None:
+        core = BrokerCore(None, journal_synchronous="OFF")
+        server = grpc.aio.server()
+        add_broker_servicer(core, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        try:
+            async def watch_unknown() -> None:
+                async for _ in stub.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id="nope"), timeout=TIMEOUT):
+                    pass
+
+            await expect_error(watch_unknown(), grpc.StatusCode.NOT_FOUND, "UNKNOWN_TICKET")
+            await expect_error(stub.Heartbeat(broker_pb2.HeartbeatRequest(replica_id="ar-9", incarnation_id="x"),
+                                              timeout=TIMEOUT), grpc.StatusCode.NOT_FOUND, "UNKNOWN_REPLICA")
+            await expect_error(stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-9"), timeout=TIMEOUT),
+                               grpc.StatusCode.NOT_FOUND, "UNKNOWN_REPLICA")
+            no_role = broker_pb2.ReplicaInfo(replica_id="x", incarnation_id="i", layout_version=LAYOUT_VERSION)
+            await expect_error(stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=no_role),
+                                                    timeout=TIMEOUT), grpc.StatusCode.INVALID_ARGUMENT,
+                               "INVALID_ARGUMENT")
+            await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(
+                replica=replica("ar-0", common_pb2.REPLICA_ROLE_AR)), timeout=TIMEOUT)
+            await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(
+                replica=replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=8)), timeout=TIMEOUT)
+            for i, rows in enumerate(([5], [5, 5])):
+                await stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                    request_id=f"r{i}", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=rows),
+                    timeout=TIMEOUT)
+            first = (await stub.ListTickets(broker_pb2.ListTicketsRequest(), timeout=TIMEOUT)).tickets[0]
+            await stub.CancelTicket(broker_pb2.CancelTicketRequest(ticket_id=first.ticket_id), timeout=TIMEOUT)
+            live = await stub.ListTickets(broker_pb2.ListTicketsRequest(), timeout=TIMEOUT)
+            assert [t.request_id for t in live.tickets] == ["r1"]
+            released = await stub.ListTickets(broker_pb2.ListTicketsRequest(
+                states=[broker_pb2.TICKET_STATE_RELEASED]), timeout=TIMEOUT)
+            assert [(t.request_id, t.outcome) for t in released.tickets] == [("r0", broker_pb2.TICKET_OUTCOME_CANCELLED)]
+            await expect_error(stub.ListTickets(broker_pb2.ListTicketsRequest(
+                states=[broker_pb2.TICKET_STATE_UNSPECIFIED]), timeout=TIMEOUT),
+                grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+            await expect_error(stub.ReserveTicket(broker_pb2.ReserveTicketRequest(
+                ticket_id=first.ticket_id, ar_replica_id="ar-0", incarnation_id="ar-0-inc-1"), timeout=TIMEOUT),
+                grpc.StatusCode.FAILED_PRECONDITION, "TICKET_RELEASED")
+        finally:
+            await channel.close()
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
