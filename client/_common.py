@@ -56,24 +56,37 @@ class RetryPolicy:
 
 
 class Reattach:
-    """When to re-attach a Generate stream: backoff while no event arrives, within a window."""
+    """When to re-attach a Generate stream: backoff while no event arrives, within a window.
+
+    The window applies once a kvrelay server has answered (an event, or an error carrying a
+    server's reason such as NO_AR_REPLICA): then something is being restarted and is worth
+    waiting for. A target that never answered (nothing listening) gets only `max_attempts`, so
+    a typo or a node that is not up fails in about a second, not after the whole window.
+    """
 
     def __init__(self, policy: RetryPolicy, deadline: Deadline) -> None:
         self._policy = policy
         self._deadline = deadline
         self._failing_since: float | None = None
         self._delay = policy.initial_backoff
+        self._attempts = 1
+        self._contacted = False
 
     def progressed(self) -> None:
         """An event arrived: the next failure starts a fresh window."""
+        self._contacted = True
         self._failing_since = None
         self._delay = self._policy.initial_backoff
 
-    def next_delay(self) -> float | None:
-        """Seconds to wait before re-attaching, or None to give up."""
+    def next_delay(self, error: KvRelayError) -> float | None:
+        """Seconds to wait before re-attaching after `error`, or None to give up."""
         now = time.monotonic()
+        self._contacted = self._contacted or error.reason != error.code
         if self._failing_since is None:
             self._failing_since = now
+        self._attempts += 1
+        if not self._contacted and self._attempts > self._policy.max_attempts:
+            return None
         if now - self._failing_since >= self._policy.reattach_seconds:
             return None
         delay = min(self._policy.max_backoff, self._delay) * random.uniform(0.8, 1.0)

@@ -331,7 +331,7 @@ class AsyncGenerationHandle:
                 return
             if self._deadline.expired() and error.code != "DEADLINE_EXCEEDED":
                 error = deadline_error("Generate", self._request_id)
-            delay = reattach.next_delay() if (self._reattach and error.retryable) else None
+            delay = reattach.next_delay(error) if (self._reattach and error.retryable) else None
             if delay is None:
                 raise error
             await asyncio.sleep(delay)

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -123,7 +124,9 @@ def run_generate(args: argparse.Namespace) -> int:
                 height=getattr(args, "height", 512),
                 num_inference_steps=getattr(args, "steps", 2),
                 guidance_scale=getattr(args, "guidance_scale", 2.0),
-                request_id=getattr(args, "request_id", None),
+                # Always an id of our own: the stream can then re-attach (a broker or replica being
+                # restarted) and Ctrl-C can cancel by id even before the first event.
+                request_id=getattr(args, "request_id", None) or uuid.uuid4().hex,
                 timeout=getattr(args, "timeout", None),
             )
             for event in handle.events():

@@ -325,6 +325,12 @@ def test_an_unreachable_broker_is_unavailable_not_a_raw_grpc_error() -> None:
         with pytest.raises(KvRelayError) as info:
             client.generate("x").result()
         assert info.value.code == "UNAVAILABLE"
+        # With a request_id too: nothing ever answered, so no waiting out the re-attach window.
+        started = time.monotonic()
+        with pytest.raises(KvRelayError) as info:
+            client.generate("x", request_id="nobody-home").result()
+        assert info.value.code == "UNAVAILABLE"
+        assert time.monotonic() - started < 3
 
 
 def test_a_2048_square_png_fits_in_one_message(client: KvRelayClient) -> None:
