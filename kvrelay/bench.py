@@ -272,10 +272,10 @@ class ColocatedUnderTest:
 
     impl = "colocated"
 
-    def __init__(self, preset: str) -> None:
+    def __init__(self, preset: str, device: str = "cpu") -> None:
         from kvrelay.colocated import ColocatedPipeline
 
-        self.pipeline = ColocatedPipeline(preset)
+        self.pipeline = ColocatedPipeline(preset, device=device)
 
     def run(
         self, workload: Workload, requests: int, concurrency: int, run_idx: int
@@ -434,11 +434,12 @@ def run_scenario(
     try:
         for impl in impls:
             print(f"bench[{workload.name}]: starting {impl} ...", file=sys.stderr, flush=True)
-            nodes[impl] = (
-                ColocatedUnderTest(workload.preset)
-                if impl == "colocated"
-                else NodeUnderTest(impl, data, workdir)
-            )
+            if impl == "colocated":
+                # The baseline runs where the DiT stage would: on its first device.
+                device = parse_config(data).dit_stage.devices_for(0)[0]
+                nodes[impl] = ColocatedUnderTest(workload.preset, device)
+            else:
+                nodes[impl] = NodeUnderTest(impl, data, workdir)
         for impl, node in nodes.items():
             if args.warmup:
                 records, _, _ = node.run(workload, args.warmup, min(args.warmup, args.concurrency), run_idx=0)

@@ -37,9 +37,11 @@ class ColocatedPipeline:
         """One generation; returns its phase timings (seconds) like a served request's."""
         from kvrelay.dit_service.image import encode_png
 
+        sync = torch.cuda.synchronize if self.pool.is_cuda else (lambda: None)
         t0 = time.perf_counter()
         texts = [prompt, negative_prompt] if guidance_scale > 1.0 else [prompt]
         kvs = [self.ar.prefill(self.tokenizer.encode(text)) for text in texts]
+        sync()
         t1 = time.perf_counter()
         prefix_rows = []
         for row, kv in enumerate(kvs):
@@ -47,10 +49,12 @@ class ColocatedPipeline:
             pages = list(range(row * self.pages_per_row, row * self.pages_per_row + self.layout.geometry.pages_for(n)))
             write_prefix(self.pool, self.layout, pages, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
             prefix_rows.append(read_prefix(self.pool, self.layout, pages, n))
+        sync()
         t2 = time.perf_counter()
         latents = self.dit.denoise(
             prefix_rows, width=width, height=height, steps=steps, guidance_scale=guidance_scale, seed=seed
         )
+        sync()
         t3 = time.perf_counter()
         png = encode_png(self.dit.decode(latents))
         t4 = time.perf_counter()
