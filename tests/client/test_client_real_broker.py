@@ -7,6 +7,7 @@ empty registry, the bearer token), decoded by the client exactly as users will s
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +55,19 @@ def test_the_real_broker_answers_reads_and_errors_through_the_sdk(broker: Node) 
             client.generate("a fox", width=64, height=64, timeout=20).result()
         assert info.value.code == "UNAVAILABLE"
         assert [g for g in client.list_generations() if g.state == GenerationState.SUCCEEDED] == []
+
+
+def test_a_request_id_waits_for_a_replica_within_the_reattach_window(broker: Node) -> None:
+    # The broker answers UNAVAILABLE with its own reason (no AR replica is up): with a request_id
+    # the handle keeps re-attaching for the window, as it would while a replica restarts.
+    window = RetryPolicy(initial_backoff=0.05, max_backoff=0.2, reattach_seconds=1.5)
+    with KvRelayClient(broker.address(), token=TOKEN, retry=window) as client:
+        started = time.monotonic()
+        with pytest.raises(KvRelayError) as info:
+            client.generate("a fox", width=64, height=64, request_id="waits-for-ar").result()
+        elapsed = time.monotonic() - started
+    assert info.value.code == "UNAVAILABLE" and info.value.reason != "UNAVAILABLE"
+    assert 1.5 <= elapsed < 6
 
 
 def test_the_real_broker_requires_the_api_token_on_the_public_api(broker: Node) -> None:
