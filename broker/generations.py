@@ -11,15 +11,20 @@ this module only records them and tells subscribers.
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import grpc
 
 from kvrelay.errors import KvRelayServerError, not_found
+from kvrelay.logging import get_logger
+
+log = get_logger(__name__)
 
 RequestId = str
 
@@ -135,6 +140,9 @@ class GenerationRecord:
     ticket_id: str = ""
     update_time: float = 0.0
     finished_mono: float | None = None
+    finished_wall: float | None = None
+    # Written to the journal (so its row must be deleted when the generation is forgotten).
+    persisted: bool = False
     subscribers: list[asyncio.Queue[GenerationSnapshot]] = field(default_factory=list)
     # Set once the generation is terminal; waiters (cancel, tests) use it.
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -175,6 +183,62 @@ class GenerationRecord:
             self.subscribers.remove(queue)
 
 
+def record_to_json(record: GenerationRecord) -> dict[str, Any]:
+    image = record.image
+    return {
+        "request_id": record.request_id,
+        "params": asdict(record.params),
+        "state": record.state.name,
+        "step": record.step,
+        "image": None
+        if image is None
+        else {
+            "png": base64.b64encode(image.png).decode(),
+            "width": image.width,
+            "height": image.height,
+            "seed": image.seed,
+        },
+        "timings": record.timings,
+        "error": None if record.error is None else asdict(record.error),
+        "ticket_id": record.ticket_id,
+        "create_time": record.create_time,
+        "update_time": record.update_time,
+        "finished_wall": record.finished_wall,
+    }
+
+
+def record_from_json(data: dict[str, Any], finished_mono: float) -> GenerationRecord:
+    image = data["image"]
+    record = GenerationRecord(
+        request_id=data["request_id"],
+        params=GenerationParams(**data["params"]),
+        create_time=data["create_time"],
+        created_mono=finished_mono - (data["finished_wall"] - data["create_time"]),
+        state=GenState[data["state"]],
+        step=data["step"],
+        image=None
+        if image is None
+        else ImageResult(base64.b64decode(image["png"]), image["width"], image["height"], image["seed"]),
+        timings=dict(data["timings"]),
+        error=None if data["error"] is None else ErrorInfo(**data["error"]),
+        ticket_id=data["ticket_id"],
+        update_time=data["update_time"],
+        finished_mono=finished_mono,
+        finished_wall=data["finished_wall"],
+        persisted=True,
+    )
+    record.done.set()
+    return record
+
+
+class GenerationJournal(Protocol):
+    """The part of the broker's journal (kvrelay.broker.journal.Journal) this store uses."""
+
+    def commit(self, *, generations: dict[str, dict[str, Any] | None]) -> None: ...
+
+    def load(self) -> Any: ...
+
+
 class GenerationStore:
     """Every generation by request_id: the live ones and the finished ones still retained.
 
@@ -189,8 +253,10 @@ class GenerationStore:
         max_results: int,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        journal: GenerationJournal | None = None,
     ) -> None:
         self.result_ttl_seconds = result_ttl_seconds
+        self._journal = journal
         self.max_results = max_results
         self._clock = clock
         self._wall = wall_clock
@@ -293,6 +359,7 @@ class GenerationStore:
             queue.put_nowait(snap)
         if state.terminal:
             record.finished_mono = self._clock()
+            record.finished_wall = self._wall()
             self._live.pop(record.request_id, None)
             self._finished[record.request_id] = record
             self._finished.move_to_end(record.request_id)
@@ -303,6 +370,7 @@ class GenerationStore:
 
     def expire(self) -> None:
         now = self._clock()
+        forgotten: dict[str, dict[str, Any] | None] = {}
         while self._finished:
             request_id, oldest = next(iter(self._finished.items()))
             assert oldest.finished_mono is not None, f"generation {request_id} finished without a finish time"
@@ -310,6 +378,57 @@ class GenerationStore:
             if not too_many and now - oldest.finished_mono < self.result_ttl_seconds:
                 break
             del self._finished[request_id]
+            if oldest.persisted:
+                forgotten[request_id] = None
+        if forgotten:
+            self._write(forgotten)
+
+    # --------------------------------------------------------------- persistence
+    # Only finished generations are journaled: one write when a generation ends, one delete
+    # when it is forgotten. A live generation does not survive a broker restart (its ticket is
+    # orphaned by BrokerCore), so there is nothing of it worth restoring.
+
+    def persist(self, record: GenerationRecord) -> None:
+        """Journal a finished generation so GetGeneration serves it across a broker restart."""
+        if self._journal is None or not record.state.terminal:
+            return
+        if self._finished.get(record.request_id) is not record:
+            return  # already forgotten (e.g. max_results 1 and a burst of endings)
+        if self._write({record.request_id: record_to_json(record)}):
+            record.persisted = True
+
+    def restore(self) -> int:
+        """Load the finished generations the journal holds that are still within retention."""
+        if self._journal is None:
+            return 0
+        rows = self._journal.load().generations
+        now_wall, now = self._wall(), self._clock()
+        expired: dict[str, dict[str, Any] | None] = {}
+        restored = 0
+        for data in sorted(rows.values(), key=lambda d: d.get("finished_wall") or 0.0):
+            age = now_wall - (data.get("finished_wall") or 0.0)
+            if (
+                data.get("state") not in ("SUCCEEDED", "FAILED", "CANCELLED")
+                or age >= self.result_ttl_seconds
+            ):
+                expired[data["request_id"]] = None
+                continue
+            record = record_from_json(data, now - max(0.0, age))
+            self._finished[record.request_id] = record
+            restored += 1
+        if expired:
+            self._write(expired)
+        self.expire()
+        return restored
+
+    def _write(self, rows: dict[str, dict[str, Any] | None]) -> bool:
+        assert self._journal is not None
+        try:
+            self._journal.commit(generations=rows)
+        except Exception:  # noqa: BLE001 - retention across restarts is best effort, serving is not
+            log.exception("generation_journal_write_failed", rows=len(rows))
+            return False
+        return True
 
     @staticmethod
     def _finish_subscribers(record: GenerationRecord) -> None:

@@ -154,7 +154,10 @@ class Orchestrator:
         self.denoise_timeout = cfg.dit_stage.request_timeout_seconds
         self._clock = clock
         self.store = GenerationStore(
-            result_ttl_seconds=cfg.broker.result_ttl_seconds, max_results=cfg.broker.max_results, clock=clock
+            result_ttl_seconds=cfg.broker.result_ttl_seconds,
+            max_results=cfg.broker.max_results,
+            clock=clock,
+            journal=core.journal,
         )
         self.metrics = GenerationMetrics(
             registry if registry is not None else CollectorRegistry(), lambda: len(self._queue)
@@ -173,6 +176,9 @@ class Orchestrator:
     # ================================================================ lifecycle
 
     async def start(self) -> None:
+        restored = self.store.restore()
+        if restored:
+            log.info("generations_restored", count=restored)
         self._tasks = [
             asyncio.create_task(self._placement_loop(), name="orchestrator-placement"),
             asyncio.create_task(self._core_change_relay(), name="orchestrator-core-changes"),
@@ -636,8 +642,9 @@ class Orchestrator:
         self.store.update(record, state, error=error, image=image, timings=timings)
         snap = record.snapshot()
         if counted:
-            # Generations rejected at admission were never accepted: not counted.
+            # Generations rejected at admission were never accepted: not counted, not kept.
             self.metrics.finished(snap)
+            self.store.persist(record)
         log.info(
             "generation_finished",
             request_id=record.request_id,

@@ -535,12 +535,13 @@ async def cluster(
     transfer_timeout: float = 5.0,
     step_seconds: float = 0.0,
     drain_quiet_seconds: float = 0.05,
+    journal_path: str | None = None,
     **broker: Any,
 ) -> AsyncIterator[Cluster]:
     cfg = test_config(**broker)
     clock_offset = [0.0]
     core = BrokerCore(
-        None, lease_seconds=60.0, drain_quiet_seconds=drain_quiet_seconds, journal_synchronous="OFF"
+        journal_path, lease_seconds=60.0, drain_quiet_seconds=drain_quiet_seconds, journal_synchronous="OFF"
     )
     registry = CollectorRegistry()
     orchestrator = Orchestrator(core, cfg, registry, clock=lambda: time.monotonic() + clock_offset[0])

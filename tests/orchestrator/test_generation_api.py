@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
+from pathlib import Path
 
 import grpc
 import pytest
 
+from kvrelay.errors import KvRelayServerError
 from kvrelay.v1 import generation_pb2
 
 from .harness import cluster, collect, error_info, png_size, request, run, wait_until
@@ -183,7 +186,7 @@ def test_list_generations_newest_first_filtered_without_images() -> None:
                 await collect(c.api.Generate(request(request_id=f"l{i}", seed=i), timeout=10))
             c.ar.prefill_gate.clear()
             live = c.api.Generate(request(request_id="l3", seed=3), timeout=10)
-            await c.ar.prefill_started.wait()
+            await wait_until(lambda: "l3" in c.ar.prefills, what="l3 prefilling")
             listed = (await c.api.ListGenerations(S.ListGenerationsRequest(), timeout=5)).generations
             assert [g.request_id for g in listed] == ["l3", "l2", "l1", "l0"]
             assert all(not g.image.png for g in listed)
@@ -228,7 +231,7 @@ def test_metrics_count_outcomes_and_phases() -> None:
             await collect(c.api.Generate(request(seed=1), timeout=10))
             c.ar.prefill_gate.clear()
             call = c.api.Generate(request(request_id="to-cancel", seed=2), timeout=10)
-            await c.ar.prefill_started.wait()
+            await wait_until(lambda: "to-cancel" in c.ar.prefills, what="prefilling")
             await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="to-cancel"), timeout=5)
             await collect(call)
             assert c.metric("kvrelay_generations_total", {"outcome": "succeeded"}) == 1
@@ -271,5 +274,44 @@ def test_rejected_admission_frees_the_request_id() -> None:
             # Nothing was accepted under the id: a corrected request may use it.
             events = await collect(c.api.Generate(request("short", request_id="retry", seed=1), timeout=10))
             assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+
+    run(body())
+
+
+def test_finished_generations_survive_a_broker_restart(tmp_path: Path) -> None:
+    from kvrelay.broker.core import BrokerCore
+    from kvrelay.broker.orchestrator import Orchestrator
+
+    from .harness import test_config
+
+    journal = str(tmp_path / "broker.sqlite")
+
+    async def body() -> None:
+        async with cluster(journal_path=journal) as c:
+            kept = (await collect(c.api.Generate(request(request_id="kept", seed=1), timeout=10)))[-1]
+            c.ar.prefill_gate.clear()
+            live = c.api.Generate(request(request_id="live", seed=2), timeout=10)
+            await wait_until(lambda: "live" in c.ar.prefills, what="live prefilling")
+            live.cancel()
+            await wait_until(lambda: c.orchestrator.get("live").state.terminal, what="live cancelled")
+        # A new broker process on the same journal.
+        core = BrokerCore(journal, journal_synchronous="OFF")
+        orch = Orchestrator(core, test_config(result_ttl_seconds=30))
+        await orch.start()
+        try:
+            snap = orch.get("kept")
+            assert snap.state.name == "SUCCEEDED" and snap.image is not None
+            assert snap.image.png == kept.image.png
+            assert snap.timings["total"] == pytest.approx(kept.timings.total_seconds)
+            assert snap.params.seed == 1
+            assert orch.get("live").state.name == "CANCELLED"
+            # Past its retention it is forgotten, in memory and in the journal.
+            orch.store._clock = lambda: time.monotonic() + 31  # noqa: SLF001 - drive retention time
+            with pytest.raises(KvRelayServerError):
+                orch.get("kept")
+            assert core.journal.load().generations == {}
+        finally:
+            await orch.stop()
+            core.close()
 
     run(body())
