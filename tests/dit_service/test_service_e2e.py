@@ -319,3 +319,54 @@ def test_dead_rank_fails_stop(tmp_path: Path) -> None:
                 await asyncio.to_thread(dit.stop)
 
     asyncio.run(scenario())
+
+
+def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> None:
+    """max_num_seqs=1: while ticket A denoises, ticket C's Denoise arrives before B's; B was
+    reserved first, so B is admitted (LOADING) before C."""
+    config = write_config(tmp_path, transport="mooncake", max_num_seqs=1)
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                tickets = [await writer.create_ticket([6]) for _ in range(3)]  # A, B, C in reservation order
+                for t in tickets:
+                    armed = await writer.arm(t.ticket_id)
+                    outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv([6], seed=0))
+                    await writer.report(t.ticket_id, outcomes)
+                order: list[str] = []
+
+                async def run(ticket: broker_pb2.Ticket, name: str, steps: int, started: asyncio.Event) -> None:
+                    async for event in stub.Denoise(dit_pb2.DenoiseRequest(
+                            ticket_id=ticket.ticket_id, width=128, height=128, num_inference_steps=steps,
+                            guidance_scale=1.0, seed=0), timeout=60.0):
+                        if event.phase == dit_pb2.DENOISE_PHASE_LOADING:
+                            order.append(name)
+                        if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                            started.set()
+
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    a_running, unused = asyncio.Event(), asyncio.Event()
+                    # A runs until the test cancels it, so B and C surely both wait for its slot.
+                    a = asyncio.ensure_future(run(tickets[0], "A", 1000, a_running))
+                    await a_running.wait()
+                    c = asyncio.ensure_future(run(tickets[2], "C", 1, unused))
+                    await asyncio.sleep(0.3)
+                    b = asyncio.ensure_future(run(tickets[1], "B", 1, unused))
+                    await asyncio.sleep(0.3)
+                    assert order == ["A"]
+                    a.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await a
+                    await asyncio.gather(b, c)
+                assert order == ["A", "B", "C"]
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
