@@ -136,22 +136,26 @@ def seed_workload(args: argparse.Namespace, preset: str, dataset: list[dict[str,
     return Workload("seed", preset, args.width, args.height, args.steps, args.guidance_scale, dataset)
 
 
-def transfer_workload(dataset: list[dict[str, Any]], max_tokens: int) -> Workload:
-    """Long prompts, the `tiny`-sized image work (64x64, one step): the transport decides throughput.
+def transfer_workload(dataset: list[dict[str, Any]], preset: str, max_tokens: int) -> Workload:
+    """Long prompts and negative prompts, tiny image work (64x64, one step): the transport decides throughput.
 
     Prompts are the dataset's, repeated up to about 90% of the AR's max tokens (byte tokenizer:
     one token per byte plus BOS), so every request moves a long prefix for both CFG rows.
     """
     target = int(max_tokens * 0.9)
     prompts = []
+
+    def stretch(seed_text: str) -> str:
+        text = seed_text
+        while len(text.encode()) + len(seed_text.encode()) + 2 < target:
+            text = f"{text}; {seed_text}"
+        return text
+
     for row in dataset:
-        text = row["prompt"]
-        while len(text.encode()) + len(row["prompt"]) + 2 < target:
-            text = f"{text}; {row['prompt']}"
         prompts.append(
-            {**row, "prompt": text, "negative_prompt": (row["negative_prompt"] or "low quality") * 1}
+            {**row, "prompt": stretch(row["prompt"]), "negative_prompt": stretch(row["negative_prompt"] or "low quality")}
         )
-    return Workload("transfer", "small", 64, 64, 1, 2.0, prompts)
+    return Workload("transfer", preset, 64, 64, 1, 2.0, prompts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 from kvrelay.models.presets import get_preset
 
-                workload = transfer_workload(dataset, get_preset("small").ar.max_tokens)
+                workload = transfer_workload(dataset, preset, get_preset(preset).ar.max_tokens)
             scenario = run_scenario(args, workload, impls, base, Path(tmp))
             results = [RunResult(**r) for r in scenario["results"]]
             scenario["seed_table"] = seed_table(results, impls, args.runs)

@@ -38,6 +38,16 @@ def test_import_kvrelay_loads_no_torch_and_no_service() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_broker_process_modules_load_no_torch() -> None:
+    code = (
+        "import sys, kvrelay.broker.main, kvrelay.broker.service, kvrelay.broker.orchestrator;"
+        "bad = [m for m in ('torch', 'kvrelay.ar_service', 'kvrelay.dit_service') if m in sys.modules];"
+        "print(bad); raise SystemExit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_service_folders_import_under_kvrelay() -> None:
     import kvrelay.ar_service
     import kvrelay.broker
