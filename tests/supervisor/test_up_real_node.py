@@ -1,0 +1,127 @@
+"""`kvrelay up` with the real broker, AR and DiT (tiny models, Mooncake TCP on loopback).
+
+The whole path a user takes: `python -m kvrelay up`, an image through the SDK, `kvrelay status`,
+a replica killed and brought back, then SIGTERM: nothing of the node (services, worker ranks)
+may outlive it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+from kvrelay.client import KvRelayClient
+from PIL import Image
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_kvrelay_up_serves_an_image_survives_a_replica_crash_and_stops_clean(tmp_path: Path) -> None:
+    data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
+    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(data))
+    argv = [
+        sys.executable,
+        "-m",
+        "kvrelay",
+        "up",
+        "--config",
+        str(config),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    up = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    descendants: list[psutil.Process] = []
+    try:
+        assert up.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("try: kvrelay generate"):
+                break
+        text = "".join(lines)
+        match = re.search(r"--target (\S+)", text)
+        assert match, (
+            f"kvrelay up did not come up:\n{text}\n{up.stderr.read() if up.poll() is not None else ''}"
+        )
+        target = match.group(1)
+        table = {line.split()[0]: line.split() for line in lines if re.match(r"^(broker|ar-0|dit-0)\s", line)}
+        assert set(table) == {"broker", "ar-0", "dit-0"} and all(
+            row[-1] == "SERVING" for row in table.values()
+        )
+
+        with KvRelayClient(target) as client:
+            result = client.generate(
+                "a red fox in the snow", seed=11, width=64, height=64, timeout=120
+            ).result()
+            assert Image.open(io.BytesIO(result.png)).size == (64, 64)
+            assert {r.replica_id for r in client.list_replicas() if r.up} == {"ar-0", "dit-0"}
+
+            # A replica that dies is restarted by `kvrelay up` and serves again.
+            old_dit = int(table["dit-0"][1])
+            old_incarnation = next(
+                r.incarnation_id for r in client.list_replicas() if r.replica_id == "dit-0"
+            )
+            os.kill(old_dit, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                dit = [r for r in client.list_replicas() if r.replica_id == "dit-0"]
+                if dit and dit[0].up and dit[0].incarnation_id != old_incarnation:
+                    break
+                time.sleep(0.5)
+            else:
+                raise AssertionError("dit-0 did not come back with a new incarnation")
+            again = client.generate(
+                "a red fox in the snow", seed=11, width=64, height=64, timeout=120
+            ).result()
+            assert again.png == result.png  # same seed, same bits, after the restart
+
+        status = subprocess.run(
+            [sys.executable, "-m", "kvrelay", "status", "--target", target, "--json"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr
+        doc = json.loads(status.stdout)
+        assert sorted(r["replica_id"] for r in doc["replicas"]) == ["ar-0", "dit-0"]
+        assert all(p["free_pages"] == p["total_pages"] for p in doc["pools"])
+
+        descendants = psutil.Process(up.pid).children(recursive=True)
+        assert len(descendants) >= 3  # broker, ar-0, dit-0 and their worker ranks
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p.pid for p in descendants if _alive(p)] == []
