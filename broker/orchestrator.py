@@ -190,10 +190,13 @@ class Orchestrator:
         for task in self._tasks:
             task.cancel()
         for record in self.store.live():
+            # Not journaled: after the restart a retry with the same request_id starts afresh
+            # instead of attaching to this failure.
             self._end(
                 record,
                 GenState.FAILED,
                 ErrorInfo("UNAVAILABLE", "BROKER_SHUTTING_DOWN", "the broker is shutting down"),
+                persist=False,
             )
         pipelines = [job.task for job in self._jobs.values() if job.task is not None]
         for task in pipelines:
@@ -634,6 +637,7 @@ class Orchestrator:
         image: ImageResult | None = None,
         timings: dict[str, float] | None = None,
         counted: bool = True,
+        persist: bool = True,
     ) -> None:
         if record.state.terminal:
             return
@@ -644,6 +648,7 @@ class Orchestrator:
         if counted:
             # Generations rejected at admission were never accepted: not counted, not kept.
             self.metrics.finished(snap)
+        if counted and persist:
             self.store.persist(record)
         log.info(
             "generation_finished",

@@ -294,6 +294,10 @@ def test_finished_generations_survive_a_broker_restart(tmp_path: Path) -> None:
             await wait_until(lambda: "live" in c.ar.prefills, what="live prefilling")
             live.cancel()
             await wait_until(lambda: c.orchestrator.get("live").state.terminal, what="live cancelled")
+            stopped = c.api.Generate(request(request_id="stopped", seed=3), timeout=10)
+            await wait_until(lambda: "stopped" in c.ar.prefills, what="stopped prefilling")
+            await c.orchestrator.stop()  # the broker stops with "stopped" live
+            assert (await collect(stopped))[-1].error.reason == "BROKER_SHUTTING_DOWN"
         # A new broker process on the same journal.
         core = BrokerCore(journal, journal_synchronous="OFF")
         orch = Orchestrator(core, test_config(result_ttl_seconds=30))
@@ -305,6 +309,8 @@ def test_finished_generations_survive_a_broker_restart(tmp_path: Path) -> None:
             assert snap.timings["total"] == pytest.approx(kept.timings.total_seconds)
             assert snap.params.seed == 1
             assert orch.get("live").state.name == "CANCELLED"
+            with pytest.raises(KvRelayServerError):
+                orch.get("stopped")  # not kept: a retry after the restart starts afresh
             # Past its retention it is forgotten, in memory and in the journal.
             orch.store._clock = lambda: time.monotonic() + 31  # noqa: SLF001 - drive retention time
             with pytest.raises(KvRelayServerError):
