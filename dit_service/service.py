@@ -30,7 +30,7 @@ from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.scheduler import AdmissionQueue
 
 from kvrelay.config import StageConfig
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
 from kvrelay.transfer.layout import KvGeometry
@@ -286,11 +286,14 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
                                                load_seconds=load_seconds, total_steps=request.num_inference_steps)
                     result: DenoiseResult | None = None
-                    async for event in self._denoise(slot, request, rows, context):
-                        if isinstance(event, DenoiseResult):
-                            result = event
-                        else:
-                            yield event
+                    # aclosing: however this handler ends (even closed at a yield), the ranks are
+                    # stopped and awaited before the `finally` below releases the ticket.
+                    async with contextlib.aclosing(self._denoise(slot, request, rows, context)) as steps:
+                        async for event in steps:
+                            if isinstance(event, DenoiseResult):
+                                result = event
+                            else:
+                                yield event
                     assert result is not None and result.png is not None
                     self.s.metrics.phase_seconds.labels("denoise").observe(result.denoise_seconds)
                     self.s.metrics.phase_seconds.labels("decode").observe(result.decode_seconds)
@@ -534,7 +537,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         try:
             reply = await self._broker_call(self.s.broker.ReportLoad, request)
         except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.FAILED_PRECONDITION and "CHECKSUM_MISMATCH" in (err.details() or ""):
+            if reason_of(err)[1] == "CHECKSUM_MISMATCH":
                 return None
             raise KvRelayServerError(err.code(), "REPORT_LOAD_FAILED",
                                      f"ReportLoad {ticket_id} row={load[0]} rank={load[1]}: {err.details()}") from None
