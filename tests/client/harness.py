@@ -316,8 +316,9 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
 class ServerThread:
     """Runs a Harness on a grpc.aio server (port 0) on its own event loop thread."""
 
-    def __init__(self, harness: Harness) -> None:
+    def __init__(self, harness: Harness, credentials: grpc.ServerCredentials | None = None) -> None:
         self.harness = harness
+        self._credentials = credentials
         self.loop = asyncio.new_event_loop()
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -343,7 +344,10 @@ class ServerThread:
         server = grpc.aio.server(options=OPTIONS)
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(self.harness, server)
         broker_pb2_grpc.add_BrokerServiceServicer_to_server(self.harness, server)
-        self.port = server.add_insecure_port("127.0.0.1:0")
+        if self._credentials is not None:
+            self.port = server.add_secure_port("127.0.0.1:0", self._credentials)
+        else:
+            self.port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         self._server = server
         self._started.set()

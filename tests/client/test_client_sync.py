@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -311,6 +313,31 @@ def test_bearer_token_is_sent(server: ServerThread, harness: Harness) -> None:
     assert info.value.code == "UNAUTHENTICATED"
     with KvRelayClient(server.address, token="s3cret") as authed:
         assert authed.generate("x", width=64, height=64).result().width == 64
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_with_the_servers_root_certificate(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    credentials = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    server = ServerThread(Harness(), credentials).start()
+    try:
+        with KvRelayClient(f"localhost:{server.port}", root_certificates=cert.read_bytes()) as client:
+            assert client.generate("x", width=64, height=64).result().width == 64
+        with KvRelayClient(f"localhost:{server.port}", retry=FAST_RETRY) as plaintext:
+            with pytest.raises(KvRelayError) as info:
+                plaintext.list_generations(timeout=5)
+            assert info.value.code == "UNAVAILABLE"
+        with KvRelayClient(f"localhost:{server.port}", tls=True, retry=FAST_RETRY) as untrusted:
+            with pytest.raises(KvRelayError) as info:
+                untrusted.list_generations(timeout=5)
+            assert info.value.code == "UNAVAILABLE"  # the self-signed certificate is not in the system roots
+    finally:
+        server.stop()
 
 
 def test_an_unreachable_broker_is_unavailable_not_a_raw_grpc_error() -> None:
