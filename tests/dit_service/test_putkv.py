@@ -118,3 +118,43 @@ def test_putkv_fallback_end_to_end_and_bounds(tmp_path: Path) -> None:
 
 async def _drain(call: object) -> list[dit_pb2.DenoiseEvent]:
     return [e async for e in call]  # type: ignore[attr-defined]
+
+
+def test_bytes_landing_after_the_report_are_rechecked(tmp_path: Path) -> None:
+    """A writer's OK is no proof the bytes landed: the DiT re-checks the destination checksum until
+    they do (here: reported OK while the pages still hold other bytes, fixed 0.5 s later)."""
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                counts = [17, 3]
+                ticket = await writer.create_ticket(counts)
+                armed = await writer.arm(ticket.ticket_id)
+                prefixes = writer.rows_kv(counts, seed=12)
+                outcomes = await asyncio.to_thread(writer.write, armed, prefixes)
+                # Overwrite row 0's pages with other bytes: the report below arrives "too early".
+                wrong = await asyncio.to_thread(writer.write, armed, writer.rows_kv(counts, seed=99), [(0, 0)])
+                assert wrong[0].checksum != next(o for o in outcomes if o.row == 0).checksum
+                await writer.report(ticket.ticket_id, outcomes)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=1,
+                        guidance_scale=2.0, seed=0), timeout=30.0)
+                    events = asyncio.ensure_future(_drain(call))
+                    await asyncio.sleep(0.5)
+                    assert (await writer.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_WRITING
+                    await asyncio.to_thread(writer.write, armed, prefixes, [(0, 0)])  # the bytes land
+                    done = await events
+                loaded = next(e for e in done if e.phase == dit_pb2.DENOISE_PHASE_LOADED)
+                assert loaded.load_seconds >= 0.5
+                assert done[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
