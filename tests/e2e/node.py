@@ -1,0 +1,51 @@
+"""Real nodes for end-to-end tests: a config derived from tests/configs/test-fast.yaml, started by
+the supervisor in its own folder (locks, journal), always stopped."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_config(tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
+    cfg = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    cfg["broker"]["journal_path"] = str(tmp / f"{name}.sqlite")
+    if edit is not None:
+        edit(cfg)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def fallback(cfg: dict[str, Any]) -> None:
+    """The gRPC-stream fallback: kv_transfer_config absent on both stages."""
+    for stage in cfg["stages"]:
+        stage.pop("kv_transfer_config", None)
+
+
+@contextmanager
+def running_node(tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Iterator[Any]:
+    from kvrelay.supervisor import start_node
+
+    path = write_config(tmp, name, edit)
+    rundir = tmp / name
+    rundir.mkdir(exist_ok=True)
+    with start_node(path, log_dir=rundir / "logs", cwd=rundir) as node:
+        yield node
+
+
+def wait_pools_full(client: Any, timeout: float = 20.0) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        pools = client.get_pools()
+        if pools and all(p.free_pages == p.total_pages for p in pools):
+            return pools
+        assert time.monotonic() < deadline, f"pages did not come back: {pools}"
+        time.sleep(0.05)
