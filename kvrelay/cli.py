@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start the broker and every AR/DiT replica of a config; Ctrl-C stops all")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="deployment YAML (default: %(default)s)")
+    p.add_argument("--host", default=None, help="address every process listens on (default: the config's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
     p.add_argument("--log-level", default=None, help="log level for every child")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")

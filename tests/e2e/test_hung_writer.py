@@ -1,0 +1,130 @@
+"""Fault tests with real processes: a hung AR writer simulated with SIGSTOP/SIGCONT.
+
+The seed's rules under test: a receive timeout ends the request without recycling in-flight pages
+(the ticket drains until every write has a final report; a lease expiring is not proof), and a
+late completion frees them; before the ticket is armed, rollback is legal and frees at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, TicketState
+
+from tests.e2e.node import running_node, wait_pools_full
+
+pytestmark = pytest.mark.slow
+
+LONG = "a lighthouse on a cliff at sunset, oil painting, " * 18  # ~900 byte tokens: a long write
+
+
+def _small(cfg: dict[str, Any]) -> None:
+    # `small` KV (4 KiB/token) over the gRPC fallback: a write of a few MiB per row, long enough
+    # to stop the writer in the middle of it.
+    for stage in cfg["stages"]:
+        stage["model"] = {"preset": "small"}
+        stage.pop("kv_transfer_config", None)
+    cfg["stages"][0]["kv_cache_memory_bytes"] = 64 << 20
+    cfg["stages"][1]["kv_cache_memory_bytes"] = 32 << 20
+
+
+def _ar_processes(node: Any) -> list[psutil.Process]:
+    main = psutil.Process(node.process("ar-0").pid)
+    return [main, *main.children(recursive=True)]
+
+
+def _signal_all(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        os.kill(proc.pid, sig)
+
+
+def _ticket_states(client: KvRelayClient) -> dict[str, TicketState]:
+    return {t.ticket_id: t.state for t in client.list_tickets()}
+
+
+def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Path) -> None:
+    with running_node(tmp_path, "hung", _small) as node, KvRelayClient(node.address(), timeout=30) as client:
+        total = wait_pools_full(client)[0].total_pages
+        procs = _ar_processes(node)
+        stopped_in: dict[str, Any] = {}
+        for attempt in range(6):
+            # Stop the whole AR replica (service + rank workers) the moment its ticket is armed.
+            armed = threading.Event()
+
+            def watch(armed: threading.Event = armed) -> None:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not armed.is_set():
+                    for ticket in client.list_tickets():
+                        if ticket.state == TicketState.WRITING:
+                            _signal_all(procs, signal.SIGSTOP)
+                            stopped_in["ticket"] = ticket.ticket_id
+                            armed.set()
+                            return
+                    time.sleep(0.0005)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            handle = client.generate(LONG + str(attempt), negative_prompt=LONG, seed=attempt, width=64, height=64,
+                                     timeout=60)
+            try:
+                handle.result()
+                outcome: KvRelayError | None = None
+            except KvRelayError as err:
+                outcome = err
+            armed.set()
+            watcher.join(5)
+            if "ticket" in stopped_in and outcome is not None:
+                break
+            if "ticket" in stopped_in:  # stopped just after the last report: nothing to test, retry
+                _signal_all(procs, signal.SIGCONT)
+                stopped_in.clear()
+            wait_pools_full(client)
+        else:
+            pytest.fail("never stopped the writer between arming and its reports")
+        try:
+            ticket_id = stopped_in["ticket"]
+            assert outcome.code == "DEADLINE_EXCEEDED" and outcome.reason == "TRANSFER_TIMEOUT", outcome
+            # The request is over, the pages are not: DRAINING, and a lease expiring proves nothing.
+            time.sleep(2.5)  # > lease_seconds of the test config
+            assert _ticket_states(client).get(ticket_id) == TicketState.DRAINING
+            (pool,) = client.get_pools()
+            assert pool.draining_pages > 0 and pool.free_pages < total
+            assert pool.free_pages + pool.reserved_pages + pool.draining_pages == total
+        finally:
+            _signal_all(procs, signal.SIGCONT)
+        # The late completion resolves every write; after the quiet period the pages come back.
+        wait_pools_full(client, timeout=30)
+        assert ticket_id not in _ticket_states(client)
+        # And the node keeps serving.
+        assert client.generate("after the fault", seed=1, width=64, height=64, timeout=60).result().png
+
+
+def test_writer_stopped_before_arming_rolls_back_at_once(tmp_path: Path) -> None:
+    with running_node(tmp_path, "unarmed", _small) as node, KvRelayClient(node.address(), timeout=30) as client:
+        total = wait_pools_full(client)[0].total_pages
+        main, *ranks = _ar_processes(node)
+        assert ranks, "the AR replica runs its model in rank worker processes"
+        # Rank workers stopped: the prefill never finishes, ReserveTicket is never called.
+        _signal_all(ranks, signal.SIGSTOP)
+        try:
+            handle = client.generate("never armed", seed=3, width=64, height=64, timeout=60)
+            with pytest.raises(KvRelayError) as info:
+                handle.result()
+            assert info.value.code == "DEADLINE_EXCEEDED" and info.value.reason == "TRANSFER_TIMEOUT"
+            # Not armed: rollback is legal, nothing can be in flight, pages are free at once.
+            (pool,) = client.get_pools()
+            assert pool.free_pages == total and pool.draining_pages == 0
+        finally:
+            _signal_all(ranks, signal.SIGCONT)
+        # The AR wakes up, finds its ticket over, writes nothing; the node keeps serving.
+        result = client.generate("after the fault", seed=2, width=64, height=64, timeout=60).result()
+        assert result.png
+        assert wait_pools_full(client)[0].free_pages == total
+        assert client.get_generation(handle.request_id).state == GenerationState.FAILED
