@@ -418,6 +418,14 @@ class Orchestrator:
             return None
         ar_id = self.core.choose_ar_replica()
         dit_id = self.core.choose_dit_replica(job.token_counts)
+        if dit_id is None:
+            try:
+                # The DiT replicas may have changed since admission (one restarted smaller): a
+                # head that can no longer fit any of them would block the whole queue.
+                self._check_ever_fits(job.token_counts)
+            except KvRelayServerError as err:
+                if err.code is grpc.StatusCode.INVALID_ARGUMENT:
+                    raise _RequestEnded(ErrorInfo(err.code.name, err.reason, err.message)) from None
         if ar_id is None or dit_id is None:
             return None
         try:

@@ -298,6 +298,15 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         await self._server.start()
         self.endpoint = f"127.0.0.1:{port}"
         self._channel = grpc.aio.insecure_channel(self.broker_target, options=GRPC_OPTIONS)
+        await self.register()
+
+    async def restart_with(self, num_pages: int) -> None:
+        """What a restarted DiT process does: new incarnation, new (here smaller) page memory."""
+        self.incarnation_id = uuid.uuid4().hex
+        self.memory = DitMemory(num_pages)
+        await self.register()
+
+    async def register(self) -> None:
         info = broker_pb2.ReplicaInfo(
             replica_id=self.replica_id,
             role=common_pb2.REPLICA_ROLE_DIT,

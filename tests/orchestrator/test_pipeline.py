@@ -186,6 +186,29 @@ def test_fifo_head_is_not_starved_by_smaller_requests() -> None:
     run(body())
 
 
+def test_queued_head_that_no_longer_fits_any_dit_fails_and_unblocks_the_queue() -> None:
+    async def body() -> None:
+        async with cluster(num_pages=3) as c:
+            c.ar.prefill_gate.clear()
+            running = c.api.Generate(request(request_id="run", seed=1), timeout=20)
+            await wait_until(lambda: "run" in c.ar.prefills, what="run prefilling")
+            head = c.api.Generate(request(request_id="head", seed=2), timeout=20)  # 3 pages
+            small = c.api.Generate(request("s", request_id="small", guidance_scale=1.0, seed=3), timeout=20)
+            assert (await head.read()).state == QUEUED
+            assert (await small.read()).state == QUEUED
+            await c.dit.restart_with(num_pages=1)  # the DiT came back with a 1-page pool
+            c.ar.memory = c.dit.memory  # the AR writes into the new incarnation's memory
+            final = (await collect(head))[-1]
+            assert final.state == FAILED
+            assert (final.error.code, final.error.reason) == ("INVALID_ARGUMENT", "NEVER_FITS")
+            c.ar.prefill_gate.set()
+            assert (await collect(small))[-1].state == SUCCEEDED  # not blocked behind the head
+            # The running request lost its pages with the old DiT incarnation.
+            assert (await collect(running))[-1].state == FAILED
+
+    run(body())
+
+
 def test_queue_full_is_resource_exhausted() -> None:
     async def body() -> None:
         async with cluster(num_pages=3, max_queue=2) as c:
