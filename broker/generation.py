@@ -238,7 +238,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             states.append(_STATE_FROM_PB[value])
         # Above the maximum is coerced to it (AIP-158), 0 means the default.
         limit = min(request.page_size or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
-        snaps = self.orchestrator.list(states, limit)
+        snaps = self.orchestrator.list_generations(states, limit)
         return generation_pb2.ListGenerationsResponse(
             generations=[generation_to_proto(s, with_image=False) for s in snaps]
         )

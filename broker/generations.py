@@ -279,7 +279,9 @@ class GenerationStore:
     def live(self) -> list[GenerationRecord]:
         return list(self._live.values())
 
-    def list(self, states: Iterable[GenState] = (), limit: int | None = None) -> list[GenerationSnapshot]:
+    def list_generations(
+        self, states: Iterable[GenState] = (), limit: int | None = None
+    ) -> list[GenerationSnapshot]:
         """Newest first (by create time), optionally only in `states`."""
         self.expire()
         wanted = set(states)

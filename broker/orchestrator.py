@@ -311,8 +311,10 @@ class Orchestrator:
     def get(self, request_id: str) -> GenerationSnapshot:
         return self.store.get(request_id).snapshot()
 
-    def list(self, states: Sequence[GenState] = (), limit: int | None = None) -> list[GenerationSnapshot]:
-        return self.store.list(states, limit)
+    def list_generations(
+        self, states: Sequence[GenState] = (), limit: int | None = None
+    ) -> list[GenerationSnapshot]:
+        return self.store.list_generations(states, limit)
 
     def queue_depth(self) -> int:
         return len(self._queue)

@@ -50,7 +50,7 @@ def test_invalid_input_is_rejected_naming_the_field(fields: dict[str, object], f
             assert metadata["field"] == field
             assert exc.value.details().startswith(f"{field}:")
             # Nothing was accepted: no generation, no ticket, no prefill.
-            assert c.orchestrator.list() == []
+            assert c.orchestrator.list_generations() == []
             assert c.core.list_tickets() == []
             assert c.ar.prefills == []
 

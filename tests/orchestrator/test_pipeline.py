@@ -122,7 +122,7 @@ def test_request_that_can_never_fit_is_invalid_argument() -> None:
                 "NEVER_FITS",
                 "prompt",
             )
-            assert c.core.list_tickets() == [] and c.orchestrator.list() == []
+            assert c.core.list_tickets() == [] and c.orchestrator.list_generations() == []
             # One row (no CFG) of the same prompt fits the whole pool.
             one_row = await collect(c.api.Generate(request(prompt, guidance_scale=1.0, seed=1), timeout=10))
             assert one_row[-1].state == SUCCEEDED
