@@ -73,7 +73,7 @@ class DitReplicaInfo:
                 tensor_parallel_size=self.tensor_parallel_size, sequence_parallel_size=self.sequence_parallel_size
             ),
             num_pages=self.num_pages,
-            transport=_TRANSPORT_KIND[self.transport],  # type: ignore[arg-type]
+            transport=_TRANSPORT_KIND[self.transport],
             stage_id=self.stage_id,
             max_num_seqs=self.max_num_seqs,
         )

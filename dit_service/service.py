@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -331,7 +331,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
 
     async def _denoise(
         self, slot: int, request: dit_pb2.DenoiseRequest, rows: tuple[RowSpec, ...], context: Any
-    ) -> AsyncIterator[dit_pb2.DenoiseEvent | DenoiseResult]:
+    ) -> AsyncGenerator[dit_pb2.DenoiseEvent | DenoiseResult, None]:
         """Run the denoise on every rank, streaming steps from the shared control block. On any
         exit (cancel included) the ranks are told to stop and awaited before this returns, so no
         rank reads the pages after the ticket is released."""
