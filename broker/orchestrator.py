@@ -53,6 +53,8 @@ TOKENIZE_TIMEOUT_SECONDS = 10.0
 PLACEMENT_POLL_SECONDS = 0.5
 # How long a finished image waits for the AR's Prefill reply (its timings) before it is served.
 PREFILL_REPLY_GRACE_SECONDS = 10.0
+# How long a TRANSFER_FAILED from the DiT waits for the AR's own error, which names the cause.
+WRITER_FAILURE_GRACE_SECONDS = 1.0
 # Seconds a stopping broker gives pipelines to end their tickets before it gives up on them.
 STOP_GRACE_SECONDS = 5.0
 
@@ -533,6 +535,8 @@ class Orchestrator:
                 if not done:
                     log.warning("prefill_reply_late", ar_replica=ar.replica_id, waited_s=grace)
                     break
+                if denoise in done and prefill in pending:
+                    await self._prefer_writer_failure(denoise, prefill)
                 for task in done:
                     task.result()  # the first failure ends the request; `finally` stops the other
             stages_done = True
@@ -558,6 +562,17 @@ class Orchestrator:
             timings["transfer"] = reply.transfer_seconds
         timings["total"] = self._clock() - record.created_mono
         self._end(record, GenState.SUCCEEDED, image=image, timings=timings)
+
+    async def _prefer_writer_failure(self, denoise: asyncio.Task[Any], prefill: asyncio.Task[Any]) -> None:
+        """When the DiT gives up on a write that failed, the AR usually fails in the same moment
+        (its replica died mid-transfer): name that cause (e.g. UNAVAILABLE) rather than its
+        symptom at the receiver (TRANSFER_FAILED)."""
+        err = denoise.exception()
+        if not isinstance(err, _RequestEnded) or err.error.reason != "TRANSFER_FAILED":
+            return
+        await asyncio.wait({prefill}, timeout=WRITER_FAILURE_GRACE_SECONDS)
+        if prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), _RequestEnded):
+            prefill.result()
 
     async def _prefill(self, call: Any, replica_id: str) -> ar_pb2.PrefillResponse:
         try:

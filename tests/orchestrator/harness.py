@@ -126,6 +126,8 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.prefill_started = asyncio.Event()
         self.armed = asyncio.Event()
         self.fail_prefill: KvRelayServerError | None = None
+        # After arming: report every write FAILED, then fail the RPC with this (a rank died).
+        self.fail_after_arming: KvRelayServerError | None = None
         self.prefills: list[str] = []
         self.deadlines: list[float | None] = []
         self.writes_resolved = 0
@@ -197,6 +199,11 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         )
         self.armed.set()
         writes = writes_from_proto(armed.writes)
+        if self.fail_after_arming is not None:
+            for w in writes:
+                await self._report(request.ticket_id, w, common_pb2.WRITE_STATUS_FAILED, 0, 0)
+            await asyncio.sleep(0.1)  # the RPC's failure reaches the broker after the reports
+            await abort_with(context, self.fail_after_arming)
         staging = self._staging(request, writes)
         # Armed: the writes run to their final reports even if this RPC is cancelled.
         writer = asyncio.create_task(self._write_and_report(request.ticket_id, writes, staging))

@@ -399,6 +399,21 @@ def test_ar_replica_unavailable_fails_the_generation() -> None:
     run(body())
 
 
+def test_ar_dying_mid_transfer_is_unavailable_not_transfer_failed() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.fail_after_arming = KvRelayServerError(
+                grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "rank 0 died during the write"
+            )
+            final = (await collect(c.api.Generate(request(request_id="mid", seed=1), timeout=10)))[-1]
+            assert final.state == FAILED
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE")
+            assert c.core.get_ticket(final.ticket_id).outcome is TicketOutcome.FAILED
+            await c.wait_pool_free()  # every write resolved (FAILED): released after the quiet period
+
+    run(body())
+
+
 def test_dit_replica_down_fails_with_unavailable() -> None:
     async def body() -> None:
         async with cluster() as c:
