@@ -370,3 +370,41 @@ def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> N
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+def test_sigterm_during_denoise_releases_and_exits_cleanly(tmp_path: Path) -> None:
+    """SIGTERM: health goes NOT_SERVING, the in-flight Denoise gets the grace period, then is
+    stopped within a step and its ticket released, before the workers and the pools go; exit 0."""
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.create_ticket([10])
+                armed = await writer.arm(ticket.ticket_id)
+                await writer.report(ticket.ticket_id, await asyncio.to_thread(
+                    writer.write, armed, writer.rows_kv([10], seed=0)))
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=256, height=256, num_inference_steps=1000,
+                        guidance_scale=1.0, seed=0), timeout=60.0)
+                    while (await call.read()).phase != dit_pb2.DENOISE_PHASE_STEP:
+                        pass
+                    dit.proc.send_signal(signal.SIGTERM)
+                    with pytest.raises(grpc.aio.AioRpcError):
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                assert await asyncio.to_thread(dit.proc.wait, 30) == 0, "".join(dit.lines[-30:])
+                released = await writer.ticket(ticket.ticket_id)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+                assert list(Path("/dev/shm").glob(f"kvrelay-dit-0-{dit.proc.pid}-*")) == []
+                await writer.close()
+            finally:
+                await asyncio.to_thread(dit.stop)
+
+    asyncio.run(scenario())
