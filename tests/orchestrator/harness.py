@@ -376,9 +376,7 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
                 outcome, reason = broker_pb2.TICKET_OUTCOME_FAILED, "TRANSFER_FAILED"
                 await abort_with(
                     context,
-                    KvRelayServerError(
-                        grpc.StatusCode.FAILED_PRECONDITION, "TRANSFER_FAILED", "a write failed"
-                    ),
+                    KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED", "a write failed"),
                 )
             await self._verify_and_report(ticket)
             self.loaded.set()
