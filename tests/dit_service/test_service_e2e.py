@@ -408,3 +408,59 @@ def test_sigterm_during_denoise_releases_and_exits_cleanly(tmp_path: Path) -> No
                 await asyncio.to_thread(dit.stop)
 
     asyncio.run(scenario())
+
+
+def test_survives_a_broker_restart(tmp_path: Path) -> None:
+    """The broker process restarts (same port, same journal) while a Denoise waits for its rows:
+    that request ends (its armed ticket comes back DRAINING), the DiT keeps serving, and the next
+    request on the restarted broker succeeds."""
+    from tests.procs import start_service
+
+    config = write_config(tmp_path, transport="mooncake", transfer_timeout=30.0)
+
+    async def scenario() -> None:
+        args = ["broker", "--config", str(config), "--metrics-port", "0"]
+        broker = await asyncio.to_thread(start_service, [*args, "--port", "0"], cwd=tmp_path)
+        port = broker.address.rsplit(":", 1)[1]
+        dit = start_dit(config, broker.address, cwd=tmp_path)
+        try:
+            await wait_serving(dit)
+            writer = ArWriter(broker.address, "tiny", "mooncake")
+            await writer.register()
+            ticket = await writer.create_ticket([10])
+            await writer.arm(ticket.ticket_id)
+            async with grpc.aio.insecure_channel(dit.address) as channel:
+                stub = dit_pb2_grpc.DitServiceStub(channel)
+                call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=64, height=64,
+                                                           num_inference_steps=1, guidance_scale=1.0), timeout=60.0)
+                assert (await call.read()).phase == dit_pb2.DENOISE_PHASE_LOADING
+                assert await asyncio.to_thread(broker.stop) == 0
+                broker = await asyncio.to_thread(start_service, [*args, "--port", port], cwd=tmp_path)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                assert reason_of(info.value)[1] == "TICKET_ENDED", info.value
+                assert dit.proc.poll() is None
+                # A new request through the restarted broker, once the DiT's heartbeat renewed its
+                # lease there (the restarted broker counts no replica up before it hears from it).
+                await writer.register()
+                counts = [9]
+                for _ in range(100):
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        ticket = await writer.create_ticket(counts)
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError("the DiT never came back up on the restarted broker")
+                armed = await writer.arm(ticket.ticket_id)
+                await writer.report(ticket.ticket_id, await asyncio.to_thread(
+                    writer.write, armed, writer.rows_kv(counts, seed=4)))
+                events = await _collect(stub, dit_pb2.DenoiseRequest(
+                    ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=1, guidance_scale=1.0))
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+            await writer.close()
+        finally:
+            assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+            await asyncio.to_thread(broker.stop)
+
+    asyncio.run(scenario())
