@@ -6,8 +6,9 @@ choice, pages and tickets), the pipeline of one request (`ArService.Prefill` and
 `DitService.Denoise` concurrently, over gRPC), the mapping of what happens to client-visible
 states, deadlines, cancellation and the generation metrics.
 
-Must never touch pages or tickets except through BrokerCore, never block the event loop, and
-never import torch or a model service: AR and DiT are remote, reached at their registered
+Must never touch pages or tickets except through BrokerCore, never block the event loop (beyond
+the journal's SQLite commits, which BrokerCore makes the same way), and never import torch or a
+model service: AR and DiT are remote, reached at their registered
 endpoints. A request that ends early ends its ticket with `BrokerCore.cancel_ticket`, which
 rolls back a ticket nothing was written to and drains an armed one: the request is over for
 the client at once, the pages come back only when no write can land any more.
@@ -684,6 +685,10 @@ class Orchestrator:
             total_ms=round(snap.timings.get("total", 0.0) * 1000, 3),
         )
         job = self._jobs.get(record.request_id)
+        if job is not None and not job.placed.done():
+            # Out of the queue now, not when it reaches the head: the bound counts waiting ones.
+            with contextlib.suppress(ValueError):
+                self._queue.remove(job)
         if job is not None and job.task is not None and state is not GenState.SUCCEEDED:
             current = asyncio.current_task()
             if job.task is not current:

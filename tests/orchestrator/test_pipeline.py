@@ -221,6 +221,13 @@ def test_queue_full_is_resource_exhausted() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 await collect(c.api.Generate(request(request_id="over", seed=1), timeout=5))
             assert error_info(exc.value)[:2] == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL")
+            # A cancelled waiter leaves the queue at once (not when it reaches the head).
+            await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="w1"), timeout=5)
+            assert c.orchestrator.queue_depth() == 1
+            replacement = c.api.Generate(request(request_id="w2", seed=1), timeout=20)
+            assert (await replacement.read()).state == QUEUED
+            assert (await collect(waiting.pop()))[-1].state == CANCELLED
+            waiting.append(replacement)
             # The rejected request was never accepted: its id is free.
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 await c.api.GetGeneration(S.GetGenerationRequest(request_id="over"), timeout=5)
