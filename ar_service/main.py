@@ -94,7 +94,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
 
     # Wait out a previous incarnation's workers (they die with their parent, within moments).
     lock = await asyncio.to_thread(
-        ReplicaLock(replica_lock_path(replica_id)).acquire, timeout_s=max(10.0, 2 * cfg.broker.lease_seconds)
+        ReplicaLock(replica_lock_path(replica_id, deployment=_broker_address(args, cfg))).acquire, timeout_s=max(10.0, 2 * cfg.broker.lease_seconds)
     )
 
     from prometheus_client import CollectorRegistry

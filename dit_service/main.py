@@ -95,7 +95,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     metrics_port = stage.metrics_port_for(replica) if args.metrics_port is None else args.metrics_port
     broker_address = args.broker or f"{cfg.broker.host}:{cfg.broker.port}"
 
-    lock = ReplicaLock(replica_lock_path(replica_id))
+    lock = ReplicaLock(replica_lock_path(replica_id, deployment=broker_address))
     await asyncio.to_thread(lock.acquire, LOCK_WAIT_S)
     stopper = _Stopper()
     metrics = DitMetrics(replica_id)

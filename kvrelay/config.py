@@ -228,6 +228,19 @@ class KvRelayConfig(_Strict):
                 raise ValueError("stages[0].kv_transfer_config.kv_role: the AR stage is the kv_producer")
             if dit.kv_transfer_config.kv_role == "kv_producer":
                 raise ValueError("stages[1].kv_transfer_config.kv_role: the DiT stage is the kv_consumer")
+        # Named in DESIGN.md but not built yet: refused here, with the reason, instead of at a
+        # replica's start-up (where a supervisor would restart it in a loop).
+        for idx, stage in enumerate(self.stages):
+            if stage.kv_transfer_config and stage.kv_transfer_config.kv_connector == "CudaIpcConnector":
+                raise ValueError(
+                    f"stages[{idx}].kv_transfer_config.kv_connector: CudaIpcConnector is not available in this "
+                    "build; use MooncakeConnector (or no kv_transfer_config for the gRPC fallback)"
+                )
+        if ar.model.engine == "vllm":
+            raise ValueError(
+                "stages[0].model.engine: the vLLM engine (KvRelayConnector) is not available in this build; "
+                "use the built-in engine with {path: DIR} for a Llama-family checkpoint"
+            )
         if ar.sequence_parallel_size != 1:
             raise ValueError("stages[0].sequence_parallel_size: the AR stage supports tensor parallelism only")
         if ar.model.engine == "vllm" and ar.tensor_parallel_size != 1:

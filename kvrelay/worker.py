@@ -217,7 +217,14 @@ def _rank_error(rank: int, exc: BaseException) -> RankError:
 # ---------------------------------------------------------------------------------------------
 
 
-def replica_lock_path(replica_id: str, lock_dir: str | os.PathLike[str] = DEFAULT_LOCK_DIR) -> Path:
+def replica_lock_path(
+    replica_id: str, lock_dir: str | os.PathLike[str] = DEFAULT_LOCK_DIR, *, deployment: str = ""
+) -> Path:
+    """The lock file of one replica of one deployment. `deployment` (the broker's address) keeps
+    two deployments started from the same folder from taking each other's locks."""
+    if deployment:
+        safe = "".join(c if c.isalnum() or c in "-." else "_" for c in deployment)
+        return Path(lock_dir) / safe / f"{replica_id}.lock"
     return Path(lock_dir) / f"{replica_id}.lock"
 
 

@@ -134,3 +134,13 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     bad.write_text("stages: [\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(bad)
+
+
+def test_rejects_features_not_in_this_build(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        stage["kv_transfer_config"]["kv_connector"] = "CudaIpcConnector"
+    _reject(data, "CudaIpcConnector", "not available")
+    data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"engine": "vllm", "path": "/models/llama"}
+    _reject(data, "engine", "vLLM", "not available")
