@@ -39,6 +39,7 @@ from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from tests.procs import _LISTEN
 
 PAGE_SIZE = 16
+STAGING_BYTES = 16 << 20
 
 
 def write_config(
@@ -208,6 +209,22 @@ async def wait_serving(dit: DitProcess, timeout: float = 90.0) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+_STAGING: list[torch.Tensor] = []
+
+
+def shared_staging() -> torch.Tensor:
+    """The test process's one staging buffer, never freed. Mooncake's endpoint is one per process
+    and keeps every registration: fresh tensors per write would reuse freed, still-registered
+    addresses (register_memory then fails), so every test writer packs into views of this one."""
+    if not _STAGING:
+        from kvrelay.transfer.mooncake import endpoint
+
+        buffer = torch.zeros(STAGING_BYTES, dtype=torch.uint8)
+        endpoint().register(buffer)  # whole, up front: later slices are views of one registration
+        _STAGING.append(buffer)
+    return _STAGING[0]
+
+
 class ArWriter:
     """Registers as ar-0 (TP=1) and plays the AR's part of the protocol, step by step."""
 
@@ -219,6 +236,7 @@ class ArWriter:
         self.stub = broker_pb2_grpc.BrokerServiceStub(self.channel)
         self.incarnation_id = str(uuid.uuid4())
         self.sender: Any = None
+        self.staging = shared_staging()
 
     async def register(self) -> None:
         info = broker_pb2.ReplicaInfo(
@@ -255,7 +273,11 @@ class ArWriter:
         """Pack and send (blocking: call from a thread); `only` restricts to (row, dst_rank) writes."""
         writes = writes_from_proto(armed.writes)
         rows = [RowSpec(r.row, r.num_tokens, tuple(r.page_ids)) for r in armed.ticket.rows]
-        staging = torch.zeros(max(1, staging_bytes(writes, 0)), dtype=torch.uint8)
+        need = staging_bytes(writes, 0)
+        if need > self.staging.numel():
+            raise ValueError(f"test staging buffer too small: {need} bytes needed")
+        staging = self.staging[:need]
+        staging.zero_()
         kv_by_row = {
             row: torch.stack([torch.stack([k, v]) for k, v in prefix]) for row, prefix in enumerate(prefixes)
         }

@@ -341,8 +341,9 @@ def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> N
                 order: list[str] = []
 
                 async def run(ticket: broker_pb2.Ticket, name: str, steps: int, started: asyncio.Event) -> None:
+                    size = 512 if steps > 1 else 64
                     async for event in stub.Denoise(dit_pb2.DenoiseRequest(
-                            ticket_id=ticket.ticket_id, width=128, height=128, num_inference_steps=steps,
+                            ticket_id=ticket.ticket_id, width=size, height=size, num_inference_steps=steps,
                             guidance_scale=1.0, seed=0), timeout=60.0):
                         if event.phase == dit_pb2.DENOISE_PHASE_LOADING:
                             order.append(name)
@@ -390,7 +391,7 @@ def test_sigterm_during_denoise_releases_and_exits_cleanly(tmp_path: Path) -> No
                     writer.write, armed, writer.rows_kv([10], seed=0)))
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
-                        ticket_id=ticket.ticket_id, width=256, height=256, num_inference_steps=1000,
+                        ticket_id=ticket.ticket_id, width=512, height=512, num_inference_steps=1000,
                         guidance_scale=1.0, seed=0), timeout=60.0)
                     while (await call.read()).phase != dit_pb2.DENOISE_PHASE_STEP:
                         pass

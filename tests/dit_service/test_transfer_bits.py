@@ -17,6 +17,7 @@ from kvrelay.transfer.pack import pack_staging
 from kvrelay.transfer.planner import RowSpec, plan_transfer, staging_bytes
 from kvrelay.transfer.transport import make_sender
 from kvrelay.worker import WorkerGroup
+from tests.dit_service.harness import shared_staging
 
 
 def test_memory_sizing_from_kv_cache_memory_bytes() -> None:
@@ -56,7 +57,7 @@ def test_transferred_prefix_attention_is_bit_exact() -> None:
         prefixes = {row: random_prefix(preset, n, seed=100 + row) for row, n in counts.items()}
         kv_by_row = {row: torch.stack([torch.stack([k, v]) for k, v in p]) for row, p in prefixes.items()}
         plan = plan_transfer(geometry, 1, 1, rows)
-        staging = torch.zeros(staging_bytes(plan, 0), dtype=torch.uint8)
+        staging = shared_staging()[: staging_bytes(plan, 0)]
         pack_staging(staging, kv_by_row, geometry, 1, 1, rows, plan, 0)
         outcomes = make_sender("mooncake").write(staging, plan, {0: region}, "bits", 10.0)
         assert all(o.ok for o in outcomes), outcomes
