@@ -176,7 +176,9 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
                 await writer.report(ticket.ticket_id, outcomes)
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     stub = dit_pb2_grpc.DitServiceStub(channel)
-                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=256, height=256,
+                    # 1024x1024 (4096 tokens): a step takes far longer than the service's 10 ms step
+                    # poll and the event's trip to us, so "seen" is at most a step behind the ranks.
+                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=1024, height=1024,
                                                                num_inference_steps=total, guidance_scale=2.0,
                                                                seed=2), timeout=60.0)
                     seen = 0
