@@ -89,6 +89,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     if stage.model.preset is None:
         print("kvrelay dit: stages[1].model.preset is required (the built-in DiT has no checkpoint loader)")
         return 2
+    if stage.transport == "cuda_ipc":
+        print("kvrelay dit: kv_connector CudaIpcConnector is not built yet; use MooncakeConnector or none")
+        return 2
     incarnation_id = new_incarnation_id()
     host = args.host or stage.host
     port = stage.port_for(replica) if args.port is None else args.port
