@@ -584,7 +584,31 @@ def build_node(
     """A Node for a config, not yet started (see `plan_children` for what it will run)."""
     cfg = cfg if cfg is not None else load_config(config_path)
     phases = plan_children(config_path, cfg, host=host, command=command, roles=roles, log_level=log_level)
+    node_options["env"] = {**cpu_share_env(cfg, roles), **dict(node_options.get("env") or {})}
     return Node(phases, log_dir=log_dir, **node_options)
+
+
+def cpu_share_env(cfg: KvRelayConfig, roles: Sequence[str] = ("broker", "ar", "dit")) -> dict[str, str]:
+    """Torch threads per rank when the node's CPU ranks share this host's cores.
+
+    Each rank worker would otherwise take cores / (its replica's ranks), so an AR and a DiT on one
+    small host each take every core and slow each other down; only the supervisor sees all of
+    them. An explicit KVRELAY_THREADS_PER_RANK in the environment wins.
+    """
+    if os.environ.get("KVRELAY_THREADS_PER_RANK"):
+        return {}
+    ranks = sum(
+        stage.world_size * stage.num_replicas
+        for stage in (cfg.ar_stage, cfg.dit_stage)
+        if stage.kind in roles and stage.device_list() == ["cpu"]
+    )
+    if ranks == 0:
+        return {}
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return {"KVRELAY_THREADS_PER_RANK": str(max(1, cores // ranks))}
 
 
 def start_node(
