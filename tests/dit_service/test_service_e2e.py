@@ -156,8 +156,11 @@ def test_transfer_timeout_keeps_pages_until_late_completion(tmp_path: Path) -> N
     asyncio.run(scenario())
 
 
-def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
-    config = write_config(tmp_path, transport="mooncake")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path, tp: int) -> None:
+    """With TP=2 both ranks must stop after the same step (a rank left in a collective would hang
+    the replica), and the replica must serve the next request."""
+    config = write_config(tmp_path, transport="mooncake", tp=tp)
     total = 200
 
     async def scenario() -> None:
@@ -201,6 +204,16 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path) -> None:
                 assert stop_seconds < 5.0
                 pool = await writer.pool()
                 assert pool.free_pages == pool.total_pages
+                # The ranks are in step again: the next request runs to the end.
+                ticket = await writer.create_ticket([5])
+                armed = await writer.arm(ticket.ticket_id)
+                await writer.report(ticket.ticket_id, await asyncio.to_thread(
+                    writer.write, armed, writer.rows_kv([5], seed=6)))
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                        guidance_scale=1.0, seed=0))
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
                 await writer.close()
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
