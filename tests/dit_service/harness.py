@@ -91,7 +91,7 @@ def write_config(
 
 
 @contextlib.asynccontextmanager
-async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 3.0) -> AsyncIterator[Any]:
+async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 10.0) -> AsyncIterator[Any]:
     from kvrelay.broker.core import BrokerCore, run_maintenance
     from kvrelay.broker.service import BrokerServicer
 
@@ -250,6 +250,10 @@ class ArWriter:
         await self.stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info), timeout=5.0)
 
     async def create_ticket(self, token_counts: Sequence[int], request_id: str | None = None) -> broker_pb2.Ticket:
+        # This writer sends no background heartbeats: renew the lease so the broker counts it up.
+        await self.stub.Heartbeat(
+            broker_pb2.HeartbeatRequest(replica_id="ar-0", incarnation_id=self.incarnation_id), timeout=5.0
+        )
         reply = await self.stub.CreateTicket(
             broker_pb2.CreateTicketRequest(request_id=request_id or uuid.uuid4().hex, ar_replica_id="ar-0",
                                            dit_replica_id="dit-0", row_token_counts=list(token_counts)),
