@@ -129,8 +129,8 @@ class ArRankSpec:
 class ArRankHandler:
     def __init__(self, ctx: RankContext, spec: ArRankSpec) -> None:
         import torch
-        from kvrelay.ar_service.model import build_ar_model
 
+        from kvrelay.ar_service.model import build_ar_model
         from kvrelay.transfer.transport import make_sender
 
         self.ctx = ctx

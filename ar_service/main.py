@@ -19,8 +19,8 @@ import sys
 import uuid
 
 import grpc
-from kvrelay.ar_service.engine import ArRankSpec
 
+from kvrelay.ar_service.engine import ArRankSpec
 from kvrelay.config import ConfigError, KvRelayConfig, StageConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
@@ -73,7 +73,6 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
     from kvrelay.ar_service.tokenizer import load_tokenizer
-
     from kvrelay.worker import ReplicaLock, WorkerGroup, replica_lock_path
 
     stage = cfg.ar_stage

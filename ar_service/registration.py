@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
 
 from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
 from kvrelay.v1 import broker_pb2, common_pb2

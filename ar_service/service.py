@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+
 from kvrelay.ar_service.engine import DropTicket, PrefillDone, PrefillTicket, WriteDone, WriteTicket
 from kvrelay.ar_service.sender import RETRYABLE, WriteLedger, WriteReporter
 from kvrelay.ar_service.tokenizer import Tokenizer
-
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import structlog
+
+from kvrelay import LAYOUT_VERSION
 from kvrelay.broker.journal import Journal, Synchronous
 from kvrelay.broker.pool import NeverFits, PagePool, PageState
 from kvrelay.broker.registry import (
@@ -54,8 +56,6 @@ from kvrelay.broker.tickets import (
     WriteRecord,
     WriteStatus,
 )
-
-from kvrelay import LAYOUT_VERSION
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
 

@@ -17,10 +17,10 @@ from typing import Final
 
 import grpc
 from google.protobuf import timestamp_pb2
+
 from kvrelay.broker.generations import GenerationParams, GenerationSnapshot, GenState
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.tickets import BrokerError
-
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc

@@ -12,13 +12,13 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from kvrelay.broker.core import BrokerCore, run_maintenance
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
-from prometheus_client import CollectorRegistry
-
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
 from kvrelay.server import GrpcServer

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvrelay.broker.core import BrokerCore
-from kvrelay.broker.tickets import TicketState
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.tickets import TicketState
 
 
 class BrokerCollector(Collector):

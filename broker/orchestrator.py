@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import (
     PHASES,
@@ -38,8 +40,6 @@ from kvrelay.broker.generations import (
 )
 from kvrelay.broker.registry import ReplicaRole
 from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import KvRelayServerError, failed_precondition, invalid_argument, reason_of
 from kvrelay.logging import bind_request, get_logger

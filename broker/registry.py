@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.broker.tickets import FailedPrecondition, InvalidArgument, NotFound, ReplicaId
-
 from kvrelay.transfer.layout import KvGeometry
 
 # Geometry fields that AR and DiT must agree on; page_size is the DiT's alone (DESIGN.md section 3).

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import timestamp_pb2
+
 from kvrelay.broker.core import BrokerCore, PoolStatus
 from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec, ReplicaStatus
 from kvrelay.broker.tickets import (
@@ -25,7 +26,6 @@ from kvrelay.broker.tickets import (
     WriteKey,
     WriteStatus,
 )
-
 from kvrelay.errors import KvRelayServerError, abort_with
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.dit_service.memory import HostPool, PoolSpec
-
 from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.planner import PlannedWrite, RowSpec
 from kvrelay.transfer.transport import RegionDescriptor
@@ -114,8 +113,8 @@ class DitRankHandler:
     def __init__(self, ctx: RankContext, spec: DitRankSpec) -> None:
         import numpy as np
         import torch
-        from kvrelay.dit_service.model import DitRunner
 
+        from kvrelay.dit_service.model import DitRunner
         from kvrelay.models.layers import torch_dtype
 
         self.ctx = ctx
@@ -200,7 +199,6 @@ class DitRankHandler:
     def _denoise(self, cmd: RunDenoise) -> DenoiseResult:
         from kvrelay.dit_service.image import encode_png
         from kvrelay.dit_service.model import DenoiseCancelled
-
         from kvrelay.models.paged_attention import read_prefix
 
         control = self.control[cmd.slot]

@@ -64,6 +64,7 @@ async def _watch_ranks(group: object, interval_s: float, stopper: _Stopper) -> N
 
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     import grpc
+
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
     from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
     from kvrelay.dit_service.registration import (
@@ -73,7 +74,6 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         replica_id_for,
     )
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
-
     from kvrelay.models.presets import get_preset
     from kvrelay.server import GRPC_OPTIONS
     from kvrelay.transfer.transport import RegionDescriptor

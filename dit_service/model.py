@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from kvrelay.dit_service.sampler import StepCallback, cfg_rows, euler_sample, initial_noise
 from torch import nn
 
+from kvrelay.dit_service.sampler import StepCallback, cfg_rows, euler_sample, initial_noise
 from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, apply_rotary, init_std, rope_cos_sin
 from kvrelay.models.paged_attention import LayerKv, prefix_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup

@@ -25,11 +25,11 @@ from typing import Any
 
 import grpc
 import numpy as np
+
+from kvrelay.config import StageConfig
 from kvrelay.dit_service.engine import CANCEL, SERIAL, STEP, DenoiseResult, RunDenoise, VerifyWrites
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.scheduler import AdmissionQueue
-
-from kvrelay.config import StageConfig
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv

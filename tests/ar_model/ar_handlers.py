@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvrelay.ar_service.model import build_ar_model
 
+from kvrelay.ar_service.model import build_ar_model
 from kvrelay.worker import RankContext
 
 

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-from kvrelay.ar_service.model import ArModel
 
+from kvrelay.ar_service.model import ArModel
 from kvrelay.models.presets import get_preset
 
 transformers = pytest.importorskip("transformers")

@@ -6,9 +6,9 @@ import functools
 
 import pytest
 import torch
+
 from kvrelay.ar_service.model import ArModel, PromptTooLong, build_ar_model
 from kvrelay.ar_service.tokenizer import ByteTokenizer
-
 from kvrelay.models.layers import apply_rotary, rope_cos_sin
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset

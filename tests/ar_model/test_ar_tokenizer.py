@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from kvrelay.ar_service.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 
+from kvrelay.ar_service.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 from kvrelay.models.presets import BOS_ID, get_preset
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
 from kvrelay.ar_service.model import build_ar_model
 from kvrelay.ar_service.tokenizer import ByteTokenizer
-
 from kvrelay.errors import reason_of
 from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
 from tests.ar_service.harness import Receiver, ar_stub, broker_process, start_ar, wait_serving, write_config
@@ -204,9 +204,9 @@ def test_real_dit_denoises_over_what_the_ar_wrote(tmp_path: Path) -> None:
     """The AR process and the DiT process (issue 7) through the broker: Denoise waits for the AR's
     writes, verifies them, and draws the image a local AR prefill + DiT would draw."""
     import numpy as np
+
     from kvrelay.dit_service.image import decode_png
     from kvrelay.dit_service.model import DitRunner
-
     from kvrelay.v1 import dit_pb2, dit_pb2_grpc
     from tests.dit_service.harness import start_dit
 

@@ -4,6 +4,7 @@ handler's rule that a ticket's KV is freed once every write has a final outcome.
 from __future__ import annotations
 
 import torch
+
 from kvrelay.ar_service.engine import (
     ArRankHandler,
     ArRankSpec,
@@ -14,7 +15,6 @@ from kvrelay.ar_service.engine import (
 )
 from kvrelay.ar_service.model import build_ar_model
 from kvrelay.ar_service.sender import WriteLedger
-
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, Segment, plan_transfer

@@ -5,11 +5,10 @@ from __future__ import annotations
 import uuid
 from dataclasses import replace
 
+from kvrelay import LAYOUT_VERSION
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec
 from kvrelay.broker.tickets import Ticket, TicketOutcome, WriteKey, WriteStatus
-
-from kvrelay import LAYOUT_VERSION
 from kvrelay.transfer.layout import KvGeometry
 
 GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=8, dtype="bfloat16", page_size=16)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from kvrelay.broker.core import BrokerCore, run_maintenance
 from kvrelay.broker.tickets import NotFound, TicketOutcome, TicketState
-
 from tests.broker.helpers import ar_spec, dit_spec, load_all, write_all
 
 TIMEOUT = 5.0

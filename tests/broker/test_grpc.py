@@ -8,12 +8,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvrelay.broker.core import BrokerCore, run_maintenance
-from kvrelay.broker.metrics import register_broker_metrics
-from kvrelay.broker.service import add_broker_servicer
 from prometheus_client import generate_latest
 
 from kvrelay import LAYOUT_VERSION
+from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.metrics import register_broker_metrics
+from kvrelay.broker.service import add_broker_servicer
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 

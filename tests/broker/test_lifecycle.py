@@ -4,6 +4,7 @@ DESIGN.md section 6 (outcomes, idempotency, fencing, incarnations)."""
 from __future__ import annotations
 
 import pytest
+
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.tickets import (
     TRANSITIONS,
@@ -19,7 +20,6 @@ from kvrelay.broker.tickets import (
     WriteKey,
     WriteStatus,
 )
-
 from tests.broker.helpers import (
     ManualClock,
     ar_spec,

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import Registration
 from kvrelay.broker.tickets import (
@@ -20,7 +21,6 @@ from kvrelay.broker.tickets import (
     Unavailable,
     WriteStatus,
 )
-
 from kvrelay.transfer.layout import KvGeometry
 from tests.broker.helpers import (
     GEOMETRY,

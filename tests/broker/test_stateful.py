@@ -18,6 +18,7 @@ from pathlib import Path
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.pool import PageState
 from kvrelay.broker.registry import ReplicaRole, ReplicaSpec
@@ -32,7 +33,6 @@ from kvrelay.broker.tickets import (
     WriteKey,
     WriteStatus,
 )
-
 from tests.broker.helpers import ManualClock, ar_spec, checksum_of, dit_spec, new_incarnation
 
 QUIET = 2.0

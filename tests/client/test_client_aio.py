@@ -9,9 +9,9 @@ from typing import Any
 
 import grpc
 import pytest
-from kvrelay.client import AsyncKvRelayClient, GenerationState, KvRelayError, RetryPolicy
 from PIL import Image
 
+from kvrelay.client import AsyncKvRelayClient, GenerationState, KvRelayError, RetryPolicy
 from kvrelay.v1 import generation_pb2
 from tests.client.harness import Harness, ServerThread
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from kvrelay.client.cli import run_generate, run_status
 from PIL import Image
 
+from kvrelay.client.cli import run_generate, run_status
 from kvrelay.v1 import broker_pb2, common_pb2, generation_pb2
 from tests.client.harness import Harness, ServerThread
 

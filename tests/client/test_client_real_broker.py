@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+
 from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, RetryPolicy
 from kvrelay.client.cli import run_status
-
 from kvrelay.supervisor import Node, start_node
 
 REPO = Path(__file__).resolve().parents[2]

@@ -14,6 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf.message import Message
+from PIL import Image
+
 from kvrelay.client import (
     GenerationEvent,
     GenerationState,
@@ -28,8 +30,6 @@ from kvrelay.client import (
     TicketState,
     TransportKind,
 )
-from PIL import Image
-
 from kvrelay.v1 import broker_pb2, common_pb2, generation_pb2
 from tests.client.harness import Harness, ServerThread
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from kvrelay.dit_service.model import DitRunner, shard_prefix
 
+from kvrelay.dit_service.model import DitRunner, shard_prefix
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
 from kvrelay.worker import RankContext
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvrelay.dit_service.image import decode_png, encode_png, png_size
 from kvrelay.dit_service.model import DitRunner, random_prefix
 

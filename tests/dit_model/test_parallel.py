@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvrelay.dit_service.model import DenoiseCancelled, DitRunner, random_prefix
 
+from kvrelay.dit_service.model import DenoiseCancelled, DitRunner, random_prefix
 from kvrelay.worker import WorkerCommandError, WorkerGroup
 
 from .rank_handlers import DitRankFactory, Generate, StopRequested

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvrelay.dit_service.sampler import cfg_rows, combine_cfg, euler_sample, flow_timesteps, initial_noise
 
 

@@ -21,9 +21,9 @@ from typing import Any
 import grpc
 import torch
 import yaml
-from kvrelay.dit_service.model import random_prefix
 
 from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.dit_service.model import random_prefix
 from kvrelay.models.presets import get_preset
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
 from kvrelay.transfer.convert import (

@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+
 from kvrelay.dit_service.image import decode_png
 from kvrelay.dit_service.model import DitRunner
-
 from kvrelay.errors import reason_of
 from kvrelay.transfer.convert import writes_from_proto
 from kvrelay.transfer.transport import not_started_outcomes

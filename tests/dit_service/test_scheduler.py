@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from kvrelay.dit_service.scheduler import AdmissionQueue
 
 

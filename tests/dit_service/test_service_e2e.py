@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+
 from kvrelay.dit_service.image import decode_png
 from kvrelay.dit_service.model import DitRunner
-
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
 from tests.dit_service.harness import (

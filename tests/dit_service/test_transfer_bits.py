@@ -6,10 +6,10 @@ the service's read path, gives attention outputs identical to the dense local pr
 from __future__ import annotations
 
 import torch
+
 from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, VerifyWrites, control_bytes
 from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry, num_pages_for
 from kvrelay.dit_service.model import random_prefix
-
 from kvrelay.models.paged_attention import prefix_attention, read_prefix
 from kvrelay.models.presets import get_preset
 from kvrelay.transfer.layout import PageLayout

@@ -16,8 +16,8 @@ from typing import Any
 
 import psutil
 import pytest
-from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, TicketState
 
+from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, TicketState
 from tests.e2e.node import running_node, wait_pools_full
 
 pytestmark = pytest.mark.slow

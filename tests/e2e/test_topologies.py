@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvrelay.client import GenerationState, KvRelayClient
 
+from kvrelay.client import GenerationState, KvRelayClient
 from tests.e2e.node import fallback, running_node, wait_pools_full
 
 pytestmark = pytest.mark.slow
@@ -27,10 +27,10 @@ def _generate(address: str, **kw: Any) -> Any:
 
 
 def test_same_seed_same_image_bits_over_mooncake_fallback_and_colocated(tmp_path: Path) -> None:
-    from kvrelay.dit_service.image import decode_png
     from PIL import Image
 
     from kvrelay.colocated import ColocatedPipeline
+    from kvrelay.dit_service.image import decode_png
 
     images = {}
     for name, edit in (("mooncake", None), ("grpc", fallback)):

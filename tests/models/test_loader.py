@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-from kvrelay.ar_service.model import ArModel, build_ar_model
 from safetensors import safe_open
 
+from kvrelay.ar_service.model import ArModel, build_ar_model
 from kvrelay.models.loader import (
     COLUMN,
     ROW,

@@ -24,13 +24,13 @@ from typing import Any
 
 import grpc
 import yaml
+from prometheus_client import CollectorRegistry
+
+from kvrelay import LAYOUT_VERSION
 from kvrelay.broker.core import BrokerCore, run_maintenance
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
-from prometheus_client import CollectorRegistry
-
-from kvrelay import LAYOUT_VERSION
 from kvrelay.config import parse_config
 from kvrelay.errors import KvRelayServerError, abort_with
 from kvrelay.server import GRPC_OPTIONS, GrpcServer

@@ -7,8 +7,8 @@ import asyncio
 
 import grpc
 import pytest
-from kvrelay.broker.tickets import TicketOutcome, TicketState
 
+from kvrelay.broker.tickets import TicketOutcome, TicketState
 from kvrelay.errors import KvRelayServerError
 from kvrelay.v1 import generation_pb2
 

@@ -4,6 +4,7 @@ the public contract agree on states, results, errors and cancellation."""
 from __future__ import annotations
 
 import pytest
+
 from kvrelay.client import AsyncKvRelayClient, KvRelayError
 from kvrelay.client.types import GenerationState
 

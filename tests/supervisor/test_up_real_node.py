@@ -20,8 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from kvrelay.client import KvRelayClient
 from PIL import Image
+
+from kvrelay.client import KvRelayClient
 
 REPO = Path(__file__).resolve().parents[2]
 
