@@ -76,7 +76,12 @@ def bind_request(**ids: str) -> Iterator[None]:
     try:
         yield
     finally:
-        structlog.contextvars.reset_contextvars(**tokens)
+        try:
+            structlog.contextvars.reset_contextvars(**tokens)
+        except ValueError:
+            # A stream handler closed from another context (a cancelled RPC's generator finalised
+            # by grpc) cannot reset tokens of this one; that context is gone with its ids anyway.
+            pass
 
 
 def _ids_from_request(request: Any, metadata: Any) -> dict[str, str]:

@@ -125,8 +125,10 @@ class GrpcStreamReceiver:
         self.regions: dict[int, tuple[Any, int]] = {}
 
     def register_region(self, memory: Any, rank: int) -> RegionDescriptor:
-        length = len(as_memoryview(memory)) if not (hasattr(memory, "device") and memory.device.type != "cpu") \
-            else int(memory.numel())
+        # A torch tensor on a device has no host view; numpy arrays (whose `.device` is the
+        # string "cpu" in numpy 2) and CPU tensors are measured through a byte view.
+        on_device = hasattr(memory, "data_ptr") and getattr(memory.device, "type", "cpu") != "cpu"
+        length = int(memory.numel() * memory.element_size()) if on_device else len(as_memoryview(memory))
         self.regions[rank] = (memory, length)
         return RegionDescriptor(rank=rank, transport="grpc", endpoint=self.endpoint, base_address=0, length=length)
 

@@ -167,3 +167,14 @@ def test_connector_names_map_to_transports() -> None:
     assert transport_for_connector(None) == "grpc"
     with pytest.raises(ValueError, match="unknown kv_connector"):
         transport_for_connector("NixlConnector")
+
+
+def test_grpc_receiver_describes_numpy_and_tensor_regions() -> None:
+    import numpy as np
+
+    from kvrelay.transfer.grpc_stream import GrpcStreamReceiver
+
+    receiver = GrpcStreamReceiver("127.0.0.1:1")
+    # numpy 2 arrays carry `.device == "cpu"` (a string): they are host memory like CPU tensors.
+    assert receiver.register_region(np.zeros(100, dtype=np.uint8), 0).length == 100
+    assert receiver.register_region(torch.zeros(64, dtype=torch.uint8), 1).length == 64
