@@ -7,9 +7,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
@@ -19,6 +19,8 @@ _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 class ServiceProcess:
     proc: subprocess.Popen[str]
     address: str
+    # Every line the process printed (stdout and stderr), read on a thread: for failure messages.
+    lines: list[str] = field(default_factory=list)
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
@@ -29,6 +31,9 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         return int(self.proc.returncode)
+
+    def output(self) -> str:
+        return "".join(self.lines[-60:])
 
 
 def start_service(args: Sequence[str], *, cwd: Path, timeout: float = 60.0, env: dict[str, str] | None = None) -> ServiceProcess:
@@ -42,31 +47,23 @@ def start_service(args: Sequence[str], *, cwd: Path, timeout: float = 60.0, env:
         text=True,
         env=full_env,
     )
-    deadline = time.monotonic() + timeout
-    seen: list[str] = []
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        seen.append(line)
-        match = _LISTEN.search(line)
-        if match:
-            _drain_in_background(proc)
-            return ServiceProcess(proc, f"{match.group(1)}:{match.group(2)}")
-    proc.kill()
-    proc.wait(5)
-    raise RuntimeError(f"service {args} did not start:\n{''.join(seen[-40:])}")
+    lines: list[str] = []
+    found: list[str] = []
+    seen = threading.Event()
 
-
-def _drain_in_background(proc: subprocess.Popen[str]) -> None:
-    import threading
-
-    def drain() -> None:
+    def reader() -> None:
         assert proc.stdout is not None
-        for _ in proc.stdout:
-            pass
+        for line in proc.stdout:
+            lines.append(line)
+            match = _LISTEN.search(line)
+            if match and not found:
+                found.append(f"{match.group(1)}:{match.group(2)}")
+                seen.set()
+        seen.set()
 
-    threading.Thread(target=drain, daemon=True).start()
+    threading.Thread(target=reader, daemon=True).start()
+    if not seen.wait(timeout) or not found:
+        proc.kill()
+        proc.wait(5)
+        raise RuntimeError(f"kvrelay {args[0]} did not start:\n" + "".join(lines[-40:]))
+    return ServiceProcess(proc, found[0], lines)

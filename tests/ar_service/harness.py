@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,7 +30,7 @@ from kvrelay.transfer.pack import read_row
 from kvrelay.transfer.planner import RowSpec
 from kvrelay.transfer.transport import make_receiver
 from kvrelay.v1 import ar_pb2_grpc, broker_pb2, broker_pb2_grpc, common_pb2, dit_pb2, dit_pb2_grpc
-from tests.procs import _LISTEN
+from tests.procs import start_service
 
 PAGE_SIZE = 16
 # Regions registered with this process's one Mooncake engine stay registered for its lifetime (the
@@ -127,32 +124,9 @@ def start_ar(
     config: Path, broker_address: str, *, cwd: Path, replica: int = 0, timeout: float = 60.0
 ) -> ArProcess:
     """`python -m kvrelay ar`; returns once it printed its listening line (output kept on a thread)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVRELAY_LOG_FORMAT": "json"}
     args = ["ar", "--config", str(config), "--replica", str(replica), "--broker", broker_address]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay", *args],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
-    lines: list[str] = []
-    found: list[str] = []
-    seen = threading.Event()
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            match = _LISTEN.search(line)
-            if match and not found:
-                found.append(f"{match.group(1)}:{match.group(2)}")
-                seen.set()
-        seen.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    if not seen.wait(timeout) or not found:
-        proc.kill()
-        proc.wait(5)
-        raise RuntimeError("AR did not start:\n" + "".join(lines[-40:]))
-    return ArProcess(proc, found[0], lines)
+    started = start_service(args, cwd=cwd, timeout=timeout)
+    return ArProcess(started.proc, started.address, started.lines)
 
 
 async def wait_serving(address: str, timeout: float = 90.0) -> None:

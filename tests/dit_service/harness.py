@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -36,7 +33,7 @@ from kvrelay.transfer.pack import pack_staging
 from kvrelay.transfer.planner import RowSpec, staging_bytes
 from kvrelay.transfer.transport import WriteOutcome, make_sender
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
-from tests.procs import _LISTEN
+from tests.procs import start_service
 
 PAGE_SIZE = 16
 STAGING_BYTES = 16 << 20
@@ -160,31 +157,9 @@ class DitProcess:
 def start_dit(config: Path, broker_address: str, *, cwd: Path, timeout: float = 60.0) -> DitProcess:
     """`python -m kvrelay dit` with this config; returns once it printed its listening line. Every
     output line is kept (read on a thread) for failure messages."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVRELAY_LOG_FORMAT": "json"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay", "dit", "--config", str(config), "--replica", "0", "--broker", broker_address],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines: list[str] = []
-    found: list[str] = []
-    seen = threading.Event()
-
-    def reader() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            match = _LISTEN.search(line)
-            if match and not found:
-                found.append(f"{match.group(1)}:{match.group(2)}")
-                seen.set()
-        seen.set()
-
-    threading.Thread(target=reader, daemon=True).start()
-    if not seen.wait(timeout) or not found:
-        proc.kill()
-        proc.wait(5)
-        raise RuntimeError("DiT did not start:\n" + "".join(lines[-40:]))
-    return DitProcess(proc, found[0], lines)
+    args = ["dit", "--config", str(config), "--replica", "0", "--broker", broker_address]
+    started = start_service(args, cwd=cwd, timeout=timeout)
+    return DitProcess(started.proc, started.address, started.lines)
 
 
 async def wait_serving(dit: DitProcess, timeout: float = 90.0) -> None:
