@@ -243,8 +243,6 @@ class KvRelayConfig(_Strict):
             )
         if ar.sequence_parallel_size != 1:
             raise ValueError("stages[0].sequence_parallel_size: the AR stage supports tensor parallelism only")
-        if ar.model.engine == "vllm" and ar.tensor_parallel_size != 1:
-            raise ValueError("stages[0].tensor_parallel_size: the vLLM engine path supports TP=1 here")
         if dit.model.engine != "builtin":
             raise ValueError("stages[1].model.engine: the DiT runs the built-in engine")
         return self
