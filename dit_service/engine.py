@@ -104,6 +104,8 @@ class DitRankSpec:
     mooncake_host: str = "127.0.0.1"
     mooncake_protocol: str = "tcp"
     mooncake_device_name: str = ""
+    # A directory written by DitRunner.save_checkpoint; None = random weights from weight_seed.
+    checkpoint: str | None = None
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -124,7 +126,7 @@ class DitRankHandler:
         dtype = torch_dtype(spec.dtype) if spec.dtype else None
         self.runner = DitRunner(
             spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
-            weight_seed=spec.weight_seed, device=device, dtype=dtype,
+            weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
         )
         self.layout = self.runner.page_layout(spec.page_size)
         pool_spec = spec.pools[ctx.rank]

@@ -87,7 +87,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         print(f"kvrelay dit: --replica {replica} out of range: the DiT stage has {stage.num_replicas} replica(s)")
         return 2
     if stage.model.preset is None:
-        print("kvrelay dit: stages[1].model.preset is required (the built-in DiT has no checkpoint loader)")
+        print("kvrelay dit: stages[1].model.preset is required: it names the DiT's shape (path: DIR adds weights)")
         return 2
     if stage.transport == "cuda_ipc":
         print("kvrelay dit: kv_connector CudaIpcConnector is not built yet; use MooncakeConnector or none")
@@ -133,6 +133,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         metrics.pages.labels(replica_id).set(memory.num_pages)
         spec = DitRankSpec(
             preset=preset.name, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype,
+            checkpoint=stage.model.path,
             tp=stage.tensor_parallel_size, sp=stage.sequence_parallel_size, page_size=stage.page_size,
             num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
             slots=stage.max_num_seqs, transport=stage.transport, mooncake_host=stage.advertise_host,

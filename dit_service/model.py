@@ -21,9 +21,11 @@ which is exactly ``PageLayout(geometry, num_shards=world, shard=r)``, the pages 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from torch import nn
 
 from kvrelay.dit_service.sampler import StepCallback, cfg_rows, euler_sample, initial_noise
 from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, apply_rotary, init_std, rope_cos_sin
+from kvrelay.models.loader import CheckpointError
 from kvrelay.models.paged_attention import LayerKv, prefix_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
@@ -379,6 +382,50 @@ def init_seeded_weights(module: nn.Module, weight_seed: int, device: torch.devic
 
 
 # ---------------------------------------------------------------------------------------------
+# Checkpoints: full (unsharded) tensors in safetensors, sharded on load like the seeded weights
+# ---------------------------------------------------------------------------------------------
+
+DIT_CHECKPOINT_FILE = "dit.safetensors"
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of an unsharded (world size 1) module, by name, on CPU, contiguous."""
+    return {name: p.detach().to("cpu").contiguous() for name, p in module.named_parameters()}
+
+
+@torch.no_grad()
+def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Load full tensors into a possibly sharded module: parallel linears keep their shard (as
+    `init_seeded_weights` does), every other parameter is copied whole. A missing tensor or a wrong
+    shape raises CheckpointError naming it; nothing is guessed."""
+    done: set[str] = set()
+    for name, mod in module.named_modules():
+        if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
+            key = f"{prefix}{name}.weight"
+            if key not in tensors:
+                raise CheckpointError(f"checkpoint has no tensor {key!r}")
+            bias_key = f"{prefix}{name}.bias"
+            bias = tensors.get(bias_key) if mod.bias is not None else None
+            if mod.bias is not None and bias is None:
+                raise CheckpointError(f"checkpoint has no tensor {bias_key!r}")
+            try:
+                mod.load_full(tensors[key].to(mod.weight.device, mod.weight.dtype),
+                              None if bias is None else bias.to(mod.weight.device, mod.weight.dtype))
+            except ValueError as err:
+                raise CheckpointError(f"{key}: {err}") from None
+            done.update({f"{name}.weight", f"{name}.bias"})
+    for name, param in module.named_parameters():
+        if name in done:
+            continue
+        key = f"{prefix}{name}"
+        if key not in tensors:
+            raise CheckpointError(f"checkpoint has no tensor {key!r}")
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise CheckpointError(f"{key}: shape {tuple(tensors[key].shape)} != model's {tuple(param.shape)}")
+        param.copy_(tensors[key].to(param.device, param.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
 # Runner: the API the DiT service's rank workers call
 # ---------------------------------------------------------------------------------------------
 
@@ -406,6 +453,7 @@ class DitRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         timestep_shift: float = 1.0,
+        checkpoint: str | Path | None = None,
     ) -> None:
         self.preset = get_preset(preset) if isinstance(preset, str) else preset
         self.cfg = self.preset.dit
@@ -417,6 +465,34 @@ class DitRunner:
         init_seeded_weights(self.model, weight_seed, self.device)
         self.decoder = LatentDecoder(self.cfg.latent_channels, device=self.device).eval()
         init_seeded_weights(self.decoder, weight_seed, self.device)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
+
+    def save_checkpoint(self, directory: str | Path) -> Path:
+        """Write the DiT and its decoder as full tensors (`dit.safetensors` + `config.json` naming
+        the preset's shape). Only an unsharded (world size 1) runner holds whole tensors."""
+        if self.parallel.world != 1:
+            raise ValueError("save_checkpoint needs the unsharded (world size 1) DiT")
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {f"model.{k}": v for k, v in full_state(self.model).items()}
+        tensors.update({f"decoder.{k}": v for k, v in full_state(self.decoder).items()})
+        save_file(tensors, str(out / DIT_CHECKPOINT_FILE), metadata={"preset": self.preset.name})
+        (out / "config.json").write_text(json.dumps({"kvrelay_dit_preset": self.preset.name}, indent=2))
+        return out
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Load weights written by `save_checkpoint` (any TP/SP size: each rank keeps its shard)."""
+        from safetensors.torch import load_file
+
+        path = Path(directory) / DIT_CHECKPOINT_FILE
+        if not path.is_file():
+            raise CheckpointError(f"no {DIT_CHECKPOINT_FILE} in {directory}")
+        tensors = load_file(str(path))
+        load_full_state(self.model, tensors, "model.")
+        load_full_state(self.decoder, tensors, "decoder.")
 
     @property
     def heads_local(self) -> int:

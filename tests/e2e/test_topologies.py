@@ -85,3 +85,24 @@ def test_debug_topology_tp2_to_tp2_twenty_sequential_requests(tmp_path: Path) ->
         pools = wait_pools_full(client)
         assert pools[0].draining_pages == 0 and pools[0].reserved_pages == 0
         assert not client.list_tickets(), "every ticket is released"
+
+
+def test_dit_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
+    from kvrelay.colocated import ColocatedPipeline
+    from kvrelay.dit_service.image import decode_png
+    from kvrelay.dit_service.model import DitRunner
+
+    checkpoint = tmp_path / "dit-weights"
+    DitRunner("tiny", weight_seed=7).save_checkpoint(checkpoint)
+
+    def with_weights(cfg: dict[str, Any]) -> None:
+        cfg["stages"][1]["model"] = {"preset": "tiny", "path": str(checkpoint)}
+
+    with running_node(tmp_path, "dit-ckpt", with_weights) as node:
+        _, result = _generate(node.address())
+    pipe = ColocatedPipeline("tiny")  # the AR of the node: weight_seed 0
+    local_dit = DitRunner("tiny", weight_seed=7)
+    local = local_dit.decode(
+        local_dit.denoise(_colocated_rows(pipe), width=64, height=96, steps=2, guidance_scale=2.0, seed=SEED)
+    )
+    assert (decode_png(result.png) == local.numpy()).all()
