@@ -140,15 +140,21 @@ def write_prefix(
         )
     pages = pool_pages(pool, layout)
     expected = (layout.heads_per_shard, num_tokens, g.head_dim)
-    for i, page in enumerate(page_ids):
-        lo, hi = i * g.page_size, min((i + 1) * g.page_size, num_tokens)
-        dst = pages[int(page)]
-        dst.zero_()
-        for layer, (k, v) in enumerate(prefix):
-            for kv, src in ((K_INDEX, k), (V_INDEX, v)):
-                if tuple(src.shape) != expected:
-                    raise ValueError(f"layer {layer} prefix shape {tuple(src.shape)} != {expected}")
-                dst[layer, kv, :, : hi - lo].copy_(src[:, lo:hi])
+    for layer, (k, v) in enumerate(prefix):
+        for src in (k, v):
+            if tuple(src.shape) != expected:
+                raise ValueError(f"layer {layer} prefix shape {tuple(src.shape)} != {expected}")
+    if not page_ids:
+        return
+    # One gather-free copy for the whole row instead of one per page, layer and k|v: the prefix
+    # is laid out as pages ([page][layer][k|v][head][slot][dim], zero tail) and scattered by id.
+    n, ps = len(page_ids), g.page_size
+    kv = torch.stack([torch.stack((k, v)) for k, v in prefix]).to(device=pages.device, dtype=pages.dtype)
+    padded = kv.new_zeros(g.num_layers, 2, layout.heads_per_shard, n * ps, g.head_dim)
+    padded[..., :num_tokens, :] = kv
+    blocks = padded.view(g.num_layers, 2, layout.heads_per_shard, n, ps, g.head_dim).permute(3, 0, 1, 2, 4, 5)
+    index = torch.as_tensor([int(p) for p in page_ids], dtype=torch.long, device=pages.device)
+    pages.index_copy_(0, index, blocks)
 
 
 def prefix_attention(
