@@ -99,13 +99,17 @@ def _write_pieces(
 ) -> list[tuple[int, int]]:
     """(dst_offset, length) of one write in staging order: page, layer, k|v, then the head run."""
     g = layout.geometry
+    page_bytes = layout.page_bytes
+    if head_lo_local == 0 and num_heads == layout.heads_per_shard:
+        # The write covers every head the destination stores: each page is one contiguous piece
+        # (the same bytes as the per-(layer, k|v) runs below, already merged).
+        return [(page * page_bytes, page_bytes) for page in spec.page_ids]
+    layout.offset(0, 0, 0, head_lo_local)  # validates the head range once, for the arithmetic below
     run = num_heads * layout.head_block_bytes
-    pieces: list[tuple[int, int]] = []
-    for page in spec.page_ids:
-        for layer in range(g.num_layers):
-            for kv in (0, 1):
-                pieces.append((layout.offset(page, layer, kv, head_lo_local), run))
-    return pieces
+    kv_block = layout.kv_block_bytes
+    head_off = head_lo_local * layout.head_block_bytes
+    blocks = [block * kv_block + head_off for block in range(g.num_layers * 2)]  # (layer, k|v) order
+    return [(page * page_bytes + off, run) for page in spec.page_ids for off in blocks]
 
 
 def _coalesce(pieces: list[tuple[int, int]], src_start: int) -> tuple[Segment, ...]:
