@@ -45,6 +45,15 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
         os.kill(proc.pid, sig)
 
 
+def _wait_replicas_up(client: KvRelayClient, timeout: float = 30.0) -> None:
+    """A stopped replica misses heartbeats: its lease lapses (it is down, not gone) until it
+    heartbeats again after SIGCONT. New requests need it up."""
+    deadline = time.monotonic() + timeout
+    while not all(r.up and not r.fenced for r in client.list_replicas()):
+        assert time.monotonic() < deadline, f"replicas not up again: {client.list_replicas()}"
+        time.sleep(0.05)
+
+
 def _ticket_states(client: KvRelayClient) -> dict[str, TicketState]:
     return {t.ticket_id: t.state for t in client.list_tickets()}
 
@@ -69,6 +78,7 @@ def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Pa
                             return
                     time.sleep(0.0005)
 
+            _wait_replicas_up(client)
             watcher = threading.Thread(target=watch, daemon=True)
             watcher.start()
             handle = client.generate(LONG + str(attempt), negative_prompt=LONG, seed=attempt, width=64, height=64,
@@ -103,6 +113,7 @@ def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Pa
         wait_pools_full(client, timeout=30)
         assert ticket_id not in _ticket_states(client)
         # And the node keeps serving.
+        _wait_replicas_up(client)
         assert client.generate("after the fault", seed=1, width=64, height=64, timeout=60).result().png
 
 
@@ -124,6 +135,7 @@ def test_writer_stopped_before_arming_rolls_back_at_once(tmp_path: Path) -> None
         finally:
             _signal_all(ranks, signal.SIGCONT)
         # The AR wakes up, finds its ticket over, writes nothing; the node keeps serving.
+        _wait_replicas_up(client)
         result = client.generate("after the fault", seed=2, width=64, height=64, timeout=60).result()
         assert result.png
         assert wait_pools_full(client)[0].free_pages == total
