@@ -31,6 +31,22 @@ class ColocatedPipeline:
         self.pages_per_row = self.layout.geometry.pages_for(self.preset.ar.max_tokens + 1)
         self.pool = torch.zeros(2 * self.pages_per_row * self.layout.page_bytes, dtype=torch.uint8, device=device)
 
+    def prefill(self, texts: list[str]) -> list[torch.Tensor]:
+        """Each CFG row's KV, [num_layers, 2, num_kv_heads, T, head_dim]."""
+        return [self.ar.prefill(self.tokenizer.encode(text)) for text in texts]
+
+    def hand_over(self, kvs: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Write each row's KV into its pages and read it back as the DiT does: the in-memory
+        stand-in for a transfer (row r takes pages from r * pages_per_row)."""
+        prefix_rows = []
+        for row, kv in enumerate(kvs):
+            n = kv.shape[3]
+            start = row * self.pages_per_row
+            pages = list(range(start, start + self.layout.geometry.pages_for(n)))
+            write_prefix(self.pool, self.layout, pages, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
+            prefix_rows.append(read_prefix(self.pool, self.layout, pages, n))
+        return prefix_rows
+
     def generate(
         self, prompt: str, negative_prompt: str, seed: int, width: int, height: int, steps: int, guidance_scale: float
     ) -> dict[str, float]:
@@ -40,15 +56,10 @@ class ColocatedPipeline:
         sync = torch.cuda.synchronize if self.pool.is_cuda else (lambda: None)
         t0 = time.perf_counter()
         texts = [prompt, negative_prompt] if guidance_scale > 1.0 else [prompt]
-        kvs = [self.ar.prefill(self.tokenizer.encode(text)) for text in texts]
+        kvs = self.prefill(texts)
         sync()
         t1 = time.perf_counter()
-        prefix_rows = []
-        for row, kv in enumerate(kvs):
-            n = kv.shape[3]
-            pages = list(range(row * self.pages_per_row, row * self.pages_per_row + self.layout.geometry.pages_for(n)))
-            write_prefix(self.pool, self.layout, pages, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
-            prefix_rows.append(read_prefix(self.pool, self.layout, pages, n))
+        prefix_rows = self.hand_over(kvs)
         sync()
         t2 = time.perf_counter()
         latents = self.dit.denoise(

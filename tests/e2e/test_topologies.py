@@ -52,16 +52,7 @@ def test_same_seed_same_image_bits_over_mooncake_fallback_and_colocated(tmp_path
 
 
 def _colocated_rows(pipe: Any) -> list[Any]:
-    from kvrelay.models.paged_attention import read_prefix, write_prefix
-
-    rows = []
-    for row, text in enumerate((PROMPT, NEGATIVE)):
-        kv = pipe.ar.prefill(pipe.tokenizer.encode(text))
-        n = kv.shape[3]
-        pages = list(range(row * pipe.pages_per_row, row * pipe.pages_per_row + pipe.layout.geometry.pages_for(n)))
-        write_prefix(pipe.pool, pipe.layout, pages, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
-        rows.append(read_prefix(pipe.pool, pipe.layout, pages, n))
-    return rows
+    return pipe.hand_over(pipe.prefill([PROMPT, NEGATIVE]))
 
 
 def test_debug_topology_tp2_to_tp2_twenty_sequential_requests(tmp_path: Path) -> None:
