@@ -1,0 +1,187 @@
+"""Profile the model steps on one GPU: the DiT denoising step and the AR prefill (bagel-7b-shape).
+
+Prints, per model, the step time (CUDA events, median), the host time of one step (how long Python
+takes to issue it: a step whose host time is close to its device time is launch-bound), the
+compute floor (the step's matmul FLOPs at the measured bf16 matmul rate) and the torch.profiler
+table of the kernels that take the device time. Run on the GPU machine:
+
+    python3 benchmarks/gpu/profile_steps.py --out $OUT
+
+Writes ``profile.txt`` and ``profile.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvrelay.ar_service.model import build_ar_model
+from kvrelay.dit_service.model import DitRunner, random_prefix
+from kvrelay.dit_service.sampler import cfg_rows
+from kvrelay.models.presets import get_preset
+
+
+def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def timed(fn: Any, reps: int) -> tuple[float, float]:
+    """(median device ms, median host ms to issue) over ``reps`` calls after two warm-ups."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    dev, host = [], []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        torch.cuda.synchronize()
+        dev.append(start.elapsed_time(end))
+    return statistics.median(dev), statistics.median(host)
+
+
+def kernel_table(fn: Any, rows: int = 25) -> str:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table: str = prof.key_averages().table(
+        sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60
+    )
+    return table
+
+
+def dit_flops(preset: str, width: int, height: int, rows: int, prefix: int) -> float:
+    p = get_preset(preset)
+    c = p.dit
+    n = c.num_image_tokens(width, height)
+    h, hq, hkv, d, mlp = c.hidden, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp
+    per_token = 2 * h * (hq * d + 2 * hkv * d) + 2 * hq * d * h + 3 * 2 * h * mlp
+    attn = 2 * 2 * hq * n * (prefix + n) * d
+    return float(c.num_layers * rows * (n * per_token + attn))
+
+
+def ar_flops(preset: str, tokens: int) -> float:
+    c = get_preset(preset).ar
+    h, hq, hkv, d, mlp = c.hidden, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp
+    per_token = 2 * h * (hq * d + 2 * hkv * d) + 2 * hq * d * h + 3 * 2 * h * mlp
+    return float(c.num_layers * tokens * per_token)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="bagel-7b-shape")
+    parser.add_argument("--out", default="/tmp/profile")
+    parser.add_argument("--prefix-tokens", type=int, default=96)
+    parser.add_argument("--ar-tokens", type=int, nargs="+", default=[96, 192, 1024])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--skip", nargs="*", default=[])
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines: list[str] = []
+    result: dict[str, Any] = {}
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+        (out / "profile.txt").write_text("\n".join(lines) + "\n")
+        (out / "profile.json").write_text(json.dumps(result, indent=2))
+
+    torch.manual_seed(0)
+    rate = matmul_tflops()
+    result["matmul_tflops"] = rate
+    say(f"{torch.cuda.get_device_name()} torch {torch.__version__}: bf16 8192^3 matmul {rate:.0f} TFLOP/s")
+
+    if "ar" not in args.skip:
+        model = build_ar_model(preset=args.preset, device="cuda")
+        result["ar"] = {}
+        for n in args.ar_tokens:
+            ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
+            dev_ms, host_ms = timed(lambda ids=ids: model.prefill(ids), args.reps)
+            floor_ms = ar_flops(args.preset, n) / (rate * 1e12) * 1e3
+            weight_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / 4.3e12 * 1e3
+            result["ar"][n] = {
+                "prefill_ms": dev_ms,
+                "host_ms": host_ms,
+                "flop_floor_ms": floor_ms,
+                "weight_read_floor_ms": weight_ms,
+            }
+            say(
+                f"\nAR prefill {n} tokens: {dev_ms:.2f} ms device, {host_ms:.2f} ms host, floor "
+                f"max({floor_ms:.2f} ms flops, {weight_ms:.2f} ms weights at 4.3 TB/s)"
+            )
+        ids = torch.randint(0, 256, (args.ar_tokens[0],), generator=torch.Generator().manual_seed(0))
+        say(kernel_table(lambda: model.prefill(ids), rows=20))
+
+    if "dit" not in args.skip:
+        runner = DitRunner(args.preset, device="cuda")
+        kv_dtype = getattr(torch, runner.preset.dtype)
+        prefix = [
+            random_prefix(runner.preset, args.prefix_tokens, seed=r, dtype=kv_dtype, device="cuda")
+            for r in range(cfg_rows(2.0))
+        ]
+        lat = torch.randn(2, 16, 64, 64, device="cuda", dtype=runner.dtype)
+        t = torch.full((2,), 0.5, device="cuda")
+
+        def dit_step() -> None:
+            runner.model(lat, t, prefix)
+
+        dev_ms, host_ms = timed(dit_step, args.reps)
+        floor_ms = dit_flops(args.preset, 512, 512, 2, args.prefix_tokens) / (rate * 1e12) * 1e3
+        result["dit"] = {"step_ms": dev_ms, "host_ms": host_ms, "floor_ms": floor_ms}
+        say(
+            f"\nDiT step (512x512, 2 CFG rows, prefix {args.prefix_tokens}): {dev_ms:.2f} ms device, "
+            f"{host_ms:.2f} ms host to issue, floor {floor_ms:.2f} ms -> {dev_ms / floor_ms:.2f}x floor"
+        )
+        say(kernel_table(dit_step))
+
+        latents = torch.randn(16, 64, 64, device="cuda", dtype=runner.dtype)
+        dec_ms, dec_host = timed(lambda: runner.decode(latents), args.reps)
+        result["decode_ms"] = dec_ms
+        say(f"\ndecode 512x512 (incl. copy to host): {dec_ms:.2f} ms device, {dec_host:.2f} ms host")
+        say(kernel_table(lambda: runner.decode(latents), rows=10))
+        if "compile" not in args.skip:
+            # Experiment: the same blocks through torch.compile (inductor fuses the elementwise work).
+            t0 = time.perf_counter()
+            for i, block in enumerate(runner.model.blocks):
+                runner.model.blocks[i] = torch.compile(block, dynamic=False)
+            dit_step()
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            dev_ms, host_ms = timed(dit_step, args.reps)
+            result["dit_compiled"] = {"step_ms": dev_ms, "host_ms": host_ms, "compile_s": compile_s}
+            say(
+                f"\nDiT step, blocks torch.compile'd: {dev_ms:.2f} ms device, {host_ms:.2f} ms host "
+                f"(compile {compile_s:.1f} s) -> {dev_ms / floor_ms:.2f}x floor"
+            )
+            say(kernel_table(dit_step, rows=15))
+        del runner, prefix
+        torch.cuda.empty_cache()
+
+    say("done")
+
+
+if __name__ == "__main__":
+    main()
