@@ -1,39 +1,25 @@
-"""The asyncio client: `AsyncKvRelayClient` and its `AsyncGenerationHandle` (grpc.aio).
+"""The asyncio client: `AsyncKvRelayClient` and its `AsyncGenerationHandle` (grpc.aio), a thin
+face over `_core`.
 
-Same rules as the blocking client (deadline on every call, retries only where safe, only
-`KvRelayError` escapes). A channel belongs to the event loop it was created on: create the
-client inside the loop that uses it.
+Owns the asyncio I/O (awaited calls, stream reads, sleeps); every rule is `_core`'s, shared with
+the blocking face, so both behave the same (deadline on every call, retries only where safe, only
+`KvRelayError` escapes). A channel belongs to the event loop it was created on: create the client
+inside the loop that uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
-from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
-
+from . import _core
 from ._common import (
     CANCEL_TIMEOUT,
-    DEFAULT_GENERATE_TIMEOUT,
-    DEFAULT_RPC_TIMEOUT,
-    DEFAULT_TARGET,
-    Deadline,
-    Reattach,
-    RetryPolicy,
-    build_generate_request,
-    call_metadata,
-    cancelled_by_client_event,
-    channel_credentials,
-    channel_options,
-    deadline_error,
-    enum_values,
-    result_from_event,
-    stream_ended_error,
 )
 from .errors import KvRelayError, error_from_rpc
 from .types import (
@@ -45,20 +31,12 @@ from .types import (
     Replica,
     Ticket,
     TicketState,
-    event_from_generation,
-    event_from_pb,
-    generation_from_pb,
-    pool_from_pb,
-    replica_from_pb,
-    ticket_from_pb,
 )
 
 _T = TypeVar("_T")
 
-_NOTHING_TO_CANCEL = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
 
-
-class AsyncKvRelayClient:
+class AsyncKvRelayClient(_core.ClientBase):
     """asyncio client for a kvrelay node; the same API as :class:`KvRelayClient`, awaited.
 
     Example::
@@ -76,27 +54,12 @@ class AsyncKvRelayClient:
         asyncio.run(main())
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        timeout: float | None = None,
-        root_certificates: bytes | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> None:
-        self.target = target
-        self._timeout = timeout if timeout is not None else DEFAULT_RPC_TIMEOUT
-        self._metadata = call_metadata(token)
-        self._retry = retry or RetryPolicy()
-        credentials = channel_credentials(tls, root_certificates)
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=channel_options())
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=channel_options())
-        self._generation = generation_pb2_grpc.GenerationServiceStub(self._channel)
-        self._broker = broker_pb2_grpc.BrokerServiceStub(self._channel)
+    _channel: grpc.aio.Channel
+
+    def _open_channel(self, settings: _core.ClientSettings) -> grpc.aio.Channel:
+        if settings.credentials is None:
+            return grpc.aio.insecure_channel(settings.target, options=settings.options)
+        return grpc.aio.secure_channel(settings.target, settings.credentials, options=settings.options)
 
     async def close(self) -> None:
         """Close the channel; open streams are cancelled (and so are their generations)."""
@@ -126,38 +89,17 @@ class AsyncKvRelayClient:
         timeout: float | None = None,
     ) -> AsyncGenerationHandle:
         """Submit a generation; see :meth:`KvRelayClient.generate`."""
-        request = build_generate_request(
-            prompt,
-            negative_prompt=negative_prompt,
-            seed=seed,
-            width=width,
-            height=height,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            request_id=request_id,
-        )
-        deadline = Deadline(timeout if timeout is not None else DEFAULT_GENERATE_TIMEOUT)
-        return AsyncGenerationHandle(self, request, deadline)
+        core = _core.new_generation(
+            prompt, negative_prompt, seed, width, height, num_inference_steps, guidance_scale,
+            request_id, timeout, self._settings.retry,
+        )  # fmt: skip
+        return AsyncGenerationHandle(self, core)
 
     async def get_generation(self, request_id: str, *, timeout: float | None = None) -> Generation:
-        response = await self._unary(
-            self._generation.GetGeneration,
-            generation_pb2.GetGenerationRequest(request_id=request_id),
-            timeout,
-            idempotent=True,
-            request_id=request_id,
-        )
-        return generation_from_pb(response.generation)
+        return await self._unary(_core.get_generation(request_id), timeout)
 
     async def cancel_generation(self, request_id: str, *, timeout: float | None = None) -> Generation:
-        response = await self._unary(
-            self._generation.CancelGeneration,
-            generation_pb2.CancelGenerationRequest(request_id=request_id),
-            timeout,
-            idempotent=True,
-            request_id=request_id,
-        )
-        return generation_from_pb(response.generation)
+        return await self._unary(_core.cancel_generation(request_id), timeout)
 
     async def list_generations(
         self,
@@ -166,23 +108,15 @@ class AsyncKvRelayClient:
         page_size: int = 0,
         timeout: float | None = None,
     ) -> list[Generation]:
-        request = generation_pb2.ListGenerationsRequest(states=enum_values(states), page_size=page_size)
-        response = await self._unary(self._generation.ListGenerations, request, timeout, idempotent=True)
-        return [generation_from_pb(g) for g in response.generations]
+        return await self._unary(_core.list_generations(states, page_size), timeout)
 
     # -- broker status --------------------------------------------------------------------------
 
     async def list_replicas(self, *, timeout: float | None = None) -> list[Replica]:
-        response = await self._unary(
-            self._broker.ListReplicas, broker_pb2.ListReplicasRequest(), timeout, idempotent=True
-        )
-        return [replica_from_pb(r) for r in response.replicas]
+        return await self._unary(_core.list_replicas(), timeout)
 
     async def get_pools(self, replica_id: str = "", *, timeout: float | None = None) -> list[PoolStatus]:
-        response = await self._unary(
-            self._broker.GetPool, broker_pb2.GetPoolRequest(replica_id=replica_id), timeout, idempotent=True
-        )
-        return [pool_from_pb(p) for p in response.pools]
+        return await self._unary(_core.get_pools(replica_id), timeout)
 
     async def list_tickets(
         self,
@@ -191,69 +125,41 @@ class AsyncKvRelayClient:
         replica_id: str = "",
         timeout: float | None = None,
     ) -> list[Ticket]:
-        request = broker_pb2.ListTicketsRequest(states=enum_values(states), replica_id=replica_id)
-        response = await self._unary(self._broker.ListTickets, request, timeout, idempotent=True)
-        return [ticket_from_pb(t) for t in response.tickets]
+        return await self._unary(_core.list_tickets(states, replica_id), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    async def _unary(
-        self,
-        method: Callable[..., Awaitable[_T]],
-        request: Any,
-        timeout: float | None,
-        *,
-        idempotent: bool,
-        request_id: str | None = None,
-    ) -> _T:
-        deadline = Deadline(timeout if timeout is not None else self._timeout)
-        backoffs = self._retry.backoffs() if idempotent else iter(())
+    async def _unary(self, call: _core.UnaryCall[_T], timeout: float | None) -> _T:
+        method = getattr(self._stubs[call.service], call.method)
+        attempts = self._settings.attempts(call, timeout)
         while True:
             try:
-                return await method(request, timeout=deadline.remaining(), metadata=self._metadata)
+                response = await method(
+                    call.request, timeout=attempts.timeout(), metadata=self._settings.metadata
+                )
             except grpc.RpcError as rpc_error:
-                error = error_from_rpc(rpc_error, request_id=request_id)
-            delay = next(backoffs, None) if error.retryable else None
-            if delay is None or not deadline.allows_sleep(delay):
-                raise error
+                delay = attempts.failed(error_from_rpc(rpc_error, request_id=call.request_id))
+            else:
+                return call.convert(response)
             await asyncio.sleep(delay)
 
-    def _open_generate(self, request: generation_pb2.GenerateRequest, deadline: Deadline) -> Any:
-        return self._generation.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+    def _open_generate(self, core: _core.GenerationCore) -> Any:
+        return self._stubs["generation"].Generate(
+            core.request, timeout=core.deadline.remaining(), metadata=self._settings.metadata
+        )
 
 
-class AsyncGenerationHandle:
+class AsyncGenerationHandle(_core.HandleBase):
     """One submitted generation (asyncio); see :class:`GenerationHandle`.
 
     ``async with handle:`` cancels the generation if the block exits before it ended. One task
     at a time reads the stream (``events()`` or ``result()``); ``cancel()`` is safe from any task.
     """
 
-    def __init__(
-        self, client: AsyncKvRelayClient, request: generation_pb2.GenerateRequest, deadline: Deadline
-    ) -> None:
+    def __init__(self, client: AsyncKvRelayClient, core: _core.GenerationCore) -> None:
         self._client = client
-        self._request = request
-        self._deadline = deadline
-        self._reattach = bool(request.request_id)
-        self._request_id: str | None = request.request_id or None
-        self._cancel_requested = False
-        self._cancel_outcome: GenerationEvent | None = None
-        self._last: GenerationEvent | None = None
-        self._terminal: GenerationEvent | None = None
-        self._call = client._open_generate(request, deadline)
-
-    @property
-    def request_id(self) -> str | None:
-        return self._request_id
-
-    @property
-    def last_event(self) -> GenerationEvent | None:
-        return self._last
-
-    @property
-    def done(self) -> bool:
-        return self._terminal is not None
+        self._core = core
+        self._call = client._open_generate(core)
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
         """Events as they happen, ending with the terminal one; see :meth:`GenerationHandle.events`."""
@@ -262,27 +168,22 @@ class AsyncGenerationHandle:
 
     async def result(self) -> GenerationResult:
         """Wait for the end; the image on SUCCEEDED, else :class:`KvRelayError`."""
-        if self._terminal is None:
+        if not self._core.done:
             async for _ in self.events():
                 pass
-        assert self._terminal is not None
-        return result_from_event(self._terminal)
+        return self._core.result()
 
     async def cancel(self) -> None:
         """Cancel on the server and drop the stream; see :meth:`GenerationHandle.cancel`."""
-        if self._terminal is not None or self._cancel_requested:
+        plan = self._core.begin_cancel()
+        if plan is None:
             return
-        self._cancel_requested = True
-        error: KvRelayError | None = None
-        if self._request_id:
+        error = None
+        if plan.call is not None:
             try:
-                generation = await self._client.cancel_generation(self._request_id, timeout=CANCEL_TIMEOUT)
+                self._core.cancel_answered(await self._client._unary(plan.call, CANCEL_TIMEOUT))
             except KvRelayError as err:
-                if err.code not in _NOTHING_TO_CANCEL:
-                    error = err
-            else:
-                if generation.state.is_terminal:
-                    self._cancel_outcome = event_from_generation(generation)
+                error = self._core.cancel_failed(err)
         self._call.cancel()
         if error is not None:
             raise error
@@ -293,7 +194,7 @@ class AsyncGenerationHandle:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._terminal is None:
+        if not self._core.done:
             try:
                 await self.cancel()
             except KvRelayError:
@@ -303,58 +204,34 @@ class AsyncGenerationHandle:
     # -- internals ------------------------------------------------------------------------------
 
     async def _follow(self) -> AsyncIterator[GenerationEvent]:
-        reattach = Reattach(self._client._retry, self._deadline)
-        while self._terminal is None:
-            error: KvRelayError
+        core = self._core
+        core.start_following()
+        while True:
+            error: KvRelayError | None = None
             try:
-                while True:
-                    message = await self._call.read()
-                    if message is grpc.aio.EOF:
-                        error = stream_ended_error(self._request_id)
-                        break
-                    event = event_from_pb(message)
-                    self._observe(event)
-                    reattach.progressed()
-                    yield event
-                    if self._terminal is not None:
+                while (message := await self._call.read()) is not grpc.aio.EOF:
+                    yield core.on_message(message)
+                    if core.done:
                         return
             except grpc.RpcError as rpc_error:
-                error = error_from_rpc(rpc_error, request_id=self._request_id)
+                error = error_from_rpc(rpc_error, request_id=core.request_id)
             except asyncio.CancelledError:
                 # grpc.aio raises CancelledError from a call this handle cancelled; a cancellation
                 # of the task that iterates us must still propagate.
-                if not self._cancel_requested or _task_is_cancelling():
+                if not core.cancel_requested or _task_is_cancelling():
                     raise
-                error = cancelled_error(self._request_id)
-            if self._cancel_requested:
-                yield self._finish_cancelled()
+            decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
+            if isinstance(decision, _core.Wait):
+                await asyncio.sleep(decision.seconds)
+                decision = core.wait_over()
+                if isinstance(decision, _core.Reopen):
+                    self._call = self._client._open_generate(core)
+                    continue
+            if isinstance(decision, _core.Finish):
+                yield decision.event
                 return
-            if self._deadline.expired() and error.code != "DEADLINE_EXCEEDED":
-                error = deadline_error("Generate", self._request_id)
-            delay = reattach.next_delay(error) if (self._reattach and error.retryable) else None
-            if delay is None:
-                raise error
-            await asyncio.sleep(delay)
-            if self._cancel_requested:
-                yield self._finish_cancelled()
-                return
-            self._call = self._client._open_generate(self._request, self._deadline)
-
-    def _observe(self, event: GenerationEvent) -> None:
-        if event.request_id:
-            self._request_id = event.request_id
-        self._last = event
-        if event.state.is_terminal:
-            self._terminal = event
-
-    def _finish_cancelled(self) -> GenerationEvent:
-        event = self._cancel_outcome or cancelled_by_client_event(self._request_id or "")
-        self._observe(event)
-        return event
-
-
-def cancelled_error(request_id: str | None) -> KvRelayError:
-    return KvRelayError("CANCELLED", "CANCELLED_BY_CLIENT", "the call was cancelled", request_id=request_id)
+            assert isinstance(decision, _core.Fail)
+            raise decision.error
 
 
 def _task_is_cancelling() -> bool:

@@ -1,40 +1,25 @@
-"""The blocking client: `KvRelayClient` and its `GenerationHandle`.
+"""The blocking client: `KvRelayClient` and its `GenerationHandle`, a thin face over `_core`.
 
-Owns one gRPC channel to the broker (which serves GenerationService and BrokerService). Every
-call gets a deadline; reads are retried on UNAVAILABLE; `Generate` is re-issued only to re-attach
-to a `request_id` the caller chose (the server makes that idempotent). Never lets a
-`grpc.RpcError` escape: everything becomes `KvRelayError`.
+Owns one gRPC channel to the broker (which serves GenerationService and BrokerService) and the
+blocking I/O: calls, stream reads, sleeps, the lock that lets `cancel()` and `result()` run from
+other threads. Every rule (deadlines, which calls are retried, when a stream is re-attached, what
+a cancel means) is `_core`'s, shared with the asyncio face. Never lets a `grpc.RpcError` escape:
+everything becomes `KvRelayError`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 
-from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
-
+from . import _core
 from ._common import (
     CANCEL_TIMEOUT,
-    DEFAULT_GENERATE_TIMEOUT,
-    DEFAULT_RPC_TIMEOUT,
-    DEFAULT_TARGET,
-    Deadline,
-    Reattach,
-    RetryPolicy,
-    build_generate_request,
-    call_metadata,
-    cancelled_by_client_event,
-    channel_credentials,
-    channel_options,
-    deadline_error,
-    enum_values,
-    result_from_event,
-    stream_ended_error,
 )
 from .errors import KvRelayError, error_from_rpc
 from .types import (
@@ -46,21 +31,12 @@ from .types import (
     Replica,
     Ticket,
     TicketState,
-    event_from_generation,
-    event_from_pb,
-    generation_from_pb,
-    pool_from_pb,
-    replica_from_pb,
-    ticket_from_pb,
 )
 
 _T = TypeVar("_T")
 
-# Codes a CancelGeneration may answer when there is nothing left to cancel.
-_NOTHING_TO_CANCEL = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
 
-
-class KvRelayClient:
+class KvRelayClient(_core.ClientBase):
     """Blocking client for a kvrelay node.
 
     Example::
@@ -81,27 +57,12 @@ class KvRelayClient:
         retry: backoff for retried idempotent calls.
     """
 
-    def __init__(
-        self,
-        target: str = DEFAULT_TARGET,
-        *,
-        token: str | None = None,
-        tls: bool = False,
-        timeout: float | None = None,
-        root_certificates: bytes | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> None:
-        self.target = target
-        self._timeout = timeout if timeout is not None else DEFAULT_RPC_TIMEOUT
-        self._metadata = call_metadata(token)
-        self._retry = retry or RetryPolicy()
-        credentials = channel_credentials(tls, root_certificates)
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=channel_options())
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options())
-        self._generation = generation_pb2_grpc.GenerationServiceStub(self._channel)
-        self._broker = broker_pb2_grpc.BrokerServiceStub(self._channel)
+    _channel: grpc.Channel
+
+    def _open_channel(self, settings: _core.ClientSettings) -> grpc.Channel:
+        if settings.credentials is None:
+            return grpc.insecure_channel(settings.target, options=settings.options)
+        return grpc.secure_channel(settings.target, settings.credentials, options=settings.options)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -139,40 +100,19 @@ class KvRelayClient:
         re-attached, and a second ``generate`` with the same id and parameters follows the same
         generation (``ALREADY_EXISTS`` with other parameters).
         """
-        request = build_generate_request(
-            prompt,
-            negative_prompt=negative_prompt,
-            seed=seed,
-            width=width,
-            height=height,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            request_id=request_id,
-        )
-        deadline = Deadline(timeout if timeout is not None else DEFAULT_GENERATE_TIMEOUT)
-        return GenerationHandle(self, request, deadline)
+        core = _core.new_generation(
+            prompt, negative_prompt, seed, width, height, num_inference_steps, guidance_scale,
+            request_id, timeout, self._settings.retry,
+        )  # fmt: skip
+        return GenerationHandle(self, core)
 
     def get_generation(self, request_id: str, *, timeout: float | None = None) -> Generation:
         """The generation now (finished ones are kept for the broker's ``result_ttl_seconds``)."""
-        response = self._unary(
-            self._generation.GetGeneration,
-            generation_pb2.GetGenerationRequest(request_id=request_id),
-            timeout,
-            idempotent=True,
-            request_id=request_id,
-        )
-        return generation_from_pb(response.generation)
+        return self._unary(_core.get_generation(request_id), timeout)
 
     def cancel_generation(self, request_id: str, *, timeout: float | None = None) -> Generation:
         """Cancel a generation by id (idempotent); returns it as the broker now knows it."""
-        response = self._unary(
-            self._generation.CancelGeneration,
-            generation_pb2.CancelGenerationRequest(request_id=request_id),
-            timeout,
-            idempotent=True,
-            request_id=request_id,
-        )
-        return generation_from_pb(response.generation)
+        return self._unary(_core.cancel_generation(request_id), timeout)
 
     def list_generations(
         self,
@@ -182,24 +122,16 @@ class KvRelayClient:
         timeout: float | None = None,
     ) -> list[Generation]:
         """Generations (newest first, without images), optionally only those in ``states``."""
-        request = generation_pb2.ListGenerationsRequest(states=enum_values(states), page_size=page_size)
-        response = self._unary(self._generation.ListGenerations, request, timeout, idempotent=True)
-        return [generation_from_pb(g) for g in response.generations]
+        return self._unary(_core.list_generations(states, page_size), timeout)
 
     # -- broker status (what `kvrelay status` prints) --------------------------------------------
 
     def list_replicas(self, *, timeout: float | None = None) -> list[Replica]:
-        response = self._unary(
-            self._broker.ListReplicas, broker_pb2.ListReplicasRequest(), timeout, idempotent=True
-        )
-        return [replica_from_pb(r) for r in response.replicas]
+        return self._unary(_core.list_replicas(), timeout)
 
     def get_pools(self, replica_id: str = "", *, timeout: float | None = None) -> list[PoolStatus]:
         """Page accounting of one DiT replica, or of every one when ``replica_id`` is empty."""
-        response = self._unary(
-            self._broker.GetPool, broker_pb2.GetPoolRequest(replica_id=replica_id), timeout, idempotent=True
-        )
-        return [pool_from_pb(p) for p in response.pools]
+        return self._unary(_core.get_pools(replica_id), timeout)
 
     def list_tickets(
         self,
@@ -209,38 +141,29 @@ class KvRelayClient:
         timeout: float | None = None,
     ) -> list[Ticket]:
         """Tickets in ``states`` (default: every ticket not RELEASED)."""
-        request = broker_pb2.ListTicketsRequest(states=enum_values(states), replica_id=replica_id)
-        response = self._unary(self._broker.ListTickets, request, timeout, idempotent=True)
-        return [ticket_from_pb(t) for t in response.tickets]
+        return self._unary(_core.list_tickets(states, replica_id), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
 
-    def _unary(
-        self,
-        method: Callable[..., _T],
-        request: Any,
-        timeout: float | None,
-        *,
-        idempotent: bool,
-        request_id: str | None = None,
-    ) -> _T:
-        deadline = Deadline(timeout if timeout is not None else self._timeout)
-        backoffs = self._retry.backoffs() if idempotent else iter(())
+    def _unary(self, call: _core.UnaryCall[_T], timeout: float | None) -> _T:
+        method = getattr(self._stubs[call.service], call.method)
+        attempts = self._settings.attempts(call, timeout)
         while True:
             try:
-                return method(request, timeout=deadline.remaining(), metadata=self._metadata)
+                return call.convert(
+                    method(call.request, timeout=attempts.timeout(), metadata=self._settings.metadata)
+                )
             except grpc.RpcError as rpc_error:
-                error = error_from_rpc(rpc_error, request_id=request_id)
-            delay = next(backoffs, None) if error.retryable else None
-            if delay is None or not deadline.allows_sleep(delay):
-                raise error
+                delay = attempts.failed(error_from_rpc(rpc_error, request_id=call.request_id))
             time.sleep(delay)
 
-    def _open_generate(self, request: generation_pb2.GenerateRequest, deadline: Deadline) -> Any:
-        return self._generation.Generate(request, timeout=deadline.remaining(), metadata=self._metadata)
+    def _open_generate(self, core: _core.GenerationCore) -> Any:
+        return self._stubs["generation"].Generate(
+            core.request, timeout=core.deadline.remaining(), metadata=self._settings.metadata
+        )
 
 
-class GenerationHandle:
+class GenerationHandle(_core.HandleBase):
     """One submitted generation: follow it with :meth:`events`, wait with :meth:`result`,
     stop it with :meth:`cancel`.
 
@@ -255,38 +178,15 @@ class GenerationHandle:
     ``events()`` ends that iteration with a CANCELLED event.
     """
 
-    def __init__(
-        self, client: KvRelayClient, request: generation_pb2.GenerateRequest, deadline: Deadline
-    ) -> None:
+    def __init__(self, client: KvRelayClient, core: _core.GenerationCore) -> None:
         self._client = client
-        self._request = request
-        self._deadline = deadline
-        self._reattach = bool(request.request_id)
-        self._request_id: str | None = request.request_id or None
+        self._core = core
         self._lock = threading.Lock()
         self._iterating = False
-        self._cancel_requested = False
         self._cancel_event = threading.Event()
-        self._cancel_outcome: GenerationEvent | None = None
-        self._last: GenerationEvent | None = None
-        self._terminal: GenerationEvent | None = None
         # Set when the thread following the stream saw the end (terminal event or call failure).
         self._ended = threading.Event()
-        self._failure: KvRelayError | None = None
-        self._call = client._open_generate(request, deadline)
-
-    @property
-    def request_id(self) -> str | None:
-        """The generation's id: the caller's, or the server's once the first event arrived."""
-        return self._request_id
-
-    @property
-    def last_event(self) -> GenerationEvent | None:
-        return self._last
-
-    @property
-    def done(self) -> bool:
-        return self._terminal is not None
+        self._call = client._open_generate(core)
 
     def events(self) -> Iterator[GenerationEvent]:
         """Events as they happen, ending with the terminal one (SUCCEEDED, FAILED or CANCELLED).
@@ -312,7 +212,7 @@ class GenerationHandle:
         May be called while another thread iterates :meth:`events`: it then waits for that
         iteration to see the end.
         """
-        while self._terminal is None:
+        while not self._core.done:
             with self._lock:
                 mine = not self._iterating
                 if mine:
@@ -323,9 +223,9 @@ class GenerationHandle:
                         pass
                 finally:
                     self._iterating = False
-            elif self._ended.wait(0.1) and self._terminal is None and self._failure is not None:
-                raise self._failure
-        return result_from_event(self._terminal)
+            elif self._ended.wait(0.1) and not self._core.done and self._core.failure is not None:
+                raise self._core.failure
+        return self._core.result()
 
     def cancel(self) -> None:
         """Cancel the generation on the server and drop the stream.
@@ -334,21 +234,16 @@ class GenerationHandle:
         when the server could not be told (the dropped stream still cancels it server-side).
         """
         with self._lock:
-            if self._terminal is not None or self._cancel_requested:
-                return
-            self._cancel_requested = True
+            plan = self._core.begin_cancel()
+        if plan is None:
+            return
         self._cancel_event.set()
-        error: KvRelayError | None = None
-        if self._request_id:
+        error = None
+        if plan.call is not None:
             try:
-                generation = self._client.cancel_generation(self._request_id, timeout=CANCEL_TIMEOUT)
+                self._core.cancel_answered(self._client._unary(plan.call, CANCEL_TIMEOUT))
             except KvRelayError as err:
-                if err.code not in _NOTHING_TO_CANCEL:
-                    error = err
-            else:
-                if generation.state.is_terminal:
-                    # The server's word on how it ended (it may have finished before the cancel).
-                    self._cancel_outcome = event_from_generation(generation)
+                error = self._core.cancel_failed(err)
         self._call.cancel()
         if error is not None:
             raise error
@@ -359,7 +254,7 @@ class GenerationHandle:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._terminal is None:
+        if not self._core.done:
             try:
                 self.cancel()
             except KvRelayError:
@@ -369,54 +264,33 @@ class GenerationHandle:
     # -- internals ------------------------------------------------------------------------------
 
     def _follow(self) -> Iterator[GenerationEvent]:
+        core = self._core
         self._ended.clear()
-        self._failure = None
-        reattach = Reattach(self._client._retry, self._deadline)
-        while self._terminal is None:
+        core.start_following()
+        while True:
             error: KvRelayError | None = None
             try:
                 for message in self._call:
-                    event = event_from_pb(message)
-                    self._observe(event)
-                    reattach.progressed()
-                    yield event
-                    if self._terminal is not None:
+                    yield core.on_message(message)
+                    if core.done:
+                        self._ended.set()
                         return
-                error = stream_ended_error(self._request_id)
             except grpc.RpcError as rpc_error:
-                error = error_from_rpc(rpc_error, request_id=self._request_id)
-            if self._cancel_requested:
-                yield self._finish_cancelled()
-                return
-            if self._deadline.expired() and error.code != "DEADLINE_EXCEEDED":
-                error = deadline_error("Generate", self._request_id)
-            delay = reattach.next_delay(error) if (self._reattach and error.retryable) else None
-            if delay is None:
-                self._failure = error
-                self._ended.set()
-                raise error
-            self._cancel_event.wait(delay)  # a cancel() ends the wait early
-            with self._lock:
-                cancelled = self._cancel_requested
-                if not cancelled:
-                    # Same request_id and parameters: the server attaches to the existing generation.
-                    self._call = self._client._open_generate(self._request, self._deadline)
-            if cancelled:
-                yield self._finish_cancelled()
-                return
-
-    def _observe(self, event: GenerationEvent) -> None:
-        if event.request_id:
-            self._request_id = event.request_id
-        self._last = event
-        if event.state.is_terminal:
-            self._terminal = event
+                error = error_from_rpc(rpc_error, request_id=core.request_id)
+            decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
+            if isinstance(decision, _core.Wait):
+                self._cancel_event.wait(decision.seconds)  # a cancel() ends the wait early
+                with self._lock:  # so that cancel() either sees the new call or stops the reopen
+                    decision = core.wait_over()
+                    if isinstance(decision, _core.Reopen):
+                        self._call = self._client._open_generate(core)
+                        continue
             self._ended.set()
-
-    def _finish_cancelled(self) -> GenerationEvent:
-        event = self._cancel_outcome or cancelled_by_client_event(self._request_id or "")
-        self._observe(event)
-        return event
+            if isinstance(decision, _core.Finish):
+                yield decision.event
+                return
+            assert isinstance(decision, _core.Fail)
+            raise decision.error
 
 
 __all__ = ["GenerationHandle", "KvRelayClient"]

@@ -10,7 +10,8 @@ echo "== ruff"; ruff check .
 echo "== import-linter"; ./scripts/lint_imports.sh
 echo "== mypy (strict on the pure cores, per pyproject overrides)"
 mypy --strict kvrelay/config.py kvrelay/transfer/planner.py kvrelay/transfer/layout.py \
-  broker/pool.py broker/tickets.py broker/registry.py broker/journal.py broker/core.py
+  broker/pool.py broker/tickets.py broker/registry.py broker/journal.py broker/core.py \
+  client/
 echo "== pytest"
 set +e
 pytest -q -p no:cacheprovider "$@"

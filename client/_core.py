@@ -1,0 +1,533 @@
+"""The SDK core: every rule of calling, following, re-attaching and cancelling, once, with no I/O.
+
+`sync.py` and `aio.py` are thin faces over it (as grpc's own sync and aio stubs, or temporalio's
+client, share one core): they open streams, read messages, sleep and make calls, and ask this
+module what each outcome means. This module never touches a channel, a socket, a thread or an
+event loop; it takes events in (a message arrived, the stream ended with this error, the wait is
+over, the cancel call answered) and hands decisions out (yield this event, raise this error, wait
+this long, open the stream again, call CancelGeneration). So the rules are tested in-process
+(tests/client/test_core.py) and the two faces cannot drift apart.
+
+- `ClientSettings`: what a client was built with (deadline, token, retry policy, channel).
+- `UnaryCall`: which RPC, what request, how its answer becomes a public value.
+- `UnaryAttempts`: the retry rule of a unary call (idempotent calls only, on UNAVAILABLE, with
+  backoff, within the deadline).
+- `GenerationCore`: one submitted generation: follow, re-attach, cancel.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Generic, Literal, TypeVar
+
+import grpc
+
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
+
+from ._common import (
+    DEFAULT_GENERATE_TIMEOUT,
+    DEFAULT_RPC_TIMEOUT,
+    DEFAULT_TARGET,
+    Clock,
+    Deadline,
+    Reattach,
+    RetryPolicy,
+    call_metadata,
+    channel_credentials,
+    channel_options,
+)
+from .errors import KvRelayError
+from .types import (
+    ErrorStatus,
+    Generation,
+    GenerationEvent,
+    GenerationResult,
+    GenerationState,
+    PhaseTimings,
+    PoolStatus,
+    Replica,
+    Ticket,
+    TicketState,
+    event_from_generation,
+    event_from_pb,
+    generation_from_pb,
+    pool_from_pb,
+    replica_from_pb,
+    ticket_from_pb,
+)
+
+_T = TypeVar("_T")
+
+# Codes of a CancelGeneration that found nothing left to cancel (unknown id, or already ended).
+NOTHING_TO_CANCEL = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
+
+Service = Literal["generation", "broker"]
+
+
+# ------------------------------------------------------------------------------ a client
+
+
+@dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """What a client was built with: the default deadline of unary calls, the call metadata
+    (bearer token), the retry policy, and how to open its channel (credentials, options)."""
+
+    target: str
+    timeout: float
+    metadata: tuple[tuple[str, str], ...] | None
+    retry: RetryPolicy
+    credentials: grpc.ChannelCredentials | None
+    options: list[tuple[str, Any]]
+
+    @classmethod
+    def make(
+        cls,
+        target: str,
+        token: str | None,
+        tls: bool,
+        timeout: float | None,
+        root_certificates: bytes | None,
+        retry: RetryPolicy | None,
+    ) -> ClientSettings:
+        return cls(
+            target=target,
+            timeout=timeout if timeout is not None else DEFAULT_RPC_TIMEOUT,
+            metadata=call_metadata(token),
+            retry=retry or RetryPolicy(),
+            credentials=channel_credentials(tls, root_certificates),
+            options=channel_options(),
+        )
+
+    def attempts(self, call: UnaryCall[Any], timeout: float | None) -> UnaryAttempts:
+        """The attempts of `call` within `timeout` (the client's default when None)."""
+        deadline = Deadline(timeout if timeout is not None else self.timeout)
+        return UnaryAttempts(self.retry, deadline, call.idempotent)
+
+
+class ClientBase:
+    """The constructor both faces share; each face opens its kind of channel (`_open_channel`)."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        timeout: float | None = None,
+        root_certificates: bytes | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.target = target
+        self._settings = ClientSettings.make(target, token, tls, timeout, root_certificates, retry)
+        self._channel = self._open_channel(self._settings)
+        self._stubs: dict[Service, Any] = {
+            "generation": generation_pb2_grpc.GenerationServiceStub(self._channel),
+            "broker": broker_pb2_grpc.BrokerServiceStub(self._channel),
+        }
+
+    def _open_channel(self, settings: ClientSettings) -> Any:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------------------ unary calls
+
+
+@dataclass(frozen=True, slots=True)
+class UnaryCall(Generic[_T]):
+    """One unary RPC: the stub (`service`) and `method` to call, the request, and `convert`, which
+    turns the response into the public value. `request_id` names the generation in errors."""
+
+    service: Service
+    method: str
+    request: Any
+    convert: Callable[[Any], _T]
+    idempotent: bool = True
+    request_id: str | None = None
+
+
+def get_generation(request_id: str) -> UnaryCall[Generation]:
+    return UnaryCall(
+        "generation",
+        "GetGeneration",
+        generation_pb2.GetGenerationRequest(request_id=request_id),
+        lambda r: generation_from_pb(r.generation),
+        request_id=request_id,
+    )
+
+
+def cancel_generation(request_id: str) -> UnaryCall[Generation]:
+    # Idempotent on the server: a repeat finds the generation already CANCELLED.
+    return UnaryCall(
+        "generation",
+        "CancelGeneration",
+        generation_pb2.CancelGenerationRequest(request_id=request_id),
+        lambda r: generation_from_pb(r.generation),
+        request_id=request_id,
+    )
+
+
+def list_generations(states: Iterable[GenerationState] | None, page_size: int) -> UnaryCall[list[Generation]]:
+    return UnaryCall(
+        "generation",
+        "ListGenerations",
+        generation_pb2.ListGenerationsRequest(states=enum_values(states), page_size=page_size),
+        lambda r: [generation_from_pb(g) for g in r.generations],
+    )
+
+
+def list_replicas() -> UnaryCall[list[Replica]]:
+    return UnaryCall(
+        "broker",
+        "ListReplicas",
+        broker_pb2.ListReplicasRequest(),
+        lambda r: [replica_from_pb(x) for x in r.replicas],
+    )
+
+
+def get_pools(replica_id: str) -> UnaryCall[list[PoolStatus]]:
+    return UnaryCall(
+        "broker",
+        "GetPool",
+        broker_pb2.GetPoolRequest(replica_id=replica_id),
+        lambda r: [pool_from_pb(p) for p in r.pools],
+    )
+
+
+def list_tickets(states: Iterable[TicketState] | None, replica_id: str) -> UnaryCall[list[Ticket]]:
+    return UnaryCall(
+        "broker",
+        "ListTickets",
+        broker_pb2.ListTicketsRequest(states=enum_values(states), replica_id=replica_id),
+        lambda r: [ticket_from_pb(t) for t in r.tickets],
+    )
+
+
+class UnaryAttempts:
+    """The attempts of one unary call: `timeout()` before each, `failed(error)` after a failure
+    answers how long to back off, or raises `error` when no attempt is left (not idempotent, not
+    retryable, attempts spent, or the backoff would pass the deadline)."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        deadline: Deadline,
+        idempotent: bool,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._deadline = deadline
+        self._backoffs = policy.backoffs(rng) if idempotent else iter(())
+
+    def timeout(self) -> float | None:
+        return self._deadline.remaining()
+
+    def failed(self, error: KvRelayError) -> float:
+        delay = next(self._backoffs, None) if error.retryable else None
+        if delay is None or not self._deadline.allows_sleep(delay):
+            raise error
+        return delay
+
+
+# --------------------------------------------------------------------------- a generation
+
+
+def deadline_error(what: str, request_id: str | None = None) -> KvRelayError:
+    return KvRelayError(
+        "DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", f"{what}: deadline exceeded", request_id=request_id
+    )
+
+
+def result_from_event(event: GenerationEvent) -> GenerationResult:
+    """The result carried by a terminal event, or the KvRelayError that FAILED/CANCELLED means."""
+    if event.state == GenerationState.SUCCEEDED:
+        if event.image is None:
+            raise KvRelayError(
+                "INTERNAL",
+                "MISSING_IMAGE",
+                "the generation succeeded without an image",
+                request_id=event.request_id,
+            )
+        return GenerationResult(
+            request_id=event.request_id,
+            png=event.image.png,
+            width=event.image.width,
+            height=event.image.height,
+            seed=event.image.seed,
+            timings=event.timings or PhaseTimings(),
+        )
+    if event.error is not None:
+        code, reason, message = event.error.code, event.error.reason, event.error.message
+    elif event.state == GenerationState.CANCELLED:
+        code, reason, message = "CANCELLED", "CANCELLED", "the generation was cancelled"
+    else:
+        code, reason, message = "UNKNOWN", "UNKNOWN", f"the generation ended in state {event.state.name}"
+    if not code:
+        code = "CANCELLED" if event.state == GenerationState.CANCELLED else "UNKNOWN"
+    raise KvRelayError(code, reason, message, request_id=event.request_id)
+
+
+def cancelled_by_client_event(request_id: str) -> GenerationEvent:
+    return GenerationEvent(
+        request_id=request_id,
+        state=GenerationState.CANCELLED,
+        error=ErrorStatus("CANCELLED", "CANCELLED_BY_CLIENT", "the generation was cancelled by this client"),
+    )
+
+
+def stream_ended_error(request_id: str | None) -> KvRelayError:
+    return KvRelayError(
+        "UNAVAILABLE",
+        "STREAM_ENDED",
+        "the Generate stream ended before the generation finished",
+        request_id=request_id,
+    )
+
+
+def enum_values(states: Iterable[IntEnum] | None) -> Any:
+    """Public IntEnums as the proto's enum numbers (the values are the same by construction)."""
+    return [int(s) for s in states or ()]
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Yield `event` (the terminal one) and stop following."""
+
+    event: GenerationEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """Raise `error`: the call failed and will not be re-attached."""
+
+    error: KvRelayError
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Sleep `seconds` (a cancel may cut it short), then ask `wait_over()`."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Reopen:
+    """Open the Generate stream again with the same request: the server attaches to the
+    generation it already runs under this request_id."""
+
+
+StreamEnd = Finish | Fail | Wait
+AfterWait = Finish | Reopen
+
+
+@dataclass(frozen=True, slots=True)
+class CancelPlan:
+    """What `cancel()` does: call `call` when the id is known (else only drop the stream)."""
+
+    call: UnaryCall[Generation] | None
+
+
+class GenerationCore:
+    """One generation as the client follows it: which events it saw, whether it ended, whether a
+    broken stream is re-attached, and what a cancel means. Pure; the faces do the I/O.
+
+    Re-attaching needs an id the server knows before the first event: only a caller-chosen
+    `request_id` is re-attached. Such a request also carries `detach_timeout_seconds` (the
+    policy's `reattach_seconds`), so the broker keeps the generation running that long after a
+    broken stream, waiting for the re-attach (docs/client.md "Re-attaching").
+    """
+
+    def __init__(
+        self,
+        request: generation_pb2.GenerateRequest,
+        deadline: Deadline,
+        policy: RetryPolicy,
+        *,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.request = request
+        self.deadline = deadline
+        self._policy = policy
+        self._clock = clock
+        self._rng = rng
+        self._reattach_enabled = bool(request.request_id)
+        self._window: Reattach | None = None
+        self.request_id: str | None = request.request_id or None
+        self.cancel_requested = False
+        self._cancel_outcome: GenerationEvent | None = None
+        self.last: GenerationEvent | None = None
+        self.terminal: GenerationEvent | None = None
+        # The error that ended the last follow (a later follow may still re-attach).
+        self.failure: KvRelayError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.terminal is not None
+
+    # -- following ------------------------------------------------------------------------------
+
+    def start_following(self) -> None:
+        """A new `events()`/`result()` pass: a fresh re-attach window."""
+        self.failure = None
+        self._window = Reattach(self._policy, self.deadline, clock=self._clock, rng=self._rng)
+
+    def on_message(self, message: generation_pb2.GenerationEvent) -> GenerationEvent:
+        """A message arrived on the stream: the event to yield (stop after it when `done`)."""
+        event = event_from_pb(message)
+        self._observe(event)
+        if self._window is not None:
+            self._window.progressed()
+        return event
+
+    def on_stream_end(self, error: KvRelayError | None) -> StreamEnd:
+        """The stream ended before a terminal event: with `error`, or cleanly (None)."""
+        if self.cancel_requested:
+            return self._finish_cancelled()
+        if error is None:
+            error = stream_ended_error(self.request_id)
+        if self.deadline.expired() and error.code != "DEADLINE_EXCEEDED":
+            error = deadline_error("Generate", self.request_id)
+        delay = None
+        if self._reattach_enabled and error.retryable and self._window is not None:
+            delay = self._window.next_delay(error)
+        if delay is None:
+            self.failure = error
+            return Fail(error)
+        return Wait(delay)
+
+    def wait_over(self) -> AfterWait:
+        """The backoff is over (or a cancel cut it short)."""
+        if self.cancel_requested:
+            return self._finish_cancelled()
+        return Reopen()
+
+    def result(self) -> GenerationResult:
+        """The result of the terminal event (raises the KvRelayError of FAILED/CANCELLED)."""
+        if self.terminal is None:
+            raise RuntimeError("the generation has not ended")
+        return result_from_event(self.terminal)
+
+    # -- cancelling -----------------------------------------------------------------------------
+
+    def begin_cancel(self) -> CancelPlan | None:
+        """A cancel was asked for: None when there is nothing to do (ended, or already asked)."""
+        if self.terminal is not None or self.cancel_requested:
+            return None
+        self.cancel_requested = True
+        return CancelPlan(cancel_generation(self.request_id) if self.request_id else None)
+
+    def cancel_answered(self, generation: Generation) -> None:
+        """The server's word on how the generation ended (it may have finished before the cancel)."""
+        if generation.state.is_terminal:
+            self._cancel_outcome = event_from_generation(generation)
+
+    def cancel_failed(self, error: KvRelayError) -> KvRelayError | None:
+        """The cancel call failed: the error to raise once the stream is dropped, if any."""
+        return None if error.code in NOTHING_TO_CANCEL else error
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _observe(self, event: GenerationEvent) -> None:
+        if event.request_id:
+            self.request_id = event.request_id
+        self.last = event
+        if event.state.is_terminal:
+            self.terminal = event
+
+    def _finish_cancelled(self) -> Finish:
+        event = self._cancel_outcome or cancelled_by_client_event(self.request_id or "")
+        self._observe(event)
+        return Finish(event)
+
+
+class HandleBase:
+    """What both faces' handles read from their core."""
+
+    _core: GenerationCore
+
+    @property
+    def request_id(self) -> str | None:
+        """The generation's id: the caller's, or the server's once the first event arrived."""
+        return self._core.request_id
+
+    @property
+    def last_event(self) -> GenerationEvent | None:
+        return self._core.last
+
+    @property
+    def done(self) -> bool:
+        """Whether a terminal event was seen."""
+        return self._core.done
+
+
+def new_generation(
+    prompt: str,
+    negative_prompt: str,
+    seed: int | None,
+    width: int | None,
+    height: int | None,
+    num_inference_steps: int | None,
+    guidance_scale: float | None,
+    request_id: str | None,
+    timeout: float | None,
+    policy: RetryPolicy,
+    /,
+) -> GenerationCore:
+    """The core of a `generate()` call, its arguments in the order of the public signature: the
+    request (checked for what the wire cannot carry) and its deadline."""
+    # Type errors are the caller's bug and fail here; value bounds are the server's to check
+    # (one source of truth), and come back as INVALID_ARGUMENT naming the field.
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be str, not {type(prompt).__name__}")
+    request = generation_pb2.GenerateRequest(
+        request_id=request_id or "", prompt=prompt, negative_prompt=negative_prompt or ""
+    )
+    unsigned = (
+        ("seed", seed, 64),
+        ("width", width, 32),
+        ("height", height, 32),
+        ("num_inference_steps", num_inference_steps, 32),
+    )
+    for field, value, bits in unsigned:
+        if value is None:
+            continue
+        # The wire type is unsigned: a value it cannot carry is refused here, like the server would.
+        if not 0 <= int(value) < 1 << bits:
+            raise KvRelayError(
+                "INVALID_ARGUMENT",
+                "INVALID_ARGUMENT",
+                f"{field}: must be in [0, 2**{bits}), got {value}",
+                {"field": field},
+            )
+        setattr(request, field, int(value))
+    if guidance_scale is not None:
+        request.guidance_scale = float(guidance_scale)
+    deadline = Deadline(timeout if timeout is not None else DEFAULT_GENERATE_TIMEOUT)
+    return GenerationCore(request, deadline, policy)
+
+
+__all__ = [
+    "NOTHING_TO_CANCEL",
+    "AfterWait",
+    "CancelPlan",
+    "ClientBase",
+    "ClientSettings",
+    "Fail",
+    "Finish",
+    "GenerationCore",
+    "HandleBase",
+    "Reopen",
+    "StreamEnd",
+    "UnaryAttempts",
+    "UnaryCall",
+    "Wait",
+    "cancel_generation",
+    "get_generation",
+    "get_pools",
+    "list_generations",
+    "list_replicas",
+    "list_tickets",
+    "new_generation",
+]
