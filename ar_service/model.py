@@ -21,7 +21,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -99,6 +99,9 @@ class ArModel(nn.Module):
             [ArDecoderLayer(config, self.tp, dtype=dtype, device=device) for _ in range(config.num_layers)]
         )
         self.num_kv_heads_local = config.num_kv_heads // self.tp.world_size
+        self.cuda_graphs = True  # on a GPU at TP=1: prefill replays a graph per shape bucket
+        self._graphs: dict[tuple[int, int], PrefillGraph] = {}
+        self._graph_pool: Any = None
 
     @property
     def key_map(self) -> KeyMap:
@@ -165,29 +168,101 @@ class ArModel(nn.Module):
         """K/V of every prompt token: [num_layers, 2, num_kv_heads_local, T, head_dim], K after
         RoPE at positions 0..T-1, in the model dtype, on the model device. Every TP rank must
         call it with the same tokens (the row parallel layers all-reduce)."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long)
-        self.check_prompt(ids)
+        return self.prefill_batch([token_ids])[0]
+
+    @torch.no_grad()
+    def prefill_batch(self, prompts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
+        """``prefill`` of several prompts in one forward: rows padded at the end to one length
+        (causal attention: padding after a token never changes its K/V), then each row's K/V cut
+        back to its own length. On a GPU with graphs on (TP=1), the padded shape is rounded up
+        to a bucket and the forward replays a CUDA graph captured once per bucket."""
+        ids_list = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
+        if not ids_list:
+            return []
+        for ids in ids_list:
+            self.check_prompt(ids)
+        lengths = [int(ids.numel()) for ids in ids_list]
+        rows, tokens = self.bucket(len(ids_list), max(lengths))
+        padded = torch.zeros(rows, tokens, dtype=torch.long)
+        for r, ids in enumerate(ids_list):
+            padded[r, : lengths[r]] = ids
+        if self.use_graphs:
+            kv = self._graph(rows, tokens).run(padded)
+        else:
+            kv = torch.empty(self.kv_shape(rows, tokens), dtype=self.dtype, device=self.device)
+            self.forward_kv(padded.to(self.device), kv)
+        # [layers, 2, rows, heads, T, D] -> per row [layers, 2, heads, T_r, D], own memory.
+        return [kv[:, :, r, :, : lengths[r]].contiguous() for r in range(len(ids_list))]
+
+    def kv_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
         cfg = self.config
-        t = ids.numel()
-        ids = ids.to(self.device)
+        return (cfg.num_layers, 2, rows, self.num_kv_heads_local, tokens, cfg.head_dim)
+
+    def bucket(self, rows: int, tokens: int) -> tuple[int, int]:
+        """(rows, tokens) of the padded batch: exact on CPU; on GPUs powers of two (tokens at least
+        64, at most max_tokens), so a few captured graphs serve every request."""
+        if not self.use_graphs:
+            return rows, tokens
+        return 1 << (rows - 1).bit_length(), min(max(64, 1 << (tokens - 1).bit_length()), self.config.max_tokens)
+
+    @torch.no_grad()
+    def forward_kv(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
+        """Write the K/V of token ids ``[rows, T]`` (on the model device) into ``kv`` (``kv_shape``).
+        No host synchronisation: a CUDA graph can capture it."""
+        cfg = self.config
+        t = ids.shape[1]
         cos, sin = rope_cos_sin(
             torch.arange(t, device=self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype
         )
-        kv = torch.empty(
-            cfg.num_layers, 2, self.num_kv_heads_local, t, cfg.head_dim, dtype=self.dtype, device=self.device
-        )
-        x = self.embed_tokens(ids)[None]
+        x = self.embed_tokens(ids)
         last = len(self.layers) - 1
         for i, module in enumerate(self.layers):
             layer = cast(ArDecoderLayer, module)
             attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True)
-            kv[i, 0] = k[0]
-            kv[i, 1] = v[0]
+            kv[i, 0].copy_(k)
+            kv[i, 1].copy_(v)
             if i == last:
                 break  # nothing after the last layer's attention changes any K/V
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return kv
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.cuda_graphs and self.device.type == "cuda" and self.tp.world_size == 1
+
+    def _graph(self, rows: int, tokens: int) -> PrefillGraph:
+        key = (rows, tokens)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = PrefillGraph(self, rows, tokens, self._graph_pool)
+            self._graphs[key] = graph
+        return graph
+
+
+class PrefillGraph:
+    """``ArModel.forward_kv`` captured as a CUDA graph for one (rows, tokens) bucket: static token
+    ids in, static K/V out (``run`` copies the ids in and replays). The same kernels as the eager
+    forward over the same shapes, so the K/V are bit-identical (tests/ar_model/test_ar_gpu.py)."""
+
+    def __init__(self, model: ArModel, rows: int, tokens: int, pool: Any) -> None:
+        self.ids = torch.zeros(rows, tokens, dtype=torch.long, device=model.device)
+        self.kv = torch.zeros(model.kv_shape(rows, tokens), dtype=model.dtype, device=model.device)
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the capture (kernel choice, workspaces)
+                model.forward_kv(self.ids, self.kv)
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            model.forward_kv(self.ids, self.kv)
+
+    def run(self, ids: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids, non_blocking=True)
+        self.graph.replay()
+        return self.kv
 
 
 def build_ar_model(

@@ -20,10 +20,12 @@ which is exactly ``PageLayout(geometry, num_shards=world, shard=r)``, the pages 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ from torch import nn
 from kvrelay.dit_service.sampler import StepCallback, cfg_rows, euler_sample, initial_noise
 from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, apply_rotary, init_std, rope_cos_sin
 from kvrelay.models.loader import CheckpointError
-from kvrelay.models.paged_attention import LayerKv, prefix_attention
+from kvrelay.models.paged_attention import LayerKv, PrefixKv, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
 from kvrelay.models.ulysses import heads_to_seq, seq_to_heads
@@ -161,17 +163,18 @@ class DitAttention(ParallelAttention):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        prefixes: Sequence[LayerKv],
-        num_valid: int,
+        kv: PrefixKv,
+        layer: int,
     ) -> torch.Tensor:
         rows, tokens, _ = x.shape
-        q = apply_rotary(self.q_norm(self._heads(self.q_proj(x), self.num_heads_local)), cos, sin)
-        k = apply_rotary(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads_local)), cos, sin)
-        v = self._heads(self.v_proj(x), self.num_kv_heads_local)
+        q, k, v = self.project_qkv(x)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
         # Sequence shards -> head shards: this rank now has every image token for the kv heads of
         # its page shard, so the prefix it holds is exactly the prefix its heads attend over.
         q, k, v = seq_to_heads(q, self.sp), seq_to_heads(k, self.sp), seq_to_heads(v, self.sp)
-        out = heads_to_seq(prefix_attention(q, k, v, prefixes, num_valid=num_valid), self.sp)
+        keys, values = kv.with_own(layer, k, v)
+        out = heads_to_seq(gqa_attention(q, keys, values, kv.mask), self.sp)
         projected: torch.Tensor = self.o_proj(
             out.transpose(1, 2).reshape(rows, tokens, self.num_heads_local * self.head_dim)
         )
@@ -196,12 +199,12 @@ class DitBlock(nn.Module):
         cond: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        prefixes: Sequence[LayerKv],
-        num_valid: int,
+        kv: PrefixKv,
+        layer: int,
     ) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(cond).unsqueeze(1).chunk(6, dim=-1)
         h = self.attn_norm(x) * (1 + scale1) + shift1
-        x = x + gate1 * self.attn(h, cos, sin, prefixes, num_valid)
+        x = x + gate1 * self.attn(h, cos, sin, kv, layer)
         h = self.mlp_norm(x) * (1 + scale2) + shift2
         mlp_out: torch.Tensor = self.mlp(h)
         out: torch.Tensor = x + gate2 * mlp_out
@@ -245,20 +248,67 @@ class DitModel(nn.Module):
         x = tokens.reshape(rows, h // p, w // p, c, p, p).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(rows, c, h, w)
 
+    def image_tokens(self, h: int, w: int) -> tuple[int, int, int]:
+        """(tokens, tokens padded to a multiple of the SP size, tokens on this rank) of latents h x w."""
+        p, sp = self.cfg.patch_size, self.parallel.sp.world_size
+        n = (h // p) * (w // p)
+        n_padded = -(-n // sp) * sp
+        return n, n_padded, n_padded // sp
+
+    def allocate_inputs(
+        self, rows: int, h: int, w: int, prefix_slots: int, *, masked: bool = False
+    ) -> DitStepInputs:
+        """Zeroed per-denoise buffers for ``rows`` rows of latents h x w and prefixes of at most
+        ``prefix_slots`` tokens (see ``prepare``)."""
+        cfg = self.cfg
+        _, n_padded, n_local = self.image_tokens(h, w)
+        heads_kv = cfg.num_kv_heads // self.parallel.world  # after Ulysses: this rank's page shard
+        kv = PrefixKv.allocate(
+            rows, heads_kv, prefix_slots, n_padded, cfg.head_dim, num_layers=cfg.num_layers,
+            dtype=self.dtype, device=self.device, masked=masked,
+        )
+        rope = torch.zeros(rows, 1, n_local, cfg.head_dim, dtype=self.dtype, device=self.device)
+        return DitStepInputs(h, w, kv, rope, rope.clone())
+
+    def prepare(
+        self,
+        prefix_rows: Sequence[PrefixRow],
+        h: int,
+        w: int,
+        *,
+        into: DitStepInputs | None = None,
+    ) -> DitStepInputs:
+        """What every step of one denoise reads and none changes: each row's prefix copied once
+        into per-layer K/V buffers (``PrefixKv``) and the rows' image RoPE tables (token i of row
+        r sits at position T_r + i). ``into`` refills existing buffers in place (a captured graph
+        reads them); otherwise buffers just large enough are allocated."""
+        cfg, sp = self.cfg, self.parallel.sp
+        n, _, n_local = self.image_tokens(h, w)
+        lo = sp.rank * n_local
+        rows = len(prefix_rows)
+        if into is None:
+            longest = max(int(prefix[0][0].shape[1]) for prefix in prefix_rows)
+            into = self.allocate_inputs(rows, h, w, longest)
+        elif (into.h, into.w, into.kv.rows) != (h, w, rows):
+            raise ValueError(f"inputs for {into.kv.rows} rows of {into.h}x{into.w}, not {rows} of {h}x{w}")
+        into.kv.fill(prefix_rows, num_valid=n)
+        for r, prefix in enumerate(prefix_rows):
+            positions = torch.arange(lo, lo + n_local, device=self.device) + prefix[0][0].shape[1]
+            cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+            into.cos[r, 0].copy_(cos)
+            into.sin[r, 0].copy_(sin)
+        return into
+
     @torch.no_grad()
-    def forward(
-        self, latents: torch.Tensor, t: torch.Tensor, prefix_rows: Sequence[PrefixRow]
-    ) -> torch.Tensor:
+    def step(self, latents: torch.Tensor, t: torch.Tensor, inputs: DitStepInputs) -> torch.Tensor:
+        """Velocity ``[rows, C, h, w]`` of ``latents`` at flow times ``t`` ``[rows]`` over prepared
+        inputs. No host synchronisation and fixed buffer addresses: a CUDA graph can capture it."""
         cfg, sp = self.cfg, self.parallel.sp
         rows, _, h, w = latents.shape
-        if len(prefix_rows) != rows:
-            raise ValueError(f"{len(prefix_rows)} prefix rows for {rows} latent rows")
+        if (h, w, rows) != (inputs.h, inputs.w, inputs.kv.rows):
+            raise ValueError(f"latents {tuple(latents.shape)} do not match the prepared inputs")
         grid_h, grid_w = h // cfg.patch_size, w // cfg.patch_size
-        n = grid_h * grid_w
-        # Pad the token count to a multiple of the SP size; padded keys are masked in attention
-        # and padded outputs dropped, so any width/height works with any SP size.
-        n_padded = -(-n // sp.world_size) * sp.world_size
-        n_local = n_padded // sp.world_size
+        n, n_padded, n_local = self.image_tokens(h, w)
         lo = sp.rank * n_local
 
         tokens = self.patchify(latents.to(self.dtype))
@@ -271,22 +321,34 @@ class DitModel(nn.Module):
         cond = self.time_out(F.silu(self.time_in(timestep_features(t).to(self.dtype))))
         cond = F.silu(cond)  # every consumer (adaLN linears) takes silu(c), as in DiT
 
-        # Image RoPE positions continue after each row's prefix: token i of row r sits at T_r + i.
-        cos_rows, sin_rows = [], []
-        for prefix in prefix_rows:
-            positions = torch.arange(lo, lo + n_local, device=self.device) + prefix[0][0].shape[1]
-            cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
-            cos_rows.append(cos)
-            sin_rows.append(sin)
-        cos, sin = torch.stack(cos_rows)[:, None], torch.stack(sin_rows)[:, None]  # [rows, 1, n_local, D]
-
         for layer, block in enumerate(self.blocks):
-            x = block(x, cond, cos, sin, [prefix[layer] for prefix in prefix_rows], n)
+            x = block(x, cond, inputs.cos, inputs.sin, inputs.kv, layer)
 
         shift, scale = self.final_modulation(cond).unsqueeze(1).chunk(2, dim=-1)
         out = self.final_proj(self.final_norm(x) * (1 + scale) + shift)
         out = sp.all_gather(out, dim=1)[:, :n]
         return self.unpatchify(out, h, w)
+
+    @torch.no_grad()
+    def forward(
+        self, latents: torch.Tensor, t: torch.Tensor, prefix_rows: Sequence[PrefixRow]
+    ) -> torch.Tensor:
+        rows, _, h, w = latents.shape
+        if len(prefix_rows) != rows:
+            raise ValueError(f"{len(prefix_rows)} prefix rows for {rows} latent rows")
+        return self.step(latents, t, self.prepare(prefix_rows, h, w))
+
+
+@dataclass(slots=True)
+class DitStepInputs:
+    """One denoise's per-row state that every step reads: prefix K/V buffers and RoPE tables
+    ``[rows, 1, n_local, head_dim]`` for latents of ``h`` x ``w``."""
+
+    h: int
+    w: int
+    kv: PrefixKv
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class LatentDecoder(nn.Module):
@@ -390,7 +452,9 @@ DIT_CHECKPOINT_FILE = "dit.safetensors"
 
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of an unsharded (world size 1) module, by name, on CPU, contiguous."""
-    return {name: p.detach().to("cpu").contiguous() for name, p in module.named_parameters()}
+    # A copy even on CPU: fused projections make parameters views of one buffer, and safetensors
+    # refuses tensors that share memory.
+    return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in module.named_parameters()}
 
 
 @torch.no_grad()
@@ -430,6 +494,38 @@ def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], pref
 # ---------------------------------------------------------------------------------------------
 
 
+MAX_GRAPHS = 16  # captured step shapes kept per runner (each holds its K/V buffers)
+
+
+class StepGraph:
+    """One DiT step captured as a CUDA graph for a shape bucket (rows, latent h x w, prefix
+    slots): static latents, times and per-denoise inputs (``DitStepInputs``, refilled in place by
+    ``DitModel.prepare(into=...)``); ``run`` copies the step's latents and times in and replays.
+    The kernels are exactly the eager step's over the same buffers, so the output is bit-identical
+    to ``model.step`` (tests/dit_model/test_cuda_graphs.py)."""
+
+    def __init__(self, model: DitModel, rows: int, lat_h: int, lat_w: int, slots: int, pool: Any) -> None:
+        self.model = model
+        self.inputs = model.allocate_inputs(rows, lat_h, lat_w, slots, masked=True)
+        self.x = torch.zeros(rows, model.cfg.latent_channels, lat_h, lat_w, dtype=model.dtype, device=model.device)
+        self.t = torch.zeros(rows, dtype=torch.float32, device=model.device)
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream(model.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: kernel selection and workspaces happen outside the capture
+                model.step(self.x, self.t, self.inputs)
+        torch.cuda.current_stream(model.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = model.step(self.x, self.t, self.inputs)
+
+    def run(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.t.copy_(t)
+        self.graph.replay()
+        return self.out
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """fp32 on CPU (bf16 matmuls are slow there and tests compare bits), bf16 on accelerators."""
     return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -454,6 +550,8 @@ class DitRunner:
         dtype: torch.dtype | None = None,
         timestep_shift: float = 1.0,
         checkpoint: str | Path | None = None,
+        cuda_graphs: bool = True,
+        prefix_bucket: int | None = None,
     ) -> None:
         self.preset = get_preset(preset) if isinstance(preset, str) else preset
         self.cfg = self.preset.dit
@@ -461,6 +559,14 @@ class DitRunner:
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
         self.parallel = DitParallel.build(rank, world, tp, sp)
         self.timestep_shift = timestep_shift
+        on_gpu = self.device.type == "cuda"
+        # Prefix slots rounded up to a bucket on GPUs, so one captured step serves every prompt
+        # length of the bucket (the padding is masked); exact lengths on CPU.
+        self.prefix_bucket = prefix_bucket if prefix_bucket is not None else (64 if on_gpu else 0)
+        # Graphs need a fixed stream of kernels: one process, no collectives inside the step.
+        self.use_graphs = cuda_graphs and on_gpu and self.parallel.world == 1
+        self._graphs: OrderedDict[tuple[int, int, int, int], StepGraph] = OrderedDict()
+        self._graph_pool: Any = None
         self.model = DitModel(self.cfg, self.parallel, dtype=self.dtype, device=self.device).eval()
         init_seeded_weights(self.model, weight_seed, self.device)
         self.decoder = LatentDecoder(self.cfg.latent_channels, device=self.device).eval()
@@ -493,6 +599,42 @@ class DitRunner:
         tensors = load_file(str(path))
         load_full_state(self.model, tensors, "model.")
         load_full_state(self.decoder, tensors, "decoder.")
+
+    def prefix_slots(self, longest: int) -> int:
+        """Prefix slots for a batch whose longest prefix has ``longest`` tokens (its bucket on GPUs)."""
+        b = self.prefix_bucket
+        return -(-longest // b) * b if b else longest
+
+    def stepper(
+        self, prefix_rows: Sequence[PrefixRow], lat_h: int, lat_w: int
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The velocity function of one denoise over ``prefix_rows`` (on the model's device): the
+        prefixes are copied once into the step's K/V buffers, then each call runs one step, as a
+        CUDA graph replay when graphs are on (the returned tensor is then the graph's output
+        buffer, valid until the next call)."""
+        longest = max(int(row[0][0].shape[1]) for row in prefix_rows)
+        slots = self.prefix_slots(longest)
+        if self.use_graphs:
+            graph = self.step_graph(len(prefix_rows), lat_h, lat_w, slots)
+            self.model.prepare(prefix_rows, lat_h, lat_w, into=graph.inputs)
+            return graph.run
+        inputs = self.model.allocate_inputs(len(prefix_rows), lat_h, lat_w, slots, masked=bool(self.prefix_bucket))
+        self.model.prepare(prefix_rows, lat_h, lat_w, into=inputs)
+        return functools.partial(self.model.step, inputs=inputs)
+
+    def step_graph(self, rows: int, lat_h: int, lat_w: int, slots: int) -> StepGraph:
+        """The captured step of one shape bucket, captured on first use (LRU, ``MAX_GRAPHS``)."""
+        key = (rows, lat_h, lat_w, slots)
+        graph = self._graphs.get(key)
+        if graph is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            if len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+            graph = StepGraph(self.model, rows, lat_h, lat_w, slots, self._graph_pool)
+            self._graphs[key] = graph
+        self._graphs.move_to_end(key)
+        return graph
 
     @property
     def heads_local(self) -> int:
@@ -571,11 +713,7 @@ class DitRunner:
         noise = initial_noise(
             seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device
         )
-
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            v: torch.Tensor = self.model(x, t, rows)
-            return v
-
+        velocity = self.stepper(rows, lat_h, lat_w)
         latents: torch.Tensor = euler_sample(
             velocity,
             noise,

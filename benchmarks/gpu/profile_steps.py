@@ -24,7 +24,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvrelay.ar_service.model import build_ar_model
 from kvrelay.dit_service.model import DitRunner, random_prefix
-from kvrelay.dit_service.sampler import cfg_rows
 from kvrelay.models.presets import get_preset
 
 
@@ -117,68 +116,82 @@ def main() -> None:
     if "ar" not in args.skip:
         model = build_ar_model(preset=args.preset, device="cuda")
         result["ar"] = {}
-        for n in args.ar_tokens:
-            ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n))
-            dev_ms, host_ms = timed(lambda ids=ids: model.prefill(ids), args.reps)
-            floor_ms = ar_flops(args.preset, n) / (rate * 1e12) * 1e3
-            weight_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / 4.3e12 * 1e3
-            result["ar"][n] = {
-                "prefill_ms": dev_ms,
-                "host_ms": host_ms,
-                "flop_floor_ms": floor_ms,
-                "weight_read_floor_ms": weight_ms,
-            }
-            say(
-                f"\nAR prefill {n} tokens: {dev_ms:.2f} ms device, {host_ms:.2f} ms host, floor "
-                f"max({floor_ms:.2f} ms flops, {weight_ms:.2f} ms weights at 4.3 TB/s)"
-            )
-        ids = torch.randint(0, 256, (args.ar_tokens[0],), generator=torch.Generator().manual_seed(0))
-        say(kernel_table(lambda: model.prefill(ids), rows=20))
+        weight_ms = sum(p.numel() * p.element_size() for p in model.parameters()) / 4.3e12 * 1e3
+        for lengths in [(96, 16), (96, 96), (1024,), (96, 16) * 4]:
+            prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+            floor_ms = max(ar_flops(args.preset, sum(lengths)) / (rate * 1e12) * 1e3, weight_ms)
+            row: dict[str, Any] = {"floor_ms": floor_ms}
+            for graphs in (False, True):
+                model.cuda_graphs = graphs
+                dev_ms, host_ms = timed(lambda prompts=prompts: model.prefill_batch(prompts), args.reps)
+                row["graph" if graphs else "eager"] = {"ms": dev_ms, "host_ms": host_ms}
+                say(
+                    f"AR prefill_batch {list(lengths)} tokens, {'graph' if graphs else 'eager'}: {dev_ms:.2f} ms "
+                    f"device, {host_ms:.2f} ms host; floor {floor_ms:.2f} ms (max of FLOPs, weight read at "
+                    f"4.3 TB/s) -> {dev_ms / floor_ms:.2f}x floor"
+                )
+            result["ar"][str(list(lengths))] = row
+        model.cuda_graphs = False
+        ids = [torch.randint(1, 256, (96,), generator=torch.Generator().manual_seed(0))] * 2
+        say(kernel_table(lambda: model.prefill_batch(ids), rows=20))
+        del model
+        torch.cuda.empty_cache()
 
     if "dit" not in args.skip:
         runner = DitRunner(args.preset, device="cuda")
         kv_dtype = getattr(torch, runner.preset.dtype)
-        prefix = [
-            random_prefix(runner.preset, args.prefix_tokens, seed=r, dtype=kv_dtype, device="cuda")
-            for r in range(cfg_rows(2.0))
-        ]
+
+        def prefixes(lengths: tuple[int, ...]) -> list[Any]:
+            return [
+                random_prefix(runner.preset, n, seed=i, dtype=kv_dtype, device="cuda") for i, n in enumerate(lengths)
+            ]
+
+        result["dit"] = {}
+        for lengths in [(args.prefix_tokens,) * 2, (81, 16), (81, 16) * 4]:
+            rows = prefixes(lengths)
+            lat = torch.randn(len(rows), 16, 64, 64, device="cuda", dtype=runner.dtype)
+            t = torch.full((len(rows),), 0.5, device="cuda")
+            floor_ms = dit_flops(args.preset, 512, 512, len(rows), max(lengths)) / (rate * 1e12) * 1e3
+            row = {"floor_ms": floor_ms}
+            for graphs in (False, True):
+                runner.use_graphs = graphs
+                step = runner.stepper(rows, 64, 64)
+                dev_ms, host_ms = timed(lambda step=step, lat=lat, t=t: step(lat, t), args.reps)
+                row["graph" if graphs else "eager"] = {"ms": dev_ms, "host_ms": host_ms}
+                say(
+                    f"DiT step 512x512, prefixes {list(lengths)}, {'graph' if graphs else 'eager'}: "
+                    f"{dev_ms:.2f} ms device, {host_ms:.2f} ms host; floor {floor_ms:.2f} ms -> "
+                    f"{dev_ms / floor_ms:.2f}x floor"
+                )
+            result["dit"][str(list(lengths))] = row
+        runner.use_graphs = False
+        rows = prefixes((81, 16))
+        step = runner.stepper(rows, 64, 64)
         lat = torch.randn(2, 16, 64, 64, device="cuda", dtype=runner.dtype)
         t = torch.full((2,), 0.5, device="cuda")
-
-        def dit_step() -> None:
-            runner.model(lat, t, prefix)
-
-        dev_ms, host_ms = timed(dit_step, args.reps)
-        floor_ms = dit_flops(args.preset, 512, 512, 2, args.prefix_tokens) / (rate * 1e12) * 1e3
-        result["dit"] = {"step_ms": dev_ms, "host_ms": host_ms, "floor_ms": floor_ms}
-        say(
-            f"\nDiT step (512x512, 2 CFG rows, prefix {args.prefix_tokens}): {dev_ms:.2f} ms device, "
-            f"{host_ms:.2f} ms host to issue, floor {floor_ms:.2f} ms -> {dev_ms / floor_ms:.2f}x floor"
-        )
-        say(kernel_table(dit_step))
+        say(kernel_table(lambda: step(lat, t)))
 
         latents = torch.randn(16, 64, 64, device="cuda", dtype=runner.dtype)
         dec_ms, dec_host = timed(lambda: runner.decode(latents), args.reps)
         result["decode_ms"] = dec_ms
-        say(f"\ndecode 512x512 (incl. copy to host): {dec_ms:.2f} ms device, {dec_host:.2f} ms host")
-        say(kernel_table(lambda: runner.decode(latents), rows=10))
+        say(f"decode 512x512 (incl. copy to host): {dec_ms:.2f} ms device, {dec_host:.2f} ms host")
+
         if "compile" not in args.skip:
             # Experiment: the same blocks through torch.compile (inductor fuses the elementwise work).
-            t0 = time.perf_counter()
-            for i, block in enumerate(runner.model.blocks):
-                runner.model.blocks[i] = torch.compile(block, dynamic=False)
-            dit_step()
-            torch.cuda.synchronize()
-            compile_s = time.perf_counter() - t0
-            dev_ms, host_ms = timed(dit_step, args.reps)
-            result["dit_compiled"] = {"step_ms": dev_ms, "host_ms": host_ms, "compile_s": compile_s}
-            say(
-                f"\nDiT step, blocks torch.compile'd: {dev_ms:.2f} ms device, {host_ms:.2f} ms host "
-                f"(compile {compile_s:.1f} s) -> {dev_ms / floor_ms:.2f}x floor"
-            )
-            say(kernel_table(dit_step, rows=15))
-        del runner, prefix
-        torch.cuda.empty_cache()
+            try:
+                t0 = time.perf_counter()
+                for i, block in enumerate(runner.model.blocks):
+                    runner.model.blocks[i] = torch.compile(block, dynamic=False)
+                step(lat, t)
+                torch.cuda.synchronize()
+                compile_s = time.perf_counter() - t0
+                dev_ms, host_ms = timed(lambda: step(lat, t), args.reps)
+                result["dit_compiled"] = {"step_ms": dev_ms, "host_ms": host_ms, "compile_s": compile_s}
+                say(f"DiT step (81, 16), blocks torch.compile'd, eager: {dev_ms:.2f} ms device, {host_ms:.2f} ms "
+                    f"host (compile {compile_s:.1f} s)")
+                say(kernel_table(lambda: step(lat, t), rows=15))
+            except Exception as err:  # noqa: BLE001 - an experiment; report and go on
+                say(f"torch.compile experiment failed: {err!r}"[:2000])
 
     say("done")
 

@@ -104,6 +104,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def fuse_column_linears(linears: list[ColumnParallelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One contiguous ``[sum(out), in]`` weight (and bias) holding the linears' weights in order;
+    each linear's parameters become views into it, so one matmul computes all outputs and loading
+    a checkpoint or seeded weights into the named parameters fills the fused buffer too."""
+    with torch.no_grad():
+        weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
+        biases = [lin.bias for lin in linears]
+        bias = torch.cat([b.detach() for b in biases if b is not None]) if all(
+            b is not None for b in biases
+        ) else None
+        if bias is None and any(b is not None for b in biases):
+            raise ValueError("fused linears must all have a bias or none")
+        lo = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = weight[lo : lo + rows]
+            if bias is not None and lin.bias is not None:
+                lin.bias.data = bias[lo : lo + rows]
+            lo += rows
+    return weight, bias
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column parallel, down row parallel, so the
     intermediate activation never leaves the rank and one all-reduce ends the block."""
@@ -121,9 +143,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, mlp, tp, dtype=dtype, device=device)
         self.up_proj = ColumnParallelLinear(hidden, mlp, tp, dtype=dtype, device=device)
         self.down_proj = RowParallelLinear(mlp, hidden, tp, dtype=dtype, device=device)
+        # gate and up as one matmul ([gate | up] rows of one weight; the parameters are views).
+        self._gate_up, _ = fuse_column_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = nn.functional.linear(x, self._gate_up).chunk(2, dim=-1)
+        out: torch.Tensor = self.down_proj(nn.functional.silu(gate) * up)
         return out
 
 
@@ -167,6 +192,22 @@ class ParallelAttention(nn.Module):
             hidden, num_kv_heads * head_dim, tp, bias=qkv_bias, dtype=dtype, device=device
         )
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, tp, dtype=dtype, device=device)
+        # q, k and v as one matmul (their parameters are views into the fused weight).
+        self._qkv_weight, self._qkv_bias = fuse_column_linears([self.q_proj, self.k_proj, self.v_proj])
+        self._qkv_split = (
+            self.num_heads_local * head_dim,
+            self.num_kv_heads_local * head_dim,
+            self.num_kv_heads_local * head_dim,
+        )
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, heads, T, D]`` (before RoPE) of ``x`` ``[B, T, hidden]``, from one matmul."""
+        q, k, v = nn.functional.linear(x, self._qkv_weight, self._qkv_bias).split(self._qkv_split, dim=-1)
+        return (
+            self._heads(q, self.num_heads_local),
+            self._heads(k, self.num_kv_heads_local),
+            self._heads(v, self.num_kv_heads_local),
+        )
 
     def _heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
         b, t, _ = x.shape
@@ -182,9 +223,8 @@ class ParallelAttention(nn.Module):
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
-        q = apply_rotary(self._heads(self.q_proj(x), self.num_heads_local), cos, sin)
-        k = apply_rotary(self._heads(self.k_proj(x), self.num_kv_heads_local), cos, sin)
-        v = self._heads(self.v_proj(x), self.num_kv_heads_local)
+        q, k, v = self.project_qkv(x)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if prefix_kv is not None:
             k_all = torch.cat((prefix_kv[0].to(k.dtype), k), dim=-2)
             v_all = torch.cat((prefix_kv[1].to(v.dtype), v), dim=-2)

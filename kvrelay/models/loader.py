@@ -161,7 +161,8 @@ def write_checkpoint(
     missing = [s.model_key for s in key_map if s.model_key not in tensors and not s.optional]
     if missing:
         raise CheckpointError(f"missing tensors for the key map: {missing[:5]}")
-    files = {by_model[k].file_key: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    # Copies: fused projections make parameters views of one buffer (safetensors refuses shared memory).
+    files = {by_model[k].file_key: t.detach().to("cpu", copy=True).contiguous() for k, t in tensors.items()}
     path = directory / "model.safetensors"
     save_file(files, str(path), metadata={"format": "pt", **(metadata or {})})
     if config is not None:

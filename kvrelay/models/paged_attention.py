@@ -157,6 +157,27 @@ def write_prefix(
     pages.index_copy_(0, index, blocks)
 
 
+def gqa_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Non-causal grouped-query attention without expanding K/V to the query heads.
+
+    ``q``: ``[rows, heads_q, N, head_dim]``; ``keys``/``values``: ``[rows, heads_kv, L, head_dim]``;
+    ``mask``: ``None`` or bool ``[rows, 1, 1, L]`` (True = attend). Query head h reads kv head
+    ``h // (heads_q / heads_kv)`` (the Llama grouping): the group's queries are folded into the
+    token axis (``[rows, heads_kv, group * N, head_dim]``), which is the same softmax per query,
+    so K/V are read once per kv head instead of being copied ``group`` times.
+    """
+    rows, heads_q, n, head_dim = q.shape
+    heads_kv = keys.shape[1]
+    if heads_q % heads_kv:
+        raise ValueError(f"query heads {heads_q} not a multiple of kv heads {heads_kv}")
+    group = heads_q // heads_kv
+    folded = q.reshape(rows, heads_kv, group * n, head_dim)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+    return out.reshape(rows, heads_q, n, head_dim)
+
+
 def prefix_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -174,8 +195,10 @@ def prefix_attention(
     token sees the whole prefix and every image token (BAGEL's full attention within an image).
     ``num_valid < N`` masks the trailing image keys: padding added so tokens split evenly over
     sequence parallel ranks must not be attended to.
-    Rows with equal prefix lengths run as one batched call; otherwise each row runs alone, which
-    needs no padding between rows.
+
+    The one-shot form of what the DiT does per step (``PrefixKv``: prefix copied once per denoise,
+    own K/V written into its tail each step): rows of different prefix lengths are padded to the
+    longest and the padding masked, so all rows run as one call.
     """
     rows, heads_q, n, head_dim = q.shape
     heads_kv = k.shape[1]
@@ -193,33 +216,83 @@ def prefix_attention(
         num_valid = n
     if not 0 < num_valid <= n:
         raise ValueError(f"num_valid={num_valid} out of range (0, {n}]")
-    if heads_q != heads_kv:
-        # Expand kv heads to the query heads (the Llama grouping) once, before the concatenation,
-        # instead of SDPA's enable_gqa: one code path on every torch >= 2.11 build (as layers.attention).
-        group = heads_q // heads_kv
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        prefixes = [
-            (pk.repeat_interleave(group, dim=0), pv.repeat_interleave(group, dim=0)) for pk, pv in prefixes
-        ]
+    kv = PrefixKv.allocate(rows, heads_kv, max(pk.shape[1] for pk, _ in prefixes), n, head_dim,
+                           num_layers=1, dtype=k.dtype, device=k.device)
+    kv.fill([[p] for p in prefixes], num_valid=num_valid)
+    keys, values = kv.with_own(0, k, v)
+    return gqa_attention(q, keys, values, kv.mask)
 
-    def mask_for(prefix_len: int) -> torch.Tensor | None:
-        if num_valid == n:
-            return None
-        keep = torch.ones(prefix_len + n, dtype=torch.bool, device=q.device)
-        keep[prefix_len + num_valid :] = False
-        return keep[None, :]  # [1, keys]: broadcast over rows, heads and queries
 
-    lengths = {pk.shape[1] for pk, _ in prefixes}
-    if len(lengths) == 1:
-        keys = torch.cat([torch.stack([pk for pk, _ in prefixes]).to(k.dtype), k], dim=2)
-        values = torch.cat([torch.stack([pv for _, pv in prefixes]).to(v.dtype), v], dim=2)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask_for(lengths.pop()))
-    outs = []
-    for r, (pk, pv) in enumerate(prefixes):
-        keys = torch.cat([pk.to(k.dtype), k[r]], dim=1).unsqueeze(0)
-        values = torch.cat([pv.to(v.dtype), v[r]], dim=1).unsqueeze(0)
-        outs.append(
-            F.scaled_dot_product_attention(q[r : r + 1], keys, values, attn_mask=mask_for(pk.shape[1]))
-        )
-    return torch.cat(outs, dim=0)
+class PrefixKv:
+    """Per-layer K/V buffers of one denoise: ``[rows, heads_kv, P + N, head_dim]``, slots ``[0, P)``
+    the rows' prefixes (copied once, by ``fill``; a row shorter than P is zero-padded and masked),
+    slots ``[P, P + N)`` the image tokens' own K/V, overwritten in place every step (``with_own``).
+
+    So a step reads the prefix straight from these buffers, with no concatenation, and the
+    buffers' addresses never change between steps (what a captured CUDA graph needs). ``mask``
+    is ``None`` when every slot is valid, else bool ``[rows, 1, 1, P + N]`` (True = attend).
+    """
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], prefix_slots: int,
+                 mask: torch.Tensor | None) -> None:
+        self.keys = keys
+        self.values = values
+        self.prefix_slots = prefix_slots
+        self.mask = mask
+
+    @classmethod
+    def allocate(cls, rows: int, heads_kv: int, prefix_slots: int, image_tokens: int, head_dim: int, *,
+                 num_layers: int, dtype: torch.dtype, device: torch.device | str,
+                 masked: bool = False) -> PrefixKv:
+        """Zeroed buffers; ``masked`` keeps a mask tensor even when every slot is valid (a graph
+        captured over these buffers must always read the same mask tensor)."""
+        shape = (rows, heads_kv, prefix_slots + image_tokens, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        mask = torch.ones(rows, 1, 1, shape[2], dtype=torch.bool, device=device) if masked else None
+        return cls(keys, values, prefix_slots, mask)
+
+    @property
+    def rows(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def image_tokens(self) -> int:
+        return int(self.keys[0].shape[2]) - self.prefix_slots
+
+    def fill(self, prefix_rows: Sequence[Sequence[LayerKv]], *, num_valid: int | None = None) -> None:
+        """Copy each row's per-layer prefix ``(k, v)`` ``[heads_kv, T_r, head_dim]`` into the prefix
+        slots (zeros after T_r) and set the mask: prefix slots past T_r and image slots past
+        ``num_valid`` (SP padding) are not attended to. The image slots keep whatever they hold
+        until the next ``with_own``."""
+        if len(prefix_rows) != self.rows:
+            raise ValueError(f"{len(prefix_rows)} prefix rows for {self.rows} buffer rows")
+        n, p = self.image_tokens, self.prefix_slots
+        num_valid = n if num_valid is None else num_valid
+        lengths = [int(row[0][0].shape[1]) for row in prefix_rows]
+        if max(lengths, default=0) > p:
+            raise ValueError(f"prefix of {max(lengths)} tokens does not fit {p} prefix slots")
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
+            for r, row in enumerate(prefix_rows):
+                pk, pv = row[layer]
+                t = lengths[r]
+                keys[r, :, :t].copy_(pk)
+                values[r, :, :t].copy_(pv)
+                keys[r, :, t:p].zero_()
+                values[r, :, t:p].zero_()
+        keep = torch.ones(self.rows, 1, 1, p + n, dtype=torch.bool)
+        for r, t in enumerate(lengths):
+            keep[r, ..., t:p] = False
+        keep[..., p + num_valid :] = False
+        if self.mask is not None:
+            self.mask.copy_(keep)  # in place: a captured graph keeps reading the same tensor
+        elif not bool(keep.all()):
+            self.mask = keep.to(self.keys[0].device)
+
+    def with_own(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's image K/V ``[rows, heads_kv, N, head_dim]`` into the layer's image slots;
+        returns the layer's full (keys, values)."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys[:, :, self.prefix_slots :].copy_(k)
+        values[:, :, self.prefix_slots :].copy_(v)
+        return keys, values

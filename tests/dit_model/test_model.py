@@ -49,26 +49,36 @@ def test_image_depends_on_the_prefix_and_on_guidance(runner: DitRunner) -> None:
     assert (weaker - base).abs().max() > 1e-3
 
 
-def test_guidance_one_runs_one_row(runner: DitRunner) -> None:
+def test_guidance_one_runs_one_row(runner: DitRunner, monkeypatch) -> None:
     batch_rows: list[int] = []
-    handle = runner.model.register_forward_pre_hook(lambda _m, args: batch_rows.append(args[0].shape[0]))
-    try:
-        _generate(runner, guidance=1.0, steps=3)
-        assert batch_rows == [1, 1, 1]
-        batch_rows.clear()
-        _generate(runner, guidance=2.0, steps=3)
-        assert batch_rows == [2, 2, 2]  # both CFG rows in one batched forward per step
-    finally:
-        handle.remove()
+    real_step = runner.model.step
+
+    def spy(latents, t, inputs):
+        batch_rows.append(latents.shape[0])
+        return real_step(latents, t, inputs)
+
+    monkeypatch.setattr(runner.model, "step", spy)
+    _generate(runner, guidance=1.0, steps=3)
+    assert batch_rows == [1, 1, 1]
+    batch_rows.clear()
+    _generate(runner, guidance=2.0, steps=3)
+    assert batch_rows == [2, 2, 2]  # both CFG rows in one batched forward per step
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="needs 1 CFG row"):
         _generate(runner, guidance=1.0, rows=_rows(runner, 2.0))
     with pytest.raises(ValueError, match="needs 2 CFG row"):
         _generate(runner, guidance=3.0, rows=_rows(runner, 1.0))
 
 
-def test_step_callback_streams_progress_and_stops_denoising(runner: DitRunner) -> None:
+def test_step_callback_streams_progress_and_stops_denoising(runner: DitRunner, monkeypatch) -> None:
     forwards: list[int] = []
-    handle = runner.model.register_forward_pre_hook(lambda _m, _a: forwards.append(1))
+    real_step = runner.model.step
+
+    def spy(latents, t, inputs):
+        forwards.append(1)
+        return real_step(latents, t, inputs)
+
+    monkeypatch.setattr(runner.model, "step", spy)
 
     class Cancelled(Exception):
         pass
@@ -80,11 +90,9 @@ def test_step_callback_streams_progress_and_stops_denoising(runner: DitRunner) -
         if step == 2:
             raise Cancelled
 
-    try:
-        with pytest.raises(Cancelled):
-            _generate(runner, steps=50, on_step=on_step)
-    finally:
-        handle.remove()
+    with pytest.raises(Cancelled):
+        _generate(runner, steps=50, on_step=on_step)
+    monkeypatch.undo()
     assert progress == [(1, 50), (2, 50)]
     assert len(forwards) == 2  # no model evaluation after the callback asked to stop
 
