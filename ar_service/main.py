@@ -73,7 +73,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
     from kvrelay.ar_service.tokenizer import load_tokenizer
-    from kvrelay.worker import ReplicaLock, WorkerGroup, replica_lock_path
+    from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
 
     stage = cfg.ar_stage
     replica = int(args.replica)
@@ -84,6 +84,11 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     try:
         rank_spec = _rank_spec(stage)
     except ConfigError as err:
+        print(f"kvrelay ar: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        check_devices(stage.devices_for(replica), f"stages[0] ({replica_id}) devices")
+    except DeviceUnavailable as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
     host = args.host or stage.host
@@ -262,9 +267,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    from kvrelay.ports import PortInUse
+    from kvrelay.worker import LockTimeout
+
     try:
         code = asyncio.run(serve(args, cfg))
-    except ConfigError as err:
+    except (ConfigError, PortInUse, LockTimeout) as err:
+        # Configuration and deployment errors: one line, and an exit code the supervisor does
+        # not restart (the same start would fail the same way).
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.flush()

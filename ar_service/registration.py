@@ -13,6 +13,7 @@ with the same incarnation and the writes still unresolved.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from kvrelay import LAYOUT_VERSION, __version__
 from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
+from kvrelay.transfer.transport import WriteOutcome
 from kvrelay.v1 import broker_pb2, common_pb2
 
 log = get_logger(__name__)
@@ -102,6 +104,8 @@ class ArRegistration:
         self.lease_seconds = 0.0
         self._asked: set[WriteId] = set()
         self._stopped = asyncio.Event()
+        self._reporting: asyncio.Task[None] | None = None
+        self._failed = False
 
     async def register(self, *, give_up_s: float = 120.0) -> None:
         """Register, retrying while the broker is unreachable (a replica may start first).
@@ -139,6 +143,9 @@ class ArRegistration:
         )
 
     async def heartbeat_once(self) -> broker_pb2.HeartbeatResponse:
+        """One heartbeat. The reports a poll asks for are sent in the background: a ReportWrite
+        that hangs or is retried must never delay the next heartbeat (the lease would lapse
+        and the broker would mark a healthy writer down)."""
         unresolved = [w for w in self.ledger.in_flight() if w in self._asked]
         request = broker_pb2.HeartbeatRequest(
             replica_id=self.identity.replica_id,
@@ -151,21 +158,56 @@ class ArRegistration:
         polled = [(k.ticket_id, k.row, k.src_rank, k.dst_rank) for k in reply.poll_writes]
         unresolved_now, to_report = self.ledger.answer_poll(polled)
         self._asked = set(unresolved_now)
-        if to_report:
-            await asyncio.gather(
-                *(self.reporter.report(tid, o, budget_s=RPC_TIMEOUT_S) for tid, o in to_report)
-            )
+        self._send_reports(to_report)
         return reply
+
+    def _send_reports(self, to_report: list[tuple[str, WriteOutcome]]) -> None:
+        """Report what a poll asked for, then retry what is still unacknowledged, in one
+        background task at a time. What a busy task could not take now is asked again by the
+        broker's next poll (it polls until the write is resolved) or is still pending then."""
+        if self._reporting is not None and not self._reporting.done():
+            return
+        self._reporting = asyncio.get_running_loop().create_task(
+            self._report(to_report), name=f"{self.identity.replica_id}-reports"
+        )
+
+    async def _report(self, to_report: list[tuple[str, WriteOutcome]]) -> None:
+        try:
+            if to_report:
+                await asyncio.gather(
+                    *(self.reporter.report(tid, o, budget_s=RPC_TIMEOUT_S) for tid, o in to_report)
+                )
+            await self.reporter.report_pending()
+        except Exception:  # noqa: BLE001 - a reporting bug must not end the lease; heartbeats go on
+            log.exception("report_writes_failed", replica_id=self.identity.replica_id)
+
+    async def _stop_reports(self, grace_s: float) -> None:
+        task, self._reporting = self._reporting, None
+        if task is None or task.done():
+            return
+        # Give the reports in flight a moment (they are what the broker waits for), then stop.
+        if grace_s > 0:
+            await asyncio.wait({task}, timeout=grace_s)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     async def run(self) -> None:
         """The heartbeat loop, until stop() or a fence."""
+        try:
+            await self._run()
+        finally:
+            # A fenced incarnation's reports prove nothing any more: no reason to wait for them.
+            await asyncio.shield(self._stop_reports(0.0 if self._failed else RPC_TIMEOUT_S))
+
+    async def _run(self) -> None:
         while not self._stopped.is_set():
             try:
                 await self.heartbeat_once()
-                await self.reporter.report_pending()
+                self._send_reports([])
             except Fenced as err:
                 log.error("replica_fenced", replica_id=self.identity.replica_id, reason=str(err))
-                self.on_fail_stop(f"fenced: {err}")
+                self._fail_stop(f"fenced: {err}")
                 return
             except grpc.aio.AioRpcError as err:
                 _, reason, message = reason_of(err)
@@ -173,14 +215,14 @@ class ArRegistration:
                     # Another process registered under our id: it took our lock, so either we are a
                     # zombie or the lock was bypassed; either way this incarnation must go.
                     log.error("replica_superseded", replica_id=self.identity.replica_id, message=message)
-                    self.on_fail_stop(f"superseded: {message}")
+                    self._fail_stop(f"superseded: {message}")
                     return
                 if reason == "REPLICA_NOT_REGISTERED":
                     log.warning("broker_restarted_reregistering", replica_id=self.identity.replica_id)
                     try:
                         await self._register_once()
                     except Fenced as fenced:
-                        self.on_fail_stop(f"fenced: {fenced}")
+                        self._fail_stop(f"fenced: {fenced}")
                         return
                     except grpc.aio.AioRpcError as again:
                         log.warning("reregistration_failed", code=again.code().name, details=again.details())
@@ -190,6 +232,10 @@ class ArRegistration:
                 await asyncio.wait_for(self._stopped.wait(), timeout=self.heartbeat_interval_s)
             except TimeoutError:
                 pass
+
+    def _fail_stop(self, reason: str) -> None:
+        self._failed = True
+        self.on_fail_stop(reason)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sys
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -21,6 +22,7 @@ from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
+from kvrelay.ports import PortInUse
 from kvrelay.server import GrpcServer
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -89,10 +91,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
     except ConfigError as err:
-        print(f"kvrelay broker: {err}")
+        print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2
     host = args.host or cfg.broker.host
     port = cfg.broker.port if args.port is None else args.port
     metrics_port = cfg.broker.metrics_port if args.metrics_port is None else args.metrics_port
-    asyncio.run(serve(cfg, host, port, metrics_port))
+    try:
+        asyncio.run(serve(cfg, host, port, metrics_port))
+    except PortInUse as err:
+        print(f"kvrelay broker: {err}", file=sys.stderr)
+        return 2
     return 0

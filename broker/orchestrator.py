@@ -255,6 +255,26 @@ class Orchestrator:
             )
             self.store.discard(record)
             raise
+        except asyncio.CancelledError:
+            if self._stopping:
+                aborted = ErrorInfo("ABORTED", "ADMISSION_ABORTED", "admission was interrupted")
+                self._end(record, GenState.FAILED, aborted, counted=False)
+                self.store.discard(record)
+            elif deadline is not None and self._clock() >= deadline:
+                self._end(
+                    record,
+                    GenState.FAILED,
+                    ErrorInfo("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "the client's deadline passed"),
+                )
+            else:
+                # The client went away (or cancelled its call) while it was being tokenized: a
+                # cancel like one at any later stage, counted and kept.
+                self._end(
+                    record,
+                    GenState.CANCELLED,
+                    ErrorInfo("CANCELLED", "CLIENT_DISCONNECTED", "the client cancelled or dropped the call"),
+                )
+            raise
         except BaseException:
             aborted = ErrorInfo("ABORTED", "ADMISSION_ABORTED", "admission was interrupted")
             self._end(record, GenState.FAILED, aborted, counted=False)
@@ -287,9 +307,12 @@ class Orchestrator:
     ) -> GenerationSnapshot:
         """End a generation for its client now; its ticket rolls back or drains behind it.
 
-        FAILED_PRECONDITION (ALREADY_FINISHED) when it already ended; NOT_FOUND when unknown.
+        Idempotent: a generation already CANCELLED is returned as it is. FAILED_PRECONDITION
+        (ALREADY_FINISHED) when it already SUCCEEDED or FAILED; NOT_FOUND when unknown.
         """
         record = self.store.get(request_id)
+        if record.state is GenState.CANCELLED:
+            return record.snapshot()
         if record.state.terminal:
             raise failed_precondition(
                 "ALREADY_FINISHED", f"generation {request_id!r} already ended {record.state.name}"

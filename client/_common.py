@@ -19,6 +19,7 @@ import grpc
 from .errors import KvRelayError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_PORT = 50051
 # Big enough for a 2048x2048 RGB PNG of noise (~12 MiB) with room to spare.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # Default deadline of unary calls (reads, cancel) when neither the call nor the client sets one.
@@ -102,6 +103,42 @@ class Reattach:
         delay = min(self._policy.max_backoff, self._delay) * self._uniform(0.8, 1.0)
         self._delay *= self._policy.multiplier
         return delay if self._deadline.allows_sleep(delay) else None
+
+
+_OTHER_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+
+
+def normalize_target(target: str, default_port: int = DEFAULT_PORT) -> str:
+    """`target` with the broker's default port filled in where it names none.
+
+    gRPC resolves a target without a port to port 443, so `localhost` would silently dial the
+    wrong service. `host`, `[v6]`, a bare IPv6 address and `dns:` targets get `default_port`;
+    `host:port` and other schemes (`unix:`, `ipv4:`...) are kept as given.
+    """
+    target = target.strip()
+    if not target:
+        return DEFAULT_TARGET
+    if target.startswith("dns:"):
+        rest = target[len("dns:") :]
+        prefix = "dns:"
+        if rest.startswith("//"):
+            slash = rest.find("/", 2)
+            if slash < 0:
+                return target
+            prefix, rest = prefix + rest[: slash + 1], rest[slash + 1 :]
+        return prefix + normalize_target(rest, default_port)
+    if target.startswith(_OTHER_SCHEMES):
+        return target
+    if target.startswith("["):
+        return target if "]:" in target else f"{target}:{default_port}"
+    if target.count(":") > 1:
+        return f"[{target}]:{default_port}"  # a bare IPv6 address
+    host, sep, port = target.partition(":")
+    if not sep:
+        return f"{target}:{default_port}"
+    if not port:
+        return f"{host}:{default_port}"
+    return target  # host:port, or another scheme (unix:, ipv4:, vsock:...) said in full
 
 
 def channel_options() -> list[tuple[str, Any]]:

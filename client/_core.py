@@ -38,6 +38,7 @@ from ._common import (
     call_metadata,
     channel_credentials,
     channel_options,
+    normalize_target,
 )
 from .errors import KvRelayError
 from .types import (
@@ -120,6 +121,8 @@ class ClientBase:
         root_certificates: bytes | None = None,
         retry: RetryPolicy | None = None,
     ) -> None:
+        # A target without a port would dial 443: the broker's default port is meant.
+        target = normalize_target(target)
         self.target = target
         self._settings = ClientSettings.make(target, token, tls, timeout, root_certificates, retry)
         self._channel = self._open_channel(self._settings)

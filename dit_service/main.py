@@ -75,10 +75,11 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     )
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
     from kvrelay.models.presets import get_preset
+    from kvrelay.ports import PortInUse
     from kvrelay.server import GRPC_OPTIONS
     from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
-    from kvrelay.worker import ReplicaLock, WorkerGroup, replica_lock_path
+    from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
 
     stage = cfg.dit_stage
     replica = args.replica
@@ -98,6 +99,11 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     metrics_port = stage.metrics_port_for(replica) if args.metrics_port is None else args.metrics_port
     broker_address = args.broker or f"{cfg.broker.host}:{cfg.broker.port}"
 
+    try:
+        check_devices(stage.devices_for(replica), f"stages[1] ({replica_id}) devices")
+    except DeviceUnavailable as err:
+        print(f"kvrelay dit: {err}", file=sys.stderr)
+        return 2
     lock = ReplicaLock(replica_lock_path(replica_id, deployment=broker_address))
     await asyncio.to_thread(lock.acquire, LOCK_WAIT_S)
     stopper = _Stopper()
@@ -113,6 +119,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     registration: Registration | None = None
     channel = None
     watchdog: asyncio.Task[None] | None = None
+    config_error = False
     try:
         await server.start()
         loop = asyncio.get_running_loop()
@@ -183,6 +190,10 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             await server.set_serving(True)
             log.info("dit_serving", replica_id=replica_id, incarnation_id=incarnation_id, address=server.address)
         await stopper.event.wait()
+    except PortInUse as err:
+        print(f"kvrelay dit: {err}", file=sys.stderr)
+        config_error = True
+        stopper.fail_stop(str(err))
     except Exception as err:  # noqa: BLE001 - startup failure: stop what started, exit non-zero
         log.exception("dit_failed", error=str(err))
         stopper.fail_stop(f"startup failed: {err}")
@@ -211,6 +222,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             await channel.close()
         lock.release()
         log.info("dit_stopped", replica_id=replica_id, fail_stop=failed, reason=stopper.fail_reason)
+    if config_error:
+        return 2
     return EXIT_FAIL_STOP if stopper.fail_reason is not None else 0
 
 
@@ -221,4 +234,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(cfg, args))
+    from kvrelay.worker import LockTimeout
+
+    try:
+        return asyncio.run(serve(cfg, args))
+    except LockTimeout as err:
+        print(f"kvrelay dit: {err}", file=sys.stderr)
+        return 2

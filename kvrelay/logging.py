@@ -6,11 +6,12 @@ are bound through contextvars (by `bind_request` or the gRPC interceptor), never
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any
 
 import structlog
@@ -96,26 +97,95 @@ def _ids_from_request(request: Any, metadata: Any) -> dict[str, str]:
     return ids
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+class _Malformed:
+    """What a request that could not be decoded deserializes to: the handler never sees it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    # grpc answers a deserializer that raises with UNKNOWN and logs a traceback per call (a log
+    # flood anyone can cause); decoding failures become a value the wrapper turns into one line
+    # and INVALID_ARGUMENT.
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as err:  # noqa: BLE001 - DecodeError and whatever a custom decoder raises
+            return _Malformed(err)
+
+    return deserialize
+
+
+async def _reject_malformed(method: str, request: _Malformed, context: Any) -> None:
+    import grpc
+
+    get_logger(__name__).warning(
+        "malformed_request", method=method, error=f"{type(request.error).__name__}: {request.error}"[:200]
+    )
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} request message could not be decoded")
+
+
+async def _checked_stream(method: str, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async for item in requests:
+        if isinstance(item, _Malformed):
+            await _reject_malformed(method, item, context)
+        yield item
+
+
+Around = Callable[[str, Any, Any], AbstractAsyncContextManager[None]]
+"""(method, request or None for client streams, context) -> the block one call runs inside."""
+
+
+def wrap_handler(handler: Any, method: str, around: Around) -> Any:
+    """`handler` (a grpc.RpcMethodHandler) with each call run inside `around(method, request, context)`.
+
+    Covers the four kinds of RPC and both styles of streaming handler grpc.aio accepts: an async
+    generator, or a coroutine that writes with `context.write` (the health service's Watch). grpc
+    picks the style from the function it is given, so the wrapper keeps the style of the original.
+    """
+    for kind in ("unary_unary", "unary_stream", "stream_unary", "stream_stream"):
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            return handler._replace(**{kind: _wrap_behavior(behavior, method, around)})
+    return handler
+
+
+def _wrap_behavior(behavior: Callable[..., Any], method: str, around: Around) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream_wrapper(request: Any, context: Any) -> AsyncIterator[Any]:
+            async with around(method, request, context):
+                async for item in behavior(request, context):
+                    yield item
+
+        return stream_wrapper
+
     async def wrapper(request: Any, context: Any) -> Any:
-        with bind_request(**_ids_from_request(request, context.invocation_metadata())):
+        async with around(method, request, context):
             return await behavior(request, context)
 
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    async def wrapper(request: Any, context: Any) -> Any:
-        with bind_request(**_ids_from_request(request, context.invocation_metadata())):
-            async for item in behavior(request, context):
-                yield item
-
-    return wrapper
+@asynccontextmanager
+async def _bind_call(method: str, request: Any, context: Any) -> AsyncIterator[None]:
+    if isinstance(request, _Malformed):
+        await _reject_malformed(method, request, context)
+    ids = _ids_from_request(None if hasattr(request, "__aiter__") else request, context.invocation_metadata())
+    with bind_request(**ids):
+        yield
 
 
 def logging_interceptor() -> Any:
     """A grpc.aio server interceptor binding request_id/ticket_id (from the request message or
-    metadata) to every log line a handler writes."""
+    metadata) to every log line a handler writes, and answering a request that cannot be decoded
+    with INVALID_ARGUMENT and one warning line (not grpc's UNKNOWN and a traceback)."""
     import grpc
 
     class _Interceptor(grpc.aio.ServerInterceptor):
@@ -123,10 +193,30 @@ def logging_interceptor() -> Any:
             handler = await continuation(handler_call_details)
             if handler is None:
                 return None
-            if handler.unary_unary is not None:
-                return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
-            if handler.unary_stream is not None:
-                return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
-            return handler
+            method = handler_call_details.method
+            handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
+            if handler.request_streaming:
+                for kind in ("stream_unary", "stream_stream"):
+                    behavior = getattr(handler, kind)
+                    if behavior is not None:
+                        handler = handler._replace(**{kind: _checking_requests(behavior, method)})
+            return wrap_handler(handler, method, _bind_call)
 
     return _Interceptor()
+
+
+def _checking_requests(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    # Client-streaming handlers get their requests through an iterator: a malformed message in
+    # the middle of the stream ends the call the same way.
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream_wrapper(requests: Any, context: Any) -> AsyncIterator[Any]:
+            async for item in behavior(_checked_stream(method, requests, context), context):
+                yield item
+
+        return stream_wrapper
+
+    async def wrapper(requests: Any, context: Any) -> Any:
+        return await behavior(_checked_stream(method, requests, context), context)
+
+    return wrapper

@@ -8,6 +8,7 @@ optional bearer token, and a graceful stop on SIGTERM/SIGINT. It owns no busines
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvrelay.logging import get_logger, logging_interceptor
+from kvrelay.ports import PortInUse, in_use_message, is_port_free
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -87,18 +89,19 @@ class GrpcServer:
             add(servicer, server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-        )
+        _enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         listen = f"{self.host}:{self.port}"
-        if self.tls_cert and self.tls_key:
-            with open(self.tls_key, "rb") as k, open(self.tls_cert, "rb") as c:
-                creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-            self.bound_port = server.add_secure_port(listen, creds)
-        else:
-            self.bound_port = server.add_insecure_port(listen)
+        try:
+            if self.tls_cert and self.tls_key:
+                with open(self.tls_key, "rb") as k, open(self.tls_cert, "rb") as c:
+                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+                self.bound_port = server.add_secure_port(listen, creds)
+            else:
+                self.bound_port = server.add_insecure_port(listen)
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            self.bound_port = 0
         if self.bound_port == 0:
-            raise OSError(f"{self.name}: cannot listen on {listen}")
+            raise self._bind_error(self.port, "gRPC")
         await server.start()
         self._server = server
         await self.set_serving(False)
@@ -111,9 +114,21 @@ class GrpcServer:
         import prometheus_client
 
         registry = self.metrics_registry or prometheus_client.REGISTRY
-        httpd, _thread = prometheus_client.start_http_server(self.metrics_port or 0, addr=self.host, registry=registry)
+        try:
+            httpd, _thread = prometheus_client.start_http_server(
+                self.metrics_port or 0, addr=self.host, registry=registry
+            )
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            raise self._bind_error(self.metrics_port or 0, "metrics") from None
         self._metrics = httpd
         self.bound_metrics_port = httpd.server_port
+
+    def _bind_error(self, port: int, what: str) -> PortInUse:
+        if port and not is_port_free(self.host, port):
+            return PortInUse(f"{self.name}: " + in_use_message(port, f"{self.name} {what}", self.host))
+        return PortInUse(f"{self.name}: cannot listen on {self.host}:{port} ({what})")
 
     async def set_serving(self, serving: bool = True) -> None:
         """Health turns SERVING only when the process can really serve (models loaded, memory registered)."""
@@ -144,6 +159,56 @@ class GrpcServer:
             self._metrics.server_close()
             self._metrics = None
         log.info("grpc_stopped", service=self.name)
+
+
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1_descriptor() -> None:
+    """Put `grpc.reflection.v1` in the default descriptor pool (grpcio-reflection ships only
+    v1alpha; v1 is the same messages under another package), so reflecting on it works too."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindServiceByName(REFLECTION_V1)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old, new = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
+    for message in proto.message_type:
+        for fld in message.field:
+            if fld.type_name.startswith(old):
+                fld.type_name = fld.type_name.replace(old, new)
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = method.input_type.replace(old, new)
+            method.output_type = method.output_type.replace(old, new)
+    proto.name = "grpc/reflection/v1/reflection.proto"
+    proto.package = "grpc.reflection.v1"
+    proto.options.Clear()
+    pool.Add(proto)
+
+
+def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+    """Server reflection as `grpc.reflection.v1` (current grpcurl, Postman, grpcui) and
+    `grpc.reflection.v1alpha` (older tools), one servicer behind both names."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    _reflection_v1_descriptor()
+    servicer = reflection.aio.ReflectionServicer(
+        [*service_names, reflection.SERVICE_NAME, REFLECTION_V1]
+    )
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    for name in (reflection.SERVICE_NAME, REFLECTION_V1):
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler}),))
 
 
 def reserve_free_port(host: str = "127.0.0.1") -> int:

@@ -39,6 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
+from kvrelay.ports import Listen, PortInUse, check_ports_free
 
 log = get_logger(__name__)
 
@@ -53,6 +54,10 @@ _POLL_SECONDS = 0.2
 _LOG_TAIL_LINES = 30
 
 _PR_SET_PDEATHSIG = 1
+# A child exiting with this code met a configuration or deployment error (bad config, device
+# missing, port taken, its replica already running elsewhere): starting it again would fail the
+# same way, so the node stops instead of looping on restarts.
+EXIT_CONFIG = 2
 
 
 class SupervisorError(RuntimeError):
@@ -69,6 +74,7 @@ class ChildSpec:
     address: str  # host:port of its gRPC server (health is checked here)
     metrics: str | None = None  # host:port of its Prometheus endpoint
     env: Mapping[str, str] = field(default_factory=dict)
+    listens: tuple[Listen, ...] = ()  # the ports it binds (checked free before the node starts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +162,12 @@ def plan_children(
         phases.append(
             [
                 ChildSpec(
-                    "broker", "broker", argv + common, broker_address, f"{broker_connect}:{broker_metrics}"
-                )
+                    "broker", "broker", argv + common, broker_address, f"{broker_connect}:{broker_metrics}",
+                    listens=(
+                        Listen(broker_listen, broker_port, "broker gRPC"),
+                        Listen(broker_listen, broker_metrics, "broker metrics"),
+                    ),
+                )  # fmt: skip
             ]
         )
     replicas: list[ChildSpec] = []
@@ -178,6 +188,10 @@ def plan_children(
                     argv + common,
                     f"{connect}:{port}",
                     f"{connect}:{metrics}",
+                    listens=(
+                        Listen(host or stage.host, port, f"{stage.kind}-{replica} gRPC"),
+                        Listen(host or stage.host, metrics, f"{stage.kind}-{replica} metrics"),
+                    ),
                 )
             )
     if replicas:
@@ -225,6 +239,7 @@ class Node:
         self._hurry = threading.Event()
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
+        self.fatal_error: str | None = None  # set when a child exits with a configuration error
         self._thread: threading.Thread | None = None
         self._stopped = False
 
@@ -238,6 +253,10 @@ class Node:
         """
         if self._thread is not None:
             raise RuntimeError("node already started")
+        try:
+            check_ports_free(listen for child in self._children for listen in child.spec.listens)
+        except PortInUse as err:
+            raise SupervisorError(str(err)) from None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
         # The monitor logs with the caller's bound context (e.g. process="up").
@@ -389,6 +408,8 @@ class Node:
                 for child in list(pending):
                     assert child.proc is not None
                     code = child.proc.poll()
+                    if code == EXIT_CONFIG:
+                        raise SupervisorError(f"{child.spec.name}: {self._last_words(child)}")
                     if code is not None:
                         raise SupervisorError(
                             f"{child.spec.name} exited with code {code} before it was SERVING"
@@ -422,6 +443,13 @@ class Node:
                 return
             ran = now - child.started_at
             self._kill_leftovers(child.proc.pid)
+            if code == EXIT_CONFIG:
+                with self._lock:
+                    child.proc = None
+                    child.serving = False
+                    self.fatal_error = f"{child.spec.name}: {self._last_words(child)}"
+                log.error("child_config_error", child=child.spec.name, error=self.fatal_error)
+                return
             if ran >= self.stable_seconds:
                 child.failures = 0
             delay = min(self.backoff_max, self.backoff_initial * (2**child.failures))
@@ -532,6 +560,18 @@ class Node:
                 proc.kill()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass
+
+    def _last_words(self, child: _Child) -> str:
+        """The one line a child printed about why it could not run (`kvrelay <role>: ...`)."""
+        if self.log_dir is not None:
+            try:
+                lines = (self.log_dir / f"{child.spec.name}.log").read_text(errors="replace").splitlines()
+            except OSError:
+                lines = []
+            for line in reversed(lines[-200:]):
+                if line.startswith("kvrelay "):
+                    return line
+        return f"exited with code {EXIT_CONFIG} (a configuration error; see its log)"
 
     def _log_tail(self, child: _Child) -> str:
         if self.log_dir is None:
@@ -695,8 +735,10 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
             "(Ctrl-C here stops everything)",
             flush=True,
         )
-        while True:
+        while node.fatal_error is None:
             time.sleep(1.0)
+        print(f"kvrelay up: {node.fatal_error}; stopping the node", file=sys.stderr, flush=True)
+        return 1
     except _StopRequested as request:
         log.info("stop_requested", signal=signal.Signals(request.signum).name)
         print(f"kvrelay up: {signal.Signals(request.signum).name}: stopping", file=sys.stderr, flush=True)

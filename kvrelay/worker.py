@@ -409,6 +409,32 @@ def _close_handler(handler: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+class DeviceUnavailable(WorkerGroupError):
+    """A configured device does not exist on this host (checked before any worker starts)."""
+
+
+def check_devices(devices: Sequence[str], where: str = "devices") -> None:
+    """Raise DeviceUnavailable, in one line, when a `cuda:N` device of `devices` is not on this host
+    (a CPU-only torch, no driver, or fewer GPUs than configured)."""
+    wanted = sorted({d for d in devices if d.startswith("cuda")})
+    if not wanted:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        reason = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise DeviceUnavailable(
+            f"{where}: {', '.join(wanted)} configured, but {reason} on this host "
+            f"(set devices: cpu, or run on a GPU host)"
+        )
+    count = torch.cuda.device_count()
+    missing = [d for d in wanted if torch.device(d).index is not None and torch.device(d).index >= count]
+    if missing:
+        raise DeviceUnavailable(
+            f"{where}: {', '.join(missing)} configured, but this host has {count} visible CUDA device(s)"
+        )
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

@@ -265,6 +265,31 @@ def test_cancel_while_tokenizing() -> None:
             assert [e.state for e in events] == [CANCELLED]
             assert c.ar.prefills == [] and c.core.list_tickets() == []
             assert c.orchestrator.queue_depth() == 0
+            assert c.metric("kvrelay_generations_total", {"outcome": "cancelled"}) == 1
+            # Idempotent: cancelling it again answers the same cancelled generation.
+            again = await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="tok"), timeout=5)
+            assert again.generation.state == CANCELLED
+            assert c.metric("kvrelay_generations_total", {"outcome": "cancelled"}) == 1
+
+    run(body())
+
+
+def test_dropped_stream_while_tokenizing_is_a_counted_cancel() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.tokenize_gate.clear()
+            call = c.api.Generate(request(request_id="tokdrop", seed=1), timeout=20)
+            await wait_until(lambda: c.orchestrator.store.find("tokdrop") is not None, what="admission")
+            call.cancel()  # the client goes away before its request was admitted
+            await wait_until(
+                lambda: c.metric("kvrelay_generations_total", {"outcome": "cancelled"}) == 1, what="counted"
+            )
+            c.ar.tokenize_gate.set()
+            snap = c.orchestrator.get("tokdrop")
+            assert snap.state.name == "CANCELLED"
+            assert snap.error is not None and snap.error.reason == "CLIENT_DISCONNECTED"
+            assert c.ar.prefills == [] and c.core.list_tickets() == []
+            assert c.orchestrator.queue_depth() == 0
 
     run(body())
 

@@ -6,7 +6,7 @@ tests assert on what really ran. A replica checks the broker's health at `--brok
 refuses to start if it is not SERVING: that is how the supervisor's start order is checked.
 
 Behaviour keys (per child name, e.g. "ar-0", or per role): serving_delay (s), crash_after (s after
-SERVING, exit code 3), exit_at_start (exit code), ignore_sigterm (bool), grandchild (bool).
+SERVING, exit code crash_code, default 3), exit_at_start (exit code), ignore_sigterm (bool), grandchild (bool).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main() -> int:
 
     save()
     if "exit_at_start" in behaviour:
-        print(f"{name}: exiting at start as asked", flush=True)
+        print(f"kvrelay {args.role}: {name}: exiting at start as asked", flush=True)
         return int(behaviour["exit_at_start"])
     if args.role != "broker":
         if not args.broker or not _serving(args.broker):
@@ -86,8 +86,10 @@ def main() -> int:
     crash_at = time.monotonic() + float(behaviour["crash_after"]) if "crash_after" in behaviour else None
     while not stop["requested"]:
         if crash_at is not None and time.monotonic() >= crash_at:
-            save(exited=time.time(), exit_code=3)
-            os._exit(3)  # a crash: no cleanup, the grandchild is left for the supervisor
+            code = int(behaviour.get("crash_code", 3))
+            print(f"kvrelay {args.role}: {name}: crashing with code {code} as asked", flush=True)
+            save(exited=time.time(), exit_code=code)
+            os._exit(code)  # a crash: no cleanup, the grandchild is left for the supervisor
         time.sleep(0.02)
     server.stop(0.2)
     if behaviour.get("grandchild", True):

@@ -1,0 +1,89 @@
+"""Is a port free, and if not, who holds it: checked before anything starts.
+
+A node whose ports are taken must say so in one line before it starts a single process (a second
+`kvrelay up` next to a running one would otherwise find the first node's health answering on
+"its" ports). Pure stdlib + psutil; no grpc, no torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+
+
+class PortInUse(OSError):
+    """A port the node must listen on is taken; the message names the port and its holder."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """One port a process of the node will bind: `what` says whose it is ("broker gRPC")."""
+
+    host: str
+    port: int
+    what: str
+
+
+def port_holder(port: int) -> str:
+    """Who listens on `port` on this host, as far as this user may see."""
+    try:
+        connections = psutil.net_connections(kind="inet")
+    except (psutil.AccessDenied, OSError):
+        connections = []
+    for conn in connections:
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            if conn.pid is None:
+                return "a process of another user"
+            try:
+                proc = psutil.Process(conn.pid)
+                cmdline = " ".join(proc.cmdline()) or proc.name()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                return f"pid {conn.pid}"
+            if len(cmdline) > 100:
+                cmdline = cmdline[:97] + "..."
+            return f"pid {conn.pid} ({cmdline})"
+    return "another process"
+
+
+def _bind_host(host: str) -> str:
+    return "0.0.0.0" if host in ("", "*") else host.strip("[]")
+
+
+def is_port_free(host: str, port: int) -> bool:
+    """Whether a listener could bind `host:port` now (SO_REUSEADDR, as gRPC and Prometheus bind)."""
+    bare = _bind_host(host)
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bare, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def in_use_message(port: int, what: str, host: str = "") -> str:
+    return f"port {port} ({what}, on {host or '0.0.0.0'}) is already in use by {port_holder(port)}"
+
+
+def check_ports_free(listens: Iterable[Listen]) -> None:
+    """Raise PortInUse naming the first taken port, its owner in the node and who holds it."""
+    seen: dict[int, str] = {}
+    for listen in listens:
+        if listen.port == 0:
+            continue
+        if listen.port in seen:
+            raise PortInUse(f"port {listen.port} is configured twice: {seen[listen.port]} and {listen.what}")
+        seen[listen.port] = listen.what
+        try:
+            free = is_port_free(listen.host, listen.port)
+        except OSError as err:
+            raise PortInUse(f"port {listen.port} ({listen.what}) cannot be bound: {err.strerror}") from None
+        if not free:
+            raise PortInUse(in_use_message(listen.port, listen.what, listen.host))

@@ -1,0 +1,78 @@
+"""The AR's lease does not depend on its reports: a ReportWrite that hangs (and is retried) never
+delays a heartbeat, and the report still goes out once the broker answers again."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from kvrelay.ar_service.registration import ArIdentity, ArRegistration
+from kvrelay.ar_service.sender import WriteLedger, WriteReporter
+from kvrelay.transfer.transport import WriteOutcome
+from kvrelay.v1 import broker_pb2, common_pb2
+
+INTERVAL_S = 0.05
+
+
+class _Broker:
+    """Answers heartbeats at once, asking about one write every time; ReportWrite hangs until its
+    deadline while `hang` is set, then answers."""
+
+    def __init__(self) -> None:
+        self.heartbeats: list[float] = []
+        self.reports: list[broker_pb2.ReportWriteRequest] = []
+        self.hang = True
+
+    async def Heartbeat(self, request: broker_pb2.HeartbeatRequest, timeout: float) -> broker_pb2.HeartbeatResponse:
+        self.heartbeats.append(asyncio.get_running_loop().time())
+        return broker_pb2.HeartbeatResponse(
+            poll_writes=[common_pb2.WriteKey(ticket_id="t1", row=0, src_rank=0, dst_rank=0)]
+        )
+
+    async def ReportWrite(self, request: broker_pb2.ReportWriteRequest, timeout: float) -> Any:
+        if self.hang:
+            await asyncio.sleep(timeout)
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "deadline"
+            )
+        self.reports.append(request)
+        return broker_pb2.ReportWriteResponse()
+
+
+def _identity() -> ArIdentity:
+    return ArIdentity("ar-0", "inc-1", "127.0.0.1:1", 2, 2, 8, "float32", 4, 1, 64, "grpc", 0, 4)
+
+
+def test_a_hanging_report_never_delays_heartbeats() -> None:
+    async def body() -> None:
+        broker = _Broker()
+        ledger = WriteLedger()
+        ledger.finish("t1", WriteOutcome(0, 0, 0, "OK", 64, 7))
+        reporter = WriteReporter(broker, ledger, "ar-0", "inc-1", rpc_timeout_s=1.0)  # type: ignore[arg-type]
+        stopped: list[str] = []
+        registration = ArRegistration(
+            broker, _identity(), ledger, reporter,
+            heartbeat_interval_s=INTERVAL_S, token=None, on_fail_stop=stopped.append,
+        )  # fmt: skip
+        task = asyncio.create_task(registration.run())
+        await asyncio.sleep(1.0)
+        beats = list(broker.heartbeats)
+        # About every interval, even though each report hangs a full second.
+        assert len(beats) >= 8, beats
+        gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
+        assert max(gaps) < 0.5, gaps
+        assert broker.reports == []
+        broker.hang = False
+        for _ in range(100):
+            if broker.reports:
+                break
+            await asyncio.sleep(0.05)
+        assert [(r.ticket_id, r.status) for r in broker.reports][:1] == [("t1", common_pb2.WRITE_STATUS_OK)]
+        assert ledger.pending_reports() == []
+        registration.stop()
+        await asyncio.wait_for(task, 5)
+        assert stopped == []
+
+    asyncio.run(body())

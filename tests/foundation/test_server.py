@@ -1,0 +1,148 @@
+"""The shared gRPC server over a real socket: health Check and Watch, reflection v1 and v1alpha,
+and a request that cannot be decoded answered INVALID_ARGUMENT without reaching the handler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+import structlog.testing
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
+
+from kvrelay.server import GrpcServer
+
+ECHO = "test.Echo"
+GARBAGE = b"\xff\xff\xff\xff"  # an invalid tag: no protobuf message decodes it
+
+
+class _Echo:
+    """Tiny service over health messages: unary, server-stream and client-stream calls."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def Unary(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+        self.seen.append(request.service)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def Count(self, requests: AsyncIterator[health_pb2.HealthCheckRequest], context: Any) -> health_pb2.HealthCheckResponse:
+        async for request in requests:
+            self.seen.append(request.service)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def _add_echo(servicer: _Echo, server: grpc.aio.Server) -> None:
+    req, resp = health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(
+            servicer.Unary, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        ),
+        "Count": grpc.stream_unary_rpc_method_handler(
+            servicer.Count, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ECHO, handlers),))
+
+
+async def _serve() -> tuple[GrpcServer, _Echo]:
+    echo = _Echo()
+    server = GrpcServer("test", "127.0.0.1", 0, [(_add_echo, echo, ECHO)])
+    await server.start()
+    return server, echo
+
+
+def test_health_watch_streams_status_changes() -> None:
+    async def body() -> None:
+        server, _ = await _serve()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=ECHO), timeout=10)
+                first = await call.read()
+                assert first.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await server.set_serving(True)
+                second = await call.read()
+                assert second.status == health_pb2.HealthCheckResponse.SERVING
+                call.cancel()
+                checked = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert checked.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await server.stop(0.5)
+
+    asyncio.run(body())
+
+
+def test_undecodable_requests_are_invalid_argument_with_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    async def body() -> None:
+        server, echo = await _serve()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                unary = channel.unary_unary(f"/{ECHO}/Unary")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await unary(GARBAGE, timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                check = channel.unary_unary("/grpc.health.v1.Health/Check")
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await check(GARBAGE, timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+                stream = channel.stream_unary(f"/{ECHO}/Count")
+                good = health_pb2.HealthCheckRequest(service="a").SerializeToString()
+
+                async def requests() -> AsyncIterator[bytes]:
+                    yield good
+                    yield GARBAGE
+                    yield good
+
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stream(requests(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                # The good ones still work, and the handler never saw a malformed message.
+                reply = await unary(health_pb2.HealthCheckRequest(service="b").SerializeToString(), timeout=5)
+                assert health_pb2.HealthCheckResponse.FromString(reply).status == health_pb2.HealthCheckResponse.SERVING
+                assert echo.seen == ["a", "b"]
+        finally:
+            await server.stop(0.5)
+
+    with caplog.at_level(logging.INFO), structlog.testing.capture_logs() as events:
+        asyncio.run(body())
+    malformed = [e for e in events if e["event"] == "malformed_request"]
+    assert [e["method"] for e in malformed] == [f"/{ECHO}/Unary", "/grpc.health.v1.Health/Check", f"/{ECHO}/Count"]
+    # grpc's own "Unexpected error ... raised by servicer method" traceback is gone.
+    assert not any(r.exc_info for r in caplog.records)
+    assert not any("Traceback" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_v1_and_v1alpha(version: str) -> None:
+    async def body() -> None:
+        server, _ = await _serve()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                call = channel.stream_stream(
+                    f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+                )
+                requests = [
+                    reflection_pb2.ServerReflectionRequest(list_services=""),
+                    reflection_pb2.ServerReflectionRequest(
+                        file_containing_symbol=f"grpc.reflection.{version}.ServerReflection"
+                    ),
+                    reflection_pb2.ServerReflectionRequest(file_containing_symbol="grpc.health.v1.Health"),
+                ]
+                replies = [r async for r in call(iter(requests), timeout=10)]
+                listed = {s.name for s in replies[0].list_services_response.service}
+                assert {ECHO, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                        "grpc.reflection.v1alpha.ServerReflection"} <= listed  # fmt: skip
+                for reply in replies[1:]:
+                    assert reply.WhichOneof("message_response") == "file_descriptor_response", reply
+        finally:
+            await server.stop(0.5)
+
+    asyncio.run(body())
