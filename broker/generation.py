@@ -1,13 +1,17 @@
 """GenerationService: the public API of kvrelay (DESIGN.md section 8), a grpc.aio servicer.
 
 Owns input validation (every error names its field), the defaults of the seed's workload, the
-proto <-> record conversions, and the rule that a Generate stream which is cancelled or dropped
-cancels its generation (as vLLM aborts a request on disconnect). Everything else is the
-orchestrator's: this module decides nothing about replicas, pages or tickets.
+proto <-> record conversions, and the detach rule: a Generate stream that ends before its
+generation (cancelled or dropped) cancels it (CLIENT_DISCONNECTED) once no other stream follows it
+and the stream's `detach_timeout_seconds` passed without a re-attach; 0, the default, cancels at
+once (as vLLM aborts a request on disconnect). Everything else is the orchestrator's: this module
+decides nothing about replicas, pages or tickets.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import re
 import secrets
@@ -18,7 +22,7 @@ from typing import Final
 import grpc
 from google.protobuf import timestamp_pb2
 
-from kvrelay.broker.generations import GenerationParams, GenerationSnapshot, GenState
+from kvrelay.broker.generations import GenerationParams, GenerationRecord, GenerationSnapshot, GenState
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.tickets import BrokerError
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
@@ -41,6 +45,8 @@ MAX_REQUEST_ID_LENGTH: Final = 128
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]+")
 # Seeds are drawn below 2**63 so that every consumer (torch generators take int64) accepts them.
 _SEED_BITS: Final = 63
+# How long a generation may wait for a re-attach after its stream ended (the deadline bounds it too).
+MAX_DETACH_SECONDS: Final = 3600.0
 DEFAULT_LIST_PAGE_SIZE: Final = 100
 MAX_LIST_PAGE_SIZE: Final = 1000
 
@@ -88,6 +94,16 @@ def resolve_request(request: generation_pb2.GenerateRequest) -> tuple[str, Gener
         guidance_scale=guidance,
     )
     return request_id, params, seed_given
+
+
+def resolve_detach_timeout(request: generation_pb2.GenerateRequest) -> float:
+    """Seconds the generation outlives this stream waiting for a re-attach, or INVALID_ARGUMENT."""
+    seconds = request.detach_timeout_seconds
+    if not math.isfinite(seconds) or not 0.0 <= seconds <= MAX_DETACH_SECONDS:
+        raise invalid_argument(
+            "detach_timeout_seconds", f"must be in [0, {MAX_DETACH_SECONDS:g}], got {seconds}"
+        )
+    return seconds
 
 
 # ------------------------------------------------------------------ conversions
@@ -169,12 +185,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
+        # Generations whose last stream ended early, waiting for a re-attach: the timer cancels.
+        self._detached: dict[str, asyncio.TimerHandle] = {}
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerationEvent]:
         try:
             request_id, params, seed_given = resolve_request(request)
+            detach_seconds = resolve_detach_timeout(request)
             # The client's deadline bounds the whole generation, queueing included.
             timeout = context.time_remaining()
             record = await self.orchestrator.submit(
@@ -185,6 +204,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except BrokerError as err:
             await abort_with(context, _server_error(err))
         queue = record.subscribe()
+        self._reattached(request_id)
         finished = False
         with bind_request(request_id=request_id):
             try:
@@ -203,12 +223,44 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     if remaining is not None and remaining <= 0:
                         self.orchestrator.expire(request_id)
                     else:
-                        log.info("generate_stream_dropped")
-                        self.orchestrator.cancel(
-                            request_id,
-                            "CLIENT_DISCONNECTED",
-                            "the client cancelled or dropped the Generate stream",
-                        )
+                        self._detach(record, detach_seconds)
+
+    # ------------------------------------------------------------------ detach
+
+    def _detach(self, record: GenerationRecord, seconds: float) -> None:
+        """The stream of a live generation ended early: cancel it now, after `seconds` without a
+        re-attach, or not at all while another stream still follows it."""
+        if record.subscribers:
+            log.info("generate_stream_dropped", streams_left=len(record.subscribers))
+            return
+        if seconds <= 0:
+            log.info("generate_stream_dropped")
+            self._disconnected(record, "the client cancelled or dropped the Generate stream")
+            return
+        log.info("generate_stream_detached", detach_timeout_seconds=seconds)
+        self._reattached(record.request_id)
+        self._detached[record.request_id] = asyncio.get_running_loop().call_later(
+            seconds, self._detach_expired, record, seconds
+        )
+
+    def _reattached(self, request_id: str) -> None:
+        timer = self._detached.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _detach_expired(self, record: GenerationRecord, seconds: float) -> None:
+        self._detached.pop(record.request_id, None)
+        if record.subscribers:
+            return
+        with contextlib.suppress(KvRelayServerError):  # it ended meanwhile: nothing to cancel
+            self._disconnected(
+                record, f"no client re-attached within {seconds:g} s of the Generate stream ending"
+            )
+
+    def _disconnected(self, record: GenerationRecord, message: str) -> None:
+        if record.state.terminal or self.orchestrator.store.find(record.request_id) is not record:
+            return
+        self.orchestrator.cancel(record.request_id, "CLIENT_DISCONNECTED", message)
 
     async def GetGeneration(
         self, request: generation_pb2.GetGenerationRequest, context: grpc.aio.ServicerContext
@@ -255,5 +307,6 @@ __all__ = [
     "add_generation_servicer",
     "event_to_proto",
     "generation_to_proto",
+    "resolve_detach_timeout",
     "resolve_request",
 ]

@@ -62,6 +62,9 @@ from .types import (
 
 _T = TypeVar("_T")
 
+# The broker's bound on GenerateRequest.detach_timeout_seconds.
+MAX_DETACH_SECONDS = 3600.0
+
 # Codes of a CancelGeneration that found nothing left to cancel (unknown id, or already ended).
 NOTHING_TO_CANCEL = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
 
@@ -338,7 +341,7 @@ class GenerationCore:
     Re-attaching needs an id the server knows before the first event: only a caller-chosen
     `request_id` is re-attached. Such a request also carries `detach_timeout_seconds` (the
     policy's `reattach_seconds`), so the broker keeps the generation running that long after a
-    broken stream, waiting for the re-attach (docs/client.md "Re-attaching").
+    broken stream, waiting for the re-attach (docs/api.md "Detaching and re-attaching").
     """
 
     def __init__(
@@ -507,6 +510,9 @@ def new_generation(
         setattr(request, field, int(value))
     if guidance_scale is not None:
         request.guidance_scale = float(guidance_scale)
+    if request_id:
+        # The broker keeps the generation this long after a broken stream, for the re-attach.
+        request.detach_timeout_seconds = min(max(0.0, policy.reattach_seconds), MAX_DETACH_SECONDS)
     deadline = Deadline(timeout if timeout is not None else DEFAULT_GENERATE_TIMEOUT)
     return GenerationCore(request, deadline, policy)
 

@@ -28,7 +28,7 @@ GENERATION_STATE_FAILED: GenerationState
 GENERATION_STATE_CANCELLED: GenerationState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "negative_prompt", "seed", "width", "height", "num_inference_steps", "guidance_scale")
+    __slots__ = ("request_id", "prompt", "negative_prompt", "seed", "width", "height", "num_inference_steps", "guidance_scale", "detach_timeout_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class GenerateRequest(_message.Message):
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DETACH_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     negative_prompt: str
@@ -45,7 +46,8 @@ class GenerateRequest(_message.Message):
     height: int
     num_inference_steps: int
     guidance_scale: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ...) -> None: ...
+    detach_timeout_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., detach_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
     __slots__ = ("prompt", "negative_prompt", "seed", "width", "height", "num_inference_steps", "guidance_scale")

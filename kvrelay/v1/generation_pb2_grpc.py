@@ -61,7 +61,9 @@ class GenerationServiceServicer(object):
 
     def Generate(self, request, context):
         """Submit (or attach to, by request_id) a generation and stream its events.
-        Cancelling or dropping the stream cancels the generation.
+        A stream that ends before the generation (cancelled or dropped) cancels it
+        (reason CLIENT_DISCONNECTED) once no stream follows it any more and
+        detach_timeout_seconds have passed without a re-attach.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

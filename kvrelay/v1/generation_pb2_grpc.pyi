@@ -24,7 +24,9 @@ class GenerationServiceStub:
         kvrelay.v1.generation_pb2.GenerationEvent,
     ]
     """Submit (or attach to, by request_id) a generation and stream its events.
-    Cancelling or dropping the stream cancels the generation.
+    A stream that ends before the generation (cancelled or dropped) cancels it
+    (reason CLIENT_DISCONNECTED) once no stream follows it any more and
+    detach_timeout_seconds have passed without a re-attach.
     """
 
     GetGeneration: grpc.UnaryUnaryMultiCallable[
@@ -51,7 +53,9 @@ class GenerationServiceAsyncStub:
         kvrelay.v1.generation_pb2.GenerationEvent,
     ]
     """Submit (or attach to, by request_id) a generation and stream its events.
-    Cancelling or dropping the stream cancels the generation.
+    A stream that ends before the generation (cancelled or dropped) cancels it
+    (reason CLIENT_DISCONNECTED) once no stream follows it any more and
+    detach_timeout_seconds have passed without a re-attach.
     """
 
     GetGeneration: grpc.aio.UnaryUnaryMultiCallable[
@@ -80,7 +84,9 @@ class GenerationServiceServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[collections.abc.Iterator[kvrelay.v1.generation_pb2.GenerationEvent], collections.abc.AsyncIterator[kvrelay.v1.generation_pb2.GenerationEvent]]:
         """Submit (or attach to, by request_id) a generation and stream its events.
-        Cancelling or dropping the stream cancels the generation.
+        A stream that ends before the generation (cancelled or dropped) cancels it
+        (reason CLIENT_DISCONNECTED) once no stream follows it any more and
+        detach_timeout_seconds have passed without a re-attach.
         """
 
     @abc.abstractmethod

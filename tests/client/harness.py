@@ -1,8 +1,10 @@
 """Test harness: a real grpc.aio server implementing GenerationService and BrokerService.
 
 It runs the public contract honestly for the SDK's tests (validation, idempotent request ids,
-ALREADY_EXISTS, a staged pipeline with DENOISING steps, a real PNG, CancelGeneration, a dropped
-stream cancelling its generation, deadlines, rich errors through kvrelay.errors) without models,
+ALREADY_EXISTS, a staged pipeline with DENOISING steps, a real PNG, CancelGeneration, the broker's
+detach rule (a stream that ends early cancels its generation once no stream follows it and its
+`detach_timeout_seconds` passed without a re-attach; 0 = at once), deadlines, rich errors through
+kvrelay.errors) without models,
 and lets a test inject faults: UNAVAILABLE answers, a stream the server breaks, a bearer token.
 It runs on its own event loop in a thread so blocking and asyncio clients can both talk to it.
 """
@@ -60,7 +62,8 @@ class Gen:
     task: asyncio.Task[None] | None = None
     subscribers: int = 0
     cancel_reason: str = ""
-    cancelled_by: str = ""  # "CancelGeneration" | "stream_dropped"
+    cancelled_by: str = ""  # "CancelGeneration" | "stream_dropped" | "detach_expired"
+    detach_timer: asyncio.TimerHandle | None = None
     noise: bool = False
 
 
@@ -76,6 +79,8 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
         self.break_streams = 0
         self.token: str | None = None
         self.deadlines: dict[str, list[float | None]] = {}
+        self.generate_requests: list[generation_pb2.GenerateRequest] = []
+        self._tasks: set[asyncio.Task[None]] = set()
         self.replicas: list[broker_pb2.ReplicaInfo] = []
         self.pools: list[broker_pb2.PoolStatus] = []
         self.tickets: list[broker_pb2.Ticket] = []
@@ -203,10 +208,14 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         await self._gate("Generate", context)
+        self.generate_requests.append(request)
         try:
             params = self._resolve(request)
         except KvRelayServerError as err:
             await abort_with(context, err)
+        detach = request.detach_timeout_seconds
+        if not 0.0 <= detach <= 3600.0:
+            await abort_with(context, invalid_argument("detach_timeout_seconds", "must be in [0, 3600]"))
         request_id = request.request_id or uuid.uuid4().hex
         gen = self.generations.get(request_id)
         start = 0
@@ -229,7 +238,10 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
             self.generations[request_id] = gen
             gen.task = asyncio.get_running_loop().create_task(self._pipeline(gen))
         gen.subscribers += 1
-        index, finished, broken = start, False, False
+        if gen.detach_timer is not None:  # re-attached in time: the generation goes on
+            gen.detach_timer.cancel()
+            gen.detach_timer = None
+        index, finished = start, False
         try:
             while True:
                 async with gen.cond:
@@ -246,7 +258,6 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
                     and index >= self.break_stream_after
                 ):
                     self.break_streams -= 1
-                    broken = True
                     await abort_with(
                         context,
                         KvRelayServerError(
@@ -255,9 +266,24 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
                     )
         finally:
             gen.subscribers -= 1
-            if not finished and not broken and gen.subscribers == 0:
-                # As vLLM aborts on disconnect: a dropped stream cancels its generation.
-                await self._cancel(gen, "STREAM_DROPPED", "stream_dropped")
+            if not finished and gen.subscribers == 0 and gen.generation.state not in TERMINAL:
+                # The broker's detach rule (broker/generation.py): at once, as vLLM aborts on
+                # disconnect, or after the stream's detach timeout without a re-attach.
+                if detach <= 0:
+                    await self._cancel(gen, "CLIENT_DISCONNECTED", "stream_dropped")
+                else:
+                    gen.detach_timer = asyncio.get_running_loop().call_later(
+                        detach, self._detach_expired, gen
+                    )
+
+    def _detach_expired(self, gen: Gen) -> None:
+        gen.detach_timer = None
+        if gen.subscribers == 0:
+            task = asyncio.get_running_loop().create_task(
+                self._cancel(gen, "CLIENT_DISCONNECTED", "detach_expired")
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def GetGeneration(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         await self._gate("GetGeneration", context)

@@ -296,6 +296,40 @@ def test_reattach_rides_out_an_outage_within_its_window_then_gives_up(
         assert 0.5 <= time.monotonic() - started < 3
 
 
+def test_a_request_id_asks_the_broker_to_wait_reattach_seconds_and_the_double_does(
+    server: ServerThread, harness: Harness
+) -> None:
+    harness.step_delay = 0.05
+    patient = RetryPolicy(initial_backoff=0.01, max_backoff=0.05, reattach_seconds=5.0)
+    away = KvRelayClient(server.address, retry=patient)
+    handle = away.generate("x", width=64, height=64, num_inference_steps=200, request_id="detached")
+    for event in handle.events():
+        if event.state == S.DENOISING:
+            break
+    away.close()  # gone without a cancel: the generation waits 5 s for a re-attach
+    with KvRelayClient(server.address, retry=patient) as client:
+        again = client.generate("x", width=64, height=64, num_inference_steps=200, request_id="detached")
+        assert next(iter(again.events())).state == S.DENOISING  # re-attached in time: still running
+        again.cancel()
+        assert harness.generations["detached"].cancelled_by == "CancelGeneration"
+    brief = RetryPolicy(initial_backoff=0.01, max_backoff=0.05, reattach_seconds=0.6)
+    with KvRelayClient(server.address, retry=brief) as client:
+        handle = client.generate("y", width=64, height=64, num_inference_steps=200, request_id="left")
+        for event in handle.events():
+            if event.state == S.DENOISING:
+                break
+        handle._call.cancel()  # the stream ends without CancelGeneration (what a crash looks like)
+        dropped = time.monotonic()
+        server.wait_for_state("left", PB.GENERATION_STATE_CANCELLED)
+        assert time.monotonic() - dropped >= 0.6
+        assert harness.generations["left"].cancelled_by == "detach_expired"
+    sent = {r.request_id: r.detach_timeout_seconds for r in harness.generate_requests}
+    assert sent == {"detached": 5.0, "left": 0.6}
+    with KvRelayClient(server.address) as client:
+        client.generate("z", width=64, height=64).result()
+    assert harness.generate_requests[-1].detach_timeout_seconds == 0.0  # no id: nothing to wait for
+
+
 def test_same_request_id_with_other_parameters_is_already_exists(client: KvRelayClient) -> None:
     client.generate("x", width=64, height=64, request_id="dup").result()
     again = client.generate("x", width=64, height=64, request_id="dup").result()

@@ -1,0 +1,72 @@
+"""A TCP proxy for tests that cut a client's connection mid-stream, as a network failure would.
+
+`cut()` aborts every connection open now (both sides see a reset); the proxy keeps listening, so
+the client's next attempt connects again. Runs on the caller's asyncio loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+
+class TcpProxy:
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self._target = (target_host, target_port)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+        self.connections = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> TcpProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def cut(self) -> int:
+        """Abort every open connection; returns how many there were."""
+        writers = list(self._writers)
+        for writer in writers:
+            writer.transport.abort()
+        self._writers.clear()
+        return len(writers)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        self.cut()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.get_running_loop().create_task(self._pipe(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            # One side ended: end the other (a reset when the cut aborted it already).
+            self._writers.discard(dst)
+            with contextlib.suppress(Exception):
+                dst.transport.abort()
