@@ -25,6 +25,7 @@ from google.protobuf import timestamp_pb2
 from kvrelay.broker.generations import GenerationParams, GenerationRecord, GenerationSnapshot, GenState
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.tickets import BrokerError
+from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -50,9 +51,9 @@ MAX_DETACH_SECONDS: Final = 3600.0
 DEFAULT_LIST_PAGE_SIZE: Final = 100
 MAX_LIST_PAGE_SIZE: Final = 1000
 
-_STATE_FROM_PB = {int(s): s for s in GenState}
-# Enum names, which message constructors accept: typed, and no int/enum-wrapper mismatch.
-_STATE_TO_PB = {s: f"GENERATION_STATE_{s.name}" for s in GenState}
+# Built by name from the proto and checked both ways (broker/wire.py).
+_STATE = wire_enum(GenState, generation_pb2.GenerationState, "GENERATION_STATE_")
+_STATE_FROM_PB, _STATE_TO_PB = _STATE.from_pb, _STATE.to_pb
 
 
 def resolve_request(request: generation_pb2.GenerateRequest) -> tuple[str, GenerationParams, bool]:

@@ -26,30 +26,27 @@ from kvrelay.broker.tickets import (
     WriteKey,
     WriteStatus,
 )
+from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
-_ROLE_FROM_PB = {common_pb2.REPLICA_ROLE_AR: ReplicaRole.AR, common_pb2.REPLICA_ROLE_DIT: ReplicaRole.DIT}
-_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
+_ROLE = wire_enum(ReplicaRole, common_pb2.ReplicaRole, "REPLICA_ROLE_")
+_ROLE_FROM_PB, _ROLE_TO_PB = _ROLE.from_pb, _ROLE.to_pb
 _TRANSPORT_FROM_PB = {
     common_pb2.TRANSPORT_KIND_MOONCAKE: "mooncake",
     common_pb2.TRANSPORT_KIND_GRPC_STREAM: "grpc",
     common_pb2.TRANSPORT_KIND_CUDA_IPC: "cuda_ipc",
 }
 _TRANSPORT_TO_PB = {v: k for k, v in _TRANSPORT_FROM_PB.items()}
-_STATE_TO_PB = {s: getattr(broker_pb2, f"TICKET_STATE_{s.value}") for s in TicketState}
-_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
-_OUTCOME_TO_PB = {o: getattr(broker_pb2, f"TICKET_OUTCOME_{o.value}") for o in TicketOutcome}
-_OUTCOME_FROM_PB = {v: k for k, v in _OUTCOME_TO_PB.items()}
-_WRITE_STATUS_TO_PB = {
-    WriteStatus.PENDING: common_pb2.WRITE_STATUS_UNSPECIFIED,
-    WriteStatus.OK: common_pb2.WRITE_STATUS_OK,
-    WriteStatus.FAILED: common_pb2.WRITE_STATUS_FAILED,
-    WriteStatus.NOT_STARTED: common_pb2.WRITE_STATUS_NOT_STARTED,
-    WriteStatus.WRITER_GONE: common_pb2.WRITE_STATUS_WRITER_GONE,
-}
-_WRITE_STATUS_FROM_PB = {v: k for k, v in _WRITE_STATUS_TO_PB.items()}
+# Built by name from the proto and checked both ways (broker/wire.py).
+_STATE = wire_enum(TicketState, broker_pb2.TicketState, "TICKET_STATE_")
+_STATE_TO_PB, _STATE_FROM_PB = _STATE.to_pb, _STATE.from_pb
+_OUTCOME = wire_enum(TicketOutcome, broker_pb2.TicketOutcome, "TICKET_OUTCOME_")
+_OUTCOME_TO_PB, _OUTCOME_FROM_PB = _OUTCOME.to_pb, _OUTCOME.from_pb
+# PENDING (no report yet) is what the wire calls UNSPECIFIED.
+_WRITE_STATUS = wire_enum(WriteStatus, common_pb2.WriteStatus, "WRITE_STATUS_", unspecified=WriteStatus.PENDING)
+_WRITE_STATUS_TO_PB, _WRITE_STATUS_FROM_PB = _WRITE_STATUS.to_pb, _WRITE_STATUS.from_pb
 
 
 def to_server_error(err: BrokerError) -> KvRelayServerError:

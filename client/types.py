@@ -1,8 +1,10 @@
 """Public value types of the SDK: frozen dataclasses and IntEnums, never protobuf messages.
 
 Owns the mapping from `kvrelay.v1` messages to these types (`*_from_pb`, private to the SDK).
-Enum values equal the proto's numbers, so `GenerationState(pb.state)` is the whole conversion;
-an unknown future value decodes to `UNSPECIFIED` rather than failing an old client.
+The proto is the one definition of every enum: each public IntEnum takes its members' numbers
+from the generated stubs and is checked at import to have exactly the proto enum's members, so
+`GenerationState(pb.state)` is the whole conversion; an unknown future value (a newer server)
+decodes to `UNSPECIFIED` rather than failing an old client.
 """
 
 from __future__ import annotations
@@ -19,16 +21,16 @@ _E = TypeVar("_E", bound=IntEnum)
 
 
 class GenerationState(IntEnum):
-    """Where a generation is (DESIGN.md section 7); mirrors `kvrelay.v1.GenerationState`."""
+    """Where a generation is (DESIGN.md section 7): `kvrelay.v1.GenerationState`."""
 
-    UNSPECIFIED = 0
-    QUEUED = 1
-    PREFILLING = 2
-    TRANSFERRING = 3
-    DENOISING = 4
-    SUCCEEDED = 5
-    FAILED = 6
-    CANCELLED = 7
+    UNSPECIFIED = generation_pb2.GENERATION_STATE_UNSPECIFIED
+    QUEUED = generation_pb2.GENERATION_STATE_QUEUED
+    PREFILLING = generation_pb2.GENERATION_STATE_PREFILLING
+    TRANSFERRING = generation_pb2.GENERATION_STATE_TRANSFERRING
+    DENOISING = generation_pb2.GENERATION_STATE_DENOISING
+    SUCCEEDED = generation_pb2.GENERATION_STATE_SUCCEEDED
+    FAILED = generation_pb2.GENERATION_STATE_FAILED
+    CANCELLED = generation_pb2.GENERATION_STATE_CANCELLED
 
     @property
     def is_terminal(self) -> bool:
@@ -36,42 +38,80 @@ class GenerationState(IntEnum):
 
 
 class TicketState(IntEnum):
-    UNSPECIFIED = 0
-    RESERVED = 1
-    WRITING = 2
-    READY = 3
-    CONSUMING = 4
-    DRAINING = 5
-    RELEASED = 6
+    """`kvrelay.v1.TicketState`."""
+
+    UNSPECIFIED = broker_pb2.TICKET_STATE_UNSPECIFIED
+    RESERVED = broker_pb2.TICKET_STATE_RESERVED
+    WRITING = broker_pb2.TICKET_STATE_WRITING
+    READY = broker_pb2.TICKET_STATE_READY
+    CONSUMING = broker_pb2.TICKET_STATE_CONSUMING
+    DRAINING = broker_pb2.TICKET_STATE_DRAINING
+    RELEASED = broker_pb2.TICKET_STATE_RELEASED
 
 
 class TicketOutcome(IntEnum):
-    UNSPECIFIED = 0
-    OK = 1
-    CANCELLED = 2
-    TIMED_OUT = 3
-    FAILED = 4
+    """`kvrelay.v1.TicketOutcome`."""
+
+    UNSPECIFIED = broker_pb2.TICKET_OUTCOME_UNSPECIFIED
+    OK = broker_pb2.TICKET_OUTCOME_OK
+    CANCELLED = broker_pb2.TICKET_OUTCOME_CANCELLED
+    TIMED_OUT = broker_pb2.TICKET_OUTCOME_TIMED_OUT
+    FAILED = broker_pb2.TICKET_OUTCOME_FAILED
 
 
 class ReplicaRole(IntEnum):
-    UNSPECIFIED = 0
-    AR = 1
-    DIT = 2
+    """`kvrelay.v1.ReplicaRole`."""
+
+    UNSPECIFIED = common_pb2.REPLICA_ROLE_UNSPECIFIED
+    AR = common_pb2.REPLICA_ROLE_AR
+    DIT = common_pb2.REPLICA_ROLE_DIT
 
 
 class TransportKind(IntEnum):
-    UNSPECIFIED = 0
-    MOONCAKE = 1
-    GRPC_STREAM = 2
-    CUDA_IPC = 3
+    """`kvrelay.v1.TransportKind`."""
+
+    UNSPECIFIED = common_pb2.TRANSPORT_KIND_UNSPECIFIED
+    MOONCAKE = common_pb2.TRANSPORT_KIND_MOONCAKE
+    GRPC_STREAM = common_pb2.TRANSPORT_KIND_GRPC_STREAM
+    CUDA_IPC = common_pb2.TRANSPORT_KIND_CUDA_IPC
 
 
 class WriteStatus(IntEnum):
-    UNSPECIFIED = 0
-    OK = 1
-    FAILED = 2
-    NOT_STARTED = 3
-    WRITER_GONE = 4
+    """`kvrelay.v1.WriteStatus`."""
+
+    UNSPECIFIED = common_pb2.WRITE_STATUS_UNSPECIFIED
+    OK = common_pb2.WRITE_STATUS_OK
+    FAILED = common_pb2.WRITE_STATUS_FAILED
+    NOT_STARTED = common_pb2.WRITE_STATUS_NOT_STARTED
+    WRITER_GONE = common_pb2.WRITE_STATUS_WRITER_GONE
+
+
+# (public enum, its proto enum, the proto's name prefix): each public enum is its proto enum.
+MIRRORS: tuple[tuple[type[IntEnum], Any, str], ...] = (
+    (GenerationState, generation_pb2.GenerationState, "GENERATION_STATE_"),
+    (TicketState, broker_pb2.TicketState, "TICKET_STATE_"),
+    (TicketOutcome, broker_pb2.TicketOutcome, "TICKET_OUTCOME_"),
+    (ReplicaRole, common_pb2.ReplicaRole, "REPLICA_ROLE_"),
+    (TransportKind, common_pb2.TransportKind, "TRANSPORT_KIND_"),
+    (WriteStatus, common_pb2.WriteStatus, "WRITE_STATUS_"),
+)
+
+
+def check_mirrors(mirrors: tuple[tuple[type[IntEnum], Any, str], ...] = MIRRORS) -> None:
+    """Each public enum has exactly its proto enum's members (names without the prefix, numbers
+    from the stubs): a value added to a .proto fails this import, naming the member to add."""
+    for kind, proto, prefix in mirrors:
+        wire = {name.removeprefix(prefix): number for name, number in proto.items()}
+        mine = {member.name: member.value for member in kind}
+        if mine != wire:
+            missing = sorted(wire.keys() - mine.keys())
+            extra = sorted(mine.keys() - wire.keys())
+            raise ImportError(
+                f"{kind.__name__} differs from {proto.DESCRIPTOR.full_name}: add {missing}, drop {extra}"
+            )
+
+
+check_mirrors()
 
 
 @dataclass(frozen=True, slots=True)
