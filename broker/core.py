@@ -402,7 +402,11 @@ class BrokerCore:
         nbytes: int = 0,
         message: str = "",
     ) -> Ticket:
-        """A writer's final report of one write. Idempotent."""
+        """A writer's report of one write. Idempotent.
+
+        OK, FAILED and NOT_STARTED are final; IN_DOUBT (the sender stopped waiting while its
+        transport call still runs) keeps the write unresolved, so the ticket drains with its pages
+        held until the final report, or until the writer's incarnation is proven gone."""
         released = self._released.get(ticket_id)
         if released is not None:
             return released
@@ -425,7 +429,9 @@ class BrokerCore:
         if changed:
             self._try_drain(t)
             self._commit([t])
-            if status is not WriteStatus.OK:
+            if status is WriteStatus.IN_DOUBT:
+                log.warning("write_in_doubt", ticket_id=ticket_id, write=str(key), message=message)
+            elif status is not WriteStatus.OK:
                 log.warning("write_not_ok", ticket_id=ticket_id, write=str(key), status=status.value, message=message)
         return self._snapshot(ticket_id)
 

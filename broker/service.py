@@ -283,7 +283,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> broker_pb2.ReportWriteResponse:
         status = _WRITE_STATUS_FROM_PB.get(request.status, WriteStatus.PENDING)
         if status is WriteStatus.PENDING or status is WriteStatus.WRITER_GONE:
-            raise InvalidArgument("INVALID_ARGUMENT", "status: a writer reports OK, FAILED or NOT_STARTED")
+            raise InvalidArgument(
+                "INVALID_ARGUMENT", "status: a writer reports OK, FAILED, NOT_STARTED or IN_DOUBT"
+            )
         ticket = self.core.report_write(
             request.ticket_id,
             WriteKey(request.row, request.src_rank, request.dst_rank),

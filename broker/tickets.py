@@ -138,15 +138,27 @@ def next_state(ticket_id: TicketId, state: TicketState, event: TicketEvent) -> T
 
 
 class WriteStatus(enum.Enum):
+    """Three kinds of outcome: final OK, final failure (FAILED, NOT_STARTED, WRITER_GONE: provably
+    nothing more lands), and in doubt (PENDING, IN_DOUBT: the transport call may still be running)."""
+
     PENDING = "PENDING"
     OK = "OK"
-    FAILED = "FAILED"
+    FAILED = "FAILED"  # the transport call itself returned an error
     NOT_STARTED = "NOT_STARTED"
     WRITER_GONE = "WRITER_GONE"  # proven: the writer's replica re-registered with a new incarnation
+    # The sender stopped waiting while its transport call still runs ("I stopped waiting" is not
+    # "it is over"): unresolved until the sender reports the call's real end.
+    IN_DOUBT = "IN_DOUBT"
 
 
 # What a writer may report; WRITER_GONE is only ever concluded by the broker.
-REPORTABLE: Final = frozenset({WriteStatus.OK, WriteStatus.FAILED, WriteStatus.NOT_STARTED})
+REPORTABLE: Final = frozenset({WriteStatus.OK, WriteStatus.FAILED, WriteStatus.NOT_STARTED, WriteStatus.IN_DOUBT})
+# Nothing more of the write can land.
+FINAL_WRITE_STATUSES: Final = frozenset(
+    {WriteStatus.OK, WriteStatus.FAILED, WriteStatus.NOT_STARTED, WriteStatus.WRITER_GONE}
+)
+# What may follow IN_DOUBT: the call returned (with any status). NOT_STARTED would contradict it.
+_AFTER_IN_DOUBT: Final = frozenset({WriteStatus.OK, WriteStatus.FAILED})
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -209,7 +221,11 @@ class Ticket:
         return tuple(p for r in self.rows for p in r.page_ids)
 
     def unresolved_writes(self) -> tuple[WriteKey, ...]:
-        return tuple(w.key for w in self.writes if w.status is WriteStatus.PENDING)
+        """Writes that may still land: never reported (PENDING) or reported IN_DOUBT."""
+        return tuple(w.key for w in self.writes if w.status not in FINAL_WRITE_STATUSES)
+
+    def in_doubt_writes(self) -> tuple[WriteKey, ...]:
+        return tuple(w.key for w in self.writes if w.status is WriteStatus.IN_DOUBT)
 
 
 @dataclass(slots=True)
@@ -277,7 +293,8 @@ class TicketRecord:
         return [p for r in self.rows for p in r.page_ids]
 
     def unresolved(self) -> list[WriteKey]:
-        return [k for k, w in self.writes.items() if w.status is WriteStatus.PENDING]
+        """Writes that may still land (PENDING or IN_DOUBT): the pages stay held while any exists."""
+        return [k for k, w in self.writes.items() if w.status not in FINAL_WRITE_STATUSES]
 
     def quiet_until(self, quiet_seconds: float) -> float:
         """When the pages may be freed, once every write is resolved."""
@@ -424,7 +441,9 @@ class TicketRecord:
         self, key: WriteKey, status: WriteStatus, checksum: int, nbytes: int, message: str, now: float
     ) -> bool:
         if status not in REPORTABLE:
-            raise InvalidArgument("INVALID_STATUS", f"a writer reports OK, FAILED or NOT_STARTED, not {status.value}")
+            raise InvalidArgument(
+                "INVALID_STATUS", f"a writer reports OK, FAILED, NOT_STARTED or IN_DOUBT, not {status.value}"
+            )
         self.check_write_key(key)
         if not self.armed:
             # The writer cannot know the destination without the map; a write before arming
@@ -433,11 +452,17 @@ class TicketRecord:
                 "WRITE_BEFORE_ARM", f"ticket {self.ticket_id}: write {key} reported before the ticket was armed"
             )
         record = self.writes[key]
-        if record.status is not WriteStatus.PENDING:
+        if record.status is WriteStatus.IN_DOUBT and status is WriteStatus.IN_DOUBT:
+            return False  # a retry (the checksum of an in-doubt write may be unknown: not compared)
+        if record.status is WriteStatus.IN_DOUBT and status in _AFTER_IN_DOUBT:
+            pass  # the call really returned: the final word on an in-doubt write
+        elif record.status is not WriteStatus.PENDING:
             if record.status is WriteStatus.WRITER_GONE:
                 return False  # resolved by proof; the writer's late word changes nothing
             if (record.status, record.checksum, record.bytes) == (status, checksum, nbytes):
                 return False  # a retry
+            if record.status in _AFTER_IN_DOUBT and status is WriteStatus.IN_DOUBT:
+                return False  # a delayed retry of the in-doubt report, after the final one
             raise BrokenInvariant(
                 "CONFLICTING_REPORT",
                 f"ticket {self.ticket_id}: write {key} reported {status.value} after {record.status.value}: "
@@ -446,7 +471,9 @@ class TicketRecord:
         if self.state is TicketState.RELEASED:
             return False  # released by proof (the DiT's memory is gone); nothing to protect
         record.status, record.checksum, record.bytes, record.message = status, checksum, nbytes, message
-        self.last_resolution_time = now
+        if status is not WriteStatus.IN_DOUBT:
+            # Only a final report starts the quiet period: an in-doubt write may land any time.
+            self.last_resolution_time = now
         self._touch(now)
         return True
 
@@ -483,6 +510,11 @@ class TicketRecord:
             if record.status is WriteStatus.PENDING:
                 raise FailedPrecondition(
                     "WRITE_NOT_REPORTED", f"ticket {self.ticket_id}: write {wkey} has no report from its writer yet"
+                )
+            if record.status is WriteStatus.IN_DOUBT:
+                # The writer gave up waiting: a load verified now could still be overwritten.
+                raise FailedPrecondition(
+                    "WRITE_IN_DOUBT", f"ticket {self.ticket_id}: write {wkey} is in doubt (its sender stopped waiting)"
                 )
             if record.status is not WriteStatus.OK:
                 raise FailedPrecondition(

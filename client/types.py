@@ -84,6 +84,7 @@ class WriteStatus(IntEnum):
     FAILED = common_pb2.WRITE_STATUS_FAILED
     NOT_STARTED = common_pb2.WRITE_STATUS_NOT_STARTED
     WRITER_GONE = common_pb2.WRITE_STATUS_WRITER_GONE
+    IN_DOUBT = common_pb2.WRITE_STATUS_IN_DOUBT
 
 
 # (public enum, its proto enum, the proto's name prefix): each public enum is its proto enum.

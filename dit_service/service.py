@@ -414,6 +414,12 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                           "while loading")
                 reported = {(w.row, w.src_rank, w.dst_rank): w for w in t.writes}
                 for key, w in reported.items():
+                    if w.status == common_pb2.WRITE_STATUS_IN_DOUBT:
+                        # The sender stopped waiting (its transfer timeout): the request fails; the
+                        # pages stay with the ticket until the write's real end is reported.
+                        raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
+                                              f"ticket {ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} "
+                                              "is in doubt: its sender timed out")
                     if w.status in _FINAL_WRITE_FAILURES:
                         raise _transfer_error(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED",
                                               f"ticket {ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} "

@@ -33,6 +33,7 @@ class WriteStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WRITE_STATUS_FAILED: _ClassVar[WriteStatus]
     WRITE_STATUS_NOT_STARTED: _ClassVar[WriteStatus]
     WRITE_STATUS_WRITER_GONE: _ClassVar[WriteStatus]
+    WRITE_STATUS_IN_DOUBT: _ClassVar[WriteStatus]
 DTYPE_UNSPECIFIED: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT16: DType
@@ -49,6 +50,7 @@ WRITE_STATUS_OK: WriteStatus
 WRITE_STATUS_FAILED: WriteStatus
 WRITE_STATUS_NOT_STARTED: WriteStatus
 WRITE_STATUS_WRITER_GONE: WriteStatus
+WRITE_STATUS_IN_DOUBT: WriteStatus
 
 class KvGeometry(_message.Message):
     __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")

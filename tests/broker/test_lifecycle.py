@@ -462,3 +462,121 @@ def test_illegal_transitions_raise_failed_precondition(core, ar, dit) -> None:
     assert (TicketState.READY, TicketEvent.END_UNRESOLVED) not in TRANSITIONS, "READY never drains"
     assert (TicketState.CONSUMING, TicketEvent.END_UNRESOLVED) not in TRANSITIONS
     assert {s for (s, e) in TRANSITIONS if e is TicketEvent.ROLLBACK} == {TicketState.RESERVED}
+
+
+# --- Three kinds of write outcome: final OK, final failure, and in doubt (DESIGN.md section 6:
+#     "A sender that stops waiting while its transport call is still running reports IN_DOUBT").
+
+
+def _report(core, t, key, ar, status, checksum=0):
+    return core.report_write(t.ticket_id, key, replica_id=ar.replica_id, incarnation_id=ar.incarnation_id,
+                             status=status, checksum=checksum)
+
+
+def test_in_doubt_write_holds_its_pages_past_any_quiet_period_until_the_final_report(core, ar, dit, clock) -> None:
+    t = armed(core, ar, dit)
+    first, *rest = t.writes
+    for w in rest:
+        _report(core, t, w.key, ar, WriteStatus.OK, checksum_of(t.ticket_id, w.key))
+    t = _report(core, t, first.key, ar, WriteStatus.IN_DOUBT)
+    assert t.state is TicketState.WRITING and t.unresolved_writes() == (first.key,)
+    assert t.in_doubt_writes() == (first.key,)
+    t = core.release_ticket(t.ticket_id, TicketOutcome.TIMED_OUT, "TRANSFER_TIMEOUT", replica_id="dit-0")
+    assert t.state is TicketState.DRAINING
+    for _ in range(5):
+        clock.advance(3600)
+        core.heartbeat("ar-0", ar.incarnation_id)
+        core.heartbeat("dit-0", dit.incarnation_id)
+        core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+    assert pages(core) == (28, 0, 4), "an in-doubt write's pages are never freed"
+    # The second request must not get those pages.
+    other = core.create_ticket("req-2", "ar-0", "dit-0", [16 * 28])
+    assert other is not None and not set(other.page_ids) & set(t.page_ids)
+    assert core.create_ticket("req-3", "ar-0", "dit-0", [1]) is None, "the pool is full: no page of the in-doubt ticket"
+    # Still polled (late completion), and a retry of IN_DOUBT changes nothing.
+    assert (t.ticket_id, first.key) in core.heartbeat("ar-0", ar.incarnation_id).poll_writes
+    _report(core, t, first.key, ar, WriteStatus.IN_DOUBT)
+    # The engine call returned (here: with an error); only now the quiet period starts.
+    t = _report(core, t, first.key, ar, WriteStatus.FAILED)
+    assert t.state is TicketState.DRAINING and not t.unresolved_writes()
+    clock.advance(QUIET - 0.01)
+    core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+    clock.advance(0.02)
+    core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+
+
+def test_in_doubt_then_ok_is_final_and_a_late_in_doubt_retry_is_harmless(core, ar, dit, clock) -> None:
+    t = armed(core, ar, dit)
+    key = t.writes[0].key
+    _report(core, t, key, ar, WriteStatus.IN_DOUBT)
+    t = _report(core, t, key, ar, WriteStatus.OK, checksum_of(t.ticket_id, key))
+    assert t.writes[0].status is WriteStatus.OK
+    t = _report(core, t, key, ar, WriteStatus.IN_DOUBT)  # the in-doubt report's retry arrives late
+    assert t.writes[0].status is WriteStatus.OK
+    assert not core.get_replica("ar-0").fenced
+
+
+def test_not_started_after_in_doubt_contradicts_and_fences(core, ar, dit) -> None:
+    t = armed(core, ar, dit)
+    key = t.writes[0].key
+    _report(core, t, key, ar, WriteStatus.IN_DOUBT)
+    with pytest.raises(BrokenInvariant):
+        _report(core, t, key, ar, WriteStatus.NOT_STARTED)
+    assert core.get_replica("ar-0").fenced
+    assert core.get_ticket(t.ticket_id).writes[0].status is WriteStatus.IN_DOUBT
+
+
+def test_in_doubt_write_blocks_the_load_of_its_row(core, ar, dit) -> None:
+    t = armed(core, ar, dit)
+    for w in t.writes:
+        _report(core, t, w.key, ar, WriteStatus.IN_DOUBT)
+    ld = t.loads[0]
+    with pytest.raises(FailedPrecondition) as info:
+        core.report_load(t.ticket_id, ld.key.row, ld.key.dst_rank, replica_id="dit-0",
+                         incarnation_id=dit.incarnation_id, verified={})
+    assert info.value.reason == "WRITE_IN_DOUBT"
+
+
+def test_in_doubt_write_resolves_when_its_writer_is_proven_gone(core, ar, dit, clock) -> None:
+    t = armed(core, ar, dit)
+    for w in t.writes:
+        _report(core, t, w.key, ar, WriteStatus.IN_DOUBT)
+    core.cancel_ticket(t.ticket_id, TicketOutcome.TIMED_OUT)
+    clock.advance(3600)  # a lease expiring is no proof
+    core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+    core.register_replica(new_incarnation(ar))
+    t = core.get_ticket(t.ticket_id)
+    assert {w.status for w in t.writes} == {WriteStatus.WRITER_GONE}
+    clock.advance(QUIET)
+    core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+    assert pages(core) == (32, 0, 0)
+
+
+def test_in_doubt_survives_a_broker_restart(tmp_path, clock) -> None:
+    path = tmp_path / "journal.sqlite"
+    core = BrokerCore(path, clock=clock, drain_quiet_seconds=QUIET, journal_synchronous="OFF")
+    ar, dit = ar_spec(), dit_spec(num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = armed(core, ar, dit, rows=(20,))
+    _report(core, t, t.writes[0].key, ar, WriteStatus.IN_DOUBT)
+    core.close()
+    core = BrokerCore(path, clock=clock, drain_quiet_seconds=QUIET, journal_synchronous="OFF")
+    try:
+        clock.advance(3600)
+        core.tick()
+        again = core.get_ticket(t.ticket_id)
+        assert again.state is TicketState.DRAINING and again.in_doubt_writes() == (t.writes[0].key,)
+        assert core.pool_status("dit-0")[0].draining == 2
+        core.register_replica(ar, unresolved_writes=[(t.ticket_id, t.writes[0].key)])
+        _report(core, again, t.writes[0].key, ar, WriteStatus.OK, 5)
+        clock.advance(QUIET)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+    finally:
+        core.close()

@@ -1,11 +1,13 @@
 """A hypothesis state machine over BrokerCore: random interleavings of the whole lifecycle.
 
 Several AR and DiT replicas (TP 1 and 2), and rules for create / arm / write reports (OK,
-FAILED, NOT_STARTED, retries, reports outside the plan) / loads / consuming / release /
-timeout / cancel / new incarnations / lease expiry / broker restart from the journal. After
-every step: no page in two tickets, accounting exact, no page of a ticket with an unresolved
-write is free, and no resolved, quiet DRAINING ticket survives a tick. At the end every writer
-is resolved and every ticket must reach RELEASED with every page free.
+FAILED, NOT_STARTED, IN_DOUBT, retries, reports outside the plan) / late final reports of
+in-doubt writes / loads / consuming / release / timeout / cancel / new incarnations / lease
+expiry / broker restart from the journal. After every step: no page in two tickets, accounting
+exact, no page of a ticket with an unresolved write is free, no page of an in-doubt write (as
+this test itself recorded it, not as the broker says) is free or in another ticket's
+reservation, and no resolved, quiet DRAINING ticket survives a tick. At the end every writer is
+resolved and every ticket must reach RELEASED with every page free.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class BrokerMachine(RuleBasedStateMachine):
             self.specs[spec.replica_id] = spec
         self.ticket_ids: list[str] = []
         self.counter = 0
+        # The test's own record of writes reported IN_DOUBT and not finally resolved since:
+        # (ticket_id, key) -> (dit replica, dit incarnation, pages, ar replica, ar incarnation).
+        self.in_doubt: dict[tuple[str, WriteKey], tuple[str, str, frozenset[int], str, str]] = {}
 
     def _open(self) -> BrokerCore:
         return BrokerCore(self.dir / "journal.sqlite", clock=self.clock, lease_seconds=LEASE,
@@ -109,7 +114,8 @@ class BrokerMachine(RuleBasedStateMachine):
             assert result.ticket.armed
 
     @rule(data=st.data(), status=st.sampled_from([WriteStatus.OK, WriteStatus.OK, WriteStatus.FAILED,
-                                                  WriteStatus.NOT_STARTED]))
+                                                  WriteStatus.NOT_STARTED, WriteStatus.IN_DOUBT,
+                                                  WriteStatus.IN_DOUBT]))
     def report_write(self, data: st.DataObject, status: WriteStatus) -> None:
         t = self._pick(data)
         if t is None or not t.armed:
@@ -127,8 +133,66 @@ class BrokerMachine(RuleBasedStateMachine):
             assert result.reason in ("STALE_INCARNATION",), result
         else:
             prior = next(x for x in before.writes if x.key == w.key)
+            now_status = next(x for x in result.writes if x.key == w.key).status
             if prior.status is WriteStatus.PENDING and before.state is not TicketState.RELEASED:
-                assert next(x for x in result.writes if x.key == w.key).status is status
+                assert now_status is status
+            if prior.status is WriteStatus.IN_DOUBT and status in (WriteStatus.OK, WriteStatus.FAILED) \
+                    and before.state is not TicketState.RELEASED:
+                assert now_status is status, "the final report of an in-doubt write resolves it"
+            self._record(t, w.key, status, now_status)
+
+    def _record(self, t: Ticket, key: WriteKey, reported: WriteStatus, now_status: WriteStatus) -> None:
+        """Track in-doubt writes from what the writer said, independently of the broker's view."""
+        ar = self.specs[t.ar_replica_id]
+        if reported is WriteStatus.IN_DOUBT and now_status is WriteStatus.IN_DOUBT:
+            self.in_doubt[(t.ticket_id, key)] = (
+                t.dit_replica_id, self.specs[t.dit_replica_id].incarnation_id, frozenset(t.page_ids),
+                ar.replica_id, ar.incarnation_id,
+            )
+        elif reported in (WriteStatus.OK, WriteStatus.FAILED) and now_status is reported:
+            self.in_doubt.pop((t.ticket_id, key), None)
+
+    @rule(data=st.data())
+    def sender_times_out(self, data: st.DataObject) -> None:
+        """The seed's hazard in one step: the sender stops waiting on some writes (IN_DOUBT), the
+        rest end, and the DiT's receive times out and releases the ticket."""
+        t = self._pick(data)
+        if t is None or t.state is not TicketState.RESERVED:
+            return
+        self._arm(t)
+        t = self.core.get_ticket(t.ticket_id)
+        if t.state is not TicketState.WRITING:
+            return
+        ar = self.specs[t.ar_replica_id]
+        doubtful = data.draw(st.sets(st.sampled_from([w.key for w in t.writes]), min_size=1))
+        for w in t.writes:
+            status = WriteStatus.IN_DOUBT if w.key in doubtful else WriteStatus.OK
+            result = self._try(self.core.report_write, t.ticket_id, w.key, replica_id=ar.replica_id,
+                               incarnation_id=ar.incarnation_id, status=status,
+                               checksum=checksum_of(t.ticket_id, w.key), nbytes=64)
+            if isinstance(result, Ticket):
+                self._record(t, w.key, status, next(x for x in result.writes if x.key == w.key).status)
+        after = self.core.release_ticket(t.ticket_id, TicketOutcome.TIMED_OUT, "TRANSFER_TIMEOUT",
+                                         replica_id=t.dit_replica_id)
+        assert after.state is TicketState.DRAINING, "a timed-out ticket with in-doubt writes drains"
+
+    @rule(data=st.data(), status=st.sampled_from([WriteStatus.OK, WriteStatus.FAILED]))
+    def in_doubt_call_returns(self, data: st.DataObject, status: WriteStatus) -> None:
+        """The transport call of an in-doubt write really returns (late): its final report."""
+        if not self.in_doubt:
+            return
+        tid, key = data.draw(st.sampled_from(sorted(self.in_doubt, key=lambda x: (x[0], x[1]))))
+        _, _, _, ar_id, ar_inc = self.in_doubt[(tid, key)]
+        result = self._try(self.core.report_write, tid, key, replica_id=ar_id, incarnation_id=ar_inc,
+                           status=status, checksum=checksum_of(tid, key), nbytes=64)
+        if isinstance(result, Ticket):
+            now_status = next(x for x in result.writes if x.key == key).status
+            if result.state is not TicketState.RELEASED:
+                assert now_status is status
+            self.in_doubt.pop((tid, key), None)
+        else:
+            # The writer restarted meanwhile (stale incarnation): the write is WRITER_GONE.
+            assert isinstance(result, FailedPrecondition) and result.reason == "STALE_INCARNATION", result
 
     @rule(data=st.data())
     def happy_step(self, data: st.DataObject) -> None:
@@ -159,8 +223,11 @@ class BrokerMachine(RuleBasedStateMachine):
     def _write_ok(self, t: Ticket) -> None:
         ar = self.specs[t.ar_replica_id]
         for k in t.unresolved_writes():
-            self._try(self.core.report_write, t.ticket_id, k, replica_id=ar.replica_id,
-                      incarnation_id=ar.incarnation_id, status=WriteStatus.OK, checksum=checksum_of(t.ticket_id, k))
+            result = self._try(self.core.report_write, t.ticket_id, k, replica_id=ar.replica_id,
+                               incarnation_id=ar.incarnation_id, status=WriteStatus.OK,
+                               checksum=checksum_of(t.ticket_id, k))
+            if isinstance(result, Ticket):
+                self._record(t, k, WriteStatus.OK, next(x for x in result.writes if x.key == k).status)
 
     @rule(data=st.data())
     def every_load(self, data: st.DataObject) -> None:
@@ -238,6 +305,8 @@ class BrokerMachine(RuleBasedStateMachine):
         spec = new_incarnation(self.specs[replica])
         self.core.register_replica(spec)
         self.specs[replica] = spec
+        # Proof: the old writer's process is gone (AR), or the destination memory is (DiT).
+        self.in_doubt = {k: v for k, v in self.in_doubt.items() if replica not in (v[0], v[3])}
         assert not self.core.get_replica(replica).fenced
         for t in self._live():
             if spec.role is ReplicaRole.DIT:
@@ -306,6 +375,22 @@ class BrokerMachine(RuleBasedStateMachine):
                     assert raw.state_of(p) is not PageState.FREE, f"page {p} of live ticket {t.ticket_id} is free"
 
     @invariant()
+    def no_page_of_an_in_doubt_write_is_free_or_reserved_by_another_ticket(self) -> None:
+        live = self._live()
+        for (tid, key), (dit_id, dit_inc, pages, _, _) in self.in_doubt.items():
+            assert self.specs[dit_id].incarnation_id == dit_inc
+            raw = self.core._pools[dit_id]  # noqa: SLF001 - white-box check
+            for p in pages:
+                assert raw.state_of(p) is not PageState.FREE, f"page {p} of in-doubt write {tid}/{key} is free"
+            for t in live:
+                if t.ticket_id != tid and t.dit_replica_id == dit_id:
+                    assert not pages & set(t.page_ids), (
+                        f"ticket {t.ticket_id} holds pages of in-doubt write {tid}/{key}: {sorted(pages & set(t.page_ids))}"
+                    )
+            mine = [t for t in live if t.ticket_id == tid]
+            assert mine and mine[0].state in (TicketState.WRITING, TicketState.DRAINING), "in doubt, yet not held"
+
+    @invariant()
     def released_tickets_had_no_write_in_flight(self) -> None:
         for t in self.core.list_tickets([TicketState.RELEASED]):
             if t.reason == "DIT_REPLICA_RESTARTED":
@@ -335,9 +420,12 @@ class BrokerMachine(RuleBasedStateMachine):
                 ar = replace(new_incarnation(ar))
                 self.core.register_replica(ar)
                 self.specs[ar.replica_id] = ar
+            in_doubt = set(t.in_doubt_writes())
             for k in t.unresolved_writes():
+                # An in-doubt write's call returns; a write never reported never began.
                 self._try(self.core.report_write, t.ticket_id, k, replica_id=ar.replica_id,
-                          incarnation_id=ar.incarnation_id, status=WriteStatus.NOT_STARTED)
+                          incarnation_id=ar.incarnation_id,
+                          status=WriteStatus.FAILED if k in in_doubt else WriteStatus.NOT_STARTED)
             if self.core.get_ticket(t.ticket_id).state is TicketState.CONSUMING:
                 self.core.release_ticket(t.ticket_id, TicketOutcome.CANCELLED)
         self.clock.advance(QUIET)
