@@ -116,7 +116,7 @@ class ArRankSpec:
     path: str | None
     weight_seed: int
     dtype: str | None
-    transport: str  # "mooncake" | "grpc"
+    transport: str  # "mooncake" | "grpc" | "cuda_ipc"
     hostname: str
     protocol: str = "tcp"
     device_name: str = ""
@@ -149,8 +149,16 @@ class ArRankHandler:
         # One staging buffer for the process lifetime, registered once: a transport registration
         # per ticket would cost a round of memory pinning per request. Host memory (pinned on GPU
         # hosts) because the Mooncake TCP transport reads host memory.
-        self.staging = torch.zeros(spec.staging_bytes, dtype=torch.uint8, pin_memory=pin)
-        if spec.transport == "mooncake":
+        if spec.transport == "cuda_ipc":
+            # Same host, GPU to GPU: staging on the device, so packing is a device copy and each
+            # write a device-to-device copy into the DiT's mapped pool.
+            self.staging = torch.zeros(spec.staging_bytes, dtype=torch.uint8, device=ctx.device)
+        else:
+            self.staging = torch.zeros(spec.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+        if spec.transport == "cuda_ipc":
+            self.sender = make_sender("cuda_ipc", device=ctx.device)
+            self.session = ""
+        elif spec.transport == "mooncake":
             self.sender = make_sender(
                 "mooncake", hostname=spec.hostname, protocol=spec.protocol, device_name=spec.device_name
             )

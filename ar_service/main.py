@@ -49,7 +49,7 @@ def _rank_spec(stage: StageConfig) -> ArRankSpec:
             "stages[0].model.engine: only the built-in engine is available in this build (engine: vllm is not)"
         )
     transport = stage.transport
-    if transport not in ("mooncake", "grpc"):
+    if transport not in ("mooncake", "grpc", "cuda_ipc"):
         raise ConfigError(
             f"stages[0].kv_transfer_config.kv_connector: the AR does not support {transport!r} yet"
         )

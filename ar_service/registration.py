@@ -33,7 +33,11 @@ _DTYPES = {
     "float16": common_pb2.DTYPE_FLOAT16,
     "float32": common_pb2.DTYPE_FLOAT32,
 }
-_TRANSPORTS = {"mooncake": common_pb2.TRANSPORT_KIND_MOONCAKE, "grpc": common_pb2.TRANSPORT_KIND_GRPC_STREAM}
+_TRANSPORTS = {
+    "mooncake": common_pb2.TRANSPORT_KIND_MOONCAKE,
+    "grpc": common_pb2.TRANSPORT_KIND_GRPC_STREAM,
+    "cuda_ipc": common_pb2.TRANSPORT_KIND_CUDA_IPC,
+}
 RPC_TIMEOUT_S = 5.0
 
 

@@ -141,11 +141,17 @@ class DitRankHandler:
         self.control = np.frombuffer(self.control_pool.buffer, dtype=np.int64).reshape(spec.slots, CONTROL_FIELDS)
         self._pinned = False
         self.device_pool = None
+        # CUDA IPC: the AR writes straight into the device pool (device-resident pages, no mirror
+        # copy at load, checksums on the device).
+        self.device_resident = spec.transport == "cuda_ipc"
+        if self.device_resident and device.type != "cuda":
+            raise ValueError(f"rank {ctx.rank}: CudaIpcConnector needs the DiT on a GPU, got {device}")
         if device.type == "cuda":
-            # Transports here write host memory: the host pool is the pinned mirror; pages are
-            # copied to the device pool for the ticket being loaded.
-            self._pin_mirror()
-            self.device_pool = torch.empty(pool_spec.num_bytes, dtype=torch.uint8, device=device)
+            if not self.device_resident:
+                # Mooncake and gRPC write host memory: the host pool is the pinned mirror; pages
+                # are copied to the device pool for the ticket being loaded.
+                self._pin_mirror()
+            self.device_pool = torch.zeros(pool_spec.num_bytes, dtype=torch.uint8, device=device)
         self._endpoint: Any = None
         self._region: RegionDescriptor | None = None
 
@@ -169,6 +175,13 @@ class DitRankHandler:
         raise TypeError(f"DiT rank {self.ctx.rank} got an unknown command {type(command).__name__}")
 
     def _describe(self) -> RegionDescriptor | None:
+        if self.device_resident:
+            if self._region is None:
+                from kvrelay.transfer.transport import make_receiver
+
+                self._endpoint = make_receiver("cuda_ipc", device=str(self.device_pool.device))
+                self._region = self._endpoint.register_region(self.device_pool, self.ctx.rank)
+            return self._region
         if self.spec.transport != "mooncake":
             return None
         if self._region is None:
@@ -179,15 +192,18 @@ class DitRankHandler:
         return self._region
 
     def _verify(self, writes: Sequence[PlannedWrite]) -> list[int]:
-        out = []
         for w in writes:
             if w.dst_rank != self.ctx.rank:
                 raise ValueError(f"rank {self.ctx.rank} asked to verify a write for rank {w.dst_rank}")
-            out.append(checksum_segments(self.host_tensor, w.segments, side="dst"))
-        return out
+        if self.device_resident:
+            # The transport's own checksum, computed where the bytes are (no host copy).
+            from kvrelay.transfer.cuda_ipc import verify_writes
+
+            return verify_writes(self.device_pool, writes)
+        return [checksum_segments(self.host_tensor, w.segments, side="dst") for w in writes]
 
     def _load_to_device(self, rows: Sequence[RowSpec]) -> float:
-        if self.device_pool is None:
+        if self.device_pool is None or self.device_resident:
             return 0.0
         start = time.perf_counter()
         page_bytes = self.layout.page_bytes

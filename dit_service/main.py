@@ -90,9 +90,6 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     if stage.model.preset is None:
         print("kvrelay dit: stages[1].model.preset is required: it names the DiT's shape (path: DIR adds weights)")
         return 2
-    if stage.transport == "cuda_ipc":
-        print("kvrelay dit: kv_connector CudaIpcConnector is not built yet; use MooncakeConnector or none")
-        return 2
     incarnation_id = new_incarnation_id()
     host = args.host or stage.host
     port = stage.port_for(replica) if args.port is None else args.port
@@ -161,7 +158,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         else:
             regions = tuple(described)
         log.info("page_memory_ready", replica_id=replica_id, num_pages=memory.num_pages, page_bytes=memory.page_bytes,
-                 ranks=world, transport=stage.transport, regions=[r.endpoint for r in regions])
+                 ranks=world, transport=stage.transport, regions=[r.endpoint[:64] for r in regions])
 
         channel = grpc.aio.insecure_channel(broker_address, options=GRPC_OPTIONS)
         stub = broker_pb2_grpc.BrokerServiceStub(channel)

@@ -35,6 +35,7 @@ from kvrelay.server import reserve_free_port
 IMPL_LABELS = {
     "grpc": "gRPC stream fallback (legacy path)",
     "mooncake": "Native MooncakeConnector",
+    "cuda_ipc": "CudaIpcConnector (same host, GPU to GPU)",
     "colocated": "Colocated (no transfer)",
 }
 
@@ -242,6 +243,10 @@ class NodeUnderTest:
             stage["metrics_port"] = reserve_free_port()
             if impl == "grpc":
                 stage.pop("kv_transfer_config", None)
+            elif impl == "cuda_ipc":
+                kv = stage.setdefault("kv_transfer_config", {})
+                kv["kv_connector"] = "CudaIpcConnector"
+                kv.setdefault("kv_role", "kv_producer" if stage["kind"] == "ar" else "kv_consumer")
         self.config: KvRelayConfig = parse_config(data, f"bench-{impl}")
         self.config_path = workdir / f"{impl}.yaml"
         self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))

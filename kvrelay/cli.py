@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per node")
 
     p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
-    p.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    p.add_argument("--preset", default=None, help="model preset (default: tiny on cpu, bagel-7b-shape on cuda)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: models on the GPU and CUDA IPC checked too")
     p.add_argument("--prompt", default="a red fox in the snow, watercolor")
     p.add_argument("--negative-prompt", default="blurry")
     p.add_argument("--ar-tp", type=int, default=1)

@@ -228,13 +228,21 @@ class KvRelayConfig(_Strict):
                 raise ValueError("stages[0].kv_transfer_config.kv_role: the AR stage is the kv_producer")
             if dit.kv_transfer_config.kv_role == "kv_producer":
                 raise ValueError("stages[1].kv_transfer_config.kv_role: the DiT stage is the kv_consumer")
-        # Named in DESIGN.md but not built yet: refused here, with the reason, instead of at a
-        # replica's start-up (where a supervisor would restart it in a loop).
-        for idx, stage in enumerate(self.stages):
-            if stage.kv_transfer_config and stage.kv_transfer_config.kv_connector == "CudaIpcConnector":
+        # CUDA IPC maps the DiT's device pool into the AR process: both stages on GPUs of one
+        # host. Refused here, with the reason, instead of at a replica's start-up (where a
+        # supervisor would restart it in a loop).
+        if ar.kv_transfer_config and ar.kv_transfer_config.kv_connector == "CudaIpcConnector":
+            for idx, stage in ((0, ar), (1, dit)):
+                if stage.devices.strip() == "cpu":
+                    raise ValueError(
+                        f"stages[{idx}].devices: CudaIpcConnector copies GPU to GPU; this stage runs on the CPU "
+                        "(use MooncakeConnector, or no kv_transfer_config for the gRPC fallback)"
+                    )
+            if ar.advertise_host != dit.advertise_host:
                 raise ValueError(
-                    f"stages[{idx}].kv_transfer_config.kv_connector: CudaIpcConnector is not available in this "
-                    "build; use MooncakeConnector (or no kv_transfer_config for the gRPC fallback)"
+                    "stages[1].advertise_host: CudaIpcConnector needs the AR and DiT stages on one host "
+                    f"(advertise_host {ar.advertise_host!r} vs {dit.advertise_host!r}); use MooncakeConnector "
+                    "across hosts"
                 )
         if ar.model.engine == "vllm":
             raise ValueError(

@@ -63,7 +63,7 @@ def _serve_put_kv(sinks: Any, port_box: list[int], ready: threading.Event, stop:
     asyncio.run(main())
 
 
-def receiver_main(conn: Connection, pool_bytes: int, dst_shards: int) -> None:
+def receiver_main(conn: Connection, pool_bytes: int, dst_shards: int, device: str = "cpu") -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -75,6 +75,11 @@ def receiver_main(conn: Connection, pool_bytes: int, dst_shards: int) -> None:
         "mooncake": [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_shards)],
         "grpc": [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_shards)],
     }
+    ipc: Any = None
+    if device.startswith("cuda"):
+        # Device-resident pools, written by the sender's GPU copies through CUDA IPC.
+        pools["cuda_ipc"] = [torch.zeros(pool_bytes, dtype=torch.uint8, device=device) for _ in range(dst_shards)]
+        ipc = make_receiver("cuda_ipc", device=device)
     stop = threading.Event()
     mooncake = make_receiver("mooncake", hostname="127.0.0.1")
     grpc_receiver = GrpcStreamReceiver("pending")
@@ -90,6 +95,8 @@ def receiver_main(conn: Connection, pool_bytes: int, dst_shards: int) -> None:
             "mooncake": [mooncake.register_region(p, d) for d, p in enumerate(pools["mooncake"])],
             "grpc": [grpc_receiver.register_region(p, d) for d, p in enumerate(pools["grpc"])],
         }
+        if ipc is not None:
+            described["cuda_ipc"] = [ipc.register_region(p, d) for d, p in enumerate(pools["cuda_ipc"])]
         conn.send(("ok", described))
         while True:
             cmd, arg = conn.recv()
@@ -99,12 +106,21 @@ def receiver_main(conn: Connection, pool_bytes: int, dst_shards: int) -> None:
             try:
                 if cmd == "verify":
                     transport, writes, checksums = arg
+                    if transport == "cuda_ipc":
+                        from kvrelay.transfer.cuda_ipc import verify_writes
+
+                        # The device checksum, computed on the receiver's GPU over its pool.
+                        conn.send(("ok", [
+                            verify_writes(pools[transport][w.dst_rank], [w])[0] == c
+                            for w, c in zip(writes, checksums, strict=True)
+                        ]))
+                        continue
                     conn.send(("ok", [
                         verify_write_until(pools[transport][w.dst_rank], w, c, RECEIVE_TIMEOUT_S)
                         for w, c in zip(writes, checksums, strict=True)
                     ]))
                 elif cmd == "dump":
-                    conn.send(("ok", {t: [bytes(p.numpy()) for p in ps] for t, ps in pools.items()}))
+                    conn.send(("ok", {t: [bytes(p.cpu().numpy()) for p in ps] for t, ps in pools.items()}))
                 else:
                     conn.send(("error", f"unknown command {cmd!r}"))
             except Exception:  # noqa: BLE001 - reported to the parent, which fails the check
@@ -116,6 +132,8 @@ def receiver_main(conn: Connection, pool_bytes: int, dst_shards: int) -> None:
         server.join(10)
         mooncake.close()
         grpc_receiver.close()
+        if ipc is not None:
+            ipc.close()
 
 
 def _call(conn: Connection, cmd: str, arg: Any = None, timeout: float = 120.0) -> Any:
@@ -143,6 +161,7 @@ def run_check(
     seed: int = 0,
     page_size: int = 16,
     flip_byte_in: str | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run the check; `flip_byte_in` names a variant whose pages get one byte flipped after they
     arrive (the check's own self-test: it must then report a difference)."""
@@ -163,8 +182,12 @@ def run_check(
     dst_shards = dit_tp * dit_sp
     geometry = preset.kv_geometry(page_size)
     tokenizer = ByteTokenizer()
-    ar = build_ar_model(preset=preset_name, seed=seed)
-    kv_full = {row: ar.prefill(tokenizer.encode(text)) for row, text in enumerate((prompt, negative_prompt))}
+    on_gpu = device.startswith("cuda")
+    ar = build_ar_model(preset=preset_name, seed=seed, device=device)
+    # Both rows in one batched prefill (a captured graph on a GPU), as the AR service runs them.
+    kv_dev = dict(enumerate(ar.prefill_batch([tokenizer.encode(prompt), tokenizer.encode(negative_prompt)])))
+    kv_full = {row: kv.cpu() for row, kv in kv_dev.items()}
+    del ar
     if not all(bool(kv.abs().sum() > 0) for kv in kv_full.values()):
         raise RuntimeError("the prefill produced an all-zero prefix: nothing would be checked")
     # Non-contiguous, out-of-order pages: a plan must honour the broker's page ids exactly.
@@ -189,6 +212,15 @@ def run_check(
         pack_staging(staging, {r: kv[:, :, lo:hi].contiguous() for r, kv in kv_full.items()},
                      geometry, ar_tp, dst_shards, rows, plan, s)
         stagings[s] = staging
+    device_stagings = {}
+    if on_gpu:
+        # CUDA IPC packs on the device, from the KV where the prefill left it.
+        for s in range(ar_tp):
+            lo, hi = geometry.head_range(ar_tp, s)
+            staging = torch.zeros(staging_bytes(plan, s), dtype=torch.uint8, device=device)
+            pack_staging(staging, {r: kv[:, :, lo:hi].contiguous() for r, kv in kv_dev.items()},
+                         geometry, ar_tp, dst_shards, rows, plan, s)
+            device_stagings[s] = staging
 
     # Local reference 1: the plan executed with plain copies.
     planned = [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_shards)]
@@ -207,7 +239,7 @@ def run_check(
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, pool_bytes, dst_shards), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(child, pool_bytes, dst_shards, device), daemon=True)
     proc.start()
     received: dict[str, list[bytes]] = {}
     try:
@@ -216,12 +248,18 @@ def run_check(
         status, described = parent.recv()
         if status != "ok":
             raise RuntimeError(f"receiver failed to start:\n{described}")
-        for transport in ("mooncake", "grpc"):
-            sender = make_sender(transport, hostname="127.0.0.1") if transport == "mooncake" else make_sender(transport)
+        for transport in ("mooncake", "grpc", *(("cuda_ipc",) if on_gpu else ())):
+            if transport == "mooncake":
+                sender = make_sender(transport, hostname="127.0.0.1")
+            elif transport == "cuda_ipc":
+                sender = make_sender(transport, device=device)
+            else:
+                sender = make_sender(transport)
+            sources = device_stagings if transport == "cuda_ipc" else stagings
             try:
                 destinations = {region.rank: region for region in described[transport]}
                 outcomes = []
-                for s, staging in stagings.items():
+                for s, staging in sources.items():
                     outcomes += sender.write(staging, [w for w in plan if w.src_rank == s], destinations,
                                              f"verify-{transport}", RECEIVE_TIMEOUT_S)
             finally:
@@ -229,7 +267,12 @@ def run_check(
             failed = [o for o in outcomes if not o.ok]
             if failed:
                 raise RuntimeError(f"{transport}: writes failed: {failed}")
-            expected = [write_checksum(stagings[w.src_rank], w) for w in plan]
+            if transport == "cuda_ipc":
+                from kvrelay.transfer.cuda_ipc import write_checksum as device_write_checksum
+
+                expected = [device_write_checksum(device_stagings[w.src_rank], w) for w in plan]
+            else:
+                expected = [write_checksum(stagings[w.src_rank], w) for w in plan]
             reported = {(o.row, o.src_rank, o.dst_rank): o.checksum for o in outcomes}
             if [reported.get((w.row, w.src_rank, w.dst_rank)) for w in plan] != expected:
                 raise RuntimeError(f"{transport}: the sender's checksums differ from the staging bytes")
@@ -246,11 +289,9 @@ def run_check(
             proc.join(5)
 
     variants = {
-        "mooncake": [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in received["mooncake"]],
-        "grpc": [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in received["grpc"]],
-        "local_plan": planned,
-        "local_prefill": dense,
+        name: [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in pools] for name, pools in received.items()
     }
+    variants |= {"local_plan": planned, "local_prefill": dense}
     if flip_byte_in is not None:
         first = rows[0].page_ids[0] * layouts[0].page_bytes
         variants[flip_byte_in][0][first + 5] ^= 0x40
@@ -276,11 +317,13 @@ def run_check(
     q = torch.randn(len(rows), heads_q, n_img, geometry.head_dim, generator=gen).to(dtype)
     k = torch.randn(len(rows), geometry.num_kv_heads, n_img, geometry.head_dim, generator=gen).to(dtype)
     v = torch.randn(len(rows), geometry.num_kv_heads, n_img, geometry.head_dim, generator=gen).to(dtype)
-    runner = DitRunner(preset, weight_seed=seed)
-    latents = torch.randn(len(rows), preset.dit.latent_channels, 16, 16, generator=gen).to(runner.dtype)
-    t = torch.full((len(rows),), 0.5)
+    runner = DitRunner(preset, weight_seed=seed, device=device)
+    latents = torch.randn(len(rows), preset.dit.latent_channels, 16, 16, generator=gen).to(device, runner.dtype)
+    t = torch.full((len(rows),), 0.5, device=device)
+    q, k, v = q.to(device), k.to(device), v.to(device)
 
-    def outputs(prefix_rows: list[list[tuple[Any, Any]]]) -> list[Any]:
+    def outputs(host_rows: list[list[tuple[Any, Any]]]) -> list[Any]:
+        prefix_rows = [[(pk.to(device), pv.to(device)) for pk, pv in row] for row in host_rows]
         attn = [prefix_attention(q, k, v, [row[layer] for row in prefix_rows]) for layer in range(geometry.num_layers)]
         with torch.no_grad():
             velocity = runner.model(latents, t, prefix_rows)
@@ -308,8 +351,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)
+    preset = args.preset or ("bagel-7b-shape" if args.device.startswith("cuda") else "tiny")
     result = run_check(
-        args.preset, args.prompt, args.negative_prompt, args.ar_tp, args.dit_tp, args.dit_sp, args.seed
+        preset, args.prompt, args.negative_prompt, args.ar_tp, args.dit_tp, args.dit_sp, args.seed,
+        device=args.device,
     )
     print(f"prefix_bits_equal {result['prefix_bits_equal']}")
     print(f"attention_bits_equal {result['attention_bits_equal']}")

@@ -88,6 +88,7 @@ def region_to_proto(r: RegionDescriptor) -> common_pb2.MemoryRegion:
     return common_pb2.MemoryRegion(
         rank=r.rank, transport=_TRANSPORT_TO_PB[r.transport],  # type: ignore[arg-type]
         endpoint=r.endpoint, base_address=r.base_address, length=r.length,
+        ipc_handle=getattr(r, "ipc_handle", b""),
     )
 
 
@@ -95,7 +96,7 @@ def region_from_proto(pb: common_pb2.MemoryRegion) -> RegionDescriptor:
     return RegionDescriptor(
         rank=pb.rank,
         transport=cast(TransportName, _lookup(_TRANSPORT_FROM_PB, pb.transport, "MemoryRegion.transport")),
-        endpoint=pb.endpoint, base_address=pb.base_address, length=pb.length,
+        endpoint=pb.endpoint, base_address=pb.base_address, length=pb.length, ipc_handle=bytes(pb.ipc_handle),
     )
 
 

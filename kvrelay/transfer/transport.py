@@ -50,11 +50,15 @@ class RegionDescriptor:
 
     rank: int
     transport: TransportName
-    # Mooncake: the receiver's session id "host:rpc_port"; gRPC: the DiT service address.
+    # Mooncake: the receiver's session id "host:rpc_port"; gRPC: the DiT service address;
+    # CUDA IPC: "cudaipc:<host id>:<device uuid>" (a handle opens on that host only).
     endpoint: str
-    # Mooncake: virtual address of byte 0 in the receiver process; gRPC: 0 (offsets only).
+    # Mooncake: virtual address of byte 0 in the receiver process; gRPC: 0 (offsets only);
+    # CUDA IPC: the region's offset inside the exported allocation.
     base_address: int
     length: int
+    # CUDA IPC: the allocation's cudaIpcMemHandle (64 bytes); empty for the other transports.
+    ipc_handle: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,13 +162,21 @@ def _load(name: str) -> Any:
 
         return grpc_module
     if name == "cuda_ipc":
-        raise NotImplementedError("the cuda_ipc transport is not built yet; use MooncakeConnector or none")
+        try:
+            import torch
+        except ImportError as e:
+            raise ImportError("the cuda_ipc transport needs torch with CUDA") from e
+        if not torch.cuda.is_available():
+            raise ImportError("the cuda_ipc transport needs a CUDA device (same-host GPU to GPU copies)")
+        from kvrelay.transfer import cuda_ipc as cuda_ipc_module
+
+        return cuda_ipc_module
     raise ValueError(f"unknown transport {name!r}; expected 'mooncake', 'grpc' or 'cuda_ipc'")
 
 
 def make_sender(name: str, **options: Any) -> KvSender:
     """A sender by transport name. mooncake options: hostname, protocol, device_name;
-    grpc options: max_chunk_bytes."""
+    grpc options: max_chunk_bytes; cuda_ipc options: device."""
     sender: KvSender = _load(name).make_sender(**options)
     return sender
 

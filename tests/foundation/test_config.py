@@ -140,7 +140,12 @@ def test_rejects_features_not_in_this_build(base: dict[str, Any]) -> None:
     data = copy.deepcopy(base)
     for stage in data["stages"]:
         stage["kv_transfer_config"]["kv_connector"] = "CudaIpcConnector"
-    _reject(data, "CudaIpcConnector", "not available")
+    _reject(data, "CudaIpcConnector", "GPU to GPU")  # the base config runs on the CPU
+    for stage in data["stages"]:
+        stage["devices"] = "0"
+    assert parse_config(data).dit_stage.transport == "cuda_ipc"
+    data["stages"][1]["advertise_host"] = "10.0.0.2"
+    _reject(data, "CudaIpcConnector", "one host")
     data = copy.deepcopy(base)
     data["stages"][0]["model"] = {"engine": "vllm", "path": "/models/llama"}
     _reject(data, "engine", "vLLM", "not available")

@@ -1,0 +1,148 @@
+"""The CUDA IPC transport: its device checksum (on the CPU here: the same torch reduction runs on
+any device) against an independent pure-Python definition, its descriptors through the broker's
+proto, and, on a GPU, a real two-process write into a mapped device pool verified on the device."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import traceback
+from typing import Any
+
+import pytest
+import torch
+
+from kvrelay.transfer.convert import region_from_proto, region_to_proto
+from kvrelay.transfer.cuda_ipc import IpcRegion, device_checksums
+from kvrelay.transfer.planner import PlannedWrite, Segment
+from kvrelay.transfer.transport import RegionDescriptor
+
+MASK = (1 << 64) - 1
+M1, M2, M3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def reference_checksum(data: bytes, segments: list[Segment], side: str) -> int:
+    """The documented definition, in plain Python integers."""
+    h, i, total = 0, 0, 0
+    for seg in segments:
+        start = seg.src_offset if side == "src" else seg.dst_offset
+        chunk = data[start : start + seg.length]
+        chunk += b"\0" * (-len(chunk) % 8)
+        for j in range(0, len(chunk), 8):
+            w = int.from_bytes(chunk[j : j + 8], "little", signed=True)
+            mixed = (w ^ (w >> 31)) & MASK
+            h += (w & MASK) * (((i * M1 + M2) & MASK) | 1) + mixed * (((i * M3 + M1) & MASK) | 1)
+            i += 1
+        total += seg.length
+    return (h + total * M2) & MASK
+
+
+def _random_segments(rng: random.Random, size: int, count: int) -> list[Segment]:
+    out = []
+    for _ in range(count):
+        length = rng.choice([8, 16, 256, 40, 13, 1])
+        start = rng.randrange(0, size - length)
+        out.append(Segment(start, rng.randrange(0, size - length), length))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_device_checksum_matches_the_definition(seed: int) -> None:
+    rng = random.Random(seed)
+    data = bytes(rng.randrange(256) for _ in range(4096))
+    memory = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    writes = [_random_segments(rng, len(data), rng.randrange(1, 5)) for _ in range(3)]
+    for side in ("src", "dst"):
+        got = device_checksums(memory, writes, side=side)
+        assert got == [reference_checksum(data, segs, side) for segs in writes]
+
+
+def test_device_checksum_sees_any_changed_byte_length_and_order() -> None:
+    rng = random.Random(7)
+    memory = torch.tensor([rng.randrange(256) for _ in range(1024)], dtype=torch.uint8)
+    segs = [Segment(0, 0, 256), Segment(512, 512, 256)]
+    base = device_checksums(memory, [segs], side="src")[0]
+    for pos in [0, 7, 255, 512, 767]:
+        flipped = memory.clone()
+        flipped[pos] ^= 0x01
+        assert device_checksums(flipped, [segs], side="src")[0] != base
+    assert device_checksums(memory, [segs[::-1]], side="src")[0] != base
+    assert device_checksums(memory, [[Segment(0, 0, 255), segs[1]]], side="src")[0] != base
+    with pytest.raises(ValueError, match="outside"):
+        device_checksums(memory, [[Segment(1000, 0, 100)]], side="src")
+
+
+def test_region_descriptor_carries_the_ipc_handle_through_the_proto() -> None:
+    handle = bytes(range(64))
+    region = IpcRegion("host/boot", "GPU-1234", handle, 4096, 1 << 20).descriptor(rank=3)
+    back = region_from_proto(region_to_proto(region))
+    assert back == region and back.ipc_handle == handle
+    assert IpcRegion.of(back) == IpcRegion("host/boot", "GPU-1234", handle, 4096, 1 << 20)
+    with pytest.raises(ValueError, match="not a CUDA IPC region"):
+        IpcRegion.of(RegionDescriptor(0, "mooncake", "127.0.0.1:1234", 0, 10))
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU: two processes, a real mapping
+# ---------------------------------------------------------------------------------------------
+
+
+def _receiver(conn: Any, pool_bytes: int) -> None:
+    try:
+        from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint, verify_writes
+
+        pool = torch.zeros(pool_bytes, dtype=torch.uint8, device="cuda:0")
+        endpoint = CudaIpcEndpoint("cuda:0")
+        conn.send(("ok", endpoint.register_region(pool, rank=0)))
+        while True:
+            op, arg = conn.recv()
+            if op == "verify":
+                conn.send(verify_writes(pool, arg))
+            elif op == "dump":
+                conn.send(pool.cpu().numpy().tobytes())
+            else:
+                endpoint.close()
+                conn.send("bye")
+                return
+    except Exception:  # noqa: BLE001 - reported to the test
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_two_process_write_lands_and_verifies_on_the_device() -> None:
+    from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint
+
+    pool_bytes = 1 << 20
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child, pool_bytes), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120)
+        status, region = parent.recv()
+        assert status == "ok", region
+        staging = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, device="cuda:0")
+        writes = [
+            PlannedWrite(0, 0, 0, (Segment(0, 4096, 8192), Segment(8192, 65536, 4096))),
+            PlannedWrite(1, 0, 0, (Segment(20000, 300000, 16384),)),
+        ]
+        sender = CudaIpcEndpoint("cuda:0")
+        outcomes = sender.write(staging, writes, {0: region}, "t-ipc", 10.0)
+        assert [o.status for o in outcomes] == ["OK", "OK"]
+        parent.send(("verify", writes))
+        assert parent.recv() == [o.checksum for o in outcomes]
+        parent.send(("dump", None))
+        landed = parent.recv()
+        host = staging.cpu().numpy().tobytes()
+        for w in writes:
+            for s in w.segments:
+                assert landed[s.dst_offset : s.dst_offset + s.length] == host[s.src_offset : s.src_offset + s.length]
+        assert landed[:4096] == bytes(4096)  # nothing outside the segments was written
+        sender.close()
+        parent.send(("stop", None))
+        assert parent.recv() == "bye"
+    finally:
+        proc.join(20)
+        if proc.is_alive():
+            proc.kill()
