@@ -250,6 +250,8 @@ class CudaIpcEndpoint:
     name = "cuda_ipc"
 
     def __init__(self, device: str | torch.device | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise CudaIpcError("the cuda_ipc transport needs a CUDA device (same-host GPU to GPU copies)")
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self._regions: dict[int, torch.Tensor] = {}  # keeps exported pools alive
         self._mappings: dict[tuple[str, bytes, int, int], _Mapping] = {}
