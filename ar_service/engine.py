@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,59 +225,12 @@ class ArRankHandler:
     # -- write -----------------------------------------------------------------------------------
 
     def _write(self, cmd: WriteTicket) -> WriteDone:
-        from kvrelay.transfer.pack import pack_staging
-
-        mine = [w for w in cmd.plan if w.src_rank == self.ctx.rank]
-        outcomes: list[WriteOutcome] | None = None
-        packed = 0
-        pack_s = write_s = 0.0
         try:
-            kv_by_row = self._held.get(cmd.ticket_id)
-            if not mine:
-                return WriteDone(self.ctx.rank, (), 0, 0.0, 0.0)
-            if kv_by_row is None:
-                outcomes = not_started_outcomes(
-                    mine, f"rank {self.ctx.rank} holds no KV for ticket {cmd.ticket_id}"
-                )
-                return WriteDone(self.ctx.rank, tuple(outcomes), 0, 0.0, 0.0)
-            need = staging_bytes(cmd.plan, self.ctx.rank)
-            if need > self.staging.numel():
-                outcomes = not_started_outcomes(
-                    mine,
-                    f"rank {self.ctx.rank} needs {need} staging bytes, has {self.staging.numel()}: "
-                    "raise the AR stage's kv_cache_memory_bytes",
-                )
-                return WriteDone(self.ctx.rank, tuple(outcomes), 0, 0.0, 0.0)
-            t0 = time.perf_counter()
-            try:
-                packed = pack_staging(
-                    self.staging, kv_by_row, cmd.geometry, cmd.src_shards, cmd.dst_shards, cmd.rows, cmd.plan,
-                    self.ctx.rank,
-                )  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - nothing was sent: every write is NOT_STARTED
-                outcomes = not_started_outcomes(mine, f"packing failed on rank {self.ctx.rank}: {exc}")
-                return WriteDone(self.ctx.rank, tuple(outcomes), 0, time.perf_counter() - t0, 0.0)
-            t1 = time.perf_counter()
-            pack_s = t1 - t0
-            # The KV is in staging now; the model-side tensors are no longer needed.
-            self._held.pop(cmd.ticket_id, None)
-            destinations = {d.rank: d for d in cmd.destinations}
-            try:
-                outcomes = list(
-                    self.sender.write(self.staging, mine, destinations, cmd.ticket_id, cmd.timeout_s)
-                )
-            except ValueError as exc:
-                # The senders validate everything before the first byte leaves (their contract).
-                outcomes = not_started_outcomes(mine, f"write refused before sending: {exc}")
-            except Exception as exc:  # noqa: BLE001 - unknown how far it got: the bytes may land
-                outcomes = [
-                    WriteOutcome(
-                        w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, 0, f"sender raised: {exc!r}"
-                    )
-                    for w in mine
-                ]
-            write_s = time.perf_counter() - t1
-            return WriteDone(self.ctx.rank, tuple(outcomes), packed, pack_s, write_s)
+            return write_rank_share(
+                self.ctx.rank, self.staging, self.sender, self._held.get(cmd.ticket_id), cmd,
+                # The KV is in staging now; the model-side tensors are no longer needed.
+                on_packed=lambda: self._held.pop(cmd.ticket_id, None),
+            )  # fmt: skip
         finally:
             # Every write has a final outcome (or never began): the source KV can go.
             self._held.pop(cmd.ticket_id, None)
@@ -287,6 +240,60 @@ class ArRankHandler:
         # Closing the sender waits for its write threads and unregisters staging; it runs only
         # after the last write command answered, so no transfer still reads this memory.
         self.sender.close()
+
+
+def write_rank_share(
+    rank: int,
+    staging: Any,
+    sender: Any,
+    kv_by_row: Mapping[int, Any] | None,
+    cmd: WriteTicket,
+    on_packed: Callable[[], object] | None = None,
+) -> WriteDone:
+    """Pack `rank`'s writes of `cmd.plan` from `kv_by_row` (row -> [layers, 2, kv_heads_local, T,
+    head_dim]) into `staging` and send them with `sender`: exactly one outcome per write of this
+    rank, never an exception for a transfer failure. Shared by the built-in rank handler and
+    vLLM's KvRelayConnector (the same pack, outcome and NOT_STARTED/FAILED rules for both).
+    `on_packed` runs once the KV is in staging (the source KV is no longer read after that)."""
+    from kvrelay.transfer.pack import pack_staging
+
+    mine = [w for w in cmd.plan if w.src_rank == rank]
+    if not mine:
+        return WriteDone(rank, (), 0, 0.0, 0.0)
+    if kv_by_row is None:
+        outcomes = not_started_outcomes(mine, f"rank {rank} holds no KV for ticket {cmd.ticket_id}")
+        return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
+    need = staging_bytes(cmd.plan, rank)
+    if need > staging.numel():
+        outcomes = not_started_outcomes(
+            mine,
+            f"rank {rank} needs {need} staging bytes, has {staging.numel()}: "
+            "raise the AR stage's kv_cache_memory_bytes",
+        )
+        return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
+    t0 = time.perf_counter()
+    try:
+        packed = pack_staging(
+            staging, kv_by_row, cmd.geometry, cmd.src_shards, cmd.dst_shards, cmd.rows, cmd.plan, rank
+        )
+    except Exception as exc:  # noqa: BLE001 - nothing was sent: every write is NOT_STARTED
+        outcomes = not_started_outcomes(mine, f"packing failed on rank {rank}: {exc}")
+        return WriteDone(rank, tuple(outcomes), 0, time.perf_counter() - t0, 0.0)
+    t1 = time.perf_counter()
+    if on_packed is not None:
+        on_packed()
+    destinations = {d.rank: d for d in cmd.destinations}
+    try:
+        outcomes = list(sender.write(staging, mine, destinations, cmd.ticket_id, cmd.timeout_s))
+    except ValueError as exc:
+        # The senders validate everything before the first byte leaves (their contract).
+        outcomes = not_started_outcomes(mine, f"write refused before sending: {exc}")
+    except Exception as exc:  # noqa: BLE001 - unknown how far it got: the bytes may land
+        outcomes = [
+            WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, 0, f"sender raised: {exc!r}")
+            for w in mine
+        ]
+    return WriteDone(rank, tuple(outcomes), packed, t1 - t0, time.perf_counter() - t1)
 
 
 def rank_share(plan: Sequence[PlannedWrite], rank: int) -> list[PlannedWrite]:

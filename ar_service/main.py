@@ -21,6 +21,7 @@ import uuid
 import grpc
 
 from kvrelay.ar_service.engine import ArRankSpec
+from kvrelay.ar_service.vllm_engine import VllmRankSpec
 from kvrelay.config import ConfigError, KvRelayConfig, StageConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
@@ -42,12 +43,11 @@ def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
     return f"{cfg.broker.host}:{cfg.broker.port}"
 
 
-def _rank_spec(stage: StageConfig) -> ArRankSpec:
-    if stage.model.engine != "builtin":
-        # Say so at start-up rather than load the directory into the built-in decoder silently.
-        raise ConfigError(
-            "stages[0].model.engine: only the built-in engine is available in this build (engine: vllm is not)"
-        )
+def _rank_spec(stage: StageConfig) -> ArRankSpec | VllmRankSpec:
+    if stage.model.engine == "vllm":
+        from kvrelay.ar_service.vllm_engine import vllm_rank_spec
+
+        return vllm_rank_spec(stage)
     transport = stage.transport
     if transport not in ("mooncake", "grpc", "cuda_ipc"):
         raise ConfigError(
@@ -72,7 +72,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from kvrelay.ar_service.registration import ArIdentity, ArRegistration, Fenced, RegistrationRefused
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
-    from kvrelay.ar_service.tokenizer import load_tokenizer
+    from kvrelay.ar_service.tokenizer import Tokenizer, load_tokenizer
     from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
 
     stage = cfg.ar_stage
@@ -136,13 +136,26 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
 
     stop_watcher = asyncio.ensure_future(watch_stop())
 
-    group = WorkerGroup(
-        stage.tensor_parallel_size,
-        rank_spec,
-        devices=stage.devices_for(replica),
-        lock=lock,
-        name=f"kvrelay-{replica_id}",
-    )
+    if isinstance(rank_spec, VllmRankSpec):
+        from kvrelay.ar_service.vllm_engine import engine_env
+
+        # One process hosts vLLM's engine; vLLM runs its own TP workers.
+        group = WorkerGroup(
+            1,
+            rank_spec,
+            devices=stage.devices_for(replica)[:1],
+            lock=lock,
+            env=engine_env(),
+            name=f"kvrelay-{replica_id}",
+        )
+    else:
+        group = WorkerGroup(
+            stage.tensor_parallel_size,
+            rank_spec,
+            devices=stage.devices_for(replica),
+            lock=lock,
+            name=f"kvrelay-{replica_id}",
+        )
     registration: ArRegistration | None = None
     heartbeats: asyncio.Task[None] | None = None
     code = EXIT_OK
@@ -153,7 +166,12 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         await asyncio.to_thread(group.start)
         infos: list[RankDescription] = await asyncio.to_thread(group.call_all, DescribeRank())
         first = infos[0]
-        tokenizer = load_tokenizer(stage.model.tokenizer)
+        if isinstance(rank_spec, VllmRankSpec):
+            from kvrelay.ar_service.vllm_engine import VllmTokenizer
+
+            tokenizer: Tokenizer = VllmTokenizer(stage.model.tokenizer or rank_spec.path)
+        else:
+            tokenizer = load_tokenizer(stage.model.tokenizer)
         state = ArReplicaState(
             replica_id=replica_id,
             incarnation_id=incarnation_id,

@@ -60,9 +60,13 @@ class ModelConfig(_Strict):
     tokenizer: str | None = None
     weight_seed: int = 0
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    # engine: vllm only: extra vLLM EngineArgs (checked by the AR at start: kvrelay.ar_service.vllm_engine).
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _preset_or_path(self) -> ModelConfig:
+        if self.vllm_args and self.engine != "vllm":
+            raise ValueError("model.vllm_args is for engine: vllm only")
         if self.engine == "vllm" and not self.path:
             raise ValueError("model.path is required with engine: vllm")
         if self.preset is None and self.path is None:
@@ -244,11 +248,8 @@ class KvRelayConfig(_Strict):
                     f"(advertise_host {ar.advertise_host!r} vs {dit.advertise_host!r}); use MooncakeConnector "
                     "across hosts"
                 )
-        if ar.model.engine == "vllm":
-            raise ValueError(
-                "stages[0].model.engine: the vLLM engine (KvRelayConnector) is not available in this build; "
-                "use the built-in engine with {path: DIR} for a Llama-family checkpoint"
-            )
+        if ar.model.engine == "vllm" and ar.transport not in ("mooncake", "grpc"):
+            raise ValueError(f"stages[0].model.engine: vllm writes over mooncake or grpc, not {ar.transport}")
         if ar.sequence_parallel_size != 1:
             raise ValueError("stages[0].sequence_parallel_size: the AR stage supports tensor parallelism only")
         if dit.model.engine != "builtin":

@@ -3,7 +3,8 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k broker
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+# --vllm: CI runs the tests of the AR's engine: vllm too (tests/vllm).
+./scripts/setup.sh --vllm
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== ruff"; ruff check .

@@ -147,5 +147,12 @@ def test_rejects_features_not_in_this_build(base: dict[str, Any]) -> None:
     data["stages"][1]["advertise_host"] = "10.0.0.2"
     _reject(data, "CudaIpcConnector", "one host")
     data = copy.deepcopy(base)
-    data["stages"][0]["model"] = {"engine": "vllm", "path": "/models/llama"}
-    _reject(data, "engine", "vLLM", "not available")
+    data["stages"][0]["model"] = {"engine": "vllm"}
+    _reject(data, "model.path is required")
+    data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"preset": "tiny", "vllm_args": {"enforce_eager": True}}
+    _reject(data, "vllm_args", "engine: vllm")
+    data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"engine": "vllm", "path": "/models/llama", "vllm_args": {"enforce_eager": True}}
+    accepted = parse_config(data)
+    assert accepted.ar_stage.model.engine == "vllm" and accepted.ar_stage.model.vllm_args == {"enforce_eager": True}

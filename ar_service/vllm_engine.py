@@ -1,0 +1,437 @@
+"""The AR stage run by vLLM (`model: {engine: vllm, path: DIR}`): engine arguments, the
+KVTransferConfig kvrelay builds for its `KvRelayConnector`, and the rank handler that hosts the
+engine.
+
+The handler answers the same commands as the built-in AR's rank handler (engine.py:
+`DescribeRank`, `PrefillTicket`, `WriteTicket`, `DropTicket`, `HeldTickets`), so the AR service
+(Prefill protocol, arming, reports, ledger) is the same code for both engines. It runs in one
+kvrelay worker process (spawned, dies with the service) that hosts vLLM's engine in-process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the handler drives the engine's steps itself, so a held
+request's blocks go back to vLLM at the step right after its writes end. vLLM's own TP workers
+(tensor_parallel_size > 1) are vLLM's processes; every command reaches all of them through
+`collective_rpc`.
+
+Prefill runs each CFG row as one vLLM request with `max_tokens=1` whose KV the connector keeps
+when the request finishes. Settings that would break that hand-off are refused at start with the
+setting named (REFUSED_ARGS); chunked prefill is allowed (the blocks are read only after the
+whole prompt is computed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvrelay.ar_service.engine import (
+    DescribeRank,
+    DropTicket,
+    HeldTickets,
+    PrefillDone,
+    PrefillTicket,
+    RankDescription,
+    WriteDone,
+    WriteTicket,
+)
+from kvrelay.config import ConfigError, StageConfig
+from kvrelay.logging import get_logger
+from kvrelay.worker import RankContext
+
+log = get_logger(__name__)
+
+CONNECTOR_NAME = "KvRelayConnector"
+CONNECTOR_MODULE = "kvrelay.ar_service.vllm_connector"
+INSTALL_HINT = (
+    "engine: vllm needs vLLM: run scripts/setup.sh --vllm (or pip install 'kvrelay[vllm]'), see docs/ar.md"
+)
+
+# vLLM settings that would break the hand-off of a request's blocks, refused at start.
+REFUSED_ARGS: dict[str, str] = {
+    "enable_prefix_caching": "prefix caching shares cached blocks between requests, so a held "
+    "request's blocks could be another request's prefix; kvrelay turns it off",
+    "speculative_config": "speculative decoding is not supported with KvRelayConnector",
+    "enable_sleep_mode": "sleep mode unmaps the KV cache that held requests are written from",
+    "kv_transfer_config": "kvrelay builds the KVTransferConfig itself (KvRelayConnector)",
+    "model": "set model.path instead",
+    "tensor_parallel_size": "set the stage's tensor_parallel_size instead",
+    "max_num_seqs": "set the stage's max_num_seqs instead",
+    "dtype": "set model.dtype instead",
+    "tokenizer": "set model.tokenizer instead",
+}
+# Allowed but pinned to what the hand-off needs.
+_MUST_BE: dict[str, Any] = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
+
+
+def check_vllm_args(args: dict[str, Any]) -> None:
+    """Refuse the vLLM settings kvrelay cannot honour, naming the setting (ConfigError)."""
+    for key, value in args.items():
+        if key in REFUSED_ARGS and not (key == "enable_prefix_caching" and value is False):
+            raise ConfigError(f"stages[0].model.vllm_args.{key}: {REFUSED_ARGS[key]}")
+        if key in _MUST_BE and value != _MUST_BE[key]:
+            raise ConfigError(
+                f"stages[0].model.vllm_args.{key}: must be {_MUST_BE[key]} with KvRelayConnector"
+            )
+
+
+def kv_transfer_config(stage: StageConfig) -> dict[str, Any]:
+    """The stage's transfer config as vLLM KVTransferConfig fields for kvrelay's connector (never
+    vLLM's own MooncakeConnector): the transport and its options travel in the extra config."""
+    extra: dict[str, Any] = {
+        "transport": stage.transport,
+        "hostname": stage.advertise_host,
+        "mooncake_protocol": stage.mooncake_protocol,
+        "device_name": str(stage.extra.get("device_name", "")),
+        # The stage's per-worker memory budget is each vLLM worker's staging buffer.
+        "staging_bytes": stage.kv_cache_memory_bytes,
+    }
+    engine_id = stage.kv_transfer_config.engine_id if stage.kv_transfer_config else None
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "engine_id": engine_id or "ar",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Asked by tests: what the engine still holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatsReply:
+    held_request_ids: tuple[str, ...]  # requests whose blocks the connector holds
+    held_tickets: tuple[str, ...]
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadHeld:
+    """Asked by tests: vLLM's cache content of a held ticket's rows, per TP rank."""
+
+    ticket_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class VllmRankSpec:
+    """The picklable factory WorkerGroup hands its one process: `spec(ctx) -> VllmRankHandler`."""
+
+    path: str
+    tokenizer: str | None
+    dtype: str | None
+    tensor_parallel_size: int
+    max_num_seqs: int
+    transfer: dict[str, Any]
+    vllm_args: dict[str, Any] = field(default_factory=dict)
+    prefill_timeout_s: float = 300.0
+
+    def __call__(self, ctx: RankContext) -> VllmRankHandler:
+        return VllmRankHandler(ctx, self)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": self.path,
+            "tokenizer": self.tokenizer or self.path,
+            "dtype": self.dtype or "auto",
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "max_num_seqs": self.max_num_seqs,
+            "enable_prefix_caching": False,
+            "gpu_memory_utilization": 0.3,
+            # Engine start in seconds rather than minutes; override with vllm_args.enforce_eager: false.
+            "enforce_eager": True,
+            "seed": 0,
+        }
+        kwargs.update(self.vllm_args)
+        return kwargs
+
+
+def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
+    """The rank spec of an `engine: vllm` AR stage; ConfigError names a refused setting."""
+    model = stage.model
+    assert model.path is not None  # the config requires it with engine: vllm
+    check_vllm_args(model.vllm_args)
+    return VllmRankSpec(
+        path=model.path,
+        tokenizer=model.tokenizer,
+        dtype=model.dtype,
+        tensor_parallel_size=stage.tensor_parallel_size,
+        max_num_seqs=stage.max_num_seqs,
+        transfer=kv_transfer_config(stage),
+        vllm_args=dict(model.vllm_args),
+    )
+
+
+def engine_env() -> dict[str, str]:
+    """Environment of the process that hosts vLLM (set before vLLM is imported)."""
+    return {
+        # The engine core runs in the handler's process: the handler drives its steps.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+    }
+
+
+class VllmStartError(RuntimeError):
+    """vLLM could not start; the message says what and how to fix it."""
+
+
+class VllmRankHandler:
+    def __init__(self, ctx: RankContext, spec: VllmRankSpec) -> None:
+        self.ctx = ctx
+        self.spec = spec
+        for key, value in engine_env().items():
+            os.environ.setdefault(key, value)
+        if not (Path(spec.path) / "config.json").is_file():
+            raise VllmStartError(f"model.path {spec.path!r} is not a model directory (no config.json)")
+        try:
+            from vllm import LLMEngine
+            from vllm.config import KVTransferConfig
+            from vllm.engine.arg_utils import EngineArgs
+        except ImportError as exc:
+            raise VllmStartError(f"{INSTALL_HINT} ({exc})") from exc
+        try:
+            args = EngineArgs(**spec.engine_kwargs(), kv_transfer_config=KVTransferConfig(**spec.transfer))
+        except TypeError as exc:
+            raise VllmStartError(f"stages[0].model.vllm_args: {exc}") from exc
+        started = time.perf_counter()
+        try:
+            self.engine = LLMEngine.from_engine_args(args)
+        except Exception as exc:
+            raise VllmStartError(
+                f"vLLM failed to start for {spec.path}: {type(exc).__name__}: {exc}"
+            ) from exc
+        model_config = self.engine.vllm_config.model_config
+        self.max_tokens = int(model_config.max_model_len)
+        self.vocab = int(model_config.get_vocab_size())
+        self.block_size = int(self.engine.vllm_config.cache_config.block_size)
+        # ticket -> its rows as the connector holds them
+        self._held: dict[str, tuple[Any, ...]] = {}
+        self._descriptions = self.engine.collective_rpc(_describe)
+        log.info(
+            "vllm_engine_started",
+            path=spec.path,
+            seconds=round(time.perf_counter() - started, 1),
+            tp=spec.tensor_parallel_size,
+            block_size=self.block_size,
+            blocks=self._scheduler().kv_cache_manager.block_pool.num_gpu_blocks,
+        )
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def handle(self, command: Any) -> Any:
+        if isinstance(command, PrefillTicket):
+            return self._prefill(command)
+        if isinstance(command, WriteTicket):
+            return self._write(command)
+        if isinstance(command, DropTicket):
+            self._drop(command.ticket_id)
+            return None
+        if isinstance(command, DescribeRank):
+            return self._describe()
+        if isinstance(command, HeldTickets):
+            return sorted(self._held)
+        if isinstance(command, EngineStats):
+            return self._stats()
+        if isinstance(command, ReadHeld):
+            from kvrelay.ar_service.vllm_connector import read_on_worker
+
+            rows = self._held[command.ticket_id]
+            return [self.engine.collective_rpc(read_on_worker, args=(row,)) for row in rows]
+        raise TypeError(f"unknown AR rank command {type(command).__name__}")
+
+    def _scheduler(self) -> Any:
+        # In-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0): LLMEngine -> InprocClient -> EngineCore.
+        return self.engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+
+    def _describe(self) -> RankDescription:
+        first = self._descriptions[0]
+        return RankDescription(
+            rank=self.ctx.rank,
+            pid=os.getpid(),
+            device=self.ctx.device,
+            num_layers=first.num_layers,
+            num_kv_heads=first.num_kv_heads_local * self.spec.tensor_parallel_size,
+            head_dim=first.head_dim,
+            dtype=first.dtype,
+            max_tokens=self.max_tokens,
+            vocab=self.vocab,
+            transport=first.transport,
+            session=",".join(d.session for d in self._descriptions),
+            staging_bytes=first.staging_bytes,
+        )
+
+    def _stats(self) -> EngineStatsReply:
+        scheduler = self._scheduler()
+        pool = scheduler.kv_cache_manager.block_pool
+        return EngineStatsReply(
+            held_request_ids=tuple(sorted(scheduler.connector.held_requests())),
+            held_tickets=tuple(sorted(self._held)),
+            free_blocks=int(pool.get_num_free_blocks()),
+            # Block 0 is vLLM's null block: never free, never handed out.
+            total_blocks=int(pool.num_gpu_blocks) - 1,
+            block_size=self.block_size,
+        )
+
+    # -- prefill ---------------------------------------------------------------------------------
+
+    def _prefill(self, cmd: PrefillTicket) -> PrefillDone:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from kvrelay.ar_service.vllm_connector import ROW_KEY, TICKET_KEY, HeldRow
+
+        # A retried prefill must not hold the blocks twice.
+        self._drop(cmd.ticket_id)
+        request_ids = [f"{cmd.ticket_id}/{row}" for row in range(len(cmd.rows))]
+        start = time.perf_counter()
+        held: dict[str, Any] = {}
+        unheld: list[str] = []
+        deadline = time.monotonic() + self.spec.prefill_timeout_s
+        try:
+            for row, (request_id, ids) in enumerate(zip(request_ids, cmd.rows, strict=True)):
+                params = SamplingParams(
+                    max_tokens=1,
+                    temperature=0.0,
+                    extra_args={"kv_transfer_params": {TICKET_KEY: cmd.ticket_id, ROW_KEY: row}},
+                )
+                self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
+            while len(held) + len(unheld) < len(request_ids):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"vLLM did not finish the prefill within {self.spec.prefill_timeout_s:.0f}s"
+                    )
+                for out in self.engine.step():
+                    if not out.finished or out.request_id not in request_ids:
+                        continue
+                    kept: dict[str, Any] = getattr(out, "kv_transfer_params", None) or {}
+                    if kept.get("kvrelay_held"):
+                        held[out.request_id] = HeldRow(
+                            row=request_ids.index(out.request_id),
+                            request_id=str(kept["kvrelay_request_id"]),
+                            block_ids=tuple(kept["kvrelay_block_ids"]),
+                            num_tokens=int(kept["kvrelay_num_tokens"]),
+                        )
+                    else:
+                        unheld.append(out.request_id)
+        except BaseException:
+            # Aborted requests free their blocks at once (the connector holds only complete rows);
+            # the steps let the scheduler act on the abort before the next command.
+            self.engine.abort_request([r for r in request_ids if r not in held and r not in unheld])
+            self._release([h.request_id for h in held.values()])
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        seconds = time.perf_counter() - start
+        if unheld:
+            self._release([h.request_id for h in held.values()])
+            raise RuntimeError(f"vLLM ended rows {sorted(unheld)} without their KV (aborted or failed)")
+        rows = tuple(sorted(held.values(), key=lambda h: h.row))
+        self._held[cmd.ticket_id] = rows
+        for row, ids in zip(rows, cmd.rows, strict=True):
+            if row.num_tokens != len(ids):
+                self._drop(cmd.ticket_id)
+                raise RuntimeError(
+                    f"row {row.row}: vLLM computed {row.num_tokens} tokens, expected {len(ids)}"
+                )
+        first = self._descriptions[0]
+        item = 4 if first.dtype == "float32" else 2
+        kv_bytes = sum(
+            r.num_tokens * first.num_layers * 2 * first.num_kv_heads_local * first.head_dim * item
+            for r in rows
+        )
+        return PrefillDone(self.ctx.rank, tuple(len(ids) for ids in cmd.rows), kv_bytes, seconds)
+
+    # -- write / drop ------------------------------------------------------------------------------
+
+    def _write(self, cmd: WriteTicket) -> WriteDone:
+        from kvrelay.ar_service.vllm_connector import VllmWriteTicket, write_on_worker
+        from kvrelay.transfer.transport import not_started_outcomes
+
+        rows = self._held.pop(cmd.ticket_id, None)
+        if rows is None:
+            mine = [w for w in cmd.plan]
+            return WriteDone(
+                self.ctx.rank,
+                tuple(not_started_outcomes(mine, "vLLM holds no KV for this ticket")),
+                0,
+                0.0,
+                0.0,
+            )
+        try:
+            done: list[WriteDone] = self.engine.collective_rpc(
+                write_on_worker, args=(VllmWriteTicket(cmd, rows),)
+            )
+        finally:
+            # Each worker released the rows' blocks once its writes had final outcomes; these steps
+            # let the scheduler learn it (finished_sending) and free them.
+            self._settle([r.request_id for r in rows])
+        return WriteDone(
+            self.ctx.rank,
+            tuple(o for d in done for o in d.outcomes),
+            sum(d.packed_bytes for d in done),
+            max((d.pack_seconds for d in done), default=0.0),
+            max((d.write_seconds for d in done), default=0.0),
+        )
+
+    def _drop(self, ticket_id: str) -> None:
+        rows = self._held.pop(ticket_id, None)
+        if rows:
+            self._release([r.request_id for r in rows])
+
+    def _release(self, request_ids: list[str]) -> None:
+        from kvrelay.ar_service.vllm_connector import release_on_worker
+
+        if request_ids:
+            self.engine.collective_rpc(release_on_worker, args=(request_ids,))
+            self._settle(request_ids)
+
+    def _settle(self, request_ids: list[str], timeout_s: float = 30.0) -> None:
+        connector = self._scheduler().connector
+        deadline = time.monotonic() + timeout_s
+        while any(r in connector.held_requests() for r in request_ids):
+            if time.monotonic() > deadline:
+                log.error("vllm_blocks_not_returned", request_ids=request_ids)
+                return
+            self.engine.step()
+
+    def close(self) -> None:
+        for ticket_id in list(self._held):
+            self._drop(ticket_id)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            shutdown = getattr(engine.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+
+def _describe(worker: Any) -> Any:
+    from kvrelay.ar_service.vllm_connector import describe_worker
+
+    return describe_worker(worker)
+
+
+class VllmTokenizer:
+    """vLLM's tokenizer for a model directory, in the AR service process (Tokenize and Prefill's
+    validation): the Hugging Face tokenizer vLLM loads (`AutoTokenizer`), ids with special tokens
+    as vLLM adds them to a completion prompt. Prefill sends vLLM these ids, never the text, so the
+    counts the broker reserved are the tokens vLLM computes."""
+
+    def __init__(self, directory: str) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(directory)
+        self.vocab_size = len(self._tok)
+        self.bos_id: int | None = self._tok.bos_token_id
+        self.eos_id: int | None = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self._tok.encode(text, add_special_tokens=True)]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))

@@ -1,0 +1,183 @@
+"""vLLM as the AR engine, at the rank-handler level: one real vLLM engine (CPU) in a kvrelay worker
+process, running a tiny random Llama built at test time, with KvRelayConnector loaded by vLLM from
+the KVTransferConfig kvrelay builds. One engine start for the whole module.
+
+Checked: vLLM's KV (read out of its paged blocks) equals the built-in torch AR's on the same
+checkpoint within fp32 tolerance; a ticket written over real Mooncake lands in DiT-layout pages
+equal to vLLM's cache bit for bit (TP=1 -> two destination head shards); dropped tickets and
+aborted requests give every block back to vLLM; the tokenizer the AR service uses is vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="engine: vllm needs vLLM (scripts/setup.sh --vllm)")
+
+from kvrelay.ar_service.engine import DescribeRank, DropTicket, HeldTickets, PrefillTicket, WriteTicket  # noqa: E402
+from kvrelay.ar_service.model import build_ar_model  # noqa: E402
+from kvrelay.ar_service.vllm_engine import (  # noqa: E402
+    EngineStats,
+    ReadHeld,
+    VllmRankSpec,
+    VllmTokenizer,
+    engine_env,
+)
+from kvrelay.transfer.layout import KvGeometry, PageLayout  # noqa: E402
+from kvrelay.transfer.pack import read_row  # noqa: E402
+from kvrelay.transfer.planner import RowSpec, plan_transfer  # noqa: E402
+from kvrelay.transfer.transport import make_receiver  # noqa: E402
+from kvrelay.worker import WorkerCommandError, WorkerGroup  # noqa: E402
+from tests.vllm.checkpoint import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, build_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PAGE_SIZE = 16
+PROMPT = "a small red boat on a calm lake at dawn, oil painting, soft light" * 3
+# Pools registered with the test process's one Mooncake engine stay registered for its lifetime.
+_REGISTERED: list[torch.Tensor] = []
+
+
+def _spec(path: Path, transport: str) -> VllmRankSpec:
+    return VllmRankSpec(
+        path=str(path),
+        tokenizer=None,
+        dtype="float32",
+        tensor_parallel_size=1,
+        max_num_seqs=2,
+        transfer={
+            "kv_connector": "KvRelayConnector",
+            "kv_connector_module_path": "kvrelay.ar_service.vllm_connector",
+            "kv_role": "kv_producer",
+            "engine_id": "ar",
+            "kv_connector_extra_config": {
+                "transport": transport,
+                "hostname": "127.0.0.1",
+                "mooncake_protocol": "tcp",
+                "staging_bytes": 8 << 20,
+            },
+        },
+        # Small batches: a long prompt takes several steps (chunked prefill), as on a busy engine.
+        vllm_args={"max_model_len": 1024, "max_num_batched_tokens": 128, "enable_chunked_prefill": True},
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Iterator[WorkerGroup]:
+    with WorkerGroup(1, _spec(checkpoint, "mooncake"), env=engine_env(), name="kvrelay-vllm-test") as group:
+        yield group
+        assert group.call_all(HeldTickets()) == [[]]
+
+
+def _stats(group: WorkerGroup) -> Any:
+    return group.call_all(EngineStats())[0]
+
+
+def _assert_all_blocks_free(group: WorkerGroup) -> None:
+    stats = _stats(group)
+    assert stats.held_request_ids == () and stats.held_tickets == ()
+    assert stats.free_blocks == stats.total_blocks, stats
+
+
+def test_description_is_the_checkpoints_geometry(engine: WorkerGroup) -> None:
+    (desc,) = engine.call_all(DescribeRank())
+    assert (desc.num_layers, desc.num_kv_heads, desc.head_dim, desc.dtype) == (
+        NUM_LAYERS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        "float32",
+    )
+    assert desc.max_tokens == 1024 and desc.transport == "mooncake" and ":" in desc.session
+    _assert_all_blocks_free(engine)
+
+
+def test_tokenizer_is_vllms(checkpoint: Path) -> None:
+    from vllm.tokenizers import get_tokenizer
+
+    ours = VllmTokenizer(str(checkpoint))
+    theirs = get_tokenizer(str(checkpoint))
+    for text in (PROMPT, "", "héllo wörld ✓"):
+        assert ours.encode(text) == list(theirs.encode(text))
+    assert ours.encode("")[0] == ours.bos_id
+
+
+def test_kv_matches_builtin_ar_and_drop_returns_blocks(engine: WorkerGroup, checkpoint: Path) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    rows = (tuple(tok.encode(PROMPT)), tuple(tok.encode("")))
+    assert len(rows[0]) > 128  # spans several blocks and several chunked-prefill steps
+    (done,) = engine.call_all(PrefillTicket("parity", rows))
+    assert done.token_counts == (len(rows[0]), len(rows[1]))
+    stats = _stats(engine)
+    assert stats.held_tickets == ("parity",) and len(stats.held_request_ids) == 2
+    assert stats.free_blocks == stats.total_blocks - 2 - 1  # 2 blocks for row 0, 1 for row 1
+    (per_row,) = engine.call_all(ReadHeld("parity"))
+    builtin = build_ar_model(path=checkpoint, dtype="float32")
+    for ids, (kv,) in zip(rows, per_row, strict=True):
+        ref = builtin.prefill(list(ids))
+        assert kv.shape == ref.shape == (NUM_LAYERS, 2, NUM_KV_HEADS, len(ids), HEAD_DIM)
+        torch.testing.assert_close(kv, ref, rtol=1e-4, atol=1e-4)
+    engine.call_all(DropTicket("parity"))
+    _assert_all_blocks_free(engine)
+
+
+def test_written_pages_equal_vllm_cache_bit_for_bit(engine: WorkerGroup, checkpoint: Path) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    rows_ids = (tuple(tok.encode(PROMPT[:150])), tuple(tok.encode("blurry")))
+    geometry = KvGeometry(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", PAGE_SIZE)
+    dst_shards = 2
+    layouts = [PageLayout(geometry, dst_shards, r) for r in range(dst_shards)]
+    num_pages = 32
+    pools = [torch.full((lay.pool_bytes(num_pages),), 0xA5, dtype=torch.uint8) for lay in layouts]
+    _REGISTERED.extend(pools)
+    receiver = make_receiver("mooncake", hostname="127.0.0.1")
+    destinations = tuple(receiver.register_region(pool, rank) for rank, pool in enumerate(pools))
+    # Rows on scattered, non-contiguous pages.
+    specs, next_page = [], 1
+    for row, ids in enumerate(rows_ids):
+        n = -(-len(ids) // PAGE_SIZE)
+        specs.append(RowSpec(row, len(ids), tuple(range(next_page, next_page + 2 * n, 2))))
+        next_page += 2 * n + 1
+    plan = plan_transfer(geometry, 1, dst_shards, specs)
+
+    engine.call_all(PrefillTicket("bits", rows_ids))
+    (cache_rows,) = engine.call_all(ReadHeld("bits"))
+    (done,) = engine.call_all(
+        WriteTicket("bits", tuple(specs), geometry, 1, dst_shards, plan, destinations, timeout_s=30.0)
+    )
+    assert sorted((o.row, o.dst_rank, o.status) for o in done.outcomes) == [
+        (r, d, "OK") for r in range(2) for d in range(dst_shards)
+    ]
+    for row, (kv,) in enumerate(cache_rows):
+        for rank, layout in enumerate(layouts):
+            landed = read_row(pools[rank], layout, specs[row])
+            lo = rank * NUM_KV_HEADS // dst_shards
+            hi = lo + NUM_KV_HEADS // dst_shards
+            # Bit for bit: the same bytes, not just close values.
+            assert torch.equal(landed.view(torch.int32), kv[:, :, lo:hi].contiguous().view(torch.int32))
+    for o in done.outcomes:
+        assert o.checksum != 0 and o.bytes > 0
+    # Every write had a final outcome: the blocks are back with vLLM.
+    _assert_all_blocks_free(engine)
+
+
+def test_aborted_request_returns_its_blocks(engine: WorkerGroup, checkpoint: Path) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    good = tuple(tok.encode(PROMPT))
+    bad = (tok.bos_id or 0, 10_000_000)  # outside the vocabulary: vLLM refuses the row
+    with pytest.raises(WorkerCommandError):
+        engine.call_all(PrefillTicket("aborted", (good, bad)))
+    # The good row was already queued in vLLM: it was aborted and its blocks freed, none held.
+    _assert_all_blocks_free(engine)
+    # The engine serves the next ticket normally.
+    engine.call_all(PrefillTicket("after", (good,)))
+    engine.call_all(DropTicket("after"))
+    _assert_all_blocks_free(engine)
