@@ -121,6 +121,8 @@ class ArRankSpec:
     protocol: str = "tcp"
     device_name: str = ""
     staging_bytes: int = 64 << 20
+    # "kvrelay" (preset / Llama-family path) or "bagel" / "demo" (a BAGEL-layout directory).
+    model_format: str = "kvrelay"
 
     def __call__(self, ctx: RankContext) -> ArRankHandler:
         return ArRankHandler(ctx, self)
@@ -135,14 +137,20 @@ class ArRankHandler:
 
         self.ctx = ctx
         self.spec = spec
-        self.model = build_ar_model(
-            preset=spec.preset,
-            path=spec.path,
-            seed=spec.weight_seed,
-            tp=ctx.tp,
-            device=ctx.device,
-            dtype=spec.dtype,
-        )
+        if spec.model_format in ("bagel", "demo"):
+            from kvrelay.models.bagel import build_ar
+
+            assert spec.path is not None
+            self.model: Any = build_ar(spec.path, tp=ctx.tp, device=ctx.device, dtype=spec.dtype)
+        else:
+            self.model = build_ar_model(
+                preset=spec.preset,
+                path=spec.path,
+                seed=spec.weight_seed,
+                tp=ctx.tp,
+                device=ctx.device,
+                dtype=spec.dtype,
+            )
         # KV per ticket, per row: [layers, 2, kv_heads_local, T, head_dim] on the model's device.
         self._held: dict[str, dict[int, Any]] = {}
         pin = ctx.device.startswith("cuda") and torch.cuda.is_available()

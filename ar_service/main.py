@@ -53,9 +53,12 @@ def _rank_spec(stage: StageConfig) -> ArRankSpec | VllmRankSpec:
         raise ConfigError(
             f"stages[0].kv_transfer_config.kv_connector: the AR does not support {transport!r} yet"
         )
+    from kvrelay.models.formats import model_dir
+
     return ArRankSpec(
-        preset=stage.model.preset if stage.model.path is None else None,
-        path=stage.model.path,
+        preset=stage.model.preset if model_dir(stage.model) is None else None,
+        path=model_dir(stage.model),
+        model_format=stage.model.format,
         weight_seed=stage.model.weight_seed,
         dtype=stage.model.dtype,
         transport=transport,
@@ -171,7 +174,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
 
             tokenizer: Tokenizer = VllmTokenizer(stage.model.tokenizer or rank_spec.path)
         else:
-            tokenizer = load_tokenizer(stage.model.tokenizer)
+            tokenizer = load_tokenizer(stage.model.tokenizer, model=stage.model)
         state = ArReplicaState(
             replica_id=replica_id,
             incarnation_id=incarnation_id,

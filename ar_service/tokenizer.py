@@ -9,7 +9,7 @@ default install does not need it. Owns text -> ids; never the model or the promp
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvrelay.models.presets import BOS_ID, BYTE_TOKENIZER_VOCAB, BYTE_VOCAB, EOS_ID, PAD_ID
 
@@ -73,8 +73,42 @@ class HfTokenizer:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
 
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """The byte tokenizer, or the Hugging Face tokenizer at `path` (a directory or tokenizer.json)."""
+def load_tokenizer(path: str | Path | None = None, *, model: Any = None) -> Tokenizer:
+    """The byte tokenizer, or the Hugging Face tokenizer at `path` (a directory or tokenizer.json);
+    for a BAGEL-format `model` (ModelConfig), BAGEL's prompt wrapping over its tokenizer.json."""
+    if model is not None and model.format in ("bagel", "demo"):
+        from kvrelay.models.formats import model_dir
+
+        return BagelTokenizer(path or model_dir(model))
     if path is None:
         return ByteTokenizer()
     return HfTokenizer(path)
+
+
+class BagelTokenizer:
+    """BAGEL's prompt: `<|im_start|>` + the Qwen2 tokens of the text + `<|im_end|>`
+    (Bagel.prepare_prompts); the empty prompt (the unconditional CFG row) is those two alone."""
+
+    def __init__(self, directory: str | Path):
+        from tokenizers import Tokenizer as _HfTokenizer
+
+        from kvrelay.models.bagel import BOS_TOKEN, EOS_TOKEN
+
+        path = Path(directory)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self._tok = _HfTokenizer.from_file(str(file))
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        bos, eos = self._tok.token_to_id(BOS_TOKEN), self._tok.token_to_id(EOS_TOKEN)
+        if bos is None or eos is None:
+            raise ValueError(f"{file}: no {BOS_TOKEN} / {EOS_TOKEN} tokens: not a BAGEL tokenizer")
+        self.bos_id: int | None = int(bos)
+        self.eos_id: int | None = int(eos)
+
+    def encode(self, text: str) -> list[int]:
+        assert self.bos_id is not None and self.eos_id is not None
+        return [self.bos_id, *self._tok.encode(text, add_special_tokens=False).ids, self.eos_id]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=True))

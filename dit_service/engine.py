@@ -106,6 +106,8 @@ class DitRankSpec:
     mooncake_device_name: str = ""
     # A directory written by DitRunner.save_checkpoint; None = random weights from weight_seed.
     checkpoint: str | None = None
+    # "kvrelay" (DitRunner over a preset) or "bagel" / "demo" (BagelDitRunner over `checkpoint`).
+    model_format: str = "kvrelay"
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -124,10 +126,19 @@ class DitRankHandler:
         self._torch = torch
         device = torch.device(ctx.device)
         dtype = torch_dtype(spec.dtype) if spec.dtype else None
-        self.runner = DitRunner(
-            spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
-            weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
-        )
+        if spec.model_format in ("bagel", "demo"):
+            from kvrelay.dit_service.bagel import BagelDitRunner
+
+            assert spec.checkpoint is not None
+            self.runner: Any = BagelDitRunner(
+                spec.checkpoint, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
+                device=device, dtype=dtype,
+            )
+        else:
+            self.runner = DitRunner(
+                spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
+                weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
+            )
         self.layout = self.runner.page_layout(spec.page_size)
         pool_spec = spec.pools[ctx.rank]
         if pool_spec.num_bytes != self.layout.pool_bytes(spec.num_pages):

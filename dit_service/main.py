@@ -74,7 +74,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         replica_id_for,
     )
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
-    from kvrelay.models.presets import get_preset
+    from kvrelay.models.formats import model_dir, model_preset
     from kvrelay.ports import PortInUse
     from kvrelay.server import GRPC_OPTIONS
     from kvrelay.transfer.transport import RegionDescriptor
@@ -87,7 +87,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     if not 0 <= replica < stage.num_replicas:
         print(f"kvrelay dit: --replica {replica} out of range: the DiT stage has {stage.num_replicas} replica(s)")
         return 2
-    if stage.model.preset is None:
+    if stage.model.format == "kvrelay" and stage.model.preset is None:
         print("kvrelay dit: stages[1].model.preset is required: it names the DiT's shape (path: DIR adds weights)")
         return 2
     incarnation_id = new_incarnation_id()
@@ -127,7 +127,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         print(f"kvrelay dit listening on {server.address}", flush=True)
         endpoint = f"{stage.advertise_host}:{server.bound_port}"
 
-        preset = get_preset(stage.model.preset)
+        preset = model_preset(stage.model)
         geometry = dit_geometry(preset, stage.page_size, stage.model.dtype)
         world = stage.world_size
         # The pid in the names tells an operator (and tests) whose pools a /dev/shm file holds.
@@ -137,7 +137,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         metrics.pages.labels(replica_id).set(memory.num_pages)
         spec = DitRankSpec(
             preset=preset.name, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype,
-            checkpoint=stage.model.path,
+            checkpoint=model_dir(stage.model), model_format=stage.model.format,
             tp=stage.tensor_parallel_size, sp=stage.sequence_parallel_size, page_size=stage.page_size,
             num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
             slots=stage.max_num_seqs, transport=stage.transport, mooncake_host=stage.advertise_host,

@@ -56,6 +56,10 @@ class BrokerConfig(_Strict):
 class ModelConfig(_Strict):
     preset: str | None = None
     engine: Literal["builtin", "vllm"] = "builtin"
+    # kvrelay: a built-in preset (random weights, or a checkpoint of it at `path`);
+    # bagel: a BAGEL-7B-MoT-layout directory at `path` (docs/models.md);
+    # demo: the bundled demo model (a tiny BAGEL trained by scripts/train_demo.py), `path` optional.
+    format: Literal["kvrelay", "bagel", "demo"] = "kvrelay"
     path: str | None = None
     tokenizer: str | None = None
     weight_seed: int = 0
@@ -69,6 +73,12 @@ class ModelConfig(_Strict):
             raise ValueError("model.vllm_args is for engine: vllm only")
         if self.engine == "vllm" and not self.path:
             raise ValueError("model.path is required with engine: vllm")
+        if self.format != "kvrelay":
+            if self.preset is not None:
+                raise ValueError(f"model.preset does not apply to format {self.format}: the directory fixes the shape")
+            if self.format == "bagel" and not self.path:
+                raise ValueError("model.path (the BAGEL checkpoint directory) is required with format: bagel")
+            return self
         if self.preset is None and self.path is None:
             raise ValueError("model needs a preset or a path")
         return self
