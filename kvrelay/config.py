@@ -74,6 +74,8 @@ class ModelConfig(_Strict):
         if self.engine == "vllm" and not self.path:
             raise ValueError("model.path is required with engine: vllm")
         if self.format != "kvrelay":
+            if self.engine != "builtin":
+                raise ValueError(f"model.format {self.format} runs on the built-in engine only")
             if self.preset is not None:
                 raise ValueError(f"model.preset does not apply to format {self.format}: the directory fixes the shape")
             if self.format == "bagel" and not self.path:
