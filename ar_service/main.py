@@ -23,7 +23,7 @@ import grpc
 from kvrelay.ar_service.engine import ArRankSpec
 from kvrelay.ar_service.vllm_engine import VllmRankSpec
 from kvrelay.config import ConfigError, KvRelayConfig, StageConfig, load_config
-from kvrelay.logging import configure_logging, get_logger
+from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
 from kvrelay.v1 import ar_pb2_grpc
 
@@ -283,6 +283,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
 def run(args: argparse.Namespace) -> int:
     replica = getattr(args, "replica", 0)
     configure_logging(args.log_level, process=f"ar-{replica}")
+    capture_native_output(f"ar-{replica}")
     try:
         cfg = load_config(args.config)
     except ConfigError as err:
@@ -301,5 +302,6 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if code == EXIT_FAIL_STOP:
         # Fail stop: do not run interpreter teardown that could block on a wedged thread.
+        flush_native_output()
         os._exit(EXIT_FAIL_STOP)
     return code

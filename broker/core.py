@@ -165,17 +165,25 @@ class BrokerCore:
             raise Unauthenticated("BAD_REGISTRATION_TOKEN", "RegisterReplica: the registration token is wrong")
         now = self.clock()
         old = self.registry.find(spec.replica_id)
+        old_was_up = old is not None and old.up(now)
         kind, record = self.registry.register(spec, now, self.lease_seconds)
         changed: list[TicketRecord] = []
         if kind is Registration.NEW_INCARNATION:
             assert old is not None
-            log.warning(
+            old_incarnation = old.spec.incarnation_id
+            changed = self._old_incarnation_gone(spec)
+            # Every start of a node registers new incarnations over the journal's old ones: after
+            # a clean stop or a lapsed lease that is routine. Only replacing a live incarnation,
+            # or one that left tickets behind, deserves a warning.
+            notice = log.warning if old_was_up or changed else log.info
+            notice(
                 "replica_new_incarnation",
                 replica_id=spec.replica_id,
-                old_incarnation=old.spec.incarnation_id,
+                old_incarnation=old_incarnation,
                 incarnation=spec.incarnation_id,
+                old_was_up=old_was_up,
+                tickets_changed=len(changed),
             )
-            changed = self._old_incarnation_gone(spec)
         elif kind is Registration.SAME_INCARNATION:
             changed = self._reconcile(spec, unresolved_writes, held_ticket_ids)
         if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:

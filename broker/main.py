@@ -21,7 +21,7 @@ from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
-from kvrelay.logging import configure_logging, get_logger
+from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.ports import PortInUse
 from kvrelay.server import GrpcServer
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -88,6 +88,7 @@ async def serve(cfg: KvRelayConfig, host: str, port: int, metrics_port: int | No
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, process="broker")
+    capture_native_output("broker")
     try:
         cfg = load_config(args.config)
     except ConfigError as err:

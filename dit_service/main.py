@@ -18,7 +18,7 @@ import os
 import sys
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
-from kvrelay.logging import configure_logging, get_logger
+from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.server import GrpcServer
 from kvrelay.v1 import dit_pb2, dit_pb2_grpc
 
@@ -226,6 +226,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, process=f"dit-{args.replica}")
+    capture_native_output(f"dit-{args.replica}")
     try:
         cfg = load_config(args.config)
     except ConfigError as err:

@@ -76,11 +76,11 @@ class DitMetrics:
         self.registry = CollectorRegistry()
         buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
         self.phase_seconds = Histogram(
-            "kvrelay_phase_seconds", "Seconds per request phase, measured where it happens",
+            "kvrelay_dit_phase_seconds", "Seconds per request phase, measured where it happens",
             ["phase"], buckets=buckets, registry=self.registry,
         )
         self.transfer_bytes = Counter(
-            "kvrelay_transfer_bytes_total", "KV bytes received and verified into DiT pages",
+            "kvrelay_dit_received_bytes_total", "KV bytes received and verified into DiT pages",
             ["transport"], registry=self.registry,
         )
         self.denoise_requests = Counter(

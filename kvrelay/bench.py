@@ -261,7 +261,7 @@ class NodeUnderTest:
         self.node = start_node(self.config_path, log_dir=workdir / f"{impl}-logs", cwd=rundir)
 
     def bytes_moved(self) -> float:
-        return sum(scrape_counter(url, "kvrelay_transfer_bytes_total") for url in self.ar_metrics)
+        return sum(scrape_counter(url, "kvrelay_ar_transfer_bytes_total") for url in self.ar_metrics)
 
     def run(
         self, workload: Workload, requests: int, concurrency: int, run_idx: int

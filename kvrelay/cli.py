@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
     p.add_argument("--log-level", default=None, help="log level for every child")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+    p.add_argument(
+        "--metrics-port", type=int, default=9399,
+        help="the node's one Prometheus target: every process's metrics, label process (0 = any free port)",
+    )  # fmt: skip
 
     p = sub.add_parser("broker", help="run the broker: registry, pages, tickets, journal and the public API")
     _add_service_args(p, replica=False)

@@ -6,20 +6,40 @@ are bound through contextvars (by `bind_request` or the gRPC interceptor), never
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import inspect
+import json as jsonlib
 import logging
 import os
+import re
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import structlog
 
 _configured = False
+_json_logging = False
 
 # gRPC metadata keys the interceptor binds into the log context.
 _METADATA_KEYS = ("request_id", "ticket_id")
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever `sys.stderr` is at the time of the record (a test's capture that was
+    closed since, or a replaced stream, never breaks logging)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def configure_logging(level: str | None = None, *, process: str | None = None, json: bool | None = None) -> None:
@@ -28,7 +48,7 @@ def configure_logging(level: str | None = None, *, process: str | None = None, j
     `json=None` picks JSON when stderr is not a terminal. KVRELAY_LOG_LEVEL / KVRELAY_LOG_FORMAT
     (console|json) override.
     """
-    global _configured
+    global _configured, _json_logging
     level_name = (level or os.environ.get("KVRELAY_LOG_LEVEL") or "INFO").upper()
     fmt = os.environ.get("KVRELAY_LOG_FORMAT")
     use_json = json if json is not None else (fmt == "json" if fmt else not sys.stderr.isatty())
@@ -47,7 +67,7 @@ def configure_logging(level: str | None = None, *, process: str | None = None, j
             renderer,
         ],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -63,6 +83,142 @@ def configure_logging(level: str | None = None, *, process: str | None = None, j
     if process:
         structlog.contextvars.bind_contextvars(process=process, pid=os.getpid())
     _configured = True
+    _json_logging = use_json
+
+
+# ---------------------------------------------------------------- native output (fds 1 and 2)
+
+# glog / absl: "I1202 14:35:15.755330  7688 transfer_metadata.cpp:616] message"
+_GLOG = re.compile(rb"^([IWEF])\d{4} (\d\d:\d\d:\d\d\.\d+)\s+(\d+) ([^\]\s]+)\] ?(.*)$")
+_GLOG_LEVELS = {b"I": "info", b"W": "warning", b"E": "error", b"F": "critical"}
+# Native messages that are errors by their severity letter but routine on every healthy run.
+_ROUTINE = (
+    # Mooncake looks its own segment up before it has published it (every engine start).
+    b"Local segment descriptor not found",
+)
+
+
+class _NativeCapture:
+    """Fds 1 and 2 of this process (and of every worker it forks) go through pipes; a thread per
+    fd forwards JSON lines as they are and wraps every other line (Mooncake's glog, absl, a
+    Python traceback, a print) into one JSON record, so every line of the log is JSON."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self._fields = fields
+        self._streams: list[tuple[int, int, threading.Thread]] = []
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            original = os.dup(fd)
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            thread = threading.Thread(
+                target=self._pump, args=(read_end, original, name), name=f"kvrelay-native-{name}", daemon=True
+            )
+            thread.start()
+            self._streams.append((fd, original, thread))
+
+    def _pump(self, read_end: int, out: int, stream: str) -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(read_end, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                _write_all(out, b"".join(self._render(line, stream) for line in lines))
+        if pending:
+            _write_all(out, self._render(pending, stream))
+        os.close(read_end)
+
+    def _render(self, line: bytes, stream: str) -> bytes:
+        line = line.rstrip(b"\r")
+        if line.startswith(b"{") and line.endswith(b"}"):
+            try:
+                jsonlib.loads(line)
+                return line + b"\n"
+            except ValueError:
+                pass
+        if not line.strip():
+            return b""
+        record: dict[str, Any] = {"event": "native_output", "stream": stream}
+        match = _GLOG.match(line)
+        if match is not None:
+            letter, _time, thread, source, message = match.groups()
+            level = _GLOG_LEVELS[letter]
+            if level == "error" and any(text in message for text in _ROUTINE):
+                level = "info"
+            record.update(
+                level=level,
+                line=message.decode(errors="replace"),
+                source=source.decode(errors="replace"),
+                thread=int(thread),
+            )
+        else:
+            # Our processes print their one-line failure as "kvrelay <role>: ..." on stderr.
+            level = "info" if stream == "stdout" else "error" if line.startswith(b"kvrelay ") else "warning"
+            record.update(level=level, line=line.decode(errors="replace"))
+        record.update(self._fields)
+        record["logger"] = "native"
+        record["timestamp"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        return jsonlib.dumps(record).encode() + b"\n"
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Put the original fds back and forward what is still in the pipes."""
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        for fd, original, _ in self._streams:
+            os.dup2(original, fd)
+        for _, _, thread in self._streams:
+            # Workers that outlive this call still hold the pipes: do not wait for them forever.
+            thread.join(timeout_s)
+        self._streams.clear()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except InterruptedError:
+            continue
+        except OSError:
+            return  # the reader of our output is gone; nothing better to do with the line
+        view = view[written:]
+
+
+_capture: _NativeCapture | None = None
+
+
+def capture_native_output(process: str | None = None) -> bool:
+    """In a service process logging JSON: route fds 1 and 2 through `_NativeCapture` so native
+    libraries' lines (Mooncake, absl, glog) and plain prints become JSON records too.
+
+    A no-op (False) when the log is for a terminal (console format) or KVRELAY_NATIVE_CAPTURE=0.
+    Call once, after configure_logging(); `flush_native_output()` before an `os._exit`.
+    """
+    global _capture
+    if _capture is not None:
+        return True
+    if not _json_logging or os.environ.get("KVRELAY_NATIVE_CAPTURE", "1") == "0":
+        return False
+    fields: dict[str, Any] = {"pid": os.getpid()}
+    if process:
+        fields["process"] = process
+    _capture = _NativeCapture(fields)
+    atexit.register(flush_native_output)
+    return True
+
+
+def flush_native_output() -> None:
+    global _capture
+    capture, _capture = _capture, None
+    if capture is not None:
+        capture.close()
 
 
 def get_logger(name: str | None = None) -> Any:

@@ -20,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvrelay.logging import get_logger, logging_interceptor
+from kvrelay.metrics import add_process_metrics, rpc_metrics_for
 from kvrelay.ports import PortInUse, in_use_message, is_port_free
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
@@ -81,6 +82,11 @@ class GrpcServer:
 
     async def start(self) -> int:
         interceptors: list[Any] = [logging_interceptor()]
+        registry = self._registry()
+        if registry is not None:
+            add_process_metrics(registry)
+            # Outermost: it sees every call's final code, INVALID_ARGUMENT for malformed ones too.
+            interceptors.insert(0, rpc_metrics_for(registry).interceptor())
         if self.api_token:
             interceptors.insert(0, _BearerTokenInterceptor(self.api_token, self.guarded_prefixes))
         server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
@@ -110,10 +116,19 @@ class GrpcServer:
         log.info("grpc_listening", service=self.name, address=self.address, metrics_port=self.bound_metrics_port)
         return self.bound_port
 
+    def _registry(self) -> Any:
+        if self.metrics_registry is not None:
+            return self.metrics_registry
+        if self.metrics_port is None:
+            return None
+        import prometheus_client
+
+        return prometheus_client.REGISTRY
+
     def _start_metrics(self) -> None:
         import prometheus_client
 
-        registry = self.metrics_registry or prometheus_client.REGISTRY
+        registry = self._registry()
         try:
             httpd, _thread = prometheus_client.start_http_server(
                 self.metrics_port or 0, addr=self.host, registry=registry

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
@@ -39,7 +41,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
-from kvrelay.ports import Listen, PortInUse, check_ports_free
+from kvrelay.metrics import NodeMetricsServer
+from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
 
 log = get_logger(__name__)
 
@@ -52,6 +55,8 @@ DEFAULT_BACKOFF_MAX = 30.0
 DEFAULT_STABLE_SECONDS = 60.0
 _POLL_SECONDS = 0.2
 _LOG_TAIL_LINES = 30
+# How long registration and an advertised endpoint may take to show up once a replica is SERVING.
+ADVERTISED_TIMEOUT_S = 10.0
 
 _PR_SET_PDEATHSIG = 1
 # A child exiting with this code met a configuration or deployment error (bad config, device
@@ -218,7 +223,9 @@ class Node:
         stable_seconds: float = DEFAULT_STABLE_SECONDS,
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
+        verify_advertised: bool = True,
     ) -> None:
+        self.verify_advertised = verify_advertised
         self._phases = [[_Child(spec) for spec in phase] for phase in phases]
         self._children = [c for phase in self._phases for c in phase]
         names = [c.spec.name for c in self._children]
@@ -429,6 +436,50 @@ class Node:
                     )
                 if pending:
                     time.sleep(_POLL_SECONDS / 2)
+        if self.verify_advertised and not self._stopping.is_set():
+            self._verify_advertised()
+
+    def _verify_advertised(self) -> None:
+        """SERVING is not enough: every replica must be registered, and the endpoint it advertises
+        (where the broker dials it) must answer from this host. A config whose advertise_host
+        only resolves elsewhere (a compose service name) fails here, not on every generation."""
+        broker = next((c for c in self._children if c.spec.role == "broker"), None)
+        replicas = [c for c in self._children if c.spec.role in ("ar", "dit")]
+        if broker is None or not replicas:
+            return
+        from kvrelay.v1 import broker_pb2, broker_pb2_grpc
+
+        deadline = time.monotonic() + ADVERTISED_TIMEOUT_S
+        while True:
+            with grpc.insecure_channel(broker.spec.address) as channel:
+                try:
+                    reply = broker_pb2_grpc.BrokerServiceStub(channel).ListReplicas(
+                        broker_pb2.ListReplicasRequest(), timeout=5.0
+                    )
+                except grpc.RpcError as err:
+                    raise SupervisorError(
+                        f"the broker at {broker.spec.address} does not list its replicas: "
+                        f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+                    ) from None
+            registered = {r.replica_id: r for r in reply.replicas}
+            missing = [c.spec.name for c in replicas if c.spec.name not in registered]
+            if not missing:
+                break
+            if time.monotonic() > deadline:
+                raise SupervisorError(
+                    f"{', '.join(missing)} SERVING but not registered with the broker at {broker.spec.address}"
+                )
+            time.sleep(_POLL_SECONDS)
+        for child in replicas:
+            endpoint = registered[child.spec.name].endpoint
+            problem = _health_problem(endpoint, max(1.0, deadline - time.monotonic()))
+            if problem is not None:
+                raise SupervisorError(
+                    f"{child.spec.name} advertises {endpoint}, which does not answer from this host "
+                    f"(where the broker dials it): {problem}; set its stage's advertise_host to an "
+                    "address the broker can reach"
+                )
+            log.info("child_reachable", child=child.spec.name, endpoint=endpoint)
 
     def _tend(self, child: _Child) -> None:
         """One monitor pass over a child: notice an exit, restart when its backoff is over."""
@@ -482,7 +533,10 @@ class Node:
         if self.log_dir is not None:
             if child.log_file is None:
                 child.log_file = open(self.log_dir / f"{child.spec.name}.log", "ab")  # noqa: SIM115
-            child.log_file.write(f"--- kvrelay up: starting {child.spec.name} ---\n".encode())
+            # A JSON line like every other line of the child's log.
+            banner = {"event": "child_starting", "child": child.spec.name, "level": "info",
+                      "logger": "kvrelay.supervisor", "timestamp": _utc_now()}  # fmt: skip
+            child.log_file.write(json.dumps(banner).encode() + b"\n")
             child.log_file.flush()
             stdout = child.log_file
         proc = subprocess.Popen(
@@ -569,6 +623,12 @@ class Node:
             except OSError:
                 lines = []
             for line in reversed(lines[-200:]):
+                if line.startswith("{"):
+                    # A service process logs JSON: its printed lines are wrapped (native_output).
+                    try:
+                        line = str(json.loads(line).get("line", ""))
+                    except (ValueError, AttributeError):
+                        continue
                 if line.startswith("kvrelay "):
                     return line
         return f"exited with code {EXIT_CONFIG} (a configuration error; see its log)"
@@ -582,6 +642,24 @@ class Node:
         except OSError:
             return ""
         return f"\n--- last lines of {path} ---\n" + "\n".join(lines)
+
+
+def _health_problem(address: str, timeout_s: float) -> str | None:
+    """None when `address` answers gRPC health SERVING, else what went wrong."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=False
+            )
+        except grpc.RpcError as err:
+            return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+        return f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+    return None
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _descendants(pid: int) -> list[psutil.Process]:
@@ -625,6 +703,8 @@ def build_node(
     cfg = cfg if cfg is not None else load_config(config_path)
     phases = plan_children(config_path, cfg, host=host, command=command, roles=roles, log_level=log_level)
     node_options["env"] = {**cpu_share_env(cfg, roles), **dict(node_options.get("env") or {})}
+    # Our own services register with the broker; other commands (test doubles) may not.
+    node_options.setdefault("verify_advertised", command is None)
     return Node(phases, log_dir=log_dir, **node_options)
 
 
@@ -719,6 +799,21 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         stopping = True
         raise _StopRequested(signum)
 
+    metrics_host = getattr(args, "host", None) or cfg.broker.host
+    metrics_port = int(getattr(args, "metrics_port", None) or 0)
+    try:
+        metrics = NodeMetricsServer(
+            lambda: {p.name: f"http://{p.metrics}/metrics" for p in node.processes() if p.metrics},
+            host=metrics_host,
+            port=metrics_port,
+        )
+    except OSError as err:
+        if metrics_port and not is_port_free(metrics_host, metrics_port):
+            print(f"kvrelay up: {in_use_message(metrics_port, 'node metrics', metrics_host)}", file=sys.stderr)
+        else:
+            print(f"kvrelay up: node metrics on {metrics_host}:{metrics_port}: {err}", file=sys.stderr)
+        return 1
+    metrics.start()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     up = False
     try:
@@ -730,6 +825,10 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         up = True
         print(f"kvrelay up: every process is SERVING (config {config_path})", flush=True)
         print(node.describe(), flush=True)
+        print(
+            f"node metrics (every process, label process): http://{_connect_host(metrics_host)}:{metrics.port}/metrics",
+            flush=True,
+        )
         print(
             f'try: kvrelay generate "a red fox in the snow" --target {node.address()}   '
             "(Ctrl-C here stops everything)",
@@ -747,6 +846,7 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     finally:
         stopping = True
         node.stop()
+        metrics.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

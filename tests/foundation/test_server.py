@@ -146,3 +146,46 @@ def test_reflection_v1_and_v1alpha(version: str) -> None:
             await server.stop(0.5)
 
     asyncio.run(body())
+
+
+def test_every_rpc_is_counted_and_timed_with_its_code() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+
+    async def body() -> None:
+        echo = _Echo()
+        server = GrpcServer("test", "127.0.0.1", 0, [(_add_echo, echo, ECHO)], metrics_registry=registry)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)  # NOT_FOUND
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await channel.unary_unary(f"/{ECHO}/Unary")(GARBAGE, timeout=5)
+                watch = stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                await watch.read()
+                watch.cancel()
+                await asyncio.sleep(0.2)
+        finally:
+            await server.stop(0.5)
+
+    asyncio.run(body())
+
+    def handled(service: str, method: str, code: str) -> float | None:
+        return registry.get_sample_value(
+            "kvrelay_grpc_server_handled_total",
+            {"grpc_service": service, "grpc_method": method, "grpc_code": code},
+        )
+
+    assert handled("grpc.health.v1.Health", "Check", "OK") == 1
+    assert handled("grpc.health.v1.Health", "Check", "NOT_FOUND") == 1
+    assert handled(ECHO, "Unary", "INVALID_ARGUMENT") == 1
+    assert handled("grpc.health.v1.Health", "Watch", "CANCELLED") == 1
+    count = registry.get_sample_value(
+        "kvrelay_grpc_server_handling_seconds_count", {"grpc_service": "grpc.health.v1.Health", "grpc_method": "Check"}
+    )
+    assert count == 2
+    assert registry.get_sample_value("process_cpu_seconds_total") is not None

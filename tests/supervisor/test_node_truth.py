@@ -4,6 +4,7 @@ clear line (before anything starts, or by stopping the node), never as a restart
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -115,4 +116,30 @@ def test_a_gpu_config_on_a_host_without_that_gpu_fails_in_one_line(tmp_path: Pat
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
+    record = json.loads(lines[0])  # KVRELAY_LOG_FORMAT=json: the line is wrapped, level error
+    assert record["level"] == "error"
+    lines = [record["line"]]
     assert lines[0].startswith(f"kvrelay {role}: stages[") and f"cuda:{index} configured" in lines[0]
+
+
+@pytest.mark.slow
+def test_an_advertised_endpoint_the_broker_cannot_reach_fails_up_instead_of_reporting_it_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
+    for stage in data["stages"]:
+        stage.pop("kv_transfer_config")  # the gRPC fallback: no Mooncake needed for this
+    # Like configs/compose-node.yaml outside compose: a name only another network resolves.
+    data["stages"][0]["advertise_host"] = "kvrelay-ar.invalid"
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(data))
+    args = argparse.Namespace(
+        config=str(path), host=None, log_dir=str(tmp_path / "logs"), log_level=None, ready_timeout=240
+    )
+    assert run_up(args) == 1
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.splitlines() if line.startswith("kvrelay up:")]
+    assert len(err) == 1, captured.err
+    assert "ar-0 advertises kvrelay-ar.invalid:" in err[0] and "does not answer from this host" in err[0]
+    assert "every process is SERVING" not in captured.out

@@ -15,14 +15,17 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.client import KvRelayClient
+from tests.foundation.test_metrics import dashboard_metric_names
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,6 +53,8 @@ def test_kvrelay_up_serves_an_image_survives_a_replica_crash_and_stops_clean(tmp
         str(config),
         "--log-dir",
         str(tmp_path / "logs"),
+        "--metrics-port",
+        "0",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     up = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -82,6 +87,18 @@ def test_kvrelay_up_serves_an_image_survives_a_replica_crash_and_stops_clean(tmp
             ).result()
             assert Image.open(io.BytesIO(result.png)).size == (64, 64)
             assert {r.replica_id for r in client.list_replicas() if r.up} == {"ar-0", "dit-0"}
+
+            # One scrape of the node carries every process's metrics, and every metric the
+            # Grafana dashboard queries.
+            node_metrics = re.search(r"node metrics .*?(http://\S+/metrics)", text)
+            assert node_metrics, text
+            with urllib.request.urlopen(node_metrics.group(1), timeout=30) as reply:
+                scraped = list(text_string_to_metric_families(reply.read().decode()))
+            names = {s.name for f in scraped for s in f.samples}
+            processes = {s.labels.get("process") for f in scraped for s in f.samples}
+            assert {"broker", "ar-0", "dit-0", "up"} <= processes
+            missing = dashboard_metric_names() - names
+            assert missing == set(), f"dashboard metrics missing from the node target: {sorted(missing)}"
 
             # A replica that dies is restarted by `kvrelay up` and serves again.
             old_dit = int(table["dit-0"][1])
@@ -126,3 +143,15 @@ def test_kvrelay_up_serves_an_image_survives_a_replica_crash_and_stops_clean(tmp
     while any(_alive(p) for p in descendants) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [p.pid for p in descendants if _alive(p)] == []
+    # Every line of every process's log is JSON, Mooncake's and absl's native lines included.
+    logs = sorted((tmp_path / "logs").glob("*.log"))
+    assert {p.stem for p in logs} == {"broker", "ar-0", "dit-0"}
+    native = 0
+    for path in logs:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise AssertionError(f"{path.name}:{number} is not JSON: {line!r}") from None
+            native += record.get("event") == "native_output"
+    assert native > 0  # the capture saw the native libraries' lines (and wrapped them)

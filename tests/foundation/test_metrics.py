@@ -1,0 +1,161 @@
+"""Metrics: one meaning per name across every process, the Grafana dashboard only uses names the
+code exposes, and the node target merges every process's metrics under a `process` label."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrelay.metrics import NodeMetricsServer, RpcMetrics, add_process_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "monitoring" / "grafana-dashboard.json"
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("_sum", "_count", "_created", ""),
+    "info": ("_info",),
+}
+
+
+def process_registries() -> dict[str, CollectorRegistry]:
+    """The registries each kind of process serves, built by the processes' own code."""
+    from kvrelay.ar_service.service import ArMetrics
+    from kvrelay.broker.core import BrokerCore
+    from kvrelay.broker.metrics import register_broker_metrics
+    from kvrelay.broker.orchestrator import GenerationMetrics
+    from kvrelay.dit_service.service import DitMetrics
+
+    broker = CollectorRegistry()
+    core = BrokerCore(None, journal_synchronous="OFF")
+    register_broker_metrics(core, broker)
+    GenerationMetrics(broker, lambda: 0)
+    ar = CollectorRegistry()
+    ArMetrics.create(ar)
+    dit = DitMetrics("dit-0").registry
+    registries = {"broker": broker, "ar": ar, "dit": dit}
+    for registry in registries.values():
+        # What GrpcServer adds to every process's registry.
+        add_process_metrics(registry)
+        RpcMetrics(registry)
+    core.close()
+    return registries
+
+
+def families(registry: CollectorRegistry) -> dict[str, tuple[str, str]]:
+    """family name -> (type, help)."""
+    return {m.name: (m.type, m.documentation) for m in registry.collect()}
+
+
+def sample_names(registry: CollectorRegistry) -> set[str]:
+    names = set()
+    for metric in registry.collect():
+        names.add(metric.name)
+        names.update(metric.name + suffix for suffix in _SUFFIXES.get(metric.type, ()))
+    return names
+
+
+def node_only_names() -> set[str]:
+    return {"kvrelay_node_scrape_up", "kvrelay_node_scrape_seconds"}
+
+
+def dashboard_metric_names() -> set[str]:
+    doc = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in doc["panels"] for t in panel.get("targets", [])]
+    assert exprs, "the dashboard has no queries"
+    names: set[str] = set()
+    for expr in exprs:
+        without_labels = re.sub(r"\{[^}]*\}", "", expr)
+        names.update(re.findall(r"\b((?:kvrelay|process|python)_[a-z0-9_]+)\b", without_labels))
+    return names
+
+
+def test_one_meaning_per_metric_name_across_processes() -> None:
+    seen: dict[str, tuple[str, tuple[str, str]]] = {}
+    for process, registry in process_registries().items():
+        for name, meaning in families(registry).items():
+            if name in seen:
+                other, other_meaning = seen[name]
+                assert meaning == other_meaning, f"{name} means {other_meaning} on {other} but {meaning} on {process}"
+            seen[name] = (process, meaning)
+    shared = {n for n in seen if not n.startswith(("process_", "python_", "kvrelay_grpc_server_"))}
+    # Every kvrelay_* metric of a service belongs to one kind of process only (prefix or not).
+    owners: dict[str, list[str]] = {}
+    for process, registry in process_registries().items():
+        for name in families(registry):
+            if name in shared:
+                owners.setdefault(name, []).append(process)
+    assert {n: p for n, p in owners.items() if len(p) > 1} == {}
+
+
+def test_the_dashboard_uses_only_metrics_the_code_exposes() -> None:
+    exposed = set().union(*(sample_names(r) for r in process_registries().values())) | node_only_names()
+    used = dashboard_metric_names()
+    assert used - exposed == set(), f"the dashboard queries metrics nobody exposes: {sorted(used - exposed)}"
+    # ...and it shows the RPC, process and transfer views, not only the broker's.
+    assert {"kvrelay_grpc_server_handled_total", "process_cpu_seconds_total",
+            "kvrelay_ar_transfer_bytes_total", "kvrelay_dit_received_bytes_total"} <= used  # fmt: skip
+
+
+def test_the_shipped_scrape_config_targets_the_node_port() -> None:
+    import yaml
+
+    doc = yaml.safe_load((REPO / "monitoring" / "prometheus.yml").read_text())
+    targets = [t for job in doc["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets == ["localhost:9399"]
+    from kvrelay.cli import build_parser
+
+    assert build_parser().parse_args(["up"]).metrics_port == 9399
+
+
+def _scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def test_the_node_target_carries_every_process_with_a_process_label() -> None:
+    servers = []
+    targets: dict[str, str] = {}
+    for name, value in (("broker", 3), ("ar-0", 5)):
+        registry = CollectorRegistry()
+        Counter("kvrelay_example", "an example", ["kind"], registry=registry).labels("x").inc(value)
+        add_process_metrics(registry)
+        httpd, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        servers.append(httpd)
+        targets[name] = f"http://127.0.0.1:{httpd.server_port}/metrics"
+    targets["dit-0"] = "http://127.0.0.1:1/metrics"  # down: reported, not fatal
+    node = NodeMetricsServer(lambda: targets, host="127.0.0.1", port=0).start()
+    try:
+        samples = _scrape(node.port)
+    finally:
+        node.stop()
+        for httpd in servers:
+            httpd.shutdown()
+            httpd.server_close()
+    example = {s[0]["process"]: (s[0]["kind"], s[1]) for s in samples["kvrelay_example_total"]}
+    assert example == {"broker": ("x", 3.0), "ar-0": ("x", 5.0)}
+    up = {labels["process"]: value for labels, value in samples["kvrelay_node_scrape_up"]}
+    assert up == {"broker": 1.0, "ar-0": 1.0, "dit-0": 0.0}
+    # Each process's own process metrics, the supervisor's ("up") included.
+    assert {labels["process"] for labels, _ in samples["process_cpu_seconds_total"]} == {"broker", "ar-0", "up"}
+
+
+@pytest.mark.parametrize("name", sorted(node_only_names()))
+def test_node_only_names_are_the_node_servers(name: str) -> None:
+    node = NodeMetricsServer(dict, host="127.0.0.1", port=0).start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.port}/metrics", timeout=10) as reply:
+            assert f"# TYPE {name} gauge" in reply.read().decode()
+    finally:
+        node.stop()
