@@ -22,6 +22,7 @@ HANDLERS = {
     "dit": "kvrelay.dit_service.main:run",
     "generate": "kvrelay.client.cli:run_generate",
     "status": "kvrelay.client.cli:run_status",
+    "health": "kvrelay.health_probe:run",
     "bench": "kvrelay.bench:run",
     "verify": "kvrelay.verify:run",
 }
@@ -87,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--token", default=None, help="bearer token for the public API")
+
+    p = sub.add_parser("health", help="one gRPC health check; exit 0 only if SERVING (container healthchecks)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT of any kvrelay process (default: %(default)s)")
+    p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
     p.add_argument("--config", default=None, help="base config (default: built-in single-node CPU config)")

@@ -18,6 +18,12 @@ need=()
 ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
 # docker-compose (the client) validates compose/docker-compose.yml; no engine is needed for that.
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+# A container engine for tests/compose (scripts/compose_smoke.sh): podman where no Docker daemon
+# answers, and debootstrap for a base image where no image registry is reachable.
+if ! { command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; }; then
+  command -v podman >/dev/null 2>&1 || need+=(podman)
+  command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -1,0 +1,36 @@
+"""`kvrelay health`: one `grpc.health.v1` Check against a kvrelay process; exit 0 only if SERVING.
+
+Made for container healthchecks and scripts (compose runs it every few seconds in each service):
+it imports no torch, no config and no service package, waits at most `--timeout` seconds, and
+prints one line. Exit codes: 0 SERVING, 1 reachable but not serving, 2 unreachable or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, str]:
+    """Ask `target` once; returns (exit code, one-line description). Never raises on RPC errors."""
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as err:
+            code = err.code() if isinstance(err, grpc.Call) else None
+            name = code.name if code is not None else "ERROR"
+            return 2, f"{target}: {name}: {err.details() if isinstance(err, grpc.Call) else err}"
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return (0 if response.status == health_pb2.HealthCheckResponse.SERVING else 1), f"{target}: {status}"
+
+
+def run(args: argparse.Namespace) -> int:
+    code, line = check(args.target, args.service, args.timeout)
+    print(line, file=sys.stdout if code == 0 else sys.stderr)
+    return code

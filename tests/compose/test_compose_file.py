@@ -1,0 +1,113 @@
+"""The compose file: valid under docker-compose, one file with a cpu and a gpu profile that run the
+topology of their configs, and the properties a deployment relies on (built images, healthchecks
+through the kvrelay CLI, published metrics, the journal on a named volume, tokens without default,
+restart policies). Engine-free: the real run is tests/compose/test_compose_smoke.py."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvrelay.config import load_config
+
+COMPOSE_FILE = Path("compose") / "docker-compose.yml"
+TOKENS = {"KVRELAY_API_TOKEN": "t-api", "KVRELAY_REPLICA_TOKEN": "t-replica", "KVRELAY_OPERATOR_TOKEN": "t-op"}
+PROFILES = {
+    "cpu": ("configs/compose-node-cpu.yaml", "localhost/kvrelay:cpu"),
+    "gpu": ("configs/compose-node.yaml", "localhost/kvrelay:gpu"),
+}
+
+
+def _compose(
+    repo_root: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    if shutil.which("docker-compose") is None:
+        pytest.fail("docker-compose is missing: scripts/setup.sh installs Debian's docker-compose")
+    env_file = tmp_path / "kvrelay.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in (env if env is not None else TOKENS).items()))
+    return subprocess.run(
+        ["docker-compose", "-f", str(repo_root / COMPOSE_FILE), "--env-file", str(env_file), *args, "config"],
+        capture_output=True, text=True, timeout=60, cwd=repo_root,
+        # Only the env file speaks: the shell's own KVRELAY_* would take precedence over it.
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")},
+    )
+
+
+def _rendered(repo_root: Path, tmp_path: Path, profile: str) -> dict[str, Any]:
+    proc = _compose(repo_root, tmp_path, "--profile", profile)
+    assert proc.returncode == 0, proc.stderr
+    services: dict[str, Any] = yaml.safe_load(proc.stdout)["services"]
+    # docker-compose 1.x renders every service; the profile's are the ones it selects.
+    return {name: svc for name, svc in services.items() if profile in svc.get("profiles", [])}
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"], ids=["profile_cpu", "profile_gpu"])
+def test_each_profile_is_broker_ar_dit_from_one_built_image(repo_root: Path, tmp_path: Path, profile: str) -> None:
+    config_path, image = PROFILES[profile]
+    services = _rendered(repo_root, tmp_path, profile)
+    assert set(services) == {f"broker-{profile}", f"ar-{profile}", f"dit-{profile}"}
+    cfg = load_config(repo_root / config_path)
+    assert cfg.ar_stage.advertise_host == "ar" and cfg.dit_stage.advertise_host == "dit"
+    for role in ("broker", "ar", "dit"):
+        svc = services[f"{role}-{profile}"]
+        assert svc["image"] == image and svc["build"]["dockerfile"] == "compose/Dockerfile"
+        assert svc["command"][0] == role and svc["command"][svc["command"].index("--config") + 1] == f"/opt/kvrelay/{config_path}"
+        # Peers dial the names the config advertises.
+        assert svc["networks"]["default"]["aliases"] == [role]
+        assert svc["restart"] == "unless-stopped"
+        test = svc["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "kvrelay", "health"]
+        port = {"broker": cfg.broker.port, "ar": cfg.ar_stage.port_for(0), "dit": cfg.dit_stage.port_for(0)}[role]
+        assert test[test.index("--target") + 1] == f"127.0.0.1:{port}"
+        metrics = {"broker": cfg.broker.metrics_port, "ar": cfg.ar_stage.metrics_port_for(0),
+                   "dit": cfg.dit_stage.metrics_port_for(0)}[role]
+        published = {p["target"] for p in svc["ports"]} if isinstance(svc["ports"][0], dict) else {
+            int(str(p).split(":")[-1].split("/")[0]) for p in svc["ports"]}
+        assert metrics in published, f"{role}: metrics port {metrics} not published"
+        if role != "broker":
+            assert "--broker" in svc["command"] and svc["depends_on"][f"broker-{profile}"]["condition"] == "service_healthy"
+            # A replica holds its own token only.
+            assert set(svc["environment"]) & set(TOKENS) == {"KVRELAY_REPLICA_TOKEN"}
+        else:
+            assert cfg.broker.port in published
+            assert any(v.startswith("kvrelay-journal:/opt/kvrelay/.kvrelay") for v in map(str, svc["volumes"])) or any(
+                isinstance(v, dict) and v.get("source") == "kvrelay-journal" for v in svc["volumes"])
+            assert {k: svc["environment"][k] for k in TOKENS} == TOKENS
+    if profile == "gpu":
+        for role in ("ar", "dit"):
+            devices = services[f"{role}-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+            assert devices[0]["capabilities"] == ["gpu"]
+    else:
+        assert all(s.model.preset == "small" for s in cfg.stages)
+        assert all(s.devices == "cpu" for s in cfg.stages)
+
+
+@pytest.mark.parametrize("missing", sorted(TOKENS))
+def test_compose_refuses_to_start_without_a_token(repo_root: Path, tmp_path: Path, missing: str) -> None:
+    env = {k: v for k, v in TOKENS.items() if k != missing}
+    proc = _compose(repo_root, tmp_path, "--profile", "cpu", env=env)
+    assert proc.returncode != 0 and missing in proc.stderr
+    proc = _compose(repo_root, tmp_path, "--profile", "cpu", env={**env, missing: ""})
+    assert proc.returncode != 0 and missing in proc.stderr
+
+
+def test_build_context_keeps_the_venv_and_secrets_out(repo_root: Path) -> None:
+    lines = [
+        line.strip() for line in (repo_root / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    # An allow-list: everything is ignored, then only what the Dockerfile copies comes back.
+    assert lines[0] == "*"
+    allowed = {line[1:] for line in lines if line.startswith("!")}
+    copied = set()
+    for line in (repo_root / "compose" / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied.update(line.split()[1:-1])
+    assert copied <= allowed, f"the Dockerfile copies what the context leaves out: {copied - allowed}"
+    assert not any(a.startswith((".venv", ".git", "compose", ".kvrelay")) for a in allowed)

@@ -1,0 +1,58 @@
+"""`kvrelay health`, the command every compose healthcheck runs: exit 0 only on SERVING, 1 when the
+process answers anything else, 2 when nothing answers; as a real subprocess against a real gRPC
+health server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvrelay.server import reserve_free_port
+
+
+@pytest.fixture()
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(None)
+
+
+def _health(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay", "health", *args],
+        capture_output=True, text=True, timeout=60, env={**os.environ},
+    )
+
+
+def test_exit_code_follows_the_serving_status(health_server: tuple[str, health.HealthServicer]) -> None:
+    target, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    proc = _health("--target", target)
+    assert proc.returncode == 1 and "NOT_SERVING" in proc.stderr
+
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    proc = _health("--target", target)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"{target}: SERVING"
+
+    # A named service the process does not know: NOT_FOUND, not serving.
+    proc = _health("--target", target, "--service", "kvrelay.v1.NoSuchService")
+    assert proc.returncode == 2 and "NOT_FOUND" in proc.stderr
+
+
+def test_nothing_listening_is_exit_2_within_the_timeout() -> None:
+    target = f"127.0.0.1:{reserve_free_port()}"
+    proc = _health("--target", target, "--timeout", "1")
+    assert proc.returncode == 2 and target in proc.stderr
