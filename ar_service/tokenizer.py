@@ -79,7 +79,10 @@ def load_tokenizer(path: str | Path | None = None, *, model: Any = None) -> Toke
     if model is not None and model.format in ("bagel", "demo"):
         from kvrelay.models.formats import model_dir
 
-        return BagelTokenizer(path or model_dir(model))
+        directory = path or model_dir(model)
+        if directory is None:
+            raise ValueError(f"a {model.format!r} model needs model.path (its tokenizer.json)")
+        return BagelTokenizer(directory)
     if path is None:
         return ByteTokenizer()
     return HfTokenizer(path)

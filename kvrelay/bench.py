@@ -406,8 +406,8 @@ def plot(results: list[RunResult], impls: list[str], out: Path, name: str) -> li
     for phase in phases:
         vals = []
         for impl in impls:
-            runs = [r.phase_means.get(phase, 0.0) for r in results if r.impl == impl]
-            vals.append(statistics.mean(runs) if runs else 0.0)
+            means = [r.phase_means.get(phase, 0.0) for r in results if r.impl == impl]
+            vals.append(statistics.mean(means) if means else 0.0)
         ax.bar(impls, vals, bottom=bottom, label=phase.removesuffix("_seconds"))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     ax.set_ylabel("seconds per request (mean)")

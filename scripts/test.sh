@@ -9,10 +9,8 @@ export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== ruff"; ruff check .
 echo "== import-linter"; ./scripts/lint_imports.sh
-echo "== mypy (strict on the pure cores, per pyproject overrides)"
-mypy --strict kvrelay/config.py kvrelay/transfer/planner.py kvrelay/transfer/layout.py \
-  broker/pool.py broker/tickets.py broker/registry.py broker/journal.py broker/core.py \
-  client/
+echo "== mypy --strict over the package (exceptions: pyproject's [[tool.mypy.overrides]])"
+./scripts/mypy.sh
 echo "== pytest"
 set +e
 pytest -q -p no:cacheprovider "$@"
