@@ -154,6 +154,8 @@ def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
     """The rank spec of an `engine: vllm` AR stage; ConfigError names a refused setting."""
     model = stage.model
     assert model.path is not None  # the config requires it with engine: vllm
+    if not (Path(model.path) / "config.json").is_file():
+        raise ConfigError(f"stages[0].model.path: {model.path!r} is not a model directory (no config.json)")
     check_vllm_args(model.vllm_args)
     return VllmRankSpec(
         path=model.path,
@@ -187,8 +189,6 @@ class VllmRankHandler:
         self.spec = spec
         for key, value in engine_env().items():
             os.environ.setdefault(key, value)
-        if not (Path(spec.path) / "config.json").is_file():
-            raise VllmStartError(f"model.path {spec.path!r} is not a model directory (no config.json)")
         try:
             from vllm import LLMEngine
             from vllm.config import KVTransferConfig

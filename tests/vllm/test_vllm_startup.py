@@ -1,0 +1,59 @@
+"""`kvrelay ar` with engine: vllm refuses what it cannot run with a message that says what to fix:
+refused vLLM settings (exit 2, before any process starts), a path that is not a model, unknown
+engine arguments, and a real vLLM start failure (exit 1, the reason on stderr)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.ar_service.harness import write_config
+from tests.vllm.checkpoint import build_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+    config = write_config(tmp_path, preset="small")
+    data = yaml.safe_load(config.read_text())
+    data["stages"][0]["model"] = model
+    config.write_text(yaml.safe_dump(data))
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay", "ar", "--config", str(config), "--broker", "127.0.0.1:1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("enable_prefix_caching", True), ("speculative_config", {"method": "ngram"}), ("enable_sleep_mode", True)],
+)
+def test_refused_vllm_setting_is_named(tmp_path: Path, setting: str, value: Any) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    done = _run_ar(tmp_path, {"engine": "vllm", "path": str(tmp_path), "vllm_args": {setting: value}})
+    assert done.returncode == 2, done.stderr
+    assert f"vllm_args.{setting}" in done.stderr
+
+
+def test_not_a_model_directory(tmp_path: Path) -> None:
+    done = _run_ar(tmp_path, {"engine": "vllm", "path": str(tmp_path / "nothing")})
+    assert done.returncode == 2, done.stderr
+    assert "stages[0].model.path" in done.stderr and "is not a model directory (no config.json)" in done.stderr
+
+
+@pytest.mark.slow
+def test_vllm_start_failure_is_reported(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    ckpt = build_checkpoint(tmp_path / "ckpt")
+    # vLLM itself refuses: a context longer than the checkpoint's 1024 positions.
+    done = _run_ar(tmp_path, {"engine": "vllm", "path": str(ckpt), "vllm_args": {"max_model_len": 100000}})
+    assert done.returncode == 1, done.stderr
+    assert "vLLM failed to start for" in done.stderr and "max_model_len" in done.stderr
