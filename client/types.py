@@ -354,18 +354,25 @@ def error_status_from_pb(msg: common_pb2.ErrorStatus) -> ErrorStatus:
     return ErrorStatus(code=msg.code, reason=msg.reason or msg.code, message=msg.message)
 
 
+# The fields a GenerationEvent and a Generation share (the proto gives both the same names).
+_PROGRESS = ("request_id", "state", "step", "total_steps", "image", "timings", "error", "ticket_id")
+
+
+def _progress_from_pb(msg: generation_pb2.GenerationEvent | generation_pb2.Generation) -> dict[str, Any]:
+    return {
+        "request_id": msg.request_id,
+        "state": _enum(GenerationState, msg.state),
+        "step": msg.step,
+        "total_steps": msg.total_steps,
+        "image": image_from_pb(msg.image) if msg.HasField("image") else None,
+        "timings": timings_from_pb(msg.timings) if msg.HasField("timings") else None,
+        "error": error_status_from_pb(msg.error) if msg.HasField("error") else None,
+        "ticket_id": msg.ticket_id,
+    }
+
+
 def event_from_pb(msg: generation_pb2.GenerationEvent) -> GenerationEvent:
-    return GenerationEvent(
-        request_id=msg.request_id,
-        state=_enum(GenerationState, msg.state),
-        step=msg.step,
-        total_steps=msg.total_steps,
-        image=image_from_pb(msg.image) if msg.HasField("image") else None,
-        timings=timings_from_pb(msg.timings) if msg.HasField("timings") else None,
-        error=error_status_from_pb(msg.error) if msg.HasField("error") else None,
-        ticket_id=msg.ticket_id,
-        event_time=_time(msg, "event_time"),
-    )
+    return GenerationEvent(**_progress_from_pb(msg), event_time=_time(msg, "event_time"))
 
 
 def params_from_pb(msg: generation_pb2.GenerationParams) -> GenerationParams:
@@ -382,15 +389,8 @@ def params_from_pb(msg: generation_pb2.GenerationParams) -> GenerationParams:
 
 def generation_from_pb(msg: generation_pb2.Generation) -> Generation:
     return Generation(
-        request_id=msg.request_id,
-        state=_enum(GenerationState, msg.state),
+        **_progress_from_pb(msg),
         params=params_from_pb(msg.params) if msg.HasField("params") else None,
-        step=msg.step,
-        total_steps=msg.total_steps,
-        image=image_from_pb(msg.image) if msg.HasField("image") else None,
-        timings=timings_from_pb(msg.timings) if msg.HasField("timings") else None,
-        error=error_status_from_pb(msg.error) if msg.HasField("error") else None,
-        ticket_id=msg.ticket_id,
         create_time=_time(msg, "create_time"),
         update_time=_time(msg, "update_time"),
     )
@@ -398,17 +398,7 @@ def generation_from_pb(msg: generation_pb2.Generation) -> Generation:
 
 def event_from_generation(gen: Generation) -> GenerationEvent:
     """The event a stream would have carried for this state (used when a stream is re-joined)."""
-    return GenerationEvent(
-        request_id=gen.request_id,
-        state=gen.state,
-        step=gen.step,
-        total_steps=gen.total_steps,
-        image=gen.image,
-        timings=gen.timings,
-        error=gen.error,
-        ticket_id=gen.ticket_id,
-        event_time=gen.update_time,
-    )
+    return GenerationEvent(**{name: getattr(gen, name) for name in _PROGRESS}, event_time=gen.update_time)
 
 
 _DTYPES = {
