@@ -18,9 +18,7 @@ import grpc
 import grpc.aio
 
 from . import _core
-from ._common import (
-    CANCEL_TIMEOUT,
-)
+from ._common import CANCEL_TIMEOUT
 from .errors import KvRelayError, error_from_rpc
 from .types import (
     Generation,
@@ -62,7 +60,8 @@ class AsyncKvRelayClient(_core.ClientBase):
         return grpc.aio.secure_channel(settings.target, settings.credentials, options=settings.options)
 
     async def close(self) -> None:
-        """Close the channel; open streams are cancelled (and so are their generations)."""
+        """Close the channel, dropping open streams: the broker cancels their generations (at once,
+        or after the re-attach window for a generation with a `request_id`)."""
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKvRelayClient:

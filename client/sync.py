@@ -18,9 +18,7 @@ from typing import Any, TypeVar
 import grpc
 
 from . import _core
-from ._common import (
-    CANCEL_TIMEOUT,
-)
+from ._common import CANCEL_TIMEOUT
 from .errors import KvRelayError, error_from_rpc
 from .types import (
     Generation,
@@ -67,7 +65,8 @@ class KvRelayClient(_core.ClientBase):
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the channel; streams still open are cancelled (and so are their generations)."""
+        """Close the channel, dropping open streams: the broker cancels their generations (at once,
+        or after the re-attach window for a generation with a `request_id`)."""
         self._channel.close()
 
     def __enter__(self) -> KvRelayClient:
