@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.security import ChannelSecurity
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, staging_bytes
 from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, not_started_outcomes
@@ -123,6 +124,7 @@ class ArRankSpec:
     staging_bytes: int = 64 << 20
     # "kvrelay" (preset / Llama-family path) or "bagel" / "demo" (a BAGEL-layout directory).
     model_format: str = "kvrelay"
+    channel_security: ChannelSecurity | None = None
 
     def __call__(self, ctx: RankContext) -> ArRankHandler:
         return ArRankHandler(ctx, self)
@@ -173,7 +175,7 @@ class ArRankHandler:
             self.sender.register(self.staging)  # type: ignore[attr-defined]
             self.session = str(self.sender.session_id)  # type: ignore[attr-defined]
         elif spec.transport == "grpc":
-            self.sender = make_sender("grpc")
+            self.sender = make_sender("grpc", security=spec.channel_security)
             self.session = ""
         else:
             raise ValueError(f"transport {spec.transport!r} is not supported by the AR service")

@@ -18,13 +18,12 @@ import os
 import sys
 import uuid
 
-import grpc
-
 from kvrelay.ar_service.engine import ArRankSpec
 from kvrelay.ar_service.vllm_engine import VllmRankSpec
-from kvrelay.config import ConfigError, KvRelayConfig, StageConfig, load_config
+from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
-from kvrelay.server import GRPC_OPTIONS, GrpcServer
+from kvrelay.security import CallerClass, SecurityError, load_credentials, make_channel
+from kvrelay.server import GrpcServer
 from kvrelay.v1 import ar_pb2_grpc
 
 log = get_logger(__name__)
@@ -43,11 +42,20 @@ def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
     return f"{cfg.broker.host}:{cfg.broker.port}"
 
 
-def _rank_spec(stage: StageConfig) -> ArRankSpec | VllmRankSpec:
+def _rank_spec(
+    stage: StageConfig, security: SecurityConfig | None = None, replica_id: str = ""
+) -> ArRankSpec | VllmRankSpec:
+    security = security or SecurityConfig.model_validate({})
     if stage.model.engine == "vllm":
         from kvrelay.ar_service.vllm_engine import vllm_rank_spec
 
-        return vllm_rank_spec(stage)
+        spec = vllm_rank_spec(stage)
+        # vLLM's workers build the connector from plain config: it loads the same credentials
+        # (kvrelay.security) to dial DiT replicas over PutKv as this replica.
+        spec.transfer["kv_connector_extra_config"].update(
+            security=security.model_dump(mode="json"), replica_id=replica_id
+        )
+        return spec
     transport = stage.transport
     if transport not in ("mooncake", "grpc", "cuda_ipc"):
         raise ConfigError(
@@ -67,6 +75,8 @@ def _rank_spec(stage: StageConfig) -> ArRankSpec | VllmRankSpec:
         device_name=str(stage.extra.get("device_name", "")),
         # The per-worker memory budget of the stage is this rank's staging buffer.
         staging_bytes=stage.kv_cache_memory_bytes,
+        # PutKv (the fallback transport) dials DiT replicas as this replica.
+        channel_security=load_credentials(security).channel(CallerClass.REPLICA, replica_id),
     )
 
 
@@ -85,8 +95,9 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         return EXIT_CONFIG
     replica_id = f"ar-{replica}"
     try:
-        rank_spec = _rank_spec(stage)
-    except ConfigError as err:
+        creds = load_credentials(cfg.security)
+        rank_spec = _rank_spec(stage, cfg.security, replica_id)
+    except (ConfigError, SecurityError) as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
     try:
@@ -117,7 +128,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             stop_reason.append(reason)
             fail_stop.set()
 
-    channel = grpc.aio.insecure_channel(_broker_address(args, cfg), options=GRPC_OPTIONS)
+    channel = make_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id))
     stub = broker_stub(channel)
     servicer = ArServicer(stub, metrics, on_fail_stop)
     server = GrpcServer(
@@ -127,8 +138,16 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         metrics_port=metrics_port,
         metrics_registry=registry,
         registrations=[(ar_pb2_grpc.add_ArServiceServicer_to_server, servicer, AR_SERVICE)],
+        credentials=creds,
+        insecure_bind=bool(getattr(args, "insecure_bind", False)),
     )
-    await server.start()
+    try:
+        await server.start()
+    except SecurityError as err:
+        print(f"kvrelay ar: {err}", file=sys.stderr)
+        await channel.close()
+        lock.release()
+        return EXIT_CONFIG
     server.install_signal_handlers()
     print(f"kvrelay ar listening on {server.address}", flush=True)
     stop_requested = asyncio.Event()
@@ -210,7 +229,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             servicer.ledger,
             servicer.reporter,
             heartbeat_interval_s=cfg.broker.heartbeat_interval,
-            token=cfg.broker.registration_token,
+            token=creds.replica_token,
             on_fail_stop=on_fail_stop,
         )
         if not stop_requested.is_set():

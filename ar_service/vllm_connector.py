@@ -178,7 +178,12 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._sender.register(self._staging)
             self._session = str(self._sender.session_id)
         elif transport == "grpc":
-            self._sender = make_sender("grpc")
+            from kvrelay.config import SecurityConfig
+            from kvrelay.security import CallerClass, load_credentials
+
+            creds = load_credentials(SecurityConfig.model_validate(self._extra.get("security") or {}))
+            security = creds.channel(CallerClass.REPLICA, str(self._extra.get("replica_id", "")) or None)
+            self._sender = make_sender("grpc", security=security)
         else:
             raise ValueError(f"KvRelayConnector: transport {transport!r} is not supported")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore, run_maintenance
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.metrics import register_broker_metrics
@@ -23,6 +24,7 @@ from kvrelay.broker.service import BrokerServicer
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.ports import PortInUse
+from kvrelay.security import Credentials, SecurityError, load_credentials
 from kvrelay.server import GrpcServer
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -32,27 +34,36 @@ BROKER_SERVICE = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_na
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
-async def serve(cfg: KvRelayConfig, host: str, port: int, metrics_port: int | None) -> None:
+async def serve(
+    cfg: KvRelayConfig,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    credentials: Credentials | None = None,
+    insecure_bind: bool = False,
+) -> None:
     b = cfg.broker
+    creds = credentials if credentials is not None else load_credentials(cfg.security)
     if b.journal_path:
         Path(b.journal_path).parent.mkdir(parents=True, exist_ok=True)
     core = BrokerCore(
         b.journal_path,
         lease_seconds=b.lease_seconds,
         drain_quiet_seconds=b.drain_quiet_seconds,
-        registration_token=b.registration_token,
+        registration_token=creds.replica_token,
         verify_checksums=cfg.dit_stage.verify_checksums,
     )
     registry = CollectorRegistry()
     register_broker_metrics(core, registry)
-    orchestrator = Orchestrator(core, cfg, registry)
+    orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
+    ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     server = GrpcServer(
         name="broker",
         host=host,
         port=port,
         metrics_port=metrics_port,
         registrations=[
-            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(core), BROKER_SERVICE),
+            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(core, ticket_ttl), BROKER_SERVICE),
             (
                 generation_pb2_grpc.add_GenerationServiceServicer_to_server,
                 GenerationServicer(orchestrator),
@@ -60,10 +71,9 @@ async def serve(cfg: KvRelayConfig, host: str, port: int, metrics_port: int | No
             ),
         ],
         metrics_registry=registry,
-        api_token=cfg.broker.api_token,
-        guarded_prefixes=(f"/{GENERATION_SERVICE}/",),
-        tls_cert=cfg.broker.tls_cert,
-        tls_key=cfg.broker.tls_key,
+        credentials=creds,
+        checks=broker_checks(core),
+        insecure_bind=insecure_bind,
     )
     await server.start()
     server.install_signal_handlers()
@@ -91,15 +101,19 @@ def run(args: argparse.Namespace) -> int:
     capture_native_output("broker")
     try:
         cfg = load_config(args.config)
-    except ConfigError as err:
+        creds = load_credentials(cfg.security)
+    except (ConfigError, SecurityError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2
     host = args.host or cfg.broker.host
     port = cfg.broker.port if args.port is None else args.port
     metrics_port = cfg.broker.metrics_port if args.metrics_port is None else args.metrics_port
     try:
-        asyncio.run(serve(cfg, host, port, metrics_port))
+        asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
     except PortInUse as err:
+        print(f"kvrelay broker: {err}", file=sys.stderr)
+        return 1
+    except SecurityError as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2
     return 0

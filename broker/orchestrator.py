@@ -43,7 +43,7 @@ from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketSta
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import KvRelayServerError, failed_precondition, invalid_argument, reason_of
 from kvrelay.logging import bind_request, get_logger
-from kvrelay.server import GRPC_OPTIONS
+from kvrelay.security import BROKER_CALLER_ID, CallerClass, Credentials, make_channel
 from kvrelay.v1 import ar_pb2, ar_pb2_grpc, dit_pb2, dit_pb2_grpc
 
 log = get_logger(__name__)
@@ -149,9 +149,12 @@ class Orchestrator:
         registry: CollectorRegistry | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        credentials: Credentials | None = None,
     ) -> None:
         self.core = core
         self.cfg = cfg
+        # The broker dials AR and DiT replicas as a replica-class caller named "broker".
+        self._channel_security = (credentials or Credentials()).channel(CallerClass.REPLICA, BROKER_CALLER_ID)
         self.max_queue = cfg.broker.max_queue
         self.prefill_timeout = cfg.ar_stage.request_timeout_seconds
         self.denoise_timeout = cfg.dit_stage.request_timeout_seconds
@@ -746,7 +749,7 @@ class Orchestrator:
     def _channel(self, endpoint: str) -> grpc.aio.Channel:
         channel = self._channels.get(endpoint)
         if channel is None:
-            channel = grpc.aio.insecure_channel(endpoint, options=GRPC_OPTIONS)
+            channel = make_channel(endpoint, self._channel_security)
             self._channels[endpoint] = channel
         return channel
 

@@ -8,6 +8,7 @@ the core in-process) and remote replicas (which call this servicer) see the same
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -204,8 +205,26 @@ def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     """Every BrokerService RPC, each one call into BrokerCore."""
 
-    def __init__(self, core: BrokerCore) -> None:
+    def __init__(self, core: BrokerCore, rpc_ticket_ttl_seconds: float = 600.0) -> None:
         self.core = core
+        # Tickets made over CreateTicket (debugging) have no orchestrator to end them: they end
+        # TIMED_OUT after this long, as the orchestrator ends a request at its deadline.
+        self.rpc_ticket_ttl_seconds = rpc_ticket_ttl_seconds
+        self._expiries: dict[str, asyncio.TimerHandle] = {}
+
+    def _expire_later(self, ticket_id: str) -> None:
+        if ticket_id in self._expiries:
+            return
+
+        def expire() -> None:
+            self._expiries.pop(ticket_id, None)
+            try:
+                if self.core.get_ticket(ticket_id).state is not TicketState.RELEASED:
+                    self.core.cancel_ticket(ticket_id, TicketOutcome.TIMED_OUT, "CREATE_TICKET_TTL")
+            except BrokerError:
+                pass  # already gone
+
+        self._expiries[ticket_id] = asyncio.get_running_loop().call_later(self.rpc_ticket_ttl_seconds, expire)
 
     @_maps_errors
     async def RegisterReplica(
@@ -257,6 +276,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 f"DiT replica {request.dit_replica_id} has not enough free pages now; retry later",
             )
             await abort_with(context, no_room)
+        self._expire_later(ticket.ticket_id)
         return broker_pb2.CreateTicketResponse(ticket=ticket_to_proto(ticket))
 
     @_maps_errors
@@ -317,6 +337,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ReleaseTicket(
         self, request: broker_pb2.ReleaseTicketRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ReleaseTicketResponse:
+        if not request.replica_id:
+            # The owner check must not be skippable by leaving the id out.
+            raise InvalidArgument("MISSING_FIELD", "replica_id: required (the releasing DiT replica)")
         outcome = _OUTCOME_FROM_PB.get(request.outcome, TicketOutcome.OK)
         ticket = self.core.release_ticket(request.ticket_id, outcome, request.reason, request.replica_id)
         return broker_pb2.ReleaseTicketResponse(ticket=ticket_to_proto(ticket))

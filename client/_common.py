@@ -148,10 +148,19 @@ def channel_options() -> list[tuple[str, Any]]:
     ]
 
 
-def channel_credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
-    if not tls and root_certificates is None:
+def channel_credentials(
+    tls: bool,
+    root_certificates: bytes | None,
+    certificate_chain: bytes | None = None,
+    private_key: bytes | None = None,
+) -> grpc.ChannelCredentials | None:
+    if (certificate_chain is None) != (private_key is None):
+        raise ValueError("certificate_chain and private_key go together (mutual TLS)")
+    if not tls and root_certificates is None and certificate_chain is None:
         return None
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return grpc.ssl_channel_credentials(
+        root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+    )
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -95,13 +95,15 @@ class ClientSettings:
         timeout: float | None,
         root_certificates: bytes | None,
         retry: RetryPolicy | None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> ClientSettings:
         return cls(
             target=target,
             timeout=timeout if timeout is not None else DEFAULT_RPC_TIMEOUT,
             metadata=call_metadata(token),
             retry=retry or RetryPolicy(),
-            credentials=channel_credentials(tls, root_certificates),
+            credentials=channel_credentials(tls, root_certificates, certificate_chain, private_key),
             options=channel_options(),
         )
 
@@ -123,11 +125,15 @@ class ClientBase:
         timeout: float | None = None,
         root_certificates: bytes | None = None,
         retry: RetryPolicy | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         # A target without a port would dial 443: the broker's default port is meant.
         target = normalize_target(target)
         self.target = target
-        self._settings = ClientSettings.make(target, token, tls, timeout, root_certificates, retry)
+        self._settings = ClientSettings.make(
+            target, token, tls, timeout, root_certificates, retry, certificate_chain, private_key
+        )
         self._channel = self._open_channel(self._settings)
         self._stubs: dict[Service, Any] = {
             "generation": generation_pb2_grpc.GenerationServiceStub(self._channel),

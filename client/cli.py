@@ -29,11 +29,32 @@ from .sync import GenerationHandle, KvRelayClient
 from .types import GenerationEvent, GenerationState, PhaseTimings, PoolStatus, Replica, Ticket
 
 TOKEN_ENV = "KVRELAY_API_TOKEN"
+OPERATOR_TOKEN_ENV = "KVRELAY_OPERATOR_TOKEN"
+TLS_ENV = {"tls_ca": "KVRELAY_TLS_CA", "tls_cert": "KVRELAY_TLS_CERT", "tls_key": "KVRELAY_TLS_KEY"}
 _PHASES = ("queue", "prefill", "transfer", "load", "denoise", "decode")
 
 
-def _token(args: argparse.Namespace) -> str | None:
-    return getattr(args, "token", None) or os.environ.get(TOKEN_ENV) or None
+def _token(args: argparse.Namespace, *envs: str) -> str | None:
+    if getattr(args, "token", None):
+        return str(args.token)
+    for env in envs or (TOKEN_ENV,):
+        if os.environ.get(env):
+            return os.environ[env]
+    return None
+
+
+def _tls(args: argparse.Namespace) -> dict[str, Any]:
+    """KvRelayClient TLS keyword arguments from --tls-ca/--tls-cert/--tls-key or $KVRELAY_TLS_*."""
+    files = {key: getattr(args, key, None) or os.environ.get(env) for key, env in TLS_ENV.items()}
+    kwargs: dict[str, Any] = {}
+    for key, arg in (("tls_ca", "root_certificates"), ("tls_cert", "certificate_chain"), ("tls_key", "private_key")):
+        path = files[key]
+        if path:
+            with open(path, "rb") as f:
+                kwargs[arg] = f.read()
+    if kwargs:
+        kwargs["tls"] = True
+    return kwargs
 
 
 def _print_error(command: str, err: KvRelayError, stream: TextIO) -> None:
@@ -114,7 +135,7 @@ def run_generate(args: argparse.Namespace) -> int:
     output = getattr(args, "output", None) or "out.png"
     progress = _Progress(stderr, enabled=not quiet)
     handle: GenerationHandle | None = None
-    with KvRelayClient(getattr(args, "target", None) or DEFAULT_TARGET, token=_token(args)) as client:
+    with KvRelayClient(getattr(args, "target", None) or DEFAULT_TARGET, token=_token(args), **_tls(args)) as client:
         try:
             handle = client.generate(
                 args.prompt,
@@ -276,7 +297,8 @@ def run_status(args: argparse.Namespace) -> int:
     """`kvrelay status`: replicas, page pools and live tickets of a broker, as tables or JSON."""
     target = getattr(args, "target", None) or DEFAULT_TARGET
     try:
-        with KvRelayClient(target, token=_token(args), timeout=10.0) as client:
+        token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
+        with KvRelayClient(target, token=token, timeout=10.0, **_tls(args)) as client:
             replicas = client.list_replicas()
             pools = client.get_pools()
             tickets = client.list_tickets()

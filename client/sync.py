@@ -47,12 +47,15 @@ class KvRelayClient(_core.ClientBase):
 
     Args:
         target: the broker's ``host:port``.
-        token: bearer token for a broker that requires one (``broker.api_token``).
+        token: bearer token for a broker that requires one (its api token, or the operator
+            token for status reads; docs/operations.md, Security).
         tls: use TLS (system roots unless ``root_certificates`` is given).
         timeout: default deadline in seconds of unary calls (reads and cancel); 30 s when None.
             A generation's deadline is the ``timeout`` of :meth:`generate`.
         root_certificates: PEM roots for TLS (implies ``tls``).
         retry: backoff for retried idempotent calls.
+        certificate_chain, private_key: PEM client certificate and key, for a broker that
+            requires mutual TLS (``security.tls.require_client_cert``; implies ``tls``).
     """
 
     _channel: grpc.Channel

@@ -63,8 +63,6 @@ async def _watch_ranks(group: object, interval_s: float, stopper: _Stopper) -> N
 
 
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
-    import grpc
-
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
     from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
     from kvrelay.dit_service.registration import (
@@ -76,7 +74,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
     from kvrelay.models.formats import model_dir, model_preset
     from kvrelay.ports import PortInUse
-    from kvrelay.server import GRPC_OPTIONS
+    from kvrelay.security import CallerClass, SecurityError, check_bind, load_credentials, make_channel
     from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
     from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
@@ -95,6 +93,13 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     port = stage.port_for(replica) if args.port is None else args.port
     metrics_port = stage.metrics_port_for(replica) if args.metrics_port is None else args.metrics_port
     broker_address = args.broker or f"{cfg.broker.host}:{cfg.broker.port}"
+    insecure_bind = bool(getattr(args, "insecure_bind", False))
+    try:
+        creds = load_credentials(cfg.security)
+        check_bind(host, creds, insecure_bind, f"kvrelay dit ({replica_id})")
+    except SecurityError as err:
+        print(f"kvrelay dit: {err}", file=sys.stderr)
+        return 2
 
     try:
         check_devices(stage.devices_for(replica), f"stages[1] ({replica_id}) devices")
@@ -109,6 +114,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     server = GrpcServer(
         name=replica_id, host=host, port=port, metrics_port=metrics_port, metrics_registry=metrics.registry,
         registrations=[(dit_pb2_grpc.add_DitServiceServicer_to_server, servicer, DIT_SERVICE)],
+        credentials=creds, insecure_bind=insecure_bind,
     )
     memory: ReplicaMemory | None = None
     control_pool: HostPool | None = None
@@ -160,7 +166,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         log.info("page_memory_ready", replica_id=replica_id, num_pages=memory.num_pages, page_bytes=memory.page_bytes,
                  ranks=world, transport=stage.transport, regions=[r.endpoint[:64] for r in regions])
 
-        channel = grpc.aio.insecure_channel(broker_address, options=GRPC_OPTIONS)
+        channel = make_channel(broker_address, creds.channel(CallerClass.REPLICA, replica_id))
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         state = DitReplicaState(
             replica_id=replica_id, incarnation_id=incarnation_id, stage=stage, geometry=geometry, memory=memory,
@@ -175,7 +181,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             max_num_seqs=stage.max_num_seqs, transport=stage.transport, regions=regions,
         )
         registration = Registration(
-            stub, info, interval_s=cfg.broker.heartbeat_interval, token=cfg.broker.registration_token,
+            stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
             on_fenced=stopper.fail_stop, held_tickets=lambda: list(state.scheduler.active.values()),
         )
         await registration.register()

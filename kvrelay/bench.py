@@ -165,7 +165,12 @@ def transfer_workload(dataset: list[dict[str, Any]], preset: str, max_tokens: in
 
 
 async def drive(
-    target: str, workload: Workload, requests: int, concurrency: int, offset: int
+    target: str,
+    workload: Workload,
+    requests: int,
+    concurrency: int,
+    offset: int,
+    client_options: dict[str, Any] | None = None,
 ) -> list[RequestRecord]:
     from kvrelay.client import AsyncKvRelayClient, KvRelayError
 
@@ -174,7 +179,7 @@ async def drive(
     for i in range(requests):
         queue.put_nowait(i)
 
-    async with AsyncKvRelayClient(target, timeout=600.0) as client:
+    async with AsyncKvRelayClient(target, timeout=600.0, **(client_options or {})) as client:
 
         async def worker() -> None:
             while True:
@@ -268,7 +273,12 @@ class NodeUnderTest:
     ) -> tuple[list[RequestRecord], float, int]:
         before = self.bytes_moved()
         start = time.perf_counter()
-        records = asyncio.run(drive(self.target, workload, requests, concurrency, offset=run_idx * requests))
+        records = asyncio.run(
+            drive(
+                self.target, workload, requests, concurrency, offset=run_idx * requests,
+                client_options=self.node.credentials.client_options(),
+            )
+        )
         wall = time.perf_counter() - start
         return records, wall, int(self.bytes_moved() - before)
 

@@ -28,6 +28,16 @@ HANDLERS = {
 }
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+INSECURE_BIND_HELP = (
+    "listen on a non-loopback address although no replica token or mutual TLS is configured "
+    "(any caller on that network may then call every RPC)"
+)
+
+
+def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, help="PEM roots of a TLS broker (default: $KVRELAY_TLS_CA)")
+    p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS (default: $KVRELAY_TLS_CERT)")
+    p.add_argument("--tls-key", default=None, help="client key for mutual TLS (default: $KVRELAY_TLS_KEY)")
 
 
 def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
@@ -36,6 +46,7 @@ def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
     p.add_argument("--port", type=int, default=None, help="gRPC port to listen on (0 = any free port)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free port)")
     p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: INFO or $KVRELAY_LOG_LEVEL)")
+    p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
     if replica:
         p.add_argument("--replica", type=int, default=0, help="replica index within the stage (default: 0)")
         p.add_argument("--broker", default=None, help="broker address HOST:PORT (default: from the config)")
@@ -59,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-port", type=int, default=9399,
         help="the node's one Prometheus target: every process's metrics, label process (0 = any free port)",
     )  # fmt: skip
+    p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
 
     p = sub.add_parser("broker", help="run the broker: registry, pages, tickets, journal and the public API")
     _add_service_args(p, replica=False)
@@ -81,13 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--request-id", default=None, help="idempotency key; re-running attaches to it")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--token", default=None, help="bearer token for the public API")
+    p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_client_tls_args(p)
 
     p = sub.add_parser("status", help="show replicas, page pools and tickets")
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--token", default=None, help="bearer token for the public API")
+    p.add_argument(
+        "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
+    )
+    _add_client_tls_args(p)
 
     p = sub.add_parser("health", help="one gRPC health check; exit 0 only if SERVING (container healthchecks)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT of any kvrelay process (default: %(default)s)")

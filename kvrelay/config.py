@@ -42,15 +42,67 @@ class BrokerConfig(_Strict):
     result_ttl_seconds: float = Field(300.0, ge=0)
     max_results: int = Field(1024, ge=1)
     drain_quiet_seconds: float = Field(2.0, ge=0)
-    # Optional shared secret replicas present on RegisterReplica, and bearer token for the public API.
-    registration_token: str | None = None
-    api_token: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        # Secrets never sit in the YAML itself: they moved to `security:` (env var or file).
+        if isinstance(data, dict):
+            for key, new in _MOVED_BROKER_KEYS.items():
+                if key in data:
+                    raise ValueError(f"broker.{key} moved to {new} (see docs/operations.md, Security)")
+        return data
 
     @property
     def heartbeat_interval(self) -> float:
         return self.heartbeat_seconds if self.heartbeat_seconds is not None else self.lease_seconds / 3.0
+
+
+_MOVED_BROKER_KEYS = {
+    "api_token": "security.api_token_env / security.api_token_file",
+    "registration_token": "security.replica_token_env / security.replica_token_file",
+    "tls_cert": "security.tls.cert_file",
+    "tls_key": "security.tls.key_file",
+}
+
+
+class TlsConfig(_Strict):
+    """TLS on every listener and every channel of the deployment (one CA)."""
+
+    # PEM certificate (chain) and key this process presents: as a server, and as a client when
+    # the peer asks for one (mutual TLS).
+    cert_file: str
+    key_file: str
+    # PEM roots peers' certificates must chain to (servers check clients only with require_client_cert).
+    ca_file: str
+    # Mutual TLS: servers refuse a client without a certificate from `ca_file`, and a verified
+    # certificate is a replica credential (its common name binds the replica id when it is one).
+    require_client_cert: bool = False
+    # Name to check the server's certificate against when it differs from the dialled host.
+    server_name: str | None = None
+    # Client certificate common names that are operators (status, cancel any, deregister).
+    operator_names: tuple[str, ...] = ("kvrelay-operator",)
+
+
+class SecurityConfig(_Strict):
+    """Credentials of the control plane (DESIGN.md section 11; docs/operations.md, Security).
+
+    Tokens come from an environment variable or a file, never from the YAML. Nothing set = a
+    development deployment: only loopback listeners, every caller trusted.
+    """
+
+    api_token_env: str | None = "KVRELAY_API_TOKEN"
+    api_token_file: str | None = None
+    replica_token_env: str | None = "KVRELAY_REPLICA_TOKEN"
+    replica_token_file: str | None = None
+    operator_token_env: str | None = "KVRELAY_OPERATOR_TOKEN"
+    operator_token_file: str | None = None
+    tls: TlsConfig | None = None
+    # Largest request message any kvrelay server accepts (replies may be larger: a PNG).
+    max_receive_message_bytes: int = Field(8 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
+    # Requests per second (and burst) one peer address may make to non-public RPCs; 0 = no limit.
+    rate_limit_per_second: float = Field(2000.0, ge=0)
+    rate_limit_burst: int = Field(4000, ge=1)
 
 
 class ModelConfig(_Strict):
@@ -205,6 +257,7 @@ class StageConfig(_Strict):
 class KvRelayConfig(_Strict):
     async_chunk: bool = False
     broker: BrokerConfig = Field(default_factory=BrokerConfig)  # type: ignore[arg-type]
+    security: SecurityConfig = Field(default_factory=SecurityConfig)  # type: ignore[arg-type]
     stages: list[StageConfig]
     edges: list[dict[str, int]]
 

@@ -1,8 +1,10 @@
 """The one gRPC server helper every kvrelay process uses.
 
 grpc.aio server with health (`grpc.health.v1`, NOT_SERVING until the process says it can serve),
-server reflection, a Prometheus endpoint, raised message-size limits (a 2048x2048 PNG fits), an
-optional bearer token, and a graceful stop on SIGTERM/SIGINT. It owns no business logic.
+server reflection, a Prometheus endpoint, explicit message-size limits (a 2048x2048 PNG fits in a
+reply), kvrelay.security's interceptor (caller classes, tokens, mutual TLS) and TLS listener, the
+refusal of a non-loopback listener without credentials, and a graceful stop on SIGTERM/SIGINT. It
+owns no business logic.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,16 @@ from grpc_reflection.v1alpha import reflection
 from kvrelay.logging import get_logger, logging_interceptor
 from kvrelay.metrics import add_process_metrics, rpc_metrics_for
 from kvrelay.ports import PortInUse, in_use_message, is_port_free
+from kvrelay.security import (
+    RPC_RULES,
+    AuthInterceptor,
+    Credentials,
+    RequestCheck,
+    RpcRule,
+    check_bind,
+    server_credentials,
+    server_options,
+)
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -37,26 +49,6 @@ Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 """(add_XServicer_to_server, servicer instance, full service name)."""
 
 
-class _BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls to the guarded services without `authorization: Bearer <token>`."""
-
-    def __init__(self, token: str, guarded_prefixes: Sequence[str]) -> None:
-        self._expected = f"Bearer {token}"
-        self._guarded = tuple(guarded_prefixes)
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.startswith(self._guarded):
-            metadata = dict(details.invocation_metadata or ())
-            if metadata.get("authorization") != self._expected:
-                return self._deny
-        return await continuation(details)
-
-
 @dataclass
 class GrpcServer:
     name: str
@@ -65,10 +57,14 @@ class GrpcServer:
     registrations: list[Registration]
     metrics_port: int | None = None
     metrics_registry: Any = None
-    api_token: str | None = None
-    guarded_prefixes: Sequence[str] = ()
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    # None = a development server: plaintext, every caller trusted (loopback only).
+    credentials: Credentials | None = None
+    # Per-RPC checks after authentication (full method name -> check), e.g. broker ownership.
+    checks: Mapping[str, RequestCheck] = field(default_factory=dict)
+    # Listen on a non-loopback address without any credential (refused otherwise).
+    insecure_bind: bool = False
+    # The caller class of every RPC served (kvrelay.security.RPC_RULES); an RPC missing is refused.
+    rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
     bound_port: int = 0
     bound_metrics_port: int | None = None
     _server: grpc.aio.Server | None = field(default=None, repr=False)
@@ -81,15 +77,17 @@ class GrpcServer:
         return f"{self.host}:{self.bound_port}"
 
     async def start(self) -> int:
-        interceptors: list[Any] = [logging_interceptor()]
+        creds = self.credentials or Credentials()
+        check_bind(self.host, creds, self.insecure_bind, self.name)
+        # Logging outside authorization: an undecodable request is INVALID_ARGUMENT before anything
+        # else runs, and the authorization's own lines carry the request's ids.
+        interceptors: list[Any] = [logging_interceptor(), AuthInterceptor(creds, self.checks, self.rules)]
         registry = self._registry()
         if registry is not None:
             add_process_metrics(registry)
             # Outermost: it sees every call's final code, INVALID_ARGUMENT for malformed ones too.
             interceptors.insert(0, rpc_metrics_for(registry).interceptor())
-        if self.api_token:
-            interceptors.insert(0, _BearerTokenInterceptor(self.api_token, self.guarded_prefixes))
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        server = grpc.aio.server(options=server_options(creds), interceptors=interceptors)
         names = [svc_name for _, _, svc_name in self.registrations]
         for add, servicer, _ in self.registrations:
             add(servicer, server)
@@ -97,11 +95,10 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         _enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         listen = f"{self.host}:{self.port}"
+        tls = server_credentials(creds)
         try:
-            if self.tls_cert and self.tls_key:
-                with open(self.tls_key, "rb") as k, open(self.tls_cert, "rb") as c:
-                    creds = grpc.ssl_server_credentials([(k.read(), c.read())])
-                self.bound_port = server.add_secure_port(listen, creds)
+            if tls is not None:
+                self.bound_port = server.add_secure_port(listen, tls)
             else:
                 self.bound_port = server.add_insecure_port(listen)
         except RuntimeError:  # grpc's "Failed to bind to address"

@@ -43,6 +43,14 @@ from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import configure_logging, get_logger
 from kvrelay.metrics import NodeMetricsServer
 from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
+from kvrelay.security import (
+    CallerClass,
+    Credentials,
+    SecurityError,
+    check_bind,
+    load_credentials,
+    make_sync_channel,
+)
 
 log = get_logger(__name__)
 
@@ -142,6 +150,7 @@ def plan_children(
     command: Sequence[str] | None = None,
     roles: Sequence[str] = ("broker", "ar", "dit"),
     log_level: str | None = None,
+    insecure_bind: bool = False,
 ) -> list[list[ChildSpec]]:
     """The node's children in start phases: [[broker], [every AR and DiT replica]].
 
@@ -152,6 +161,7 @@ def plan_children(
     prefix = tuple(command) if command is not None else (sys.executable, "-m", "kvrelay")
     cfg_arg = os.fspath(config_path)
     common: tuple[str, ...] = ("--log-level", log_level) if log_level else ()
+    common += ("--insecure-bind",) if insecure_bind else ()
     taken: set[int] = set()
 
     broker_listen = host or cfg.broker.host
@@ -224,8 +234,11 @@ class Node:
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         verify_advertised: bool = True,
+        credentials: Credentials | None = None,
     ) -> None:
         self.verify_advertised = verify_advertised
+        # The node's credentials: health checks dial children with its TLS roots and certificate.
+        self.credentials = credentials or Credentials()
         self._phases = [[_Child(spec) for spec in phase] for phase in phases]
         self._children = [c for phase in self._phases for c in phase]
         names = [c.spec.name for c in self._children]
@@ -451,15 +464,19 @@ class Node:
 
         deadline = time.monotonic() + ADVERTISED_TIMEOUT_S
         while True:
-            with grpc.insecure_channel(broker.spec.address) as channel:
+            # ListReplicas is an operator RPC: the supervisor dials with the operator credential.
+            with make_sync_channel(broker.spec.address, self.credentials.channel(CallerClass.OPERATOR)) as channel:
                 try:
                     reply = broker_pb2_grpc.BrokerServiceStub(channel).ListReplicas(
                         broker_pb2.ListReplicasRequest(), timeout=5.0
                     )
                 except grpc.RpcError as err:
+                    if err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                        log.warning("advertised_endpoints_unchecked", reason="no operator token in this environment")
+                        return
                     raise SupervisorError(
                         f"the broker at {broker.spec.address} does not list its replicas: "
-                        f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+                        f"{err.code().name}: {err.details()}"
                     ) from None
             registered = {r.replica_id: r for r in reply.replicas}
             missing = [c.spec.name for c in replicas if c.spec.name not in registered]
@@ -472,7 +489,7 @@ class Node:
             time.sleep(_POLL_SECONDS)
         for child in replicas:
             endpoint = registered[child.spec.name].endpoint
-            problem = _health_problem(endpoint, max(1.0, deadline - time.monotonic()))
+            problem = _health_problem(endpoint, max(1.0, deadline - time.monotonic()), self.credentials)
             if problem is not None:
                 raise SupervisorError(
                     f"{child.spec.name} advertises {endpoint}, which does not answer from this host "
@@ -558,7 +575,7 @@ class Node:
 
     def _check_serving(self, child: _Child) -> bool:
         if child.channel is None:
-            child.channel = grpc.insecure_channel(child.spec.address)
+            child.channel = make_sync_channel(child.spec.address, self.credentials.channel(CallerClass.PUBLIC))
         stub = health_pb2_grpc.HealthStub(child.channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
@@ -644,15 +661,15 @@ class Node:
         return f"\n--- last lines of {path} ---\n" + "\n".join(lines)
 
 
-def _health_problem(address: str, timeout_s: float) -> str | None:
+def _health_problem(address: str, timeout_s: float, credentials: Credentials) -> str | None:
     """None when `address` answers gRPC health SERVING, else what went wrong."""
-    with grpc.insecure_channel(address) as channel:
+    with make_sync_channel(address, credentials.channel(CallerClass.PUBLIC)) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s, wait_for_ready=False
             )
         except grpc.RpcError as err:
-            return f"{err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+            return f"{err.code().name}: {err.details()}"
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         return f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
     return None
@@ -697,11 +714,15 @@ def build_node(
     command: Sequence[str] | None = None,
     roles: Sequence[str] = ("broker", "ar", "dit"),
     log_level: str | None = None,
+    insecure_bind: bool = False,
     **node_options: Any,
 ) -> Node:
     """A Node for a config, not yet started (see `plan_children` for what it will run)."""
     cfg = cfg if cfg is not None else load_config(config_path)
-    phases = plan_children(config_path, cfg, host=host, command=command, roles=roles, log_level=log_level)
+    phases = plan_children(
+        config_path, cfg, host=host, command=command, roles=roles, log_level=log_level, insecure_bind=insecure_bind
+    )
+    node_options.setdefault("credentials", load_credentials(cfg.security))
     node_options["env"] = {**cpu_share_env(cfg, roles), **dict(node_options.get("env") or {})}
     # Our own services register with the broker; other commands (test doubles) may not.
     node_options.setdefault("verify_advertised", command is None)
@@ -771,7 +792,11 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     config_path = getattr(args, "config", None) or "configs/single-node.yaml"
     try:
         cfg = load_config(config_path)
-    except ConfigError as err:
+        creds = load_credentials(cfg.security)
+        # Refused here once rather than by every child in a restart loop.
+        for listen in {getattr(args, "host", None) or h for h in (cfg.broker.host, cfg.ar_stage.host, cfg.dit_stage.host)}:
+            check_bind(listen, creds, bool(getattr(args, "insecure_bind", False)), "kvrelay up")
+    except (ConfigError, SecurityError) as err:
         print(f"kvrelay up: {err}", file=sys.stderr)
         return 2
     try:
@@ -782,6 +807,7 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
             log_dir=getattr(args, "log_dir", None),
             command=command,
             log_level=log_level,
+            insecure_bind=bool(getattr(args, "insecure_bind", False)),
             ready_timeout=float(getattr(args, "ready_timeout", None) or DEFAULT_READY_TIMEOUT),
         )
     except OSError as err:

@@ -36,7 +36,7 @@ def _log(msg: str) -> None:
 def _serve_put_kv(sinks: Any, port_box: list[int], ready: threading.Event, stop: threading.Event) -> None:
     import grpc
 
-    from kvrelay.server import GRPC_OPTIONS
+    from kvrelay.security import Credentials, server_options
     from kvrelay.transfer.grpc_stream import PutKvRejected
     from kvrelay.v1 import dit_pb2_grpc
 
@@ -51,7 +51,8 @@ def _serve_put_kv(sinks: Any, port_box: list[int], ready: threading.Event, stop:
             return sink.response()
 
     async def main() -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        # In-process loopback receiver of this check only: plaintext, explicit size limits.
+        server = grpc.aio.server(options=server_options(Credentials()))
         dit_pb2_grpc.add_DitServiceServicer_to_server(PutKvOnly(), server)
         port_box.append(server.add_insecure_port("127.0.0.1:0"))
         await server.start()

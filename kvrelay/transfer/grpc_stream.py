@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from kvrelay.security import ChannelSecurity, make_sync_channel
 from kvrelay.transfer.checksum import as_memoryview, write_checksum
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
@@ -30,10 +31,7 @@ from kvrelay.transfer.transport import (
 from kvrelay.v1 import dit_pb2, dit_pb2_grpc
 
 # Room for a 1 MiB chunk plus its envelope on both ends of the channel.
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", 4 * GRPC_MAX_CHUNK_BYTES),
-    ("grpc.max_receive_message_length", 4 * GRPC_MAX_CHUNK_BYTES),
-]
+_CHANNEL_MAX_BYTES = 4 * GRPC_MAX_CHUNK_BYTES
 
 
 class PutKvRejected(ValueError):
@@ -155,10 +153,11 @@ class GrpcStreamSender:
 
     name = "grpc"
 
-    def __init__(self, max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES) -> None:
+    def __init__(self, max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES, security: ChannelSecurity | None = None) -> None:
         if not 0 < max_chunk_bytes <= GRPC_MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in (0, {GRPC_MAX_CHUNK_BYTES}], got {max_chunk_bytes}")
         self.max_chunk_bytes = max_chunk_bytes
+        self.security = security
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="putkv-stream")
@@ -167,7 +166,7 @@ class GrpcStreamSender:
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = grpc.insecure_channel(endpoint, options=_CHANNEL_OPTIONS)
+                channel = make_sync_channel(endpoint, self.security, max_request_bytes=_CHANNEL_MAX_BYTES)
                 self._channels[endpoint] = channel
         return dit_pb2_grpc.DitServiceStub(channel)
 
@@ -262,8 +261,8 @@ class GrpcStreamSender:
             self._channels.clear()
 
 
-def make_sender(max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES) -> GrpcStreamSender:
-    return GrpcStreamSender(max_chunk_bytes)
+def make_sender(max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES, security: ChannelSecurity | None = None) -> GrpcStreamSender:
+    return GrpcStreamSender(max_chunk_bytes, security)
 
 
 def make_receiver(endpoint: str) -> GrpcStreamReceiver:

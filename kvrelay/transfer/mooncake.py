@@ -94,6 +94,10 @@ class MooncakeEndpoint:
         # peer's recent goodput predicts before the (spinning) wait; 0 = the plain sync call.
         self.sleep_fraction = sleep_fraction
         self._goodput: dict[str, float] = {}
+        # Mooncake has no authentication: its listeners bind the interface peers use to reach
+        # this process (the advertised host), never every interface. An explicit
+        # MC_TCP_BIND_ADDRESS in the environment wins.
+        self.bind_address = os.environ.setdefault("MC_TCP_BIND_ADDRESS", _bind_address(hostname))
         self._engine = TransferEngine()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -303,6 +307,17 @@ class MooncakeEndpoint:
 
 _ENDPOINT: MooncakeEndpoint | None = None
 _ENDPOINT_LOCK = threading.Lock()
+
+
+def _bind_address(hostname: str) -> str:
+    """The IP address `hostname` names on this host (Mooncake binds an address, not a name)."""
+    import ipaddress
+    import socket
+
+    try:
+        return str(ipaddress.ip_address(hostname.strip("[]")))
+    except ValueError:
+        return socket.gethostbyname(hostname)
 
 
 def endpoint(hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "") -> MooncakeEndpoint:

@@ -139,7 +139,8 @@ def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
                 ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"),
                 timeout=TIMEOUT)
             again = await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
-                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK), timeout=TIMEOUT)
+                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"),
+                timeout=TIMEOUT)
             assert released.ticket == again.ticket
             assert released.ticket.state == broker_pb2.TICKET_STATE_RELEASED
             await asyncio.wait_for(follower, TIMEOUT)

@@ -27,6 +27,7 @@ from tests.tcp_proxy import TcpProxy
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "client-test-token"
+OPERATOR_TOKEN = "client-test-operator-token"
 FAST_RETRY = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.02)
 _T = TypeVar("_T")
 
@@ -36,7 +37,11 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     tmp = tmp_path_factory.mktemp("real-broker")
     data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
     data["broker"]["journal_path"] = str(tmp / "journal.sqlite")
-    data["broker"]["api_token"] = TOKEN
+    secrets = {"api": TOKEN, "replica": "client-test-replica-token", "operator": OPERATOR_TOKEN}
+    data["security"] = {}
+    for name, secret in secrets.items():
+        (tmp / f"{name}.token").write_text(secret)
+        data["security"][f"{name}_token_file"] = str(tmp / f"{name}.token")
     path = tmp / "broker.yaml"
     path.write_text(yaml.safe_dump(data))
     with start_node(path, roles=("broker",), log_dir=tmp / "logs", ready_timeout=120) as node:
@@ -44,8 +49,9 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 
 
 def test_the_real_broker_answers_reads_and_errors_through_the_sdk(broker: Node) -> None:
+    with KvRelayClient(broker.address(), token=OPERATOR_TOKEN, retry=FAST_RETRY) as operator:
+        assert (operator.list_replicas(), operator.get_pools(), operator.list_tickets()) == ([], [], [])
     with KvRelayClient(broker.address(), token=TOKEN, retry=FAST_RETRY) as client:
-        assert (client.list_replicas(), client.get_pools(), client.list_tickets()) == ([], [], [])
         assert client.list_generations() == []
         with pytest.raises(KvRelayError) as info:
             client.get_generation("no-such-request")
@@ -89,7 +95,7 @@ def test_the_real_broker_requires_the_api_token_on_the_public_api(broker: Node) 
 
 
 def test_kvrelay_status_against_the_real_broker(broker: Node, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_status(argparse.Namespace(target=broker.address(), json=False, token=TOKEN)) == 0
+    assert run_status(argparse.Namespace(target=broker.address(), json=False, token=OPERATOR_TOKEN)) == 0
     out = capsys.readouterr().out
     assert f"broker {broker.address()}" in out
     assert "none registered" in out and "POOLS: none" in out and "none in flight" in out

@@ -14,6 +14,7 @@ import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
+from kvrelay.security import RPC_RULES, CallerClass, RpcRule
 from kvrelay.server import GrpcServer
 
 ECHO = "test.Echo"
@@ -51,7 +52,9 @@ def _add_echo(servicer: _Echo, server: grpc.aio.Server) -> None:
 
 async def _serve() -> tuple[GrpcServer, _Echo]:
     echo = _Echo()
-    server = GrpcServer("test", "127.0.0.1", 0, [(_add_echo, echo, ECHO)])
+    # test.Echo is public here: kvrelay's servers refuse an RPC without a caller class.
+    rules = {**RPC_RULES, **{f"/{ECHO}/{m}": RpcRule(CallerClass.PUBLIC, True, "none") for m in ("Unary", "Count")}}
+    server = GrpcServer("test", "127.0.0.1", 0, [(_add_echo, echo, ECHO)], rules=rules)
     await server.start()
     return server, echo
 

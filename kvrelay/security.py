@@ -1,0 +1,755 @@
+"""Credentials of kvrelay's control plane: every channel, every server, one interceptor.
+
+Owns what a process presents (bearer token, replica id, client certificate) and what a server
+accepts: `make_channel` / `make_sync_channel` are the only way kvrelay code opens a gRPC channel,
+`server_credentials` / `server_options` the only way a server listens, and `AuthInterceptor`
+(one instance per server, shared by every service on it) gives each RPC its caller class from
+`RPC_RULES`, checks the credential in constant time, rate-limits, bounds id fields and runs the
+per-RPC ownership checks a service registers. An RPC missing from `RPC_RULES` is refused.
+
+It must never hold business logic: "is this ticket yours" lives with the broker (broker/authz.py),
+which hands its checks to the interceptor.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import hmac
+import inspect
+import ipaddress
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvrelay.errors import KvRelayServerError, abort_with
+
+if TYPE_CHECKING:
+    from kvrelay.config import SecurityConfig
+
+# Replies may carry a 2048x2048 PNG (~12 MiB worst case); requests are small except PutKv chunks
+# (<= 1 MiB each). Both limits are set explicitly on every channel and server.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# Longest id (replica, ticket, request, incarnation) any RPC accepts.
+MAX_ID_CHARS = 256
+
+AUTHORIZATION_METADATA = "authorization"
+REPLICA_ID_METADATA = "kvrelay-replica-id"
+# The id the broker's orchestrator declares when it calls AR and DiT replicas.
+BROKER_CALLER_ID = "broker"
+
+
+class CallerClass(enum.StrEnum):
+    """Who may call an RPC (DESIGN.md section 11)."""
+
+    PUBLIC = "public"  # anyone; the api token when the deployment sets one
+    REPLICA = "replica"  # AR/DiT <-> broker: the replica token or a client certificate
+    OPERATOR = "operator"  # status, cancel any, deregister any, debug: the operator token
+
+
+@dataclass(frozen=True, slots=True)
+class RpcRule:
+    caller_class: CallerClass
+    # Operators may call it too (on anything), e.g. DeregisterReplica, CancelTicket.
+    operator_too: bool
+    # What the server checks beyond the credential, for docs/operations.md.
+    checks: str
+    # Public RPCs that need no credential even when the api token is set (health, reflection).
+    always_open: bool = False
+
+
+_B = "/kvrelay.v1.BrokerService/"
+_G = "/kvrelay.v1.GenerationService/"
+_A = "/kvrelay.v1.ArService/"
+_D = "/kvrelay.v1.DitService/"
+_OWN_TICKET = "the ticket's AR or DiT replica is the caller"
+RPC_RULES: Mapping[str, RpcRule] = {
+    # -- public --------------------------------------------------------------------------------
+    _G + "Generate": RpcRule(CallerClass.PUBLIC, True, "input bounds (prompt, size, steps, guidance)"),
+    _G + "GetGeneration": RpcRule(CallerClass.PUBLIC, True, "request_id (the id is the capability)"),
+    _G + "CancelGeneration": RpcRule(CallerClass.PUBLIC, True, "request_id (the id is the capability)"),
+    _G + "ListGenerations": RpcRule(CallerClass.PUBLIC, True, "states; no images in the answer"),
+    "/grpc.health.v1.Health/Check": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
+    "/grpc.health.v1.Health/Watch": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": RpcRule(
+        CallerClass.PUBLIC, True, "none", always_open=True
+    ),
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": RpcRule(
+        CallerClass.PUBLIC, True, "none", always_open=True
+    ),
+    # -- replica -> broker ---------------------------------------------------------------------
+    _B + "RegisterReplica": RpcRule(CallerClass.REPLICA, False, "replica.replica_id is the caller"),
+    _B + "Heartbeat": RpcRule(CallerClass.REPLICA, False, "replica_id is the caller"),
+    _B + "DeregisterReplica": RpcRule(CallerClass.REPLICA, True, "replica_id is the caller (operator: any)"),
+    _B + "ReserveTicket": RpcRule(
+        CallerClass.REPLICA, False, "ar_replica_id is the caller and the ticket's AR replica"
+    ),
+    _B + "ReportWrite": RpcRule(CallerClass.REPLICA, False, "replica_id is the caller and the ticket's AR replica"),
+    _B + "ReportLoad": RpcRule(CallerClass.REPLICA, False, "replica_id is the caller and the ticket's DiT replica"),
+    _B + "ReleaseTicket": RpcRule(
+        CallerClass.REPLICA, False, "replica_id (required) is the caller and the ticket's DiT replica"
+    ),
+    _B + "CancelTicket": RpcRule(CallerClass.REPLICA, True, _OWN_TICKET + " (operator: any)"),
+    _B + "GetTicket": RpcRule(CallerClass.REPLICA, True, _OWN_TICKET + " (operator: any)"),
+    _B + "WatchTicket": RpcRule(CallerClass.REPLICA, True, _OWN_TICKET + " (operator: any)"),
+    # -- operator ------------------------------------------------------------------------------
+    _B + "CreateTicket": RpcRule(
+        CallerClass.OPERATOR, True, "debug only; ends TIMED_OUT after the stages' request_timeout_seconds"
+    ),
+    _B + "ListTickets": RpcRule(CallerClass.OPERATOR, True, "none"),
+    _B + "GetPool": RpcRule(CallerClass.OPERATOR, True, "none"),
+    _B + "ListReplicas": RpcRule(CallerClass.OPERATOR, True, "none"),
+    # -- broker -> replicas, AR -> DiT ---------------------------------------------------------
+    _A + "Tokenize": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
+    _A + "Prefill": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
+    _D + "Denoise": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
+    _D + "PutKv": RpcRule(CallerClass.REPLICA, False, "caller is an AR replica; writes land only in armed tickets"),
+}
+
+
+class SecurityError(ValueError):
+    """A security setting kvrelay refuses to start with; the message names the key or flag."""
+
+
+# ---------------------------------------------------------------- credentials of a process
+
+
+@dataclass(frozen=True, slots=True)
+class TlsMaterial:
+    cert_chain: bytes
+    private_key: bytes
+    root_certificates: bytes
+    require_client_cert: bool = False
+    server_name: str | None = None
+    operator_names: tuple[str, ...] = ("kvrelay-operator",)
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """Everything one process knows: the deployment's tokens and its TLS material."""
+
+    api_token: str | None = None
+    replica_token: str | None = None
+    operator_token: str | None = None
+    tls: TlsMaterial | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    rate_limit_per_second: float = 0.0
+    rate_limit_burst: int = 1
+
+    @property
+    def authenticates_replicas(self) -> bool:
+        """False = a development deployment: replica and operator RPCs trust every caller."""
+        return bool(self.replica_token) or bool(self.tls and self.tls.require_client_cert)
+
+    def channel(self, caller_class: CallerClass, replica_id: str | None = None) -> ChannelSecurity:
+        """How this process dials as `caller_class` (and, for a replica, as `replica_id`)."""
+        token = {
+            CallerClass.PUBLIC: self.api_token,
+            CallerClass.REPLICA: self.replica_token,
+            CallerClass.OPERATOR: self.operator_token,
+        }[caller_class]
+        return ChannelSecurity(token=token, replica_id=replica_id, tls=self.tls)
+
+    def client_options(self, caller_class: CallerClass = CallerClass.PUBLIC) -> dict[str, Any]:
+        """Keyword arguments for kvrelay.client.KvRelayClient / AsyncKvRelayClient."""
+        sec = self.channel(caller_class)
+        options: dict[str, Any] = {"token": sec.token}
+        if self.tls is not None:
+            options.update(
+                tls=True,
+                root_certificates=self.tls.root_certificates,
+                certificate_chain=self.tls.cert_chain,
+                private_key=self.tls.private_key,
+            )
+        return options
+
+
+def _read_secret(env: str | None, file: str | None, key: str) -> str | None:
+    if file:
+        try:
+            value = Path(file).read_text().strip()
+        except OSError as err:
+            raise SecurityError(f"security.{key}_file: cannot read {file}: {err.strerror}") from None
+        if not value:
+            raise SecurityError(f"security.{key}_file: {file} is empty")
+        return value
+    if env:
+        return os.environ.get(env, "").strip() or None
+    return None
+
+
+def _read_pem(path: str, key: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise SecurityError(f"security.tls.{key}: cannot read {path}: {err.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise SecurityError(f"security.tls.{key}: {path} is not PEM")
+    return data
+
+
+def load_credentials(cfg: SecurityConfig) -> Credentials:
+    """Resolve the `security:` section: tokens from env vars or files, PEM files read once."""
+    tls = None
+    if cfg.tls is not None:
+        tls = TlsMaterial(
+            cert_chain=_read_pem(cfg.tls.cert_file, "cert_file"),
+            private_key=_read_pem(cfg.tls.key_file, "key_file"),
+            root_certificates=_read_pem(cfg.tls.ca_file, "ca_file"),
+            require_client_cert=cfg.tls.require_client_cert,
+            server_name=cfg.tls.server_name,
+            operator_names=tuple(cfg.tls.operator_names),
+        )
+    creds = Credentials(
+        api_token=_read_secret(cfg.api_token_env, cfg.api_token_file, "api_token"),
+        replica_token=_read_secret(cfg.replica_token_env, cfg.replica_token_file, "replica_token"),
+        operator_token=_read_secret(cfg.operator_token_env, cfg.operator_token_file, "operator_token"),
+        tls=tls,
+        max_request_bytes=cfg.max_receive_message_bytes,
+        rate_limit_per_second=cfg.rate_limit_per_second,
+        rate_limit_burst=cfg.rate_limit_burst,
+    )
+    tokens = [t for t in (creds.api_token, creds.replica_token, creds.operator_token) if t]
+    if len(set(tokens)) != len(tokens):
+        raise SecurityError("security: the api, replica and operator tokens must differ (each names a caller class)")
+    if tokens and not creds.authenticates_replicas:
+        # An api or operator token alone would leave the replica RPCs (register, deregister,
+        # report, release) open to anyone: refuse rather than protect the wrong half.
+        raise SecurityError(
+            "security.replica_token_env / security.replica_token_file: an api or operator token is set but "
+            "no replica token (nor security.tls.require_client_cert); replica RPCs would be open to anyone"
+        )
+    return creds
+
+
+def is_loopback(host: str) -> bool:
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, creds: Credentials, insecure_bind: bool, what: str) -> None:
+    """Refuse a non-loopback listener that would trust every caller (DESIGN.md section 11)."""
+    if is_loopback(host) or insecure_bind or creds.authenticates_replicas:
+        return
+    raise SecurityError(
+        f"{what}: refusing to listen on {host} without credentials: set a replica token "
+        "($KVRELAY_REPLICA_TOKEN or security.replica_token_file) or security.tls with "
+        "require_client_cert, or pass --insecure-bind to accept any caller on this network"
+    )
+
+
+# ---------------------------------------------------------------- channels
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSecurity:
+    """How one channel authenticates: picklable, so rank workers get it from their spec."""
+
+    token: str | None = None
+    replica_id: str | None = None
+    tls: TlsMaterial | None = None
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        md: list[tuple[str, str]] = []
+        if self.token:
+            md.append((AUTHORIZATION_METADATA, f"Bearer {self.token}"))
+        if self.replica_id:
+            md.append((REPLICA_ID_METADATA, self.replica_id))
+        return tuple(md)
+
+
+def channel_options(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", max_request_bytes),
+        ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+    ]
+
+
+def _channel_credentials(tls: TlsMaterial) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=tls.root_certificates, private_key=tls.private_key, certificate_chain=tls.cert_chain
+    )
+
+
+def _tls_options(tls: TlsMaterial | None) -> list[tuple[str, Any]]:
+    if tls is not None and tls.server_name:
+        return [("grpc.ssl_target_name_override", tls.server_name)]
+    return []
+
+
+_AIO_CLIENT_INTERCEPTORS: tuple[Any, ...] = (
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+)
+_SYNC_CLIENT_INTERCEPTORS: tuple[Any, ...] = (
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+)
+
+
+class _AioMetadataInterceptor(*_AIO_CLIENT_INTERCEPTORS):  # type: ignore[misc]
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        md = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self._metadata))
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, md, details.credentials, details.wait_for_ready
+        )
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self._details(details), request)
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return await continuation(self._details(details), request_iterator)
+
+
+class _SyncCallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
+    def __init__(self, method: str, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any,
+                 compression: Any) -> None:
+        self.method = method
+        self.timeout = timeout
+        self.metadata = metadata
+        self.credentials = credentials
+        self.wait_for_ready = wait_for_ready
+        self.compression = compression
+
+
+class _SyncMetadataInterceptor(*_SYNC_CLIENT_INTERCEPTORS):  # type: ignore[misc]
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: Any) -> _SyncCallDetails:
+        md = tuple(d.metadata or ()) + self._metadata
+        return _SyncCallDetails(d.method, d.timeout, md, d.credentials, getattr(d, "wait_for_ready", None),
+                                getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+
+def make_channel(
+    target: str,
+    security: ChannelSecurity | None = None,
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `target`: TLS when `security.tls` is set, token and replica id on
+    every call, message size limits explicit."""
+    security = security or ChannelSecurity()
+    opts = [*channel_options(max_request_bytes), *_tls_options(security.tls), *options]
+    md = security.metadata()
+    interceptors = [_AioMetadataInterceptor(md)] if md else None
+    if security.tls is not None:
+        return grpc.aio.secure_channel(target, _channel_credentials(security.tls), options=opts,
+                                       interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
+
+
+def make_sync_channel(
+    target: str,
+    security: ChannelSecurity | None = None,
+    *,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """The blocking twin of `make_channel` (supervisor health checks, transport threads)."""
+    security = security or ChannelSecurity()
+    opts = [*channel_options(max_request_bytes), *_tls_options(security.tls), *options]
+    if security.tls is not None:
+        channel = grpc.secure_channel(target, _channel_credentials(security.tls), options=opts)
+    else:
+        channel = grpc.insecure_channel(target, options=opts)
+    md = security.metadata()
+    return grpc.intercept_channel(channel, _SyncMetadataInterceptor(md)) if md else channel
+
+
+# ---------------------------------------------------------------- servers
+
+
+def server_options(creds: Credentials) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", creds.max_request_bytes),
+        ("grpc.max_send_message_length", MAX_REPLY_BYTES),
+        ("grpc.so_reuseport", 0),
+        # Bound what one peer can hold open.
+        ("grpc.max_concurrent_streams", 1024),
+        ("grpc.max_metadata_size", 16 * 1024),
+    ]
+
+
+def server_credentials(creds: Credentials) -> grpc.ServerCredentials | None:
+    if creds.tls is None:
+        return None
+    return grpc.ssl_server_credentials(
+        [(creds.tls.private_key, creds.tls.cert_chain)],
+        root_certificates=creds.tls.root_certificates,
+        require_client_auth=creds.tls.require_client_cert,
+    )
+
+
+# ---------------------------------------------------------------- the interceptor
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling, as the interceptor established it."""
+
+    classes: frozenset[CallerClass]
+    # The replica id the caller acts as: bound by its certificate's common name, else declared
+    # in `kvrelay-replica-id` metadata (trusted only as far as the replica token is).
+    replica_id: str | None = None
+    # A development deployment (no replica credential configured): every caller is trusted.
+    trusted: bool = False
+    # A valid credential was presented (token or verified client certificate).
+    authenticated: bool = False
+
+    @property
+    def operator(self) -> bool:
+        """An operator acts on anything; in a development deployment, an undeclared caller is one."""
+        if self.trusted:
+            return self.replica_id is None
+        return CallerClass.OPERATOR in self.classes
+
+    def acts_as(self, replica_id: str) -> bool:
+        """May this caller act on `replica_id`'s behalf (its own id; anything when trusted and
+        undeclared)."""
+        if self.replica_id is None:
+            return self.trusted
+        return bool(replica_id) and hmac.compare_digest(self.replica_id.encode(), replica_id.encode())
+
+
+_current_caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("kvrelay_caller", default=None)
+
+
+def current_caller() -> Caller | None:
+    """The caller of the RPC being handled (None outside an intercepted handler)."""
+    return _current_caller.get()
+
+
+RequestCheck = Callable[[Any, Caller], Awaitable[None] | None]
+"""A per-RPC check after authentication: raise KvRelayServerError (PERMISSION_DENIED) to refuse."""
+
+
+def permission_denied(message: str) -> KvRelayServerError:
+    return KvRelayServerError(grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED", message)
+
+
+def _caller_named(what: str, accepts: Callable[[str], bool]) -> RequestCheck:
+    def check(request: Any, caller: Caller) -> None:
+        if caller.replica_id is None and caller.trusted:
+            return
+        if caller.replica_id is None or not accepts(caller.replica_id):
+            raise permission_denied(f"only {what} may call this (caller: {caller.replica_id or 'undeclared'})")
+
+    return check
+
+
+# Checks of the replicas' own services (the broker registers its ticket checks, broker/authz.py).
+REPLICA_SERVICE_CHECKS: Mapping[str, RequestCheck] = {
+    _A + "Tokenize": _caller_named("the broker", lambda rid: rid == BROKER_CALLER_ID),
+    _A + "Prefill": _caller_named("the broker", lambda rid: rid == BROKER_CALLER_ID),
+    _D + "Denoise": _caller_named("the broker", lambda rid: rid == BROKER_CALLER_ID),
+    _D + "PutKv": _caller_named("an AR replica", lambda rid: rid.startswith("ar-")),
+}
+
+
+class _RateLimiter:
+    """A token bucket per peer host; thread-safe (sync servers share it too)."""
+
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def allow(self, peer: str) -> bool:
+        if self._rate <= 0:
+            return True
+        now = self._clock()
+        with self._lock:
+            tokens, last = self._buckets.get(peer, (self._burst, now))
+            tokens = min(self._burst, tokens + (now - last) * self._rate)
+            if tokens < 1.0:
+                self._buckets[peer] = (tokens, now)
+                return False
+            self._buckets[peer] = (tokens - 1.0, now)
+            if len(self._buckets) > 10_000:
+                self._buckets.clear()  # bounded memory; a flood of peers resets everyone's bucket
+            return True
+
+
+def _peer_host(peer: str) -> str:
+    # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path"
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
+def check_id_lengths(message: Any, path: str = "", depth: int = 0) -> None:
+    """Ids (fields named *_id / *_ids, at any depth) are at most MAX_ID_CHARS characters."""
+    if depth > 4:
+        return
+    for fd, value in message.ListFields():
+        name = f"{path}{fd.name}"
+        if fd.type == fd.TYPE_STRING and (fd.name.endswith("_id") or fd.name.endswith("_ids")):
+            values = value if fd.label == fd.LABEL_REPEATED else [value]
+            if len(values) > 1024:
+                raise KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
+                                         f"{name}: at most 1024 ids", field=name)
+            for v in values:
+                if len(v) > MAX_ID_CHARS:
+                    raise KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
+                                             f"{name}: longer than {MAX_ID_CHARS} characters", field=name)
+        elif fd.type == fd.TYPE_MESSAGE and fd.message_type.full_name.startswith("kvrelay."):
+            items = value if fd.label == fd.LABEL_REPEATED else [value]
+            for item in items[:64]:
+                check_id_lengths(item, f"{name}.", depth + 1)
+
+
+@dataclass
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The one server interceptor of every kvrelay server (see the module docstring)."""
+
+    creds: Credentials
+    checks: Mapping[str, RequestCheck] = field(default_factory=dict)
+    rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
+    _limiter: _RateLimiter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
+        self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
+
+    # -- authentication --------------------------------------------------------------------------
+
+    def authenticate(self, metadata: Sequence[tuple[str, Any]], auth_context: Mapping[str, Any]) -> Caller:
+        creds = self.creds
+        bearer = ""
+        declared: str | None = None
+        for key, value in metadata:
+            if key == AUTHORIZATION_METADATA and isinstance(value, str) and value.startswith("Bearer "):
+                bearer = value[len("Bearer "):]
+            elif key == REPLICA_ID_METADATA and isinstance(value, str):
+                declared = value[:MAX_ID_CHARS]
+        # Compare against every configured token, always, so timing tells nothing about which.
+        presented = bearer.encode()
+        matches = {
+            cls: bool(token) and hmac.compare_digest(presented, token.encode())  # type: ignore[union-attr]
+            for cls, token in (
+                (CallerClass.PUBLIC, creds.api_token),
+                (CallerClass.REPLICA, creds.replica_token),
+                (CallerClass.OPERATOR, creds.operator_token),
+            )
+        }
+        classes = {cls for cls, ok in matches.items() if ok}
+        replica_id = declared
+        cn = _common_name(auth_context) if creds.tls is not None and creds.tls.require_client_cert else None
+        if cn is not None:
+            if cn in creds.tls.operator_names:  # type: ignore[union-attr]
+                classes.add(CallerClass.OPERATOR)
+            else:
+                classes.add(CallerClass.REPLICA)
+                if _names_a_replica(cn):
+                    if declared is not None and declared != cn:
+                        raise permission_denied(
+                            f"{REPLICA_ID_METADATA} {declared!r} differs from the certificate's {cn!r}"
+                        )
+                    replica_id = cn
+        if not creds.authenticates_replicas:
+            # Development deployment: loopback-only by check_bind; trust every caller.
+            return Caller(frozenset(CallerClass), replica_id, trusted=True)
+        authenticated = bool(classes)
+        if authenticated or not creds.api_token:
+            classes.add(CallerClass.PUBLIC)
+        return Caller(frozenset(classes), replica_id, authenticated=authenticated)
+
+    # -- the interceptor -----------------------------------------------------------------------
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method: str = details.method
+        rule = self.rules.get(method)
+        check = self.checks.get(method)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(method, rule, check, handler.unary_unary))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_unary_stream(method, rule, check, handler.unary_stream))
+        if handler.stream_unary is not None:
+            return handler._replace(stream_unary=self._wrap_stream_unary(method, rule, check, handler.stream_unary))
+        return handler._replace(stream_stream=self._wrap_stream_stream(method, rule, check, handler.stream_stream))
+
+    async def _admit(
+        self, method: str, rule: RpcRule | None, check: RequestCheck | None, request: Any,
+        context: grpc.aio.ServicerContext,
+    ) -> Caller:
+        if rule is None:
+            # Fail closed: an RPC nobody classified is nobody's.
+            raise permission_denied(f"{method} has no caller class (kvrelay.security.RPC_RULES)")
+        if rule.always_open:
+            return Caller(frozenset({CallerClass.PUBLIC}))
+        caller = self.authenticate(context.invocation_metadata() or (), context.auth_context() or {})
+        allowed = {rule.caller_class} | ({CallerClass.OPERATOR} if rule.operator_too else set())
+        if not caller.classes & allowed:
+            needed = " or ".join(sorted(c.value for c in allowed))
+            if caller.authenticated:
+                raise permission_denied(f"{method} needs a {needed} credential; the one presented is not")
+            raise KvRelayServerError(
+                grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
+                f"{method} needs a {needed} credential (authorization: Bearer <token> or a client certificate)",
+            )
+        if rule.caller_class is not CallerClass.PUBLIC and not self._limiter.allow(_peer_host(context.peer())):
+            raise KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
+                f"more than {self.creds.rate_limit_per_second:g} requests/s from this peer; retry later",
+            )
+        if request is not None and hasattr(request, "ListFields"):
+            check_id_lengths(request)
+        if check is not None:
+            result = check(request, caller)
+            if inspect.isawaitable(result):
+                await result
+        return caller
+
+    def _wrap_unary(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
+                    behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                caller = await self._admit(method, rule, check, request, context)
+            except KvRelayServerError as err:
+                await abort_with(context, err)
+            token = _current_caller.set(caller)
+            try:
+                return await behavior(request, context)
+            finally:
+                _current_caller.reset(token)
+
+        return wrapper
+
+    def _wrap_unary_stream(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
+                           behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                caller = await self._admit(method, rule, check, request, context)
+            except KvRelayServerError as err:
+                await abort_with(context, err)
+            token = _current_caller.set(caller)
+            try:
+                result = behavior(request, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:
+                    await result
+            finally:
+                _current_caller.reset(token)
+
+        return wrapper
+
+    def _wrap_stream_unary(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
+                           behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                caller = await self._admit(method, rule, check, None, context)
+            except KvRelayServerError as err:
+                await abort_with(context, err)
+            token = _current_caller.set(caller)
+            try:
+                return await behavior(request_iterator, context)
+            finally:
+                _current_caller.reset(token)
+
+        return wrapper
+
+    def _wrap_stream_stream(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
+                            behavior: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                caller = await self._admit(method, rule, check, None, context)
+            except KvRelayServerError as err:
+                await abort_with(context, err)
+            token = _current_caller.set(caller)
+            try:
+                result = behavior(request_iterator, context)
+                if inspect.isasyncgen(result):
+                    async for item in result:
+                        yield item
+                else:
+                    await result
+            finally:
+                _current_caller.reset(token)
+
+        return wrapper
+
+
+def _common_name(auth_context: Mapping[str, Any]) -> str | None:
+    values = auth_context.get("x509_common_name") or ()
+    for v in values:
+        return v.decode() if isinstance(v, bytes) else str(v)
+    return None
+
+
+def _names_a_replica(name: str) -> bool:
+    kind, _, index = name.partition("-")
+    return kind in ("ar", "dit") and index.isdigit()
+
+
+__all__ = [
+    "AuthInterceptor",
+    "BROKER_CALLER_ID",
+    "Caller",
+    "CallerClass",
+    "ChannelSecurity",
+    "Credentials",
+    "REPLICA_ID_METADATA",
+    "RPC_RULES",
+    "RequestCheck",
+    "RpcRule",
+    "SecurityError",
+    "TlsMaterial",
+    "channel_options",
+    "check_bind",
+    "current_caller",
+    "is_loopback",
+    "load_credentials",
+    "make_channel",
+    "make_sync_channel",
+    "permission_denied",
+    "server_credentials",
+    "server_options",
+]
