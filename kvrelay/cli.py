@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT of any kvrelay process (default: %(default)s)")
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    _add_client_tls_args(p)
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
     p.add_argument("--config", default=None, help="base config (default: built-in single-node CPU config)")

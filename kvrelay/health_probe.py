@@ -8,17 +8,22 @@ prints one line. Exit codes: 0 SERVING, 1 reachable but not serving, 2 unreachab
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvrelay.security import ChannelSecurity, SecurityError, client_tls_from_files, make_sync_channel
+
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
-def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, str]:
+def check(
+    target: str, service: str = "", timeout_s: float = 3.0, security: ChannelSecurity | None = None
+) -> tuple[int, str]:
     """Ask `target` once; returns (exit code, one-line description). Never raises on RPC errors."""
-    with grpc.insecure_channel(target) as channel:
+    with make_sync_channel(target, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
@@ -31,6 +36,15 @@ def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    code, line = check(args.target, args.service, args.timeout)
+    try:
+        tls = client_tls_from_files(
+            getattr(args, "tls_ca", None) or os.environ.get("KVRELAY_TLS_CA"),
+            getattr(args, "tls_cert", None) or os.environ.get("KVRELAY_TLS_CERT"),
+            getattr(args, "tls_key", None) or os.environ.get("KVRELAY_TLS_KEY"),
+        )
+    except SecurityError as err:
+        print(f"kvrelay health: {err}", file=sys.stderr)
+        return 2
+    code, line = check(args.target, args.service, args.timeout, ChannelSecurity(tls=tls))
     print(line, file=sys.stdout if code == 0 else sys.stderr)
     return code

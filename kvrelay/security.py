@@ -123,8 +123,9 @@ class SecurityError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TlsMaterial:
-    cert_chain: bytes
-    private_key: bytes
+    # None on a client that only verifies the server (no client certificate).
+    cert_chain: bytes | None
+    private_key: bytes | None
     root_certificates: bytes
     require_client_cert: bool = False
     server_name: str | None = None
@@ -193,6 +194,21 @@ def _read_pem(path: str, key: str) -> bytes:
     if b"-----BEGIN" not in data:
         raise SecurityError(f"security.tls.{key}: {path} is not PEM")
     return data
+
+
+def client_tls_from_files(ca: str | None, cert: str | None = None, key: str | None = None) -> TlsMaterial | None:
+    """TLS of a command-line client (`--tls-ca`, `--tls-cert`, `--tls-key`); None without a CA."""
+    if not ca:
+        if cert or key:
+            raise SecurityError("--tls-cert/--tls-key need --tls-ca (the roots that sign the server)")
+        return None
+    if bool(cert) != bool(key):
+        raise SecurityError("--tls-cert and --tls-key go together (mutual TLS)")
+    return TlsMaterial(
+        cert_chain=_read_pem(cert, "cert_file") if cert else None,
+        private_key=_read_pem(key, "key_file") if key else None,
+        root_certificates=_read_pem(ca, "ca_file"),
+    )
 
 
 def load_credentials(cfg: SecurityConfig) -> Credentials:
@@ -413,6 +429,8 @@ def server_options(creds: Credentials) -> list[tuple[str, Any]]:
 def server_credentials(creds: Credentials) -> grpc.ServerCredentials | None:
     if creds.tls is None:
         return None
+    if creds.tls.cert_chain is None or creds.tls.private_key is None:
+        raise SecurityError("security.tls: a server needs cert_file and key_file")
     return grpc.ssl_server_credentials(
         [(creds.tls.private_key, creds.tls.cert_chain)],
         root_certificates=creds.tls.root_certificates,
@@ -744,6 +762,7 @@ __all__ = [
     "TlsMaterial",
     "channel_options",
     "check_bind",
+    "client_tls_from_files",
     "current_caller",
     "is_loopback",
     "load_credentials",
