@@ -153,6 +153,8 @@ class ArRankHandler:
                 device=ctx.device,
                 dtype=spec.dtype,
             )
+        if hasattr(self.model, "warm_up"):
+            self.model.warm_up()  # GPU: compile and capture before the replica reports SERVING
         # KV per ticket, per row: [layers, 2, kv_heads_local, T, head_dim] on the model's device.
         self._held: dict[str, dict[int, Any]] = {}
         pin = ctx.device.startswith("cuda") and torch.cuda.is_available()
@@ -220,9 +222,11 @@ class ArRankHandler:
         # Drop any earlier KV of this ticket first: a retried prefill must not double the memory.
         self._held.pop(cmd.ticket_id, None)
         start = time.perf_counter()
-        kv_by_row = {}
-        for row, ids in enumerate(cmd.rows):
-            kv_by_row[row] = self.model.prefill(list(ids))
+        if hasattr(self.model, "prefill_batch"):
+            # All CFG rows of the ticket in one batched forward (a captured graph on a GPU).
+            kv_by_row = dict(enumerate(self.model.prefill_batch([list(ids) for ids in cmd.rows])))
+        else:
+            kv_by_row = {row: self.model.prefill(list(ids)) for row, ids in enumerate(cmd.rows)}
         if self.model.device.type == "cuda":
             import torch
 

@@ -26,7 +26,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, init_std, rope_cos_sin, torch_dtype
+from kvrelay.models.layers import (
+    ParallelAttention,
+    RMSNorm,
+    SwiGLU,
+    compile_enabled,
+    compiled,
+    init_std,
+    rope_cos_sin,
+    torch_dtype,
+)
 from kvrelay.models.loader import (
     KeyMap,
     ar_config_to_hf,
@@ -100,6 +109,12 @@ class ArModel(nn.Module):
         )
         self.num_kv_heads_local = config.num_kv_heads // self.tp.world_size
         self.cuda_graphs = True  # on a GPU at TP=1: prefill replays a graph per shape bucket
+        # On GPUs every layer runs through one torch.compile'd function (fused norms and SwiGLU).
+        self.compiled_layer: Any = (
+            compiled(_run_layer)
+            if self.device.type == "cuda" and self.tp.world_size == 1 and compile_enabled()
+            else None
+        )
         self._graphs: dict[tuple[int, int], PrefillGraph] = {}
         self._graph_pool: Any = None
 
@@ -215,16 +230,19 @@ class ArModel(nn.Module):
             torch.arange(t, device=self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype
         )
         x = self.embed_tokens(ids)
+        run_layer = self.compiled_layer or _run_layer
         last = len(self.layers) - 1
         for i, module in enumerate(self.layers):
-            layer = cast(ArDecoderLayer, module)
-            attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True)
-            kv[i, 0].copy_(k)
-            kv[i, 1].copy_(v)
-            if i == last:
-                break  # nothing after the last layer's attention changes any K/V
-            x = x + attn_out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            # Nothing after the last layer's attention changes any K/V: its MLP is skipped.
+            x = run_layer(module, x, cos, sin, kv[i, 0], kv[i, 1], i == last)
+
+    def warm_up(self) -> None:
+        """On a GPU: compile the layer and capture the prefill graphs of the common buckets now
+        (two shapes, so the compiled code is already shape-generic), not on the first request."""
+        if self.device.type != "cuda":
+            return
+        for tokens in (64, 128):
+            self.prefill_batch([[1] * min(tokens, self.config.max_tokens), [1] * 16])
 
     @property
     def use_graphs(self) -> bool:
@@ -239,6 +257,28 @@ class ArModel(nn.Module):
             graph = PrefillGraph(self, rows, tokens, self._graph_pool)
             self._graphs[key] = graph
         return graph
+
+
+def _run_layer(
+    module: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    last: bool,
+) -> torch.Tensor:
+    """One decoder layer of the prefill: writes its K/V into ``k_out``/``v_out`` and returns the
+    hidden state for the next layer (``x`` unchanged after the last one)."""
+    layer = cast(ArDecoderLayer, module)
+    attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True)
+    k_out.copy_(k)
+    v_out.copy_(v)
+    if last:
+        return x
+    x = x + attn_out
+    out: torch.Tensor = x + layer.mlp(layer.post_attention_layernorm(x))
+    return out
 
 
 class PrefillGraph:

@@ -616,8 +616,14 @@ class Orchestrator:
         try:
             async for event in call:
                 phase = event.phase
-                if phase == dit_pb2.DENOISE_PHASE_LOADED:
-                    # Reservation until every row is verified on every rank, seen from here.
+                if phase == dit_pb2.DENOISE_PHASE_LOADING:
+                    # Admitted by the DiT (a slot is free): the wait for it is queueing, not handoff.
+                    admitted_at = self._clock()
+                    timings["queue"] = timings.get("queue", 0.0) + (admitted_at - placed_at)
+                    placed_at = admitted_at
+                elif phase == dit_pb2.DENOISE_PHASE_LOADED:
+                    # KV handoff: from the DiT's admission until every row is verified on every
+                    # rank, seen from here (the wait for a DiT slot counts as queue above).
                     timings["handoff"] = self._clock() - placed_at
                     timings["load"] = event.load_seconds
                     self._start_consuming(job)

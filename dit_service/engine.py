@@ -65,6 +65,15 @@ class RunDenoise:
 
 
 @dataclass(frozen=True, slots=True)
+class RunDenoiseBatch:
+    """Denoise several admitted requests together (same size and step count): one forward per
+    step over all their CFG rows. Answers one DenoiseResult per item, in order; an item whose
+    slot is cancelled stops at the next step boundary while the others go on."""
+
+    items: tuple[RunDenoise, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class DenoiseResult:
     rank: int
     steps_done: int
@@ -140,6 +149,7 @@ class DitRankHandler:
                 weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
             )
         self.layout = self.runner.page_layout(spec.page_size)
+        self.runner.warm_up()  # GPU: compile and capture before the replica reports SERVING
         pool_spec = spec.pools[ctx.rank]
         if pool_spec.num_bytes != self.layout.pool_bytes(spec.num_pages):
             raise ValueError(
@@ -183,6 +193,8 @@ class DitRankHandler:
             return self._verify(command.writes)
         if isinstance(command, RunDenoise):
             return self._denoise(command)
+        if isinstance(command, RunDenoiseBatch):
+            return self._denoise_batch(command)
         raise TypeError(f"DiT rank {self.ctx.rank} got an unknown command {type(command).__name__}")
 
     def _describe(self) -> RegionDescriptor | None:
@@ -266,6 +278,66 @@ class DitRankHandler:
             decode_seconds = time.perf_counter() - start
         return DenoiseResult(self.ctx.rank, steps_done, False, png, cmd.width, cmd.height,
                              copy_seconds, denoise_seconds, decode_seconds)
+
+    def _cancelled(self, cmd: RunDenoise) -> bool:
+        control = self.control[cmd.slot]
+        return int(control[SERIAL]) == cmd.serial and bool(int(control[CANCEL]))
+
+    def _denoise_batch(self, cmd: RunDenoiseBatch) -> tuple[DenoiseResult, ...]:
+        from kvrelay.dit_service.image import encode_png
+        from kvrelay.dit_service.model import BatchRequest
+        from kvrelay.models.paged_attention import read_prefix
+
+        items = cmd.items
+        if not items:
+            return ()
+        first = items[0]
+        if any((c.width, c.height, c.steps) != (first.width, first.height, first.steps) for c in items):
+            raise ValueError("a denoise batch needs one image size and step count")
+        copy_seconds = self._load_to_device([row for c in items for row in c.rows])
+        pool = self.device_pool if self.device_pool is not None else self.host_tensor
+        steps_done = [0] * len(items)
+        # Cancelled before the first step: never part of the batch.
+        running = [i for i, c in enumerate(items) if not self._cancelled(c)]
+        requests = [
+            BatchRequest([read_prefix(pool, self.layout, row.page_ids, row.num_tokens) for row in items[i].rows],
+                         items[i].guidance_scale, items[i].seed)
+            for i in running
+        ]
+
+        def on_step(step: int, total: int, active: list[int]) -> set[int]:
+            stop = set()
+            for j in active:
+                c = items[running[j]]
+                steps_done[running[j]] = step
+                if self.ctx.rank == 0 and int(self.control[c.slot][SERIAL]) == c.serial:
+                    self.control[c.slot][STEP] = step
+                if self._cancelled(c):
+                    stop.add(j)
+            return stop
+
+        start = time.perf_counter()
+        latents = self.runner.denoise_batch(requests, width=first.width, height=first.height, steps=first.steps,
+                                            on_step=on_step) if requests else []
+        del requests  # views into the pool: none outlives the call
+        denoise_seconds = time.perf_counter() - start
+        out: list[DenoiseResult | None] = [None] * len(items)
+        for j, i in enumerate(running):
+            c = items[i]
+            if latents[j] is None:
+                continue
+            png, decode_seconds = None, 0.0
+            if self.ctx.rank == 0:
+                t0 = time.perf_counter()
+                png = encode_png(self.runner.decode(latents[j]))
+                decode_seconds = time.perf_counter() - t0
+            out[i] = DenoiseResult(self.ctx.rank, steps_done[i], False, png, c.width, c.height, copy_seconds,
+                                   denoise_seconds, decode_seconds)
+        return tuple(
+            r if r is not None else DenoiseResult(self.ctx.rank, steps_done[i], True, None, items[i].width,
+                                                  items[i].height, copy_seconds, denoise_seconds, 0.0)
+            for i, r in enumerate(out)
+        )
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -35,8 +35,24 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.dit_service.sampler import StepCallback, cfg_rows, euler_sample, initial_noise
-from kvrelay.models.layers import ParallelAttention, RMSNorm, SwiGLU, apply_rotary, init_std, rope_cos_sin
+from kvrelay.dit_service.sampler import (
+    StepCallback,
+    cfg_rows,
+    combine_cfg,
+    euler_sample,
+    flow_timesteps,
+    initial_noise,
+)
+from kvrelay.models.layers import (
+    ParallelAttention,
+    RMSNorm,
+    SwiGLU,
+    apply_rotary,
+    compile_enabled,
+    compiled,
+    init_std,
+    rope_cos_sin,
+)
 from kvrelay.models.loader import CheckpointError
 from kvrelay.models.paged_attention import LayerKv, PrefixKv, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
@@ -163,8 +179,10 @@ class DitAttention(ParallelAttention):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: PrefixKv,
-        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prefix_slots: int,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         rows, tokens, _ = x.shape
         q, k, v = self.project_qkv(x)
@@ -173,8 +191,11 @@ class DitAttention(ParallelAttention):
         # Sequence shards -> head shards: this rank now has every image token for the kv heads of
         # its page shard, so the prefix it holds is exactly the prefix its heads attend over.
         q, k, v = seq_to_heads(q, self.sp), seq_to_heads(k, self.sp), seq_to_heads(v, self.sp)
-        keys, values = kv.with_own(layer, k, v)
-        out = heads_to_seq(gqa_attention(q, keys, values, kv.mask), self.sp)
+        # This step's own K/V go into the image slots of the layer's buffers, after the prefix
+        # that was copied there once per denoise: attention reads the prefix in place.
+        keys[:, :, prefix_slots:].copy_(k)
+        values[:, :, prefix_slots:].copy_(v)
+        out = heads_to_seq(gqa_attention(q, keys, values, mask), self.sp)
         projected: torch.Tensor = self.o_proj(
             out.transpose(1, 2).reshape(rows, tokens, self.num_heads_local * self.head_dim)
         )
@@ -199,12 +220,14 @@ class DitBlock(nn.Module):
         cond: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv: PrefixKv,
-        layer: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prefix_slots: int,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(cond).unsqueeze(1).chunk(6, dim=-1)
         h = self.attn_norm(x) * (1 + scale1) + shift1
-        x = x + gate1 * self.attn(h, cos, sin, kv, layer)
+        x = x + gate1 * self.attn(h, cos, sin, keys, values, prefix_slots, mask)
         h = self.mlp_norm(x) * (1 + scale2) + shift2
         mlp_out: torch.Tensor = self.mlp(h)
         out: torch.Tensor = x + gate2 * mlp_out
@@ -234,6 +257,11 @@ class DitModel(nn.Module):
         self.final_modulation = nn.Linear(cfg.hidden, 2 * cfg.hidden, dtype=dtype, device=device)
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
         self.final_proj = nn.Linear(cfg.hidden, patch_dim, dtype=dtype, device=device)
+        # On GPUs every block runs through one torch.compile'd function (inductor fuses the norms,
+        # adaLN modulation, RoPE, gates and SwiGLU into a few kernels; the matmuls stay cuBLAS).
+        self.compiled_block: Callable[..., torch.Tensor] | None = (
+            compiled(_run_block) if device.type == "cuda" and parallel.world == 1 and compile_enabled() else None
+        )
 
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """[rows, C, h, w] -> [rows, (h/p)*(w/p), C*p*p], raster order of patches."""
@@ -321,8 +349,11 @@ class DitModel(nn.Module):
         cond = self.time_out(F.silu(self.time_in(timestep_features(t).to(self.dtype))))
         cond = F.silu(cond)  # every consumer (adaLN linears) takes silu(c), as in DiT
 
+        kv = inputs.kv
+        run_block = self.compiled_block or _run_block
         for layer, block in enumerate(self.blocks):
-            x = block(x, cond, inputs.cos, inputs.sin, inputs.kv, layer)
+            x = run_block(block, x, cond, inputs.cos, inputs.sin, kv.keys[layer], kv.values[layer],
+                          kv.prefix_slots, kv.mask)
 
         shift, scale = self.final_modulation(cond).unsqueeze(1).chunk(2, dim=-1)
         out = self.final_proj(self.final_norm(x) * (1 + scale) + shift)
@@ -337,6 +368,35 @@ class DitModel(nn.Module):
         if len(prefix_rows) != rows:
             raise ValueError(f"{len(prefix_rows)} prefix rows for {rows} latent rows")
         return self.step(latents, t, self.prepare(prefix_rows, h, w))
+
+
+def _run_block(
+    block: nn.Module,
+    x: torch.Tensor,
+    cond: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    prefix_slots: int,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    out: torch.Tensor = block(x, cond, cos, sin, keys, values, prefix_slots, mask)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRequest:
+    """One request of a batched denoise: its CFG prefix rows (this rank's head shard), guidance
+    and noise seed."""
+
+    prefix_rows: Sequence[PrefixRow]
+    guidance_scale: float
+    seed: int
+
+
+# on_step(step, total, active request indices) -> indices of the requests to stop now.
+BatchStepCallback = Callable[[int, int, list[int]], "set[int] | list[int]"]
 
 
 @dataclass(slots=True)
@@ -622,6 +682,24 @@ class DitRunner:
         self.model.prepare(prefix_rows, lat_h, lat_w, into=inputs)
         return functools.partial(self.model.step, inputs=inputs)
 
+    def warm_up(self, width: int = 512, height: int = 512) -> None:
+        """On a GPU: compile the blocks and capture the step graphs of the common buckets now (two
+        prefix buckets, so the compiled code is already shape-generic), not on the first request."""
+        if self.device.type != "cuda":
+            return
+        dtype = getattr(torch, self.preset.dtype)
+        lat_h, lat_w = self.cfg.latent_size(width, height)
+        small, large = self.prefix_slots(1), self.prefix_slots(self.prefix_slots(1) + 1)
+        # Two prefix buckets, then twice the rows (two requests batched): every later shape reuses
+        # the shape-generic code and only captures its graph.
+        for lengths in ((small, 1), (large, 1), (small, 1, small, 1)):
+            rows = [random_prefix(self.preset, n, seed=n, dtype=dtype, device=self.device) for n in lengths]
+            rows = [shard_prefix(row, self.parallel.world, self.parallel.rank) for row in rows]
+            step = self.stepper(rows, lat_h, lat_w)
+            x = torch.zeros(len(rows), self.cfg.latent_channels, lat_h, lat_w, dtype=self.dtype, device=self.device)
+            step(x, torch.full((len(rows),), 0.5, device=self.device))
+        torch.cuda.synchronize(self.device)
+
     def step_graph(self, rows: int, lat_h: int, lat_w: int, slots: int) -> StepGraph:
         """The captured step of one shape bucket, captured on first use (LRU, ``MAX_GRAPHS``)."""
         key = (rows, lat_h, lat_w, slots)
@@ -723,6 +801,72 @@ class DitRunner:
             on_step=self._agreed(on_step),
         )
         return latents
+
+    @torch.no_grad()
+    def denoise_batch(
+        self,
+        requests: Sequence[BatchRequest],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        on_step: BatchStepCallback | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Several requests denoised together: every step is ONE forward over all their CFG rows
+        stacked (each request's rows attend to its own prefixes), then each request's guidance and
+        Euler update. Returns each request's latents ``[C, height/8, width/8]``, or None for a
+        request stopped early.
+
+        ``on_step(k, steps, active)`` runs after step k with the indices of the requests still
+        running and returns those to stop now; the others go on (the batch shrinks at a step
+        boundary). On ``world > 1`` ranks agree on the stopped set (one small all-reduce a step).
+        """
+        if not requests:
+            return []
+        for req in requests:
+            self._check_prefix(req.prefix_rows, req.guidance_scale)
+        lat_h, lat_w = self.cfg.latent_size(width, height)
+        rows_of = [
+            [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in req.prefix_rows] for req in requests
+        ]
+        xs: list[torch.Tensor] = [
+            initial_noise(req.seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device)
+            for req in requests
+        ]
+        results: list[torch.Tensor | None] = [None] * len(requests)
+        active = list(range(len(requests)))
+        times = flow_timesteps(steps, self.timestep_shift)
+        velocity = self.stepper([row for i in active for row in rows_of[i]], lat_h, lat_w)
+        for k in range(steps):
+            t, t_next = float(times[k]), float(times[k + 1])
+            counts = [len(rows_of[i]) for i in active]
+            batch = torch.cat([xs[i].unsqueeze(0).expand(n, *xs[i].shape) for i, n in zip(active, counts, strict=True)])
+            t_rows = torch.full((batch.shape[0],), t, dtype=torch.float32, device=self.device)
+            v_all = velocity(batch, t_rows)
+            for i, v in zip(active, v_all.split(counts), strict=True):
+                guided = combine_cfg(v, requests[i].guidance_scale)
+                xs[i] = (xs[i].float() + (t_next - t) * guided.float()).to(self.dtype)
+            stop = set(on_step(k + 1, steps, list(active))) if on_step is not None else set()
+            stop = self._agreed_stop(stop, len(requests)) & set(active)
+            if stop:
+                active = [i for i in active if i not in stop]
+                if not active:
+                    return results
+                if k + 1 < steps:
+                    velocity = self.stepper([row for i in active for row in rows_of[i]], lat_h, lat_w)
+        for i in active:
+            results[i] = xs[i]
+        return results
+
+    def _agreed_stop(self, stop: set[int], n: int) -> set[int]:
+        """The union of every rank's stop set (a no-op in one process)."""
+        if self.parallel.world == 1:
+            return stop
+        flags = torch.zeros(n, dtype=torch.int32, device=self.device)
+        for i in stop:
+            flags[i] = 1
+        TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flags)
+        return {i for i, f in enumerate(flags.tolist()) if f}
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

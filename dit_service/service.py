@@ -27,11 +27,21 @@ import grpc
 import numpy as np
 
 from kvrelay.config import StageConfig
-from kvrelay.dit_service.engine import CANCEL, SERIAL, STEP, DenoiseResult, RunDenoise, VerifyWrites
+from kvrelay.dit_service.batcher import DenoiseBatcher
+from kvrelay.dit_service.engine import (
+    CANCEL,
+    SERIAL,
+    STEP,
+    DenoiseResult,
+    RunDenoise,
+    RunDenoiseBatch,
+    VerifyWrites,
+)
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.scheduler import AdmissionQueue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
+from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
@@ -160,6 +170,22 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # Denoise handlers running now: at stop, main waits for them to release their tickets
         # before the workers and the broker channel go away.
         self.inflight: set[asyncio.Task[Any]] = set()
+        self._batcher: DenoiseBatcher | None = None
+
+    @property
+    def batcher(self) -> DenoiseBatcher:
+        """Admitted denoises are batched into one rank command (up to max_num_seqs at a time)."""
+        if self._batcher is None:
+            world = self.s.world_size
+
+            async def run(items: list[RunDenoise]) -> list[tuple[DenoiseResult, ...]]:
+                per_rank: list[tuple[DenoiseResult, ...]] = await self._call_each(
+                    [RunDenoiseBatch(tuple(items))] * world
+                )
+                return per_rank
+
+            self._batcher = DenoiseBatcher(run, self.s.stage.max_num_seqs)
+        return self._batcher
 
     def attach(self, state: DitReplicaState | None) -> None:
         self._state = state
@@ -341,7 +367,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         total = request.num_inference_steps
         command = RunDenoise(slot, serial, rows, request.width, request.height, total,
                              request.guidance_scale, request.seed)
-        task = asyncio.ensure_future(self._call_each([command] * self.s.world_size))
+        task = asyncio.ensure_future(self.batcher.submit(command))
 
         def on_rpc_done(_: Any) -> None:
             # A caller that cancels while a step event is being sent is not seen by this
@@ -511,7 +537,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         per_rank: list[list[PlannedWrite]] = [[] for _ in range(self.s.world_size)]
         for row, dst in loads:
             per_rank[dst].extend(w for k, w in sorted(planned.items()) if (k[0], k[2]) == (row, dst))
-        if self.s.stage.verify_checksums:
+        if self.s.stage.verify_checksums and self.s.stage.transport != "cuda_ipc":
+            # Host pools are mapped here too: hash them in this process (off the event loop), so a
+            # load never waits behind the ranks' running denoise batch.
+            memory = self.s.memory
+            sums = await asyncio.to_thread(
+                lambda: [[checksum_segments(memory.region(w.dst_rank), w.segments, side="dst") for w in ws]
+                         for ws in per_rank]
+            )
+        elif self.s.stage.verify_checksums:
+            # Device-resident pages (CUDA IPC): each rank computes the device checksum of its pool.
             sums = await self._call_each([VerifyWrites(tuple(ws)) for ws in per_rank])
         else:
             # Opt-out (RDMA deployments that trust completion): report the writer's checksums.

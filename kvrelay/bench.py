@@ -291,36 +291,35 @@ class ColocatedUnderTest:
 
     impl = "colocated"
 
-    def __init__(self, preset: str, device: str = "cpu") -> None:
+    def __init__(self, preset: str, device: str = "cpu", max_batch: int = 1) -> None:
         from kvrelay.colocated import ColocatedPipeline
 
-        self.pipeline = ColocatedPipeline(preset, device=device)
+        self.pipeline = ColocatedPipeline(preset, device=device, max_batch=max_batch)
 
     def run(
         self, workload: Workload, requests: int, concurrency: int, run_idx: int
     ) -> tuple[list[RequestRecord], float, int]:
-        # One process computes both stages, one request at a time (max_num_seqs=1 on one worker):
-        # concurrency only queues requests here, so they run back to back.
+        # One process computes both stages with the served DiT's batching: up to max_num_seqs
+        # requests (at most `concurrency` are in flight) prefilled and denoised together, batch
+        # after batch. Each request's latency is its batch's time (all of it arrived at once).
+        batch = max(1, min(concurrency, self.pipeline.max_batch))
         records = []
         start = time.perf_counter()
-        for i in range(requests):
-            row = workload.prompts[(run_idx * requests + i) % len(workload.prompts)]
+        for first in range(0, requests, batch):
+            rows = [workload.prompts[(run_idx * requests + i) % len(workload.prompts)]
+                    for i in range(first, min(requests, first + batch))]
             t0 = time.perf_counter()
             try:
-                phases = self.pipeline.generate(
-                    row["prompt"],
-                    row.get("negative_prompt", ""),
-                    int(row["seed"]),
-                    workload.width,
-                    workload.height,
-                    workload.steps,
-                    workload.guidance_scale,
+                phases = self.pipeline.generate_batch(
+                    [(r["prompt"], r.get("negative_prompt", ""), int(r["seed"])) for r in rows],
+                    workload.width, workload.height, workload.steps, workload.guidance_scale,
                 )
-                records.append(
+                records += [
                     RequestRecord(True, time.perf_counter() - t0, phases.get("handoff_seconds", 0.0), phases)
-                )
+                    for _ in rows
+                ]
             except Exception as err:  # noqa: BLE001 - a failed request is a result here
-                records.append(RequestRecord(False, time.perf_counter() - t0, error=repr(err)))
+                records += [RequestRecord(False, time.perf_counter() - t0, error=repr(err)) for _ in rows]
         return records, time.perf_counter() - start, 0
 
     def stop(self) -> None:
@@ -356,13 +355,20 @@ def seed_table(results: list[RunResult], impls: list[str], runs: int) -> str:
 
 def detail_table(results: list[RunResult]) -> str:
     lines = [
-        "| impl | run | done/failed | req/s | p50 s | p95 s | p99 s | handoff p50 ms | handoff p99 ms | handoff share | MiB moved |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| impl | run | done/failed | req/s | p50 s | p95 s | p99 s | queue ms | transfer ms | load ms | "
+        "handoff p50 ms | handoff p99 ms | handoff share | MiB moved |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
+        # Means per request: queue = waiting for the broker and for a DiT slot; transfer = the
+        # AR's writes; load = the DiT from admission to every row verified (and on host-staged
+        # transports, nothing of the later mirror copy); handoff = admission to loaded.
+        queue, transfer, load = (r.phase_means.get(k, 0.0) * 1e3 for k in
+                                 ("queue_seconds", "transfer_seconds", "load_seconds"))
         lines.append(
             f"| {r.impl} | {r.run + 1} | {r.completed}/{r.failed} | {r.req_per_s:.4f} | {r.latency_p50:.3f} | "
-            f"{r.latency_p95:.3f} | {r.latency_p99:.3f} | {r.handoff_p50 * 1e3:.1f} | {r.handoff_p99 * 1e3:.1f} | "
+            f"{r.latency_p95:.3f} | {r.latency_p99:.3f} | {queue:.1f} | {transfer:.1f} | {load:.1f} | "
+            f"{r.handoff_p50 * 1e3:.1f} | {r.handoff_p99 * 1e3:.1f} | "
             f"{r.handoff_share * 100:.1f}% | {r.bytes_moved / 2**20:.1f} |"
         )
     return "\n".join(lines)
@@ -449,14 +455,16 @@ def run_scenario(
     data = json.loads(json.dumps(base))
     for stage in data["stages"]:
         stage["model"] = {**stage["model"], "preset": workload.preset}
+        if getattr(args, "max_num_seqs", None):
+            stage["max_num_seqs"] = args.max_num_seqs
     nodes: dict[str, Any] = {}
     try:
         for impl in impls:
             print(f"bench[{workload.name}]: starting {impl} ...", file=sys.stderr, flush=True)
             if impl == "colocated":
                 # The baseline runs where the DiT stage would: on its first device.
-                device = parse_config(data).dit_stage.devices_for(0)[0]
-                nodes[impl] = ColocatedUnderTest(workload.preset, device)
+                dit_stage = parse_config(data).dit_stage
+                nodes[impl] = ColocatedUnderTest(workload.preset, dit_stage.devices_for(0)[0], dit_stage.max_num_seqs)
             else:
                 nodes[impl] = NodeUnderTest(impl, data, workdir)
         for impl, node in nodes.items():

@@ -127,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dataset", default="benchmarks/data/t2i-50.jsonl")
     p.add_argument("--output", default="benchmarks/results/latest", help="folder for JSON and plots")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per node")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="override every stage's max_num_seqs (DiT batch size; the colocated baseline batches alike)")
 
     p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
     p.add_argument("--preset", default=None, help="model preset (default: tiny on cpu, bagel-7b-shape on cuda)")

@@ -17,7 +17,9 @@ from kvrelay.models.presets import get_preset
 
 
 class ColocatedPipeline:
-    def __init__(self, preset: str, *, page_size: int = 16, weight_seed: int = 0, device: str = "cpu") -> None:
+    def __init__(
+        self, preset: str, *, page_size: int = 16, weight_seed: int = 0, device: str = "cpu", max_batch: int = 1
+    ) -> None:
         from kvrelay.ar_service.model import build_ar_model
         from kvrelay.ar_service.tokenizer import ByteTokenizer
         from kvrelay.dit_service.model import DitRunner
@@ -27,13 +29,18 @@ class ColocatedPipeline:
         self.ar = build_ar_model(preset=preset, seed=weight_seed, device=device)
         self.dit = DitRunner(self.preset, weight_seed=weight_seed, device=device)
         self.layout = self.dit.page_layout(page_size)
-        # Room for two CFG rows of the longest prompt: what one request of max_num_seqs=1 needs.
+        # Room for two CFG rows of the longest prompt per request of a batch (max_num_seqs).
+        self.max_batch = max_batch
         self.pages_per_row = self.layout.geometry.pages_for(self.preset.ar.max_tokens + 1)
-        self.pool = torch.zeros(2 * self.pages_per_row * self.layout.page_bytes, dtype=torch.uint8, device=device)
+        self.pool = torch.zeros(
+            2 * max_batch * self.pages_per_row * self.layout.page_bytes, dtype=torch.uint8, device=device
+        )
+        self.ar.warm_up()
+        self.dit.warm_up()
 
     def prefill(self, texts: list[str]) -> list[torch.Tensor]:
-        """Each CFG row's KV, [num_layers, 2, num_kv_heads, T, head_dim]."""
-        return [self.ar.prefill(self.tokenizer.encode(text)) for text in texts]
+        """Each CFG row's KV, [num_layers, 2, num_kv_heads, T, head_dim] (all rows in one batch)."""
+        return self.ar.prefill_batch([self.tokenizer.encode(text) for text in texts])
 
     def hand_over(self, kvs: list[torch.Tensor]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         """Write each row's KV into its pages and read it back as the DiT does: the in-memory
@@ -46,6 +53,46 @@ class ColocatedPipeline:
             write_prefix(self.pool, self.layout, pages, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])])
             prefix_rows.append(read_prefix(self.pool, self.layout, pages, n))
         return prefix_rows
+
+    def generate_batch(
+        self, requests: list[tuple[str, str, int]], width: int, height: int, steps: int, guidance_scale: float
+    ) -> dict[str, float]:
+        """Up to ``max_batch`` generations together, as a served replica with that max_num_seqs
+        runs them: one batched prefill of all their CFG rows, the hand-over, one batched denoise,
+        then each decode. ``requests``: (prompt, negative prompt, seed). Returns the batch's phase
+        timings (seconds), which every request of the batch shares."""
+        from kvrelay.dit_service.image import encode_png
+        from kvrelay.dit_service.model import BatchRequest
+
+        if not 0 < len(requests) <= self.max_batch:
+            raise ValueError(f"{len(requests)} requests for a batch of at most {self.max_batch}")
+        sync = torch.cuda.synchronize if self.pool.is_cuda else (lambda: None)
+        t0 = time.perf_counter()
+        per = 2 if guidance_scale > 1.0 else 1
+        texts = [t for p, n, _ in requests for t in ([p, n] if per == 2 else [p])]
+        kvs = self.prefill(texts)
+        sync()
+        t1 = time.perf_counter()
+        rows = self.hand_over(kvs)
+        sync()
+        t2 = time.perf_counter()
+        batch = [BatchRequest(rows[i * per : (i + 1) * per], guidance_scale, seed) for i, (_, _, seed) in
+                 enumerate(requests)]
+        latents = self.dit.denoise_batch(batch, width=width, height=height, steps=steps)
+        sync()
+        t3 = time.perf_counter()
+        for lat in latents:
+            assert lat is not None and encode_png(self.dit.decode(lat))
+        t4 = time.perf_counter()
+        return {
+            "prefill_seconds": t1 - t0,
+            "transfer_seconds": t2 - t1,
+            "handoff_seconds": t2 - t1,
+            "load_seconds": 0.0,
+            "denoise_seconds": t3 - t2,
+            "decode_seconds": t4 - t3,
+            "total_seconds": t4 - t0,
+        }
 
     def generate(
         self, prompt: str, negative_prompt: str, seed: int, width: int, height: int, steps: int, guidance_scale: float

@@ -11,6 +11,9 @@ Never owns processes, weights files or paging: see worker.py, loader.py, paged_a
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +29,25 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
+
+
+def compile_enabled() -> bool:
+    """Whether GPU models run their layers through torch.compile (``KVRELAY_COMPILE=0`` turns it off)."""
+    return os.environ.get("KVRELAY_COMPILE", "1") != "0"
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` through torch.compile (inductor, shapes dynamic after the first change, so each new
+    shape bucket does not compile again). The layers of a model share one compiled function: it
+    takes the layer module as an argument, whose parameters become graph inputs."""
+    import torch._dynamo
+
+    # Blocks share the code but not the tensors; shape buckets and mask/no-mask add variants.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(int(getattr(torch._dynamo.config, name)), 64))
+    out: Callable[..., Any] = torch.compile(fn, fullgraph=False)
+    return out
 
 
 class RMSNorm(nn.Module):

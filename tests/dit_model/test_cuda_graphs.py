@@ -68,6 +68,7 @@ def test_ar_prefill_graph_equals_eager_bit_for_bit(preset: str) -> None:
     model.forward_kv(padded.cuda(), kv)
     for r, p in enumerate(prompts):
         assert torch.equal(replayed[r], kv[:, :, r, :, : len(p)])
-    # A prompt alone (its own bucket) matches the batched K/V to bf16 rounding, not bits.
-    alone = model.prefill(prompts[1])
-    torch.testing.assert_close(alone.float(), replayed[1].float(), rtol=3e-2, atol=3e-2)
+    # A prompt alone (its own bucket) matches the batched K/V to bf16 rounding over the layers,
+    # not bit for bit (other matmul shapes).
+    alone, batched = model.prefill(prompts[1]).float(), replayed[1].float()
+    assert float((alone - batched).norm() / batched.norm()) < 2e-2

@@ -148,3 +148,28 @@ def test_image_rope_positions_start_at_each_rows_prefix_length(runner: DitRunner
     monkeypatch.setattr(model_module, "rope_cos_sin", spy)
     _generate(runner, rows=_rows(runner, 2.0, lengths=(13, 6)), steps=1)  # 64x64 -> 16 image tokens
     assert starts == [(13, 13 + 15), (6, 6 + 15)]
+
+
+def test_batched_denoise_matches_each_request_alone_and_drops_stopped_requests(runner: DitRunner) -> None:
+    from kvrelay.dit_service.model import BatchRequest
+
+    a = BatchRequest(_rows(runner, 2.0, lengths=(13, 6)), 2.0, seed=1)
+    b = BatchRequest(_rows(runner, 1.0, lengths=(9, 9)), 1.0, seed=2)
+    c = BatchRequest(_rows(runner, 2.0, lengths=(5, 20)), 3.0, seed=3)
+    kwargs = dict(width=64, height=64, steps=3)
+    alone = [runner.denoise(r.prefix_rows, guidance_scale=r.guidance_scale, seed=r.seed, **kwargs) for r in (a, b, c)]
+    # One request in a batch is exactly the single-request denoise.
+    assert torch.equal(runner.denoise_batch([a], **kwargs)[0], alone[0])
+    seen: list[tuple[int, list[int]]] = []
+
+    def on_step(step: int, total: int, active: list[int]) -> set[int]:
+        seen.append((step, active))
+        return {1} if step == 1 else set()
+
+    together = runner.denoise_batch([a, b, c], on_step=on_step, **kwargs)
+    assert seen == [(1, [0, 1, 2]), (2, [0, 2]), (3, [0, 2])]  # b stopped after step 1
+    assert together[1] is None
+    for got, want in ((together[0], alone[0]), (together[2], alone[2])):
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # stacked rows: other matmul shapes
+    assert not torch.allclose(together[0], together[2])

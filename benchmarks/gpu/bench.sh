@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The seed workload on one lent H200, side by side in one run per config (configs/h200-1gpu.yaml,
+# BAGEL-7B-shaped AR + DiT on GPU 0): CUDA IPC, Mooncake, the gRPC fallback and the colocated
+# baseline (same batching), at max_num_seqs 4 and then 1. Needs .gpu/ (benchmarks/gpu/fetch.sh),
+# carried. Results under $OUT.
+set -uo pipefail
+OUT="${OUT:-/tmp/kvrelay-gpu-out}"
+mkdir -p "$OUT" /tmp/debroot
+for f in .gpu/deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
+export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+REQ="${REQ:-32}" RUNS="${RUNS:-3}"
+bench() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  echo "\$ python3 -m kvrelay bench --config configs/h200-1gpu.yaml $*" > "$OUT/$name.md"
+  timeout "$limit" python3 -m kvrelay bench --config configs/h200-1gpu.yaml "$@" --output "/tmp/$name" \
+    >> "$OUT/$name.md" 2> "/tmp/$name.err"
+  echo "rc=$?" >> "$OUT/$name.md"
+  tail -c 2500 "/tmp/$name.err" > "$OUT/$name.err.txt"
+  cp "/tmp/$name/bench.json" "$OUT/$name.json" 2>/dev/null
+  grep -v "^$" "$OUT/$name.md" | cut -c1-260
+}
+bench bench-seed-b4 "${LIMIT_B4:-360}" --scenario seed --impls cuda_ipc,mooncake,grpc,colocated --max-num-seqs 4 \
+  --requests "$REQ" --runs "$RUNS" --concurrency 8 --warmup 8
+bench bench-seed-b1 "${LIMIT_B1:-200}" --scenario seed --impls cuda_ipc,colocated --max-num-seqs 1 \
+  --requests "$REQ" --runs 2 --concurrency 8 --warmup 2
