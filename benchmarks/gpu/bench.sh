@@ -22,7 +22,12 @@ bench() {  # name, timeout, args...
   cp "/tmp/$name/bench.json" "$OUT/$name.json" 2>/dev/null
   grep -v "^$" "$OUT/$name.md" | cut -c1-260
 }
-bench bench-seed-b4 "${LIMIT_B4:-360}" --scenario seed --impls cuda_ipc,mooncake,grpc,colocated --max-num-seqs 4 \
-  --requests "$REQ" --runs "$RUNS" --concurrency 8 --warmup 8
-bench bench-seed-b1 "${LIMIT_B1:-200}" --scenario seed --impls cuda_ipc,colocated --max-num-seqs 1 \
-  --requests "$REQ" --runs 2 --concurrency 8 --warmup 2
+BENCHES="${BENCHES:-b4 b1}"
+if [[ " $BENCHES " == *" b4 "* ]]; then
+bench bench-seed-b4 "${LIMIT_B4:-360}" --scenario seed --impls "${IMPLS_B4:-cuda_ipc,mooncake,grpc,colocated}" \
+  --max-num-seqs 4 --requests "$REQ" --runs "$RUNS" --concurrency 8 --warmup 8
+fi
+if [[ " $BENCHES " == *" b1 "* ]]; then
+bench bench-seed-b1 "${LIMIT_B1:-200}" --scenario seed --impls "${IMPLS_B1:-cuda_ipc,colocated}" --max-num-seqs 1 \
+  --requests "$REQ" --runs "${RUNS_B1:-2}" --concurrency 8 --warmup 2
+fi
