@@ -57,13 +57,22 @@ def _tls(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def _print_error(command: str, err: KvRelayError, stream: TextIO) -> None:
+def _print_error(command: str, err: KvRelayError, stream: TextIO, tls: bool | None = None) -> None:
     reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
     print(f"kvrelay {command}: {err.code}{reason}: {err.message}", file=stream)
     for key, value in sorted(err.details.items()):
         print(f"  {key}: {value}", file=stream)
     if err.request_id:
         print(f"  request_id: {err.request_id}", file=stream)
+    if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE" and tls is not None:
+        # The transport never answered: a plaintext client of a TLS node (or the reverse) looks
+        # exactly like a node that is down.
+        hint = (
+            "is the broker serving TLS? pass --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
+            if not tls
+            else "does the broker serve TLS with a certificate from --tls-ca, and accept --tls-cert?"
+        )
+        print(f"  hint: {hint}", file=stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +168,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return _cancel_on_interrupt(handle, stderr)
         except KvRelayError as err:
             progress.close()
-            _print_error("generate", err, stderr)
+            _print_error("generate", err, stderr, tls=bool(_tls(args)))
             return 1
     try:
         result.save(output)
@@ -303,7 +312,7 @@ def run_status(args: argparse.Namespace) -> int:
             pools = client.get_pools()
             tickets = client.list_tickets()
     except KvRelayError as err:
-        _print_error("status", err, sys.stderr)
+        _print_error("status", err, sys.stderr, tls=bool(_tls(args)))
         return 1
     if getattr(args, "json", False):
         doc = {"target": target, "replicas": replicas, "pools": pools, "tickets": tickets}

@@ -75,13 +75,17 @@ class TlsConfig(_Strict):
     key_file: str
     # PEM roots peers' certificates must chain to (servers check clients only with require_client_cert).
     ca_file: str
-    # Mutual TLS: servers refuse a client without a certificate from `ca_file`, and a verified
-    # certificate is a replica credential (its common name binds the replica id when it is one).
+    # Mutual TLS: servers refuse a client without a certificate from `ca_file`. A verified
+    # certificate's common name says who it is: `ar-N` / `dit-N` / `broker` (a replica, id bound),
+    # one of `replica_names` (a node certificate its processes share), one of `operator_names`,
+    # anything else a client of the public API.
     require_client_cert: bool = False
     # Name to check the server's certificate against when it differs from the dialled host.
     server_name: str | None = None
     # Client certificate common names that are operators (status, cancel any, deregister).
     operator_names: tuple[str, ...] = ("kvrelay-operator",)
+    # Client certificate common names that are replicas declaring their id in metadata.
+    replica_names: tuple[str, ...] = ("kvrelay-node",)
 
 
 class SecurityConfig(_Strict):

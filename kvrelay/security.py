@@ -130,6 +130,7 @@ class TlsMaterial:
     require_client_cert: bool = False
     server_name: str | None = None
     operator_names: tuple[str, ...] = ("kvrelay-operator",)
+    replica_names: tuple[str, ...] = ("kvrelay-node",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +223,7 @@ def load_credentials(cfg: SecurityConfig) -> Credentials:
             require_client_cert=cfg.tls.require_client_cert,
             server_name=cfg.tls.server_name,
             operator_names=tuple(cfg.tls.operator_names),
+            replica_names=tuple(cfg.tls.replica_names),
         )
     creds = Credentials(
         api_token=_read_secret(cfg.api_token_env, cfg.api_token_file, "api_token"),
@@ -305,12 +307,6 @@ def _tls_options(tls: TlsMaterial | None) -> list[tuple[str, Any]]:
     return []
 
 
-_AIO_CLIENT_INTERCEPTORS: tuple[Any, ...] = (
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-)
 _SYNC_CLIENT_INTERCEPTORS: tuple[Any, ...] = (
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
@@ -319,7 +315,7 @@ _SYNC_CLIENT_INTERCEPTORS: tuple[Any, ...] = (
 )
 
 
-class _AioMetadataInterceptor(*_AIO_CLIENT_INTERCEPTORS):  # type: ignore[misc]
+class _AioMetadata:
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
 
@@ -329,17 +325,31 @@ class _AioMetadataInterceptor(*_AIO_CLIENT_INTERCEPTORS):  # type: ignore[misc]
             details.method, details.timeout, md, details.credentials, details.wait_for_ready
         )
 
+
+# grpc.aio files an interceptor under the first call kind it implements only, so each kind gets
+# its own object.
+class _AioUnaryUnary(_AioMetadata, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStream(_AioMetadata, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnary(_AioMetadata, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
+
+class _AioStreamStream(_AioMetadata, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
+
+
+def _aio_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[Any]:
+    return [kind(metadata) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
 class _SyncCallDetails(grpc.ClientCallDetails):  # type: ignore[misc]
@@ -387,7 +397,7 @@ def make_channel(
     security = security or ChannelSecurity()
     opts = [*channel_options(max_request_bytes), *_tls_options(security.tls), *options]
     md = security.metadata()
-    interceptors = [_AioMetadataInterceptor(md)] if md else None
+    interceptors = _aio_interceptors(md) if md else None
     if security.tls is not None:
         return grpc.aio.secure_channel(target, _channel_credentials(security.tls), options=opts,
                                        interceptors=interceptors)
@@ -595,23 +605,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         }
         classes = {cls for cls, ok in matches.items() if ok}
         replica_id = declared
-        cn = _common_name(auth_context) if creds.tls is not None and creds.tls.require_client_cert else None
-        if cn is not None:
-            if cn in creds.tls.operator_names:  # type: ignore[union-attr]
+        tls = creds.tls
+        cn = _common_name(auth_context) if tls is not None and tls.require_client_cert else None
+        if tls is not None and cn is not None:
+            if cn in tls.operator_names:
                 classes.add(CallerClass.OPERATOR)
-            else:
+            elif _names_a_replica(cn) or cn == BROKER_CALLER_ID:
+                # A certificate per replica binds its id: claiming another one is refused.
+                if declared is not None and declared != cn:
+                    raise permission_denied(f"{REPLICA_ID_METADATA} {declared!r} differs from the certificate's {cn!r}")
                 classes.add(CallerClass.REPLICA)
-                if _names_a_replica(cn):
-                    if declared is not None and declared != cn:
-                        raise permission_denied(
-                            f"{REPLICA_ID_METADATA} {declared!r} differs from the certificate's {cn!r}"
-                        )
-                    replica_id = cn
+                replica_id = cn
+            elif cn in tls.replica_names:
+                classes.add(CallerClass.REPLICA)  # a node certificate shared by the node's processes
+            else:
+                classes.add(CallerClass.PUBLIC)  # any other certificate of the CA: a client
         if not creds.authenticates_replicas:
             # Development deployment: loopback-only by check_bind; trust every caller.
             return Caller(frozenset(CallerClass), replica_id, trusted=True)
         authenticated = bool(classes)
-        if authenticated or not creds.api_token:
+        # The public API takes the api token (or an operator's); a replica credential is not a
+        # client's, unless the deployment leaves the public API open.
+        if not creds.api_token or CallerClass.OPERATOR in classes:
             classes.add(CallerClass.PUBLIC)
         return Caller(frozenset(classes), replica_id, authenticated=authenticated)
 
