@@ -63,11 +63,11 @@ class ArMetrics:
 
         return cls(
             transfer_bytes=Counter(
-                "kvrelay_ar_transfer_bytes_total", "KV bytes written by AR ranks (OK writes)", ["transport"],
+                "kvrelay_transfer_bytes_total", "KV bytes written by AR ranks (OK writes)", ["transport"],
                 registry=registry,
             ),
             transfer_seconds=Histogram(
-                "kvrelay_ar_transfer_seconds", "Pack + write time of one ticket on the slowest AR rank", ["transport"],
+                "kvrelay_transfer_seconds", "Pack + write time of one ticket on the slowest AR rank", ["transport"],
                 registry=registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             ),
             prefill_seconds=Histogram(

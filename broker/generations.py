@@ -103,7 +103,7 @@ class ImageResult:
     seed: int
 
 
-# Phase names of `PhaseTimings` (and of the kvrelay_generation_phase_seconds{phase} label).
+# Phase names of `PhaseTimings` (and of the kvrelay_phase_seconds{phase} label).
 PHASES = ("queue", "prefill", "transfer", "load", "denoise", "decode", "handoff", "total")
 
 

@@ -96,7 +96,7 @@ class _Job:
 
 
 class GenerationMetrics:
-    """kvrelay_generations_total{outcome}, kvrelay_generation_seconds, kvrelay_generation_phase_seconds{phase}."""
+    """kvrelay_generations_total{outcome}, kvrelay_generation_seconds, kvrelay_phase_seconds{phase}."""
 
     def __init__(self, registry: CollectorRegistry, queue_depth: Callable[[], int]) -> None:
         self.queued = Gauge(
@@ -115,7 +115,7 @@ class GenerationMetrics:
             registry=registry,
         )
         self.phase_seconds = Histogram(
-            "kvrelay_generation_phase_seconds",
+            "kvrelay_phase_seconds",
             "Time of each phase of succeeded generations, measured where it happened",
             ["phase"],
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 300),

@@ -1,4 +1,4 @@
-"""`kvrelay generate` and `kvrelay status`: thin command-line front ends over the SDK.
+"""`kvrelay generate`, `status`, `list` and `cancel`: thin command-line front ends over the SDK.
 
 Owns presentation only (progress on stderr, tables and paths on stdout, exit codes). Talks to the
 broker only through `KvRelayClient`; never imports torch, the config or a service package, so a
@@ -26,7 +26,7 @@ from typing import Any, TextIO
 from ._common import DEFAULT_TARGET
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
-from .types import GenerationEvent, GenerationState, PhaseTimings, PoolStatus, Replica, Ticket
+from .types import Generation, GenerationEvent, GenerationState, PhaseTimings, PoolStatus, Replica, Ticket
 
 TOKEN_ENV = "KVRELAY_API_TOKEN"
 OPERATOR_TOKEN_ENV = "KVRELAY_OPERATOR_TOKEN"
@@ -137,9 +137,47 @@ def format_timings(timings: PhaseTimings) -> str:
     return "  ".join(parts) + f"  | total {timings.total_seconds:.3f}s"
 
 
+def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
+    """The prompt from the argument, `--prompt-file PATH`, or stdin (`-` as either).
+
+    Raises ValueError saying what is wrong (none given, both given, an unreadable or empty file).
+    A file's trailing newlines are dropped; everything else (inner newlines too) is the prompt.
+    """
+    prompt = getattr(args, "prompt", None)
+    prompt_file = getattr(args, "prompt_file", None)
+    if prompt is not None and prompt_file is not None:
+        raise ValueError("give the prompt as an argument or with --prompt-file, not both")
+    source = prompt_file if prompt_file is not None else ("-" if prompt == "-" else None)
+    if source is None:
+        if not prompt:
+            raise ValueError("no prompt: give it as an argument, with --prompt-file PATH, or on stdin with -")
+        return str(prompt)
+    if source == "-":
+        if stdin.isatty():
+            raise ValueError("reading the prompt from stdin, but stdin is a terminal (pipe it in)")
+        text = stdin.read()
+        where = "stdin"
+    else:
+        try:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as err:
+            raise ValueError(f"cannot read --prompt-file {source}: {err.strerror}") from None
+        where = source
+    text = text.rstrip("\r\n")
+    if not text.strip():
+        raise ValueError(f"the prompt from {where} is empty")
+    return text
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """`kvrelay generate PROMPT -o out.png`: one image, progress on stderr, Ctrl-C cancels."""
     stdout, stderr = sys.stdout, sys.stderr
+    try:
+        prompt = read_prompt(args, sys.stdin)
+    except ValueError as err:
+        print(f"kvrelay generate: {err}", file=stderr)
+        return 2
     quiet = bool(getattr(args, "quiet", False))
     output = getattr(args, "output", None) or "out.png"
     progress = _Progress(stderr, enabled=not quiet)
@@ -147,7 +185,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with KvRelayClient(getattr(args, "target", None) or DEFAULT_TARGET, token=_token(args), **_tls(args)) as client:
         try:
             handle = client.generate(
-                args.prompt,
+                prompt,
                 negative_prompt=getattr(args, "negative_prompt", "") or "",
                 seed=getattr(args, "seed", None),
                 width=getattr(args, "width", 512),
@@ -329,4 +367,79 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["format_table", "format_timings", "run_generate", "run_status"]
+# ---------------------------------------------------------------------------------------------
+# kvrelay list / kvrelay cancel
+# ---------------------------------------------------------------------------------------------
+
+
+def _one_line(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
+def generations_table(generations: Sequence[Generation], now: _dt.datetime) -> str:
+    rows = []
+    for g in generations:
+        progress = f"{g.step}/{g.total_steps}" if g.total_steps else ""
+        error = f"{g.error.code} {g.error.reason}" if g.error is not None else ""
+        rows.append(
+            (
+                g.request_id,
+                g.state.name,
+                progress,
+                _age(g.create_time, now),
+                f"{g.timings.total_seconds:.2f}s" if g.timings is not None and g.state.is_terminal else "",
+                error,
+                _one_line(g.params.prompt, 40) if g.params is not None else "",
+            )
+        )
+    return format_table(("REQUEST", "STATE", "STEP", "AGE", "TOTAL", "ERROR", "PROMPT"), rows)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """`kvrelay list`: the broker's generations, newest first (`--state RUNNING...` to filter)."""
+    target = getattr(args, "target", None) or DEFAULT_TARGET
+    names = [s.upper() for s in (getattr(args, "state", None) or [])]
+    unknown = [n for n in names if n not in GenerationState.__members__ or n == "UNSPECIFIED"]
+    if unknown:
+        known = ", ".join(s.name for s in GenerationState if s.name != "UNSPECIFIED")
+        print(f"kvrelay list: unknown state {', '.join(unknown)} (one of {known})", file=sys.stderr)
+        return 2
+    states = [GenerationState[n] for n in names] or None
+    try:
+        with KvRelayClient(target, token=_token(args), timeout=10.0) as client:
+            generations = client.list_generations(states, page_size=int(getattr(args, "limit", 0) or 0))
+    except KvRelayError as err:
+        _print_error("list", err, sys.stderr)
+        return 1
+    if getattr(args, "json", False):
+        print(json.dumps(_jsonable({"target": target, "generations": generations}), indent=2))
+        return 0
+    if not generations:
+        print("no generations" + (f" in state {', '.join(names)}" if names else ""))
+        return 0
+    print(generations_table(generations, _dt.datetime.now(_dt.UTC)))
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    """`kvrelay cancel REQUEST_ID...`: cancel generations by id (idempotent); prints each one's
+    state after the call. Exit 1 when one could not be cancelled (unknown, already finished)."""
+    target = getattr(args, "target", None) or DEFAULT_TARGET
+    failed = 0
+    with KvRelayClient(target, token=_token(args), timeout=10.0) as client:
+        for request_id in args.request_ids:
+            try:
+                generation = client.cancel_generation(request_id)
+            except KvRelayError as err:
+                _print_error("cancel", err, sys.stderr)
+                failed += 1
+                continue
+            print(f"{generation.request_id} {generation.state.name}")
+    return 1 if failed else 0
+
+
+__all__ = [
+    "format_table", "format_timings", "generations_table", "read_prompt",
+    "run_cancel", "run_generate", "run_list", "run_status",
+]  # fmt: skip

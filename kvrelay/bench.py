@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 import yaml
 
 from kvrelay.config import DEFAULT_CONFIG, KvRelayConfig, load_config, parse_config
+from kvrelay.resources import resolve
 from kvrelay.server import reserve_free_port
 
 IMPL_LABELS = {
@@ -171,6 +173,7 @@ async def drive(
     concurrency: int,
     offset: int,
     client_options: dict[str, Any] | None = None,
+    on_done: Callable[[RequestRecord], None] | None = None,
 ) -> list[RequestRecord]:
     from kvrelay.client import AsyncKvRelayClient, KvRelayError
 
@@ -211,6 +214,8 @@ async def drive(
                     records.append(
                         RequestRecord(False, time.perf_counter() - start, error=f"{err.code} {err.reason}")
                     )
+                if on_done is not None:
+                    on_done(records[-1])
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return records
@@ -266,17 +271,22 @@ class NodeUnderTest:
         self.node = start_node(self.config_path, log_dir=workdir / f"{impl}-logs", cwd=rundir)
 
     def bytes_moved(self) -> float:
-        return sum(scrape_counter(url, "kvrelay_ar_transfer_bytes_total") for url in self.ar_metrics)
+        return sum(scrape_counter(url, "kvrelay_transfer_bytes_total") for url in self.ar_metrics)
 
     def run(
-        self, workload: Workload, requests: int, concurrency: int, run_idx: int
+        self,
+        workload: Workload,
+        requests: int,
+        concurrency: int,
+        run_idx: int,
+        on_done: Callable[[RequestRecord], None] | None = None,
     ) -> tuple[list[RequestRecord], float, int]:
         before = self.bytes_moved()
         start = time.perf_counter()
         records = asyncio.run(
             drive(
                 self.target, workload, requests, concurrency, offset=run_idx * requests,
-                client_options=self.node.credentials.client_options(),
+                client_options=self.node.credentials.client_options(), on_done=on_done,
             )
         )
         wall = time.perf_counter() - start
@@ -297,7 +307,12 @@ class ColocatedUnderTest:
         self.pipeline = ColocatedPipeline(preset, device=device, max_batch=max_batch)
 
     def run(
-        self, workload: Workload, requests: int, concurrency: int, run_idx: int
+        self,
+        workload: Workload,
+        requests: int,
+        concurrency: int,
+        run_idx: int,
+        on_done: Callable[[RequestRecord], None] | None = None,
     ) -> tuple[list[RequestRecord], float, int]:
         # One process computes both stages with the served DiT's batching: up to max_num_seqs
         # requests (at most `concurrency` are in flight) prefilled and denoised together, batch
@@ -320,6 +335,9 @@ class ColocatedUnderTest:
                 ]
             except Exception as err:  # noqa: BLE001 - a failed request is a result here
                 records += [RequestRecord(False, time.perf_counter() - t0, error=repr(err)) for _ in rows]
+            if on_done is not None:
+                for record in records[-len(rows):]:
+                    on_done(record)
         return records, time.perf_counter() - start, 0
 
     def stop(self) -> None:
@@ -388,6 +406,10 @@ def plot(results: list[RunResult], impls: list[str], out: Path, name: str) -> li
     for impl in impls:
         runs = [r for r in results if r.impl == impl]
         ax.plot([r.run + 1 for r in runs], [r.req_per_s for r in runs], marker="o", label=impl)
+    # Runs are counted: whole numbers on the axis, one tick per run.
+    run_numbers = sorted({r.run + 1 for r in results})
+    ax.set_xticks(run_numbers)
+    ax.set_xlim(min(run_numbers, default=1) - 0.5, max(run_numbers, default=1) + 0.5)
     ax.set_xlabel("run")
     ax.set_ylabel("req/s")
     ax.set_title(f"throughput per run ({name})")
@@ -440,13 +462,64 @@ def plot(results: list[RunResult], impls: list[str], out: Path, name: str) -> li
 # ------------------------------------------------------------------------------------------------
 
 
-def _progress(total: int) -> Any:
-    try:
-        from tqdm import tqdm
+class BenchProgress:
+    """Progress on stderr while `kvrelay bench` runs: requests done in the current run (a bar on a
+    terminal, a line every ~10% otherwise) and, after every run, the results table so far."""
 
-        return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, disable=None)
-    except ImportError:  # pragma: no cover
-        return None
+    def __init__(self, name: str, impls: list[str], runs: int, requests: int, stream: Any = None) -> None:
+        self.name = name
+        self.impls = impls
+        self.runs = runs
+        self.requests = requests
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.results: list[RunResult] = []
+        self._bar: Any = None
+        self._label = ""
+        self._done = 0
+        self._failed = 0
+        self._started = 0.0
+
+    def start_run(self, impl: str, run_idx: int, requests: int | None = None) -> None:
+        self._label = f"bench[{self.name}] {impl} run {run_idx + 1}/{self.runs}"
+        self.requests_now = requests if requests is not None else self.requests
+        self._done = self._failed = 0
+        self._started = time.perf_counter()
+        if self.tty:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.requests_now, desc=self._label, unit="req", file=self.stream, leave=False)
+        else:
+            print(f"{self._label}: {self.requests_now} requests", file=self.stream, flush=True)
+
+    def request_done(self, record: RequestRecord) -> None:
+        self._done += 1
+        self._failed += 0 if record.ok else 1
+        if self._bar is not None:
+            self._bar.update(1)
+            if self._failed:
+                self._bar.set_postfix_str(f"{self._failed} failed")
+            return
+        step = max(1, self.requests_now // 10)
+        if self._done % step == 0 or self._done == self.requests_now:
+            elapsed = time.perf_counter() - self._started
+            print(f"{self._label}: {self._done}/{self.requests_now} done, {self._failed} failed, "
+                  f"{elapsed:.1f}s", file=self.stream, flush=True)  # fmt: skip
+
+    def end_run(self, result: RunResult) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self.results.append(result)
+        print(
+            f"{self._label}: {result.req_per_s:.4f} req/s, p50 {result.latency_p50:.3f}s, "
+            f"p95 {result.latency_p95:.3f}s, {result.completed} done, {result.failed} failed",
+            file=self.stream,
+            flush=True,
+        )
+        done_runs = max(r.run for r in self.results) + 1
+        print(seed_table(self.results, [i for i in self.impls if any(r.impl == i for r in self.results)],
+                         done_runs), file=self.stream, flush=True)  # fmt: skip
 
 
 def run_scenario(
@@ -467,24 +540,25 @@ def run_scenario(
                 nodes[impl] = ColocatedUnderTest(workload.preset, dit_stage.devices_for(0)[0], dit_stage.max_num_seqs)
             else:
                 nodes[impl] = NodeUnderTest(impl, data, workdir)
+        progress = BenchProgress(workload.name, impls, args.runs, args.requests)
         for impl, node in nodes.items():
             if args.warmup:
+                print(f"bench[{workload.name}]: warming up {impl} ({args.warmup} requests)", file=sys.stderr,
+                      flush=True)  # fmt: skip
                 records, _, _ = node.run(workload, args.warmup, min(args.warmup, args.concurrency), run_idx=0)
                 failed = [r.error for r in records if not r.ok]
                 if failed:
                     raise RuntimeError(f"warm-up of {impl} failed: {failed[:3]}")
         results: list[RunResult] = []
-        bar = _progress(args.runs * len(impls))
         for run_idx in range(args.runs):
             # Interleaved: run k of every implementation before run k+1 of any.
             for impl in impls:
-                records, wall, moved = nodes[impl].run(workload, args.requests, args.concurrency, run_idx)
+                progress.start_run(impl, run_idx)
+                records, wall, moved = nodes[impl].run(
+                    workload, args.requests, args.concurrency, run_idx, on_done=progress.request_done
+                )
                 results.append(summarize(impl, run_idx, records, wall, moved))
-                if bar is not None:
-                    bar.set_postfix_str(f"{impl} run {run_idx + 1}: {results[-1].req_per_s:.3f} req/s")
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+                progress.end_run(results[-1])
     finally:
         for node in nodes.values():
             node.stop()
@@ -505,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     base_cfg = load_config(args.config or DEFAULT_CONFIG)
     base = base_cfg.model_dump(mode="json", exclude_none=True)
     preset = args.preset or base_cfg.ar_stage.model.preset or "small"
-    dataset = load_dataset(args.dataset)
+    dataset = load_dataset(resolve(args.dataset, "data"))
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     scenarios = ["seed", "transfer"] if args.scenario == "both" else [args.scenario]

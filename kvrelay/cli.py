@@ -23,6 +23,8 @@ HANDLERS = {
     "generate": "kvrelay.client.cli:run_generate",
     "status": "kvrelay.client.cli:run_status",
     "health": "kvrelay.health_probe:run",
+    "list": "kvrelay.client.cli:run_list",
+    "cancel": "kvrelay.client.cli:run_cancel",
     "bench": "kvrelay.bench:run",
     "verify": "kvrelay.verify:run",
 }
@@ -82,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_service_args(p, replica=True)
 
     p = sub.add_parser("generate", help="generate one image and write it as PNG")
-    p.add_argument("prompt", help="the text prompt")
+    p.add_argument("prompt", nargs="?", default=None, help="the text prompt (- reads it from stdin)")
+    p.add_argument("--prompt-file", default=None, help="read the prompt from this file (- = stdin)")
     p.add_argument("--negative-prompt", default="", help="negative prompt (CFG row 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: assigned by the server)")
     p.add_argument("--width", type=int, default=512)
@@ -110,6 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     _add_client_tls_args(p)
+
+    p = sub.add_parser("list", help="list generations, newest first")
+    p.add_argument("--state", action="append", default=None,
+                   help="only this state (QUEUED, PREFILLING, ..., SUCCEEDED, FAILED, CANCELLED); repeatable")
+    p.add_argument("--limit", type=int, default=0, help="at most this many (default: all the broker keeps)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--token", default=None, help="bearer token for the public API")
+
+    p = sub.add_parser("cancel", help="cancel generations by request id (idempotent)")
+    p.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--token", default=None, help="bearer token for the public API")
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
     p.add_argument("--config", default=None, help="base config (default: built-in single-node CPU config)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -385,9 +384,13 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
 
 def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
     """Load and validate a YAML config; `None` = configs/single-node.yaml (or $KVRELAY_CONFIG)."""
-    chosen = Path(path or os.environ.get("KVRELAY_CONFIG") or DEFAULT_CONFIG)
+    from kvrelay.resources import resolve, shipped_names
+
+    asked = path or os.environ.get("KVRELAY_CONFIG") or DEFAULT_CONFIG
+    chosen = resolve(asked, "configs")
     if not chosen.is_file():
-        raise ConfigError(f"config file not found: {chosen}")
+        shipped = ", ".join(shipped_names("configs"))
+        raise ConfigError(f"config file not found: {asked}" + (f" (shipped configs: {shipped})" if shipped else ""))
     try:
         data = yaml.safe_load(chosen.read_text())
     except yaml.YAMLError as err:

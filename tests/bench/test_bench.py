@@ -17,7 +17,6 @@ def test_bench_runs_every_implementation_and_reports(repo_root: Path, tmp_path: 
         [
             sys.executable, "-m", "kvrelay", "bench",
             "--config", str(repo_root / "tests/configs/test-fast.yaml"),
-            "--dataset", str(repo_root / "benchmarks/data/t2i-50.jsonl"),
             "--preset", "tiny", "--requests", "3", "--runs", "2", "--concurrency", "2", "--warmup", "1",
             "--width", "64", "--height", "64", "--output", str(out),
         ],
@@ -27,6 +26,11 @@ def test_bench_runs_every_implementation_and_reports(repo_root: Path, tmp_path: 
     assert "| Native MooncakeConnector |" in proc.stdout
     assert "| gRPC stream fallback (legacy path) |" in proc.stdout
     assert "all requests completed: True" in proc.stdout
+    # The default dataset is found from another directory (cwd is tmp_path), and progress and the
+    # table so far are on stderr while it runs.
+    assert "bench[seed] mooncake run 1/2: 3/3 done, 0 failed" in proc.stderr
+    assert "bench[seed] colocated run 2/2: " in proc.stderr
+    assert proc.stderr.count("| Implementation |") == 6
     report = json.loads((out / "bench.json").read_text())
     results = report["scenarios"]["seed"]["results"]
     # Interleaved: run 1 of every implementation comes before run 2 of any.

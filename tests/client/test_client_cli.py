@@ -227,3 +227,31 @@ def test_status_uses_the_token(
     assert run_status(argparse.Namespace(target=server.address, json=True, token=None)) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert run_status(argparse.Namespace(target=server.address, json=True, token="tok")) == 0
+
+
+def test_the_prompt_comes_from_the_argument_a_file_or_stdin(tmp_path: Path) -> None:
+    import io
+
+    from kvrelay.client.cli import read_prompt
+
+    class _Pipe(io.StringIO):
+        def isatty(self) -> bool:
+            return False
+
+    def ns(**kw: object) -> argparse.Namespace:
+        return argparse.Namespace(**{"prompt": None, "prompt_file": None, **kw})
+
+    assert read_prompt(ns(prompt="a fox"), _Pipe("")) == "a fox"
+    assert read_prompt(ns(prompt="-"), _Pipe("a fox\nin the snow\n\n")) == "a fox\nin the snow"
+    path = tmp_path / "p.txt"
+    path.write_text("a long prompt\r\n")
+    assert read_prompt(ns(prompt_file=str(path)), _Pipe("")) == "a long prompt"
+    assert read_prompt(ns(prompt_file="-"), _Pipe("piped")) == "piped"
+    for bad, match in (
+        (ns(), "no prompt"),
+        (ns(prompt="a", prompt_file=str(path)), "not both"),
+        (ns(prompt_file=str(tmp_path / "missing.txt")), "cannot read"),
+        (ns(prompt="-"), "empty"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            read_prompt(bad, _Pipe("  \n"))

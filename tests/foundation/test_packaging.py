@@ -64,7 +64,7 @@ def test_service_folders_import_under_kvrelay() -> None:
 
 
 def test_cli_help_everywhere(python_exe: str) -> None:
-    for sub in ("", "up", "broker", "ar", "dit", "generate", "status", "bench", "verify"):
+    for sub in ("", "up", "broker", "ar", "dit", "generate", "status", "list", "cancel", "bench", "verify"):
         args = [python_exe, "-m", "kvrelay", *([sub] if sub else []), "--help"]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr

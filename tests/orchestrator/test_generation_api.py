@@ -239,7 +239,7 @@ def test_metrics_count_outcomes_and_phases() -> None:
             assert c.metric("kvrelay_generations_total", {"outcome": "failed"}) == 0
             assert c.metric("kvrelay_generation_seconds_count") == 1
             for phase in ("queue", "prefill", "transfer", "load", "denoise", "decode", "handoff", "total"):
-                assert c.metric("kvrelay_generation_phase_seconds_count", {"phase": phase}) == 1, phase
+                assert c.metric("kvrelay_phase_seconds_count", {"phase": phase}) == 1, phase
 
     run(body())
 

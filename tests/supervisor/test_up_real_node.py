@@ -39,6 +39,60 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _kvrelay(*args: str, stdin: str | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay", *args], cwd=REPO, input=stdin, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def _cli_generate_list_and_cancel(target: str, tmp_path: Path, expected_png: bytes) -> None:
+    """The CLI a user has: a prompt from a file and from stdin, `list`, and `cancel` (idempotent)."""
+    common = ("--seed", "11", "--width", "64", "--height", "64", "--target", target, "-q")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("a red fox in the snow\n")
+    done = _kvrelay("generate", "--prompt-file", str(prompt), "-o", str(tmp_path / "file.png"),
+                    "--request-id", "from-file", *common)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "file.png").read_bytes() == expected_png
+    done = _kvrelay("generate", "-", "-o", str(tmp_path / "stdin.png"), *common, stdin="a red fox in the snow\n")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "stdin.png").read_bytes() == expected_png
+
+    listed = _kvrelay("list", "--json", "--target", target)
+    assert listed.returncode == 0, listed.stderr
+    states = {g["request_id"]: g["state"] for g in json.loads(listed.stdout)["generations"]}
+    assert states["from-file"] == "SUCCEEDED"
+    table = _kvrelay("list", "--state", "succeeded", "--target", target)
+    assert "from-file" in table.stdout and "SUCCEEDED" in table.stdout
+
+    finished = _kvrelay("cancel", "from-file", "--target", target)
+    assert finished.returncode == 1 and "ALREADY_FINISHED" in finished.stderr
+
+    long = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay", "generate", "a slow fox", "--steps", "1000", "--request-id", "to-cancel",
+         "-o", str(tmp_path / "never.png"), *common],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            running = _kvrelay("list", "--state", "DENOISING", "--json", "--target", target)
+            if any(g["request_id"] == "to-cancel" for g in json.loads(running.stdout)["generations"]):
+                break
+            time.sleep(0.2)
+        first = _kvrelay("cancel", "to-cancel", "--target", target)
+        assert (first.returncode, first.stdout.strip()) == (0, "to-cancel CANCELLED"), first.stderr
+        again = _kvrelay("cancel", "to-cancel", "--target", target)  # idempotent
+        assert (again.returncode, again.stdout.strip()) == (0, "to-cancel CANCELLED"), again.stderr
+        assert long.wait(60) == 1
+    finally:
+        if long.poll() is None:
+            long.kill()
+            long.wait()
+    assert not (tmp_path / "never.png").exists()
+
+
 def test_kvrelay_up_serves_an_image_survives_a_replica_crash_and_stops_clean(tmp_path: Path) -> None:
     data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
     data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
@@ -118,6 +172,8 @@ def test_kvrelay_up_serves_an_image_survives_a_replica_crash_and_stops_clean(tmp
                 "a red fox in the snow", seed=11, width=64, height=64, timeout=120
             ).result()
             assert again.png == result.png  # same seed, same bits, after the restart
+
+        _cli_generate_list_and_cancel(target, tmp_path, result.png)
 
         status = subprocess.run(
             [sys.executable, "-m", "kvrelay", "status", "--target", target, "--json"],

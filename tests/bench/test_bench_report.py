@@ -1,0 +1,51 @@
+"""`kvrelay bench` reporting in-process: progress and the live table while it runs, and a
+throughput plot whose x axis counts runs in whole numbers."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvrelay.bench import BenchProgress, RequestRecord, plot, summarize
+
+
+def _results() -> list[Any]:
+    out = []
+    for run in range(3):
+        for impl, latency in (("mooncake", 0.5), ("grpc", 0.7)):
+            records = [RequestRecord(True, latency + 0.01 * i, 0.001, {"denoise_seconds": 0.3}) for i in range(4)]
+            out.append(summarize(impl, run, records, wall_s=2.0 + run, bytes_moved=1024))
+    return out
+
+
+def test_progress_reports_requests_and_a_table_after_every_run() -> None:
+    stream = io.StringIO()
+    progress = BenchProgress("seed", ["mooncake", "grpc"], runs=2, requests=4, stream=stream)
+    for result in _results()[:2]:
+        progress.start_run(result.impl, result.run)
+        for _ in range(4):
+            progress.request_done(RequestRecord(True, 0.5))
+        progress.end_run(result)
+    text = stream.getvalue()
+    assert "bench[seed] mooncake run 1/2: 4/4 done, 0 failed" in text
+    assert "bench[seed] grpc run 1/2: 2.0000 req/s" in text
+    # The live table after the second run holds both implementations.
+    assert text.count("| Implementation |") == 2
+    assert "| gRPC stream fallback (legacy path) | 2.0000 |" in text
+
+
+def test_the_throughput_plot_counts_runs_in_whole_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    figures: list[Any] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    paths = plot(_results(), ["mooncake", "grpc"], tmp_path, "seed")
+    assert [p.name for p in paths] == ["seed-throughput.png", "seed-latency-cdf.png", "seed-phases.png"]
+    ticks = list(figures[0].axes[0].get_xticks())
+    assert ticks == [1, 2, 3]
+    for fig in figures:
+        fig.clf()
