@@ -1,0 +1,167 @@
+"""Caller classes on real sockets: who may call what, with which credential (docs/operations.md,
+Security). The issue's report first: an anonymous DeregisterReplica must not take a replica out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvrelay.config import ConfigError, parse_config
+from kvrelay.errors import reason_of
+from kvrelay.security import (
+    CallerClass,
+    ChannelSecurity,
+    Credentials,
+    SecurityError,
+    check_bind,
+    load_credentials,
+)
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
+from tests.security.harness import API, CREDENTIALS, OPERATOR, REPLICA, SecuredDeployment, secured_deployment
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredDeployment]:
+    with secured_deployment(tmp_path_factory.mktemp("secured")) as d:
+        yield d
+
+
+def _code(deployment: SecuredDeployment, security: ChannelSecurity | None, call: str, request: object,
+          service: str = "broker") -> tuple[str, str]:  # fmt: skip
+    with deployment.channel("broker", security) as channel:
+        stub = (broker_pb2_grpc.BrokerServiceStub if service == "broker" else generation_pb2_grpc.GenerationServiceStub)(
+            channel
+        )  # type: ignore[no-untyped-call]
+        try:
+            getattr(stub, call)(request, timeout=10)
+        except grpc.RpcError as err:
+            code, reason, _ = reason_of(err)
+            return code, reason
+    return "OK", ""
+
+
+def test_anonymous_deregister_does_not_take_a_replica_out(deployment: SecuredDeployment) -> None:
+    before = deployment.snapshot()
+    request = broker_pb2.DeregisterReplicaRequest(replica_id="dit-0", incarnation_id="dit-0-inc-1")
+    assert _code(deployment, None, "DeregisterReplica", request) == ("UNAUTHENTICATED", "UNAUTHENTICATED")
+    wrong_token = ChannelSecurity(token="not-the-token", replica_id="dit-0")
+    assert _code(deployment, wrong_token, "DeregisterReplica", request)[0] == "UNAUTHENTICATED"
+    # The api token is a client's, not a replica's.
+    assert _code(deployment, ChannelSecurity(token=API), "DeregisterReplica", request)[0] == "PERMISSION_DENIED"
+    # Another replica (the replica token, its own id) may not deregister dit-0 either.
+    other = CREDENTIALS.channel(CallerClass.REPLICA, "ar-1")
+    assert _code(deployment, other, "DeregisterReplica", request)[0] == "PERMISSION_DENIED"
+    assert deployment.snapshot() == before
+
+
+def test_a_replica_acts_only_on_its_own_id_and_tickets(deployment: SecuredDeployment) -> None:
+    before = deployment.snapshot()
+    ar1 = CREDENTIALS.channel(CallerClass.REPLICA, "ar-1")
+    heartbeat = broker_pb2.HeartbeatRequest(replica_id="ar-0", incarnation_id="ar-0-inc-1")
+    assert _code(deployment, ar1, "Heartbeat", heartbeat)[0] == "PERMISSION_DENIED"
+    # Its own heartbeat goes through.
+    own = broker_pb2.HeartbeatRequest(replica_id="ar-1", incarnation_id="ar-1-inc-1")
+    assert _code(deployment, ar1, "Heartbeat", own) == ("OK", "")
+    # No empty-id bypass of the owner check on ReleaseTicket.
+    release = broker_pb2.ReleaseTicketRequest(ticket_id="t", outcome=broker_pb2.TICKET_OUTCOME_OK)
+    assert _code(deployment, ar1, "ReleaseTicket", release) == ("INVALID_ARGUMENT", "MISSING_FIELD")
+    # Operator RPCs: not for replicas.
+    create = broker_pb2.CreateTicketRequest(
+        request_id="r", ar_replica_id="ar-1", dit_replica_id="dit-0", row_token_counts=[4]
+    )
+    operator_calls = [
+        ("ListReplicas", broker_pb2.ListReplicasRequest()),
+        ("GetPool", broker_pb2.GetPoolRequest()),
+        ("CreateTicket", create),
+    ]
+    for call, request in operator_calls:
+        assert _code(deployment, ar1, call, request)[0] == "PERMISSION_DENIED", call
+    # A replica token without a declared id acts as nobody.
+    assert _code(deployment, ChannelSecurity(token=REPLICA), "Heartbeat", own)[0] == "PERMISSION_DENIED"
+    assert deployment.snapshot() == before
+
+
+def test_operator_and_api_tokens(deployment: SecuredDeployment) -> None:
+    operator = ChannelSecurity(token=OPERATOR)
+    assert _code(deployment, operator, "ListReplicas", broker_pb2.ListReplicasRequest()) == ("OK", "")
+    api = ChannelSecurity(token=API)
+    assert _code(deployment, api, "ListReplicas", broker_pb2.ListReplicasRequest())[0] == "PERMISSION_DENIED"
+    listing = generation_pb2.ListGenerationsRequest()
+    assert _code(deployment, api, "ListGenerations", listing, service="generation") == ("OK", "")
+    assert _code(deployment, None, "ListGenerations", listing, service="generation")[0] == "UNAUTHENTICATED"
+    # A replica credential is not a client's when the deployment sets an api token.
+    replica = CREDENTIALS.channel(CallerClass.REPLICA, "ar-1")
+    assert _code(deployment, replica, "ListGenerations", listing, service="generation")[0] == "PERMISSION_DENIED"
+
+
+def test_a_ticket_made_over_create_ticket_expires(deployment: SecuredDeployment) -> None:
+    import time
+
+    operator = ChannelSecurity(token=OPERATOR)
+    with deployment.channel("broker", operator) as channel:
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+        ticket = stub.CreateTicket(broker_pb2.CreateTicketRequest(
+            request_id="debug-1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]), timeout=10,
+        ).ticket  # fmt: skip
+        assert ticket.state == broker_pb2.TICKET_STATE_RESERVED
+        # The harness gives CreateTicket tickets 5 s (the broker: the stages' request timeout).
+        deadline = time.monotonic() + 20
+        while stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=ticket.ticket_id), timeout=10).ticket.state != (
+            broker_pb2.TICKET_STATE_RELEASED
+        ):
+            assert time.monotonic() < deadline, "a CreateTicket ticket held its pages past its TTL"
+            time.sleep(0.1)
+        pool = stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-0"), timeout=10).pools[0]
+        assert pool.free_pages == pool.total_pages
+
+
+def test_non_loopback_bind_needs_a_credential() -> None:
+    check_bind("127.0.0.1", Credentials(), False, "t")
+    check_bind("::1", Credentials(), False, "t")
+    with pytest.raises(SecurityError, match="--insecure-bind"):
+        check_bind("0.0.0.0", Credentials(), False, "t")
+    check_bind("0.0.0.0", Credentials(), True, "t")
+    check_bind("0.0.0.0", Credentials(replica_token="x"), False, "t")
+
+
+def test_security_config_errors_name_the_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    from tests.security.harness import REPO
+
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    data["broker"]["api_token"] = "literal"
+    with pytest.raises(ConfigError, match="broker.api_token moved to security.api_token_env"):
+        parse_config(data)
+    del data["broker"]["api_token"]
+    data["security"] = {"replica_token_file": str(tmp_path / "missing")}
+    with pytest.raises(SecurityError, match="security.replica_token_file"):
+        load_credentials(parse_config(data).security)
+    data["security"] = {"api_token_env": "SEC_TEST_API"}
+    monkeypatch.setenv("SEC_TEST_API", "x")
+    monkeypatch.delenv("KVRELAY_REPLICA_TOKEN", raising=False)
+    with pytest.raises(SecurityError, match="security.replica_token_env"):
+        load_credentials(parse_config(data).security)
+    data["security"] = {"tls": {"cert_file": "a", "key_file": "b"}}
+    with pytest.raises(ConfigError, match="security.tls.ca_file"):
+        parse_config(data)
+
+
+def test_kvrelay_broker_refuses_a_public_bind_without_credentials(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.security.harness import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == "KVRELAY_LOG_FORMAT"}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "broker", "--config", str(REPO / "tests/configs/test-fast.yaml"),
+         "--host", "0.0.0.0", "--port", "0", "--metrics-port", "0"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert "--insecure-bind" in out.stderr and "0.0.0.0" in out.stderr
