@@ -1,0 +1,161 @@
+"""Every command and snippet in README.md and docs/ is run, or listed here with why not.
+
+Python blocks run as scripts and bash blocks as `bash -euo pipefail` scripts, in a fresh folder,
+against one live node (broker + AR + DiT from tests/configs/test-fast.yaml): the docs' broker
+address (`127.0.0.1:50051`, `localhost:50051`, a client built without a target, a `kvrelay`
+command without `--target`) is pointed at that node. A block or a line the test cannot run here
+(a GPU, the network, minutes of CPU, a second node on the default ports) must be listed in
+NOT_RUN or SKIPPED_LINES with the test that covers it instead, so a new snippet is never
+silently untested. Links between docs must resolve to files in the repository.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+# docs/design.md and the seed are the contract and its source, quoted, not instructions to run.
+QUOTED = {"design.md", "seed-mooncake-kv-transfer.md"}
+DOC_FILES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in QUOTED)]
+
+_REFERENCE = "API reference (signatures with elisions), not a runnable snippet; the module's own tests cover it"
+# Blocks not run, by (file, first non-empty line).
+NOT_RUN: dict[tuple[str, str], str] = {
+    ("README.md", './scripts/quickstart.sh "a lighthouse on a cliff at sunset, oil painting" out.png'):
+        "installs into .venv and starts a node on the default ports; its steps are the ones run here",
+    ("README.md", "./scripts/test.sh"): "the whole suite (this test is part of it)",
+    ("docs/operations.md", 'pip install . "mooncake-transfer-engine-cuda13>=0.3.14"   # e.g. on a CUDA 13 image'):
+        "needs the network and a CUDA 13 image; tests/foundation/test_shipped_files.py installs the wheel",
+    ("docs/operations.md", "kvrelay up                                        # configs/single-node.yaml: broker + 1 AR + 1 DiT on CPU"):
+        "a second node on the default ports; tests/supervisor/test_up_real_node.py runs `kvrelay up`",
+    ("docs/operations.md", "kvrelay broker --config configs/single-node.yaml"):
+        "one process per terminal on the default ports; tests/foundation/test_grpc_surface.py starts "
+        "`kvrelay broker`, tests/dit_service and tests/ar_service start `kvrelay dit|ar`",
+    ("README.md", "# 1. kvrelay up: processes on this host, supervised and restarted by kvrelay itself"):
+        "a node on the default ports, and Docker: tests/supervisor/test_up_real_node.py runs `kvrelay up`, "
+        "scripts/compose_smoke.sh (tests/compose/) runs the compose steps",
+    ("docs/operations.md", "cp compose/kvrelay.env.example compose/kvrelay.env      # fill in three fresh random tokens"):
+        "Docker or podman: scripts/compose_smoke.sh runs these steps end to end (tests/compose/)",
+    ("docs/transfer.md", "# DiT rank (receiver): its page pool is a device tensor; exported once."):
+        "two CUDA devices' worth of API (CUDA IPC); " + _REFERENCE,
+    ("docs/broker.md", "from kvrelay.broker.core import BrokerCore, run_maintenance, Arming, PoolStatus"): _REFERENCE,
+    ("docs/dit.md", "# kvrelay/models/paged_attention.py"): _REFERENCE,
+    ("docs/internals.md", 'DTypeName = Literal["bfloat16", "float16", "float32"]; ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}'): _REFERENCE,
+    ("docs/internals.md", "@dataclass(frozen=True, slots=True)"): _REFERENCE,
+    ("docs/models.md", 'lock = ReplicaLock(replica_lock_path("ar-0")).acquire(timeout_s=30)   # before registering'): _REFERENCE,
+    ("docs/transfer.md", "from kvrelay.transfer.pack import pack_staging"): _REFERENCE,
+    ("docs/transfer.md", "from kvrelay.transfer.checksum import verify_write_until"): _REFERENCE,
+    ("docs/transfer.md", "from kvrelay.transfer.transport import make_sender, make_receiver, transport_for_connector"): _REFERENCE,
+}  # fmt: skip
+# Lines of run blocks that are left out, by their command.
+SKIPPED_LINES: dict[str, str] = {
+    "kvrelay up": "a second node on the default ports; tests/supervisor/test_up_real_node.py runs it",
+    "kvrelay verify": "tests/bench/test_verify.py runs it",
+    "kvrelay bench": "minutes of CPU at its defaults; tests/bench/test_bench.py runs it on a tiny workload",
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    file: str
+    line: int
+    lang: str
+    body: str
+
+    @property
+    def key(self) -> tuple[str, str]:
+        first = next((ln for ln in self.body.splitlines() if ln.strip()), "")
+        return (self.file, first.rstrip())
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def doc_blocks() -> list[Block]:
+    found = []
+    for path in DOC_FILES:
+        text = path.read_text()
+        for match in re.finditer(r"^```(\w*)[^\n]*\n(.*?)^```", text, re.M | re.S):
+            if match.group(1) in ("python", "bash"):
+                line = text[: match.start()].count("\n") + 1
+                found.append(Block(str(path.relative_to(REPO)), line, match.group(1), match.group(2)))
+    return found
+
+
+def runnable() -> list[Block]:
+    return [b for b in doc_blocks() if b.key not in NOT_RUN]
+
+
+def test_every_block_is_run_or_listed_with_a_reason() -> None:
+    keys = {b.key for b in doc_blocks()}
+    assert set(NOT_RUN) <= keys, f"NOT_RUN lists blocks no doc has any more: {sorted(set(NOT_RUN) - keys)}"
+    assert len(runnable()) >= 10
+
+
+def test_links_between_docs_resolve() -> None:
+    missing = []
+    for path in DOC_FILES + [REPO / "docs" / "design.md"]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                missing.append(f"{path.relative_to(REPO)} -> {target}")
+        for name in re.findall(r"`((?:configs|monitoring|benchmarks/data)/[\w./-]+)`", path.read_text()):
+            if not (REPO / name).exists():
+                missing.append(f"{path.relative_to(REPO)} names {name}")
+    assert missing == []
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+@pytest.fixture(scope="module")
+def node_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from kvrelay.supervisor import start_node
+
+    tmp = tmp_path_factory.mktemp("docs-node")
+    data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
+    data["broker"]["journal_path"] = str(tmp / "journal.sqlite")
+    data["stages"][1]["max_num_seqs"] = 2  # a batch snippet sends several at once
+    path = tmp / "node.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with start_node(path, log_dir=tmp / "logs", ready_timeout=240, cwd=tmp) as node:
+        yield node.address()
+
+
+def point_at(text: str, address: str, lang: str) -> str:
+    text = text.replace("127.0.0.1:50051", address).replace("localhost:50051", address)
+    text = text.replace('"tests/configs/test-fast.yaml"', repr(str(REPO / "tests/configs/test-fast.yaml")))
+    if lang == "python":
+        return re.sub(r"\b((?:Async)?KvRelayClient)\(\)", rf'\1("{address}")', text)
+    lines = []
+    for line in text.splitlines():
+        command = line.split("#", 1)[0].strip()
+        skipped = next((p for p in SKIPPED_LINES if command == p or command.startswith(p + " ")), None)
+        if skipped is not None:
+            lines.append(f": skipped: {command}")
+            continue
+        if "--target" not in line:
+            line = re.sub(r"\bkvrelay (generate|status|list|cancel)\b", rf"kvrelay \1 --target {address}", line)
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", runnable(), ids=str)
+def test_the_snippet_runs(block: Block, node_address: str, tmp_path: Path) -> None:
+    script = point_at(block.body, node_address, block.lang)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    argv = [sys.executable, "-c", script] if block.lang == "python" else ["bash", "-euo", "pipefail", "-c", script]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, f"{block} failed:\n{script}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-3000:]}"
