@@ -17,9 +17,13 @@ from typing import Any, Protocol
 
 
 class BatchItem(Protocol):
-    width: int
-    height: int
-    steps: int
+    # Read-only: a frozen dataclass (RunDenoise) is an item.
+    @property
+    def width(self) -> int: ...
+    @property
+    def height(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
 
 
 # run(items) -> per rank, one result per item (in item order).
