@@ -165,3 +165,51 @@ def test_kvrelay_broker_refuses_a_public_bind_without_credentials(tmp_path: Path
     )  # fmt: skip
     assert out.returncode == 2, out
     assert "--insecure-bind" in out.stderr and "0.0.0.0" in out.stderr
+
+
+def test_rate_and_size_limits_on_a_kvrelay_server() -> None:
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+
+    from kvrelay.security import RPC_RULES, RpcRule
+    from kvrelay.server import GrpcServer
+
+    echo = "test.Echo"
+
+    async def unary(request: health_pb2.HealthCheckRequest, context: object) -> health_pb2.HealthCheckResponse:
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    def add(_: object, server: grpc.aio.Server) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(
+            unary, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )  # fmt: skip
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(echo, {"Unary": handler}),))
+
+    creds = Credentials(replica_token="r", rate_limit_per_second=0.5, rate_limit_burst=2,
+                        max_request_bytes=64 * 1024)  # fmt: skip
+    rules = {**RPC_RULES, f"/{echo}/Unary": RpcRule(CallerClass.REPLICA, False, "none")}
+
+    async def body() -> None:
+        server = GrpcServer("limits", "127.0.0.1", 0, [(add, None, echo)], credentials=creds, rules=rules)
+        await server.start()
+        try:
+            from kvrelay.security import make_channel
+
+            async with make_channel(server.address, ChannelSecurity(token="r"), max_request_bytes=1 << 20) as ch:
+                call = ch.unary_unary(f"/{echo}/Unary")
+                big = health_pb2.HealthCheckRequest(service="x" * (100 * 1024)).SerializeToString()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(big, timeout=5)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                small = health_pb2.HealthCheckRequest(service="ok").SerializeToString()
+                await call(small, timeout=5)
+                await call(small, timeout=5)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call(small, timeout=5)
+                assert reason_of(err.value)[:2] == ("RESOURCE_EXHAUSTED", "RATE_LIMITED")
+        finally:
+            await server.stop(0.1)
+
+    asyncio.run(body())
