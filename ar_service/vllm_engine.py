@@ -157,6 +157,12 @@ def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
     if not (Path(model.path) / "config.json").is_file():
         raise ConfigError(f"stages[0].model.path: {model.path!r} is not a model directory (no config.json)")
     check_vllm_args(model.vllm_args)
+    if stage.tensor_parallel_size != 1:
+        # The connector reads each vLLM TP rank's own heads (src_rank = vLLM's TP rank), but vLLM's
+        # TP workers would be children of kvrelay's (daemonic) engine process, which Python forbids.
+        raise ConfigError(
+            "stages[0].tensor_parallel_size: engine: vllm runs with tensor_parallel_size 1 in this build"
+        )
     return VllmRankSpec(
         path=model.path,
         tokenizer=model.tokenizer,

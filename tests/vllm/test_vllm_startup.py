@@ -43,6 +43,20 @@ def test_refused_vllm_setting_is_named(tmp_path: Path, setting: str, value: Any)
     assert f"vllm_args.{setting}" in done.stderr
 
 
+def test_tensor_parallel_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    config = write_config(tmp_path, preset="small", ar_tp=2)
+    data = yaml.safe_load(config.read_text())
+    data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path)}
+    config.write_text(yaml.safe_dump(data))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "ar", "--config", str(config), "--broker", "127.0.0.1:1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "stages[0].tensor_parallel_size" in done.stderr
+
+
 def test_not_a_model_directory(tmp_path: Path) -> None:
     done = _run_ar(tmp_path, {"engine": "vllm", "path": str(tmp_path / "nothing")})
     assert done.returncode == 2, done.stderr
