@@ -39,6 +39,7 @@ IMPL_LABELS = {
     "mooncake": "Native MooncakeConnector",
     "cuda_ipc": "CudaIpcConnector (same host, GPU to GPU)",
     "colocated": "Colocated (no transfer)",
+    "vllm": "vLLM AR engine (KvRelayConnector, Mooncake)",
 }
 
 
@@ -70,6 +71,8 @@ class RunResult:
     phase_means: dict[str, float]
     latencies: list[float]
     errors: list[str]
+    # AR engine time per prefilled token over the run (kvrelay_ar_prefill_* on the AR's metrics).
+    prefill_tokens_per_s: float = 0.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -237,10 +240,26 @@ def scrape_counter(url: str, name: str) -> float:
     return total
 
 
+def ar_model_config(impl: str, ar_model: str | None, data: dict[str, Any]) -> dict[str, Any]:
+    """The AR stage's model for `impl` when the engines are compared on one checkpoint: vLLM
+    (`engine: vllm`) or the built-in AR, both reading `ar_model` with its own tokenizer (the same
+    token ids for both) in the DiT's dtype (the KV geometry must match)."""
+    if not ar_model:
+        raise ValueError("impl vllm needs --ar-model DIR (a Llama/Qwen2 checkpoint with its tokenizer)")
+    from kvrelay.models.presets import get_preset
+
+    dit = next(s for s in data["stages"] if s["kind"] == "dit")
+    dtype = dit["model"].get("dtype") or get_preset(dit["model"]["preset"]).dtype
+    model: dict[str, Any] = {"path": ar_model, "tokenizer": ar_model, "dtype": dtype}
+    if impl == "vllm":
+        model = {"engine": "vllm", "path": ar_model, "dtype": dtype}
+    return model
+
+
 class NodeUnderTest:
     """One `kvrelay up`-style node (broker + AR + DiT processes) for one implementation."""
 
-    def __init__(self, impl: str, base: dict[str, Any], workdir: Path) -> None:
+    def __init__(self, impl: str, base: dict[str, Any], workdir: Path, ar_model: str | None = None) -> None:
         from kvrelay.supervisor import start_node
 
         self.impl = impl
@@ -251,6 +270,8 @@ class NodeUnderTest:
         for stage in data["stages"]:
             stage["port"] = reserve_free_port()
             stage["metrics_port"] = reserve_free_port()
+            if stage["kind"] == "ar" and (impl == "vllm" or ar_model):
+                stage["model"] = ar_model_config(impl, ar_model, data)
             if impl == "grpc":
                 stage.pop("kv_transfer_config", None)
             elif impl == "cuda_ipc":
@@ -273,6 +294,12 @@ class NodeUnderTest:
     def bytes_moved(self) -> float:
         return sum(scrape_counter(url, "kvrelay_transfer_bytes_total") for url in self.ar_metrics)
 
+    def prefill_counters(self) -> tuple[float, float]:
+        """(tokens prefilled, seconds of AR engine time) so far, over every AR replica."""
+        tokens = sum(scrape_counter(url, "kvrelay_ar_prefill_tokens_total") for url in self.ar_metrics)
+        seconds = sum(scrape_counter(url, "kvrelay_ar_prefill_seconds_sum") for url in self.ar_metrics)
+        return tokens, seconds
+
     def run(
         self,
         workload: Workload,
@@ -282,6 +309,7 @@ class NodeUnderTest:
         on_done: Callable[[RequestRecord], None] | None = None,
     ) -> tuple[list[RequestRecord], float, int]:
         before = self.bytes_moved()
+        tokens0, seconds0 = self.prefill_counters()
         start = time.perf_counter()
         records = asyncio.run(
             drive(
@@ -290,6 +318,8 @@ class NodeUnderTest:
             )
         )
         wall = time.perf_counter() - start
+        tokens1, seconds1 = self.prefill_counters()
+        self.last_prefill_tokens_per_s = (tokens1 - tokens0) / (seconds1 - seconds0) if seconds1 > seconds0 else 0.0
         return records, wall, int(self.bytes_moved() - before)
 
     def stop(self) -> None:
@@ -373,9 +403,9 @@ def seed_table(results: list[RunResult], impls: list[str], runs: int) -> str:
 
 def detail_table(results: list[RunResult]) -> str:
     lines = [
-        "| impl | run | done/failed | req/s | p50 s | p95 s | p99 s | queue ms | transfer ms | load ms | "
+        "| impl | run | done/failed | req/s | prefill tok/s | p50 s | p95 s | p99 s | queue ms | transfer ms | load ms | "
         "handoff p50 ms | handoff p99 ms | handoff share | MiB moved |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         # Means per request: queue = waiting for the broker and for a DiT slot; transfer = the
@@ -384,11 +414,31 @@ def detail_table(results: list[RunResult]) -> str:
         queue, transfer, load = (r.phase_means.get(k, 0.0) * 1e3 for k in
                                  ("queue_seconds", "transfer_seconds", "load_seconds"))
         lines.append(
-            f"| {r.impl} | {r.run + 1} | {r.completed}/{r.failed} | {r.req_per_s:.4f} | {r.latency_p50:.3f} | "
-            f"{r.latency_p95:.3f} | {r.latency_p99:.3f} | {queue:.1f} | {transfer:.1f} | {load:.1f} | "
+            f"| {r.impl} | {r.run + 1} | {r.completed}/{r.failed} | {r.req_per_s:.4f} | {r.prefill_tokens_per_s:.0f} | "
+            f"{r.latency_p50:.3f} | {r.latency_p95:.3f} | {r.latency_p99:.3f} | {queue:.1f} | {transfer:.1f} | {load:.1f} | "
             f"{r.handoff_p50 * 1e3:.1f} | {r.handoff_p99 * 1e3:.1f} | "
             f"{r.handoff_share * 100:.1f}% | {r.bytes_moved / 2**20:.1f} |"
         )
+    return "\n".join(lines)
+
+
+def engine_table(results: list[RunResult]) -> str:
+    """vLLM vs the built-in AR (impl mooncake) on the same checkpoint and transport, measured in
+    the same run: means and ratios of req/s and prefill tokens/s. Empty unless both ran."""
+    by = {impl: [r for r in results if r.impl == impl] for impl in ("mooncake", "vllm")}
+    if not by["mooncake"] or not by["vllm"]:
+        return ""
+    lines = ["| AR engine | req/s (mean) | prefill tok/s (mean) |", "| --- | ---: | ---: |"]
+    means = {}
+    for impl, label in (("mooncake", "built-in torch AR"), ("vllm", "vLLM")):
+        rps = statistics.mean(r.req_per_s for r in by[impl])
+        tps = statistics.mean(r.prefill_tokens_per_s for r in by[impl])
+        means[impl] = (rps, tps)
+        lines.append(f"| {label} | {rps:.4f} | {tps:.0f} |")
+    (b_rps, b_tps), (v_rps, v_tps) = means["mooncake"], means["vllm"]
+    lines.append(
+        f"| vLLM / built-in | {v_rps / b_rps if b_rps else 0:.3f}x | {v_tps / b_tps if b_tps else 0:.3f}x |"
+    )
     return "\n".join(lines)
 
 
@@ -539,7 +589,7 @@ def run_scenario(
                 dit_stage = parse_config(data).dit_stage
                 nodes[impl] = ColocatedUnderTest(workload.preset, dit_stage.devices_for(0)[0], dit_stage.max_num_seqs)
             else:
-                nodes[impl] = NodeUnderTest(impl, data, workdir)
+                nodes[impl] = NodeUnderTest(impl, data, workdir, getattr(args, "ar_model", None))
         progress = BenchProgress(workload.name, impls, args.runs, args.requests)
         for impl, node in nodes.items():
             if args.warmup:
@@ -558,6 +608,7 @@ def run_scenario(
                     workload, args.requests, args.concurrency, run_idx, on_done=progress.request_done
                 )
                 results.append(summarize(impl, run_idx, records, wall, moved))
+                results[-1].prefill_tokens_per_s = getattr(nodes[impl], "last_prefill_tokens_per_s", 0.0)
                 progress.end_run(results[-1])
     finally:
         for node in nodes.values():
@@ -575,6 +626,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"kvrelay bench: unknown implementation(s) {unknown}; known: {list(IMPL_LABELS)}", file=sys.stderr
         )
+        return 2
+    if "colocated" in impls and getattr(args, "ar_model", None):
+        print("kvrelay bench: --ar-model compares AR engines; the colocated baseline runs presets only", file=sys.stderr)
         return 2
     base_cfg = load_config(args.config or DEFAULT_CONFIG)
     base = base_cfg.model_dump(mode="json", exclude_none=True)
@@ -596,6 +650,7 @@ def run(args: argparse.Namespace) -> int:
             results = [RunResult(**r) for r in scenario["results"]]
             scenario["seed_table"] = seed_table(results, impls, args.runs)
             scenario["detail_table"] = detail_table(results)
+            scenario["engine_table"] = engine_table(results)
             scenario["plots"] = [str(p) for p in plot(results, impls, out, name)]
             report["scenarios"][name] = scenario
             print(
@@ -605,6 +660,9 @@ def run(args: argparse.Namespace) -> int:
             print(scenario["seed_table"])
             print()
             print(scenario["detail_table"])
+            if scenario["engine_table"]:
+                print()
+                print(scenario["engine_table"])
             all_ok = all(r.failed == 0 for r in results)
             print(f"\nall requests completed: {all_ok}")
     (out / "bench.json").write_text(json.dumps(report, indent=2, default=str))

@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per node")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="override every stage's max_num_seqs (DiT batch size; the colocated baseline batches alike)")
+    p.add_argument(
+        "--ar-model",
+        default=None,
+        help="a Llama/Qwen2 checkpoint directory for the AR of every node (built-in AR and, with impl vllm, "
+        "vLLM on the same weights and tokenizer); see docs/ar.md",
+    )
 
     p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
     p.add_argument("--preset", default=None, help="model preset (default: tiny on cpu, bagel-7b-shape on cuda)")
