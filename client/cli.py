@@ -407,10 +407,10 @@ def run_list(args: argparse.Namespace) -> int:
         return 2
     states = [GenerationState[n] for n in names] or None
     try:
-        with KvRelayClient(target, token=_token(args), timeout=10.0) as client:
+        with KvRelayClient(target, token=_token(args), timeout=10.0, **_tls(args)) as client:
             generations = client.list_generations(states, page_size=int(getattr(args, "limit", 0) or 0))
     except KvRelayError as err:
-        _print_error("list", err, sys.stderr)
+        _print_error("list", err, sys.stderr, tls=bool(_tls(args)))
         return 1
     if getattr(args, "json", False):
         print(json.dumps(_jsonable({"target": target, "generations": generations}), indent=2))
@@ -427,12 +427,12 @@ def run_cancel(args: argparse.Namespace) -> int:
     state after the call. Exit 1 when one could not be cancelled (unknown, already finished)."""
     target = getattr(args, "target", None) or DEFAULT_TARGET
     failed = 0
-    with KvRelayClient(target, token=_token(args), timeout=10.0) as client:
+    with KvRelayClient(target, token=_token(args), timeout=10.0, **_tls(args)) as client:
         for request_id in args.request_ids:
             try:
                 generation = client.cancel_generation(request_id)
             except KvRelayError as err:
-                _print_error("cancel", err, sys.stderr)
+                _print_error("cancel", err, sys.stderr, tls=bool(_tls(args)))
                 failed += 1
                 continue
             print(f"{generation.request_id} {generation.state.name}")

@@ -213,3 +213,25 @@ def test_rate_and_size_limits_on_a_kvrelay_server() -> None:
             await server.stop(0.1)
 
     asyncio.run(body())
+
+
+def test_client_certificate_names_decide_the_caller() -> None:
+    from kvrelay.errors import KvRelayServerError
+    from kvrelay.security import AuthInterceptor, TlsMaterial
+
+    tls = TlsMaterial(cert_chain=b"", private_key=b"", root_certificates=b"", require_client_cert=True)
+    auth = AuthInterceptor(Credentials(api_token="api", tls=tls))
+
+    def who(cn: str, declared: str | None = None) -> tuple[set[str], str | None]:
+        metadata = [("kvrelay-replica-id", declared)] if declared else []
+        caller = auth.authenticate(metadata, {"x509_common_name": [cn.encode()]})
+        return {c.value for c in caller.classes}, caller.replica_id
+
+    assert who("ar-0") == ({"replica"}, "ar-0")  # a per-replica certificate binds the id
+    with pytest.raises(KvRelayServerError, match="differs from the certificate"):
+        who("ar-0", declared="dit-0")
+    assert who("kvrelay-node", declared="dit-0") == ({"replica"}, "dit-0")  # shared node certificate
+    assert who("kvrelay-operator") == ({"operator", "public"}, None)
+    assert who("alice") == ({"public"}, None)  # any other certificate of the CA: a client
+    anonymous = auth.authenticate([], {})
+    assert not anonymous.authenticated and anonymous.classes == frozenset()
