@@ -1,14 +1,17 @@
 """The AR rank handler: what runs inside each tensor parallel worker process of an AR replica.
 
 Owns, per rank: this rank's shard of the AR model, the KV of every ticket it has prefilled
-(held until every write from it has a final outcome), one staging buffer registered once with
-the rank's transport (Mooncake: one TransferEngine per rank process, fresh ports per start), the
-packing of a ticket's KV into that buffer in the destination page layout, and the writes.
+(held until it is packed), one staging buffer registered once with the rank's transport
+(Mooncake: one TransferEngine per rank process, fresh ports per start) split into per-ticket
+regions (`StagingAllocator`), the packing of a ticket's KV into its region in the destination
+page layout, and the writes.
 
 It never talks to the broker and never decides whether a write may start: the service process
 arms the ticket and reports the outcomes this handler returns. A write command always answers
-with exactly one outcome per write of this rank (it never raises for a transfer failure), and
-frees the ticket's KV before answering, because by then every write has a final outcome.
+with exactly one outcome per write of this rank (it never raises for a transfer failure). An
+outcome may be IN_DOUBT (the transport's wait ended while its call still runs): the ticket's
+staging region then stays allocated, never repacked, until `CollectFinished` sees the call
+return and answers its final outcomes; other tickets pack into the space that is left.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from kvrelay.security import ChannelSecurity
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, staging_bytes
+from kvrelay.transfer.staging import StagingAllocator
 from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, not_started_outcomes
 from kvrelay.worker import RankContext
 
@@ -104,6 +108,22 @@ class HeldTickets:
     """The ticket ids whose KV this rank still holds (tests check that nothing leaks)."""
 
 
+@dataclass(frozen=True, slots=True)
+class CollectFinished:
+    """Final outcomes of in-doubt writes whose transport calls returned since the last collect;
+    their staging regions are freed. Cheap when nothing is in doubt."""
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedWrites:
+    rank: int
+    # (ticket_id, final outcomes of that ticket's in-doubt writes on this rank)
+    finished: tuple[tuple[str, tuple[WriteOutcome, ...]], ...]
+    # Tickets whose writes are still in doubt here, and the staging bytes they hold.
+    in_doubt_tickets: tuple[str, ...]
+    staging_bytes_held: int
+
+
 # ---------------------------------------------------------------------------------------------
 # Rank side
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +177,8 @@ class ArRankHandler:
             self.model.warm_up()  # GPU: compile and capture before the replica reports SERVING
         # KV per ticket, per row: [layers, 2, kv_heads_local, T, head_dim] on the model's device.
         self._held: dict[str, dict[int, Any]] = {}
+        # Finished in-doubt calls seen while allocating, kept until the next CollectFinished.
+        self._finished: list[tuple[str, tuple[WriteOutcome, ...]]] = []
         pin = ctx.device.startswith("cuda") and torch.cuda.is_available()
         # One staging buffer for the process lifetime, registered once: a transport registration
         # per ticket would cost a round of memory pinning per request. Host memory (pinned on GPU
@@ -167,6 +189,8 @@ class ArRankHandler:
             self.staging = torch.zeros(spec.staging_bytes, dtype=torch.uint8, device=ctx.device)
         else:
             self.staging = torch.zeros(spec.staging_bytes, dtype=torch.uint8, pin_memory=pin)
+        # Which bytes of `staging` each ticket's writes read; in-doubt writes keep theirs.
+        self.regions = StagingAllocator(spec.staging_bytes)
         if spec.transport == "cuda_ipc":
             self.sender = make_sender("cuda_ipc", device=ctx.device)
             self.session = ""
@@ -196,6 +220,8 @@ class ArRankHandler:
             return self._describe()
         if isinstance(command, HeldTickets):
             return sorted(self._held)
+        if isinstance(command, CollectFinished):
+            return self._collect_finished()
         raise TypeError(f"unknown AR rank command {type(command).__name__}")
 
     def _describe(self) -> RankDescription:
@@ -244,10 +270,30 @@ class ArRankHandler:
                 self.ctx.rank, self.staging, self.sender, self._held.get(cmd.ticket_id), cmd,
                 # The KV is in staging now; the model-side tensors are no longer needed.
                 on_packed=lambda: self._held.pop(cmd.ticket_id, None),
+                regions=self.regions, reclaim=self._collect_finished_now,
             )  # fmt: skip
         finally:
-            # Every write has a final outcome (or never began): the source KV can go.
+            # Packed or never to be packed: the source KV can go.
             self._held.pop(cmd.ticket_id, None)
+
+    def _collect_finished_now(self) -> list[tuple[str, tuple[WriteOutcome, ...]]]:
+        collect = getattr(self.sender, "collect_finished", None)  # transports that never doubt lack it
+        finished = []
+        for call in collect() if collect is not None else ():
+            # The call returned: its region is read by nothing any more.
+            self.regions.end_read(call.ticket_id)
+            self.regions.free(call.ticket_id)
+            finished.append((call.ticket_id, call.outcomes))
+        self._finished.extend(finished)
+        return finished
+
+    def _collect_finished(self) -> FinishedWrites:
+        self._collect_finished_now()
+        finished, self._finished = self._finished, []
+        held = self.regions.held()
+        return FinishedWrites(
+            self.ctx.rank, tuple(finished), tuple(r.ticket_id for r in held), sum(r.length for r in held)
+        )
 
     def close(self) -> None:
         self._held.clear()
@@ -263,12 +309,18 @@ def write_rank_share(
     kv_by_row: Mapping[int, Any] | None,
     cmd: WriteTicket,
     on_packed: Callable[[], object] | None = None,
+    regions: StagingAllocator | None = None,
+    reclaim: Callable[[], object] | None = None,
 ) -> WriteDone:
     """Pack `rank`'s writes of `cmd.plan` from `kv_by_row` (row -> [layers, 2, kv_heads_local, T,
     head_dim]) into `staging` and send them with `sender`: exactly one outcome per write of this
     rank, never an exception for a transfer failure. Shared by the built-in rank handler and
     vLLM's KvRelayConnector (the same pack, outcome and NOT_STARTED/FAILED rules for both).
-    `on_packed` runs once the KV is in staging (the source KV is no longer read after that)."""
+    `on_packed` runs once the KV is in staging (the source KV is no longer read after that).
+
+    With `regions`, the ticket packs into its own region of `staging` and keeps it while any write
+    is IN_DOUBT (the caller frees it when `sender.collect_finished()` returns the call); `reclaim`
+    is asked to do that when no gap is large enough. Without it the caller owns `staging` whole."""
     from kvrelay.transfer.pack import pack_staging
 
     mine = [w for w in cmd.plan if w.src_rank == rank]
@@ -285,28 +337,53 @@ def write_rank_share(
             "raise the AR stage's kv_cache_memory_bytes",
         )
         return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
+    view = staging
+    if regions is not None:
+        region = regions.allocate(cmd.ticket_id, need)
+        if region is None and reclaim is not None:
+            # Space held by in-doubt writes of earlier tickets: take back what has returned.
+            reclaim()
+            region = regions.allocate(cmd.ticket_id, need)
+        if region is None:
+            held = ", ".join(f"{r.ticket_id}:{r.length}" for r in regions.held())
+            outcomes = not_started_outcomes(
+                mine, f"rank {rank}: no {need} free staging bytes; in-doubt writes still read [{held}]"
+            )
+            return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
+        regions.check_writable(cmd.ticket_id)
+        view = staging[region.offset : region.offset + need]
     t0 = time.perf_counter()
     try:
         packed = pack_staging(
-            staging, kv_by_row, cmd.geometry, cmd.src_shards, cmd.dst_shards, cmd.rows, cmd.plan, rank
+            view, kv_by_row, cmd.geometry, cmd.src_shards, cmd.dst_shards, cmd.rows, cmd.plan, rank
         )
     except Exception as exc:  # noqa: BLE001 - nothing was sent: every write is NOT_STARTED
+        if regions is not None:
+            regions.free(cmd.ticket_id)
         outcomes = not_started_outcomes(mine, f"packing failed on rank {rank}: {exc}")
         return WriteDone(rank, tuple(outcomes), 0, time.perf_counter() - t0, 0.0)
     t1 = time.perf_counter()
     if on_packed is not None:
         on_packed()
     destinations = {d.rank: d for d in cmd.destinations}
+    if regions is not None:
+        regions.begin_read(cmd.ticket_id)
     try:
-        outcomes = list(sender.write(staging, mine, destinations, cmd.ticket_id, cmd.timeout_s))
+        outcomes = list(sender.write(view, mine, destinations, cmd.ticket_id, cmd.timeout_s))
     except ValueError as exc:
         # The senders validate everything before the first byte leaves (their contract).
         outcomes = not_started_outcomes(mine, f"write refused before sending: {exc}")
     except Exception as exc:  # noqa: BLE001 - unknown how far it got: the bytes may land
+        # Nobody will see this call end: in doubt for good; its region stays held (never
+        # repacked) and its pages drain until this incarnation is replaced.
         outcomes = [
-            WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, 0, f"sender raised: {exc!r}")
+            WriteOutcome(w.row, w.src_rank, w.dst_rank, "IN_DOUBT", w.num_bytes, 0, f"sender raised: {exc!r}")
             for w in mine
         ]
+    if regions is not None and all(o.final for o in outcomes):
+        # The transport call returned: nothing reads the region any more.
+        regions.end_read(cmd.ticket_id)
+        regions.free(cmd.ticket_id)
     return WriteDone(rank, tuple(outcomes), packed, t1 - t0, time.perf_counter() - t1)
 
 

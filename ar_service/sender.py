@@ -1,12 +1,15 @@
 """The AR replica's write ledger and its reports to the broker (the sending side's bookkeeping).
 
 Owns what this incarnation knows about every write it was handed: arming in progress, in
-flight, or final (OK / FAILED / NOT_STARTED) and whether the broker has acknowledged the report.
+flight, in doubt (the rank's transport stopped waiting while its call still runs), or final
+(OK / FAILED / NOT_STARTED) and whether the broker has acknowledged the report.
 It answers the broker's polls (`HeartbeatResponse.poll_writes`) from that knowledge:
 
 - a final write is reported (again: `ReportWrite` is idempotent) until the broker acknowledges;
-- a write in flight, or of a ticket whose `ReserveTicket` answer has not arrived, is listed as
-  unresolved in the next heartbeat (absence is no proof: the answer may still be on its way);
+- a write in flight or in doubt, or of a ticket whose `ReserveTicket` answer has not arrived, is
+  listed as unresolved in the next heartbeat (absence is no proof: the answer may still be on
+  its way); an in-doubt write becomes final only when the rank's transport call has returned
+  (`CollectFinished`), and `needs_collect()` says while the service must keep asking;
 - a write this incarnation has never heard of was never begun by it: `NOT_STARTED`, and the
   ledger remembers that, so the write can never start afterwards.
 
@@ -50,7 +53,9 @@ def write_id(ticket_id: str, w: PlannedWrite | WriteOutcome) -> WriteId:
 
 @dataclass(slots=True)
 class _TicketWrites:
+    # Not final yet: sent or about to be, including in-doubt ones (their calls still run).
     in_flight: set[WriteId] = field(default_factory=set)
+    in_doubt: dict[WriteId, WriteOutcome] = field(default_factory=dict)
     final: dict[WriteId, WriteOutcome] = field(default_factory=dict)
     acknowledged: set[WriteId] = field(default_factory=set)
 
@@ -86,15 +91,26 @@ class WriteLedger:
         return True
 
     def finish(self, ticket_id: str, outcome: WriteOutcome) -> WriteOutcome:
-        """Record the final outcome of one write; the first one recorded wins (see module doc)."""
+        """Record what is known of one write: an IN_DOUBT outcome keeps it in flight; the first
+        final outcome recorded wins (see module doc). Returns what to report."""
         entry = self._tickets.setdefault(ticket_id, _TicketWrites())
         wid = write_id(ticket_id, outcome)
+        known = entry.final.get(wid)
+        if known is not None:
+            return known
+        if not outcome.final:
+            entry.in_flight.add(wid)
+            entry.in_doubt[wid] = outcome
+            return outcome
         entry.in_flight.discard(wid)
-        return entry.final.setdefault(wid, outcome)
+        entry.in_doubt.pop(wid, None)
+        entry.final[wid] = outcome
+        return outcome
 
     def acknowledge(self, ticket_id: str, outcome: WriteOutcome) -> None:
+        """The broker took a report. Only a final one ends the reporting of that write."""
         entry = self._tickets.get(ticket_id)
-        if entry is not None:
+        if entry is not None and outcome.final:
             entry.acknowledged.add(write_id(ticket_id, outcome))
             self._trim()
 
@@ -119,8 +135,16 @@ class WriteLedger:
     def in_flight(self) -> list[WriteId]:
         return [wid for entry in self._tickets.values() for wid in entry.in_flight]
 
+    def in_doubt(self) -> list[tuple[str, WriteOutcome]]:
+        """Writes whose transport call has not returned though the rank stopped waiting."""
+        return [(tid, o) for tid, entry in self._tickets.items() for o in entry.in_doubt.values()]
+
+    def needs_collect(self) -> bool:
+        """True while some rank must still be asked whether its in-doubt calls returned."""
+        return any(entry.in_doubt for entry in self._tickets.values())
+
     def busy_tickets(self) -> list[str]:
-        """Tickets with writes in flight or being armed (a clean stop waits for them)."""
+        """Tickets with writes in flight, in doubt or being armed (a clean stop waits for them)."""
         return sorted(self._arming | {tid for tid, e in self._tickets.items() if e.in_flight})
 
     def answer_poll(self, polled: Iterable[WriteId]) -> tuple[list[WriteId], list[tuple[str, WriteOutcome]]]:
@@ -167,8 +191,10 @@ class WriteReporter:
         self.rpc_timeout_s = rpc_timeout_s
 
     async def report(self, ticket_id: str, outcome: WriteOutcome, budget_s: float = 30.0) -> bool:
-        """Report one final outcome; True once the broker acknowledged it. A report still
-        unacknowledged after `budget_s` stays pending: heartbeats retry it."""
+        """Report one outcome (final, or IN_DOUBT); True once the broker acknowledged it. A final
+        report still unacknowledged after `budget_s` stays pending: heartbeats retry it. An
+        IN_DOUBT report is not retried past its budget: the write stays unresolved at the broker
+        either way, and its final report follows."""
         outcome = self.ledger.finish(ticket_id, outcome)
         request = outcome_to_report(outcome, ticket_id, self.replica_id, self.incarnation_id)
         loop = asyncio.get_running_loop()

@@ -23,7 +23,15 @@ from typing import Any
 
 import grpc
 
-from kvrelay.ar_service.engine import DropTicket, PrefillDone, PrefillTicket, WriteDone, WriteTicket
+from kvrelay.ar_service.engine import (
+    CollectFinished,
+    DropTicket,
+    FinishedWrites,
+    PrefillDone,
+    PrefillTicket,
+    WriteDone,
+    WriteTicket,
+)
 from kvrelay.ar_service.sender import RETRYABLE, WriteLedger, WriteReporter
 from kvrelay.ar_service.tokenizer import Tokenizer
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
@@ -42,6 +50,8 @@ AR_SERVICE = ar_pb2.DESCRIPTOR.services_by_name["ArService"].full_name
 BROKER_RPC_TIMEOUT_S = 5.0
 # Least time worth starting a transfer with; less than this and the writes are NOT_STARTED.
 MIN_TRANSFER_S = 0.05
+# How often the ranks are asked whether in-doubt transport calls have returned (only while some are).
+COLLECT_INTERVAL_S = 0.1
 
 
 class FailStop(Exception):
@@ -133,9 +143,11 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         # Background work that must outlive RPCs (shielded writes, late arming resolution).
         self._background: set[asyncio.Task[Any]] = set()
         # WorkerGroup serializes commands anyway; this keeps a ticket's prefill and write from
-        # interleaving with another ticket's across the to_thread hop, and bounds staging use to
-        # one ticket at a time (the staging buffer is one per rank).
+        # interleaving with another ticket's across the to_thread hop. Staging is per ticket
+        # (each rank's StagingAllocator): a ticket with in-doubt writes keeps its region while the
+        # next one packs into the space left.
         self._ranks = asyncio.Lock()
+        self._collector: asyncio.Future[None] | None = None
 
     def attach(self, state: ArReplicaState) -> None:
         self.state = state
@@ -274,6 +286,31 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             log.info(
                 "ticket_rollback_skipped", ticket_id=ticket_id, code=err.code().name, details=err.details()
             )
+
+    def _start_collector(self) -> None:
+        if self._collector is None or self._collector.done():
+            self._collector = self._spawn(self._collect_finished())
+
+    async def _collect_finished(self) -> None:
+        """While writes are in doubt, ask the ranks which transport calls have returned and report
+        their final outcomes (the `get_finished` half of the hand-off): only then may the broker
+        start the quiet period and free the pages, and the ranks reuse the staging bytes."""
+        assert self.reporter is not None
+        while self.ledger.needs_collect():
+            await asyncio.sleep(COLLECT_INTERVAL_S)
+            try:
+                async with self._ranks:
+                    results: list[FinishedWrites] = await self._call_ranks(CollectFinished())
+            except (FailStop, WorkerCommandError) as err:
+                log.error("collect_finished_failed", error=str(err))
+                return
+            for result in results:
+                for ticket_id, outcomes in result.finished:
+                    log.info(
+                        "in_doubt_writes_returned", ticket_id=ticket_id, rank=result.rank,
+                        statuses=[o.status for o in outcomes],
+                    )  # fmt: skip
+                    await self.reporter.report_all(ticket_id, outcomes)
 
     async def _call_ranks(self, command: Any) -> list[Any]:
         assert self.state is not None
@@ -512,7 +549,17 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             self.metrics.transfer_bytes.labels(state.transport).inc(ok_bytes)
             self.metrics.transfer_seconds.labels(state.transport).observe(transfer_s)
             bad = [o for o in outcomes.values() if not o.ok]
-            if bad:
+            doubtful = [o for o in bad if not o.final]
+            if doubtful:
+                # The transfer timed out with calls still running: the request fails now, the
+                # pages stay held (IN_DOUBT) until the collector reports the calls' real end.
+                failure = KvRelayServerError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "TRANSFER_TIMEOUT",
+                    f"{len(doubtful)} of {len(writes)} writes still in flight after {timeout_s:.1f}s; "
+                    f"first: {doubtful[0].message}",
+                )
+            elif bad:
                 failure = KvRelayServerError(
                     grpc.StatusCode.UNAVAILABLE,
                     "TRANSFER_FAILED",
@@ -537,6 +584,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                     await self._call_ranks(DropTicket(ticket_id))
                 except (FailStop, WorkerCommandError):
                     pass
+            if any(not o.final for o in final):
+                self._start_collector()
             await self.reporter.report_all(ticket_id, final)
             log.info(
                 "ticket_written",

@@ -26,7 +26,16 @@ from typing import Any, TextIO
 from ._common import DEFAULT_TARGET
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
-from .types import Generation, GenerationEvent, GenerationState, PhaseTimings, PoolStatus, Replica, Ticket
+from .types import (
+    Generation,
+    GenerationEvent,
+    GenerationState,
+    PhaseTimings,
+    PoolStatus,
+    Replica,
+    Ticket,
+    WriteStatus,
+)
 
 TOKEN_ENV = "KVRELAY_API_TOKEN"
 OPERATOR_TOKEN_ENV = "KVRELAY_OPERATOR_TOKEN"
@@ -301,7 +310,8 @@ def pools_table(pools: Sequence[PoolStatus]) -> str:
 def tickets_table(tickets: Sequence[Ticket], now: _dt.datetime) -> str:
     rows = []
     for t in sorted(tickets, key=lambda t: t.sequence):
-        writes_done = sum(1 for w in t.writes if w.status != 0)
+        writes_done = sum(1 for w in t.writes if w.status not in _UNRESOLVED_WRITES)
+        in_doubt = sum(1 for w in t.writes if w.status == WriteStatus.IN_DOUBT)
         loads_done = sum(1 for x in t.loads if x.loaded)
         rows.append(
             (
@@ -313,15 +323,52 @@ def tickets_table(tickets: Sequence[Ticket], now: _dt.datetime) -> str:
                 t.dit_replica_id,
                 t.num_pages,
                 f"{writes_done}/{len(t.writes)}",
+                in_doubt,
                 f"{loads_done}/{len(t.loads)}",
                 _age(t.create_time, now),
                 t.reason,
             )
         )
     return format_table(
-        ("TICKET", "REQUEST", "STATE", "OUTCOME", "AR", "DIT", "PAGES", "WRITES", "LOADS", "AGE", "REASON"),
+        ("TICKET", "REQUEST", "STATE", "OUTCOME", "AR", "DIT", "PAGES", "WRITES", "IN_DOUBT", "LOADS", "AGE",
+         "REASON"),
         rows,
+    )  # fmt: skip
+
+
+# Writes that may still land: never reported, or reported IN_DOUBT (the sender stopped waiting
+# while its transport call still runs). Their tickets hold their pages.
+_UNRESOLVED_WRITES = frozenset({WriteStatus.UNSPECIFIED, WriteStatus.IN_DOUBT})
+
+
+def in_doubt_table(tickets: Sequence[Ticket], now: _dt.datetime) -> str:
+    """One line per in-doubt write, with the pages its ticket holds because of it."""
+    rows = []
+    for t in sorted(tickets, key=lambda t: t.sequence):
+        for w in t.writes:
+            if w.status == WriteStatus.IN_DOUBT:
+                pages = sorted(p for r in t.rows for p in r.page_ids)
+                rows.append((t.ticket_id, t.state.name, t.dit_replica_id, w.row, w.src_rank, w.dst_rank,
+                             t.ar_replica_id, _page_ranges(pages), _age(t.update_time, now)))  # fmt: skip
+    return format_table(
+        ("IN-DOUBT WRITE OF", "STATE", "DIT", "ROW", "SRC", "DST", "WRITER", "HELD PAGES", "SINCE"), rows
     )
+
+
+def _page_ranges(pages: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    start = prev = None
+    for p in pages:
+        if prev is not None and p == prev + 1:
+            prev = p
+            continue
+        if start is not None:
+            out.append(f"{start}-{prev}" if start != prev else str(start))
+        start = prev = p
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(out)
 
 
 def _jsonable(value: Any) -> Any:
@@ -364,6 +411,9 @@ def run_status(args: argparse.Namespace) -> int:
     print(pools_table(pools) if pools else "POOLS: none")
     print()
     print(tickets_table(tickets, now) if tickets else "TICKETS: none in flight")
+    if any(w.status == WriteStatus.IN_DOUBT for t in tickets for w in t.writes):
+        print()
+        print(in_doubt_table(tickets, now))
     return 0
 
 

@@ -32,6 +32,7 @@ _STATUS_TO_PB: dict[str, int] = {
     "OK": common_pb2.WRITE_STATUS_OK,
     "FAILED": common_pb2.WRITE_STATUS_FAILED,
     "NOT_STARTED": common_pb2.WRITE_STATUS_NOT_STARTED,
+    "IN_DOUBT": common_pb2.WRITE_STATUS_IN_DOUBT,
 }
 _STATUS_FROM_PB = {v: k for k, v in _STATUS_TO_PB.items()}
 

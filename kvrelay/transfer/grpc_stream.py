@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,7 @@ from kvrelay.transfer.checksum import as_memoryview, write_checksum
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
     GRPC_MAX_CHUNK_BYTES,
+    FinishedCall,
     RegionDescriptor,
     WriteOutcome,
     check_writes_fit,
@@ -161,6 +162,11 @@ class GrpcStreamSender:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="putkv-stream")
+        # Stream calls whose wait ended before they returned: (ticket, in-doubt writes, futures,
+        # bytes each endpoint must acknowledge), until collect_finished() sees them return.
+        self._in_doubt: list[
+            tuple[str, list[tuple[int, PlannedWrite, str, int]], dict[str, Future[Any]], dict[str, int]]
+        ] = []
 
     def _stub(self, endpoint: str) -> dit_pb2_grpc.DitServiceStub:
         with self._lock:
@@ -224,6 +230,7 @@ class GrpcStreamSender:
         # Hash while the streams send: the staging bytes do not change during a write.
         checksums = [write_checksum(view, w) for w in writes]
         failures: dict[str, str] = {}
+        doubtful: dict[str, str] = {}
         for ep, fut in futures.items():
             expected = sum(w.num_bytes for _, w in by_endpoint[ep])
             try:
@@ -233,17 +240,26 @@ class GrpcStreamSender:
                 failures[ep] = f"PutKv to {ep} failed: {e.code().name}: {e.details()}"
                 continue
             except FutureTimeout:
-                failures[ep] = f"PutKv to {ep} did not finish within {timeout_s:.1f}s"
+                # The stream call has not returned: its chunks may still be applied. In doubt.
+                doubtful[ep] = f"PutKv to {ep} did not return within {timeout_s:.1f}s; it may still land"
                 continue
             if resp.bytes_received != expected:
                 failures[ep] = f"PutKv to {ep} acknowledged {resp.bytes_received} of {expected} bytes"
 
         outcomes: list[WriteOutcome] = []
+        in_doubt: list[tuple[int, PlannedWrite, str, int]] = []
         for i, w in enumerate(writes):
             ep = destinations[w.dst_rank].endpoint
             prog = progress[ep]
             failure = failures.get(ep)
-            if failure is None:
+            if ep in doubtful and i in prog.started:
+                outcomes.append(
+                    WriteOutcome(w.row, w.src_rank, w.dst_rank, "IN_DOUBT", w.num_bytes, checksums[i], doubtful[ep])
+                )
+                in_doubt.append((i, w, ep, checksums[i]))
+            elif ep in doubtful:
+                outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, doubtful[ep]))
+            elif failure is None:
                 outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "OK", w.num_bytes, checksums[i]))
             elif i not in prog.started:
                 outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, failure))
@@ -251,7 +267,31 @@ class GrpcStreamSender:
                 outcomes.append(
                     WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, checksums[i], failure)
                 )
+        if in_doubt:
+            acked = {ep: sum(w.num_bytes for _, w in by_endpoint[ep]) for ep in doubtful}
+            with self._lock:
+                self._in_doubt.append((ticket_id, in_doubt, {ep: futures[ep] for ep in doubtful}, acked))
         return outcomes
+
+    def collect_finished(self) -> list[FinishedCall]:
+        """Stream calls that had in-doubt writes and have returned since, with final outcomes."""
+        with self._lock:
+            calls, self._in_doubt = self._in_doubt, []
+            pending = [c for c in calls if not all(f.done() for f in c[2].values())]
+            self._in_doubt = pending
+        finished = []
+        for ticket_id, writes, futs, expected in (c for c in calls if c not in pending):
+            outcomes = []
+            for _, w, ep, checksum in writes:
+                fut = futs[ep]
+                exc = fut.exception()
+                if exc is None and fut.result().bytes_received == expected[ep]:
+                    outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "OK", w.num_bytes, checksum))
+                else:
+                    why = f"PutKv to {ep} returned late: {exc!r}" if exc else f"PutKv to {ep} returned short"
+                    outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, checksum, why))
+            finished.append(FinishedCall(ticket_id, tuple(outcomes)))
+        return finished
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

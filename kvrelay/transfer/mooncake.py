@@ -13,8 +13,11 @@ experiment, see docs/transfer.md):
   releases the GIL; it rejects a whole batch past MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024)
   segments, a destination outside the peer's registered memory, and an unreachable peer.
 - It has no per-call timeout (the engine's own is MC_TRANSFER_TIMEOUT, 30 s by default), so
-  the per-call timeout here bounds the wait, and a timed-out write is reported FAILED with the
-  warning that it may still land: the broker keeps its pages until the write resolves.
+  the per-call timeout here bounds the *wait*, not the call: a write whose batch is still in the
+  engine when the wait ends is reported IN_DOUBT (bytes may still land; it reads the staging
+  memory until it returns). The call's real end is picked up later by `collect_finished()`,
+  which turns each in-doubt write into its final OK or FAILED (vLLM's `get_finished`). Until
+  then the broker keeps the pages and the caller keeps the staging bytes.
 
 Never hands a sender "OK" off as proof of delivery: receivers verify checksums.
 """
@@ -25,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +37,7 @@ from kvrelay.transfer.checksum import write_checksum
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
     MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER,
+    FinishedCall,
     RegionDescriptor,
     WriteOutcome,
     check_writes_fit,
@@ -54,6 +58,15 @@ def _max_segments_per_batch() -> int:
     # engine reads, leaving headroom for other writers to the same peer.
     limit = int(os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER))
     return max(1, min(limit - 24, int(limit * 0.9)))
+
+
+@dataclass(slots=True)
+class _InDoubtCall:
+    ticket_id: str
+    writes: list[tuple[int, PlannedWrite, str, int]]  # (index, write, session, checksum) in doubt
+    progress: dict[str, _SessionProgress]
+    futures: dict[str, Future[None]]
+    timeout_s: float
 
 
 @dataclass(slots=True)
@@ -111,6 +124,8 @@ class MooncakeEndpoint:
         self._lock = threading.Lock()
         # Sync writes block in C++ with the GIL released; one thread per concurrent peer.
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="mooncake-write")
+        # Calls whose wait ended with writes still in the engine, until they really return.
+        self._in_doubt: list[_InDoubtCall] = []
         self._closed = False
 
     # -- memory ---------------------------------------------------------------------------------
@@ -165,7 +180,9 @@ class MooncakeEndpoint:
         """Push `writes` from `staging` into their destination regions; one outcome per write.
 
         Bad input (a segment outside staging or a region, a missing region) raises ValueError
-        before anything is sent; transport failures come back as FAILED outcomes."""
+        before anything is sent; transport failures come back as FAILED outcomes. A write still
+        in the engine when `timeout_s` passes is IN_DOUBT: `staging` stays in use by it until
+        `collect_finished()` returns its final outcome."""
         if self._closed:
             raise MooncakeError("write on a closed MooncakeEndpoint")
         if timeout_s <= 0:
@@ -205,6 +222,7 @@ class MooncakeEndpoint:
         cancel.set()
 
         outcomes: list[WriteOutcome] = []
+        doubtful: list[tuple[int, PlannedWrite, str, int]] = []
         for i, w in enumerate(writes):
             session = destinations[w.dst_rank].endpoint
             prog = progress[session]
@@ -212,19 +230,64 @@ class MooncakeEndpoint:
                 left = prog.segments_left[i]
                 started = i in prog.started
                 failure = prog.failed.get(i)
+                # `cancel` is set: a write not started now never starts (checked under the lock).
+                returned = session not in timed_out or futures[session].done()
             if failure is None and left == 0:
                 outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "OK", w.num_bytes, checksums[i]))
             elif not started:
                 why = failure or f"not started: ticket {ticket_id} timed out after {timeout_s:.1f}s"
                 outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, why))
-            else:
-                why = failure or (
-                    f"timed out after {timeout_s:.1f}s writing to {session}; the write may still land"
-                )
+            elif failure is not None or returned:
+                # The engine call returned an error (or returned short): final, nothing more lands.
+                why = failure or f"write to {session} ended with {left} segments unsent (cancelled)"
                 outcomes.append(
                     WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, checksums[i], why)
                 )
+            else:
+                why = (
+                    f"stopped waiting after {timeout_s:.1f}s writing to {session}; the engine call still "
+                    "runs and the write may still land"
+                )
+                outcomes.append(
+                    WriteOutcome(w.row, w.src_rank, w.dst_rank, "IN_DOUBT", w.num_bytes, checksums[i], why)
+                )
+                doubtful.append((i, w, session, checksums[i]))
+        if doubtful:
+            with self._lock:
+                self._in_doubt.append(_InDoubtCall(ticket_id, doubtful, progress, futures, timeout_s))
         return outcomes
+
+    def collect_finished(self) -> list[FinishedCall]:
+        """Calls that had in-doubt writes and have returned since: each write's final outcome.
+
+        Called often (cheap when nothing is in doubt); each finished call is returned once."""
+        with self._lock:
+            calls, self._in_doubt = self._in_doubt, []
+            done = [c for c in calls if all(f.done() for f in c.futures.values())]
+            self._in_doubt = [c for c in calls if c not in done]
+            finished = []
+            for c in done:
+                outcomes = []
+                for i, w, session, checksum in c.writes:
+                    prog = c.progress[session]
+                    failure = prog.failed.get(i)
+                    left = prog.segments_left[i]
+                    if failure is None and left == 0:
+                        outcomes.append(WriteOutcome(w.row, w.src_rank, w.dst_rank, "OK", w.num_bytes, checksum))
+                    else:
+                        why = failure or (
+                            f"the engine call to {session} returned after the {c.timeout_s:.1f}s wait "
+                            f"with {left} segments unsent"
+                        )
+                        outcomes.append(
+                            WriteOutcome(w.row, w.src_rank, w.dst_rank, "FAILED", w.num_bytes, checksum, why)
+                        )
+                finished.append(FinishedCall(c.ticket_id, tuple(outcomes)))
+        return finished
+
+    def in_doubt_tickets(self) -> list[str]:
+        with self._lock:
+            return [c.ticket_id for c in self._in_doubt]
 
     def _send_session(
         self,
@@ -295,6 +358,7 @@ class MooncakeEndpoint:
         if self._closed:
             return
         self._closed = True
+        # Waits for every engine call, in-doubt ones included: registered memory outlives them.
         self._executor.shutdown(wait=True)
         with self._lock:
             for addr in list(self._registered):

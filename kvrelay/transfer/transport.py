@@ -22,6 +22,7 @@ from kvrelay.transfer.planner import PlannedWrite
 __all__ = [
     "RegionDescriptor",
     "WriteOutcome",
+    "FinishedCall",
     "KvSender",
     "KvReceiver",
     "TransportName",
@@ -35,7 +36,9 @@ __all__ = [
 ]
 
 TransportName = Literal["mooncake", "grpc", "cuda_ipc"]
-WriteStatusName = Literal["OK", "FAILED", "NOT_STARTED"]
+# OK, FAILED (the transport call returned an error) and NOT_STARTED are final; IN_DOUBT means the
+# sender stopped waiting while the call still runs (it still reads staging, bytes may land).
+WriteStatusName = Literal["OK", "FAILED", "NOT_STARTED", "IN_DOUBT"]
 
 # Mooncake's TCP transport rejects a whole batch past this many queued segments per peer
 # (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER); batches are split to stay below it.
@@ -78,6 +81,20 @@ class WriteOutcome:
     def ok(self) -> bool:
         return self.status == "OK"
 
+    @property
+    def final(self) -> bool:
+        """Nothing more of this write can land (and its staging bytes are no longer read)."""
+        return self.status != "IN_DOUBT"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedCall:
+    """A write call that had in-doubt writes has really returned: their final outcomes. Nothing
+    of the call reads the staging memory any more."""
+
+    ticket_id: str
+    outcomes: tuple[WriteOutcome, ...]
+
 
 # ---------------------------------------------------------------------------------------------
 # Sending side
@@ -87,7 +104,11 @@ class WriteOutcome:
 @runtime_checkable
 class KvSender(Protocol):
     """Executes planned writes. Called once per ticket per source rank, from a worker thread
-    (it blocks); returns exactly one outcome per write, in the order of `writes`."""
+    (it blocks); returns exactly one outcome per write, in the order of `writes`.
+
+    An outcome is final (OK, FAILED, NOT_STARTED) or IN_DOUBT: the wait ended while the transport
+    call still runs. `staging` stays in use until `collect_finished()` (polled by the caller,
+    like vLLM's `get_finished`) returns that call with the final outcome of each in-doubt write."""
 
     name: str
 
@@ -99,6 +120,8 @@ class KvSender(Protocol):
         ticket_id: str,
         timeout_s: float,
     ) -> list[WriteOutcome]: ...
+
+    def collect_finished(self) -> list[FinishedCall]: ...
 
     def close(self) -> None: ...
 

@@ -3,6 +3,8 @@ handler's rule that a ticket's KV is freed once every write has a final outcome.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvrelay.ar_service.engine import (
@@ -110,3 +112,86 @@ def test_staging_too_small_is_not_started_and_frees_the_kv() -> None:
     handler.handle(DropTicket("u"))
     assert handler.handle(HeldTickets()) == []
     handler.close()
+
+
+# --- In doubt: the ledger keeps the write unresolved; the rank keeps its staging region.
+
+
+def test_an_in_doubt_write_stays_unresolved_until_its_final_outcome() -> None:
+    ledger = WriteLedger()
+    ledger.start("t4", [W0])
+    doubt = WriteOutcome(0, 0, 0, "IN_DOUBT", 64, 5, "still in the engine")
+    assert ledger.finish("t4", doubt) == doubt
+    ledger.acknowledge("t4", doubt)  # the broker took the IN_DOUBT report: not the end of it
+    assert ledger.needs_collect() and ledger.in_doubt() == [("t4", doubt)]
+    unresolved, report = ledger.answer_poll([("t4", 0, 0, 0)])
+    assert unresolved == [("t4", 0, 0, 0)] and report == [], "in doubt is unresolved, never NOT_STARTED"
+    assert ledger.busy_tickets() == ["t4"]
+    final = WriteOutcome(0, 0, 0, "OK", 64, 5)
+    assert ledger.finish("t4", final) == final
+    assert not ledger.needs_collect() and ledger.in_flight() == []
+    assert ledger.pending_reports() == [("t4", final)]
+    unresolved, report = ledger.answer_poll([("t4", 0, 0, 0)])
+    assert unresolved == [] and report == [("t4", final)]
+    # A stale in-doubt word after the final one changes nothing.
+    assert ledger.finish("t4", doubt) == final
+
+
+def test_rank_keeps_the_staging_region_of_an_in_doubt_write_and_packs_the_next_ticket_elsewhere() -> None:
+    import threading
+
+    import numpy as np
+
+    from kvrelay.ar_service.engine import CollectFinished
+    from kvrelay.transfer import mooncake
+
+    ctx = RankContext(rank=0, world_size=1, device="cpu", backend="gloo", num_threads=1, tp=TpGroup.single())
+    spec = ArRankSpec(preset="tiny", path=None, weight_seed=0, dtype=None, transport="mooncake",
+                      hostname="127.0.0.1", staging_bytes=1 << 20)  # fmt: skip
+    handler = ArRankHandler(ctx, spec)
+    sender: Any = handler.sender
+    pool = np.zeros(4 << 20, dtype=np.uint8)
+    region = mooncake.endpoint("127.0.0.1").register_region(pool, 0)
+    gate, real, calls = threading.Event(), sender._transfer, []
+
+    def transfer(*args: Any) -> int:
+        calls.append(args)
+        if len(calls) == 1:
+            gate.wait(30)  # the first ticket's call hangs in the engine
+        return real(*args)
+
+    sender._transfer = transfer
+    try:
+        def command(ticket_id: str, first_page: int, n: int) -> WriteTicket:
+            geometry = get_preset("tiny").kv_geometry(16)
+            rows = (RowSpec(0, n, tuple(range(first_page, first_page + geometry.pages_for(n)))),)
+            plan = plan_transfer(geometry, 1, 1, rows)
+            dest = RegionDescriptor(0, "mooncake", region.endpoint, region.base_address, region.length)
+            return WriteTicket(ticket_id, rows, geometry, 1, 1, plan, (dest,), timeout_s=0.3)
+
+        handler.handle(PrefillTicket("a", (tuple(range(40)),)))
+        a = handler.handle(command("a", 0, 40))
+        assert [o.status for o in a.outcomes] == ["IN_DOUBT"]
+        held = handler.regions.region("a")
+        assert held is not None and held.readers == 1
+        a_bytes = handler.staging[held.offset : held.end].clone()
+        # The second ticket does not wait for the first's in-doubt call: it packs elsewhere.
+        handler.handle(PrefillTicket("b", (tuple(range(200, 233)),)))
+        b = handler.handle(command("b", 8, 33))
+        assert [o.status for o in b.outcomes] == ["OK"]
+        assert torch.equal(handler.staging[held.offset : held.end], a_bytes), "a's staging was repacked"
+        pending = handler.handle(CollectFinished())
+        assert pending.finished == () and pending.in_doubt_tickets == ("a",)
+        gate.set()
+        for _ in range(500):
+            done = handler.handle(CollectFinished())
+            if done.finished:
+                break
+            threading.Event().wait(0.01)
+        assert [(t, [o.status for o in outs]) for t, outs in done.finished] == [("a", ["OK"])]
+        assert done.in_doubt_tickets == () and handler.regions.held() == []
+        assert done.finished[0][1][0].checksum == a.outcomes[0].checksum
+    finally:
+        gate.set()
+        del sender._transfer
+        handler.close()

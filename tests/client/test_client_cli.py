@@ -166,7 +166,17 @@ def _fill_status(harness: Harness) -> None:
                 broker_pb2.WriteProgress(row=1),
             ],
             sequence=1,
-        )
+        ),
+        broker_pb2.Ticket(
+            ticket_id="tk-2",
+            request_id="req-2",
+            state=broker_pb2.TICKET_STATE_DRAINING,
+            ar_replica_id="ar-0",
+            dit_replica_id="dit-0",
+            rows=[common_pb2.RowPages(row=0, num_tokens=20, page_ids=[5, 6, 7, 9])],
+            writes=[broker_pb2.WriteProgress(row=0, src_rank=1, status=common_pb2.WRITE_STATUS_IN_DOUBT)],
+            sequence=2,
+        ),
     ]
 
 
@@ -194,7 +204,12 @@ def test_status_prints_replicas_pools_and_tickets_as_tables(
     pool_row = next(line for line in lines if line.startswith("dit-0") and "64" in line)
     assert pool_row.split()[:5] == ["dit-0", "64", "60", "3", "1"]
     ticket_row = next(line for line in lines if line.startswith("tk-1"))
-    assert ticket_row.split()[:9] == ["tk-1", "req-1", "WRITING", "-", "ar-0", "dit-0", "3", "1/2", "0/0"]
+    assert ticket_row.split()[:10] == ["tk-1", "req-1", "WRITING", "-", "ar-0", "dit-0", "3", "1/2", "0", "0/0"]
+    # An in-doubt write is not counted as written, and is listed with the pages it holds.
+    drain_row = next(line for line in lines if line.startswith("tk-2 "))
+    assert drain_row.split()[:10] == ["tk-2", "req-2", "DRAINING", "-", "ar-0", "dit-0", "4", "0/1", "1", "0/0"]
+    doubt_row = next(line for line in lines if line.startswith("tk-2") and "5-7,9" in line)
+    assert doubt_row.split()[:8] == ["tk-2", "DRAINING", "dit-0", "0", "1", "0", "ar-0", "5-7,9"]
 
 
 def test_status_json_and_empty_broker(
