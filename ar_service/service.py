@@ -585,6 +585,9 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 except (FailStop, WorkerCommandError):
                     pass
             if any(not o.final for o in final):
+                # Recorded before the collector starts: it runs while the ledger has writes in doubt.
+                for o in final:
+                    self.ledger.finish(ticket_id, o)
                 self._start_collector()
             await self.reporter.report_all(ticket_id, final)
             log.info(
