@@ -72,7 +72,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         replica_id_for,
     )
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
-    from kvrelay.models.formats import model_dir, model_preset
+    from kvrelay.models.bagel import stage_preset as model_preset
+    from kvrelay.models.formats import model_dir
     from kvrelay.ports import PortInUse
     from kvrelay.security import CallerClass, SecurityError, check_bind, load_credentials, make_channel
     from kvrelay.transfer.transport import RegionDescriptor

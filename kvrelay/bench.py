@@ -577,7 +577,12 @@ def run_scenario(
 ) -> dict[str, Any]:
     data = json.loads(json.dumps(base))
     for stage in data["stages"]:
-        stage["model"] = {**stage["model"], "preset": workload.preset}
+        model = dict(stage["model"])
+        if model.get("format", "kvrelay") != "kvrelay":
+            # A BAGEL-format model (the demo default) fixes its own shape: the workload's preset
+            # replaces it, with random weights.
+            model = {k: v for k, v in model.items() if k not in ("format", "path", "tokenizer")}
+        stage["model"] = {**model, "preset": workload.preset}
         if getattr(args, "max_num_seqs", None):
             stage["max_num_seqs"] = args.max_num_seqs
     nodes: dict[str, Any] = {}

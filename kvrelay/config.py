@@ -353,26 +353,39 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
     Preset geometry comes from kvrelay.models.presets, imported lazily (it imports no torch);
     checkpoint directories are checked at registration instead, where the broker names the field.
     """
+    from kvrelay.models.formats import bagel_geometry
     from kvrelay.models.presets import get_preset
 
     geometries: dict[str, tuple[int, int, int, str]] = {}
     for idx, stage in enumerate(cfg.stages):
-        if stage.model.preset is None:
+        if stage.model.format != "kvrelay":
+            # A BAGEL-format directory's llm_config.json (no torch); a directory not on this
+            # machine is checked at registration.
+            try:
+                found = bagel_geometry(stage.model)
+            except ValueError as err:
+                raise ConfigError(f"invalid config: stages[{idx}].model.path: {err}") from None
+            if found is None:
+                continue
+            geometry, what = found, f"model format {stage.model.format}"
+        elif stage.model.preset is None:
             continue
-        try:
-            preset = get_preset(stage.model.preset)
-        except (KeyError, ValueError) as err:
-            raise ConfigError(f"invalid config: stages[{idx}].model.preset: {err}") from None
-        heads = preset.num_kv_heads
+        else:
+            try:
+                preset = get_preset(stage.model.preset)
+            except (KeyError, ValueError) as err:
+                raise ConfigError(f"invalid config: stages[{idx}].model.preset: {err}") from None
+            geometry = (preset.num_layers, preset.num_kv_heads, preset.head_dim, stage.model.dtype or preset.dtype)
+            what = f"preset {preset.name!r}"
+        heads = geometry[1]
         shards = stage.world_size
         if heads % shards:
             key = "tensor_parallel_size" if stage.sequence_parallel_size == 1 else "sequence_parallel_size"
             raise ConfigError(
                 f"invalid config: stages[{idx}].{key}: {shards} rank(s) must divide num_kv_heads={heads} "
-                f"of preset {preset.name!r}"
+                f"of {what}"
             )
-        dtype = stage.model.dtype or preset.dtype
-        geometries[stage.kind] = (preset.num_layers, preset.num_kv_heads, preset.head_dim, dtype)
+        geometries[stage.kind] = geometry
     if "ar" in geometries and "dit" in geometries and geometries["ar"] != geometries["dit"]:
         names = ("num_layers", "num_kv_heads", "head_dim", "dtype")
         field = next(n for n, a, d in zip(names, geometries["ar"], geometries["dit"], strict=True) if a != d)

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-prompt="${1:-a lighthouse on a cliff at sunset, oil painting}"
+prompt="${1:-a red circle on a blue background, top left}"
 out="${2:-out.png}"
 config="${KVRELAY_CONFIG:-configs/single-node.yaml}"
 mkdir -p .kvrelay/logs
@@ -34,6 +34,6 @@ sys.exit(0 if {"AR", "DIT"} <= roles else 1)' 2>/dev/null; then break; fi
   sleep 1
 done
 kvrelay status --target "$target"
-kvrelay generate "$prompt" --target "$target" -o "$out"
+kvrelay generate "$prompt" --target "$target" -o "$out" --steps 8 --guidance-scale 3.0
 kvrelay status --target "$target"
 echo "quickstart: wrote $out"

@@ -134,6 +134,19 @@ class BagelConfig:
         )
 
 
+def stage_preset(model: Any) -> ModelPreset:
+    """The ModelPreset of a stage's ModelConfig: the named preset, or a BAGEL-format directory's
+    shape (llm_config.json, safetensors headers)."""
+    from kvrelay.models.formats import BAGEL_FORMATS, model_dir
+    from kvrelay.models.presets import get_preset
+
+    if model.format in BAGEL_FORMATS:
+        directory = model_dir(model)
+        assert directory is not None
+        return load_bagel_config(directory, dtype=model.dtype).preset(model.format)
+    return get_preset(model.preset)
+
+
 def weight_files(directory: str | Path) -> list[Path]:
     """The weight files of a BAGEL directory: `ema.safetensors` (the published release), else the
     files of `model.safetensors.index.json`, else every `*.safetensors` except the VAE."""

@@ -1,17 +1,16 @@
 """Which model a stage's `model:` entry names, whatever its format.
 
-Owns the small dispatch every service needs before it builds anything: the checkpoint
-directory of a format (the bundled demo's when `format: demo` gives no path) and the
-ModelPreset (KV geometry and stage shapes) it implies. Reading a BAGEL directory's shape opens
-only JSON files and safetensors headers, so the service's main process can call it cheaply.
+Owns the small dispatch every process needs before it builds anything: the checkpoint
+directory of a format (the bundled demo's when `format: demo` gives no path) and the KV
+geometry it implies, from JSON files only (no torch: config validation runs in the broker
+too). The full ModelPreset of a BAGEL directory is kvrelay.models.bagel.stage_preset.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
-
-from kvrelay.models.presets import ModelPreset, get_preset
 
 # The demo model trained by scripts/train_demo.py, committed beside this module.
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
@@ -25,12 +24,20 @@ def model_dir(model: Any) -> str | None:
     return str(model.path) if model.path else None
 
 
-def model_preset(model: Any) -> ModelPreset:
-    """The preset of a ModelConfig: the named one, or the shape of a BAGEL-format directory."""
-    if model.format in BAGEL_FORMATS:
-        from kvrelay.models.bagel import load_bagel_config
-
-        directory = model_dir(model)
-        assert directory is not None
-        return load_bagel_config(directory, dtype=model.dtype).preset(model.format)
-    return get_preset(model.preset)
+def bagel_geometry(model: Any) -> tuple[int, int, int, str] | None:
+    """(num_layers, num_kv_heads, head_dim, dtype) of a BAGEL-format model from its JSON files
+    only (no torch: config validation runs in the broker too); None when the directory is not on
+    this machine. Raises ValueError for a directory that is there but unreadable."""
+    directory = model_dir(model)
+    if directory is None or not Path(directory).is_dir():
+        return None
+    llm_path = Path(directory) / "llm_config.json"
+    if not llm_path.is_file():
+        raise ValueError(f"{directory} has no llm_config.json: not a BAGEL checkpoint directory")
+    llm = json.loads(llm_path.read_text())
+    extra_path = Path(directory) / "kvrelay.json"
+    extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
+    heads = int(llm["num_attention_heads"])
+    head_dim = int(llm.get("head_dim") or int(llm["hidden_size"]) // heads)
+    dtype = model.dtype or extra.get("dtype", "bfloat16")
+    return int(llm["num_hidden_layers"]), int(llm.get("num_key_value_heads", heads)), head_dim, str(dtype)

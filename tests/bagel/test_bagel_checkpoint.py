@@ -23,8 +23,9 @@ from kvrelay.models.bagel import (
     load_bagel_config,
     load_dit,
     sincos_2d_table,
+    stage_preset,
 )
-from kvrelay.models.formats import model_dir, model_preset
+from kvrelay.models.formats import bagel_geometry, model_dir
 from kvrelay.models.loader import CheckpointError
 from kvrelay.models.parallel import TpGroup
 
@@ -266,7 +267,9 @@ def test_model_formats_resolve(tiny_dir: Path) -> None:
 
     model = ModelConfig(format="bagel", path=str(tiny_dir))
     assert model_dir(model) == str(tiny_dir)
-    assert model_preset(model).num_layers == 2
+    assert stage_preset(model).num_layers == 2
+    assert bagel_geometry(model) == (2, 4, 8, "float32")
+    assert bagel_geometry(ModelConfig(format="bagel", path=str(tiny_dir / "not-here"))) is None
     assert isinstance(load_tokenizer(None, model=model), BagelTokenizer)
     with pytest.raises(ValueError, match="model.path"):
         ModelConfig(format="bagel")

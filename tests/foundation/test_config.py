@@ -85,8 +85,12 @@ def test_rejects_geometry_that_cannot_match(base: dict[str, Any]) -> None:
     data["stages"][1]["model"] = {"preset": "tiny"}
     _reject(data, "geometry differ", "num_layers")
     data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"preset": "small"}
     data["stages"][1]["model"] = {"preset": "small", "dtype": "bfloat16"}
     _reject(data, "geometry differ", "dtype")
+    data = copy.deepcopy(base)  # the demo model (the default) against a preset
+    data["stages"][1]["model"] = {"preset": "small"}
+    _reject(data, "geometry differ", "head_dim")
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), "soon"])
