@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from kvrelay.dit_service.model import DenoiseCancelled, DitParallel, PrefixRow
+from kvrelay.dit_service.model import (
+    BatchRequest,
+    BatchStepCallback,
+    DenoiseCancelled,
+    DitParallel,
+    PrefixRow,
+)
 from kvrelay.dit_service.sampler import StepCallback, cfg_rows, initial_noise
 from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit
 from kvrelay.models.layers import torch_dtype
@@ -124,6 +130,9 @@ class BagelDitRunner:
 
         return agreed
 
+    def warm_up(self, width: int = 512, height: int = 512) -> None:
+        """Nothing to compile or capture (the service calls it before SERVING)."""
+
     @torch.no_grad()
     def denoise(
         self,
@@ -136,32 +145,92 @@ class BagelDitRunner:
         seed: int,
         on_step: StepCallback | None = None,
     ) -> torch.Tensor:
-        """Latents [C, height/vae_downsample, width/vae_downsample] after `steps` Euler steps."""
-        self._check_prefix(prefix_rows, guidance_scale)
+        """Latents [C, height/vae_downsample, width/vae_downsample] after `steps` Euler steps.
+        `on_step(k, steps)` runs after each step; raising there stops every rank after it."""
+        callback = self._agreed(on_step)
+
+        def batch_step(k: int, total: int, active: list[int]) -> set[int]:
+            if callback is not None:
+                callback(k, total)
+            return set()
+
+        out = self._sample([BatchRequest(prefix_rows, guidance_scale, seed)], width, height, steps, batch_step)
+        assert out[0] is not None
+        return out[0]
+
+    @torch.no_grad()
+    def denoise_batch(
+        self,
+        requests: Sequence[BatchRequest],
+        *,
+        width: int,
+        height: int,
+        steps: int,
+        on_step: BatchStepCallback | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Several requests of one size and step count: every step is one forward over all their
+        CFG rows (each row attends to its own prefix). `on_step(k, steps, active)` returns the
+        requests to stop now (None in the result); ranks agree on the union."""
+
+        def batch_step(k: int, total: int, active: list[int]) -> set[int]:
+            stop = set(on_step(k, total, active)) if on_step is not None else set()
+            return self._agreed_stop(stop, len(requests))
+
+        return self._sample(requests, width, height, steps, batch_step)
+
+    def _agreed_stop(self, stop: set[int], n: int) -> set[int]:
+        if self.parallel.world == 1:
+            return stop
+        flags = torch.zeros(n, dtype=torch.int32, device=self.device)
+        for i in stop:
+            flags[i] = 1
+        TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flags)
+        return {i for i, f in enumerate(flags.tolist()) if f}
+
+    def _sample(
+        self,
+        requests: Sequence[BatchRequest],
+        width: int,
+        height: int,
+        steps: int,
+        on_step: BatchStepCallback,
+    ) -> list[torch.Tensor | None]:
+        for req in requests:
+            self._check_prefix(req.prefix_rows, req.guidance_scale)
         b = self.bagel
         grid_h, grid_w = b.grid(width, height)
         n = grid_h * grid_w
         pos = self.model.position_ids(grid_h, grid_w)
-        rows = [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in prefix_rows]
-        lens = [row[0][0].shape[1] for row in rows]
-        x = initial_noise(seed, (n, b.patch_dim), dtype=torch.float32, device=self.device)
-        scheduler = flow_match_scheduler(steps, b.timestep_shift, device="cpu")
-        callback = self._agreed(on_step)
+        rows_of = [[[(k.to(self.device), v.to(self.device)) for k, v in row] for row in req.prefix_rows] for req in requests]
+        xs = [initial_noise(req.seed, (n, b.patch_dim), dtype=torch.float32, device=self.device) for req in requests]
+        # One scheduler per request: diffusers' scheduler keeps its step index.
+        schedulers = [flow_match_scheduler(steps, b.timestep_shift, device="cpu") for _ in requests]
+        timesteps, sigmas = schedulers[0].timesteps, schedulers[0].sigmas
         lo, hi = b.cfg_interval
-        for k, timestep in enumerate(scheduler.timesteps):
-            sigma = float(scheduler.sigmas[k])
-            guided = len(rows) == 2 and lo < sigma <= hi
-            use = rows if guided else rows[:1]
-            t = torch.full((len(use),), sigma, dtype=torch.float32, device=self.device)
-            batch = x.to(self.dtype)[None].expand(len(use), n, b.patch_dim)
-            v = self.model(batch, t, pos, use, lens[: len(use)]).float()
-            velocity = guided_velocity(
-                v[0], v[1], guidance_scale, renorm_type=b.cfg_renorm_type, renorm_min=b.cfg_renorm_min
-            ) if guided else v[0]
-            x = scheduler.step(velocity.cpu(), timestep, x.cpu(), return_dict=False)[0].to(self.device)
-            if callback is not None:
-                callback(k + 1, steps)
-        return self.unpatchify(x, grid_h, grid_w)
+        results: list[torch.Tensor | None] = [None] * len(requests)
+        active = list(range(len(requests)))
+        for k in range(steps):
+            sigma = float(sigmas[k])
+            # BAGEL runs the unconditional row only inside the CFG interval.
+            guided = [len(rows_of[i]) == 2 and lo < sigma <= hi for i in active]
+            use = [rows_of[i] if g else rows_of[i][:1] for i, g in zip(active, guided, strict=True)]
+            counts = [len(u) for u in use]
+            flat = [row for u in use for row in u]
+            batch = torch.cat([xs[i].to(self.dtype)[None].expand(c, n, b.patch_dim) for i, c in zip(active, counts, strict=True)])
+            t = torch.full((len(flat),), sigma, dtype=torch.float32, device=self.device)
+            v_all = self.model(batch, t, pos, flat, [row[0][0].shape[1] for row in flat]).float()
+            for i, g, v in zip(active, guided, v_all.split(counts), strict=True):
+                velocity = guided_velocity(
+                    v[0], v[1], requests[i].guidance_scale, renorm_type=b.cfg_renorm_type, renorm_min=b.cfg_renorm_min
+                ) if g else v[0]
+                xs[i] = schedulers[i].step(velocity.cpu(), timesteps[k], xs[i].cpu(), return_dict=False)[0].to(self.device)
+            stop = on_step(k + 1, steps, list(active)) & set(active)
+            active = [i for i in active if i not in stop]
+            if not active:
+                return results
+        for i in active:
+            results[i] = self.unpatchify(xs[i], grid_h, grid_w)
+        return results
 
     def unpatchify(self, tokens: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
         """[h*w, p*p*C] (BAGEL's `hwpqc` token order) -> [C, h*p, w*p]."""

@@ -293,3 +293,37 @@ def test_unused_parts_of_the_release_are_ignored(tiny_dir: Path) -> None:
     names = set(load_file(str(tiny_dir / "ema.safetensors")))
     assert {"language_model.lm_head.weight", "vit_pos_embed.pos_embed", "connector.fc1.weight"} <= names
     build_ar(tiny_dir)  # no error: those tensors are on the unused list
+
+
+def test_batched_denoise_is_each_request_alone(tiny_dir: Path) -> None:
+    """The service's batching (max_num_seqs > 1): one forward per step over every request's rows,
+    prefixes of different lengths, one request with CFG and one without, one stopped early."""
+    from kvrelay.dit_service.model import BatchRequest
+
+    tok = BagelTokenizer(tiny_dir)
+    ar = build_ar(tiny_dir)
+
+    def row(text: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        kv = ar.prefill(tok.encode(text))
+        return [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])]
+
+    runner = BagelDitRunner(tiny_dir)
+    reqs = [
+        BatchRequest([row("a red circle on the blue background top left"), row("")], 4.0, 1),
+        BatchRequest([row("green square")], 1.0, 2),
+        BatchRequest([row("a blue circle"), row("")], 2.0, 3),
+    ]
+    alone = [runner.denoise(r.prefix_rows, width=16, height=8, steps=3, guidance_scale=r.guidance_scale, seed=r.seed)
+             for r in reqs]
+    seen: list[tuple[int, list[int]]] = []
+
+    def on_step(k: int, total: int, active: list[int]) -> set[int]:
+        seen.append((k, active))
+        return {2} if k == 1 else set()
+
+    together = runner.denoise_batch(reqs, width=16, height=8, steps=3, on_step=on_step)
+    assert seen == [(1, [0, 1, 2]), (2, [0, 1]), (3, [0, 1])]
+    assert together[2] is None
+    for got, want in zip(together[:2], alone[:2], strict=True):
+        assert got is not None
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
