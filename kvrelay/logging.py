@@ -13,6 +13,7 @@ import json as jsonlib
 import logging
 import os
 import re
+import select
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -106,9 +107,14 @@ class _NativeCapture:
     def __init__(self, fields: dict[str, Any]) -> None:
         self._fields = fields
         self._streams: list[tuple[int, int, threading.Thread]] = []
+        # Processes this one starts (rank workers, multiprocessing's resource tracker) inherit the
+        # pipes and may outlive our interest in them: the pumps never wait for an end of file at
+        # exit; close() wakes them to forward what is buffered and return.
+        self._wake_read, self._wake_write = os.pipe()
         for fd, name in ((1, "stdout"), (2, "stderr")):
             original = os.dup(fd)
             read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
             os.dup2(write_end, fd)
             os.close(write_end)
             thread = threading.Thread(
@@ -119,17 +125,27 @@ class _NativeCapture:
 
     def _pump(self, read_end: int, out: int, stream: str) -> None:
         pending = b""
+        closing = False
         while True:
-            try:
-                chunk = os.read(read_end, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
+            ready, _, _ = select.select([read_end, self._wake_read], [], [])
+            closing = closing or self._wake_read in ready
+            ended = False
+            while True:  # everything available now (all of it once closing)
+                try:
+                    chunk = os.read(read_end, 65536)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    ended = True
+                    break
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                if lines:
+                    _write_all(out, b"".join(self._render(line, stream) for line in lines))
+            if ended or closing:
                 break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            if lines:
-                _write_all(out, b"".join(self._render(line, stream) for line in lines))
         if pending:
             _write_all(out, self._render(pending, stream))
         os.close(read_end)
@@ -166,15 +182,15 @@ class _NativeCapture:
         record["timestamp"] = datetime.now(UTC).isoformat().replace("+00:00", "Z")
         return jsonlib.dumps(record).encode() + b"\n"
 
-    def close(self, timeout_s: float = 2.0) -> None:
+    def close(self, timeout_s: float = 1.0) -> None:
         """Put the original fds back and forward what is still in the pipes."""
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         for fd, original, _ in self._streams:
             os.dup2(original, fd)
+        os.write(self._wake_write, b"x")  # never read: every pump sees it
         for _, _, thread in self._streams:
-            # Workers that outlive this call still hold the pipes: do not wait for them forever.
             thread.join(timeout_s)
         self._streams.clear()
 
