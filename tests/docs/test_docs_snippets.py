@@ -47,8 +47,6 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "Docker or podman: scripts/compose_smoke.sh runs these steps end to end (tests/compose/)",
     ("docs/transfer.md", "# DiT rank (receiver): its page pool is a device tensor; exported once."):
         "two CUDA devices' worth of API (CUDA IPC); " + _REFERENCE,
-    ("docs/operations.md", "pytest -q tests/security     # about 2 minutes on 2 CPU cores (the TLS node starts real processes)"):
-        "a part of the test suite, which this test belongs to",
     ("docs/broker.md", "from kvrelay.broker.core import BrokerCore, run_maintenance, Arming, PoolStatus"): _REFERENCE,
     ("docs/dit.md", "# kvrelay/models/paged_attention.py"): _REFERENCE,
     ("docs/internals.md", 'DTypeName = Literal["bfloat16", "float16", "float32"]; ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}'): _REFERENCE,
