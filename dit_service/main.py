@@ -172,7 +172,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         state = DitReplicaState(
             replica_id=replica_id, incarnation_id=incarnation_id, stage=stage, geometry=geometry, memory=memory,
             control=control_view(control_pool.buffer, stage.max_num_seqs), group=group, broker=stub,
-            metrics=metrics, fail_stop=stopper.fail_stop,
+            metrics=metrics, fail_stop=stopper.fail_stop, regions=tuple(regions),
         )
         servicer.attach(state)
         info = DitReplicaInfo(

@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -45,6 +45,7 @@ from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
+from kvrelay.transfer.transport import RegionDescriptor
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, dit_pb2, dit_pb2_grpc
 from kvrelay.worker import WorkerCommandError, WorkerGroup, WorkerGroupError
 
@@ -121,6 +122,8 @@ class DitReplicaState:
     broker: broker_pb2_grpc.BrokerServiceStub
     metrics: DitMetrics
     fail_stop: Callable[[str], None]
+    # The ranks' registered regions (CUDA IPC: mapped here too, to verify off the ranks).
+    regions: tuple[RegionDescriptor, ...] = ()
     scheduler: AdmissionQueue = field(init=False)
 
     def __post_init__(self) -> None:
@@ -171,6 +174,23 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # before the workers and the broker channel go away.
         self.inflight: set[asyncio.Task[Any]] = set()
         self._batcher: DenoiseBatcher | None = None
+        self._ipc_mapped: list[Any] | Literal[False] | None = None
+        self._ipc_endpoint: Any = None
+
+    def _ipc_pools(self) -> list[Any] | None:
+        """Each rank's device pool mapped into this process (CUDA IPC), once; None if unavailable."""
+        if self._ipc_mapped is None:
+            self._ipc_mapped = False
+            regions = sorted(self.s.regions, key=lambda r: r.rank)
+            if len(regions) == self.s.world_size and all(r.transport == "cuda_ipc" for r in regions):
+                try:
+                    from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint
+
+                    self._ipc_endpoint = CudaIpcEndpoint()
+                    self._ipc_mapped = [self._ipc_endpoint.map_region(r) for r in regions]
+                except Exception as err:  # noqa: BLE001 - the ranks verify instead
+                    log.warning("ipc_verify_unavailable", error=str(err))
+        return self._ipc_mapped or None
 
     @property
     def batcher(self) -> DenoiseBatcher:
@@ -546,8 +566,18 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                          for ws in per_rank]
             )
         elif self.s.stage.verify_checksums:
-            # Device-resident pages (CUDA IPC): each rank computes the device checksum of its pool.
-            sums = await self._call_each([VerifyWrites(tuple(ws)) for ws in per_rank])
+            # Device-resident pages (CUDA IPC): the device checksum over each rank's pool, mapped
+            # into this process too, so a load does not wait behind the ranks' running batch;
+            # through the ranks when this process cannot map them.
+            pools = self._ipc_pools()
+            if pools is not None:
+                from kvrelay.transfer.cuda_ipc import verify_writes
+
+                sums = await asyncio.to_thread(
+                    lambda: [verify_writes(pools[d], ws) if ws else [] for d, ws in enumerate(per_rank)]
+                )
+            else:
+                sums = await self._call_each([VerifyWrites(tuple(ws)) for ws in per_rank])
         else:
             # Opt-out (RDMA deployments that trust completion): report the writer's checksums.
             sums = [[reported[(w.row, w.src_rank, w.dst_rank)].checksum for w in ws] for ws in per_rank]

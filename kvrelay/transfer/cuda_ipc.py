@@ -268,6 +268,10 @@ class CudaIpcEndpoint:
 
     # -- sending side ---------------------------------------------------------------------------
 
+    def map_region(self, region: RegionDescriptor) -> torch.Tensor:
+        """The region's bytes in this process (a uint8 device tensor), mapped once."""
+        return self._mapped(region)
+
     def _mapped(self, region: RegionDescriptor) -> torch.Tensor:
         key = (region.endpoint, region.ipc_handle, region.base_address, region.length)
         with self._lock:

@@ -43,14 +43,20 @@ def test_dit_graph_step_equals_eager_step_bit_for_bit(runner: DitRunner) -> None
 
 
 def test_dit_denoise_with_graphs_equals_without(runner: DitRunner) -> None:
+    # Uncompiled blocks here: torch.compile keeps several shape variants (static, then dynamic)
+    # whose kernels may differ in rounding, so only the same variant is bit-equal (the step test
+    # above checks the compiled step against its own replay).
+    compiled, runner.model.compiled_block = runner.model.compiled_block, None
+    graphs, runner._graphs = runner._graphs, type(runner._graphs)()
     rows = _rows(runner, (77, 12), seed=9)
     kwargs = dict(width=512, height=512, steps=3, guidance_scale=2.0, seed=4)
-    with_graphs = runner.denoise(rows, **kwargs)
-    runner.use_graphs = False
     try:
+        with_graphs = runner.denoise(rows, **kwargs)
+        runner.use_graphs = False
         eager = runner.denoise(rows, **kwargs)
     finally:
         runner.use_graphs = True
+        runner.model.compiled_block, runner._graphs = compiled, graphs
     assert torch.equal(with_graphs, eager)
 
 
