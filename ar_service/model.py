@@ -187,25 +187,30 @@ class ArModel(nn.Module):
 
     @torch.no_grad()
     def prefill_batch(self, prompts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
-        """``prefill`` of several prompts in one forward: rows padded at the end to one length
-        (causal attention: padding after a token never changes its K/V), then each row's K/V cut
-        back to its own length. On a GPU with graphs on (TP=1), the padded shape is rounded up
-        to a bucket and the forward replays a CUDA graph captured once per bucket."""
+        """``prefill`` of several prompts. On a GPU with graphs on (TP=1): one forward, rows padded
+        at the end to a (rows, tokens) bucket (causal attention: padding after a token never
+        changes its K/V), replaying a CUDA graph captured once per bucket, each row's K/V cut back
+        to its length. Otherwise each row runs alone (bit-equal to ``prefill``)."""
         ids_list = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
         if not ids_list:
             return []
         for ids in ids_list:
             self.check_prompt(ids)
         lengths = [int(ids.numel()) for ids in ids_list]
+        if not self.use_graphs:
+            # Without graphs each row runs alone at its own length: the same K/V bits as a
+            # one-prompt prefill (padding would change the matmul shapes, hence the rounding).
+            out = []
+            for ids, n in zip(ids_list, lengths, strict=True):
+                kv = torch.empty(self.kv_shape(1, n), dtype=self.dtype, device=self.device)
+                self.forward_kv(ids.to(self.device)[None], kv)
+                out.append(kv[:, :, 0])
+            return out
         rows, tokens = self.bucket(len(ids_list), max(lengths))
         padded = torch.zeros(rows, tokens, dtype=torch.long)
         for r, ids in enumerate(ids_list):
             padded[r, : lengths[r]] = ids
-        if self.use_graphs:
-            kv = self._graph(rows, tokens).run(padded)
-        else:
-            kv = torch.empty(self.kv_shape(rows, tokens), dtype=self.dtype, device=self.device)
-            self.forward_kv(padded.to(self.device), kv)
+        kv = self._graph(rows, tokens).run(padded)
         # [layers, 2, rows, heads, T, D] -> per row [layers, 2, heads, T_r, D], own memory.
         return [kv[:, :, r, :, : lengths[r]].contiguous() for r in range(len(ids_list))]
 

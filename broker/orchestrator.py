@@ -624,7 +624,9 @@ class Orchestrator:
                 elif phase == dit_pb2.DENOISE_PHASE_LOADED:
                     # KV handoff: from the DiT's admission until every row is verified on every
                     # rank, seen from here (the wait for a DiT slot counts as queue above).
-                    timings["handoff"] = self._clock() - placed_at
+                    # (At least the DiT's own load time: the two clocks see the phase edges
+                    # a message apart.)
+                    timings["handoff"] = max(self._clock() - placed_at, event.load_seconds)
                     timings["load"] = event.load_seconds
                     self._start_consuming(job)
                     # Loaded implies armed and written: a client always sees TRANSFERRING first,
