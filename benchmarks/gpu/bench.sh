@@ -8,7 +8,7 @@ OUT="${OUT:-/tmp/kvrelay-gpu-out}"
 mkdir -p "$OUT" /tmp/debroot
 for f in .gpu/deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
 export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 REQ="${REQ:-32}" RUNS="${RUNS:-3}"
@@ -30,4 +30,8 @@ fi
 if [[ " $BENCHES " == *" b1 "* ]]; then
 bench bench-seed-b1 "${LIMIT_B1:-200}" --scenario seed --impls "${IMPLS_B1:-cuda_ipc,colocated}" --max-num-seqs 1 \
   --requests "$REQ" --runs "${RUNS_B1:-2}" --concurrency 8 --warmup 2
+fi
+if [[ " $BENCHES " == *" transfer "* ]]; then
+bench bench-transfer "${LIMIT_TR:-150}" --scenario transfer --impls "${IMPLS_TR:-cuda_ipc,mooncake,colocated}" \
+  --max-num-seqs 1 --requests "${REQ_TR:-8}" --runs 2 --concurrency 4 --warmup 2
 fi
