@@ -224,7 +224,7 @@ class BagelDitRunner:
                     v[0], v[1], requests[i].guidance_scale, renorm_type=b.cfg_renorm_type, renorm_min=b.cfg_renorm_min
                 ) if g else v[0]
                 xs[i] = schedulers[i].step(velocity.cpu(), timesteps[k], xs[i].cpu(), return_dict=False)[0].to(self.device)
-            stop = on_step(k + 1, steps, list(active)) & set(active)
+            stop = set(on_step(k + 1, steps, list(active))) & set(active)
             active = [i for i in active if i not in stop]
             if not active:
                 return results
