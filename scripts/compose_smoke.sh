@@ -32,7 +32,7 @@ PY=${PYTHON:-python3}
 # The host side (generate, status, health) is this checkout's CLI, the client of what is built.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 KVRELAY=("$PY" -m kvrelay)
-CACHE=${KVRELAY_COMPOSE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvrelay-compose}
+CACHE=${KVRELAY_COMPOSE_CACHE:-${XDG_CACHE_HOME:-${HOME:-/var/tmp}/.cache}/kvrelay-compose}
 mkdir -p "$CACHE"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvrelay-compose-smoke.XXXXXX")
 PROJECT="kvrelay-smoke-$$"
@@ -120,14 +120,15 @@ if [ "$ENGINE" = podman ] && "$PY" -c 'import sys; sys.exit(sys.version_info[:2]
   # podman mounts a host folder into the build: a wheelhouse filled by the host's pip (which finds
   # the local torch wheel and any index the host is set up for) makes the build itself offline.
   WHEELHOUSE="$CACHE/wheelhouse"
-  want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
+  grep -v '^torch' requirements/constraints.txt > "$WORK/constraints.txt"
+  "$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
+    | grep -v '^torch' > "$WORK/requirements.txt"
+  # Refilled only when the dependency list or the pins change (not on every pyproject.toml edit).
+  want="$(cat "$WORK/requirements.txt" requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
   if [ "$(cat "$WHEELHOUSE/.stamp" 2>/dev/null)" != "$want" ]; then
     t=$(now)
     log "filling the wheelhouse $WHEELHOUSE"
     mkdir -p "$WHEELHOUSE"
-    grep -v '^torch' requirements/constraints.txt > "$WORK/constraints.txt"
-    "$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' \
-      | grep -v '^torch' > "$WORK/requirements.txt"
     mooncake=$(grep '^mooncake-transfer-engine-non-cuda' requirements/constraints.txt)
     "$PY" -m pip download -q -d "$WHEELHOUSE" -c "$WORK/constraints.txt" "$(grep '^torch==' requirements/constraints.txt)" \
       -r "$WORK/requirements.txt" "$mooncake" "setuptools>=69" wheel 2>&1 | grep -v -i '^warning' >&2 || true
@@ -137,10 +138,14 @@ if [ "$ENGINE" = podman ] && "$PY" -c 'import sys; sys.exit(sys.version_info[:2]
   BUILD_ARGS+=(-v "$WHEELHOUSE:/wheelhouse:ro" --build-arg WHEELHOUSE=/wheelhouse)
 fi
 t=$(now)
-log "building $IMAGE (layer cache: dependencies rebuild only when pyproject.toml or the constraints change)"
+log "building $IMAGE (layer cache: the dependency layer rebuilds only when the dependency list or the pins change)"
+previous=$("$ENGINE" image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 "$ENGINE" build -q -f compose/Dockerfile -t "$IMAGE" "${BUILD_ARGS[@]}" . > "$WORK/build.log" 2>&1 \
   || { tail -40 "$WORK/build.log" >&2; fail "image build"; }
 log "build_seconds=$(( $(now) - t ))"
+# The image this build replaced (1.4 GB) goes, unless something still uses it.
+current=$("$ENGINE" image inspect -f '{{.Id}}' "$IMAGE")
+if [ -n "$previous" ] && [ "$previous" != "$current" ]; then "$ENGINE" rmi "$previous" >/dev/null 2>&1 || true; fi
 
 # ------------------------------------------------------------------------------ compose
 if [ "$ENGINE" = docker ] && docker compose version >/dev/null 2>&1; then
