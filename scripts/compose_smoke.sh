@@ -274,6 +274,15 @@ EOF
 
 generate_and_check first
 
+# The tokens from the env file are what guards the published API: without them the broker refuses.
+env -u KVRELAY_API_TOKEN -u KVRELAY_OPERATOR_TOKEN -u KVRELAY_REPLICA_TOKEN "${KVRELAY[@]}" generate "no token" \
+  --steps 1 --width 64 --height 64 --target "$TARGET" --timeout 60 -q -o "$WORK/refused.png" 2> "$WORK/refused.log" \
+  && fail "a generation without the API token was served"
+grep -q UNAUTHENTICATED "$WORK/refused.log" || { cat "$WORK/refused.log" >&2; fail "no UNAUTHENTICATED without a token"; }
+env -u KVRELAY_API_TOKEN -u KVRELAY_OPERATOR_TOKEN -u KVRELAY_REPLICA_TOKEN "${KVRELAY[@]}" status --target "$TARGET" \
+  > /dev/null 2>&1 && fail "kvrelay status without the operator token was answered"
+log "tokens enforced: no token is UNAUTHENTICATED for generate and status"
+
 # Published metrics: one scrape of each process from the host.
 "$PY" - "$BROKER_METRICS" "$AR_METRICS" "$DIT_METRICS" <<'EOF' || fail "published metrics"
 import sys, urllib.request
