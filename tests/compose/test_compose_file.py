@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +112,7 @@ def test_build_context_keeps_the_venv_and_secrets_out(repo_root: Path) -> None:
             copied.update(line.split()[1:-1])
     assert copied <= allowed, f"the Dockerfile copies what the context leaves out: {copied - allowed}"
     assert not any(a.startswith((".venv", ".git", "compose", ".kvrelay")) for a in allowed)
+    # `pip install .` in the image needs every folder the wheel maps (pyproject's package-dir).
+    pyproject = tomllib.loads((repo_root / "pyproject.toml").read_text())
+    sources = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    assert sources <= copied, f"pyproject maps folders the image does not copy: {sources - copied}"
