@@ -76,7 +76,7 @@ def _rank_spec(
         # The per-worker memory budget of the stage is this rank's staging buffer.
         staging_bytes=stage.kv_cache_memory_bytes,
         # PutKv (the fallback transport) dials DiT replicas as this replica.
-        channel_security=load_credentials(security).channel(CallerClass.REPLICA, replica_id),
+        channel_security=load_credentials(security, replica_id).channel(CallerClass.REPLICA, replica_id),
     )
 
 
@@ -95,7 +95,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         return EXIT_CONFIG
     replica_id = f"ar-{replica}"
     try:
-        creds = load_credentials(cfg.security)
+        creds = load_credentials(cfg.security, replica_id)
         rank_spec = _rank_spec(stage, cfg.security, replica_id)
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)

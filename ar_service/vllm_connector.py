@@ -181,8 +181,10 @@ class KvRelayConnector(KVConnectorBase_V1):
             from kvrelay.config import SecurityConfig
             from kvrelay.security import CallerClass, load_credentials
 
-            creds = load_credentials(SecurityConfig.model_validate(self._extra.get("security") or {}))
-            security = creds.channel(CallerClass.REPLICA, str(self._extra.get("replica_id", "")) or None)
+            replica_id = str(self._extra.get("replica_id", "")) or None
+            security_cfg = SecurityConfig.model_validate(self._extra.get("security") or {})
+            creds = load_credentials(security_cfg, replica_id) if replica_id else load_credentials(security_cfg)
+            security = creds.channel(CallerClass.REPLICA, replica_id)
             self._sender = make_sender("grpc", security=security)
         else:
             raise ValueError(f"KvRelayConnector: transport {transport!r} is not supported")

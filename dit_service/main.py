@@ -96,7 +96,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     broker_address = args.broker or f"{cfg.broker.host}:{cfg.broker.port}"
     insecure_bind = bool(getattr(args, "insecure_bind", False))
     try:
-        creds = load_credentials(cfg.security)
+        creds = load_credentials(cfg.security, replica_id)
         check_bind(host, creds, insecure_bind, f"kvrelay dit ({replica_id})")
     except SecurityError as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)

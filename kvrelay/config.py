@@ -69,7 +69,8 @@ class TlsConfig(_Strict):
     """TLS on every listener and every channel of the deployment (one CA)."""
 
     # PEM certificate (chain) and key this process presents: as a server, and as a client when
-    # the peer asks for one (mutual TLS).
+    # the peer asks for one (mutual TLS). `{name}` in the path is the process (`broker`, `ar-0`,
+    # `dit-1`), so each can have its own certificate; `kvrelay up` itself uses `broker`'s.
     cert_file: str
     key_file: str
     # PEM roots peers' certificates must chain to (servers check clients only with require_client_cert).

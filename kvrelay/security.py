@@ -212,13 +212,15 @@ def client_tls_from_files(ca: str | None, cert: str | None = None, key: str | No
     )
 
 
-def load_credentials(cfg: SecurityConfig) -> Credentials:
-    """Resolve the `security:` section: tokens from env vars or files, PEM files read once."""
+def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Credentials:
+    """Resolve the `security:` section for the process `name` (`broker`, `ar-0`, `dit-1`): tokens
+    from env vars or files, PEM files read once. `{name}` in `tls.cert_file` / `tls.key_file`
+    gives each process its own certificate (common name = its id: mutual TLS then binds it)."""
     tls = None
     if cfg.tls is not None:
         tls = TlsMaterial(
-            cert_chain=_read_pem(cfg.tls.cert_file, "cert_file"),
-            private_key=_read_pem(cfg.tls.key_file, "key_file"),
+            cert_chain=_read_pem(cfg.tls.cert_file.replace("{name}", name), "cert_file"),
+            private_key=_read_pem(cfg.tls.key_file.replace("{name}", name), "key_file"),
             root_certificates=_read_pem(cfg.tls.ca_file, "ca_file"),
             require_client_cert=cfg.tls.require_client_cert,
             server_name=cfg.tls.server_name,

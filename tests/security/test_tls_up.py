@@ -1,6 +1,6 @@
 """`kvrelay up` with TLS end to end: a CA made here, mutual TLS on every channel of the node.
 
-Every process (broker, AR, DiT) serves TLS and dials its peers with the node's certificate; the
+Every process (broker, AR, DiT) serves TLS and dials its peers with its own certificate; the
 supervisor's health checks, the SDK, `kvrelay status` and `kvrelay health` use the CA. A
 client of the CA generates an image; an operator certificate reads the status, a client one may
 not; plaintext and certificate-less callers fail with UNAVAILABLE and say so.
@@ -62,14 +62,17 @@ def _start_up(config: Path, tmp: Path) -> tuple[subprocess.Popen[str], str]:
 
 def test_kvrelay_up_with_mutual_tls_generates_an_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ca = TestCa(tmp_path)
-    node = ca.issue("kvrelay-node")
+    # One certificate per process, its common name the process's id: mutual TLS binds each
+    # replica's id (and the broker's) to its certificate.
+    for name in ("broker", "ar-0", "dit-0"):
+        ca.issue(name)
     alice = ca.issue("alice")
     operator = ca.issue("kvrelay-operator")
     data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
     data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
     data["security"] = {
-        "tls": {"cert_file": str(node.cert), "key_file": str(node.key), "ca_file": str(ca.path),
-                "require_client_cert": True},
+        "tls": {"cert_file": str(tmp_path / "{name}.pem"), "key_file": str(tmp_path / "{name}.key"),
+                "ca_file": str(ca.path), "require_client_cert": True},
     }  # fmt: skip
     config = tmp_path / "tls.yaml"
     config.write_text(yaml.safe_dump(data))
