@@ -28,33 +28,38 @@ QUOTED = {"design.md", "seed-mooncake-kv-transfer.md"}
 DOC_FILES = [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p.name not in QUOTED)]
 
 _REFERENCE = "API reference (signatures with elisions), not a runnable snippet; the module's own tests cover it"
-# Blocks not run, by (file, first non-empty line).
+# Blocks not run, by (file, how the block's first non-empty line starts).
 NOT_RUN: dict[tuple[str, str], str] = {
-    ("README.md", './scripts/quickstart.sh "a lighthouse on a cliff at sunset, oil painting" out.png'):
+    ("README.md", "./scripts/quickstart.sh "):
         "installs into .venv and starts a node on the default ports; its steps are the ones run here",
     ("README.md", "./scripts/test.sh"): "the whole suite (this test is part of it)",
-    ("docs/operations.md", 'pip install . "mooncake-transfer-engine-cuda13>=0.3.14"   # e.g. on a CUDA 13 image'):
+    ("docs/operations.md", "pip install "):
         "needs the network and a CUDA 13 image; tests/foundation/test_shipped_files.py installs the wheel",
-    ("docs/operations.md", "kvrelay up                                        # configs/single-node.yaml: broker + 1 AR + 1 DiT on CPU"):
+    ("docs/operations.md", "kvrelay up "):
         "a second node on the default ports; tests/supervisor/test_up_real_node.py runs `kvrelay up`",
     ("docs/operations.md", "kvrelay broker --config configs/single-node.yaml"):
         "one process per terminal on the default ports; tests/foundation/test_grpc_surface.py starts "
         "`kvrelay broker`, tests/dit_service and tests/ar_service start `kvrelay dit|ar`",
-    ("README.md", "# 1. kvrelay up: processes on this host, supervised and restarted by kvrelay itself"):
+    ("README.md", "# 1. kvrelay up: "):
         "a node on the default ports, and Docker: tests/supervisor/test_up_real_node.py runs `kvrelay up`, "
         "scripts/compose_smoke.sh (tests/compose/) runs the compose steps",
-    ("docs/operations.md", "cp compose/kvrelay.env.example compose/kvrelay.env      # fill in three fresh random tokens"):
+    ("docs/operations.md", "cp compose/kvrelay.env.example "):
         "Docker or podman: scripts/compose_smoke.sh runs these steps end to end (tests/compose/)",
-    ("docs/transfer.md", "# DiT rank (receiver): its page pool is a device tensor; exported once."):
+    ("docs/transfer.md", "# DiT rank (receiver): its page pool is a device tensor"):
         "two CUDA devices' worth of API (CUDA IPC); " + _REFERENCE,
-    ("docs/broker.md", "from kvrelay.broker.core import BrokerCore, run_maintenance, Arming, PoolStatus"): _REFERENCE,
+    ("docs/bagel.md", "kvrelay up --config my-bagel.yaml"):
+        "needs the BAGEL-7B-MoT checkpoint and a GPU; tests/bagel/ load a tiny release-layout checkpoint",
+    ("docs/bagel.md", "./scripts/quickstart.sh "): "as README.md's quickstart",
+    ("docs/bagel.md", "python scripts/train_demo.py "):
+        "minutes of CPU training; the demo model's tests judge what the shipped weights draw",
+    ("docs/broker.md", "from kvrelay.broker.core import "): _REFERENCE,
     ("docs/dit.md", "# kvrelay/models/paged_attention.py"): _REFERENCE,
-    ("docs/internals.md", 'DTypeName = Literal["bfloat16", "float16", "float32"]; ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}'): _REFERENCE,
+    ("docs/internals.md", "DTypeName = "): _REFERENCE,
     ("docs/internals.md", "@dataclass(frozen=True, slots=True)"): _REFERENCE,
-    ("docs/models.md", 'lock = ReplicaLock(replica_lock_path("ar-0")).acquire(timeout_s=30)   # before registering'): _REFERENCE,
+    ("docs/models.md", "lock = ReplicaLock("): _REFERENCE,
     ("docs/transfer.md", "from kvrelay.transfer.pack import pack_staging"): _REFERENCE,
     ("docs/transfer.md", "from kvrelay.transfer.checksum import verify_write_until"): _REFERENCE,
-    ("docs/transfer.md", "from kvrelay.transfer.transport import make_sender, make_receiver, transport_for_connector"): _REFERENCE,
+    ("docs/transfer.md", "from kvrelay.transfer.transport import "): _REFERENCE,
 }  # fmt: skip
 # Lines of run blocks that are left out, by their command.
 SKIPPED_LINES: dict[str, str] = {
@@ -91,13 +96,20 @@ def doc_blocks() -> list[Block]:
     return found
 
 
+def not_run_reason(block: Block) -> str | None:
+    file, first = block.key
+    return next((why for (f, start), why in NOT_RUN.items() if f == file and first.startswith(start)), None)
+
+
 def runnable() -> list[Block]:
-    return [b for b in doc_blocks() if b.key not in NOT_RUN]
+    return [b for b in doc_blocks() if not_run_reason(b) is None]
 
 
 def test_every_block_is_run_or_listed_with_a_reason() -> None:
-    keys = {b.key for b in doc_blocks()}
-    assert set(NOT_RUN) <= keys, f"NOT_RUN lists blocks no doc has any more: {sorted(set(NOT_RUN) - keys)}"
+    blocks = doc_blocks()
+    used = {(f, start) for (f, start) in NOT_RUN for b in blocks if b.file == f and b.key[1].startswith(start)}
+    # A stale entry would silently excuse a future block that happens to start the same way.
+    assert used == set(NOT_RUN), f"NOT_RUN lists blocks no doc has any more: {sorted(set(NOT_RUN) - used)}"
     assert len(runnable()) >= 10
 
 
