@@ -277,29 +277,40 @@ class ArRankHandler:
             self._held.pop(cmd.ticket_id, None)
 
     def _collect_finished_now(self) -> list[tuple[str, tuple[WriteOutcome, ...]]]:
-        collect = getattr(self.sender, "collect_finished", None)  # transports that never doubt lack it
-        finished = []
-        for call in collect() if collect is not None else ():
-            # The call returned: its region is read by nothing any more.
-            self.regions.end_read(call.ticket_id)
-            self.regions.free(call.ticket_id)
-            finished.append((call.ticket_id, call.outcomes))
+        finished = collect_returned_calls(self.sender, self.regions)
         self._finished.extend(finished)
         return finished
 
     def _collect_finished(self) -> FinishedWrites:
         self._collect_finished_now()
         finished, self._finished = self._finished, []
-        held = self.regions.held()
-        return FinishedWrites(
-            self.ctx.rank, tuple(finished), tuple(r.ticket_id for r in held), sum(r.length for r in held)
-        )
+        return finished_writes(self.ctx.rank, finished, self.regions)
 
     def close(self) -> None:
         self._held.clear()
         # Closing the sender waits for its write threads and unregisters staging; it runs only
         # after the last write command answered, so no transfer still reads this memory.
         self.sender.close()
+
+
+def collect_returned_calls(sender: Any, regions: StagingAllocator) -> list[tuple[str, tuple[WriteOutcome, ...]]]:
+    """The in-doubt write calls of `sender` that have really returned since the last collect, as
+    (ticket_id, final outcomes); their staging regions are freed (nothing reads them any more).
+    Shared by the built-in rank handler and vLLM's KvRelayConnector."""
+    collect = getattr(sender, "collect_finished", None)  # transports that never doubt lack it
+    finished = []
+    for call in collect() if collect is not None else ():
+        regions.end_read(call.ticket_id)
+        regions.free(call.ticket_id)
+        finished.append((call.ticket_id, call.outcomes))
+    return finished
+
+
+def finished_writes(
+    rank: int, finished: Sequence[tuple[str, tuple[WriteOutcome, ...]]], regions: StagingAllocator
+) -> FinishedWrites:
+    held = regions.held()
+    return FinishedWrites(rank, tuple(finished), tuple(r.ticket_id for r in held), sum(r.length for r in held))
 
 
 def write_rank_share(

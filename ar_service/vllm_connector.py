@@ -33,8 +33,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvrelay.ar_service.engine import WriteDone, WriteTicket, write_rank_share
+from kvrelay.ar_service.engine import (
+    FinishedWrites,
+    WriteDone,
+    WriteTicket,
+    collect_returned_calls,
+    finished_writes,
+    write_rank_share,
+)
 from kvrelay.logging import get_logger
+from kvrelay.transfer.staging import StagingAllocator
+from kvrelay.transfer.transport import WriteOutcome
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -109,6 +118,11 @@ class KvRelayConnector(KVConnectorBase_V1):
         self._worker = _WorkerState()
         self._lock = threading.Lock()
         self._staging: torch.Tensor | None = None
+        self._regions: StagingAllocator | None = None
+        # In-doubt writes: ticket -> the held requests whose blocks wait for its call to return,
+        # and the final outcomes of returned calls not collected by the service yet.
+        self._in_doubt_rows: dict[str, list[str]] = {}
+        self._finished: list[tuple[str, tuple[WriteOutcome, ...]]] = []
         self._sender: Any = None
         self._session = ""
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -168,6 +182,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         transport = str(self._extra.get("transport", "grpc"))
         staging_bytes = int(self._extra.get("staging_bytes", 64 << 20))
         self._staging = torch.zeros(staging_bytes, dtype=torch.uint8)
+        self._regions = StagingAllocator(staging_bytes)
         if transport == "mooncake":
             self._sender = make_sender(
                 "mooncake",
@@ -236,18 +251,47 @@ class KvRelayConnector(KVConnectorBase_V1):
         """Pack and write this rank's share of the ticket, then release the rows' blocks (every
         write of this rank has a final outcome when `write_rank_share` returns). Called through
         collective_rpc on every TP rank, between engine steps."""
-        assert self._staging is not None, "register_kv_caches has not run"
+        assert self._staging is not None and self._regions is not None, "register_kv_caches has not run"
         rank = self._tp_rank()
+        request_ids = [r.request_id for r in command.rows]
         try:
             kv_by_row = {r.row: self.read_row(r) for r in command.rows}
         except Exception as exc:  # noqa: BLE001 - reported as NOT_STARTED by write_rank_share
             log.error("kvrelay_read_failed", ticket_id=command.write.ticket_id, error=repr(exc))
             kv_by_row = None
+        done: WriteDone | None = None
         try:
-            done = write_rank_share(rank, self._staging, self._sender, kv_by_row, command.write)
+            done = write_rank_share(
+                rank, self._staging, self._sender, kv_by_row, command.write,
+                regions=self._regions, reclaim=self._collect_returned,
+            )  # fmt: skip
         finally:
-            self.release([r.request_id for r in command.rows])
+            if done is not None and not all(o.final for o in done.outcomes):
+                # IN_DOUBT: the transport call still runs. The blocks stay lent to us until it
+                # returns (collect_finished / get_finished), whatever the staging holds.
+                self._in_doubt_rows[command.write.ticket_id] = request_ids
+            else:
+                self.release(request_ids)
+        assert done is not None
         return done
+
+    def _collect_returned(self) -> list[tuple[str, tuple[WriteOutcome, ...]]]:
+        """In-doubt calls that returned: their final outcomes are kept for the service and their
+        tickets' blocks released."""
+        if self._regions is None:
+            return []
+        finished = collect_returned_calls(self._sender, self._regions)
+        for ticket_id, _ in finished:
+            self.release(self._in_doubt_rows.pop(ticket_id, []))
+        self._finished.extend(finished)
+        return finished
+
+    def collect_finished(self) -> FinishedWrites:
+        """The service's CollectFinished on this TP rank (through collective_rpc)."""
+        assert self._regions is not None, "register_kv_caches has not run"
+        self._collect_returned()
+        finished, self._finished = self._finished, []
+        return finished_writes(self._tp_rank(), finished, self._regions)
 
     def release(self, request_ids: list[str]) -> None:
         """This worker no longer reads these requests' blocks; get_finished hands them back."""
@@ -255,7 +299,10 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._worker.released.update(request_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Called every step: the held requests whose blocks this worker no longer reads."""
+        """Called every step: the held requests whose blocks this worker no longer reads (an
+        in-doubt write's requests once its transport call has returned)."""
+        if self._in_doubt_rows:
+            self._collect_returned()
         with self._lock:
             self._worker.finished.update(finished_req_ids)
             done = self._worker.finished & self._worker.released
@@ -340,6 +387,11 @@ def describe_worker(worker: Any) -> ConnectorDescription:
 def write_on_worker(worker: Any, command: VllmWriteTicket) -> WriteDone:
     """collective_rpc target: this TP rank's share of a ticket's writes."""
     return _worker_connector().write_ticket(command)
+
+
+def collect_on_worker(worker: Any) -> FinishedWrites:
+    """collective_rpc target: in-doubt writes of this TP rank whose calls returned."""
+    return _worker_connector().collect_finished()
 
 
 def release_on_worker(worker: Any, request_ids: list[str]) -> None:

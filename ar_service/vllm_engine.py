@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.ar_service.engine import (
+    CollectFinished,
     DescribeRank,
     DropTicket,
+    FinishedWrites,
     HeldTickets,
     PrefillDone,
     PrefillTicket,
@@ -115,6 +117,15 @@ class ReadHeld:
     """Asked by tests: vLLM's cache content of a held ticket's rows, per TP rank."""
 
     ticket_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class OnWorkers:
+    """Run `fn(worker, *args)` on every vLLM worker (collective_rpc) and return the results; tests
+    reach the connector this way (e.g. to hold its transport calls)."""
+
+    fn: Any
+    args: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +229,8 @@ class VllmRankHandler:
         self.block_size = int(self.engine.vllm_config.cache_config.block_size)
         # ticket -> its rows as the connector holds them
         self._held: dict[str, tuple[Any, ...]] = {}
+        # ticket -> request ids whose blocks stay held until its in-doubt writes return
+        self._in_doubt: dict[str, list[str]] = {}
         self._descriptions = self.engine.collective_rpc(_describe)
         log.info(
             "vllm_engine_started",
@@ -242,8 +255,12 @@ class VllmRankHandler:
             return self._describe()
         if isinstance(command, HeldTickets):
             return sorted(self._held)
+        if isinstance(command, CollectFinished):
+            return self._collect_finished()
         if isinstance(command, EngineStats):
             return self._stats()
+        if isinstance(command, OnWorkers):
+            return self.engine.collective_rpc(command.fn, args=command.args)
         if isinstance(command, ReadHeld):
             from kvrelay.ar_service.vllm_connector import read_on_worker
 
@@ -369,20 +386,40 @@ class VllmRankHandler:
                 0.0,
                 0.0,
             )
+        request_ids = [r.request_id for r in rows]
+        done: list[WriteDone] = []
         try:
-            done: list[WriteDone] = self.engine.collective_rpc(
-                write_on_worker, args=(VllmWriteTicket(cmd, rows),)
-            )
+            done = self.engine.collective_rpc(write_on_worker, args=(VllmWriteTicket(cmd, rows),))
         finally:
-            # Each worker released the rows' blocks once its writes had final outcomes; these steps
-            # let the scheduler learn it (finished_sending) and free them.
-            self._settle([r.request_id for r in rows])
+            if all(o.final for d in done for o in d.outcomes):
+                # Each worker released the rows' blocks once its writes had final outcomes; these
+                # steps let the scheduler learn it (finished_sending) and free them.
+                self._settle(request_ids)
+            else:
+                # A write still in its transport call: the blocks stay held until it returns.
+                self._in_doubt[cmd.ticket_id] = request_ids
         return WriteDone(
             self.ctx.rank,
             tuple(o for d in done for o in d.outcomes),
             sum(d.packed_bytes for d in done),
             max((d.pack_seconds for d in done), default=0.0),
             max((d.write_seconds for d in done), default=0.0),
+        )
+
+    def _collect_finished(self) -> FinishedWrites:
+        """In-doubt writes whose transport calls returned, over every vLLM worker; the blocks of
+        a ticket go back to vLLM once no worker has a call of it in doubt."""
+        from kvrelay.ar_service.vllm_connector import collect_on_worker
+
+        results: list[FinishedWrites] = self.engine.collective_rpc(collect_on_worker)
+        in_doubt = {t for r in results for t in r.in_doubt_tickets}
+        for ticket_id in [t for t in self._in_doubt if t not in in_doubt]:
+            self._settle(self._in_doubt.pop(ticket_id))
+        return FinishedWrites(
+            self.ctx.rank,
+            tuple(f for r in results for f in r.finished),
+            tuple(sorted(in_doubt)),
+            sum(r.staging_bytes_held for r in results),
         )
 
     def _drop(self, ticket_id: str) -> None:

@@ -9,6 +9,7 @@ aborted requests give every block back to vLLM; the tokenizer the AR service use
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,18 @@ import torch
 
 pytest.importorskip("vllm", reason="engine: vllm needs vLLM (scripts/setup.sh --vllm)")
 
-from kvrelay.ar_service.engine import DescribeRank, DropTicket, HeldTickets, PrefillTicket, WriteTicket  # noqa: E402
+from kvrelay.ar_service.engine import (  # noqa: E402
+    CollectFinished,
+    DescribeRank,
+    DropTicket,
+    HeldTickets,
+    PrefillTicket,
+    WriteTicket,
+)
 from kvrelay.ar_service.model import build_ar_model  # noqa: E402
 from kvrelay.ar_service.vllm_engine import (  # noqa: E402
     EngineStats,
+    OnWorkers,
     ReadHeld,
     VllmRankSpec,
     VllmTokenizer,
@@ -33,6 +42,7 @@ from kvrelay.transfer.planner import RowSpec, plan_transfer  # noqa: E402
 from kvrelay.transfer.transport import make_receiver  # noqa: E402
 from kvrelay.worker import WorkerCommandError, WorkerGroup  # noqa: E402
 from tests.vllm.checkpoint import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, build_checkpoint  # noqa: E402
+from tests.vllm.gates import hold_transfers, release_transfers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -129,33 +139,26 @@ def test_kv_matches_builtin_ar_and_drop_returns_blocks(engine: WorkerGroup, chec
     _assert_all_blocks_free(engine)
 
 
-def test_written_pages_equal_vllm_cache_bit_for_bit(engine: WorkerGroup, checkpoint: Path) -> None:
-    tok = VllmTokenizer(str(checkpoint))
-    rows_ids = (tuple(tok.encode(PROMPT[:150])), tuple(tok.encode("blurry")))
+def _destination(ticket_rows: tuple[tuple[int, ...], ...], dst_shards: int = 2) -> Any:
+    """DiT-layout pools on `dst_shards` head shards registered with a real Mooncake endpoint, the
+    rows on scattered, non-contiguous pages, and the plan."""
     geometry = KvGeometry(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, "float32", PAGE_SIZE)
-    dst_shards = 2
     layouts = [PageLayout(geometry, dst_shards, r) for r in range(dst_shards)]
-    num_pages = 32
-    pools = [torch.full((lay.pool_bytes(num_pages),), 0xA5, dtype=torch.uint8) for lay in layouts]
+    pools = [torch.full((lay.pool_bytes(32),), 0xA5, dtype=torch.uint8) for lay in layouts]
     _REGISTERED.extend(pools)
     receiver = make_receiver("mooncake", hostname="127.0.0.1")
     destinations = tuple(receiver.register_region(pool, rank) for rank, pool in enumerate(pools))
-    # Rows on scattered, non-contiguous pages.
     specs, next_page = [], 1
-    for row, ids in enumerate(rows_ids):
+    for row, ids in enumerate(ticket_rows):
         n = -(-len(ids) // PAGE_SIZE)
         specs.append(RowSpec(row, len(ids), tuple(range(next_page, next_page + 2 * n, 2))))
         next_page += 2 * n + 1
     plan = plan_transfer(geometry, 1, dst_shards, specs)
+    return geometry, layouts, pools, destinations, tuple(specs), plan
 
-    engine.call_all(PrefillTicket("bits", rows_ids))
-    (cache_rows,) = engine.call_all(ReadHeld("bits"))
-    (done,) = engine.call_all(
-        WriteTicket("bits", tuple(specs), geometry, 1, dst_shards, plan, destinations, timeout_s=30.0)
-    )
-    assert sorted((o.row, o.dst_rank, o.status) for o in done.outcomes) == [
-        (r, d, "OK") for r in range(2) for d in range(dst_shards)
-    ]
+
+def _assert_pages_equal_cache(cache_rows: Any, layouts: Any, pools: Any, specs: Any) -> None:
+    dst_shards = len(layouts)
     for row, (kv,) in enumerate(cache_rows):
         for rank, layout in enumerate(layouts):
             landed = read_row(pools[rank], layout, specs[row])
@@ -163,10 +166,58 @@ def test_written_pages_equal_vllm_cache_bit_for_bit(engine: WorkerGroup, checkpo
             hi = lo + NUM_KV_HEADS // dst_shards
             # Bit for bit: the same bytes, not just close values.
             assert torch.equal(landed.view(torch.int32), kv[:, :, lo:hi].contiguous().view(torch.int32))
-    for o in done.outcomes:
-        assert o.checksum != 0 and o.bytes > 0
+
+
+def test_written_pages_equal_vllm_cache_bit_for_bit(engine: WorkerGroup, checkpoint: Path) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    rows_ids = (tuple(tok.encode(PROMPT[:150])), tuple(tok.encode("blurry")))
+    geometry, layouts, pools, destinations, specs, plan = _destination(rows_ids)
+    engine.call_all(PrefillTicket("bits", rows_ids))
+    (cache_rows,) = engine.call_all(ReadHeld("bits"))
+    (done,) = engine.call_all(WriteTicket("bits", specs, geometry, 1, 2, plan, destinations, timeout_s=30.0))
+    assert sorted((o.row, o.dst_rank, o.status) for o in done.outcomes) == [
+        (r, d, "OK") for r in range(2) for d in range(2)
+    ]
+    assert all(o.checksum != 0 and o.bytes > 0 for o in done.outcomes)
+    _assert_pages_equal_cache(cache_rows, layouts, pools, specs)
     # Every write had a final outcome: the blocks are back with vLLM.
     _assert_all_blocks_free(engine)
+
+
+def test_in_doubt_write_keeps_the_blocks_until_its_call_returns(
+    engine: WorkerGroup, checkpoint: Path
+) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    rows_ids = (tuple(tok.encode(PROMPT[:100])), tuple(tok.encode("dull")))
+    geometry, layouts, pools, destinations, specs, plan = _destination(rows_ids)
+    engine.call_all(PrefillTicket("doubt", rows_ids))
+    (cache_rows,) = engine.call_all(ReadHeld("doubt"))
+    engine.call_all(OnWorkers(hold_transfers))
+    try:
+        (done,) = engine.call_all(
+            WriteTicket("doubt", specs, geometry, 1, 2, plan, destinations, timeout_s=0.3)
+        )
+        assert {o.status for o in done.outcomes} == {"IN_DOUBT"}
+        # The transport call still runs: vLLM's blocks stay lent to the connector.
+        stats = _stats(engine)
+        assert len(stats.held_request_ids) == 2 and stats.free_blocks < stats.total_blocks
+        (collected,) = engine.call_all(CollectFinished())
+        assert collected.finished == () and collected.in_doubt_tickets == ("doubt",)
+    finally:
+        engine.call_all(OnWorkers(release_transfers))
+    deadline = time.monotonic() + 30
+    finished: list[Any] = []
+    while not finished and time.monotonic() < deadline:
+        (collected,) = engine.call_all(CollectFinished())
+        finished.extend(collected.finished)
+        time.sleep(0.05)
+    assert [t for t, _ in finished] == ["doubt"]
+    assert sorted((o.row, o.dst_rank, o.status) for o in finished[0][1]) == [
+        (r, d, "OK") for r in range(2) for d in range(2)
+    ]
+    # The call returned with final outcomes: now, and only now, the blocks are back.
+    _assert_all_blocks_free(engine)
+    _assert_pages_equal_cache(cache_rows, layouts, pools, specs)
 
 
 def test_aborted_request_returns_its_blocks(engine: WorkerGroup, checkpoint: Path) -> None:
