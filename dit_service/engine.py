@@ -117,6 +117,8 @@ class DitRankSpec:
     checkpoint: str | None = None
     # "kvrelay" (DitRunner over a preset) or "bagel" / "demo" (BagelDitRunner over `checkpoint`).
     model_format: str = "kvrelay"
+    # `enable_expert_parallel`: a MoE preset's experts sharded over the TP group (models/moe.py).
+    expert_parallel: bool = False
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -147,6 +149,7 @@ class DitRankHandler:
             self.runner = DitRunner(
                 spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
                 weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
+                expert_parallel=spec.expert_parallel,
             )
         self.layout = self.runner.page_layout(spec.page_size)
         self.runner.warm_up()  # GPU: compile and capture before the replica reports SERVING

@@ -149,6 +149,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
             slots=stage.max_num_seqs, transport=stage.transport, mooncake_host=stage.advertise_host,
             mooncake_protocol=stage.mooncake_protocol, mooncake_device_name=str(stage.extra.get("device_name", "")),
+            expert_parallel=stage.enable_expert_parallel,
         )
         group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
         await asyncio.to_thread(group.start)

@@ -46,7 +46,6 @@ from kvrelay.dit_service.sampler import (
 from kvrelay.models.layers import (
     ParallelAttention,
     RMSNorm,
-    SwiGLU,
     apply_rotary,
     compile_enabled,
     compiled,
@@ -54,6 +53,7 @@ from kvrelay.models.layers import (
     rope_cos_sin,
 )
 from kvrelay.models.loader import CheckpointError
+from kvrelay.models.moe import RoutedExperts, build_mlp
 from kvrelay.models.paged_attention import LayerKv, PrefixKv, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
@@ -203,16 +203,23 @@ class DitAttention(ParallelAttention):
 
 
 class DitBlock(nn.Module):
-    """Pre-norm transformer block with adaLN modulation (shift, scale, gate for attention and MLP)."""
+    """Pre-norm transformer block with adaLN modulation (shift, scale, gate for attention and MLP).
+    The MLP is dense SwiGLU, or routed experts + a shared expert for a MoE preset (models/moe.py)."""
 
-    def __init__(self, cfg: DitConfig, tp: TpGroup, sp: TpGroup, *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: DitConfig, tp: TpGroup, sp: TpGroup, *, dtype: torch.dtype, device: torch.device,
+        expert_parallel: bool = False,
+    ):
         super().__init__()
         # Replicated on every rank: it acts on the full hidden state, which TP keeps replicated.
         self.modulation = nn.Linear(cfg.hidden, 6 * cfg.hidden, dtype=dtype, device=device)
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
         self.attn = DitAttention(cfg, tp, sp, dtype=dtype, device=device)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
-        self.mlp = SwiGLU(cfg.hidden, cfg.mlp, tp, dtype=dtype, device=device)
+        self.mlp = build_mlp(
+            cfg.hidden, cfg.mlp, tp, num_experts=cfg.num_experts, top_k=cfg.experts_top_k,
+            expert_mlp=cfg.expert_mlp, expert_parallel=expert_parallel, dtype=dtype, device=device,
+        )
 
     def forward(
         self,
@@ -241,7 +248,10 @@ class DitModel(nn.Module):
     its sequence shard of the tokens and all-gathers the output tokens over its SP group.
     """
 
-    def __init__(self, cfg: DitConfig, parallel: DitParallel, *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, cfg: DitConfig, parallel: DitParallel, *, dtype: torch.dtype, device: torch.device,
+        expert_parallel: bool = False,
+    ):
         super().__init__()
         self.cfg = cfg
         self.parallel = parallel
@@ -252,15 +262,19 @@ class DitModel(nn.Module):
         self.time_in = nn.Linear(TIMESTEP_FREQ_DIM, cfg.hidden, dtype=dtype, device=device)
         self.time_out = nn.Linear(cfg.hidden, cfg.hidden, dtype=dtype, device=device)
         self.blocks = nn.ModuleList(
-            DitBlock(cfg, parallel.tp, parallel.sp, dtype=dtype, device=device) for _ in range(cfg.num_layers)
+            DitBlock(cfg, parallel.tp, parallel.sp, dtype=dtype, device=device, expert_parallel=expert_parallel)
+            for _ in range(cfg.num_layers)
         )
         self.final_modulation = nn.Linear(cfg.hidden, 2 * cfg.hidden, dtype=dtype, device=device)
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps, dtype=dtype, device=device)
         self.final_proj = nn.Linear(cfg.hidden, patch_dim, dtype=dtype, device=device)
         # On GPUs every block runs through one torch.compile'd function (inductor fuses the norms,
         # adaLN modulation, RoPE, gates and SwiGLU into a few kernels; the matmuls stay cuBLAS).
+        # Not for MoE: its routing has data-dependent shapes.
         self.compiled_block: Callable[..., torch.Tensor] | None = (
-            compiled(_run_block) if device.type == "cuda" and parallel.world == 1 and compile_enabled() else None
+            compiled(_run_block)
+            if device.type == "cuda" and parallel.world == 1 and compile_enabled() and not cfg.is_moe
+            else None
         )
 
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
@@ -458,6 +472,12 @@ def _full_normal(
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
 
 
+def _expert_normal(
+    weight_seed: int, module: str, device: torch.device, key: str, shape: tuple[int, ...], std: float
+) -> torch.Tensor:
+    return _full_normal(weight_seed, f"{module}.{key}", shape, std, device)
+
+
 @torch.no_grad()
 def init_seeded_weights(module: nn.Module, weight_seed: int, device: torch.device) -> None:
     """Fill every weight from the seed: full (unsharded) tensors, then each rank keeps its shard.
@@ -466,7 +486,9 @@ def init_seeded_weights(module: nn.Module, weight_seed: int, device: torch.devic
     weights are identical across processes and TP/SP sizes on one device type, not across types.
     """
     for name, mod in module.named_modules():
-        if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
+        if isinstance(mod, RoutedExperts):
+            mod.fill(functools.partial(_expert_normal, weight_seed, name, device))
+        elif isinstance(mod, ColumnParallelLinear | RowParallelLinear):
             full = _full_normal(
                 weight_seed,
                 f"{name}.weight",
@@ -524,7 +546,17 @@ def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], pref
     shape raises CheckpointError naming it; nothing is guessed."""
     done: set[str] = set()
     for name, mod in module.named_modules():
-        if isinstance(mod, ColumnParallelLinear | RowParallelLinear):
+        if isinstance(mod, RoutedExperts):
+            keys = [f"{prefix}{name}.w_gate_up", f"{prefix}{name}.w_down"]
+            for key in keys:
+                if key not in tensors:
+                    raise CheckpointError(f"checkpoint has no tensor {key!r}")
+            try:
+                mod.load_full(*(tensors[k].to(mod.w_gate_up.device, mod.w_gate_up.dtype) for k in keys))
+            except ValueError as err:
+                raise CheckpointError(f"{keys[0]}: {err}") from None
+            done.update({f"{name}.w_gate_up", f"{name}.w_down"})
+        elif isinstance(mod, ColumnParallelLinear | RowParallelLinear):
             key = f"{prefix}{name}.weight"
             if key not in tensors:
                 raise CheckpointError(f"checkpoint has no tensor {key!r}")
@@ -612,6 +644,7 @@ class DitRunner:
         checkpoint: str | Path | None = None,
         cuda_graphs: bool = True,
         prefix_bucket: int | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         self.preset = get_preset(preset) if isinstance(preset, str) else preset
         self.cfg = self.preset.dit
@@ -624,10 +657,15 @@ class DitRunner:
         # length of the bucket (the padding is masked); exact lengths on CPU.
         self.prefix_bucket = prefix_bucket if prefix_bucket is not None else (64 if on_gpu else 0)
         # Graphs need a fixed stream of kernels: one process, no collectives inside the step.
-        self.use_graphs = cuda_graphs and on_gpu and self.parallel.world == 1
+        # MoE routing syncs with the host (per-expert token counts): no graphs for it either.
+        self.use_graphs = cuda_graphs and on_gpu and self.parallel.world == 1 and not self.cfg.is_moe
+        # Experts sharded over the TP group (models/moe.py); a dense preset has none to shard.
+        self.expert_parallel = expert_parallel and self.cfg.is_moe and self.parallel.tp.world_size > 1
         self._graphs: OrderedDict[tuple[int, int, int, int], StepGraph] = OrderedDict()
         self._graph_pool: Any = None
-        self.model = DitModel(self.cfg, self.parallel, dtype=self.dtype, device=self.device).eval()
+        self.model = DitModel(
+            self.cfg, self.parallel, dtype=self.dtype, device=self.device, expert_parallel=self.expert_parallel
+        ).eval()
         init_seeded_weights(self.model, weight_seed, self.device)
         self.decoder = LatentDecoder(self.cfg.latent_channels, device=self.device).eval()
         init_seeded_weights(self.decoder, weight_seed, self.device)

@@ -71,9 +71,25 @@ class DitConfig:
     latent_downsample: int = 8
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
+    # Mixture of experts (HunyuanImage-3 style): 0 = the dense SwiGLU MLP of size `mlp`. Otherwise
+    # each block's MLP is `experts_top_k` of `num_experts` routed SwiGLU experts of size
+    # `expert_mlp` (softmax router, top-k weights renormalized) plus one shared expert of size `mlp`.
+    num_experts: int = 0
+    experts_top_k: int = 0
+    expert_mlp: int = 0
 
     def __post_init__(self) -> None:
         _check_heads("DitConfig", self.hidden, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.num_experts < 0 or (self.num_experts and not 0 < self.experts_top_k <= self.num_experts):
+            raise ValueError(
+                f"DitConfig: experts_top_k={self.experts_top_k} must be in 1..num_experts={self.num_experts}"
+            )
+        if self.num_experts and self.expert_mlp <= 0:
+            raise ValueError("DitConfig: a MoE DiT needs expert_mlp > 0")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def latent_size(self, width: int, height: int) -> tuple[int, int]:
         """(latent_height, latent_width) of an image; width/height must divide evenly."""
@@ -140,6 +156,9 @@ def _preset(
     max_tokens: int,
     latent_channels: int,
     description: str,
+    num_experts: int = 0,
+    experts_top_k: int = 0,
+    expert_mlp: int = 0,
 ) -> ModelPreset:
     # The DiT mirrors the AR's transformer shape, as BAGEL's generation expert does (MoT).
     ar = ArConfig(
@@ -159,6 +178,9 @@ def _preset(
         head_dim=head_dim,
         mlp=mlp,
         latent_channels=latent_channels,
+        num_experts=num_experts,
+        experts_top_k=experts_top_k,
+        expert_mlp=expert_mlp,
     )
     return ModelPreset(
         name=name,
@@ -216,6 +238,42 @@ PRESETS: dict[str, ModelPreset] = {
             max_tokens=4096,
             latent_channels=16,
             description="GPU benchmarks: BAGEL-7B shape, 28 layers, hidden 3584, bf16",
+        ),
+        # MoE tests: the tiny shape with 4 routed experts (top 2) and a shared expert in the DiT.
+        _preset(
+            "tiny-moe",
+            num_layers=2,
+            hidden=128,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=16,
+            mlp=64,
+            dtype="float32",
+            max_tokens=256,
+            latent_channels=4,
+            num_experts=4,
+            experts_top_k=2,
+            expert_mlp=64,
+            description="MoE unit tests: tiny with 4 routed experts (top 2) + a shared expert, fp32",
+        ),
+        # GPU: HunyuanImage-3's per-layer shape (hidden 4096, 32/8 heads, 64 experts top 8 of
+        # 3072 + one shared expert of 3072) with 8 of its 32 layers, so one H200 holds it (~20B
+        # DiT parameters, ~42 GB bf16). The AR of the pair is dense (mlp = the shared expert's).
+        _preset(
+            "hunyuan-moe-shape",
+            num_layers=8,
+            hidden=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            mlp=3072,
+            dtype="bfloat16",
+            max_tokens=4096,
+            latent_channels=16,
+            num_experts=64,
+            experts_top_k=8,
+            expert_mlp=3072,
+            description="GPU: HunyuanImage-3 MoE layer shape, 8 layers, 64 experts top 8, bf16",
         ),
     )
 }

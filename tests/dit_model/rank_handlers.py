@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrelay.dit_service.model import DitRunner, shard_prefix
+from kvrelay.models.moe import MoeMlp
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
 from kvrelay.worker import RankContext
 
@@ -34,6 +35,7 @@ class GenerateResult:
     image: torch.Tensor
     steps_seen: list[int]
     page_shard: int
+    local_experts: int = 0  # routed experts this rank holds (MoE presets)
 
 
 class StopRequested(Exception):
@@ -46,6 +48,9 @@ class DitRankFactory:
     tp: int
     sp: int
     weight_seed: int
+    expert_parallel: bool = False
+    checkpoint: str | None = None
+    force_gather: bool = False  # MoE: the all-gather fallback of gloo builds without alltoall
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -62,7 +67,13 @@ class DitRankHandler:
             sp=spec.sp,
             weight_seed=spec.weight_seed,
             device=ctx.device,
+            expert_parallel=spec.expert_parallel,
+            checkpoint=spec.checkpoint,
         )
+        if spec.force_gather:
+            from kvrelay.models import moe
+
+            moe._alltoall_unsupported = True
         self.layout = self.runner.page_layout(PAGE_SIZE)
 
     def _rows_through_pages(self, full_rows: Sequence[Sequence[LayerKv]]) -> list[list[LayerKv]]:
@@ -103,4 +114,7 @@ class DitRankHandler:
         except Exception as err:
             # Carry what this rank saw, so the test can check where every rank stopped.
             raise type(err)(f"{err} [steps_seen={seen}]") from None
-        return GenerateResult(latents.cpu(), self.runner.decode(latents), seen, self.layout.shard)
+        experts = [m.experts.w_gate_up.shape[0] for m in self.runner.model.modules() if isinstance(m, MoeMlp)]
+        return GenerateResult(
+            latents.cpu(), self.runner.decode(latents), seen, self.layout.shard, experts[0] if experts else 0
+        )

@@ -90,7 +90,7 @@ def test_attention_block_single_rank_is_deterministic():
 
 
 def test_presets_share_geometry_and_shapes():
-    assert set(PRESETS) == {"tiny", "small", "bagel-7b-shape"}
+    assert set(PRESETS) == {"tiny", "small", "bagel-7b-shape", "tiny-moe", "hunyuan-moe-shape"}
     bagel = get_preset("bagel-7b-shape")
     assert (bagel.num_layers, bagel.ar.hidden, bagel.ar.num_heads, bagel.num_kv_heads, bagel.head_dim) == (
         28,
