@@ -143,9 +143,11 @@ previous=$("$ENGINE" image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 "$ENGINE" build -q -f compose/Dockerfile -t "$IMAGE" "${BUILD_ARGS[@]}" . > "$WORK/build.log" 2>&1 \
   || { tail -40 "$WORK/build.log" >&2; fail "image build"; }
 log "build_seconds=$(( $(now) - t ))"
-# The image this build replaced (1.4 GB) goes, unless something still uses it.
+# The image this build replaced (1.5 GB) goes, unless something still uses it, and so do untagged
+# images of earlier kvrelay builds (the Dockerfile labels its stages; nothing else is touched).
 current=$("$ENGINE" image inspect -f '{{.Id}}' "$IMAGE")
 if [ -n "$previous" ] && [ "$previous" != "$current" ]; then "$ENGINE" rmi "$previous" >/dev/null 2>&1 || true; fi
+"$ENGINE" image prune -f --filter label=org.kvrelay.build=compose >/dev/null 2>&1 || true
 
 # ------------------------------------------------------------------------------ compose
 if [ "$ENGINE" = docker ] && docker compose version >/dev/null 2>&1; then
