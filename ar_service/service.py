@@ -191,6 +191,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         state = await self._ready(context)
         remaining = context.time_remaining()
         budget = state.request_timeout_s if remaining is None else remaining
+        if request.HasField("deadline_time"):
+            budget = min(budget, request.deadline_time.ToNanoseconds() / 1e9 - time.time())
         deadline = _Deadline(asyncio.get_running_loop().time() + budget)
         job = self._jobs.get(request.ticket_id)
         if job is None:
@@ -259,18 +261,26 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         return ticket
 
     async def _rollback_if_ours(
-        self, ticket_id: str, state: ArReplicaState, outcome: str, reason: str
+        self,
+        ticket_id: str,
+        state: ArReplicaState,
+        outcome: str,
+        reason: str,
+        known: broker_pb2.Ticket | None = None,
     ) -> None:
         """Roll back an unarmed ticket bound to this replica (CancelTicket on a RESERVED ticket frees
-        its pages at once). Best effort: the orchestrator cancels it too when the request ends."""
+        its pages at once). Best effort: the orchestrator cancels it too when the request ends.
+        `known`: the ticket as the broker's plan gave it (this replica has not armed it since)."""
         if not ticket_id:
             return
         try:
-            ticket = (
-                await self.broker.GetTicket(
-                    broker_pb2.GetTicketRequest(ticket_id=ticket_id), timeout=BROKER_RPC_TIMEOUT_S
-                )
-            ).ticket
+            ticket = known
+            if ticket is None:
+                ticket = (
+                    await self.broker.GetTicket(
+                        broker_pb2.GetTicketRequest(ticket_id=ticket_id), timeout=BROKER_RPC_TIMEOUT_S
+                    )
+                ).ticket
             if ticket.ar_replica_id != state.replica_id or ticket.armed:
                 return
             await self.broker.CancelTicket(
@@ -332,7 +342,12 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
     ) -> ar_pb2.PrefillResponse:
         ticket_id = request.ticket_id
         job = self._jobs.get(ticket_id)
-        ticket = await self._get_ticket(ticket_id, deadline)
+        planned = request.HasField("plan")
+        # With the broker's plan in the request, nothing needs asking: it planned once for both.
+        ticket = request.plan.ticket if planned else await self._get_ticket(ticket_id, deadline)
+        if ticket.ticket_id != ticket_id:
+            raise invalid_argument("plan", f"the plan is for ticket {ticket.ticket_id}, not {ticket_id}")
+        known = ticket if planned else None
         if ticket.ar_replica_id != state.replica_id:
             raise KvRelayServerError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -351,7 +366,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             err = invalid_argument(
                 "rows", f"token counts {counts} differ from the ticket's reserved rows {reserved}"
             )
-            await self._rollback_if_ours(ticket_id, state, "FAILED", err.reason)
+            await self._rollback_if_ours(ticket_id, state, "FAILED", err.reason, known)
             raise err
 
         async with self._ranks:
@@ -361,7 +376,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                     PrefillTicket(ticket_id, tuple(tuple(ids) for ids in token_ids))
                 )
             except WorkerCommandError as err:
-                await self._rollback_if_ours(ticket_id, state, "FAILED", "PREFILL_FAILED")
+                await self._rollback_if_ours(ticket_id, state, "FAILED", "PREFILL_FAILED", known)
                 raise KvRelayServerError(
                     grpc.StatusCode.INTERNAL, "PREFILL_FAILED", str(err).splitlines()[0]
                 ) from err
@@ -378,7 +393,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 stop = ("TIMED_OUT", grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed during prefill")
             if stop is not None:
                 await self._call_ranks(DropTicket(ticket_id))
-                await self._rollback_if_ours(ticket_id, state, stop[0], stop[0])
+                await self._rollback_if_ours(ticket_id, state, stop[0], stop[0], known)
                 raise KvRelayServerError(stop[1], stop[0], stop[2])
 
             arming = await self._arm(ticket_id, state, deadline)
@@ -396,7 +411,9 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 job.armed = True
             # From here on: shielded from cancellation (the caller awaits through asyncio.shield),
             # every write ends with a report.
-            return await self._write_and_report(request, counts, arming, state, deadline, prefill_s)
+            return await self._write_and_report(
+                request, counts, arming, state, deadline, prefill_s, request.plan if planned else None
+            )
 
     async def _arm(
         self, ticket_id: str, state: ArReplicaState, deadline: _Deadline
@@ -456,10 +473,13 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         state: ArReplicaState,
         deadline: _Deadline,
         prefill_s: float,
+        plan: broker_pb2.TicketPlan | None,
     ) -> ar_pb2.PrefillResponse:
         ticket_id = request.ticket_id
         assert self.reporter is not None
-        writes = writes_from_proto(arming.writes)
+        # The broker's plan, from the request when it came with one (else from the arming reply).
+        source = plan if plan is not None else arming
+        writes = writes_from_proto(source.writes)
         outcomes: dict[tuple[int, int, int], WriteOutcome] = {}
         transfer_s = 0.0
         failure: KvRelayServerError | None = None
@@ -472,13 +492,22 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 f"ticket {ticket_id} ended before its writes began",
             )
         try:
-            geometry = geometry_from_proto(arming.dit_geometry)
-            rows = tuple(row_from_proto(r) for r in sorted(arming.ticket.rows, key=lambda r: r.row))
-            dst_shards = max(1, arming.dit_parallelism.tensor_parallel_size) * max(
-                1, arming.dit_parallelism.sequence_parallel_size
+            geometry = geometry_from_proto(source.dit_geometry)
+            rows = tuple(row_from_proto(r) for r in sorted(source.ticket.rows, key=lambda r: r.row))
+            dst_shards = max(1, source.dit_parallelism.tensor_parallel_size) * max(
+                1, source.dit_parallelism.sequence_parallel_size
             )
-            mine = plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows)
-            if tuple(mine) != tuple(writes):
+            if plan is not None:
+                # Planned once, by the broker: check only that it was planned for our ranks and
+                # that arming answered the same writes (a different plan is a broken invariant).
+                mismatch = plan.src_shards != state.tensor_parallel_size or {
+                    (w.row, w.src_rank, w.dst_rank) for w in arming.writes
+                } != {(w.row, w.src_rank, w.dst_rank) for w in writes}
+            else:
+                mismatch = tuple(plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows)) != tuple(
+                    writes
+                )
+            if mismatch:
                 # The broker and this replica disagree on the plan: writing would land bytes where
                 # nobody expects them. Nothing is sent; every write is NOT_STARTED.
                 failure = KvRelayServerError(
@@ -507,7 +536,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 src_shards=state.tensor_parallel_size,
                 dst_shards=dst_shards,
                 plan=tuple(writes),
-                destinations=tuple(region_from_proto(d) for d in arming.destinations),
+                destinations=tuple(region_from_proto(d) for d in source.destinations),
                 timeout_s=timeout_s,
             )
             t0 = time.perf_counter()

@@ -91,6 +91,7 @@ def broker_checks(core: BrokerCore) -> Mapping[str, RequestCheck]:
         _B + "ReportWrite": ticket_side("ar", "replica_id"),
         _B + "ReportLoad": ticket_side("dit", "replica_id"),
         _B + "ReleaseTicket": ticket_side("dit", "replica_id"),
+        _B + "StartConsuming": ticket_side("dit", "replica_id"),
         _B + "CancelTicket": either_side,
         _B + "GetTicket": either_side,
         _B + "WatchTicket": either_side,

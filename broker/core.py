@@ -80,6 +80,7 @@ class Arming:
     dit_sequence_parallel_size: int
     dit_num_pages: int
     verify_checksums: bool
+    src_shards: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,8 +384,16 @@ class BrokerCore:
         if t.arm(incarnation_id, self.clock()):
             self._commit([t])
             log.info("ticket_armed", ticket_id=ticket_id, request_id=t.request_id, incarnation=incarnation_id)
+        return self._arming(t)
+
+    def plan_for(self, ticket_id: TicketId) -> Arming:
+        """The ticket's plan (rows, writes, destinations), without arming it: what the orchestrator
+        hands down with Prefill and Denoise, so that no replica asks the broker for it again."""
+        return self._arming(self._live(ticket_id))
+
+    def _arming(self, t: TicketRecord) -> Arming:
         dit = self.registry.get(t.dit_replica_id).spec
-        plan = self._plans.get(ticket_id)
+        plan = self._plans.get(t.ticket_id)
         if plan is None:
             plan = self._replan(t)
         return Arming(
@@ -396,6 +405,7 @@ class BrokerCore:
             dit_sequence_parallel_size=dit.sequence_parallel_size,
             dit_num_pages=dit.num_pages,
             verify_checksums=self.verify_checksums,
+            src_shards=t.src_shards,
         )
 
     def report_write(
@@ -477,9 +487,18 @@ class BrokerCore:
                 log.info("ticket_ready", ticket_id=ticket_id, request_id=t.request_id)
         return t.snapshot()
 
-    def start_consuming(self, ticket_id: TicketId) -> Ticket:
-        """READY -> CONSUMING: the DiT started reading the pages (called by the orchestrator)."""
+    def start_consuming(self, ticket_id: TicketId, replica_id: ReplicaId = "", incarnation_id: str = "") -> Ticket:
+        """READY -> CONSUMING: the DiT started reading the pages (its own StartConsuming RPC).
+        Idempotent. `replica_id`/`incarnation_id`, when given, must be the ticket's DiT."""
         t = self._live(ticket_id)
+        if replica_id:
+            if replica_id != t.dit_replica_id:
+                raise FailedPrecondition(
+                    "WRONG_REPLICA", f"ticket {ticket_id} is bound to DiT {t.dit_replica_id}, not {replica_id}"
+                )
+            self._current(replica_id, incarnation_id, "StartConsuming")
+            if incarnation_id != t.dit_incarnation:
+                raise FailedPrecondition("STALE_INCARNATION", f"ticket {ticket_id} belongs to another DiT incarnation")
         if t.start_consuming(self.clock()):
             self._commit([t])
         return t.snapshot()

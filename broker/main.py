@@ -54,16 +54,17 @@ async def serve(
         verify_checksums=cfg.dit_stage.verify_checksums,
     )
     registry = CollectorRegistry()
-    register_broker_metrics(core, registry)
-    orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
+    broker_servicer = BrokerServicer(core, ticket_ttl)
+    register_broker_metrics(core, registry, broker_servicer.rpc_counts)
+    orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
     server = GrpcServer(
         name="broker",
         host=host,
         port=port,
         metrics_port=metrics_port,
         registrations=[
-            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(core, ticket_ttl), BROKER_SERVICE),
+            (broker_pb2_grpc.add_BrokerServiceServicer_to_server, broker_servicer, BROKER_SERVICE),
             (
                 generation_pb2_grpc.add_GenerationServiceServicer_to_server,
                 GenerationServicer(orchestrator),

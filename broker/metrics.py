@@ -9,10 +9,10 @@ with GetPool. Must never mutate the core.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvrelay.broker.core import BrokerCore
@@ -20,8 +20,9 @@ from kvrelay.broker.tickets import TicketState
 
 
 class BrokerCollector(Collector):
-    def __init__(self, core: BrokerCore) -> None:
+    def __init__(self, core: BrokerCore, rpc_counts: Mapping[str, int] | None = None) -> None:
         self.core = core
+        self.rpc_counts = rpc_counts
 
     def collect(self) -> Iterator[Metric]:
         core = self.core
@@ -55,9 +56,19 @@ class BrokerCollector(Collector):
         yield up
         yield fenced
 
+        if self.rpc_counts is not None:
+            rpcs = CounterMetricFamily(
+                "kvrelay_broker_rpcs", "BrokerService calls by method (round trips replicas make)", labels=["method"]
+            )
+            for method, count in sorted(dict(self.rpc_counts).items()):
+                rpcs.add_metric([method], count)
+            yield rpcs
 
-def register_broker_metrics(core: BrokerCore, registry: CollectorRegistry | None = None) -> CollectorRegistry:
+
+def register_broker_metrics(
+    core: BrokerCore, registry: CollectorRegistry | None = None, rpc_counts: Mapping[str, int] | None = None
+) -> CollectorRegistry:
     """Register the broker's collector on `registry` (a new one when None) and return it."""
     registry = registry if registry is not None else CollectorRegistry()
-    registry.register(BrokerCollector(core))
+    registry.register(BrokerCollector(core, rpc_counts))
     return registry

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf import timestamp_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvrelay.broker.core import BrokerCore
@@ -39,6 +40,7 @@ from kvrelay.broker.generations import (
     ImageResult,
 )
 from kvrelay.broker.registry import ReplicaRole
+from kvrelay.broker.service import plan_to_proto
 from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import KvRelayServerError, failed_precondition, invalid_argument, reason_of
@@ -521,12 +523,21 @@ class Orchestrator:
         now = self._clock()
         remaining = job.remaining(now)
         metadata = (("request_id", job.request_id), ("ticket_id", ticket.ticket_id))
+        # Planned once, here: both replicas get the ticket, its rows, writes and destinations with
+        # the call, so neither asks the broker for them nor runs the planner again.
+        plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))
+        deadline_time = None
+        if remaining is not None:
+            deadline_time = timestamp_pb2.Timestamp()
+            deadline_time.FromNanoseconds(int((time.time() + remaining) * 1e9))
         prefill_call = ar_pb2_grpc.ArServiceStub(self._channel(ar.endpoint)).Prefill(
             ar_pb2.PrefillRequest(
                 ticket_id=ticket.ticket_id,
                 request_id=job.request_id,
                 rows=list(params.rows),
                 seed=params.seed,
+                plan=plan,
+                deadline_time=deadline_time,
             ),
             timeout=self.prefill_timeout if remaining is None else max(0.0, remaining),
             metadata=metadata,
@@ -540,6 +551,8 @@ class Orchestrator:
                 num_inference_steps=params.num_inference_steps,
                 guidance_scale=params.guidance_scale,
                 seed=params.seed,
+                plan=plan,
+                deadline_time=deadline_time,
             ),
             timeout=self.denoise_timeout if remaining is None else max(0.0, remaining),
             metadata=metadata,
@@ -628,7 +641,7 @@ class Orchestrator:
                     # a message apart.)
                     timings["handoff"] = max(self._clock() - placed_at, event.load_seconds)
                     timings["load"] = event.load_seconds
-                    self._start_consuming(job)
+                    # The DiT marked the ticket CONSUMING itself (StartConsuming) before this event.
                     # Loaded implies armed and written: a client always sees TRANSFERRING first,
                     # even when the ticket watch has not reported it yet.
                     self._advance(record, GenState.TRANSFERRING)
@@ -665,18 +678,6 @@ class Orchestrator:
                 if ticket.state is TicketState.WRITING or ticket.armed:
                     self._advance(job.record, GenState.TRANSFERRING)
                 return
-
-    def _start_consuming(self, job: _Job) -> None:
-        try:
-            self.core.start_consuming(job.ticket_id)
-        except BrokerError as err:
-            # The DiT's ReleaseTicket(OK) and its stream's LOADED event travel on different
-            # connections: a fast DiT may be done before this event is read. Anything else means
-            # the ticket ended under the DiT (e.g. its replica restarted): the request cannot go on.
-            ticket = self.core.get_ticket(job.ticket_id)
-            if ticket.state is TicketState.RELEASED and ticket.outcome is TicketOutcome.OK:
-                return
-            raise _RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
 
     # ================================================================= endings
 

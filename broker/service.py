@@ -9,6 +9,7 @@ the core in-process) and remote replicas (which call this servicer) see the same
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -16,7 +17,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import timestamp_pb2
 
-from kvrelay.broker.core import BrokerCore, PoolStatus
+from kvrelay.broker.core import Arming, BrokerCore, PoolStatus
 from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec, ReplicaStatus
 from kvrelay.broker.tickets import (
     BrokerError,
@@ -48,6 +49,23 @@ _OUTCOME_TO_PB, _OUTCOME_FROM_PB = _OUTCOME.to_pb, _OUTCOME.from_pb
 # PENDING (no report yet) is what the wire calls UNSPECIFIED.
 _WRITE_STATUS = wire_enum(WriteStatus, common_pb2.WriteStatus, "WRITE_STATUS_", unspecified=WriteStatus.PENDING)
 _WRITE_STATUS_TO_PB, _WRITE_STATUS_FROM_PB = _WRITE_STATUS.to_pb, _WRITE_STATUS.from_pb
+
+
+def plan_to_proto(arming: Arming) -> broker_pb2.TicketPlan:
+    """The broker's plan for a ticket, as Prefill and Denoise carry it (DESIGN.md section 7)."""
+    return broker_pb2.TicketPlan(
+        ticket=ticket_to_proto(arming.ticket),
+        writes=[write_to_proto(w) for w in arming.writes],
+        destinations=[region_to_proto(r) for r in arming.destinations],
+        dit_geometry=geometry_to_proto(arming.dit_geometry),
+        dit_parallelism=common_pb2.Parallelism(
+            tensor_parallel_size=arming.dit_tensor_parallel_size,
+            sequence_parallel_size=arming.dit_sequence_parallel_size,
+        ),
+        dit_num_pages=arming.dit_num_pages,
+        verify_checksums=arming.verify_checksums,
+        src_shards=arming.src_shards,
+    )
 
 
 def to_server_error(err: BrokerError) -> KvRelayServerError:
@@ -194,6 +212,7 @@ _Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
 def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
     @functools.wraps(fn)
     async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
+        self.rpc_counts[fn.__name__] += 1
         try:
             return await fn(self, request, context)
         except BrokerError as err:
@@ -207,6 +226,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
 
     def __init__(self, core: BrokerCore, rpc_ticket_ttl_seconds: float = 600.0) -> None:
         self.core = core
+        # Calls by method since start: broker round trips per request are read off these
+        # (`kvrelay_broker_rpcs_total{method}`, exported by broker/metrics.py).
+        self.rpc_counts: collections.Counter[str] = collections.Counter()
         # Tickets made over CreateTicket (debugging) have no orchestrator to end them: they end
         # TIMED_OUT after this long, as the orchestrator ends a request at its deadline.
         self.rpc_ticket_ttl_seconds = rpc_ticket_ttl_seconds
@@ -298,6 +320,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         )
 
     @_maps_errors
+    async def StartConsuming(
+        self, request: broker_pb2.StartConsumingRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.StartConsumingResponse:
+        if not request.replica_id:
+            raise InvalidArgument("INVALID_ARGUMENT", "replica_id: the DiT names itself")
+        ticket = self.core.start_consuming(request.ticket_id, request.replica_id, request.incarnation_id)
+        return broker_pb2.StartConsumingResponse(ticket=ticket_to_proto(ticket))
+
+    @_maps_errors
     async def ReportWrite(
         self, request: broker_pb2.ReportWriteRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ReportWriteResponse:
@@ -361,6 +392,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def WatchTicket(
         self, request: broker_pb2.WatchTicketRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[broker_pb2.WatchTicketResponse]:
+        self.rpc_counts["WatchTicket"] += 1
         # The core's waiter is removed in its own `finally` when this stream is cancelled.
         try:
             async for ticket in self.core.watch_ticket(request.ticket_id):

@@ -42,6 +42,7 @@ from kvrelay.dit_service.scheduler import AdmissionQueue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.checksum import checksum_segments
+from kvrelay.transfer.convert import writes_from_proto
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
@@ -244,6 +245,20 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                      f"GetTicket {ticket_id}: {err.code().name}: {err.details()}") from None
         return reply.ticket
 
+    async def _start_consuming(self, ticket_id: str) -> None:
+        """READY -> CONSUMING, marked by the DiT itself before any rank reads the pages."""
+        try:
+            await self._broker_call(
+                self.s.broker.StartConsuming,
+                broker_pb2.StartConsumingRequest(
+                    ticket_id=ticket_id, replica_id=self.s.replica_id, incarnation_id=self.s.incarnation_id
+                ),
+            )
+        except grpc.aio.AioRpcError as err:
+            # The ticket ended under us (cancelled, replica restarted): the request cannot go on.
+            raise KvRelayServerError(grpc.StatusCode.ABORTED, "TICKET_ENDED",
+                                     f"StartConsuming {ticket_id}: {err.code().name}: {err.details()}") from None
+
     async def _release(self, ticket_id: str, outcome: str, reason: str) -> None:
         """ReleaseTicket, retried; never raises (the pages are the broker's to account)."""
         try:
@@ -294,6 +309,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         start = time.monotonic()
         remaining = context.time_remaining()
         deadline = start + (remaining if remaining is not None else self.s.stage.request_timeout_seconds)
+        if request.HasField("deadline_time"):
+            deadline = min(deadline, start + request.deadline_time.ToNanoseconds() / 1e9 - time.time())
         outcome, reason = "CANCELLED", "denoise cancelled by the caller"
         ticket_id = request.ticket_id
         release = False
@@ -302,7 +319,11 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         waiting = True
         try:
             _validate(request)
-            ticket = await self._get_ticket(ticket_id)
+            # With the broker's plan in the request, nothing needs asking: it planned once for both.
+            planned = request.HasField("plan")
+            ticket = request.plan.ticket if planned else await self._get_ticket(ticket_id)
+            if ticket.ticket_id != ticket_id:
+                raise invalid_argument("plan", f"the plan is for ticket {ticket.ticket_id}, not {ticket_id}")
             if ticket.dit_replica_id != self.s.replica_id:
                 raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
                                          f"ticket {ticket_id} is bound to {ticket.dit_replica_id}, "
@@ -325,8 +346,11 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING,
                                                total_steps=request.num_inference_steps)
                     load_start = time.monotonic()
-                    loaded_bytes = await self._load(ticket, rows, deadline)
+                    loaded_bytes = await self._load(
+                        ticket, rows, deadline, writes_from_proto(request.plan.writes) if planned else None
+                    )
                     load_seconds = time.monotonic() - load_start
+                    await self._start_consuming(ticket_id)
                     self.s.metrics.phase_seconds.labels("load").observe(load_seconds)
                     self.s.metrics.transfer_bytes.labels(self.s.stage.transport).inc(loaded_bytes)
                     yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
@@ -426,7 +450,13 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
 
     # ======================================================================= loading
 
-    async def _load(self, ticket: broker_pb2.Ticket, rows: tuple[RowSpec, ...], deadline: float) -> int:
+    async def _load(
+        self,
+        ticket: broker_pb2.Ticket,
+        rows: tuple[RowSpec, ...],
+        deadline: float,
+        broker_plan: Sequence[PlannedWrite] | None = None,
+    ) -> int:
         """Wait until every (row, dst_rank) of the ticket is written, verified and reported; return
         the bytes loaded. Raises KvRelayServerError TRANSFER_TIMEOUT / TRANSFER_FAILED / TICKET_ENDED."""
         s = self.s
@@ -435,7 +465,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         budget_end = min(loop_start + s.stage.transfer_timeout, deadline - DEADLINE_MARGIN_S)
         world = s.world_size
         src_shards = max((w.src_rank for w in ticket.writes), default=0) + 1
-        plan = plan_transfer(s.geometry, src_shards, world, rows)
+        plan = tuple(broker_plan) if broker_plan is not None else plan_transfer(s.geometry, src_shards, world, rows)
         planned: dict[tuple[int, int, int], PlannedWrite] = {(w.row, w.src_rank, w.dst_rank): w for w in plan}
         listed = {(w.row, w.src_rank, w.dst_rank) for w in ticket.writes}
         if listed != set(planned):

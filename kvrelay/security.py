@@ -96,6 +96,9 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _B + "ReleaseTicket": RpcRule(
         CallerClass.REPLICA, False, "replica_id (required) is the caller and the ticket's DiT replica"
     ),
+    _B + "StartConsuming": RpcRule(
+        CallerClass.REPLICA, False, "replica_id (required) is the caller and the ticket's DiT replica"
+    ),
     _B + "CancelTicket": RpcRule(CallerClass.REPLICA, True, _OWN_TICKET + " (operator: any)"),
     _B + "GetTicket": RpcRule(CallerClass.REPLICA, True, _OWN_TICKET + " (operator: any)"),
     _B + "WatchTicket": RpcRule(CallerClass.REPLICA, True, _OWN_TICKET + " (operator: any)"),

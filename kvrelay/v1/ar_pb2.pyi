@@ -1,7 +1,9 @@
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from kvrelay.v1 import broker_pb2 as _broker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Iterable as _Iterable, Optional as _Optional
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -20,16 +22,20 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_counts: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("ticket_id", "request_id", "rows", "seed")
+    __slots__ = ("ticket_id", "request_id", "rows", "seed", "plan", "deadline_time")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_TIME_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
     request_id: str
     rows: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    def __init__(self, ticket_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    plan: _broker_pb2.TicketPlan
+    deadline_time: _timestamp_pb2.Timestamp
+    def __init__(self, ticket_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., plan: _Optional[_Union[_broker_pb2.TicketPlan, _Mapping]] = ..., deadline_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("token_counts", "bytes_written", "prefill_seconds", "transfer_seconds")

@@ -286,6 +286,42 @@ class ReportLoadResponse(_message.Message):
     ticket: Ticket
     def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ...) -> None: ...
 
+class TicketPlan(_message.Message):
+    __slots__ = ("ticket", "writes", "destinations", "dit_geometry", "dit_parallelism", "dit_num_pages", "verify_checksums", "src_shards")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    DESTINATIONS_FIELD_NUMBER: _ClassVar[int]
+    DIT_GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    DIT_PARALLELISM_FIELD_NUMBER: _ClassVar[int]
+    DIT_NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SRC_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ticket: Ticket
+    writes: _containers.RepeatedCompositeFieldContainer[_common_pb2.PlannedWrite]
+    destinations: _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryRegion]
+    dit_geometry: _common_pb2.KvGeometry
+    dit_parallelism: _common_pb2.Parallelism
+    dit_num_pages: int
+    verify_checksums: bool
+    src_shards: int
+    def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ..., writes: _Optional[_Iterable[_Union[_common_pb2.PlannedWrite, _Mapping]]] = ..., destinations: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., dit_geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., dit_parallelism: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., dit_num_pages: _Optional[int] = ..., verify_checksums: bool = ..., src_shards: _Optional[int] = ...) -> None: ...
+
+class StartConsumingRequest(_message.Message):
+    __slots__ = ("ticket_id", "replica_id", "incarnation_id")
+    TICKET_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    ticket_id: str
+    replica_id: str
+    incarnation_id: str
+    def __init__(self, ticket_id: _Optional[str] = ..., replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
+
+class StartConsumingResponse(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: Ticket
+    def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ...) -> None: ...
+
 class ReleaseTicketRequest(_message.Message):
     __slots__ = ("ticket_id", "outcome", "reason", "replica_id")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]

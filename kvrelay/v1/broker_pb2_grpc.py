@@ -69,6 +69,11 @@ class BrokerServiceStub(object):
                 request_serializer=kvrelay_dot_v1_dot_broker__pb2.ReportLoadRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_broker__pb2.ReportLoadResponse.FromString,
                 _registered_method=True)
+        self.StartConsuming = channel.unary_unary(
+                '/kvrelay.v1.BrokerService/StartConsuming',
+                request_serializer=kvrelay_dot_v1_dot_broker__pb2.StartConsumingRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_broker__pb2.StartConsumingResponse.FromString,
+                _registered_method=True)
         self.ReleaseTicket = channel.unary_unary(
                 '/kvrelay.v1.BrokerService/ReleaseTicket',
                 request_serializer=kvrelay_dot_v1_dot_broker__pb2.ReleaseTicketRequest.SerializeToString,
@@ -156,6 +161,14 @@ class BrokerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartConsuming(self, request, context):
+        """The DiT starts reading a READY ticket's pages: CONSUMING. Called by the
+        DiT itself. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseTicket(self, request, context):
         """The DiT is done with the ticket (any outcome). Idempotent.
         """
@@ -238,6 +251,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.ReportLoad,
                     request_deserializer=kvrelay_dot_v1_dot_broker__pb2.ReportLoadRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_broker__pb2.ReportLoadResponse.SerializeToString,
+            ),
+            'StartConsuming': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartConsuming,
+                    request_deserializer=kvrelay_dot_v1_dot_broker__pb2.StartConsumingRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_broker__pb2.StartConsumingResponse.SerializeToString,
             ),
             'ReleaseTicket': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseTicket,
@@ -464,6 +482,33 @@ class BrokerService(object):
             '/kvrelay.v1.BrokerService/ReportLoad',
             kvrelay_dot_v1_dot_broker__pb2.ReportLoadRequest.SerializeToString,
             kvrelay_dot_v1_dot_broker__pb2.ReportLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartConsuming(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.BrokerService/StartConsuming',
+            kvrelay_dot_v1_dot_broker__pb2.StartConsumingRequest.SerializeToString,
+            kvrelay_dot_v1_dot_broker__pb2.StartConsumingResponse.FromString,
             options,
             channel_credentials,
             insecure,

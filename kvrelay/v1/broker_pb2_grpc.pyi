@@ -62,6 +62,14 @@ class BrokerServiceStub:
     ]
     """Idempotent; retried by callers."""
 
+    StartConsuming: grpc.UnaryUnaryMultiCallable[
+        kvrelay.v1.broker_pb2.StartConsumingRequest,
+        kvrelay.v1.broker_pb2.StartConsumingResponse,
+    ]
+    """The DiT starts reading a READY ticket's pages: CONSUMING. Called by the
+    DiT itself. Idempotent.
+    """
+
     ReleaseTicket: grpc.UnaryUnaryMultiCallable[
         kvrelay.v1.broker_pb2.ReleaseTicketRequest,
         kvrelay.v1.broker_pb2.ReleaseTicketResponse,
@@ -141,6 +149,14 @@ class BrokerServiceAsyncStub:
         kvrelay.v1.broker_pb2.ReportLoadResponse,
     ]
     """Idempotent; retried by callers."""
+
+    StartConsuming: grpc.aio.UnaryUnaryMultiCallable[
+        kvrelay.v1.broker_pb2.StartConsumingRequest,
+        kvrelay.v1.broker_pb2.StartConsumingResponse,
+    ]
+    """The DiT starts reading a READY ticket's pages: CONSUMING. Called by the
+    DiT itself. Idempotent.
+    """
 
     ReleaseTicket: grpc.aio.UnaryUnaryMultiCallable[
         kvrelay.v1.broker_pb2.ReleaseTicketRequest,
@@ -235,6 +251,16 @@ class BrokerServiceServicer(metaclass=abc.ABCMeta):
         context: _ServicerContext,
     ) -> typing.Union[kvrelay.v1.broker_pb2.ReportLoadResponse, collections.abc.Awaitable[kvrelay.v1.broker_pb2.ReportLoadResponse]]:
         """Idempotent; retried by callers."""
+
+    @abc.abstractmethod
+    def StartConsuming(
+        self,
+        request: kvrelay.v1.broker_pb2.StartConsumingRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[kvrelay.v1.broker_pb2.StartConsumingResponse, collections.abc.Awaitable[kvrelay.v1.broker_pb2.StartConsumingResponse]]:
+        """The DiT starts reading a READY ticket's pages: CONSUMING. Called by the
+        DiT itself. Idempotent.
+        """
 
     @abc.abstractmethod
     def ReleaseTicket(

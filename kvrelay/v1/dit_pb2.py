@@ -22,26 +22,28 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from kvrelay.v1 import broker_pb2 as kvrelay_dot_v1_dot_broker__pb2
 from kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvrelay/v1/dit.proto\x12\nkvrelay.v1\x1a\x17kvrelay/v1/common.proto\"\x99\x01\n\x0e\x44\x65noiseRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\"\xd9\x01\n\x0c\x44\x65noiseEvent\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.kvrelay.v1.DenoisePhase\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\x12 \n\x05image\x18\x04 \x01(\x0b\x32\x11.kvrelay.v1.Image\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x64\x65noise_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x07 \x01(\x01\x12\x14\n\x0c\x62ytes_loaded\x18\x08 \x01(\x04\"t\n\x0cPutKvRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0b\n\x03row\x18\x02 \x01(\r\x12\x10\n\x08src_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x04 \x01(\r\x12\x12\n\ndst_offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"@\n\rPutKvResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x02 \x01(\r*\x95\x01\n\x0c\x44\x65noisePhase\x12\x1d\n\x19\x44\x45NOISE_PHASE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45NOISE_PHASE_LOADING\x10\x01\x12\x18\n\x14\x44\x45NOISE_PHASE_LOADED\x10\x02\x12\x16\n\x12\x44\x45NOISE_PHASE_STEP\x10\x03\x12\x19\n\x15\x44\x45NOISE_PHASE_DECODED\x10\x04\x32\x8f\x01\n\nDitService\x12\x41\n\x07\x44\x65noise\x12\x1a.kvrelay.v1.DenoiseRequest\x1a\x18.kvrelay.v1.DenoiseEvent0\x01\x12>\n\x05PutKv\x12\x18.kvrelay.v1.PutKvRequest\x1a\x19.kvrelay.v1.PutKvResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvrelay/v1/dit.proto\x12\nkvrelay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17kvrelay/v1/broker.proto\x1a\x17kvrelay/v1/common.proto\"\xf2\x01\n\x0e\x44\x65noiseRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x05 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x06 \x01(\x01\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12$\n\x04plan\x18\x08 \x01(\x0b\x32\x16.kvrelay.v1.TicketPlan\x12\x31\n\rdeadline_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xd9\x01\n\x0c\x44\x65noiseEvent\x12\'\n\x05phase\x18\x01 \x01(\x0e\x32\x18.kvrelay.v1.DenoisePhase\x12\x0c\n\x04step\x18\x02 \x01(\r\x12\x13\n\x0btotal_steps\x18\x03 \x01(\r\x12 \n\x05image\x18\x04 \x01(\x0b\x32\x11.kvrelay.v1.Image\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\x12\x17\n\x0f\x64\x65noise_seconds\x18\x06 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x07 \x01(\x01\x12\x14\n\x0c\x62ytes_loaded\x18\x08 \x01(\x04\"t\n\x0cPutKvRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0b\n\x03row\x18\x02 \x01(\r\x12\x10\n\x08src_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x04 \x01(\r\x12\x12\n\ndst_offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\"@\n\rPutKvResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x17\n\x0f\x63hunks_received\x18\x02 \x01(\r*\x95\x01\n\x0c\x44\x65noisePhase\x12\x1d\n\x19\x44\x45NOISE_PHASE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45NOISE_PHASE_LOADING\x10\x01\x12\x18\n\x14\x44\x45NOISE_PHASE_LOADED\x10\x02\x12\x16\n\x12\x44\x45NOISE_PHASE_STEP\x10\x03\x12\x19\n\x15\x44\x45NOISE_PHASE_DECODED\x10\x04\x32\x8f\x01\n\nDitService\x12\x41\n\x07\x44\x65noise\x12\x1a.kvrelay.v1.DenoiseRequest\x1a\x18.kvrelay.v1.DenoiseEvent0\x01\x12>\n\x05PutKv\x12\x18.kvrelay.v1.PutKvRequest\x1a\x19.kvrelay.v1.PutKvResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.dit_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DENOISEPHASE']._serialized_start=622
-  _globals['_DENOISEPHASE']._serialized_end=771
-  _globals['_DENOISEREQUEST']._serialized_start=62
-  _globals['_DENOISEREQUEST']._serialized_end=215
-  _globals['_DENOISEEVENT']._serialized_start=218
-  _globals['_DENOISEEVENT']._serialized_end=435
-  _globals['_PUTKVREQUEST']._serialized_start=437
-  _globals['_PUTKVREQUEST']._serialized_end=553
-  _globals['_PUTKVRESPONSE']._serialized_start=555
-  _globals['_PUTKVRESPONSE']._serialized_end=619
-  _globals['_DITSERVICE']._serialized_start=774
-  _globals['_DITSERVICE']._serialized_end=917
+  _globals['_DENOISEPHASE']._serialized_start=769
+  _globals['_DENOISEPHASE']._serialized_end=918
+  _globals['_DENOISEREQUEST']._serialized_start=120
+  _globals['_DENOISEREQUEST']._serialized_end=362
+  _globals['_DENOISEEVENT']._serialized_start=365
+  _globals['_DENOISEEVENT']._serialized_end=582
+  _globals['_PUTKVREQUEST']._serialized_start=584
+  _globals['_PUTKVREQUEST']._serialized_end=700
+  _globals['_PUTKVRESPONSE']._serialized_start=702
+  _globals['_PUTKVRESPONSE']._serialized_end=766
+  _globals['_DITSERVICE']._serialized_start=921
+  _globals['_DITSERVICE']._serialized_end=1064
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,5 @@
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from kvrelay.v1 import broker_pb2 as _broker_pb2
 from kvrelay.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -20,7 +22,7 @@ DENOISE_PHASE_STEP: DenoisePhase
 DENOISE_PHASE_DECODED: DenoisePhase
 
 class DenoiseRequest(_message.Message):
-    __slots__ = ("ticket_id", "request_id", "width", "height", "num_inference_steps", "guidance_scale", "seed")
+    __slots__ = ("ticket_id", "request_id", "width", "height", "num_inference_steps", "guidance_scale", "seed", "plan", "deadline_time")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +30,8 @@ class DenoiseRequest(_message.Message):
     NUM_INFERENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     GUIDANCE_SCALE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_TIME_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
     request_id: str
     width: int
@@ -35,7 +39,9 @@ class DenoiseRequest(_message.Message):
     num_inference_steps: int
     guidance_scale: float
     seed: int
-    def __init__(self, ticket_id: _Optional[str] = ..., request_id: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    plan: _broker_pb2.TicketPlan
+    deadline_time: _timestamp_pb2.Timestamp
+    def __init__(self, ticket_id: _Optional[str] = ..., request_id: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., plan: _Optional[_Union[_broker_pb2.TicketPlan, _Mapping]] = ..., deadline_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class DenoiseEvent(_message.Message):
     __slots__ = ("phase", "step", "total_steps", "image", "load_seconds", "denoise_seconds", "decode_seconds", "bytes_loaded")

@@ -580,3 +580,35 @@ def test_in_doubt_survives_a_broker_restart(tmp_path, clock) -> None:
         assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
     finally:
         core.close()
+
+
+# --- The broker plans once (DESIGN.md section 7): the plan is handed down, the DiT consumes itself.
+
+
+def test_plan_for_is_the_arming_plan_without_arming(core, ar, dit) -> None:
+    t = core.create_ticket("req-1", "ar-0", "dit-0", [40, 3])
+    plan = core.plan_for(t.ticket_id)
+    assert plan.ticket.state is TicketState.RESERVED and not plan.ticket.armed
+    assert plan.src_shards == 2 and plan.dit_tensor_parallel_size == 2
+    assert {(w.row, w.src_rank, w.dst_rank) for w in plan.writes} == {
+        (w.key.row, w.key.src_rank, w.key.dst_rank) for w in t.writes
+    }
+    armed_plan = core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+    assert armed_plan.writes == plan.writes and armed_plan.destinations == plan.destinations
+    # Not armed by plan_for: rollback was still legal until ReserveTicket.
+    t2 = core.create_ticket("req-2", "ar-0", "dit-0", [5])
+    core.plan_for(t2.ticket_id)
+    assert core.cancel_ticket(t2.ticket_id).state is TicketState.RELEASED
+
+
+def test_the_dit_marks_consuming_itself_and_only_its_own_ticket(core, ar, dit) -> None:
+    t = load_all(core, write_all(core, armed(core, ar, dit), ar), dit)
+    assert t.state is TicketState.READY
+    with pytest.raises(FailedPrecondition) as info:
+        core.start_consuming(t.ticket_id, "dit-9", dit.incarnation_id)
+    assert info.value.reason == "WRONG_REPLICA"
+    with pytest.raises(FailedPrecondition) as info:
+        core.start_consuming(t.ticket_id, "dit-0", "an-old-incarnation")
+    assert info.value.reason == "STALE_INCARNATION"
+    assert core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id).state is TicketState.CONSUMING
+    assert core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id).state is TicketState.CONSUMING

@@ -379,8 +379,16 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
                     KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED", "a write failed"),
                 )
             await self._verify_and_report(ticket)
+            load_seconds = time.monotonic() - t0
+            # The DiT marks its ticket CONSUMING itself before reading the pages (issue 13).
+            await self.broker.StartConsuming(
+                broker_pb2.StartConsumingRequest(
+                    ticket_id=ticket_id, replica_id=self.replica_id, incarnation_id=self.incarnation_id
+                ),
+                timeout=RPC_TIMEOUT,
+            )
             self.loaded.set()
-            yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, load_seconds=time.monotonic() - t0)
+            yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, load_seconds=load_seconds)
             t1 = time.monotonic()
             await self.step_gate.wait()
             for k in range(1, request.num_inference_steps + 1):
