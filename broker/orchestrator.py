@@ -525,7 +525,11 @@ class Orchestrator:
         metadata = (("request_id", job.request_id), ("ticket_id", ticket.ticket_id))
         # Planned once, here: both replicas get the ticket, its rows, writes and destinations with
         # the call, so neither asks the broker for them nor runs the planner again.
-        plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))
+        try:
+            plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))
+        except BrokerError as err:
+            # Ended since it was placed (cancelled, its DiT restarted): nothing was sent yet.
+            raise _RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
         deadline_time = None
         if remaining is not None:
             deadline_time = timestamp_pb2.Timestamp()

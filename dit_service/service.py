@@ -38,6 +38,7 @@ from kvrelay.dit_service.engine import (
     VerifyWrites,
 )
 from kvrelay.dit_service.memory import ReplicaMemory
+from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
 from kvrelay.dit_service.scheduler import AdmissionQueue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
@@ -63,19 +64,12 @@ STEP_POLL_S = 0.01
 # A single rank command (a whole denoise) may take this long before the group counts as hung.
 WORKER_CALL_TIMEOUT_S = 3600.0
 
-_FINAL_WRITE_FAILURES = {
-    common_pb2.WRITE_STATUS_FAILED: "FAILED",
-    common_pb2.WRITE_STATUS_NOT_STARTED: "NOT_STARTED",
-    common_pb2.WRITE_STATUS_WRITER_GONE: "WRITER_GONE",
-}
 _OUTCOME_PB = {
     "OK": broker_pb2.TICKET_OUTCOME_OK,
     "CANCELLED": broker_pb2.TICKET_OUTCOME_CANCELLED,
     "TIMED_OUT": broker_pb2.TICKET_OUTCOME_TIMED_OUT,
     "FAILED": broker_pb2.TICKET_OUTCOME_FAILED,
 }
-_OVER_STATES = (broker_pb2.TICKET_STATE_DRAINING, broker_pb2.TICKET_STATE_RELEASED)
-_LOADED_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING)
 _MAX_DIM, _MIN_DIM = 2048, 64
 
 
@@ -472,75 +466,46 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH",
                                      f"ticket {ticket_id}: the broker expects writes {sorted(listed)}, "
                                      f"the DiT plans {sorted(planned)}")
-        pending = {(r.row, d) for r in rows for d in range(world)}
         total_bytes = sum(w.num_bytes for w in plan)
-
+        # The decisions are the pure LoadProtocol's; this loop only carries them out.
+        protocol = LoadProtocol(ticket_id, planned, world, [r.row for r in rows], budget_end,
+                                RECHECK_FIRST_S, RECHECK_MAX_S)
         latest: list[broker_pb2.Ticket] = [ticket]
         changed = asyncio.Event()
         watcher = asyncio.ensure_future(self._watch(ticket_id, latest, changed, budget_end))
-        recheck = RECHECK_FIRST_S
+        seen: broker_pb2.Ticket | None = None
         try:
             while True:
                 t = latest[0]
-                if t.state in _LOADED_STATES and not pending:
+                if t is not seen:
+                    protocol.on_ticket(
+                        t.state,
+                        {(w.row, w.src_rank, w.dst_rank): WriteReport(w.status, w.checksum) for w in t.writes},
+                        [(ld.row, ld.dst_rank) for ld in t.loads if ld.loaded],
+                    )
+                    seen = t
+                command = protocol.next_command(time.monotonic())
+                if isinstance(command, Loaded):
                     return total_bytes
-                if t.state in _OVER_STATES:
-                    raise _transfer_error(grpc.StatusCode.ABORTED, "TICKET_ENDED",
-                                          f"ticket {ticket_id} ended ({broker_pb2.TicketState.Name(t.state)}) "
-                                          "while loading")
-                reported = {(w.row, w.src_rank, w.dst_rank): w for w in t.writes}
-                for key, w in reported.items():
-                    if w.status == common_pb2.WRITE_STATUS_IN_DOUBT:
-                        # The sender stopped waiting (its transfer timeout): the request fails; the
-                        # pages stay with the ticket until the write's real end is reported.
-                        raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
-                                              f"ticket {ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} "
-                                              "is in doubt: its sender timed out")
-                    if w.status in _FINAL_WRITE_FAILURES:
-                        raise _transfer_error(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED",
-                                              f"ticket {ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} "
-                                              f"ended {_FINAL_WRITE_FAILURES[w.status]}")
-                for loaded in t.loads:
-                    if loaded.loaded:
-                        pending.discard((loaded.row, loaded.dst_rank))
-                ready = sorted(
-                    load for load in pending
-                    if all(reported[k].status == common_pb2.WRITE_STATUS_OK
-                           for k in planned if (k[0], k[2]) == load)
-                )
-                mismatched = False
-                if ready:
-                    verified = await self._verify(ready, planned, reported)
+                if isinstance(command, Fail):
+                    message = command.message
+                    if command.reason == "TRANSFER_TIMEOUT" and "in doubt" not in message:
+                        message += (f" (waited {time.monotonic() - loop_start:.2f}s, "
+                                    f"transfer_timeout {s.stage.transfer_timeout}s)")
+                    raise _transfer_error(getattr(grpc.StatusCode, command.code), command.reason, message)
+                if isinstance(command, Verify):
+                    reported = {(w.row, w.src_rank, w.dst_rank): w for w in t.writes}
+                    verified = await self._verify(list(command.loads), planned, reported)
                     for load, checks in verified.items():
-                        if checks is None:
-                            mismatched = True
-                            continue
-                        reply_ticket = await self._report_load(ticket_id, load, checks)
-                        if reply_ticket is None:
-                            mismatched = True
-                            continue
-                        pending.discard(load)
-                        latest[0] = reply_ticket
-                    if not mismatched:
-                        recheck = RECHECK_FIRST_S
-                    continue_now = not pending or latest[0] is not t
-                    if continue_now and not mismatched:
-                        continue
-                now = time.monotonic()
-                if now >= budget_end:
-                    waiting_for = sorted(pending)
-                    raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
-                                          f"ticket {ticket_id}: rows/ranks {waiting_for} not loaded within "
-                                          f"{now - loop_start:.2f}s (transfer_timeout {s.stage.transfer_timeout}s)")
-                wait_s = budget_end - now
-                if mismatched:
-                    # Bytes may still be landing: look again soon even without a ticket change.
-                    wait_s = min(wait_s, recheck)
-                    recheck = min(RECHECK_MAX_S, recheck * 2)
+                        reply_ticket = None if checks is None else await self._report_load(ticket_id, load, checks)
+                        protocol.on_verified(load, reply_ticket is not None)
+                        if reply_ticket is not None:
+                            latest[0] = reply_ticket
+                    continue
                 changed.clear()
                 if latest[0] is t:
                     try:
-                        await asyncio.wait_for(changed.wait(), timeout=wait_s)
+                        await asyncio.wait_for(changed.wait(), timeout=command.seconds)
                     except TimeoutError:
                         pass
         finally:

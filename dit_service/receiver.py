@@ -1,0 +1,160 @@
+"""The DiT's receiving protocol for one ticket, as a pure state object (events in, commands out).
+
+Owns the decisions of the load phase (docs/internals.md, "The request protocol"): which
+`(row, dst_rank)` loads are ready to verify (every planned write into them reported OK), when the
+wait fails (a write FAILED / NOT_STARTED / WRITER_GONE: TRANSFER_FAILED; IN_DOUBT: its sender
+timed out, TRANSFER_TIMEOUT; the ticket ended under us; the budget ran out) and when every load
+is reported. The servicer feeds it ticket snapshots (from WatchTicket), verification results and
+the clock, and carries out what it answers: verify on the ranks, ReportLoad, wait, or fail.
+Must never do I/O, sleep, or read a clock it is not given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from kvrelay.v1 import broker_pb2, common_pb2
+
+WriteId = tuple[int, int, int]  # (row, src_rank, dst_rank)
+LoadId = tuple[int, int]  # (row, dst_rank)
+
+_FINAL_FAILURES: dict[int, str] = {
+    common_pb2.WRITE_STATUS_FAILED: "FAILED",
+    common_pb2.WRITE_STATUS_NOT_STARTED: "NOT_STARTED",
+    common_pb2.WRITE_STATUS_WRITER_GONE: "WRITER_GONE",
+}
+_LOADED_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING)
+_OVER_STATES = (broker_pb2.TICKET_STATE_DRAINING, broker_pb2.TICKET_STATE_RELEASED)
+
+
+# ------------------------------------------------------------------------------------- commands
+
+
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """Check the destination bytes of these loads on the ranks, then report each that matches."""
+
+    loads: tuple[LoadId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Nothing to do until the ticket changes, or `seconds` pass (a re-check of landing bytes)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """Every load is reported and the ticket is READY: start consuming."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    """End the request: gRPC status code name, reason, message."""
+
+    code: str
+    reason: str
+    message: str
+
+
+Command = Verify | Wait | Loaded | Fail
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReport:
+    status: int  # common_pb2.WriteStatus
+    checksum: int
+
+
+# ------------------------------------------------------------------------------------- protocol
+
+
+class LoadProtocol:
+    """One ticket's load phase. Call `next_command(now)` after every event."""
+
+    def __init__(
+        self,
+        ticket_id: str,
+        planned: Iterable[WriteId],
+        dst_ranks: int,
+        rows: Sequence[int],
+        budget_end: float,
+        recheck_first_s: float = 0.01,
+        recheck_max_s: float = 0.2,
+    ) -> None:
+        self.ticket_id = ticket_id
+        self.planned: frozenset[WriteId] = frozenset(planned)
+        self.pending: set[LoadId] = {(r, d) for r in rows for d in range(dst_ranks)}
+        self.budget_end = budget_end
+        self.recheck_first_s = recheck_first_s
+        self.recheck_max_s = recheck_max_s
+        self._recheck = recheck_first_s
+        self._state: int = broker_pb2.TICKET_STATE_RESERVED
+        self._reports: dict[WriteId, WriteReport] = {}
+        self._mismatched = False
+        self._verifying: frozenset[LoadId] = frozenset()
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def on_ticket(self, state: int, writes: Mapping[WriteId, WriteReport], loaded: Iterable[LoadId]) -> None:
+        """A ticket snapshot from the broker (WatchTicket, or a ReportLoad reply)."""
+        self._state = state
+        self._reports = dict(writes)
+        self.pending.difference_update(loaded)
+
+    def on_verified(self, load: LoadId, matched: bool) -> None:
+        """The ranks checked `load`'s bytes (and, when they matched, the broker took the report)."""
+        if matched:
+            self.pending.discard(load)
+            self._recheck = self.recheck_first_s
+        else:
+            # Bytes may still be landing (a sender's OK is no proof): look again soon.
+            self._mismatched = True
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def next_command(self, now: float) -> Command:
+        if self._state in _LOADED_STATES and not self.pending:
+            return Loaded()
+        if self._state in _OVER_STATES:
+            return Fail("ABORTED", "TICKET_ENDED",
+                        f"ticket {self.ticket_id} ended ({broker_pb2.TicketState.Name(self._state)}) while loading")
+        for key in sorted(self._reports):
+            status = self._reports[key].status
+            if status == common_pb2.WRITE_STATUS_IN_DOUBT:
+                # The sender stopped waiting (its transfer timeout): the request fails; the pages
+                # stay with the ticket until the write's real end is reported.
+                return Fail("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT",
+                            f"ticket {self.ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} is in doubt: "
+                            "its sender timed out")
+            if status in _FINAL_FAILURES:
+                return Fail("UNAVAILABLE", "TRANSFER_FAILED",
+                            f"ticket {self.ticket_id}: write row={key[0]} src={key[1]} dst={key[2]} ended "
+                            f"{_FINAL_FAILURES[status]}")
+        ready = tuple(sorted(
+            load for load in self.pending
+            if all(self._status(k) == common_pb2.WRITE_STATUS_OK for k in self.planned if (k[0], k[2]) == load)
+        ))  # fmt: skip
+        if ready and (not self._mismatched or frozenset(ready) != self._verifying):
+            self._verifying = frozenset(ready)
+            self._mismatched = False
+            return Verify(ready)
+        if now >= self.budget_end:
+            return Fail("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT",
+                        f"ticket {self.ticket_id}: rows/ranks {sorted(self.pending)} not loaded in time")
+        wait = self.budget_end - now
+        if self._mismatched:
+            wait = min(wait, self._recheck)
+            self._recheck = min(self.recheck_max_s, self._recheck * 2)
+            self._mismatched = False
+            self._verifying = frozenset()
+        return Wait(wait)
+
+    def _status(self, key: WriteId) -> int:
+        report = self._reports.get(key)
+        return common_pb2.WRITE_STATUS_UNSPECIFIED if report is None else report.status
+
+
+__all__ = ["Command", "Fail", "LoadProtocol", "Loaded", "Verify", "Wait", "WriteReport"]
