@@ -32,6 +32,8 @@ def test_every_design_rpc_exists() -> None:
             "RegisterReplica", "Heartbeat", "DeregisterReplica", "CreateTicket", "ReserveTicket", "ReportWrite",
             "ReportLoad", "ReleaseTicket", "CancelTicket", "GetTicket", "WatchTicket", "ListTickets", "GetPool",
             "ListReplicas",
+            # DESIGN.md section 7: "the DiT marks its ticket CONSUMING itself" (issue 13).
+            "StartConsuming",
         },
         (ar_pb2, "ArService"): {"Prefill", "Tokenize"},
         (dit_pb2, "DitService"): {"Denoise", "PutKv"},
