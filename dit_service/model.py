@@ -84,15 +84,29 @@ class DitParallel:
     world: int
     tp: TpGroup
     sp: TpGroup
+    # CFG-parallel: this rank's CFG group (``cfg.rank`` = the CFG row it computes) among the ranks
+    # of equal ``rank`` in every group; the replica has ``world * cfg.world_size`` ranks.
+    cfg: TpGroup = TpGroup.single()
+
+    @property
+    def replica_rank(self) -> int:
+        return self.cfg.rank * self.world + self.rank
+
+    @property
+    def replica_world(self) -> int:
+        return self.cfg.world_size * self.world
 
     @classmethod
     def single(cls) -> DitParallel:
         return cls(0, 1, TpGroup.single(), TpGroup.single())
 
     @classmethod
-    def build(cls, rank: int, world: int, tp: int, sp: int) -> DitParallel:
+    def build(cls, rank: int, world: int, tp: int, sp: int, cfg: int = 1) -> DitParallel:
         """Create the TP and SP subgroups. Collective: every rank of the default process group
-        must call it with the same sizes (torch.distributed.new_group is collective)."""
+        must call it with the same sizes (torch.distributed.new_group is collective).
+        ``cfg`` > 1: ``world = cfg * tp * sp`` ranks in ``cfg`` groups, see ``_build_cfg``."""
+        if cfg > 1:
+            return cls._build_cfg(rank, world, tp, sp, cfg)
         if tp < 1 or sp < 1 or tp * sp != world:
             raise ValueError(f"tp={tp} x sp={sp} must equal world={world}")
         if not 0 <= rank < world:
@@ -118,6 +132,36 @@ class DitParallel:
                 if t == tp_rank:
                     sp_group = TpGroup(sp_rank, sp, g)
         return cls(rank, world, tp_group, sp_group)
+
+    @classmethod
+    def _build_cfg(cls, rank: int, world: int, tp: int, sp: int, cfg: int) -> DitParallel:
+        """CFG-parallel: replica rank ``c * tp * sp + r`` is rank r (``r = tp_rank * sp + sp_rank``)
+        of CFG group c, which computes CFG row c; its TP/SP groups stay inside group c, and the
+        ranks of equal r across groups form its CFG group (one all-gather per step combines)."""
+        inner = tp * sp
+        if tp < 1 or sp < 1 or inner * cfg != world:
+            raise ValueError(f"cfg={cfg} x tp={tp} x sp={sp} must equal world={world}")
+        if not dist.is_initialized() or dist.get_world_size() != world:
+            raise RuntimeError(f"world={world} needs an initialized default process group of that size")
+        c, local = divmod(rank, inner)
+        tp_rank, sp_rank = divmod(local, sp)
+        tp_group, sp_group, cfg_group = TpGroup.single(), TpGroup.single(), TpGroup.single()
+        # Every rank creates every subgroup in the same order (new_group is collective).
+        for g in range(cfg):
+            base = g * inner
+            for s in range(sp if tp > 1 else 0):
+                handle = dist.new_group([base + t * sp + s for t in range(tp)])
+                if (g, s) == (c, sp_rank):
+                    tp_group = TpGroup(tp_rank, tp, handle)
+            for t in range(tp if sp > 1 else 0):
+                handle = dist.new_group([base + t * sp + s for s in range(sp)])
+                if (g, t) == (c, tp_rank):
+                    sp_group = TpGroup(sp_rank, sp, handle)
+        for r in range(inner):
+            handle = None if inner == 1 else dist.new_group([g * inner + r for g in range(cfg)])
+            if r == local:
+                cfg_group = TpGroup(c, cfg, handle)
+        return cls(local, inner, tp_group, sp_group, cfg_group)
 
     def page_layout(self, preset: ModelPreset, page_size: int) -> PageLayout:
         """The layout of the pages this rank receives: head shard ``rank`` of ``world``."""
@@ -645,12 +689,13 @@ class DitRunner:
         cuda_graphs: bool = True,
         prefix_bucket: int | None = None,
         expert_parallel: bool = False,
+        cfg_parallel: int = 1,
     ) -> None:
         self.preset = get_preset(preset) if isinstance(preset, str) else preset
         self.cfg = self.preset.dit
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
-        self.parallel = DitParallel.build(rank, world, tp, sp)
+        self.parallel = DitParallel.build(rank, world, tp, sp, cfg_parallel)
         self.timestep_shift = timestep_shift
         on_gpu = self.device.type == "cuda"
         # Prefix slots rounded up to a bucket on GPUs, so one captured step serves every prompt
@@ -762,6 +807,14 @@ class DitRunner:
 
     def _check_prefix(self, prefix_rows: Sequence[PrefixRow], guidance_scale: float) -> None:
         rows = cfg_rows(guidance_scale)
+        cfg = self.parallel.cfg
+        if cfg.world_size > 1:
+            if rows != cfg.world_size:
+                raise ValueError(
+                    f"cfg_parallel={cfg.world_size} needs guidance_scale > 1 ({cfg.world_size} CFG rows), "
+                    f"got {guidance_scale}"
+                )
+            rows = 1  # this rank's CFG group computes row cfg.rank only
         if len(prefix_rows) != rows:
             raise ValueError(
                 f"guidance_scale={guidance_scale} needs {rows} CFG row(s) (row 0 prompt, row 1 negative), "
@@ -783,7 +836,7 @@ class DitRunner:
     def _agreed(self, on_step: StepCallback | None) -> StepCallback | None:
         """Wrap the step callback so that all ranks stop after the same step (one tiny all-reduce
         per step); without it a rank that stops leaves the others blocked in a collective."""
-        if self.parallel.world == 1:
+        if self.parallel.replica_world == 1:
             return on_step
 
         def agreed(step: int, total: int) -> None:
@@ -796,7 +849,7 @@ class DitRunner:
             flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
             # Through TpGroup over the whole replica: it stages through host memory when ranks
             # that share a GPU use gloo, which has no collectives on CUDA tensors there.
-            TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flag)
+            TpGroup(self.parallel.replica_rank, self.parallel.replica_world, None).all_reduce(flag)
             if error is not None:
                 raise error
             if int(flag.item()):
@@ -830,6 +883,9 @@ class DitRunner:
             seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device
         )
         velocity = self.stepper(rows, lat_h, lat_w)
+        cfg = self.parallel.cfg
+        if cfg.world_size > 1:
+            velocity = functools.partial(_cfg_parallel_velocity, velocity, cfg)
         latents: torch.Tensor = euler_sample(
             velocity,
             noise,
@@ -861,6 +917,8 @@ class DitRunner:
         """
         if not requests:
             return []
+        if self.parallel.cfg.world_size > 1:
+            raise ValueError("denoise_batch does not support cfg_parallel yet: use denoise")
         for req in requests:
             self._check_prefix(req.prefix_rows, req.guidance_scale)
         lat_h, lat_w = self.cfg.latent_size(width, height)
@@ -898,12 +956,12 @@ class DitRunner:
 
     def _agreed_stop(self, stop: set[int], n: int) -> set[int]:
         """The union of every rank's stop set (a no-op in one process)."""
-        if self.parallel.world == 1:
+        if self.parallel.replica_world == 1:
             return stop
         flags = torch.zeros(n, dtype=torch.int32, device=self.device)
         for i in stop:
             flags[i] = 1
-        TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flags)
+        TpGroup(self.parallel.replica_rank, self.parallel.replica_world, None).all_reduce(flags)
         return {i for i, f in enumerate(flags.tolist()) if f}
 
     @torch.no_grad()
@@ -934,6 +992,15 @@ class DitRunner:
             on_step=on_step,
         )
         return self.decode(latents)
+
+
+def _cfg_parallel_velocity(
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: TpGroup, batch: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
+    """CFG-parallel velocity: this group's row only, then one all-gather over the CFG group gives
+    every rank all rows (in row order) for the guidance combine."""
+    mine = step(batch[cfg.rank : cfg.rank + 1], t[cfg.rank : cfg.rank + 1])
+    return cfg.all_gather(mine, dim=0)
 
 
 def shard_prefix(full_row: Sequence[LayerKv], world: int, rank: int) -> list[LayerKv]:

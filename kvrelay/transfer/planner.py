@@ -132,7 +132,12 @@ def _coalesce(pieces: list[tuple[int, int]], src_start: int) -> tuple[Segment, .
 
 
 def plan_transfer(
-    geometry: KvGeometry, src_shards: int, dst_shards: int, rows: Sequence[RowSpec]
+    geometry: KvGeometry,
+    src_shards: int,
+    dst_shards: int,
+    rows: Sequence[RowSpec],
+    *,
+    cfg_parallel: int = 1,
 ) -> tuple[PlannedWrite, ...]:
     """Every write needed to move `rows` from `src_shards` AR head shards to `dst_shards` DiT head shards.
 
@@ -140,9 +145,16 @@ def plan_transfer(
     rank needs its head shard of the whole prefix). Order: rows as given, then source rank, then
     destination rank; only pairs whose head ranges overlap get a write. Whole pages are written
     (the tail of a row's last page is zero padding).
+
+    CFG-parallel (`cfg_parallel` > 1): the DiT's ranks form `cfg_parallel` groups of `dst_shards`
+    ranks each (rank = group * dst_shards + shard) and CFG row r is computed by group
+    r % cfg_parallel only, so its KV goes to that group's ranks and to no other: a rank receives
+    1/cfg_parallel of the rows.
     """
     geometry.head_range(src_shards, 0)
     geometry.head_range(dst_shards, 0)
+    if cfg_parallel < 1:
+        raise ValueError(f"cfg_parallel={cfg_parallel} must be at least 1")
     _validate_rows(geometry, rows)
     cursor = [0] * src_shards
     writes: list[PlannedWrite] = []
@@ -157,7 +169,8 @@ def plan_transfer(
                 pieces = _write_pieces(layout, spec, lo - layout.head_start, hi - lo)
                 segments = _coalesce(pieces, cursor[src])
                 cursor[src] += sum(length for _, length in pieces)
-                writes.append(PlannedWrite(spec.row, src, dst, segments))
+                group = spec.row % cfg_parallel
+                writes.append(PlannedWrite(spec.row, src, group * dst_shards + dst, segments))
     return tuple(writes)
 
 

@@ -51,6 +51,7 @@ class DitRankFactory:
     expert_parallel: bool = False
     checkpoint: str | None = None
     force_gather: bool = False  # MoE: the all-gather fallback of gloo builds without alltoall
+    cfg_parallel: int = 1  # world = cfg_parallel * tp * sp; CFG group c receives and computes row c
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -69,6 +70,7 @@ class DitRankHandler:
             device=ctx.device,
             expert_parallel=spec.expert_parallel,
             checkpoint=spec.checkpoint,
+            cfg_parallel=spec.cfg_parallel,
         )
         if spec.force_gather:
             from kvrelay.models import moe
@@ -85,7 +87,7 @@ class DitRankHandler:
         for row, n in zip(full_rows, pages_per_row, strict=True):
             page_ids = list(range(next_page, next_page + n))[::-1]  # reversed: a non-contiguous gather
             next_page += n
-            shard = shard_prefix(row, self.ctx.world_size, self.ctx.rank)
+            shard = shard_prefix(row, self.runner.parallel.world, self.runner.parallel.rank)
             write_prefix(
                 pool, self.layout, page_ids, [(k.to(pool.device), v.to(pool.device)) for k, v in shard]
             )
@@ -100,7 +102,11 @@ class DitRankHandler:
             if self.ctx.rank == command.stop_on_rank and step == command.stop_after_step:
                 raise StopRequested(f"rank {self.ctx.rank} stops after step {step}/{total}")
 
-        rows = self._rows_through_pages(command.full_rows)
+        full_rows = command.full_rows
+        cfg = self.runner.parallel.cfg
+        if cfg.world_size > 1:
+            full_rows = [full_rows[cfg.rank]]  # a CFG group's ranks receive only their row's KV
+        rows = self._rows_through_pages(full_rows)
         try:
             latents = self.runner.denoise(
                 rows,

@@ -66,3 +66,21 @@ def test_cancel_on_one_rank_stops_all_ranks_after_that_step() -> None:
         # No rank is left inside a collective: the group still serves the next request.
         again = group.call_all(_command(64, 64), timeout_s=120)
         assert [r.steps_seen for r in again] == [[1, 2], [1, 2]]
+
+
+@pytest.mark.parametrize(("tp", "sp"), [(1, 1), (2, 1)])
+def test_cfg_parallel_image_equals_single_rank(tp: int, sp: int) -> None:
+    """cfg_parallel=2: each CFG row on its own rank group (fed only that row's KV), one
+    all-gather per step combines; the latents equal one rank computing both rows."""
+    width, height = 80, 48
+    command = _command(width, height)
+    single = DitRunner(PRESET, weight_seed=WEIGHT_SEED)
+    ref = single.denoise(list(command.full_rows), width=width, height=height, steps=2, guidance_scale=2.5, seed=3)
+    factory = DitRankFactory(PRESET, tp, sp, WEIGHT_SEED, cfg_parallel=2)
+    with WorkerGroup(2 * tp * sp, factory) as group:
+        results = group.call_all(command, timeout_s=120)
+    assert [r.page_shard for r in results] == [s for _ in range(2) for s in range(tp * sp)]
+    for r in results:
+        assert r.steps_seen == [1, 2]
+        torch.testing.assert_close(r.latents, ref, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(r.latents, results[0].latents) for r in results)

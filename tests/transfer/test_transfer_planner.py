@@ -203,3 +203,32 @@ def test_rejects_bad_inputs_with_named_cause() -> None:
         KvGeometry(1, 1, 1, "int8", 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="head_local"):
         PageLayout(g, 2, 1).offset(0, 0, 0, 2)
+
+
+@pytest.mark.parametrize(("ar_tp", "dst_shards"), [(1, 1), (2, 1), (2, 2), (4, 2)])
+def test_cfg_parallel_places_each_row_only_on_its_group_and_halves_bytes_per_rank(ar_tp: int, dst_shards: int) -> None:
+    g = KvGeometry(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float32", page_size=16)
+    rows = [RowSpec(0, 40, (3, 4, 7)), RowSpec(1, 40, (0, 1, 2))]
+    plain = plan_transfer(g, ar_tp, dst_shards, rows)
+    split = plan_transfer(g, ar_tp, dst_shards, rows, cfg_parallel=2)
+
+    def per_rank(plan: tuple[PlannedWrite, ...]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for w in plan:
+            out[w.dst_rank] = out.get(w.dst_rank, 0) + w.num_bytes
+        return out
+
+    # Row r lands only on group r's ranks (r * dst_shards + shard), nowhere else.
+    for w in split:
+        assert w.dst_rank // dst_shards == w.row
+    # Same writes (segments, sources, staging) as the plain plan, only the destinations move.
+    assert [(w.row, w.src_rank, w.dst_rank % dst_shards, w.segments) for w in split] == [
+        (w.row, w.src_rank, w.dst_rank, w.segments) for w in plain
+    ]
+    # Twice the DiT ranks, each receiving half the bytes a rank of the plain layout receives.
+    plain_bytes, split_bytes = per_rank(plain), per_rank(split)
+    assert sorted(split_bytes) == list(range(2 * dst_shards))
+    assert all(split_bytes[r] * 2 == plain_bytes[r % dst_shards] for r in split_bytes)
+    assert sum(split_bytes.values()) == sum(plain_bytes.values())
+    with pytest.raises(ValueError, match="cfg_parallel"):
+        plan_transfer(g, ar_tp, dst_shards, rows, cfg_parallel=0)
