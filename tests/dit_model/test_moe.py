@@ -114,3 +114,14 @@ def test_expert_parallel_equals_single_rank(
         assert r.local_experts == want_local
         torch.testing.assert_close(r.latents, ref, atol=1e-4, rtol=1e-4)
     assert all(torch.equal(r.latents, results[0].latents) for r in results)
+
+
+@pytest.mark.slow
+def test_parallel_bench_times_every_layout_side_by_side() -> None:
+    from kvrelay.dit_service.parallel_bench import Layout, measure
+
+    layouts = [Layout("EP off", 2), Layout("EP on", 2, expert_parallel=True), Layout("CFG", 1, cfg_parallel=2)]
+    results = measure(PRESET, layouts, width=64, height=64, steps=2, prefix_tokens=8, rounds=1)
+    assert [r["layout"] for r in results] == ["EP off", "EP on", "CFG"]
+    assert results[0]["ratio_to_first"] == 1.0
+    assert all(float(str(r["step_s_median"])) > 0 for r in results)
