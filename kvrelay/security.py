@@ -645,12 +645,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         rule = self.rules.get(method)
         check = self.checks.get(method)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(method, rule, check, handler.unary_unary))
+            return handler._replace(unary_unary=self._wrap_single_response(
+                method, rule, check, handler.unary_unary, request_streaming=False))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._wrap_unary_stream(method, rule, check, handler.unary_stream))
+            return handler._replace(unary_stream=self._wrap_streamed_response(
+                method, rule, check, handler.unary_stream, request_streaming=False))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=self._wrap_stream_unary(method, rule, check, handler.stream_unary))
-        return handler._replace(stream_stream=self._wrap_stream_stream(method, rule, check, handler.stream_stream))
+            return handler._replace(stream_unary=self._wrap_single_response(
+                method, rule, check, handler.stream_unary, request_streaming=True))
+        return handler._replace(stream_stream=self._wrap_streamed_response(
+            method, rule, check, handler.stream_stream, request_streaming=True))
 
     async def _admit(
         self, method: str, rule: RpcRule | None, check: RequestCheck | None, request: Any,
@@ -684,11 +688,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await result
         return caller
 
-    def _wrap_unary(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
-                    behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_single_response(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
+                              behavior: Callable[..., Any], *, request_streaming: bool) -> Callable[..., Any]:
+        """A unary-unary or stream-unary handler: admitted (a streamed request is checked by its
+        credential only), then run with the caller bound."""
+
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                caller = await self._admit(method, rule, check, request, context)
+                caller = await self._admit(method, rule, check, None if request_streaming else request, context)
             except KvRelayServerError as err:
                 await abort_with(context, err)
             token = _current_caller.set(caller)
@@ -699,11 +706,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return wrapper
 
-    def _wrap_unary_stream(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
-                           behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_streamed_response(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
+                                behavior: Callable[..., Any], *, request_streaming: bool) -> Callable[..., Any]:
+        """A unary-stream or stream-stream handler, in either style grpc.aio allows (an async
+        generator, or a coroutine that writes with context.write)."""
+
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                caller = await self._admit(method, rule, check, request, context)
+                caller = await self._admit(method, rule, check, None if request_streaming else request, context)
             except KvRelayServerError as err:
                 await abort_with(context, err)
             token = _current_caller.set(caller)
@@ -718,42 +728,6 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 _current_caller.reset(token)
 
         return wrapper
-
-    def _wrap_stream_unary(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
-                           behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                caller = await self._admit(method, rule, check, None, context)
-            except KvRelayServerError as err:
-                await abort_with(context, err)
-            token = _current_caller.set(caller)
-            try:
-                return await behavior(request_iterator, context)
-            finally:
-                _current_caller.reset(token)
-
-        return wrapper
-
-    def _wrap_stream_stream(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
-                            behavior: Callable[..., Any]) -> Callable[..., Any]:
-        async def wrapper(request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                caller = await self._admit(method, rule, check, None, context)
-            except KvRelayServerError as err:
-                await abort_with(context, err)
-            token = _current_caller.set(caller)
-            try:
-                result = behavior(request_iterator, context)
-                if inspect.isasyncgen(result):
-                    async for item in result:
-                        yield item
-                else:
-                    await result
-            finally:
-                _current_caller.reset(token)
-
-        return wrapper
-
 
 def _common_name(auth_context: Mapping[str, Any]) -> str | None:
     values = auth_context.get("x509_common_name") or ()
