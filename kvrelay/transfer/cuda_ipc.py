@@ -291,8 +291,9 @@ class CudaIpcEndpoint:
     ) -> list[WriteOutcome]:
         """Copy ``writes`` from ``staging`` (a flat uint8 device tensor) into their destination
         pools; one outcome per write, in order. Bad input raises ValueError before any copy; a
-        failure while copying reports the writes that began FAILED (they may have landed in part:
-        the receiver's checksum decides) and the others NOT_STARTED."""
+        failure while copying waits for every copy already queued, then reports the writes that
+        began FAILED (final: they may have landed in part, but nothing more will; the receiver's
+        checksum decides) and the others NOT_STARTED."""
         if self._closed:
             raise CudaIpcError("write on a closed CudaIpcEndpoint")
         if timeout_s <= 0:
@@ -322,6 +323,14 @@ class CudaIpcEndpoint:
             stream.synchronize()
         except (CudaIpcError, RuntimeError, ValueError) as err:
             failure = f"CUDA IPC write of ticket {ticket_id} failed: {err}"
+            # FAILED is a final outcome (nothing more will land), so copies already queued on the
+            # stream must be over before this call returns: wait for them. If the wait itself
+            # fails, the CUDA error is sticky and the context runs nothing more, so no queued
+            # copy can land later either.
+            try:
+                stream.synchronize()
+            except RuntimeError:
+                pass
         outcomes = []
         for i, w in enumerate(writes):
             if not failure:
