@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_tls_args(p)
 
     p = sub.add_parser("health", help="one gRPC health check; exit 0 only if SERVING (container healthchecks)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="HOST:PORT of any kvrelay process (default: %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="HOST[:PORT] of any kvrelay process; no port means the broker's 50051 (default: %(default)s)")
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     _add_client_tls_args(p)

@@ -14,6 +14,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvrelay.client._common import normalize_target
 from kvrelay.security import ChannelSecurity, SecurityError, client_tls_from_files, make_sync_channel
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -22,7 +23,9 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 def check(
     target: str, service: str = "", timeout_s: float = 3.0, security: ChannelSecurity | None = None
 ) -> tuple[int, str]:
-    """Ask `target` once; returns (exit code, one-line description). Never raises on RPC errors."""
+    """Ask `target` once; returns (exit code, one-line description). Never raises on RPC errors.
+    A target without a port gets the broker's (gRPC alone would dial 443)."""
+    target = normalize_target(target)
     with make_sync_channel(target, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
