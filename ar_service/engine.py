@@ -16,6 +16,7 @@ return and answers its final outcomes; other tickets pack into the space that is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +26,7 @@ from typing import Any
 from kvrelay.security import ChannelSecurity
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, staging_bytes
-from kvrelay.transfer.staging import StagingAllocator
+from kvrelay.transfer.staging import StagingAllocator, StagingInUse
 from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, not_started_outcomes
 from kvrelay.worker import RankContext
 
@@ -348,37 +349,50 @@ def write_rank_share(
             "raise the AR stage's kv_cache_memory_bytes",
         )
         return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
-    view = staging
-    if regions is not None:
-        region = regions.allocate(cmd.ticket_id, need)
-        if region is None and reclaim is not None:
-            # Space held by in-doubt writes of earlier tickets: take back what has returned.
-            reclaim()
-            region = regions.allocate(cmd.ticket_id, need)
-        if region is None:
-            held = ", ".join(f"{r.ticket_id}:{r.length}" for r in regions.held())
-            outcomes = not_started_outcomes(
-                mine, f"rank {rank}: no {need} free staging bytes; in-doubt writes still read [{held}]"
-            )
-            return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
-        regions.check_writable(cmd.ticket_id)
-        view = staging[region.offset : region.offset + need]
     t0 = time.perf_counter()
+    # Until `sender.write` is called nothing has left this rank: any error is NOT_STARTED, as an
+    # outcome (an exception would leave the service unable to tell, and it must then hold the
+    # pages IN_DOUBT until this incarnation is gone).
+    allocated = reading = False
     try:
+        view = staging
+        if regions is not None:
+            region = regions.allocate(cmd.ticket_id, need)
+            if region is None and reclaim is not None:
+                # Space held by in-doubt writes of earlier tickets: take back what has returned.
+                reclaim()
+                region = regions.allocate(cmd.ticket_id, need)
+            if region is None:
+                held = ", ".join(f"{r.ticket_id}:{r.length}" for r in regions.held())
+                outcomes = not_started_outcomes(
+                    mine, f"rank {rank}: no {need} free staging bytes; in-doubt writes still read [{held}]"
+                )
+                return WriteDone(rank, tuple(outcomes), 0, 0.0, 0.0)
+            allocated = True
+            regions.check_writable(cmd.ticket_id)
+            view = staging[region.offset : region.offset + need]
+        t0 = time.perf_counter()
         packed = pack_staging(
             view, kv_by_row, cmd.geometry, cmd.src_shards, cmd.dst_shards, cmd.rows, cmd.plan, rank
         )
-    except Exception as exc:  # noqa: BLE001 - nothing was sent: every write is NOT_STARTED
+        t1 = time.perf_counter()
+        if on_packed is not None:
+            on_packed()
+        destinations = {d.rank: d for d in cmd.destinations}
         if regions is not None:
-            regions.free(cmd.ticket_id)
-        outcomes = not_started_outcomes(mine, f"packing failed on rank {rank}: {exc}")
+            regions.begin_read(cmd.ticket_id)
+            reading = True
+    except StagingInUse:
+        raise  # a broken staging invariant (an assertion), not a write failure
+    except Exception as exc:  # noqa: BLE001 - nothing was sent: every write is NOT_STARTED
+        # Hand back only what this call took: a region of an earlier in-doubt call is not ours.
+        if regions is not None and allocated:
+            with contextlib.suppress(Exception):
+                if reading:
+                    regions.end_read(cmd.ticket_id)
+                regions.free(cmd.ticket_id)
+        outcomes = not_started_outcomes(mine, f"rank {rank} failed before sending: {exc!r}")
         return WriteDone(rank, tuple(outcomes), 0, time.perf_counter() - t0, 0.0)
-    t1 = time.perf_counter()
-    if on_packed is not None:
-        on_packed()
-    destinations = {d.rank: d for d in cmd.destinations}
-    if regions is not None:
-        regions.begin_read(cmd.ticket_id)
     try:
         outcomes = list(sender.write(view, mine, destinations, cmd.ticket_id, cmd.timeout_s))
     except ValueError as exc:
@@ -392,9 +406,13 @@ def write_rank_share(
             for w in mine
         ]
     if regions is not None and all(o.final for o in outcomes):
-        # The transport call returned: nothing reads the region any more.
-        regions.end_read(cmd.ticket_id)
-        regions.free(cmd.ticket_id)
+        # The transport call returned: nothing reads the region any more. A failure to hand it
+        # back leaves it held (safe: only space is lost); the outcomes stand either way.
+        try:
+            regions.end_read(cmd.ticket_id)
+            regions.free(cmd.ticket_id)
+        except Exception:  # noqa: BLE001
+            pass
     return WriteDone(rank, tuple(outcomes), packed, t1 - t0, time.perf_counter() - t1)
 
 

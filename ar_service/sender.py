@@ -78,16 +78,18 @@ class WriteLedger:
         self._arming.discard(ticket_id)
 
     def start(self, ticket_id: str, writes: Sequence[PlannedWrite]) -> bool:
-        """Mark `writes` in flight. False when the ticket's writes were already answered
-        NOT_STARTED (a poll came first): then nothing may be sent."""
+        """Mark `writes` in flight. False when nothing may be sent: the ticket's writes were
+        already answered NOT_STARTED (a poll came first), or one of them already has an outcome
+        or is in flight (a second attempt at the same ticket: its first outcome is what the
+        broker was, or will be, told, so sending again could land bytes behind a final report)."""
         self._arming.discard(ticket_id)
         if ticket_id in self._refused:
             return False
         entry = self._tickets.setdefault(ticket_id, _TicketWrites())
-        for w in writes:
-            wid = write_id(ticket_id, w)
-            if wid not in entry.final:
-                entry.in_flight.add(wid)
+        wids = [write_id(ticket_id, w) for w in writes]
+        if any(wid in entry.final or wid in entry.in_flight for wid in wids):
+            return False
+        entry.in_flight.update(wids)
         return True
 
     def finish(self, ticket_id: str, outcome: WriteOutcome) -> WriteOutcome:
@@ -168,6 +170,33 @@ class WriteLedger:
         return unresolved, to_report
 
 
+def settle_outcomes(
+    writes: Sequence[PlannedWrite],
+    reported: Iterable[WriteOutcome],
+    *,
+    sent: bool,
+    why: str = "",
+) -> list[WriteOutcome]:
+    """One outcome per planned write, from what the ranks `reported`. A write without a reported
+    outcome is NOT_STARTED only when the write command was never `sent` to the ranks; once it
+    was, nobody can say how far the rank got (its handler raised, its reply was lost, it died
+    mid-call), so the write is IN_DOUBT (`why` says why): never FAILED, which is final and
+    would let the broker free pages the still-running transport call may write into. It stays in
+    doubt until the rank's `CollectFinished` returns the call's real end, or the broker sees this
+    incarnation gone."""
+    known = {(o.row, o.src_rank, o.dst_rank): o for o in reported}
+    settled = []
+    for w in writes:
+        o = known.get((w.row, w.src_rank, w.dst_rank))
+        if o is None and sent:
+            o = WriteOutcome(w.row, w.src_rank, w.dst_rank, "IN_DOUBT", w.num_bytes, 0,
+                             why or "the rank gave no outcome for a write it was sent")  # fmt: skip
+        elif o is None:
+            o = WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, why or "never began")
+        settled.append(o)
+    return settled
+
+
 def write_key_proto(wid: WriteId) -> common_pb2.WriteKey:
     return common_pb2.WriteKey(ticket_id=wid[0], row=wid[1], src_rank=wid[2], dst_rank=wid[3])
 
@@ -241,4 +270,4 @@ def broker_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.BrokerServiceStub:
     return broker_pb2_grpc.BrokerServiceStub(channel)
 
 
-__all__ = ["WriteLedger", "WriteReporter", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]
+__all__ = ["WriteLedger", "WriteReporter", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]

@@ -32,7 +32,7 @@ from kvrelay.ar_service.engine import (
     WriteDone,
     WriteTicket,
 )
-from kvrelay.ar_service.sender import RETRYABLE, WriteLedger, WriteReporter
+from kvrelay.ar_service.sender import RETRYABLE, WriteLedger, WriteReporter, settle_outcomes
 from kvrelay.ar_service.tokenizer import Tokenizer
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
@@ -483,6 +483,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         outcomes: dict[tuple[int, int, int], WriteOutcome] = {}
         transfer_s = 0.0
         failure: KvRelayServerError | None = None
+        sent = False  # whether the write command went to the ranks
+        undecided = "the rank gave no outcome for a write it was sent; the write may still land"
         if not self.ledger.start(ticket_id, writes):
             # A poll already answered these writes NOT_STARTED: they must never begin.
             await self._call_ranks(DropTicket(ticket_id))
@@ -540,35 +542,27 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 timeout_s=timeout_s,
             )
             t0 = time.perf_counter()
+            # From here on a write without a reported outcome is IN_DOUBT, never NOT_STARTED or
+            # FAILED: the command may have reached the rank and its transport call may still run.
+            sent = True
             try:
                 done: list[WriteDone] = await self._call_ranks(command)
             except WorkerCommandError as err:
-                # The handler catches transfer failures itself; an escape means we cannot say how
-                # far it got, so the writes are FAILED (the pages drain), never NOT_STARTED.
-                for w in writes:
-                    outcomes[(w.row, w.src_rank, w.dst_rank)] = WriteOutcome(
-                        w.row,
-                        w.src_rank,
-                        w.dst_rank,
-                        "FAILED",
-                        w.num_bytes,
-                        0,
-                        f"rank error: {err.errors[0].message}",
-                    )
+                # A rank's handler raised (or its answer could not come back): how far its
+                # transport call got is unknown. The ranks that answered give their outcomes;
+                # the others' writes stay in doubt (see settle_outcomes).
+                undecided = f"rank error, the write may still land: {err.errors[0].message}"
+                for d in err.values:
+                    if isinstance(d, WriteDone):
+                        for o in d.outcomes:
+                            outcomes[(o.row, o.src_rank, o.dst_rank)] = o
                 raise KvRelayServerError(
                     grpc.StatusCode.INTERNAL, "WRITE_FAILED", str(err).splitlines()[0]
                 ) from err
             except FailStop:
-                for w in writes:
-                    outcomes[(w.row, w.src_rank, w.dst_rank)] = WriteOutcome(
-                        w.row,
-                        w.src_rank,
-                        w.dst_rank,
-                        "FAILED",
-                        w.num_bytes,
-                        0,
-                        "a worker rank died during the write",
-                    )
+                # A rank died or hung mid-write: its calls' end is never seen; the pages stay held
+                # until the broker sees this incarnation gone.
+                undecided = "a worker rank died or hung during the write; the write may still land"
                 raise
             transfer_s = time.perf_counter() - t0
             for d in done:
@@ -601,13 +595,11 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 transfer_seconds=transfer_s,
             )
         finally:
-            # Every expected write gets a final report: those without an outcome never began.
-            final = [
-                outcomes.get((w.row, w.src_rank, w.dst_rank))
-                or WriteOutcome(w.row, w.src_rank, w.dst_rank, "NOT_STARTED", 0, 0, "never began")
-                for w in writes
-            ]
-            if not outcomes:
+            # Every expected write gets a report: NOT_STARTED only if the command was never sent,
+            # IN_DOUBT for a sent write without an outcome (its final report follows from
+            # CollectFinished, or the broker resolves it when this incarnation is gone).
+            final = settle_outcomes(writes, outcomes.values(), sent=sent, why="" if not sent else undecided)
+            if not sent:
                 # Nothing was written: the ranks still hold the ticket's KV.
                 try:
                     await self._call_ranks(DropTicket(ticket_id))

@@ -91,11 +91,14 @@ class RankError:
 
 
 class WorkerCommandError(WorkerGroupError):
-    """One or more ranks' handlers raised. The group stays usable: every rank answered."""
+    """One or more ranks' handlers raised. The group stays usable: every rank answered.
+    `values`: per rank, what a rank that did not raise answered (None for a rank that raised or
+    gave no answer), so a caller can tell which ranks' work is known."""
 
-    def __init__(self, command: object, errors: Sequence[RankError]):
+    def __init__(self, command: object, errors: Sequence[RankError], values: Sequence[Any] = ()):
         self.command = command
         self.errors = tuple(errors)
+        self.values = tuple(values)
         first = self.errors[0]
         super().__init__(
             f"{type(command).__name__} failed on rank(s) {[e.rank for e in self.errors]}: "
@@ -685,7 +688,8 @@ class WorkerGroup:
             replies = self._gather(range(self.world_size), type(commands[0]).__name__, timeout_s)
         errors = [r.error for r in replies if isinstance(r, _Err)]
         if errors:
-            raise WorkerCommandError(commands[errors[0].rank], errors)
+            values = [None if isinstance(r, _Err) else r.value for r in replies]
+            raise WorkerCommandError(commands[errors[0].rank], errors, values)
         return [r.value for r in replies]
 
     def _fail(self, error: WorkerGroupError) -> None:

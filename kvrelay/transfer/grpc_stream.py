@@ -243,6 +243,11 @@ class GrpcStreamSender:
                 # The stream call has not returned: its chunks may still be applied. In doubt.
                 doubtful[ep] = f"PutKv to {ep} did not return within {timeout_s:.1f}s; it may still land"
                 continue
+            except Exception as exc:  # noqa: BLE001 - the call returned (by raising): final
+                # Escaping would leave the other endpoints' streams unaccounted for (and a
+                # ValueError would read as "refused before sending" to the caller).
+                failures[ep] = f"PutKv to {ep} raised {exc!r}"
+                continue
             if resp.bytes_received != expected:
                 failures[ep] = f"PutKv to {ep} acknowledged {resp.bytes_received} of {expected} bytes"
 

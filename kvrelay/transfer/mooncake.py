@@ -214,11 +214,16 @@ class MooncakeEndpoint:
         # meanwhile): hashing first cost ~30% of goodput at 32 MiB+ on a 16-core host.
         checksums = [write_checksum(staging, w) for w in writes]
         timed_out: set[str] = set()
+        raised: dict[str, str] = {}
         for session, fut in futures.items():
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
                 timed_out.add(session)
+            except Exception as exc:  # noqa: BLE001 - the session's call returned (by raising)
+                # Its future is done: nothing more of it runs. Its started writes are FAILED
+                # below; escaping here would leave the other sessions' calls unaccounted for.
+                raised[session] = f"sending to {session} raised {exc!r}"
         cancel.set()
 
         outcomes: list[WriteOutcome] = []
@@ -229,7 +234,7 @@ class MooncakeEndpoint:
             with self._lock:
                 left = prog.segments_left[i]
                 started = i in prog.started
-                failure = prog.failed.get(i)
+                failure = prog.failed.get(i) or raised.get(session)
                 # `cancel` is set: a write not started now never starts (checked under the lock).
                 returned = session not in timed_out or futures[session].done()
             if failure is None and left == 0:

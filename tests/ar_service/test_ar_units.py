@@ -195,3 +195,69 @@ def test_rank_keeps_the_staging_region_of_an_in_doubt_write_and_packs_the_next_t
         gate.set()
         del sender._transfer
         handler.close()
+
+
+# --- Unknown is never final: a write sent to a rank that gave no outcome stays IN_DOUBT.
+
+
+def test_a_sent_write_without_an_outcome_is_in_doubt_never_failed() -> None:
+    from kvrelay.ar_service.sender import settle_outcomes
+
+    ok = WriteOutcome(0, 0, 0, "OK", 64, 7)
+    # Rank 0 answered for W0; the rank that had W1 raised (or its answer was lost) mid-call.
+    settled = settle_outcomes([W0, W1], [ok], sent=True, why="rank error")
+    assert settled[0] == ok
+    assert (settled[1].status, settled[1].final, settled[1].message) == ("IN_DOUBT", False, "rank error")
+    # Never sent: provably nothing of it will land.
+    assert [o.status for o in settle_outcomes([W0, W1], [], sent=False)] == ["NOT_STARTED"] * 2
+    # The ledger keeps it unresolved (pages held at the broker) until CollectFinished says more.
+    ledger = WriteLedger()
+    assert ledger.start("t5", [W0, W1])
+    for o in settled:
+        ledger.finish("t5", o)
+    assert ledger.needs_collect()
+    unresolved, report = ledger.answer_poll([("t5", 1, 0, 0)])
+    assert unresolved == [("t5", 1, 0, 0)] and report == []
+
+
+def test_a_ticket_whose_writes_have_outcomes_can_never_start_again() -> None:
+    ledger = WriteLedger()
+    assert ledger.start("t6", [W0])
+    ledger.finish("t6", WriteOutcome(0, 0, 0, "NOT_STARTED", 0, 0, "the request ended"))
+    # A second attempt (a retried Prefill) would send bytes behind a final NOT_STARTED report.
+    assert not ledger.start("t6", [W0])
+    assert ledger.start("t7", [W1]) and not ledger.start("t7", [W1]), "already in flight"
+
+
+def test_an_error_before_the_send_is_not_started_and_after_it_never_final() -> None:
+    from kvrelay.ar_service.engine import write_rank_share
+
+    class Sender:
+        def __init__(self, error: Exception | None) -> None:
+            self.error, self.calls = error, 0
+
+        def write(self, *args: Any) -> list[WriteOutcome]:
+            self.calls += 1
+            if self.error is not None:
+                raise self.error
+            return [WriteOutcome(w.row, w.src_rank, w.dst_rank, "OK", w.num_bytes, 1) for w in args[1]]
+
+    handler = _handler()
+    cmd = _write_command("t", [4], "127.0.0.1:1")
+
+    def boom() -> None:
+        raise RuntimeError("on_packed failed")
+
+    # Raised before the sender was called: an outcome, NOT_STARTED, and the region handed back.
+    handler.handle(PrefillTicket("t", ((256, 1, 2, 3),)))
+    sender = Sender(None)
+    done = write_rank_share(0, handler.staging, sender, handler._held["t"], cmd, on_packed=boom,
+                            regions=handler.regions)  # fmt: skip
+    assert sender.calls == 0 and [o.status for o in done.outcomes] == ["NOT_STARTED"]
+    assert "on_packed failed" in done.outcomes[0].message and handler.regions.held() == []
+    # The sender itself raised mid-call: in doubt, the region stays held (never FAILED).
+    sender = Sender(RuntimeError("engine exploded"))
+    done = write_rank_share(0, handler.staging, sender, handler._held["t"], cmd, regions=handler.regions)
+    assert [o.status for o in done.outcomes] == ["IN_DOUBT"]
+    assert [r.ticket_id for r in handler.regions.held()] == ["t"]
+    handler.close()

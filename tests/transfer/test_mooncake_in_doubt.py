@@ -88,3 +88,24 @@ def test_an_in_doubt_write_whose_call_returns_an_error_is_final_failed(endpoint:
     finally:
         gate.set()
         del endpoint._transfer
+
+
+def test_a_session_call_that_raises_is_a_final_outcome_not_an_escape(endpoint: Any) -> None:
+    # An exception out of one session's call used to escape `write` while other sessions' calls
+    # could still run (and a ValueError reads as "refused before sending" to the AR rank).
+    dst = np.zeros(1 << 16, dtype=np.uint8)
+    region = endpoint.register_region(dst, 0)
+    src = np.ones(1 << 16, dtype=np.uint8)
+    endpoint.register(src)
+
+    def transfer(*args: Any) -> int:
+        raise ValueError("engine binding broke")
+
+    endpoint._transfer = transfer
+    try:
+        w = PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))
+        (out,) = endpoint.write(src, [w], {0: region}, "t-raise", 5.0)
+        assert out.status == "FAILED" and out.final and "engine binding broke" in out.message
+        assert endpoint.in_doubt_tickets() == []
+    finally:
+        del endpoint._transfer
