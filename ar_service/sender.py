@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvrelay.errors import KvRelayServerError
 from kvrelay.logging import get_logger
 from kvrelay.transfer.convert import outcome_to_report
 from kvrelay.transfer.planner import PlannedWrite
@@ -197,6 +198,114 @@ def settle_outcomes(
     return settled
 
 
+# -- the write protocol (pure: events in, commands out; the servicer only carries them out) -------
+
+
+@dataclass(frozen=True, slots=True)
+class SendWrites:
+    """Command: send the ticket's WriteTicket to every rank with this transfer timeout."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EndWrites:
+    """Command: the write phase is over. Report `outcomes` (one per planned write), drop the
+    ranks' KV when nothing was sent, keep collecting while any outcome is in doubt, and answer
+    the request with `failure` (None: success, `ok_bytes` written)."""
+
+    outcomes: tuple[WriteOutcome, ...]
+    sent: bool
+    failure: KvRelayServerError | None
+    ok_bytes: int
+
+    @property
+    def in_doubt(self) -> bool:
+        return any(not o.final for o in self.outcomes)
+
+
+class WriteProtocol:
+    """One armed ticket's write phase on the AR: which writes to send, and what to report and
+    answer from what the ranks said. Every path ends in exactly one `EndWrites` whose outcomes
+    cover every planned write: NOT_STARTED only if nothing was sent, IN_DOUBT for anything sent
+    whose end is unknown (settle_outcomes), never FAILED for an unknown."""
+
+    def __init__(self, ticket_id: str, writes: Sequence[PlannedWrite], min_transfer_s: float) -> None:
+        self.ticket_id = ticket_id
+        self.writes = tuple(writes)
+        self.min_transfer_s = min_transfer_s
+        self.timeout_s = 0.0
+        self.sent = False
+
+    def _end(self, reported: Iterable[WriteOutcome], failure: KvRelayServerError | None, why: str = "") -> EndWrites:
+        outcomes = tuple(settle_outcomes(self.writes, reported, sent=self.sent, why=why))
+        return EndWrites(outcomes, self.sent, failure, sum(o.bytes for o in outcomes if o.ok))
+
+    # -- events --------------------------------------------------------------------------------
+
+    def on_armed(
+        self, *, plan_matches: bool, writing: bool, ticket_state: str, transfer_timeout_s: float, deadline_left_s: float
+    ) -> SendWrites | EndWrites:
+        """The broker armed the ticket (ReserveTicket answered): send, or end with nothing sent."""
+        if not plan_matches:
+            # The broker and this replica disagree on the plan: writing would land bytes where
+            # nobody expects them. Nothing is sent; every write is NOT_STARTED.
+            return self._end((), KvRelayServerError(
+                grpc.StatusCode.INTERNAL, "PLAN_MISMATCH", f"ticket {self.ticket_id}: the broker's plan differs from ours"
+            ))  # fmt: skip
+        if not writing:
+            return self._end((), KvRelayServerError(
+                grpc.StatusCode.CANCELLED, "REQUEST_ENDED", f"ticket {self.ticket_id} is {ticket_state}: the request ended"
+            ))  # fmt: skip
+        timeout_s = min(transfer_timeout_s, deadline_left_s)
+        if timeout_s < self.min_transfer_s:
+            return self._end((), KvRelayServerError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", "no time left for the transfer"
+            ))  # fmt: skip
+        self.timeout_s = timeout_s
+        self.sent = True
+        return SendWrites(timeout_s)
+
+    def on_written(self, reported: Iterable[WriteOutcome]) -> EndWrites:
+        """Every rank answered the write command with its outcomes."""
+        end = self._end(reported, None)
+        bad = [o for o in end.outcomes if not o.ok]
+        doubtful = [o for o in bad if not o.final]
+        failure = None
+        if doubtful:
+            # The transfer timed out with calls still running (or a rank gave no outcome): the
+            # request fails now, the pages stay held (IN_DOUBT) until the call's real end.
+            failure = KvRelayServerError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
+                f"{len(doubtful)} of {len(self.writes)} writes still in flight after {self.timeout_s:.1f}s; "
+                f"first: {doubtful[0].message}",
+            )  # fmt: skip
+        elif bad:
+            failure = KvRelayServerError(
+                grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED",
+                f"{len(bad)} of {len(self.writes)} writes not OK; first: {bad[0].status} {bad[0].message}",
+            )  # fmt: skip
+        return EndWrites(end.outcomes, end.sent, failure, end.ok_bytes)
+
+    def on_rank_error(self, reported: Iterable[WriteOutcome], message: str) -> EndWrites:
+        """A rank's handler raised (or its answer was lost): the ranks that answered give
+        `reported`; the rest are in doubt, not FAILED (their calls may still run)."""
+        return self._end(
+            reported,
+            KvRelayServerError(grpc.StatusCode.INTERNAL, "WRITE_FAILED", message),
+            f"rank error, the write may still land: {message}",
+        )
+
+    def on_ranks_lost(self, message: str) -> EndWrites:
+        """A rank died or hung mid-write (the replica fail-stops): nothing it sent can be
+        collected; the broker resolves its writes when it sees this incarnation gone."""
+        return self._end(
+            (),
+            KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", message),
+            "a worker rank died or hung during the write; the write may still land",
+        )
+
+
 def write_key_proto(wid: WriteId) -> common_pb2.WriteKey:
     return common_pb2.WriteKey(ticket_id=wid[0], row=wid[1], src_rank=wid[2], dst_rank=wid[3])
 
@@ -270,4 +379,4 @@ def broker_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.BrokerServiceStub:
     return broker_pb2_grpc.BrokerServiceStub(channel)
 
 
-__all__ = ["WriteLedger", "WriteReporter", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]
+__all__ = ["WriteLedger", "WriteReporter", "WriteProtocol", "SendWrites", "EndWrites", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]

@@ -32,13 +32,13 @@ from kvrelay.ar_service.engine import (
     WriteDone,
     WriteTicket,
 )
-from kvrelay.ar_service.sender import RETRYABLE, WriteLedger, WriteReporter, settle_outcomes
+from kvrelay.ar_service.sender import RETRYABLE, EndWrites, WriteLedger, WriteProtocol, WriteReporter
 from kvrelay.ar_service.tokenizer import Tokenizer
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
 from kvrelay.transfer.planner import PlannedWrite, plan_transfer
-from kvrelay.transfer.transport import WriteOutcome, not_started_outcomes
+from kvrelay.transfer.transport import not_started_outcomes
 from kvrelay.v1 import ar_pb2, ar_pb2_grpc, broker_pb2
 from kvrelay.worker import WorkerCommandError, WorkerGroup, WorkerGroupError
 
@@ -475,16 +475,13 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         prefill_s: float,
         plan: broker_pb2.TicketPlan | None,
     ) -> ar_pb2.PrefillResponse:
+        """Carries out the pure WriteProtocol's commands (ar_service/sender.py): send, then report
+        what it settled, collect while in doubt, answer."""
         ticket_id = request.ticket_id
         assert self.reporter is not None
         # The broker's plan, from the request when it came with one (else from the arming reply).
         source = plan if plan is not None else arming
         writes = writes_from_proto(source.writes)
-        outcomes: dict[tuple[int, int, int], WriteOutcome] = {}
-        transfer_s = 0.0
-        failure: KvRelayServerError | None = None
-        sent = False  # whether the write command went to the ranks
-        undecided = "the rank gave no outcome for a write it was sent; the write may still land"
         if not self.ledger.start(ticket_id, writes):
             # A poll already answered these writes NOT_STARTED: they must never begin.
             await self._call_ranks(DropTicket(ticket_id))
@@ -493,6 +490,10 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 "REQUEST_ENDED",
                 f"ticket {ticket_id} ended before its writes began",
             )
+        protocol = WriteProtocol(ticket_id, writes, MIN_TRANSFER_S)
+        transfer_s = 0.0
+        end: EndWrites | None = None
+        lost: FailStop | None = None
         try:
             geometry = geometry_from_proto(source.dit_geometry)
             rows = tuple(row_from_proto(r) for r in sorted(source.ticket.rows, key=lambda r: r.row))
@@ -502,34 +503,22 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             if plan is not None:
                 # Planned once, by the broker: check only that it was planned for our ranks and
                 # that arming answered the same writes (a different plan is a broken invariant).
-                mismatch = plan.src_shards != state.tensor_parallel_size or {
+                matches = plan.src_shards == state.tensor_parallel_size and {
                     (w.row, w.src_rank, w.dst_rank) for w in arming.writes
-                } != {(w.row, w.src_rank, w.dst_rank) for w in writes}
+                } == {(w.row, w.src_rank, w.dst_rank) for w in writes}
             else:
-                mismatch = tuple(plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows)) != tuple(
+                matches = tuple(plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows)) == tuple(
                     writes
                 )
-            if mismatch:
-                # The broker and this replica disagree on the plan: writing would land bytes where
-                # nobody expects them. Nothing is sent; every write is NOT_STARTED.
-                failure = KvRelayServerError(
-                    grpc.StatusCode.INTERNAL,
-                    "PLAN_MISMATCH",
-                    f"ticket {ticket_id}: the broker's plan differs from ours",
-                )
-                return ar_pb2.PrefillResponse()
-            if arming.ticket.state != broker_pb2.TICKET_STATE_WRITING:
-                failure = KvRelayServerError(
-                    grpc.StatusCode.CANCELLED,
-                    "REQUEST_ENDED",
-                    f"ticket {ticket_id} is {broker_pb2.TicketState.Name(arming.ticket.state)}: the request ended",
-                )
-                return ar_pb2.PrefillResponse()
-            timeout_s = min(state.transfer_timeout_s, deadline.left())
-            if timeout_s < MIN_TRANSFER_S:
-                failure = KvRelayServerError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED", "no time left for the transfer"
-                )
+            step = protocol.on_armed(
+                plan_matches=matches,
+                writing=arming.ticket.state == broker_pb2.TICKET_STATE_WRITING,
+                ticket_state=broker_pb2.TicketState.Name(arming.ticket.state),
+                transfer_timeout_s=state.transfer_timeout_s,
+                deadline_left_s=deadline.left(),
+            )
+            if isinstance(step, EndWrites):
+                end = step
                 return ar_pb2.PrefillResponse()
             command = WriteTicket(
                 ticket_id=ticket_id,
@@ -539,73 +528,45 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 dst_shards=dst_shards,
                 plan=tuple(writes),
                 destinations=tuple(region_from_proto(d) for d in source.destinations),
-                timeout_s=timeout_s,
+                timeout_s=step.timeout_s,
             )
             t0 = time.perf_counter()
-            # From here on a write without a reported outcome is IN_DOUBT, never NOT_STARTED or
-            # FAILED: the command may have reached the rank and its transport call may still run.
-            sent = True
             try:
                 done: list[WriteDone] = await self._call_ranks(command)
             except WorkerCommandError as err:
-                # A rank's handler raised (or its answer could not come back): how far its
-                # transport call got is unknown. The ranks that answered give their outcomes;
-                # the others' writes stay in doubt (see settle_outcomes).
-                undecided = f"rank error, the write may still land: {err.errors[0].message}"
-                for d in err.values:
-                    if isinstance(d, WriteDone):
-                        for o in d.outcomes:
-                            outcomes[(o.row, o.src_rank, o.dst_rank)] = o
-                raise KvRelayServerError(
-                    grpc.StatusCode.INTERNAL, "WRITE_FAILED", str(err).splitlines()[0]
-                ) from err
-            except FailStop:
-                # A rank died or hung mid-write: its calls' end is never seen; the pages stay held
-                # until the broker sees this incarnation gone.
-                undecided = "a worker rank died or hung during the write; the write may still land"
+                # The ranks that answered give their outcomes; the others' stay in doubt.
+                answered = [o for d in err.values if isinstance(d, WriteDone) for o in d.outcomes]
+                end = protocol.on_rank_error(answered, str(err).splitlines()[0])
+                assert end.failure is not None
+                raise end.failure from err
+            except FailStop as err:
+                end = protocol.on_ranks_lost(str(err))
+                lost = err
                 raise
             transfer_s = time.perf_counter() - t0
-            for d in done:
-                for o in d.outcomes:
-                    outcomes[(o.row, o.src_rank, o.dst_rank)] = o
-            ok_bytes = sum(o.bytes for o in outcomes.values() if o.ok)
-            self.metrics.transfer_bytes.labels(state.transport).inc(ok_bytes)
+            end = protocol.on_written(o for d in done for o in d.outcomes)
+            self.metrics.transfer_bytes.labels(state.transport).inc(end.ok_bytes)
             self.metrics.transfer_seconds.labels(state.transport).observe(transfer_s)
-            bad = [o for o in outcomes.values() if not o.ok]
-            doubtful = [o for o in bad if not o.final]
-            if doubtful:
-                # The transfer timed out with calls still running: the request fails now, the
-                # pages stay held (IN_DOUBT) until the collector reports the calls' real end.
-                failure = KvRelayServerError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "TRANSFER_TIMEOUT",
-                    f"{len(doubtful)} of {len(writes)} writes still in flight after {timeout_s:.1f}s; "
-                    f"first: {doubtful[0].message}",
-                )
-            elif bad:
-                failure = KvRelayServerError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "TRANSFER_FAILED",
-                    f"{len(bad)} of {len(writes)} writes not OK; first: {bad[0].status} {bad[0].message}",
-                )
             return ar_pb2.PrefillResponse(
                 token_counts=counts,
-                bytes_written=ok_bytes,
+                bytes_written=end.ok_bytes,
                 prefill_seconds=prefill_s,
                 transfer_seconds=transfer_s,
             )
         finally:
-            # Every expected write gets a report: NOT_STARTED only if the command was never sent,
-            # IN_DOUBT for a sent write without an outcome (its final report follows from
-            # CollectFinished, or the broker resolves it when this incarnation is gone).
-            final = settle_outcomes(writes, outcomes.values(), sent=sent, why="" if not sent else undecided)
-            if not sent:
+            unexpected = end is None
+            if end is None:
+                # An unexpected error between the protocol's steps: settle from what it knows
+                # (IN_DOUBT for anything sent, NOT_STARTED otherwise); that error propagates.
+                end = protocol.on_rank_error((), "the write phase ended unexpectedly")
+            final = list(end.outcomes)
+            if not end.sent:
                 # Nothing was written: the ranks still hold the ticket's KV.
                 try:
                     await self._call_ranks(DropTicket(ticket_id))
                 except (FailStop, WorkerCommandError):
                     pass
-            if any(not o.final for o in final):
+            if end.in_doubt:
                 # Recorded before the collector starts: it runs while the ledger has writes in doubt.
                 for o in final:
                     self.ledger.finish(ticket_id, o)
@@ -616,11 +577,12 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 ticket_id=ticket_id,
                 ok=sum(o.ok for o in final),
                 writes=len(final),
-                bytes=sum(o.bytes for o in final if o.ok),
+                bytes=end.ok_bytes,
                 transfer_ms=round(transfer_s * 1000, 3),
             )
-            if failure is not None:
-                raise failure
+            if end.failure is not None and lost is None and not unexpected:
+                raise end.failure
+
 
 
 def _plan_key(w: PlannedWrite) -> tuple[int, int, int]:

@@ -391,7 +391,10 @@ class VllmRankHandler:
         try:
             done = self.engine.collective_rpc(write_on_worker, args=(VllmWriteTicket(cmd, rows),))
         finally:
-            if all(o.final for d in done for o in d.outcomes):
+            # `done` is empty when collective_rpc raised: how far the workers got is unknown, so
+            # the blocks stay held as for an in-doubt write (the next CollectFinished settles them
+            # once no worker names the ticket in doubt).
+            if done and all(o.final for d in done for o in d.outcomes):
                 # Each worker released the rows' blocks once its writes had final outcomes; these
                 # steps let the scheduler learn it (finished_sending) and free them.
                 self._settle(request_ids)

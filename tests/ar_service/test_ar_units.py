@@ -261,3 +261,53 @@ def test_an_error_before_the_send_is_not_started_and_after_it_never_final() -> N
     assert [o.status for o in done.outcomes] == ["IN_DOUBT"]
     assert [r.ticket_id for r in handler.regions.held()] == ["t"]
     handler.close()
+
+
+# --- The write protocol (pure): events in, commands out.
+
+W2 = PlannedWrite(0, 1, 0, (Segment(0, 192, 64),))  # rank 1's write
+
+
+def _armed(**kw: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(plan_matches=True, writing=True, ticket_state="TICKET_STATE_WRITING",
+                                transfer_timeout_s=5.0, deadline_left_s=2.0)  # fmt: skip
+    args.update(kw)
+    return args
+
+
+def test_write_protocol_ends_with_nothing_sent_before_the_send() -> None:
+    from kvrelay.ar_service.sender import EndWrites, WriteProtocol
+
+    for kw, reason in [
+        (dict(plan_matches=False), "PLAN_MISMATCH"),
+        (dict(writing=False, ticket_state="TICKET_STATE_ABORTED"), "REQUEST_ENDED"),
+        (dict(deadline_left_s=0.01), "DEADLINE_EXCEEDED"),
+    ]:
+        end = WriteProtocol("t", [W0, W2], 0.05).on_armed(**_armed(**kw))
+        assert isinstance(end, EndWrites) and not end.sent and not end.in_doubt
+        assert end.failure is not None and end.failure.reason == reason
+        assert [o.status for o in end.outcomes] == ["NOT_STARTED", "NOT_STARTED"]
+
+
+def test_write_protocol_never_turns_an_unknown_into_failed() -> None:
+    from kvrelay.ar_service.sender import SendWrites, WriteProtocol
+
+    p = WriteProtocol("t", [W0, W2], 0.05)
+    assert p.on_armed(**_armed()) == SendWrites(2.0)  # min(transfer timeout, deadline left)
+    ok = WriteOutcome(0, 0, 0, "OK", 64, 1)
+    # Rank 1 raised while its call may still run: rank 0's OK stands, rank 1's write is in doubt.
+    end = p.on_rank_error([ok], "rank 1 raised")
+    assert [o.status for o in end.outcomes] == ["OK", "IN_DOUBT"] and end.in_doubt and end.sent
+    assert end.failure is not None and end.failure.reason == "WRITE_FAILED"
+    # A rank died mid-write: every write is in doubt until the incarnation is seen gone.
+    assert [o.status for o in p.on_ranks_lost("rank 1 died").outcomes] == ["IN_DOUBT", "IN_DOUBT"]
+    # A rank that answered without an outcome for its write: in doubt, the request times out.
+    end = p.on_written([ok])
+    assert [o.status for o in end.outcomes] == ["OK", "IN_DOUBT"]
+    assert end.failure is not None and end.failure.reason == "TRANSFER_TIMEOUT" and end.ok_bytes == 64
+    # Every call returned: a final failure is final, success answers with the bytes.
+    failed = WriteOutcome(0, 1, 0, "FAILED", 64, 2, "peer said no")
+    end = p.on_written([ok, failed])
+    assert not end.in_doubt and end.failure is not None and end.failure.reason == "TRANSFER_FAILED"
+    end = p.on_written([ok, WriteOutcome(0, 1, 0, "OK", 64, 2)])
+    assert end.failure is None and end.ok_bytes == 128
