@@ -594,8 +594,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         bearer = ""
         declared: str | None = None
         for key, value in metadata:
-            if key == AUTHORIZATION_METADATA and isinstance(value, str) and value.startswith("Bearer "):
-                bearer = value[len("Bearer "):]
+            if key == AUTHORIZATION_METADATA and isinstance(value, str):
+                # RFC 7235: the scheme is case-insensitive ("bearer", "BEARER"), then 1*SP.
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() == "bearer":
+                    bearer = token.lstrip(" ")
             elif key == REPLICA_ID_METADATA and isinstance(value, str):
                 declared = value[:MAX_ID_CHARS]
         # Compare against every configured token, always, so timing tells nothing about which.
@@ -669,11 +672,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         allowed = {rule.caller_class} | ({CallerClass.OPERATOR} if rule.operator_too else set())
         if not caller.classes & allowed:
             needed = " or ".join(sorted(c.value for c in allowed))
+            article = "an" if needed[0] in "aeiou" else "a"
             if caller.authenticated:
-                raise permission_denied(f"{method} needs a {needed} credential; the one presented is not")
+                raise permission_denied(f"{method} needs {article} {needed} credential; the one presented is not")
             raise KvRelayServerError(
                 grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
-                f"{method} needs a {needed} credential (authorization: Bearer <token> or a client certificate)",
+                f"{method} needs {article} {needed} credential (authorization: Bearer <token> or a client certificate)",
             )
         if rule.caller_class is not CallerClass.PUBLIC and not self._limiter.allow(_peer_host(context.peer())):
             raise KvRelayServerError(

@@ -235,3 +235,23 @@ def test_client_certificate_names_decide_the_caller() -> None:
     assert who("alice") == ({"public"}, None)  # any other certificate of the CA: a client
     anonymous = auth.authenticate([], {})
     assert not anonymous.authenticated and anonymous.classes == frozenset()
+
+
+def test_the_bearer_scheme_is_case_insensitive() -> None:
+    """RFC 7235: the auth-scheme is case-insensitive; `authorization: bearer <token>` (as curl,
+    grpcurl users and many HTTP libraries write it) is the same credential as `Bearer <token>`."""
+    from kvrelay.security import AuthInterceptor
+
+    auth = AuthInterceptor(Credentials(api_token="api", replica_token="rep", operator_token="op"))
+
+    def classes(value: str) -> set[str]:
+        caller = auth.authenticate([("authorization", value)], {})
+        return {c.value for c in caller.classes} if caller.authenticated else set()
+
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+        assert classes(f"{scheme} op") == {"operator", "public"}
+        assert classes(f"{scheme} rep") == {"replica"}
+        assert classes(f"{scheme}   api") == {"public"}  # extra spaces before the token (RFC 7235: 1*SP)
+    # Anything else is still no credential.
+    for value in ("op", "Basic op", "Bearerop", "Bearer", "Bearer ", "Bearer op2", "Token op"):
+        assert classes(value) == set()
