@@ -306,14 +306,23 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         their final outcomes (the `get_finished` half of the hand-off): only then may the broker
         start the quiet period and free the pages, and the ranks reuse the staging bytes."""
         assert self.reporter is not None
+        interval = COLLECT_INTERVAL_S
         while self.ledger.needs_collect():
-            await asyncio.sleep(COLLECT_INTERVAL_S)
+            await asyncio.sleep(interval)
             try:
                 async with self._ranks:
                     results: list[FinishedWrites] = await self._call_ranks(CollectFinished())
-            except (FailStop, WorkerCommandError) as err:
+            except FailStop as err:
+                # The ranks are gone: the broker resolves their writes when it sees it.
                 log.error("collect_finished_failed", error=str(err))
                 return
+            except WorkerCommandError as err:
+                # A rank's collect raised (the group is still usable): the writes stay in doubt
+                # (pages held); keep asking, less often, rather than leave them held for good.
+                log.error("collect_finished_failed", error=str(err).splitlines()[0])
+                interval = min(interval * 2, 5.0)
+                continue
+            interval = COLLECT_INTERVAL_S
             for result in results:
                 for ticket_id, outcomes in result.finished:
                     log.info(
