@@ -52,6 +52,10 @@ def _token(args: argparse.Namespace, *envs: str) -> str | None:
     return None
 
 
+def _target(args: argparse.Namespace) -> str:
+    return str(getattr(args, "target", None) or DEFAULT_TARGET)
+
+
 def _tls(args: argparse.Namespace) -> dict[str, Any]:
     """KvRelayClient TLS keyword arguments from --tls-ca/--tls-cert/--tls-key or $KVRELAY_TLS_*."""
     files = {key: getattr(args, key, None) or os.environ.get(env) for key, env in TLS_ENV.items()}
@@ -66,7 +70,9 @@ def _tls(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def _print_error(command: str, err: KvRelayError, stream: TextIO, tls: bool | None = None) -> None:
+def _print_error(
+    command: str, err: KvRelayError, stream: TextIO, tls: bool | None = None, target: str | None = None
+) -> None:
     reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
     print(f"kvrelay {command}: {err.code}{reason}: {err.message}", file=stream)
     for key, value in sorted(err.details.items()):
@@ -74,13 +80,18 @@ def _print_error(command: str, err: KvRelayError, stream: TextIO, tls: bool | No
     if err.request_id:
         print(f"  request_id: {err.request_id}", file=stream)
     if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE" and tls is not None:
-        # The transport never answered: a plaintext client of a TLS node (or the reverse) looks
-        # exactly like a node that is down.
-        hint = (
-            "is the broker serving TLS? pass --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
-            if not tls
-            else "does the broker serve TLS with a certificate from --tls-ca, and accept --tls-cert?"
-        )
+        if "Connection refused" in err.message:
+            # Nothing listens there: no TLS setting would help.
+            where = target or "the target"
+            hint = f"nothing listens at {where}: is the node up (kvrelay up), and is --target right?"
+        else:
+            # The transport never answered: a plaintext client of a TLS node (or the reverse)
+            # looks exactly like a node that is down.
+            hint = (
+                "is the broker serving TLS? pass --tls-ca (and --tls-cert/--tls-key for mutual TLS)"
+                if not tls
+                else "does the broker serve TLS with a certificate from --tls-ca, and accept --tls-cert?"
+            )
         print(f"  hint: {hint}", file=stream)
 
 
@@ -191,7 +202,7 @@ def run_generate(args: argparse.Namespace) -> int:
     output = getattr(args, "output", None) or "out.png"
     progress = _Progress(stderr, enabled=not quiet)
     handle: GenerationHandle | None = None
-    with KvRelayClient(getattr(args, "target", None) or DEFAULT_TARGET, token=_token(args), **_tls(args)) as client:
+    with KvRelayClient(_target(args), token=_token(args), **_tls(args)) as client:
         try:
             handle = client.generate(
                 prompt,
@@ -215,7 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return _cancel_on_interrupt(handle, stderr)
         except KvRelayError as err:
             progress.close()
-            _print_error("generate", err, stderr, tls=bool(_tls(args)))
+            _print_error("generate", err, stderr, tls=bool(_tls(args)), target=_target(args))
             return 1
     try:
         result.save(output)
@@ -397,7 +408,7 @@ def run_status(args: argparse.Namespace) -> int:
             pools = client.get_pools()
             tickets = client.list_tickets()
     except KvRelayError as err:
-        _print_error("status", err, sys.stderr, tls=bool(_tls(args)))
+        _print_error("status", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
         return 1
     if getattr(args, "json", False):
         doc = {"target": target, "replicas": replicas, "pools": pools, "tickets": tickets}
@@ -460,7 +471,7 @@ def run_list(args: argparse.Namespace) -> int:
         with KvRelayClient(target, token=_token(args), timeout=10.0, **_tls(args)) as client:
             generations = client.list_generations(states, page_size=int(getattr(args, "limit", 0) or 0))
     except KvRelayError as err:
-        _print_error("list", err, sys.stderr, tls=bool(_tls(args)))
+        _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
         return 1
     if getattr(args, "json", False):
         print(json.dumps(_jsonable({"target": target, "generations": generations}), indent=2))
@@ -482,7 +493,7 @@ def run_cancel(args: argparse.Namespace) -> int:
             try:
                 generation = client.cancel_generation(request_id)
             except KvRelayError as err:
-                _print_error("cancel", err, sys.stderr, tls=bool(_tls(args)))
+                _print_error("cancel", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
                 failed += 1
                 continue
             print(f"{generation.request_id} {generation.state.name}")

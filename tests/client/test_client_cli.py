@@ -231,8 +231,12 @@ def test_status_error_exits_1_with_the_code(capsys: pytest.CaptureFixture[str]) 
     os.environ.pop("KVRELAY_API_TOKEN", None)
     started = time.monotonic()
     assert run_status(argparse.Namespace(target="127.0.0.1:1", json=False, token=None)) == 1
-    assert "kvrelay status: UNAVAILABLE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kvrelay status: UNAVAILABLE" in err
     assert time.monotonic() - started < 15
+    # Nothing listens there: the hint says so and names the target, not TLS (a refused connection
+    # is never a TLS mismatch).
+    assert "hint: nothing listens at 127.0.0.1:1" in err and "--tls-ca" not in err
 
 
 def test_status_uses_the_token(
