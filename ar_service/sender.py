@@ -202,6 +202,47 @@ def settle_outcomes(
 
 
 @dataclass(frozen=True, slots=True)
+class Arm:
+    """Command: arm the ticket (ReserveTicket). After it nothing stops for free: every write
+    the broker expects ends with a report."""
+
+
+@dataclass(frozen=True, slots=True)
+class Abandon:
+    """Command: drop the ranks' KV, roll the unarmed ticket back when `rollback` names a ticket
+    outcome (CANCELLED, TIMED_OUT), and fail the request with `failure`."""
+
+    failure: KvRelayServerError
+    rollback: str | None = None
+
+
+def after_prefill(*, cancel_requested: bool, deadline_left_s: float, min_transfer_s: float) -> Arm | Abandon:
+    """The last point where stopping is free: nothing is armed, the ticket can roll back."""
+    if cancel_requested:
+        return Abandon(KvRelayServerError(
+            grpc.StatusCode.CANCELLED, "CANCELLED", "the request was cancelled during prefill"
+        ), "CANCELLED")  # fmt: skip
+    if deadline_left_s <= min_transfer_s:
+        return Abandon(KvRelayServerError(
+            grpc.StatusCode.DEADLINE_EXCEEDED, "TIMED_OUT", "the deadline passed during prefill"
+        ), "TIMED_OUT")  # fmt: skip
+    return Arm()
+
+
+def after_arming(answer: object) -> Abandon | None:
+    """What ReserveTicket's answer means: None (go on to the writes) for a reply; the broker's
+    refusal (a KvRelayServerError) or no answer at all (None: settled in the background, see
+    ArServicer._settle_lost_arming) abandon the request, the KV dropped."""
+    if answer is None:
+        return Abandon(KvRelayServerError(
+            grpc.StatusCode.UNAVAILABLE, "BROKER_UNAVAILABLE", "ReserveTicket got no answer from the broker"
+        ))  # fmt: skip
+    if isinstance(answer, KvRelayServerError):
+        return Abandon(answer)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class SendWrites:
     """Command: send the ticket's WriteTicket to every rank with this transfer timeout."""
 
@@ -379,4 +420,4 @@ def broker_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.BrokerServiceStub:
     return broker_pb2_grpc.BrokerServiceStub(channel)
 
 
-__all__ = ["WriteLedger", "WriteReporter", "WriteProtocol", "SendWrites", "EndWrites", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]
+__all__ = ["WriteLedger", "WriteReporter", "WriteProtocol", "Arm", "Abandon", "after_prefill", "after_arming", "SendWrites", "EndWrites", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]

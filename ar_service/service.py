@@ -32,7 +32,16 @@ from kvrelay.ar_service.engine import (
     WriteDone,
     WriteTicket,
 )
-from kvrelay.ar_service.sender import RETRYABLE, EndWrites, WriteLedger, WriteProtocol, WriteReporter
+from kvrelay.ar_service.sender import (
+    RETRYABLE,
+    Abandon,
+    EndWrites,
+    WriteLedger,
+    WriteProtocol,
+    WriteReporter,
+    after_arming,
+    after_prefill,
+)
 from kvrelay.ar_service.tokenizer import Tokenizer
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
@@ -394,28 +403,24 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             self.metrics.prefill_seconds.observe(prefill_s)
             self.metrics.prefill_tokens.inc(sum(counts))
 
-            # The last point where stopping is free: nothing is armed, the ticket can roll back.
-            stop = None
-            if job is not None and job.cancel_requested:
-                stop = ("CANCELLED", grpc.StatusCode.CANCELLED, "the request was cancelled during prefill")
-            elif deadline.left() <= MIN_TRANSFER_S:
-                stop = ("TIMED_OUT", grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed during prefill")
-            if stop is not None:
+            # The decisions are the pure ones of ar_service/sender.py; this only carries them out.
+            step = after_prefill(
+                cancel_requested=job is not None and job.cancel_requested,
+                deadline_left_s=deadline.left(),
+                min_transfer_s=MIN_TRANSFER_S,
+            )
+            if isinstance(step, Abandon):
                 await self._call_ranks(DropTicket(ticket_id))
-                await self._rollback_if_ours(ticket_id, state, stop[0], stop[0], known)
-                raise KvRelayServerError(stop[1], stop[0], stop[2])
+                if step.rollback is not None:
+                    await self._rollback_if_ours(ticket_id, state, step.rollback, step.rollback, known)
+                raise step.failure
 
             arming = await self._arm(ticket_id, state, deadline)
-            if arming is None:
+            abandon = after_arming(arming)
+            if abandon is not None:
                 await self._call_ranks(DropTicket(ticket_id))
-                raise KvRelayServerError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    "BROKER_UNAVAILABLE",
-                    "ReserveTicket got no answer from the broker",
-                )
-            if isinstance(arming, KvRelayServerError):
-                await self._call_ranks(DropTicket(ticket_id))
-                raise arming
+                raise abandon.failure
+            assert isinstance(arming, broker_pb2.ReserveTicketResponse)
             if job is not None:
                 job.armed = True
             # From here on: shielded from cancellation (the caller awaits through asyncio.shield),

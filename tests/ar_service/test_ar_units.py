@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
 import torch
 
 from kvrelay.ar_service.engine import (
@@ -311,3 +312,21 @@ def test_write_protocol_never_turns_an_unknown_into_failed() -> None:
     assert not end.in_doubt and end.failure is not None and end.failure.reason == "TRANSFER_FAILED"
     end = p.on_written([ok, WriteOutcome(0, 1, 0, "OK", 64, 2)])
     assert end.failure is None and end.ok_bytes == 128
+
+
+def test_prefill_then_arming_decisions() -> None:
+    from kvrelay.ar_service.sender import Abandon, Arm, after_arming, after_prefill
+    from kvrelay.errors import KvRelayServerError
+
+    assert after_prefill(cancel_requested=False, deadline_left_s=1.0, min_transfer_s=0.05) == Arm()
+    cancelled = after_prefill(cancel_requested=True, deadline_left_s=1.0, min_transfer_s=0.05)
+    assert isinstance(cancelled, Abandon) and cancelled.rollback == "CANCELLED"
+    late = after_prefill(cancel_requested=False, deadline_left_s=0.05, min_transfer_s=0.05)
+    assert isinstance(late, Abandon) and late.rollback == "TIMED_OUT"
+    assert late.failure.reason == "TIMED_OUT"
+    # Once arming was asked for, nothing rolls back: the broker's answer decides.
+    lost = after_arming(None)
+    assert lost is not None and lost.rollback is None and lost.failure.reason == "BROKER_UNAVAILABLE"
+    refused = KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "FENCED", "stale incarnation")
+    assert after_arming(refused) == Abandon(refused)
+    assert after_arming(object()) is None
