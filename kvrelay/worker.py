@@ -25,6 +25,7 @@ import os
 import pickle
 import signal
 import socket
+import tempfile
 import threading
 import time
 import traceback
@@ -38,7 +39,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvrelay.models.parallel import TpGroup
 
-DEFAULT_LOCK_DIR = Path(".kvrelay/locks")
+LOCK_DIR_ENV = "KVRELAY_LOCK_DIR"
+
+
+def default_lock_dir() -> Path:
+    """Where replica locks live: `$KVRELAY_LOCK_DIR`, else one folder per user under the system's
+    temporary folder. Never relative to the working directory: a second `kvrelay ar --replica 0`
+    started from another folder must find the first one's lock, or its registration would pass
+    for proof that the first incarnation (and every write it may still have in flight) is gone."""
+    configured = os.environ.get(LOCK_DIR_ENV)
+    if configured:
+        return Path(configured).resolve()
+    return Path(tempfile.gettempdir()).resolve() / f"kvrelay-{os.getuid()}" / "locks"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -221,10 +233,13 @@ def _rank_error(rank: int, exc: BaseException) -> RankError:
 
 
 def replica_lock_path(
-    replica_id: str, lock_dir: str | os.PathLike[str] = DEFAULT_LOCK_DIR, *, deployment: str = ""
+    replica_id: str, lock_dir: str | os.PathLike[str] | None = None, *, deployment: str = ""
 ) -> Path:
     """The lock file of one replica of one deployment. `deployment` (the broker's address) keeps
-    two deployments started from the same folder from taking each other's locks."""
+    two deployments on one host from taking each other's locks. `lock_dir` defaults to
+    `default_lock_dir()`, which does not depend on the working directory."""
+    if lock_dir is None:
+        lock_dir = default_lock_dir()
     if deployment:
         safe = "".join(c if c.isalnum() or c in "-." else "_" for c in deployment)
         return Path(lock_dir) / safe / f"{replica_id}.lock"

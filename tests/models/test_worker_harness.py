@@ -23,6 +23,7 @@ from kvrelay.worker import (
     WorkerGroupBroken,
     WorkerTimeout,
     default_threads_per_rank,
+    replica_lock_path,
 )
 from tests.models.rank_handlers import ExitNow, Explode, Info, ModelsTestHandler, Sleep, failing_factory
 
@@ -52,6 +53,34 @@ def test_lock_excludes_a_second_holder_until_released(tmp_path):
     second = ReplicaLock(path).acquire(timeout_s=1.0)
     assert second.held
     second.release()
+
+
+def test_the_lock_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+    """A second `kvrelay ar --replica 0` of the same deployment started from another folder must
+    wait for the first one's lock: its registration would otherwise pass for proof that the first
+    incarnation is gone while it runs (a relative `.kvrelay/locks` let exactly that happen)."""
+    import uuid
+
+    monkeypatch.delenv("KVRELAY_LOCK_DIR", raising=False)
+    deployment = f"127.0.0.1:{uuid.uuid4().hex[:8]}"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    first_path = replica_lock_path("ar-0", deployment=deployment)
+    assert first_path.is_absolute()
+    first = ReplicaLock(first_path).acquire()
+    try:
+        monkeypatch.chdir(tmp_path / "b")
+        assert replica_lock_path("ar-0", deployment=deployment) == first_path
+        with pytest.raises(LockTimeout):
+            ReplicaLock(replica_lock_path("ar-0", deployment=deployment)).acquire(timeout_s=0.2)
+    finally:
+        first.release()
+        first_path.unlink(missing_ok=True)
+        first_path.parent.rmdir()
+    # $KVRELAY_LOCK_DIR moves every lock of the host (an absolute folder, whatever the cwd).
+    monkeypatch.setenv("KVRELAY_LOCK_DIR", "locks-here")
+    assert replica_lock_path("dit-1", deployment="h:1") == (tmp_path / "b" / "locks-here" / "h_1" / "dit-1.lock")
 
 
 @pytest.mark.slow
