@@ -20,14 +20,14 @@ import torch
 from kvrelay.dit_service.model import (
     BatchRequest,
     BatchStepCallback,
-    DenoiseCancelled,
     DitParallel,
     PrefixRow,
+    agreed_step_callback,
+    agreed_stop_set,
 )
 from kvrelay.dit_service.sampler import StepCallback, cfg_rows, initial_noise
 from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit
 from kvrelay.models.layers import torch_dtype
-from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import ModelPreset
 from kvrelay.models.vae import Decoder, build_decoder, flow_match_scheduler
 from kvrelay.transfer.layout import PageLayout
@@ -110,25 +110,8 @@ class BagelDitRunner:
                     raise ValueError(f"row {r} layer {layer}: prefix k/v {tuple(k.shape)} must be [{want[0]}, T, {want[1]}]")
 
     def _agreed(self, on_step: StepCallback | None) -> StepCallback | None:
-        """All ranks stop after the same step (one tiny all-reduce per step), as DitRunner."""
-        if self.parallel.world == 1:
-            return on_step
-
-        def agreed(step: int, total: int) -> None:
-            error: BaseException | None = None
-            if on_step is not None:
-                try:
-                    on_step(step, total)
-                except BaseException as err:  # noqa: BLE001 - re-raised after the vote
-                    error = err
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
-            TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flag)
-            if error is not None:
-                raise error
-            if int(flag.item()):
-                raise DenoiseCancelled(f"another rank stopped denoising after step {step}/{total}")
-
-        return agreed
+        """All ranks stop after the same step, as DitRunner."""
+        return agreed_step_callback(on_step, self.parallel.rank, self.parallel.world, self.device)
 
     def warm_up(self, width: int = 512, height: int = 512) -> None:
         """Before SERVING: import diffusers' scheduler now (seconds on a busy CPU) rather than in
@@ -181,13 +164,7 @@ class BagelDitRunner:
         return self._sample(requests, width, height, steps, batch_step)
 
     def _agreed_stop(self, stop: set[int], n: int) -> set[int]:
-        if self.parallel.world == 1:
-            return stop
-        flags = torch.zeros(n, dtype=torch.int32, device=self.device)
-        for i in stop:
-            flags[i] = 1
-        TpGroup(self.parallel.rank, self.parallel.world, None).all_reduce(flags)
-        return {i for i, f in enumerate(flags.tolist()) if f}
+        return agreed_stop_set(stop, n, self.parallel.rank, self.parallel.world, self.device)
 
     def _sample(
         self,

@@ -834,28 +834,7 @@ class DitRunner:
                     raise ValueError(f"row {r}: layers disagree on the prefix length")
 
     def _agreed(self, on_step: StepCallback | None) -> StepCallback | None:
-        """Wrap the step callback so that all ranks stop after the same step (one tiny all-reduce
-        per step); without it a rank that stops leaves the others blocked in a collective."""
-        if self.parallel.replica_world == 1:
-            return on_step
-
-        def agreed(step: int, total: int) -> None:
-            error: BaseException | None = None
-            if on_step is not None:
-                try:
-                    on_step(step, total)
-                except BaseException as err:  # noqa: BLE001 - re-raised below, after the vote
-                    error = err
-            flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
-            # Through TpGroup over the whole replica: it stages through host memory when ranks
-            # that share a GPU use gloo, which has no collectives on CUDA tensors there.
-            TpGroup(self.parallel.replica_rank, self.parallel.replica_world, None).all_reduce(flag)
-            if error is not None:
-                raise error
-            if int(flag.item()):
-                raise DenoiseCancelled(f"another rank stopped denoising after step {step}/{total}")
-
-        return agreed
+        return agreed_step_callback(on_step, self.parallel.replica_rank, self.parallel.replica_world, self.device)
 
     @torch.no_grad()
     def denoise(
@@ -955,14 +934,7 @@ class DitRunner:
         return results
 
     def _agreed_stop(self, stop: set[int], n: int) -> set[int]:
-        """The union of every rank's stop set (a no-op in one process)."""
-        if self.parallel.replica_world == 1:
-            return stop
-        flags = torch.zeros(n, dtype=torch.int32, device=self.device)
-        for i in stop:
-            flags[i] = 1
-        TpGroup(self.parallel.replica_rank, self.parallel.replica_world, None).all_reduce(flags)
-        return {i for i, f in enumerate(flags.tolist()) if f}
+        return agreed_stop_set(stop, n, self.parallel.replica_rank, self.parallel.replica_world, self.device)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -1148,3 +1120,41 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def agreed_step_callback(
+    on_step: StepCallback | None, rank: int, world: int, device: torch.device
+) -> StepCallback | None:
+    """Wrap the step callback so that all ranks stop after the same step (one tiny all-reduce
+    per step); without it a rank that stops leaves the others blocked in a collective."""
+    if world == 1:
+        return on_step
+
+    def agreed(step: int, total: int) -> None:
+        error: BaseException | None = None
+        if on_step is not None:
+            try:
+                on_step(step, total)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after the vote
+                error = err
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        # Through TpGroup over the whole replica: it stages through host memory when ranks
+        # that share a GPU use gloo, which has no collectives on CUDA tensors there.
+        TpGroup(rank, world, None).all_reduce(flag)
+        if error is not None:
+            raise error
+        if int(flag.item()):
+            raise DenoiseCancelled(f"another rank stopped denoising after step {step}/{total}")
+
+    return agreed
+
+
+def agreed_stop_set(stop: set[int], n: int, rank: int, world: int, device: torch.device) -> set[int]:
+    """The union of every rank's stop set over `n` requests (a no-op in one process)."""
+    if world == 1:
+        return stop
+    flags = torch.zeros(n, dtype=torch.int32, device=device)
+    for i in stop:
+        flags[i] = 1
+    TpGroup(rank, world, None).all_reduce(flags)
+    return {i for i, f in enumerate(flags.tolist()) if f}
