@@ -231,6 +231,7 @@ class NodeMetricsServer:
         return self
 
     def stop(self) -> None:
-        self._httpd.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for a serve_forever that was never started
+            self._httpd.shutdown()
         self._httpd.server_close()
         self._children.close()

@@ -799,6 +799,24 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay up: {err}", file=sys.stderr)
         return 2
+    # The node metrics port is bound before the children's ports are chosen: a port 0 bound after
+    # them could be given one of theirs (just probed free), and the node would refuse to start on
+    # its own listener.
+    built: list[Node] = []
+    metrics_host = getattr(args, "host", None) or cfg.broker.host
+    metrics_port = int(getattr(args, "metrics_port", None) or 0)
+    try:
+        metrics = NodeMetricsServer(
+            lambda: {p.name: f"http://{p.metrics}/metrics" for n in built for p in n.processes() if p.metrics},
+            host=metrics_host,
+            port=metrics_port,
+        )
+    except OSError as err:
+        if metrics_port and not is_port_free(metrics_host, metrics_port):
+            print(f"kvrelay up: {in_use_message(metrics_port, 'node metrics', metrics_host)}", file=sys.stderr)
+        else:
+            print(f"kvrelay up: node metrics on {metrics_host}:{metrics_port}: {err}", file=sys.stderr)
+        return 1
     try:
         node = build_node(
             config_path,
@@ -811,8 +829,10 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
             ready_timeout=float(getattr(args, "ready_timeout", None) or DEFAULT_READY_TIMEOUT),
         )
     except OSError as err:
+        metrics.stop()
         print(f"kvrelay up: {err}", file=sys.stderr)
         return 1
+    built.append(node)
 
     stopping = False
 
@@ -825,20 +845,6 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         stopping = True
         raise _StopRequested(signum)
 
-    metrics_host = getattr(args, "host", None) or cfg.broker.host
-    metrics_port = int(getattr(args, "metrics_port", None) or 0)
-    try:
-        metrics = NodeMetricsServer(
-            lambda: {p.name: f"http://{p.metrics}/metrics" for p in node.processes() if p.metrics},
-            host=metrics_host,
-            port=metrics_port,
-        )
-    except OSError as err:
-        if metrics_port and not is_port_free(metrics_host, metrics_port):
-            print(f"kvrelay up: {in_use_message(metrics_port, 'node metrics', metrics_host)}", file=sys.stderr)
-        else:
-            print(f"kvrelay up: node metrics on {metrics_host}:{metrics_port}: {err}", file=sys.stderr)
-        return 1
     metrics.start()
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     up = False
