@@ -47,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from kvrelay.client import KvRelayClient
-    from kvrelay.supervisor import start_node
+    from kvrelay.node.supervisor import start_node
 
     cfg = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
     metrics_port = _free_port()

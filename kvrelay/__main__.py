@@ -1,4 +1,4 @@
-from kvrelay.cli import main
+from kvrelay.node.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

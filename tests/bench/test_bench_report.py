@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.bench import BenchProgress, RequestRecord, plot, summarize
+from kvrelay.node.bench import BenchProgress, RequestRecord, plot, summarize
 
 
 def _results() -> list[Any]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvrelay.verify import run_check
+from kvrelay.node.verify import run_check
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import yaml
 
 from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, RetryPolicy
 from kvrelay.client.cli import run_status
-from kvrelay.supervisor import Node, start_node
+from kvrelay.node.supervisor import Node, start_node
 from tests.orchestrator.harness import ArReplica, DitMemory, DitReplica
 from tests.tcp_proxy import TcpProxy
 

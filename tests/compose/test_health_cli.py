@@ -59,7 +59,7 @@ def test_nothing_listening_is_exit_2_within_the_timeout() -> None:
 
 
 def test_a_target_without_a_port_dials_the_brokers_port_not_443() -> None:
-    from kvrelay.health_probe import check
+    from kvrelay.node.health_probe import check
 
     # Nothing listens on 127.0.0.1:50051 here (port-0 tests); the line names the port it dialed.
     code, line = check("127.0.0.1", timeout_s=1.0)

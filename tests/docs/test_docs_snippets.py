@@ -132,7 +132,7 @@ def test_links_between_docs_resolve() -> None:
 
 @pytest.fixture(scope="module")
 def node_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvrelay.supervisor import start_node
+    from kvrelay.node.supervisor import start_node
 
     tmp = tmp_path_factory.mktemp("docs-node")
     data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())

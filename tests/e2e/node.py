@@ -32,7 +32,7 @@ def fallback(cfg: dict[str, Any]) -> None:
 
 @contextmanager
 def running_node(tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Iterator[Any]:
-    from kvrelay.supervisor import start_node
+    from kvrelay.node.supervisor import start_node
 
     path = write_config(tmp, name, edit)
     rundir = tmp / name

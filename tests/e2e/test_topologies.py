@@ -29,8 +29,8 @@ def _generate(address: str, **kw: Any) -> Any:
 def test_same_seed_same_image_bits_over_mooncake_fallback_and_colocated(tmp_path: Path) -> None:
     from PIL import Image
 
-    from kvrelay.colocated import ColocatedPipeline
     from kvrelay.dit_service.image import decode_png
+    from kvrelay.node.colocated import ColocatedPipeline
 
     images = {}
     for name, edit in (("mooncake", None), ("grpc", fallback)):
@@ -79,9 +79,9 @@ def test_debug_topology_tp2_to_tp2_twenty_sequential_requests(tmp_path: Path) ->
 
 
 def test_dit_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
-    from kvrelay.colocated import ColocatedPipeline
     from kvrelay.dit_service.image import decode_png
     from kvrelay.dit_service.model import DitRunner
+    from kvrelay.node.colocated import ColocatedPipeline
 
     checkpoint = tmp_path / "dit-weights"
     DitRunner("tiny", weight_seed=7).save_checkpoint(checkpoint)

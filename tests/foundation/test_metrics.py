@@ -109,7 +109,7 @@ def test_the_shipped_scrape_config_targets_the_node_port() -> None:
     doc = yaml.safe_load((REPO / "monitoring" / "prometheus.yml").read_text())
     targets = [t for job in doc["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
     assert targets == ["localhost:9399"]
-    from kvrelay.cli import build_parser
+    from kvrelay.node.cli import build_parser
 
     assert build_parser().parse_args(["up"]).metrics_port == 9399
 

@@ -25,12 +25,12 @@ def test_wheel_holds_only_the_kvrelay_package(repo_root: Path, tmp_path: Path, p
         assert f"kvrelay/{sub}/__init__.py" in names, sub
     assert "kvrelay/v1/broker_pb2.pyi" in names
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "kvrelay = kvrelay.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "kvrelay = kvrelay.node.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_import_kvrelay_loads_no_torch_and_no_service() -> None:
     code = (
-        "import sys, kvrelay, kvrelay.config, kvrelay.cli, kvrelay.client;"
+        "import sys, kvrelay, kvrelay.config, kvrelay.node.cli, kvrelay.client;"
         "bad = [m for m in ('torch', 'kvrelay.ar_service', 'kvrelay.dit_service', 'kvrelay.broker') if m in sys.modules];"
         "print(bad); raise SystemExit(1 if bad else 0)"
     )

@@ -18,7 +18,7 @@ site = pathlib.Path(sys.argv[1]).resolve()
 assert pathlib.Path(kvrelay.__file__).resolve().is_relative_to(site), kvrelay.__file__
 from kvrelay.config import load_config, ConfigError
 from kvrelay.resources import resolve
-from kvrelay.bench import load_dataset
+from kvrelay.node.bench import load_dataset
 cfg = load_config()  # the default, configs/single-node.yaml, from the installed package
 assert cfg.ar_stage.kind == "ar"
 for name in ("configs/single-node.yaml", "single-node.yaml", "configs/reference-8gpu.yaml"):

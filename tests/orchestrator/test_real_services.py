@@ -22,7 +22,7 @@ S = generation_pb2
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, repo_root: Path) -> Iterator[str]:
-    from kvrelay.supervisor import start_node
+    from kvrelay.node.supervisor import start_node
 
     tmp = tmp_path_factory.mktemp("node")
     cfg = yaml.safe_load((repo_root / "tests/configs/test-fast.yaml").read_text())

@@ -26,7 +26,7 @@ from PIL import Image
 
 from kvrelay.client import KvRelayClient, KvRelayError, RetryPolicy
 from kvrelay.client.cli import run_status
-from kvrelay.health_probe import run as run_health
+from kvrelay.node.health_probe import run as run_health
 from tests.security.certs import TestCa
 
 REPO = Path(__file__).resolve().parents[2]

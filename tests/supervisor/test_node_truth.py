@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvrelay.node.supervisor import SupervisorError, run_up, start_node
 from kvrelay.ports import Listen, PortInUse, check_ports_free
-from kvrelay.supervisor import SupervisorError, run_up, start_node
 from tests.supervisor.test_supervisor import (
     COMMAND,
     all_pids,

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvrelay.supervisor import Node, SupervisorError, plan_children, run_up, start_node
+from kvrelay.node.supervisor import Node, SupervisorError, plan_children, run_up, start_node
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = str(Path(__file__).with_name("health_child.py"))
@@ -241,7 +241,7 @@ def _up_process(
 ) -> subprocess.Popen[str]:
     code = (
         "import argparse, sys\n"
-        "from kvrelay.supervisor import run_up\n"
+        "from kvrelay.node.supervisor import run_up\n"
         f"args = argparse.Namespace(config={str(path)!r}, host=None, log_dir={str(tmp_path / 'logs')!r},"
         " log_level=None, ready_timeout=60)\n"
         f"sys.exit(run_up(args, command=[sys.executable, {CHILD!r}]))\n"

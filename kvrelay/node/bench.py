@@ -260,7 +260,7 @@ class NodeUnderTest:
     """One `kvrelay up`-style node (broker + AR + DiT processes) for one implementation."""
 
     def __init__(self, impl: str, base: dict[str, Any], workdir: Path, ar_model: str | None = None) -> None:
-        from kvrelay.supervisor import start_node
+        from kvrelay.node.supervisor import start_node
 
         self.impl = impl
         data = json.loads(json.dumps(base))
@@ -332,7 +332,7 @@ class ColocatedUnderTest:
     impl = "colocated"
 
     def __init__(self, preset: str, device: str = "cpu", max_batch: int = 1) -> None:
-        from kvrelay.colocated import ColocatedPipeline
+        from kvrelay.node.colocated import ColocatedPipeline
 
         self.pipeline = ColocatedPipeline(preset, device=device, max_batch=max_batch)
 

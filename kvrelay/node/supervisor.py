@@ -552,7 +552,7 @@ class Node:
                 child.log_file = open(self.log_dir / f"{child.spec.name}.log", "ab")  # noqa: SIM115
             # A JSON line like every other line of the child's log.
             banner = {"event": "child_starting", "child": child.spec.name, "level": "info",
-                      "logger": "kvrelay.supervisor", "timestamp": _utc_now()}  # fmt: skip
+                      "logger": "kvrelay.node.supervisor", "timestamp": _utc_now()}  # fmt: skip
             child.log_file.write(json.dumps(banner).encode() + b"\n")
             child.log_file.flush()
             stdout = child.log_file

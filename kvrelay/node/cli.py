@@ -1,4 +1,4 @@
-"""The `kvrelay` command line: the composition root.
+"""The `kvrelay` command line, the entry point of kvrelay.node (the composition roots).
 
 It parses arguments and imports a service package only inside the subcommand that starts it, so
 `kvrelay generate` never loads torch and `kvrelay broker` never loads a model.
@@ -16,17 +16,17 @@ from kvrelay.config import DEFAULT_CONFIG
 
 # subcommand -> "module:function(args) -> int"
 HANDLERS = {
-    "up": "kvrelay.supervisor:run_up",
+    "up": "kvrelay.node.supervisor:run_up",
     "broker": "kvrelay.broker.main:run",
     "ar": "kvrelay.ar_service.main:run",
     "dit": "kvrelay.dit_service.main:run",
     "generate": "kvrelay.client.cli:run_generate",
     "status": "kvrelay.client.cli:run_status",
-    "health": "kvrelay.health_probe:run",
+    "health": "kvrelay.node.health_probe:run",
     "list": "kvrelay.client.cli:run_list",
     "cancel": "kvrelay.client.cli:run_cancel",
-    "bench": "kvrelay.bench:run",
-    "verify": "kvrelay.verify:run",
+    "bench": "kvrelay.node.bench:run",
+    "verify": "kvrelay.node.verify:run",
 }
 
 DEFAULT_TARGET = "127.0.0.1:50051"
