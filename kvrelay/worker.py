@@ -123,11 +123,16 @@ class WorkerCommandError(WorkerGroupError):
 
 
 class LockTimeout(WorkerGroupError):
-    def __init__(self, path: Path, timeout_s: float, holder: str):
+    """The replica lock stayed taken: another process of this replica of this deployment (a
+    duplicate started by hand, or the previous incarnation's service or worker ranks) is alive.
+    One line, naming the pid written by the holder (`holder_pid`, None when unreadable)."""
+
+    def __init__(self, path: Path, timeout_s: float, holder: str, holder_pid: int | None = None):
         self.path = path
+        self.holder_pid = holder_pid
         super().__init__(
-            f"replica lock {path} still held after {timeout_s:.1f}s (holder: {holder}); "
-            "a process of the previous incarnation (service or worker rank) is still alive"
+            f"replica lock {path} still held after {timeout_s:.1f}s by {holder}: another process of "
+            "this replica (a duplicate, or the previous incarnation's service or worker ranks) is alive"
         )
 
 
@@ -232,16 +237,84 @@ def _rank_error(rank: int, exc: BaseException) -> RankError:
 # ---------------------------------------------------------------------------------------------
 
 
+GRPC_DEFAULT_PORT = 443  # what gRPC dials for a target without a port
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    """(host, port) of a gRPC target as `make_channel` takes it: `HOST[:PORT]`, `[V6][:PORT]`,
+    a bare IPv6 address, or the `dns:[//AUTHORITY/]`, `ipv4:`, `ipv6:` forms (first address)."""
+    text = target.strip()
+    for scheme in ("dns:", "ipv4:", "ipv6:"):
+        if text.lower().startswith(scheme):
+            text = text[len(scheme):]
+            if scheme == "dns:" and text.startswith("//"):
+                text = text[2:].partition("/")[2]  # the DNS server's authority is not the broker
+            text = text.split(",")[0]
+            break
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else ""
+    if text.count(":") > 1:  # a bare IPv6 address has no port
+        return text, ""
+    host, _, port = text.partition(":")
+    return host, port
+
+
+def _is_local_address(address: str) -> bool:
+    """True when `address` belongs to this host (loopback, any-address, or an interface's):
+    binding to it succeeds only then."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+        return True
+    except OSError:
+        return False
+
+
+def deployment_key(broker_address: str) -> str:
+    """The canonical name of the deployment a broker address stands for, so that every spelling
+    of one broker takes the same replica locks: `localhost:P`, `127.0.0.1:P`, `[::1]:P`,
+    `0.0.0.0:P`, `dns:///localhost:P` and this host's name all give `local:P`; a remote name gives
+    its lowest resolved address (`10.0.0.5:P`); no port means gRPC's default (443).
+
+    Any broker on this host is `local`: two local brokers on one port would need two distinct
+    listen addresses, and treating them as one deployment only makes their replicas exclude each
+    other (the safe side), while two spellings that do not collide let a duplicate replica pass
+    for a new incarnation. A `unix:` target is keyed by its absolute path; a name that does not
+    resolve by itself, lower-cased."""
+    text = broker_address.strip()
+    if text.lower().startswith("unix:"):
+        path = text[len("unix:"):]
+        path = path[2:] if path.startswith("//") else path
+        return "unix:" + os.path.abspath(path)
+    host, port_text = _split_target(text)
+    port = int(port_text) if port_text.isdigit() else GRPC_DEFAULT_PORT
+    try:
+        infos = socket.getaddrinfo(host or "localhost", port, type=socket.SOCK_STREAM)
+        addresses = sorted({str(info[4][0]).split("%")[0] for info in infos})
+    except (OSError, UnicodeError):
+        addresses = []
+    if not addresses:
+        return f"{host.lower()}:{port}"
+    if any(_is_local_address(a) for a in addresses):
+        return f"local:{port}"
+    return f"{addresses[0]}:{port}"
+
+
 def replica_lock_path(
     replica_id: str, lock_dir: str | os.PathLike[str] | None = None, *, deployment: str = ""
 ) -> Path:
-    """The lock file of one replica of one deployment. `deployment` (the broker's address) keeps
-    two deployments on one host from taking each other's locks. `lock_dir` defaults to
-    `default_lock_dir()`, which does not depend on the working directory."""
+    """The lock file of one replica of one deployment. `deployment` (the broker's address, as
+    typed) keeps two deployments on one host from taking each other's locks; it is canonicalised
+    by `deployment_key` first, so `--broker localhost:P` and `--broker 127.0.0.1:P` are one
+    deployment. `lock_dir` defaults to `default_lock_dir()`, which does not depend on the working
+    directory."""
     if lock_dir is None:
         lock_dir = default_lock_dir()
     if deployment:
-        safe = "".join(c if c.isalnum() or c in "-." else "_" for c in deployment)
+        key = deployment_key(deployment)
+        safe = "".join(c if c.isalnum() or c in "-." else "_" for c in key)
         return Path(lock_dir) / safe / f"{replica_id}.lock"
     return Path(lock_dir) / f"{replica_id}.lock"
 
@@ -284,9 +357,9 @@ class ReplicaLock:
                     os.close(fd)
                     raise
                 if time.monotonic() >= deadline:
-                    holder = self._read_holder(fd)
+                    holder_pid = self._read_holder(fd)
                     os.close(fd)
-                    raise LockTimeout(self.path, timeout_s, holder) from None
+                    raise LockTimeout(self.path, timeout_s, _describe_holder(holder_pid), holder_pid) from None
                 time.sleep(poll_s)
         # Who holds it, for the error message of the next incarnation; not used for correctness.
         os.ftruncate(fd, 0)
@@ -295,12 +368,12 @@ class ReplicaLock:
         return self
 
     @staticmethod
-    def _read_holder(fd: int) -> str:
+    def _read_holder(fd: int) -> int | None:
         try:
             text = os.pread(fd, 64, 0).decode(errors="replace").strip()
         except OSError:
-            text = ""
-        return f"pid {text} or one of its worker ranks" if text else "unknown"
+            return None
+        return int(text) if text.isdigit() else None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -312,6 +385,19 @@ class ReplicaLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _describe_holder(pid: int | None) -> str:
+    """Who holds a lock, for its error message; not used for correctness (a pid may be reused)."""
+    if pid is None:
+        return "an unknown process"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"pid {pid} (exited; one of its worker ranks still holds it)"
+    except PermissionError:
+        pass
+    return f"pid {pid} (running)"
 
 
 class _InheritedFd:

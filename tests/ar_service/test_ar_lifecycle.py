@@ -4,6 +4,9 @@ of a draining ticket, and fail stop when fenced."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -182,6 +185,40 @@ def test_fenced_replica_fails_stop_with_exit_code_3_and_a_new_incarnation_can_st
                 assert again.stop() == 0, again.output()
             finally:
                 again.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_duplicate_replica_given_another_spelling_of_the_broker_is_refused(tmp_path: Path) -> None:
+    """`--broker localhost:P` and `--broker 127.0.0.1:P` are one deployment: a second `kvrelay ar
+    --replica 0` spelled the other way must not take its own lock and register as a new
+    incarnation (which would pass for proof that the first one's writes are gone)."""
+    config = write_config(tmp_path, transport="grpc", lease_seconds=1.5)
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            host, port = broker.address.rsplit(":", 1)
+            assert host == "127.0.0.1"
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(ar.address)
+                first = core.get_replica("ar-0").spec.incarnation_id
+                argv = [sys.executable, "-m", "kvrelay", "ar", "--config", str(config), "--replica", "0",
+                        "--broker", f"localhost:{port}"]
+                duplicate = await asyncio.to_thread(
+                    subprocess.run, argv, cwd=tmp_path, capture_output=True, text=True, timeout=45
+                )
+                assert duplicate.returncode == 2, duplicate.stdout + duplicate.stderr
+                # stderr goes through the JSON log (capture_native_output): one record per line.
+                lines = [json.loads(r).get("line", r) if r.startswith("{") else r for r in duplicate.stderr.splitlines()]
+                refused = [line for line in lines if "replica lock" in line]
+                assert len(refused) == 1, duplicate.stderr
+                assert refused[0].startswith("kvrelay ar: ") and f"pid {ar.proc.pid} (running)" in refused[0]
+                status = core.get_replica("ar-0")
+                assert status.spec.incarnation_id == first and not status.fenced
+                assert ar.proc.poll() is None
+            finally:
+                ar.stop()
 
     asyncio.run(scenario())
 

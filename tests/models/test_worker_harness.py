@@ -3,6 +3,7 @@ replica lock."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from kvrelay.worker import (
     WorkerGroupBroken,
     WorkerTimeout,
     default_threads_per_rank,
+    deployment_key,
     replica_lock_path,
 )
 from tests.models.rank_handlers import ExitNow, Explode, Info, ModelsTestHandler, Sleep, failing_factory
@@ -81,6 +83,37 @@ def test_the_lock_does_not_depend_on_the_working_directory(tmp_path, monkeypatch
     # $KVRELAY_LOCK_DIR moves every lock of the host (an absolute folder, whatever the cwd).
     monkeypatch.setenv("KVRELAY_LOCK_DIR", "locks-here")
     assert replica_lock_path("dit-1", deployment="h:1") == (tmp_path / "b" / "locks-here" / "h_1" / "dit-1.lock")
+
+
+def test_every_spelling_of_one_broker_takes_the_same_replica_lock(tmp_path):
+    """The lock is keyed by the deployment, not by how `--broker` was typed: `localhost:P` and
+    `127.0.0.1:P` (and the other local spellings) must exclude each other."""
+    import socket
+
+    port = 50999
+    spellings = [
+        f"localhost:{port}", f"127.0.0.1:{port}", f"0.0.0.0:{port}", f"dns:///localhost:{port}",
+        f"ipv4:127.0.0.1:{port}", f"{socket.gethostname()}:{port}", f" LOCALHOST:{port} ",
+    ]
+    if socket.has_ipv6:
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            spellings += [f"[::1]:{port}", f"ipv6:[::1]:{port}"]
+    assert {deployment_key(s) for s in spellings} == {f"local:{port}"}
+    assert deployment_key("localhost") == "local:443"  # gRPC's port for a target without one
+    assert deployment_key(f"localhost:{port + 1}") != deployment_key(f"localhost:{port}")
+    assert deployment_key("no-such-host.invalid:7") == "no-such-host.invalid:7"
+    assert deployment_key("192.0.2.7:7") == "192.0.2.7:7"  # TEST-NET-1: not an address of this host
+    paths = {replica_lock_path("dit-0", tmp_path, deployment=s) for s in spellings}
+    assert len(paths) == 1
+    (path,) = paths
+    first = ReplicaLock(path).acquire()
+    try:
+        with pytest.raises(LockTimeout, match=f"by pid {os.getpid()} \\(running\\)") as info:
+            ReplicaLock(replica_lock_path("dit-0", tmp_path, deployment=f"localhost:{port}")).acquire(timeout_s=0.1)
+        assert info.value.holder_pid == os.getpid() and "\n" not in str(info.value)
+    finally:
+        first.release()
 
 
 @pytest.mark.slow
