@@ -24,10 +24,11 @@ import grpc
 import structlog
 
 from kvrelay import LAYOUT_VERSION
-from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec
 from kvrelay.broker.service import add_broker_servicer
 from kvrelay.broker.tickets import TicketOutcome, WriteStatus
+from kvrelay.broker.waiters import run_maintenance
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 

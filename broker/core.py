@@ -3,7 +3,8 @@
 Composes the replica registry, one PagePool per DiT replica, the ticket records and the
 journal, and enforces the lifecycle of DESIGN.md section 6 across them: reservation, arming,
 reports, draining, fencing, and recovery after a restart. Every change is committed to the
-journal before the method that makes it returns (so before any RPC reveals it).
+journal before the method that makes it returns (so before any RPC reveals it), and only then
+are its waiters woken (`self.waiters`, waiters.py). The stored format of a ticket is codec.py's.
 Must never do I/O other than the journal, never import gRPC or torch, and never block: it is
 called from one asyncio event loop (the gRPC servicer and the orchestrator) and takes its
 clock as a parameter so tests drive time by hand.
@@ -11,19 +12,19 @@ clock as a parameter so tests drive time by hand.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import structlog
 
 from kvrelay import LAYOUT_VERSION
+from kvrelay.broker.codec import ticket_from_json, ticket_to_json
 from kvrelay.broker.journal import Journal, Synchronous
 from kvrelay.broker.pool import NeverFits, PagePool, PageState
 from kvrelay.broker.registry import (
@@ -53,9 +54,9 @@ from kvrelay.broker.tickets import (
     Unauthenticated,
     Unavailable,
     WriteKey,
-    WriteRecord,
     WriteStatus,
 )
+from kvrelay.broker.waiters import ChangeWaiters
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
 
@@ -141,8 +142,8 @@ class BrokerCore:
         self._released_history = released_history
         self._sequence = 0
         self.released_total = 0
-        self._ticket_waiters: dict[TicketId, list[asyncio.Future[None]]] = {}
-        self._change_waiters: list[asyncio.Future[None]] = []
+        # Who waits for a ticket's next version or for freed pages (WatchTicket, the queue).
+        self.waiters = ChangeWaiters(self._snapshot)
         self._restore()
 
     # ================================================================== replicas
@@ -198,7 +199,7 @@ class BrokerCore:
             registration=kind.value,
             fenced=record.fenced,
         )
-        self._notify_change()
+        self.waiters.notify_change()
         return RegisterReply(self.lease_seconds, record.fenced, kind)
 
     def heartbeat(
@@ -604,60 +605,6 @@ class BrokerCore:
             self._commit(changed)
         return len(changed)
 
-    # ======================================================== async notification
-
-    async def wait_ticket_change(self, ticket_id: TicketId, version: int, timeout: float | None = None) -> Ticket:
-        """The ticket once its version differs from `version` (or now, after `timeout`)."""
-        snap = self._snapshot(ticket_id)
-        if snap.version != version or snap.state is TicketState.RELEASED:
-            return snap
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._ticket_waiters.setdefault(ticket_id, []).append(fut)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            pass
-        finally:
-            waiters = self._ticket_waiters.get(ticket_id)
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._ticket_waiters[ticket_id]
-        return self._snapshot(ticket_id)
-
-    async def watch_ticket(self, ticket_id: TicketId) -> AsyncIterator[Ticket]:
-        """The ticket now, then every change, ending after RELEASED."""
-        snap = self._snapshot(ticket_id)
-        yield snap
-        while snap.state is not TicketState.RELEASED:
-            nxt = await self.wait_ticket_change(ticket_id, snap.version)
-            if nxt.version != snap.version:
-                yield nxt
-            snap = nxt
-
-    async def wait_for_change(self, timeout: float | None = None) -> None:
-        """Return when pages were freed or a replica registered (the orchestrator's queue retries)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._change_waiters.append(fut)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            pass
-        finally:
-            if fut in self._change_waiters:
-                self._change_waiters.remove(fut)
-
-    def _notify_ticket(self, ticket_id: TicketId) -> None:
-        for fut in self._ticket_waiters.pop(ticket_id, []):
-            if not fut.done():
-                fut.set_result(None)
-
-    def _notify_change(self) -> None:
-        waiters, self._change_waiters = self._change_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
     def close(self) -> None:
         self.journal.close()
 
@@ -737,7 +684,7 @@ class BrokerCore:
             replicas={r.spec.replica_id: r.to_json() for r in replicas},
             # Released tickets leave the journal: nothing can write their pages any more.
             tickets={
-                t.ticket_id: None if t.state is TicketState.RELEASED else _ticket_to_json(t) for t in tickets
+                t.ticket_id: None if t.state is TicketState.RELEASED else ticket_to_json(t) for t in tickets
             },
             meta={"sequence": str(self._sequence)},
         )
@@ -746,9 +693,9 @@ class BrokerCore:
             if t.state is TicketState.RELEASED and t.ticket_id in self._tickets:
                 self._retire(t)
                 freed = True
-            self._notify_ticket(t.ticket_id)
+            self.waiters.notify_ticket(t.ticket_id)
         if freed:
-            self._notify_change()
+            self.waiters.notify_change()
 
     def _retire(self, t: TicketRecord) -> None:
         del self._tickets[t.ticket_id]
@@ -836,7 +783,7 @@ class BrokerCore:
         self._sequence = int(contents.meta.get("sequence", "0"))
         restored: list[TicketRecord] = []
         for data in sorted(contents.tickets.values(), key=lambda d: d["sequence"]):
-            t = _ticket_from_json(data)
+            t = ticket_from_json(data)
             state = PageState.DRAINING if t.state is TicketState.DRAINING else PageState.RESERVED
             self._pools[t.dit_replica_id].claim(t.page_ids, state)
             self._tickets[t.ticket_id] = t
@@ -854,73 +801,3 @@ class BrokerCore:
         self._commit(restored)
         log.info("broker_restored", replicas=len(contents.replicas), tickets=len(restored))
 
-
-async def run_maintenance(core: BrokerCore, interval: float = 0.25) -> None:
-    """The broker process's background task: drain quiet periods and lease-based liveness.
-
-    Runs until cancelled. Lease expiry needs no action here (liveness is computed from the
-    lease on read, and an expired lease is never proof that a writer is gone); draining
-    tickets are released once resolved and quiet.
-    """
-    while True:
-        try:
-            core.tick()
-        except Exception:
-            # A journal failure leaves memory ahead of disk: the process must stop and recover.
-            log.exception("broker_maintenance_failed")
-            raise
-        await asyncio.sleep(interval)
-
-
-# ------------------------------------------------------------------ journal format
-
-
-def _ticket_to_json(t: TicketRecord) -> dict[str, Any]:
-    return {
-        "ticket_id": t.ticket_id, "request_id": t.request_id,
-        "ar_replica_id": t.ar_replica_id, "dit_replica_id": t.dit_replica_id,
-        "rows": [[r.row, r.num_tokens, list(r.page_ids)] for r in t.rows],
-        "sequence": t.sequence, "src_shards": t.src_shards, "dst_shards": t.dst_shards,
-        "create_time": t.create_time, "update_time": t.update_time,
-        "state": t.state.value, "outcome": t.outcome.value if t.outcome else None, "reason": t.reason,
-        "armed": t.armed, "armed_incarnation": t.armed_incarnation, "dit_incarnation": t.dit_incarnation,
-        "request_over": t.request_over,
-        "writes": [
-            [k.row, k.src_rank, k.dst_rank, w.status.value, w.checksum, w.bytes, w.message]
-            for k, w in t.writes.items()
-        ],
-        "loads": [[k.row, k.dst_rank, v] for k, v in t.loads.items()],
-        "last_resolution_time": t.last_resolution_time, "drain_start_time": t.drain_start_time,
-        "version": t.version,
-    }  # fmt: skip
-
-
-def _ticket_from_json(d: dict[str, Any]) -> TicketRecord:
-    t = TicketRecord(
-        ticket_id=d["ticket_id"],
-        request_id=d["request_id"],
-        ar_replica_id=d["ar_replica_id"],
-        dit_replica_id=d["dit_replica_id"],
-        rows=tuple(RowPages(r[0], r[1], tuple(r[2])) for r in d["rows"]),
-        write_keys=(),
-        src_shards=d["src_shards"],
-        dst_shards=d["dst_shards"],
-        sequence=d["sequence"],
-        dit_incarnation=d["dit_incarnation"],
-        now=d["create_time"],
-    )
-    t.update_time = d["update_time"]
-    t.state = TicketState(d["state"])
-    t.outcome = TicketOutcome(d["outcome"]) if d["outcome"] else None
-    t.reason = d["reason"]
-    t.armed = d["armed"]
-    t.armed_incarnation = d["armed_incarnation"]
-    t.request_over = d["request_over"]
-    t.writes = {
-        WriteKey(w[0], w[1], w[2]): WriteRecord(WriteStatus(w[3]), w[4], w[5], w[6]) for w in d["writes"]
-    }
-    t.loads = {LoadKey(row, dst): bool(v) for row, dst, v in d["loads"]}
-    t.last_resolution_time = d["last_resolution_time"]
-    t.drain_start_time = d["drain_start_time"]
-    t.version = d["version"]
-    return t

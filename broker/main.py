@@ -16,11 +16,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from kvrelay.broker.authz import broker_checks
-from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
+from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.ports import PortInUse

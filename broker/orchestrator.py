@@ -411,7 +411,7 @@ class Orchestrator:
     async def _core_change_relay(self) -> None:
         # BrokerCore says when pages were freed or a replica registered: retry the queue then.
         while True:
-            await self.core.wait_for_change()
+            await self.core.waiters.wait_for_change()
             self._wake.set()
 
     async def _placement_loop(self) -> None:
@@ -677,7 +677,7 @@ class Orchestrator:
 
     async def _watch_transfer(self, job: _Job, ticket_id: str) -> None:
         """TRANSFERRING once the AR armed the ticket (WRITING): the KV is on its way."""
-        async for ticket in self.core.watch_ticket(ticket_id):
+        async for ticket in self.core.waiters.watch_ticket(ticket_id):
             if ticket.state is not TicketState.RESERVED:
                 if ticket.state is TicketState.WRITING or ticket.armed:
                     self._advance(job.record, GenState.TRANSFERRING)

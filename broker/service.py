@@ -395,7 +395,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self.rpc_counts["WatchTicket"] += 1
         # The core's waiter is removed in its own `finally` when this stream is cancelled.
         try:
-            async for ticket in self.core.watch_ticket(request.ticket_id):
+            async for ticket in self.core.waiters.watch_ticket(request.ticket_id):
                 yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
         except BrokerError as err:
             await abort_with(context, to_server_error(err))

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.tickets import NotFound, TicketOutcome, TicketState
+from kvrelay.broker.waiters import run_maintenance
 from tests.broker.helpers import ar_spec, dit_spec, load_all, write_all
 
 TIMEOUT = 5.0
@@ -29,7 +30,7 @@ def test_watch_sees_each_state_through_released() -> None:
         states: list[TicketState] = []
 
         async def watch() -> None:
-            async for snap in core.watch_ticket(t.ticket_id):
+            async for snap in core.waiters.watch_ticket(t.ticket_id):
                 states.append(snap.state)
 
         watcher = asyncio.create_task(watch())
@@ -42,7 +43,7 @@ def test_watch_sees_each_state_through_released() -> None:
         await asyncio.sleep(0)
         core.release_ticket(done.ticket_id, TicketOutcome.OK)
         await asyncio.wait_for(watcher, TIMEOUT)
-        assert core._ticket_waiters == {}  # noqa: SLF001
+        assert core.waiters._tickets == {}  # noqa: SLF001
         return states
 
     states = asyncio.run(scenario())
@@ -56,15 +57,15 @@ def test_a_cancelled_watch_leaves_no_waiter_and_unknown_tickets_raise() -> None:
         core, _, _ = make()
         t = core.create_ticket("r", "ar-0", "dit-0", [20])
         assert t is not None
-        task = asyncio.create_task(core.wait_ticket_change(t.ticket_id, t.version))
+        task = asyncio.create_task(core.waiters.wait_ticket_change(t.ticket_id, t.version))
         await asyncio.sleep(0.01)
-        assert core._ticket_waiters  # noqa: SLF001
+        assert core.waiters._tickets  # noqa: SLF001
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert core._ticket_waiters == {}  # noqa: SLF001
+        assert core.waiters._tickets == {}  # noqa: SLF001
         with pytest.raises(NotFound):
-            async for _ in core.watch_ticket("nope"):
+            async for _ in core.waiters.watch_ticket("nope"):
                 pass
 
     asyncio.run(scenario())
@@ -79,7 +80,7 @@ def test_queue_wakes_when_draining_pages_free() -> None:
         core.cancel_ticket(t.ticket_id)
         assert core.create_ticket("b", "ar-0", "dit-0", [16]) is None
         maintenance = asyncio.create_task(run_maintenance(core, 0.005))
-        waiter = asyncio.create_task(core.wait_for_change(TIMEOUT))
+        waiter = asyncio.create_task(core.waiters.wait_for_change(TIMEOUT))
         await asyncio.sleep(0.05)
         assert not waiter.done(), "draining pages must not wake the queue before the writes resolve"
         write_all(core, t, ar)  # type: ignore[arg-type]

@@ -11,9 +11,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvrelay import LAYOUT_VERSION
-from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.service import add_broker_servicer
+from kvrelay.broker.waiters import run_maintenance
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -165,7 +166,7 @@ def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
                     ticket_id=t2.ticket_id, row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, replica_id="ar-0",
                     incarnation_id="ar-0-inc-1", status=common_pb2.WRITE_STATUS_NOT_STARTED), timeout=TIMEOUT)
             final = core.get_ticket(t2.ticket_id)
-            final = await core.wait_ticket_change(t2.ticket_id, final.version, timeout=TIMEOUT)
+            final = await core.waiters.wait_ticket_change(t2.ticket_id, final.version, timeout=TIMEOUT)
             assert final.state.value == "RELEASED"
 
             # A report outside the plan fences the AR; its heartbeat says so.

@@ -89,8 +89,9 @@ def write_config(
 
 @contextlib.asynccontextmanager
 async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 10.0) -> AsyncIterator[Any]:
-    from kvrelay.broker.core import BrokerCore, run_maintenance
+    from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.service import BrokerServicer
+    from kvrelay.broker.waiters import run_maintenance
 
     core = BrokerCore(None, lease_seconds=lease_seconds, drain_quiet_seconds=drain_quiet_seconds)
     name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name

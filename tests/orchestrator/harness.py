@@ -27,10 +27,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from kvrelay import LAYOUT_VERSION
-from kvrelay.broker.core import BrokerCore, run_maintenance
+from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
+from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import parse_config
 from kvrelay.errors import KvRelayServerError, abort_with
 from kvrelay.server import GRPC_OPTIONS, GrpcServer

@@ -69,10 +69,11 @@ class SecuredDeployment:
 
         from kvrelay.ar_service.service import ArMetrics, ArServicer
         from kvrelay.broker.authz import broker_checks
-        from kvrelay.broker.core import BrokerCore, run_maintenance
+        from kvrelay.broker.core import BrokerCore
         from kvrelay.broker.generation import GenerationServicer
         from kvrelay.broker.orchestrator import Orchestrator
         from kvrelay.broker.service import BrokerServicer
+        from kvrelay.broker.waiters import run_maintenance
         from kvrelay.config import parse_config
         from kvrelay.dit_service.service import DitServicer
         from kvrelay.server import GrpcServer
