@@ -514,6 +514,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             dst_shards = max(1, source.dit_parallelism.tensor_parallel_size) * max(
                 1, source.dit_parallelism.sequence_parallel_size
             )
+            cfg_parallel = max(1, source.dit_parallelism.cfg_parallel_size)
             if plan is not None:
                 # Planned once, by the broker: check only that it was planned for our ranks and
                 # that arming answered the same writes (a different plan is a broken invariant).
@@ -521,9 +522,9 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                     (w.row, w.src_rank, w.dst_rank) for w in arming.writes
                 } == {(w.row, w.src_rank, w.dst_rank) for w in writes}
             else:
-                matches = tuple(plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows)) == tuple(
-                    writes
-                )
+                matches = tuple(
+                    plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows, cfg_parallel=cfg_parallel)
+                ) == tuple(writes)
             step = protocol.on_armed(
                 plan_matches=matches,
                 writing=arming.ticket.state == broker_pb2.TICKET_STATE_WRITING,

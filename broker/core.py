@@ -1,6 +1,6 @@
 """BrokerCore: the broker's single authority over DiT pages, tickets and replicas.
 
-Composes the replica registry, one PagePool per DiT replica, the ticket records and the
+Composes the replica registry, the page pools of each DiT replica (one per CFG group), the ticket records and the
 journal, and enforces the lifecycle of DESIGN.md section 6 across them: reservation, arming,
 reports, draining, fencing, and recovery after a restart. Every change is committed to the
 journal before the method that makes it returns (so before any RPC reveals it), and only then
@@ -26,7 +26,7 @@ import structlog
 from kvrelay import LAYOUT_VERSION
 from kvrelay.broker.codec import ticket_from_json, ticket_to_json
 from kvrelay.broker.journal import Journal, Synchronous
-from kvrelay.broker.pool import NeverFits, PagePool, PageState
+from kvrelay.broker.pool import NeverFits, PageState, ReplicaPages
 from kvrelay.broker.registry import (
     MemoryRegionSpec,
     Registration,
@@ -82,6 +82,7 @@ class Arming:
     dit_num_pages: int
     verify_checksums: bool
     src_shards: int = 1
+    dit_cfg_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +135,7 @@ class BrokerCore:
         self.registration_token = registration_token or None
         self.verify_checksums = verify_checksums
         self.registry = ReplicaRegistry(layout_version)
-        self._pools: dict[ReplicaId, PagePool] = {}
+        self._pools: dict[ReplicaId, ReplicaPages] = {}
         self._tickets: dict[TicketId, TicketRecord] = {}
         self._by_request: dict[str, TicketId] = {}
         self._plans: dict[TicketId, tuple[PlannedWrite, ...]] = {}
@@ -189,7 +190,7 @@ class BrokerCore:
         elif kind is Registration.SAME_INCARNATION:
             changed = self._reconcile(spec, unresolved_writes, held_ticket_ids)
         if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:
-            self._pools[spec.replica_id] = PagePool(spec.replica_id, spec.num_pages)
+            self._pools[spec.replica_id] = _pages_of(spec)
         self._commit(changed, [record])
         log.info(
             "replica_registered",
@@ -340,11 +341,12 @@ class BrokerCore:
             plan = plan_transfer(
                 geometry,
                 ar.spec.tensor_parallel_size,
-                dit.spec.world_size,
+                dit.spec.head_shards,
                 [RowSpec(r.row, r.num_tokens, r.page_ids) for r in rows],
+                cfg_parallel=dit.spec.cfg_parallel_size,
             )
         except ValueError as err:
-            pool.free([p for r in pages for p in r])
+            pool.free((r.row, r.page_ids) for r in rows)
             raise InvalidArgument("UNPLANNABLE", str(err)) from None
         self._sequence += 1
         ticket_id = uuid.uuid4().hex
@@ -405,6 +407,7 @@ class BrokerCore:
             dit_tensor_parallel_size=dit.tensor_parallel_size,
             dit_sequence_parallel_size=dit.sequence_parallel_size,
             dit_num_pages=dit.num_pages,
+            dit_cfg_parallel_size=dit.cfg_parallel_size,
             verify_checksums=self.verify_checksums,
             src_shards=t.src_shards,
         )
@@ -665,14 +668,18 @@ class BrokerCore:
         pool = self._pools[t.dit_replica_id]
         if new is TicketState.DRAINING:
             assert old in HOLDING_STATES, f"ticket {t.ticket_id}: {old} -> DRAINING"
-            pool.mark_draining(t.page_ids)
+            pool.mark_draining(_row_pages(t))
         elif new is TicketState.RELEASED:
-            pool.free(t.page_ids)
+            pool.free(_row_pages(t))
 
     def _replan(self, t: TicketRecord) -> tuple[PlannedWrite, ...]:
         dit = self.registry.get(t.dit_replica_id).spec
         plan = plan_transfer(
-            dit.geometry, t.src_shards, t.dst_shards, [RowSpec(r.row, r.num_tokens, r.page_ids) for r in t.rows]
+            dit.geometry,
+            t.src_shards,
+            dit.head_shards,
+            [RowSpec(r.row, r.num_tokens, r.page_ids) for r in t.rows],
+            cfg_parallel=dit.cfg_parallel_size,
         )
         self._plans[t.ticket_id] = plan
         return plan
@@ -735,7 +742,7 @@ class BrokerCore:
                 c = pool.counts()
                 assert c.free == c.total, f"pool {spec.replica_id}: pages held after its DiT restarted: {c}"
             # The new incarnation's memory is new: its pool may have another size.
-            self._pools[spec.replica_id] = PagePool(spec.replica_id, spec.num_pages)
+            self._pools[spec.replica_id] = _pages_of(spec)
         return changed
 
     def _reconcile(
@@ -779,13 +786,13 @@ class BrokerCore:
             record = ReplicaRecord.from_json(data)
             self.registry.restore(record)
             if record.spec.role is ReplicaRole.DIT:
-                self._pools[record.spec.replica_id] = PagePool(record.spec.replica_id, record.spec.num_pages)
+                self._pools[record.spec.replica_id] = _pages_of(record.spec)
         self._sequence = int(contents.meta.get("sequence", "0"))
         restored: list[TicketRecord] = []
         for data in sorted(contents.tickets.values(), key=lambda d: d["sequence"]):
             t = ticket_from_json(data)
             state = PageState.DRAINING if t.state is TicketState.DRAINING else PageState.RESERVED
-            self._pools[t.dit_replica_id].claim(t.page_ids, state)
+            self._pools[t.dit_replica_id].claim(_row_pages(t), state)
             self._tickets[t.ticket_id] = t
             self._by_request[t.request_id] = t.ticket_id
             restored.append(t)
@@ -801,3 +808,11 @@ class BrokerCore:
         self._commit(restored)
         log.info("broker_restored", replicas=len(contents.replicas), tickets=len(restored))
 
+
+def _pages_of(spec: ReplicaSpec) -> ReplicaPages:
+    """A DiT replica's page pools: `num_pages` per rank, one pool per CFG group."""
+    return ReplicaPages(spec.replica_id, spec.num_pages, spec.cfg_parallel_size)
+
+
+def _row_pages(t: TicketRecord) -> list[tuple[int, tuple[int, ...]]]:
+    return [(r.row, r.page_ids) for r in t.rows]

@@ -2,7 +2,10 @@
 
 Owns every mutation of one replica's page states and the exact accounting
 `free + reserved + draining == total`, re-counted from the page states after each mutation.
-A page id names the same page on every rank of the replica, so one pool per replica suffices.
+A page id names the same page on every rank of a CFG group, so one PagePool per group suffices:
+a replica without CFG-parallel is one group; a CFG-parallel one (`cfg_parallel_size` 2) has a
+pool per group and each CFG row reserves only in the pool of the group that reads it
+(`ReplicaPages`, `kvrelay.transfer.planner.cfg_group`).
 Must never know about tickets, replicas, gRPC, clocks or the journal: callers (BrokerCore)
 decide *when* pages change state; this class only guarantees that each change is legal.
 """
@@ -14,6 +17,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+from kvrelay.transfer.planner import cfg_group
 
 PageId = int
 ReplicaId = str
@@ -234,3 +239,77 @@ class PagePool:
             out.append(pages[pos : pos + n])
             pos += n
         return out
+
+
+RowPageIds = tuple[int, Sequence[PageId]]  # (CFG row, its page ids)
+
+
+class ReplicaPages:
+    """The page pools of one DiT replica: one PagePool per CFG group.
+
+    Row r of a request lives in group ``cfg_group(r, groups)``'s pool only (the ranks of the other
+    group never read it, so they hold no page for it). A reservation is all-or-nothing over every
+    group; with one group this is exactly one PagePool.
+    """
+
+    __slots__ = ("replica_id", "groups")
+
+    def __init__(self, replica_id: ReplicaId, pages_per_group: int, num_groups: int = 1) -> None:
+        if num_groups < 1:
+            raise ValueError(f"pool {replica_id}: num_groups must be >= 1, got {num_groups}")
+        self.replica_id = replica_id
+        names = [replica_id] if num_groups == 1 else [f"{replica_id}/cfg{g}" for g in range(num_groups)]
+        self.groups = tuple(PagePool(name, pages_per_group) for name in names)
+
+    def counts(self) -> PoolCounts:
+        """Pages of every group together (what the replica holds over all its ranks' groups)."""
+        parts = [g.counts() for g in self.groups]
+        return PoolCounts(*(sum(getattr(c, f) for c in parts) for f in ("total", "free", "reserved", "draining")))
+
+    def state_of(self, page: PageId, row: int = 0) -> PageState:
+        """The state of `page` in the pool of `row`'s group."""
+        return self.groups[cfg_group(row, len(self.groups))].state_of(page)
+
+    def _per_group(self, rows_pages: Sequence[int]) -> list[list[int]]:
+        per: list[list[int]] = [[] for _ in self.groups]
+        for row, n in enumerate(rows_pages):
+            per[cfg_group(row, len(self.groups))].append(n)
+        return per
+
+    def fits_now(self, rows_pages: Sequence[int]) -> bool:
+        return all(pool.fits_now(n) for pool, n in zip(self.groups, self._per_group(rows_pages), strict=True))
+
+    def reserve(self, rows_pages: Sequence[int]) -> list[list[PageId]] | None:
+        """Reserve ``rows_pages[r]`` pages for row r in its group's pool, every row or none.
+
+        None when some group has not the pages free now; NeverFits when some group could never
+        hold its rows."""
+        per = self._per_group(rows_pages)
+        for pool, need in zip(self.groups, per, strict=True):
+            if pool.never_fits(need):
+                raise NeverFits(f"pool {pool.replica_id}: {sum(need)} pages requested but it has only {pool.total}")
+        if not all(pool.fits_now(need) for pool, need in zip(self.groups, per, strict=True)):
+            return None
+        chosen = [pool.reserve(need) for pool, need in zip(self.groups, per, strict=True)]
+        # Every group was checked to fit before any reserved, so none can answer None here.
+        assert all(c is not None for c in chosen), f"pool {self.replica_id}: a checked group did not fit"
+        taken = [iter(c or []) for c in chosen]
+        return [next(taken[cfg_group(row, len(self.groups))]) for row in range(len(rows_pages))]
+
+    def _by_group(self, rows: Iterable[RowPageIds]) -> list[list[PageId]]:
+        per: list[list[PageId]] = [[] for _ in self.groups]
+        for row, pages in rows:
+            per[cfg_group(row, len(self.groups))].extend(pages)
+        return per
+
+    def mark_draining(self, rows: Iterable[RowPageIds]) -> None:
+        for pool, pages in zip(self.groups, self._by_group(rows), strict=True):
+            pool.mark_draining(pages)
+
+    def free(self, rows: Iterable[RowPageIds]) -> None:
+        for pool, pages in zip(self.groups, self._by_group(rows), strict=True):
+            pool.free(pages)
+
+    def claim(self, rows: Iterable[RowPageIds], state: PageState) -> None:
+        for pool, pages in zip(self.groups, self._by_group(rows), strict=True):
+            pool.claim(pages, state)

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvrelay.broker.tickets import FailedPrecondition, InvalidArgument, NotFound, ReplicaId
 from kvrelay.transfer.layout import KvGeometry
+from kvrelay.transfer.planner import MAX_CFG_ROWS
 
 # Geometry fields that AR and DiT must agree on; page_size is the DiT's alone (DESIGN.md section 3).
 SHARED_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
@@ -48,6 +49,8 @@ class ReplicaSpec:
     geometry: KvGeometry
     tensor_parallel_size: int = 1
     sequence_parallel_size: int = 1
+    # CFG-parallel DiT: `cfg_parallel_size` groups of tp * sp ranks, each with its own page-id space.
+    cfg_parallel_size: int = 1
     regions: tuple[MemoryRegionSpec, ...] = ()
     num_pages: int = 0
     max_tokens: int = 0
@@ -56,8 +59,14 @@ class ReplicaSpec:
     max_num_seqs: int = 1
 
     @property
-    def world_size(self) -> int:
+    def head_shards(self) -> int:
+        """The KV head shards one CFG group splits the heads into (tp * sp)."""
         return self.tensor_parallel_size * self.sequence_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the replica: cfg_parallel_size groups of head_shards ranks."""
+        return self.cfg_parallel_size * self.head_shards
 
     def to_json(self) -> dict[str, Any]:
         g = self.geometry
@@ -67,6 +76,7 @@ class ReplicaSpec:
             "geometry": [g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.page_size],
             "tensor_parallel_size": self.tensor_parallel_size,
             "sequence_parallel_size": self.sequence_parallel_size,
+            "cfg_parallel_size": self.cfg_parallel_size,
             "regions": [
                 [r.rank, r.transport, r.endpoint, r.base_address, r.length, r.ipc_handle.hex()] for r in self.regions
             ],
@@ -82,6 +92,7 @@ class ReplicaSpec:
             layout_version=d["layout_version"], version=d["version"], endpoint=d["endpoint"],
             geometry=KvGeometry(nl, nh, hd, dt, ps),
             tensor_parallel_size=d["tensor_parallel_size"], sequence_parallel_size=d["sequence_parallel_size"],
+            cfg_parallel_size=d.get("cfg_parallel_size", 1),  # journals written before CFG-parallel
             regions=tuple(
                 MemoryRegionSpec(r[0], r[1], r[2], r[3], r[4], bytes.fromhex(r[5])) for r in d["regions"]
             ),
@@ -153,14 +164,22 @@ def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
             f"replica.layout_version: replica {spec.replica_id} uses page layout {spec.layout_version}, "
             f"the broker {layout_version}",
         )
-    if spec.tensor_parallel_size < 1 or spec.sequence_parallel_size < 1:
+    if spec.tensor_parallel_size < 1 or spec.sequence_parallel_size < 1 or spec.cfg_parallel_size < 1:
         raise InvalidArgument("INVALID_PARALLELISM", "replica.parallelism: sizes must be >= 1")
     if spec.role is ReplicaRole.AR and spec.sequence_parallel_size != 1:
         raise InvalidArgument("INVALID_PARALLELISM", "replica.parallelism.sequence_parallel_size: AR is TP only")
-    if spec.geometry.num_kv_heads % spec.world_size:
+    if spec.role is ReplicaRole.AR and spec.cfg_parallel_size != 1:
+        raise InvalidArgument("INVALID_PARALLELISM", "replica.parallelism.cfg_parallel_size: CFG-parallel is the DiT's")
+    if spec.cfg_parallel_size > MAX_CFG_ROWS:
         raise InvalidArgument(
             "INVALID_PARALLELISM",
-            f"replica.parallelism: {spec.world_size} ranks do not divide num_kv_heads={spec.geometry.num_kv_heads}",
+            f"replica.parallelism.cfg_parallel_size: {spec.cfg_parallel_size} groups for at most {MAX_CFG_ROWS} CFG rows",
+        )
+    if spec.geometry.num_kv_heads % spec.head_shards:
+        raise InvalidArgument(
+            "INVALID_PARALLELISM",
+            f"replica.parallelism: {spec.head_shards} head shards (tp x sp) do not divide "
+            f"num_kv_heads={spec.geometry.num_kv_heads}",
         )
     if spec.role is ReplicaRole.DIT:
         if spec.num_pages <= 0:
@@ -170,7 +189,9 @@ def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
             # A DiT rank without a region is a missing worker rank: nothing could land there.
             raise InvalidArgument(
                 "MISSING_RANK",
-                f"replica.regions: DiT {spec.replica_id} has {spec.world_size} ranks but regions for {ranks}",
+                f"replica.regions: DiT {spec.replica_id} has {spec.world_size} ranks "
+                f"(cfg {spec.cfg_parallel_size} x tp {spec.tensor_parallel_size} x sp {spec.sequence_parallel_size}) "
+                f"but regions for {ranks}",
             )
 
 

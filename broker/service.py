@@ -61,6 +61,7 @@ def plan_to_proto(arming: Arming) -> broker_pb2.TicketPlan:
         dit_parallelism=common_pb2.Parallelism(
             tensor_parallel_size=arming.dit_tensor_parallel_size,
             sequence_parallel_size=arming.dit_sequence_parallel_size,
+            cfg_parallel_size=arming.dit_cfg_parallel_size,
         ),
         dit_num_pages=arming.dit_num_pages,
         verify_checksums=arming.verify_checksums,
@@ -142,6 +143,7 @@ def spec_from_proto(pb: broker_pb2.ReplicaInfo) -> ReplicaSpec:
         # proto3 zero = unset = no parallelism along that axis.
         tensor_parallel_size=pb.parallelism.tensor_parallel_size or 1,
         sequence_parallel_size=pb.parallelism.sequence_parallel_size or 1,
+        cfg_parallel_size=pb.parallelism.cfg_parallel_size or 1,
         regions=tuple(sorted(regions, key=lambda r: r.rank)),
         num_pages=pb.num_pages,
         max_tokens=pb.max_tokens,
@@ -174,7 +176,8 @@ def replica_to_proto(s: ReplicaStatus) -> broker_pb2.ReplicaInfo:
         regions=[region_to_proto(r) for r in spec.regions],
         geometry=geometry_to_proto(spec.geometry),
         parallelism=common_pb2.Parallelism(
-            tensor_parallel_size=spec.tensor_parallel_size, sequence_parallel_size=spec.sequence_parallel_size
+            tensor_parallel_size=spec.tensor_parallel_size, sequence_parallel_size=spec.sequence_parallel_size,
+            cfg_parallel_size=spec.cfg_parallel_size,
         ),
         num_pages=spec.num_pages,
         max_tokens=spec.max_tokens,
@@ -314,6 +317,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             dit_parallelism=common_pb2.Parallelism(
                 tensor_parallel_size=arming.dit_tensor_parallel_size,
                 sequence_parallel_size=arming.dit_sequence_parallel_size,
+                cfg_parallel_size=arming.dit_cfg_parallel_size,
             ),
             dit_num_pages=arming.dit_num_pages,
             verify_checksums=arming.verify_checksums,

@@ -279,9 +279,10 @@ class TicketRecord:
         self.dit_incarnation = dit_incarnation
         self.request_over = False
         self.writes: dict[WriteKey, WriteRecord] = {k: WriteRecord() for k in sorted(write_keys)}
-        self.loads: dict[LoadKey, bool] = {
-            LoadKey(r.row, d): False for r in rows for d in range(dst_shards)
-        }
+        # One load per (row, DiT rank) the plan writes to: every rank of the replica, or only the
+        # ranks of the row's CFG group on a CFG-parallel DiT (a rank that never reads a row holds
+        # no pages for it and reports no load of it).
+        self.loads: dict[LoadKey, bool] = {LoadKey(k.row, k.dst_rank): False for k in self.writes}
         self.last_resolution_time: float | None = None
         self.drain_start_time: float | None = None
         self.version = 0

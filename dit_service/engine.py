@@ -119,6 +119,9 @@ class DitRankSpec:
     model_format: str = "kvrelay"
     # `enable_expert_parallel`: a MoE preset's experts sharded over the TP group (models/moe.py).
     expert_parallel: bool = False
+    # `cfg_parallel_size`: the ranks form this many groups of tp * sp; group g reads and computes
+    # CFG row g only (its pages hold no other row).
+    cfg_parallel: int = 1
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -140,6 +143,8 @@ class DitRankHandler:
         if spec.model_format in ("bagel", "demo"):
             from kvrelay.dit_service.bagel import BagelDitRunner
 
+            if spec.cfg_parallel != 1:
+                raise ValueError(f"cfg_parallel={spec.cfg_parallel}: the {spec.model_format} runner has no CFG-parallel")
             assert spec.checkpoint is not None
             self.runner: Any = BagelDitRunner(
                 spec.checkpoint, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
@@ -149,7 +154,7 @@ class DitRankHandler:
             self.runner = DitRunner(
                 spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
                 weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
-                expert_parallel=spec.expert_parallel,
+                expert_parallel=spec.expert_parallel, cfg_parallel=spec.cfg_parallel,
             )
         self.layout = self.runner.page_layout(spec.page_size)
         self.runner.warm_up()  # GPU: compile and capture before the replica reports SERVING
@@ -240,15 +245,24 @@ class DitRankHandler:
         self._torch.cuda.synchronize(self.device_pool.device)
         return time.perf_counter() - start
 
+    def _my_rows(self, cmd: RunDenoise) -> list[RowSpec]:
+        """The rows this rank reads: all of them, or on a CFG-parallel replica only its group's
+        (the other group's page ids are another group's pages: reading them here would be garbage)."""
+        if self.spec.cfg_parallel == 1:
+            return list(cmd.rows)
+        wanted = set(self.runner.local_rows(cmd.guidance_scale))
+        return [row for row in cmd.rows if row.row in wanted]
+
     def _denoise(self, cmd: RunDenoise) -> DenoiseResult:
         from kvrelay.dit_service.image import encode_png
         from kvrelay.dit_service.model import DenoiseCancelled
         from kvrelay.models.paged_attention import read_prefix
 
         control = self.control[cmd.slot]
-        copy_seconds = self._load_to_device(cmd.rows)
+        rows = self._my_rows(cmd)
+        copy_seconds = self._load_to_device(rows)
         pool = self.device_pool if self.device_pool is not None else self.host_tensor
-        prefix_rows = [read_prefix(pool, self.layout, row.page_ids, row.num_tokens) for row in cmd.rows]
+        prefix_rows = [read_prefix(pool, self.layout, row.page_ids, row.num_tokens) for row in rows]
         steps_done = 0
 
         def on_step(step: int, total: int) -> None:
@@ -297,13 +311,14 @@ class DitRankHandler:
         first = items[0]
         if any((c.width, c.height, c.steps) != (first.width, first.height, first.steps) for c in items):
             raise ValueError("a denoise batch needs one image size and step count")
-        copy_seconds = self._load_to_device([row for c in items for row in c.rows])
+        mine = [self._my_rows(c) for c in items]
+        copy_seconds = self._load_to_device([row for rows in mine for row in rows])
         pool = self.device_pool if self.device_pool is not None else self.host_tensor
         steps_done = [0] * len(items)
         # Cancelled before the first step: never part of the batch.
         running = [i for i, c in enumerate(items) if not self._cancelled(c)]
         requests = [
-            BatchRequest([read_prefix(pool, self.layout, row.page_ids, row.num_tokens) for row in items[i].rows],
+            BatchRequest([read_prefix(pool, self.layout, row.page_ids, row.num_tokens) for row in mine[i]],
                          items[i].guidance_scale, items[i].seed)
             for i in running
         ]

@@ -139,7 +139,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         world = stage.world_size
         # The pid in the names tells an operator (and tests) whose pools a /dev/shm file holds.
         tag = f"{replica_id}-{os.getpid()}"
-        memory = ReplicaMemory(geometry, world, stage.kv_cache_memory_bytes, tag=tag)
+        memory = ReplicaMemory(
+            geometry, stage.head_shards, stage.kv_cache_memory_bytes, tag=tag, cfg_parallel=stage.cfg_parallel_size
+        )
         control_pool = HostPool.create(0, control_bytes(stage.max_num_seqs), f"{tag}-control")
         metrics.pages.labels(replica_id).set(memory.num_pages)
         spec = DitRankSpec(
@@ -149,7 +151,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
             slots=stage.max_num_seqs, transport=stage.transport, mooncake_host=stage.advertise_host,
             mooncake_protocol=stage.mooncake_protocol, mooncake_device_name=str(stage.extra.get("device_name", "")),
-            expert_parallel=stage.enable_expert_parallel,
+            expert_parallel=stage.enable_expert_parallel, cfg_parallel=stage.cfg_parallel_size,
         )
         group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
         await asyncio.to_thread(group.start)
@@ -179,7 +181,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         info = DitReplicaInfo(
             replica_id=replica_id, incarnation_id=incarnation_id, endpoint=endpoint, stage_id=stage.stage_id,
             geometry=geometry, tensor_parallel_size=stage.tensor_parallel_size,
-            sequence_parallel_size=stage.sequence_parallel_size, num_pages=memory.num_pages,
+            sequence_parallel_size=stage.sequence_parallel_size, cfg_parallel_size=stage.cfg_parallel_size,
+            num_pages=memory.num_pages,
             max_num_seqs=stage.max_num_seqs, transport=stage.transport, regions=regions,
         )
         registration = Registration(

@@ -35,9 +35,14 @@ def dit_geometry(preset: ModelPreset, page_size: int, dtype: str | None = None) 
     return geometry
 
 
-def rank_layouts(geometry: KvGeometry, world_size: int) -> list[PageLayout]:
-    """Rank r holds head shard r of world_size (tp * sp); see dit_service/model.py's rank mapping."""
-    return [PageLayout(geometry, num_shards=world_size, shard=r) for r in range(world_size)]
+def rank_layouts(geometry: KvGeometry, head_shards: int, cfg_parallel: int = 1) -> list[PageLayout]:
+    """Rank r holds head shard r % head_shards of head_shards (tp * sp); with CFG-parallel the
+    replica has cfg_parallel groups of head_shards ranks, each group one page-id space of its own
+    (rank g * head_shards + s holds shard s of group g's rows). See DitParallel's rank mapping."""
+    return [
+        PageLayout(geometry, num_shards=head_shards, shard=r % head_shards)
+        for r in range(cfg_parallel * head_shards)
+    ]
 
 
 def num_pages_for(kv_cache_memory_bytes: int, layout: PageLayout) -> int:
@@ -127,14 +132,16 @@ class HostPool:
 class ReplicaMemory:
     """The host pools of every rank of a replica, owned by the service process."""
 
-    def __init__(self, geometry: KvGeometry, world_size: int, kv_cache_memory_bytes: int, tag: str) -> None:
+    def __init__(
+        self, geometry: KvGeometry, head_shards: int, kv_cache_memory_bytes: int, tag: str, cfg_parallel: int = 1
+    ) -> None:
         self.geometry = geometry
-        self.layouts = rank_layouts(geometry, world_size)
+        self.layouts = rank_layouts(geometry, head_shards, cfg_parallel)
         self.num_pages = num_pages_for(kv_cache_memory_bytes, self.layouts[0])
         self.pools: list[HostPool] = []
         try:
-            for layout in self.layouts:
-                self.pools.append(HostPool.create(layout.shard, layout.pool_bytes(self.num_pages), tag))
+            for rank, layout in enumerate(self.layouts):
+                self.pools.append(HostPool.create(rank, layout.pool_bytes(self.num_pages), tag))
         except BaseException:
             self.close()
             raise

@@ -59,6 +59,7 @@ from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpG
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
 from kvrelay.models.ulysses import heads_to_seq, seq_to_heads
 from kvrelay.transfer.layout import PageLayout
+from kvrelay.transfer.planner import cfg_group
 
 # One CFG row's prefix on this rank: per layer (k, v), each [heads_local, T, head_dim], K after RoPE.
 PrefixRow = Sequence[LayerKv]
@@ -805,19 +806,21 @@ class DitRunner:
     def page_layout(self, page_size: int) -> PageLayout:
         return self.parallel.page_layout(self.preset, page_size)
 
-    def _check_prefix(self, prefix_rows: Sequence[PrefixRow], guidance_scale: float) -> None:
-        rows = cfg_rows(guidance_scale)
+    def local_rows(self, guidance_scale: float) -> list[int]:
+        """The CFG rows this rank reads and computes: every row of the request, or with
+        CFG-parallel only those of its group (``cfg_group``): row c on group c, and none on group 1
+        for a one-row request (guidance_scale 1), whose group then only joins the combine."""
         cfg = self.parallel.cfg
-        if cfg.world_size > 1:
-            if rows != cfg.world_size:
-                raise ValueError(
-                    f"cfg_parallel={cfg.world_size} needs guidance_scale > 1 ({cfg.world_size} CFG rows), "
-                    f"got {guidance_scale}"
-                )
-            rows = 1  # this rank's CFG group computes row cfg.rank only
+        return [r for r in range(cfg_rows(guidance_scale)) if cfg_group(r, cfg.world_size) == cfg.rank]
+
+    def _check_prefix(self, prefix_rows: Sequence[PrefixRow], guidance_scale: float) -> None:
+        rows = len(self.local_rows(guidance_scale))
         if len(prefix_rows) != rows:
+            where = ""
+            if self.parallel.cfg.world_size > 1:
+                where = f" on CFG group {self.parallel.cfg.rank} of {self.parallel.cfg.world_size}"
             raise ValueError(
-                f"guidance_scale={guidance_scale} needs {rows} CFG row(s) (row 0 prompt, row 1 negative), "
+                f"guidance_scale={guidance_scale} needs {rows} CFG row(s){where} (row 0 prompt, row 1 negative), "
                 f"got {len(prefix_rows)}"
             )
         want = (self.heads_local, self.preset.head_dim)
@@ -856,15 +859,16 @@ class DitRunner:
         rank, every rank stops after that step (others raise ``DenoiseCancelled``).
         """
         self._check_prefix(prefix_rows, guidance_scale)
+        if self.parallel.cfg.world_size > 1:
+            return self._denoise_one_cfg_parallel(
+                BatchRequest(prefix_rows, guidance_scale, seed), width, height, steps, on_step
+            )
         lat_h, lat_w = self.cfg.latent_size(width, height)
         rows = [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in prefix_rows]
         noise = initial_noise(
             seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device
         )
         velocity = self.stepper(rows, lat_h, lat_w)
-        cfg = self.parallel.cfg
-        if cfg.world_size > 1:
-            velocity = functools.partial(_cfg_parallel_velocity, velocity, cfg)
         latents: torch.Tensor = euler_sample(
             velocity,
             noise,
@@ -896,8 +900,6 @@ class DitRunner:
         """
         if not requests:
             return []
-        if self.parallel.cfg.world_size > 1:
-            raise ValueError("denoise_batch does not support cfg_parallel yet: use denoise")
         for req in requests:
             self._check_prefix(req.prefix_rows, req.guidance_scale)
         lat_h, lat_w = self.cfg.latent_size(width, height)
@@ -908,6 +910,8 @@ class DitRunner:
             initial_noise(req.seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device)
             for req in requests
         ]
+        if self.parallel.cfg.world_size > 1:
+            return self._denoise_batch_cfg_parallel(requests, rows_of, xs, lat_h, lat_w, steps, on_step)
         results: list[torch.Tensor | None] = [None] * len(requests)
         active = list(range(len(requests)))
         times = flow_timesteps(steps, self.timestep_shift)
@@ -932,6 +936,80 @@ class DitRunner:
         for i in active:
             results[i] = xs[i]
         return results
+
+    def _denoise_batch_cfg_parallel(
+        self,
+        requests: Sequence[BatchRequest],
+        rows_of: Sequence[Sequence[PrefixRow]],
+        xs: list[torch.Tensor],
+        lat_h: int,
+        lat_w: int,
+        steps: int,
+        on_step: BatchStepCallback | None,
+    ) -> list[torch.Tensor | None]:
+        """CFG-parallel batch: this rank's group computes its row of each request (``local_rows``:
+        one row, or none of a one-row request on group 1) in ONE forward; one all-gather over the
+        CFG group per step then gives every rank every row's velocity, in row order, and each rank
+        applies the same guidance and Euler update, so every rank ends with the same latents."""
+        cfg = self.parallel.cfg
+        shape = (self.cfg.latent_channels, lat_h, lat_w)
+        results: list[torch.Tensor | None] = [None] * len(requests)
+        active = list(range(len(requests)))
+        times = flow_timesteps(steps, self.timestep_shift)
+
+        def build(active: list[int]) -> tuple[list[int], Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None]:
+            mine = [i for i in active if rows_of[i]]
+            return mine, (self.stepper([rows_of[i][0] for i in mine], lat_h, lat_w) if mine else None)
+
+        mine, velocity = build(active)
+        for k in range(steps):
+            t, t_next = float(times[k]), float(times[k + 1])
+            local = torch.zeros(len(active), *shape, dtype=self.dtype, device=self.device)
+            if velocity is not None:
+                batch = torch.stack([xs[i] for i in mine])
+                t_rows = torch.full((len(mine),), t, dtype=torch.float32, device=self.device)
+                at = torch.tensor([active.index(i) for i in mine], device=self.device)
+                local.index_copy_(0, at, velocity(batch, t_rows).to(self.dtype))
+            gathered = cfg.all_gather(local, dim=0).view(cfg.world_size, len(active), *shape)
+            for j, i in enumerate(active):
+                # Row r's velocity came from group cfg_group(r): rows 0..n-1 are groups 0..n-1.
+                guided = combine_cfg(gathered[: cfg_rows(requests[i].guidance_scale), j], requests[i].guidance_scale)
+                xs[i] = (xs[i].float() + (t_next - t) * guided.float()).to(self.dtype)
+            stop = set(on_step(k + 1, steps, list(active))) if on_step is not None else set()
+            stop = self._agreed_stop(stop, len(requests)) & set(active)
+            if stop:
+                active = [i for i in active if i not in stop]
+                if not active:
+                    return results
+                if k + 1 < steps:
+                    mine, velocity = build(active)
+        for i in active:
+            results[i] = xs[i]
+        return results
+
+    def _denoise_one_cfg_parallel(
+        self, request: BatchRequest, width: int, height: int, steps: int, on_step: StepCallback | None
+    ) -> torch.Tensor:
+        """``denoise`` on a CFG-parallel replica: the batch path with one request, its step
+        callback's stop turned into the same exceptions as ``denoise`` raises."""
+        error: list[BaseException] = []
+
+        def batch_step(step: int, total: int, active: list[int]) -> set[int]:
+            if on_step is None:
+                return set()
+            try:
+                on_step(step, total)
+            except BaseException as err:  # noqa: BLE001 - re-raised below, after the agreed stop
+                error.append(err)
+                return {0}
+            return set()
+
+        (latents,) = self.denoise_batch([request], width=width, height=height, steps=steps, on_step=batch_step)
+        if latents is None:
+            if error:
+                raise error[0]
+            raise DenoiseCancelled(f"another rank stopped denoising of {steps} steps")
+        return latents
 
     def _agreed_stop(self, stop: set[int], n: int) -> set[int]:
         return agreed_stop_set(stop, n, self.parallel.replica_rank, self.parallel.replica_world, self.device)
@@ -964,15 +1042,6 @@ class DitRunner:
             on_step=on_step,
         )
         return self.decode(latents)
-
-
-def _cfg_parallel_velocity(
-    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: TpGroup, batch: torch.Tensor, t: torch.Tensor
-) -> torch.Tensor:
-    """CFG-parallel velocity: this group's row only, then one all-gather over the CFG group gives
-    every rank all rows (in row order) for the guidance combine."""
-    mine = step(batch[cfg.rank : cfg.rank + 1], t[cfg.rank : cfg.rank + 1])
-    return cfg.all_gather(mine, dim=0)
 
 
 def shard_prefix(full_row: Sequence[LayerKv], world: int, rank: int) -> list[LayerKv]:

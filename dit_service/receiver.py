@@ -11,7 +11,7 @@ Must never do I/O, sleep, or read a clock it is not given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvrelay.v1 import broker_pb2, common_pb2
@@ -78,15 +78,15 @@ class LoadProtocol:
         self,
         ticket_id: str,
         planned: Iterable[WriteId],
-        dst_ranks: int,
-        rows: Sequence[int],
         budget_end: float,
         recheck_first_s: float = 0.01,
         recheck_max_s: float = 0.2,
     ) -> None:
         self.ticket_id = ticket_id
         self.planned: frozenset[WriteId] = frozenset(planned)
-        self.pending: set[LoadId] = {(r, d) for r in rows for d in range(dst_ranks)}
+        # One load per (row, dst_rank) the plan writes into: every rank for every row, or on a
+        # CFG-parallel replica each row's group only (as the broker's ticket counts them).
+        self.pending: set[LoadId] = {(r, d) for r, _, d in self.planned}
         self.budget_end = budget_end
         self.recheck_first_s = recheck_first_s
         self.recheck_max_s = recheck_max_s

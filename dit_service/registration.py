@@ -58,6 +58,8 @@ class DitReplicaInfo:
     max_num_seqs: int
     transport: str
     regions: tuple[RegionDescriptor, ...]
+    # CFG groups of tp * sp ranks each (regions: one per rank of every group).
+    cfg_parallel_size: int = 1
 
     def to_proto(self) -> broker_pb2.ReplicaInfo:
         return broker_pb2.ReplicaInfo(
@@ -70,7 +72,8 @@ class DitReplicaInfo:
             regions=[region_to_proto(r) for r in self.regions],
             geometry=geometry_to_proto(self.geometry),
             parallelism=common_pb2.Parallelism(
-                tensor_parallel_size=self.tensor_parallel_size, sequence_parallel_size=self.sequence_parallel_size
+                tensor_parallel_size=self.tensor_parallel_size, sequence_parallel_size=self.sequence_parallel_size,
+                cfg_parallel_size=self.cfg_parallel_size,
             ),
             num_pages=self.num_pages,
             transport=_TRANSPORT_KIND[self.transport],

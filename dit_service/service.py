@@ -457,9 +457,12 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         ticket_id = ticket.ticket_id
         loop_start = time.monotonic()
         budget_end = min(loop_start + s.stage.transfer_timeout, deadline - DEADLINE_MARGIN_S)
-        world = s.world_size
         src_shards = max((w.src_rank for w in ticket.writes), default=0) + 1
-        plan = tuple(broker_plan) if broker_plan is not None else plan_transfer(s.geometry, src_shards, world, rows)
+        plan = (
+            tuple(broker_plan)
+            if broker_plan is not None
+            else plan_transfer(s.geometry, src_shards, s.stage.head_shards, rows, cfg_parallel=s.stage.cfg_parallel_size)
+        )
         planned: dict[tuple[int, int, int], PlannedWrite] = {(w.row, w.src_rank, w.dst_rank): w for w in plan}
         listed = {(w.row, w.src_rank, w.dst_rank) for w in ticket.writes}
         if listed != set(planned):
@@ -468,8 +471,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                      f"the DiT plans {sorted(planned)}")
         total_bytes = sum(w.num_bytes for w in plan)
         # The decisions are the pure LoadProtocol's; this loop only carries them out.
-        protocol = LoadProtocol(ticket_id, planned, world, [r.row for r in rows], budget_end,
-                                RECHECK_FIRST_S, RECHECK_MAX_S)
+        protocol = LoadProtocol(ticket_id, planned, budget_end, RECHECK_FIRST_S, RECHECK_MAX_S)
         latest: list[broker_pb2.Ticket] = [ticket]
         changed = asyncio.Event()
         watcher = asyncio.ensure_future(self._watch(ticket_id, latest, changed, budget_end))
@@ -617,7 +619,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         if self._state is None:
             await abort_with(context, _NOT_READY)
         s = self.s
-        allowed: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        allowed: dict[tuple[str, int], tuple[list[tuple[int, int]], frozenset[int]]] = {}
         received = chunks = 0
         try:
             async for chunk in request_iterator:
@@ -625,10 +627,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     raise invalid_argument("dst_rank", f"{chunk.dst_rank} is not a rank of this replica "
                                            f"({s.world_size} ranks)")
                 key = (chunk.ticket_id, chunk.row)
-                ranges = allowed.get(key)
-                if ranges is None:
-                    ranges = await self._allowed_ranges(chunk.ticket_id, chunk.row)
-                    allowed[key] = ranges
+                found = allowed.get(key)
+                if found is None:
+                    found = await self._allowed_ranges(chunk.ticket_id, chunk.row)
+                    allowed[key] = found
+                ranges, ranks = found
+                if chunk.dst_rank not in ranks:
+                    # A CFG-parallel rank holds no pages for the other group's row: same page ids,
+                    # another row's memory.
+                    raise invalid_argument("dst_rank", f"ticket {chunk.ticket_id} plans no write of row {chunk.row} "
+                                           f"to rank {chunk.dst_rank} (ranks {sorted(ranks)})")
                 region = s.memory.region(chunk.dst_rank)
                 try:
                     received += apply_put_kv(region, chunk, len(region), ranges)
@@ -640,9 +648,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         s.metrics.transfer_bytes.labels("grpc_received").inc(received)
         return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
 
-    async def _allowed_ranges(self, ticket_id: str, row: int) -> list[tuple[int, int]]:
-        """Byte ranges of the pages the broker reserved for (ticket, row); the ticket must be ours
-        and armed, and not released (its pages may belong to another ticket by now)."""
+    async def _allowed_ranges(self, ticket_id: str, row: int) -> tuple[list[tuple[int, int]], frozenset[int]]:
+        """Byte ranges of the pages the broker reserved for (ticket, row), and the ranks its plan
+        writes that row to; the ticket must be ours and armed, and not released (its pages may
+        belong to another ticket by now)."""
         ticket = await self._get_ticket(ticket_id)
         if ticket.dit_replica_id != self.s.replica_id:
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
@@ -653,7 +662,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                      f"{'' if ticket.armed else ' and not armed'}: no write may land in its pages")
         for r in ticket.rows:
             if r.row == row:
-                return self.s.memory.page_ranges(tuple(r.page_ids))
+                ranks = frozenset(w.dst_rank for w in ticket.writes if w.row == row)
+                return self.s.memory.page_ranges(tuple(r.page_ids)), ranks
         raise invalid_argument("row", f"ticket {ticket_id} has no row {row}")
 
 

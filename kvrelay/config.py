@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvrelay.transfer.planner import MAX_CFG_ROWS
+
 DEFAULT_CONFIG = "configs/single-node.yaml"
 
 # Transfer connectors by config name (DESIGN.md section 5).
@@ -195,12 +197,21 @@ class StageConfig(_Strict):
     kv_transfer_config: KvTransferConfig | None = None
     enable_sleep_mode: bool = False
     enable_expert_parallel: bool = False
+    # CFG-parallel (DiT only): the replica runs `cfg_parallel_size` groups of tp * sp ranks and group
+    # g receives and computes CFG row g alone (row 0 prompt, row 1 negative), combined once per step.
+    cfg_parallel_size: int = Field(1, ge=1)
     # Per-request deadline the broker gives a stage call when the client set none.
     request_timeout_seconds: float = Field(600.0, gt=0)
 
     @property
-    def world_size(self) -> int:
+    def head_shards(self) -> int:
+        """How many head shards the KV is split into: tp * sp (one per rank of a CFG group)."""
         return self.tensor_parallel_size * self.sequence_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Rank processes of one replica: cfg_parallel_size * tp * sp."""
+        return self.cfg_parallel_size * self.head_shards
 
     @property
     def default_port(self) -> int:
@@ -321,6 +332,21 @@ class KvRelayConfig(_Strict):
             raise ValueError(f"stages[0].model.engine: vllm writes over mooncake or grpc, not {ar.transport}")
         if ar.sequence_parallel_size != 1:
             raise ValueError("stages[0].sequence_parallel_size: the AR stage supports tensor parallelism only")
+        if ar.cfg_parallel_size != 1:
+            raise ValueError(
+                "stages[0].cfg_parallel_size: CFG-parallel is the DiT's (the AR prefills every CFG row); "
+                "set it on stages[1]"
+            )
+        if dit.cfg_parallel_size > MAX_CFG_ROWS:
+            raise ValueError(
+                f"stages[1].cfg_parallel_size: {dit.cfg_parallel_size} CFG groups but a request has at most "
+                f"{MAX_CFG_ROWS} CFG rows (row 0 prompt, row 1 negative): use 1 or 2"
+            )
+        if dit.cfg_parallel_size > 1 and dit.model.format != "kvrelay":
+            raise ValueError(
+                f"stages[1].cfg_parallel_size: the {dit.model.format} DiT runner computes every CFG row on each "
+                "rank; CFG-parallel needs a built-in preset (model.format: kvrelay)"
+            )
         if dit.model.engine != "builtin":
             raise ValueError("stages[1].model.engine: the DiT runs the built-in engine")
         return self
@@ -379,7 +405,8 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
             geometry = (preset.num_layers, preset.num_kv_heads, preset.head_dim, stage.model.dtype or preset.dtype)
             what = f"preset {preset.name!r}"
         heads = geometry[1]
-        shards = stage.world_size
+        # Every CFG group holds all heads: tp * sp shards divide them, whatever cfg_parallel_size.
+        shards = stage.head_shards
         if heads % shards:
             key = "tensor_parallel_size" if stage.sequence_parallel_size == 1 else "sequence_parallel_size"
             raise ConfigError(

@@ -66,7 +66,8 @@ def pack_staging(
             raise ValueError(f"row {w.row}: KV shape {tuple(kv.shape)} != expected {expect}")
         if kv.dtype != dtype:
             raise ValueError(f"row {w.row}: KV dtype {kv.dtype} != geometry dtype {g.dtype}")
-        overlap = head_overlap(g, src_shards, dst_shards, w.src_rank, w.dst_rank)
+        # A CFG-parallel DiT's rank g * dst_shards + s holds head shard s (planner.plan_transfer).
+        overlap = head_overlap(g, src_shards, dst_shards, w.src_rank, w.dst_rank % dst_shards)
         assert overlap is not None, "the planner only emits writes between overlapping shards"
         lo, hi = overlap
         x = kv[:, :, lo - s_lo : hi - s_lo]

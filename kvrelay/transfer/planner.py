@@ -22,10 +22,25 @@ RowIndex = int
 RankIndex = int
 PageId = int
 
+# CFG rows of a request: row 0 the prompt, row 1 the negative prompt (guidance_scale > 1).
+MAX_CFG_ROWS = 2
+
+
+def cfg_group(row: RowIndex, cfg_parallel: int) -> int:
+    """The CFG group of a CFG-parallel DiT that receives and computes `row`: group `row % cfg`.
+
+    Its ranks are `group * dst_shards + shard`, and its pages are a page-id space of their own
+    (the broker keeps one page pool per group). With `cfg_parallel` 1 every row is group 0's.
+    """
+    if cfg_parallel < 1:
+        raise ValueError(f"cfg_parallel={cfg_parallel} must be at least 1")
+    return row % cfg_parallel
+
 
 @dataclass(frozen=True, slots=True)
 class RowSpec:
-    """One CFG row of a request: its token count and the pages reserved for it (same ids on every rank)."""
+    """One CFG row of a request: its token count and the pages reserved for it (same ids on every
+    rank of the row's CFG group: every rank of the replica unless it is CFG-parallel)."""
 
     row: RowIndex
     num_tokens: int
@@ -70,9 +85,10 @@ def head_overlap(
     return (lo, hi) if lo < hi else None
 
 
-def _validate_rows(geometry: KvGeometry, rows: Sequence[RowSpec]) -> None:
+def _validate_rows(geometry: KvGeometry, rows: Sequence[RowSpec], cfg_parallel: int) -> None:
     seen_rows: set[int] = set()
-    seen_pages: dict[int, int] = {}
+    # A page id is a page of one CFG group's ranks: rows of different groups may share ids.
+    seen_pages: dict[tuple[int, int], int] = {}
     for spec in rows:
         if spec.row in seen_rows:
             raise ValueError(f"row {spec.row} appears twice in the plan input")
@@ -85,13 +101,16 @@ def _validate_rows(geometry: KvGeometry, rows: Sequence[RowSpec]) -> None:
                 f"row {spec.row}: {spec.num_tokens} tokens need {need} pages of {geometry.page_size} "
                 f"tokens, but {len(spec.page_ids)} page ids were reserved"
             )
+        group = cfg_group(spec.row, cfg_parallel)
         for page in spec.page_ids:
             if page < 0:
                 raise ValueError(f"row {spec.row}: negative page id {page}")
-            if page in seen_pages:
+            if (group, page) in seen_pages:
                 # Two writes into one page would overwrite each other: the reservation is broken.
-                raise ValueError(f"page {page} is reserved for both row {seen_pages[page]} and row {spec.row}")
-            seen_pages[page] = spec.row
+                raise ValueError(
+                    f"page {page} is reserved for both row {seen_pages[group, page]} and row {spec.row}"
+                )
+            seen_pages[group, page] = spec.row
 
 
 def _write_pieces(
@@ -148,14 +167,15 @@ def plan_transfer(
 
     CFG-parallel (`cfg_parallel` > 1): the DiT's ranks form `cfg_parallel` groups of `dst_shards`
     ranks each (rank = group * dst_shards + shard) and CFG row r is computed by group
-    r % cfg_parallel only, so its KV goes to that group's ranks and to no other: a rank receives
-    1/cfg_parallel of the rows.
+    r % cfg_parallel only (`cfg_group`), so its KV goes to that group's ranks and to no other: a rank
+    receives 1/cfg_parallel of the rows. Page ids are per group, so rows of different groups may
+    name the same ids.
     """
     geometry.head_range(src_shards, 0)
     geometry.head_range(dst_shards, 0)
-    if cfg_parallel < 1:
-        raise ValueError(f"cfg_parallel={cfg_parallel} must be at least 1")
-    _validate_rows(geometry, rows)
+    if not 1 <= cfg_parallel <= MAX_CFG_ROWS:
+        raise ValueError(f"cfg_parallel={cfg_parallel} must be in [1, {MAX_CFG_ROWS}] (one group per CFG row)")
+    _validate_rows(geometry, rows, cfg_parallel)
     cursor = [0] * src_shards
     writes: list[PlannedWrite] = []
     for spec in rows:
@@ -169,7 +189,7 @@ def plan_transfer(
                 pieces = _write_pieces(layout, spec, lo - layout.head_start, hi - lo)
                 segments = _coalesce(pieces, cursor[src])
                 cursor[src] += sum(length for _, length in pieces)
-                group = spec.row % cfg_parallel
+                group = cfg_group(spec.row, cfg_parallel)
                 writes.append(PlannedWrite(spec.row, src, group * dst_shards + dst, segments))
     return tuple(writes)
 

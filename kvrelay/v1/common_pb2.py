@@ -24,39 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/common.proto\x12\nkvrelay.v1\"}\n\nKvGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.kvrelay.v1.DType\x12\x11\n\tpage_size\x18\x05 \x01(\r\"K\n\x0bParallelism\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x1e\n\x16sequence_parallel_size\x18\x02 \x01(\r\"\x96\x01\n\x0cMemoryRegion\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.kvrelay.v1.TransportKind\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\"A\n\x07Segment\x12\x12\n\nsrc_offset\x18\x01 \x01(\x04\x12\x12\n\ndst_offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"f\n\x0cPlannedWrite\x12\x0b\n\x03row\x18\x01 \x01(\r\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12%\n\x08segments\x18\x04 \x03(\x0b\x32\x13.kvrelay.v1.Segment\"N\n\x08WriteKey\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0b\n\x03row\x18\x02 \x01(\r\x12\x10\n\x08src_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x04 \x01(\r\"=\n\x08RowPages\x12\x0b\n\x03row\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08page_ids\x18\x03 \x03(\r\"\xcf\x01\n\x0cPhaseTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65noise_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fhandoff_seconds\x18\x08 \x01(\x01\"<\n\x0b\x45rrorStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"A\n\x05Image\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03*V\n\x0bReplicaRole\x12\x1c\n\x18REPLICA_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fREPLICA_ROLE_AR\x10\x01\x12\x14\n\x10REPLICA_ROLE_DIT\x10\x02*\x89\x01\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17TRANSPORT_KIND_MOONCAKE\x10\x01\x12\x1e\n\x1aTRANSPORT_KIND_GRPC_STREAM\x10\x02\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x03*\xb0\x01\n\x0bWriteStatus\x12\x1c\n\x18WRITE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fWRITE_STATUS_OK\x10\x01\x12\x17\n\x13WRITE_STATUS_FAILED\x10\x02\x12\x1c\n\x18WRITE_STATUS_NOT_STARTED\x10\x03\x12\x1c\n\x18WRITE_STATUS_WRITER_GONE\x10\x04\x12\x19\n\x15WRITE_STATUS_IN_DOUBT\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrelay/v1/common.proto\x12\nkvrelay.v1\"}\n\nKvGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.kvrelay.v1.DType\x12\x11\n\tpage_size\x18\x05 \x01(\r\"f\n\x0bParallelism\x12\x1c\n\x14tensor_parallel_size\x18\x01 \x01(\r\x12\x1e\n\x16sequence_parallel_size\x18\x02 \x01(\r\x12\x19\n\x11\x63\x66g_parallel_size\x18\x03 \x01(\r\"\x96\x01\n\x0cMemoryRegion\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12,\n\ttransport\x18\x02 \x01(\x0e\x32\x19.kvrelay.v1.TransportKind\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x0e\n\x06length\x18\x05 \x01(\x04\x12\x12\n\nipc_handle\x18\x06 \x01(\x0c\"A\n\x07Segment\x12\x12\n\nsrc_offset\x18\x01 \x01(\x04\x12\x12\n\ndst_offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"f\n\x0cPlannedWrite\x12\x0b\n\x03row\x18\x01 \x01(\r\x12\x10\n\x08src_rank\x18\x02 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x03 \x01(\r\x12%\n\x08segments\x18\x04 \x03(\x0b\x32\x13.kvrelay.v1.Segment\"N\n\x08WriteKey\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x0b\n\x03row\x18\x02 \x01(\r\x12\x10\n\x08src_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x04 \x01(\r\"=\n\x08RowPages\x12\x0b\n\x03row\x18\x01 \x01(\r\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x10\n\x08page_ids\x18\x03 \x03(\r\"\xcf\x01\n\x0cPhaseTimings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65noise_seconds\x18\x05 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\x06 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fhandoff_seconds\x18\x08 \x01(\x01\"<\n\x0b\x45rrorStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"A\n\x05Image\x12\x0b\n\x03png\x18\x01 \x01(\x0c\x12\r\n\x05width\x18\x02 \x01(\r\x12\x0e\n\x06height\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x11\n\rDTYPE_FLOAT32\x10\x03*V\n\x0bReplicaRole\x12\x1c\n\x18REPLICA_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fREPLICA_ROLE_AR\x10\x01\x12\x14\n\x10REPLICA_ROLE_DIT\x10\x02*\x89\x01\n\rTransportKind\x12\x1e\n\x1aTRANSPORT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17TRANSPORT_KIND_MOONCAKE\x10\x01\x12\x1e\n\x1aTRANSPORT_KIND_GRPC_STREAM\x10\x02\x12\x1b\n\x17TRANSPORT_KIND_CUDA_IPC\x10\x03*\xb0\x01\n\x0bWriteStatus\x12\x1c\n\x18WRITE_STATUS_UNSPECIFIED\x10\x00\x12\x13\n\x0fWRITE_STATUS_OK\x10\x01\x12\x17\n\x13WRITE_STATUS_FAILED\x10\x02\x12\x1c\n\x18WRITE_STATUS_NOT_STARTED\x10\x03\x12\x1c\n\x18WRITE_STATUS_WRITER_GONE\x10\x04\x12\x19\n\x15WRITE_STATUS_IN_DOUBT\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1049
-  _globals['_DTYPE']._serialized_end=1137
-  _globals['_REPLICAROLE']._serialized_start=1139
-  _globals['_REPLICAROLE']._serialized_end=1225
-  _globals['_TRANSPORTKIND']._serialized_start=1228
-  _globals['_TRANSPORTKIND']._serialized_end=1365
-  _globals['_WRITESTATUS']._serialized_start=1368
-  _globals['_WRITESTATUS']._serialized_end=1544
+  _globals['_DTYPE']._serialized_start=1076
+  _globals['_DTYPE']._serialized_end=1164
+  _globals['_REPLICAROLE']._serialized_start=1166
+  _globals['_REPLICAROLE']._serialized_end=1252
+  _globals['_TRANSPORTKIND']._serialized_start=1255
+  _globals['_TRANSPORTKIND']._serialized_end=1392
+  _globals['_WRITESTATUS']._serialized_start=1395
+  _globals['_WRITESTATUS']._serialized_end=1571
   _globals['_KVGEOMETRY']._serialized_start=39
   _globals['_KVGEOMETRY']._serialized_end=164
   _globals['_PARALLELISM']._serialized_start=166
-  _globals['_PARALLELISM']._serialized_end=241
-  _globals['_MEMORYREGION']._serialized_start=244
-  _globals['_MEMORYREGION']._serialized_end=394
-  _globals['_SEGMENT']._serialized_start=396
-  _globals['_SEGMENT']._serialized_end=461
-  _globals['_PLANNEDWRITE']._serialized_start=463
-  _globals['_PLANNEDWRITE']._serialized_end=565
-  _globals['_WRITEKEY']._serialized_start=567
-  _globals['_WRITEKEY']._serialized_end=645
-  _globals['_ROWPAGES']._serialized_start=647
-  _globals['_ROWPAGES']._serialized_end=708
-  _globals['_PHASETIMINGS']._serialized_start=711
-  _globals['_PHASETIMINGS']._serialized_end=918
-  _globals['_ERRORSTATUS']._serialized_start=920
-  _globals['_ERRORSTATUS']._serialized_end=980
-  _globals['_IMAGE']._serialized_start=982
-  _globals['_IMAGE']._serialized_end=1047
+  _globals['_PARALLELISM']._serialized_end=268
+  _globals['_MEMORYREGION']._serialized_start=271
+  _globals['_MEMORYREGION']._serialized_end=421
+  _globals['_SEGMENT']._serialized_start=423
+  _globals['_SEGMENT']._serialized_end=488
+  _globals['_PLANNEDWRITE']._serialized_start=490
+  _globals['_PLANNEDWRITE']._serialized_end=592
+  _globals['_WRITEKEY']._serialized_start=594
+  _globals['_WRITEKEY']._serialized_end=672
+  _globals['_ROWPAGES']._serialized_start=674
+  _globals['_ROWPAGES']._serialized_end=735
+  _globals['_PHASETIMINGS']._serialized_start=738
+  _globals['_PHASETIMINGS']._serialized_end=945
+  _globals['_ERRORSTATUS']._serialized_start=947
+  _globals['_ERRORSTATUS']._serialized_end=1007
+  _globals['_IMAGE']._serialized_start=1009
+  _globals['_IMAGE']._serialized_end=1074
 # @@protoc_insertion_point(module_scope)

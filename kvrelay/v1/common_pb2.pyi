@@ -67,12 +67,14 @@ class KvGeometry(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class Parallelism(_message.Message):
-    __slots__ = ("tensor_parallel_size", "sequence_parallel_size")
+    __slots__ = ("tensor_parallel_size", "sequence_parallel_size", "cfg_parallel_size")
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CFG_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     tensor_parallel_size: int
     sequence_parallel_size: int
-    def __init__(self, tensor_parallel_size: _Optional[int] = ..., sequence_parallel_size: _Optional[int] = ...) -> None: ...
+    cfg_parallel_size: int
+    def __init__(self, tensor_parallel_size: _Optional[int] = ..., sequence_parallel_size: _Optional[int] = ..., cfg_parallel_size: _Optional[int] = ...) -> None: ...
 
 class MemoryRegion(_message.Message):
     __slots__ = ("rank", "transport", "endpoint", "base_address", "length", "ipc_handle")

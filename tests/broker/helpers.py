@@ -46,7 +46,7 @@ def dit_spec(
     replica_id: str = "dit-0", tp: int = 1, sp: int = 1, num_pages: int = 64, incarnation: str | None = None,
     **kw: object,
 ) -> ReplicaSpec:
-    world = tp * sp
+    world = tp * sp * int(kw.get("cfg_parallel_size", 1))  # type: ignore[call-overload]
     return ReplicaSpec(
         replica_id=replica_id,
         role=ReplicaRole.DIT,

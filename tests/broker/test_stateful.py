@@ -48,15 +48,17 @@ class BrokerMachine(RuleBasedStateMachine):
         self.clock = ManualClock()
         self.core = self._open()
         self.specs: dict[str, ReplicaSpec] = {}
+        # dit-2 is CFG-parallel: two groups of one rank, a page pool each (row r in group r % 2).
         for spec in (ar_spec("ar-0", tp=1), ar_spec("ar-1", tp=2), dit_spec("dit-0", tp=1, num_pages=12),
-                     dit_spec("dit-1", tp=2, num_pages=20)):
+                     dit_spec("dit-1", tp=2, num_pages=20), dit_spec("dit-2", tp=1, num_pages=6, cfg_parallel_size=2)):
             self.core.register_replica(spec)
             self.specs[spec.replica_id] = spec
         self.ticket_ids: list[str] = []
         self.counter = 0
         # The test's own record of writes reported IN_DOUBT and not finally resolved since:
         # (ticket_id, key) -> (dit replica, dit incarnation, pages, ar replica, ar incarnation).
-        self.in_doubt: dict[tuple[str, WriteKey], tuple[str, str, frozenset[int], str, str]] = {}
+        # Pages are (CFG group, page id): a CFG-parallel DiT's groups each have their own ids.
+        self.in_doubt: dict[tuple[str, WriteKey], tuple[str, str, frozenset[tuple[int, int]], str, str]] = {}
 
     def _open(self) -> BrokerCore:
         return BrokerCore(self.dir / "journal.sqlite", clock=self.clock, lease_seconds=LEASE,
@@ -86,8 +88,12 @@ class BrokerMachine(RuleBasedStateMachine):
 
     # -------------------------------------------------------------------- rules
 
+    def _pages(self, t: Ticket) -> list[tuple[int, int]]:
+        groups = self.specs[t.dit_replica_id].cfg_parallel_size
+        return [(r.row % groups, p) for r in t.rows for p in r.page_ids]
+
     @precondition(lambda self: len(self._live()) < 6)
-    @rule(ar=st.sampled_from(["ar-0", "ar-1"]), dit=st.sampled_from(["dit-0", "dit-1"]),
+    @rule(ar=st.sampled_from(["ar-0", "ar-1"]), dit=st.sampled_from(["dit-0", "dit-1", "dit-2"]),
           rows=st.lists(st.integers(1, 80), min_size=1, max_size=2))
     def create(self, ar: str, dit: str, rows: list[int]) -> None:
         self.counter += 1
@@ -96,10 +102,11 @@ class BrokerMachine(RuleBasedStateMachine):
             self.ticket_ids.append(result.ticket_id)
             assert result.state is TicketState.RESERVED
         elif isinstance(result, BrokerError):
-            need = sum(-(-n // 16) for n in rows)
+            groups = self.specs[dit].cfg_parallel_size
+            need = [sum(-(-n // 16) for r, n in enumerate(rows) if r % groups == g) for g in range(groups)]
             total = self.specs[dit].num_pages
             assert result.reason in ("NEVER_FITS", "REPLICA_FENCED", "REPLICA_DOWN"), result
-            assert (result.reason == "NEVER_FITS") == (need > total)
+            assert (result.reason == "NEVER_FITS") == (max(need) > total)
 
     @rule(data=st.data())
     def arm(self, data: st.DataObject) -> None:
@@ -146,7 +153,7 @@ class BrokerMachine(RuleBasedStateMachine):
         ar = self.specs[t.ar_replica_id]
         if reported is WriteStatus.IN_DOUBT and now_status is WriteStatus.IN_DOUBT:
             self.in_doubt[(t.ticket_id, key)] = (
-                t.dit_replica_id, self.specs[t.dit_replica_id].incarnation_id, frozenset(t.page_ids),
+                t.dit_replica_id, self.specs[t.dit_replica_id].incarnation_id, frozenset(self._pages(t)),
                 ar.replica_id, ar.incarnation_id,
             )
         elif reported in (WriteStatus.OK, WriteStatus.FAILED) and now_status is reported:
@@ -300,7 +307,7 @@ class BrokerMachine(RuleBasedStateMachine):
         if not t.armed:
             assert after.state is TicketState.RELEASED, "rollback before arming frees at once"
 
-    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1"]))
+    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1", "dit-2"]))
     def new_incarnation(self, replica: str) -> None:
         spec = new_incarnation(self.specs[replica])
         self.core.register_replica(spec)
@@ -327,7 +334,7 @@ class BrokerMachine(RuleBasedStateMachine):
                 # Resolved yet still DRAINING after a tick: only the quiet period may hold it.
                 assert self._quiet_until(t) > now, f"ticket {t.ticket_id} resolved and quiet, not released"
 
-    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1"]))
+    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1", "dit-2"]))
     def renew_after_expiry(self, replica: str) -> None:
         spec = self.specs[replica]
         self._try(self.core.heartbeat, spec.replica_id, spec.incarnation_id)
@@ -365,14 +372,17 @@ class BrokerMachine(RuleBasedStateMachine):
         for pool in self.core.pool_status():
             assert pool.free + pool.reserved + pool.draining == pool.total
             mine = [t for t in live if t.dit_replica_id == pool.replica_id]
-            owned = [p for t in mine for p in t.page_ids]
+            owned = [p for t in mine for p in self._pages(t)]
             assert len(owned) == len(set(owned)), "a page is in two tickets"
             assert pool.reserved == sum(len(t.page_ids) for t in mine if t.state in HOLDING_STATES)
             assert pool.draining == sum(len(t.page_ids) for t in mine if t.state is TicketState.DRAINING)
             raw = self.core._pools[pool.replica_id]  # noqa: SLF001 - white-box check
             for t in mine:
-                for p in t.page_ids:
-                    assert raw.state_of(p) is not PageState.FREE, f"page {p} of live ticket {t.ticket_id} is free"
+                for r in t.rows:
+                    for p in r.page_ids:
+                        assert raw.state_of(p, r.row) is not PageState.FREE, (
+                            f"page {p} (row {r.row}) of live ticket {t.ticket_id} is free"
+                        )
 
     @invariant()
     def no_page_of_an_in_doubt_write_is_free_or_reserved_by_another_ticket(self) -> None:
@@ -380,13 +390,14 @@ class BrokerMachine(RuleBasedStateMachine):
         for (tid, key), (dit_id, dit_inc, pages, _, _) in self.in_doubt.items():
             assert self.specs[dit_id].incarnation_id == dit_inc
             raw = self.core._pools[dit_id]  # noqa: SLF001 - white-box check
-            for p in pages:
-                assert raw.state_of(p) is not PageState.FREE, f"page {p} of in-doubt write {tid}/{key} is free"
+            for group, p in pages:
+                assert raw.groups[group].state_of(p) is not PageState.FREE, (
+                    f"page {p} (group {group}) of in-doubt write {tid}/{key} is free"
+                )
             for t in live:
                 if t.ticket_id != tid and t.dit_replica_id == dit_id:
-                    assert not pages & set(t.page_ids), (
-                        f"ticket {t.ticket_id} holds pages of in-doubt write {tid}/{key}: {sorted(pages & set(t.page_ids))}"
-                    )
+                    shared = pages & set(self._pages(t))
+                    assert not shared, f"ticket {t.ticket_id} holds pages of in-doubt write {tid}/{key}: {sorted(shared)}"
             mine = [t for t in live if t.ticket_id == tid]
             assert mine and mine[0].state in (TicketState.WRITING, TicketState.DRAINING), "in doubt, yet not held"
 

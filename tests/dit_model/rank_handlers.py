@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.dit_service.model import DitRunner, shard_prefix
+from kvrelay.dit_service.model import BatchRequest, DitRunner, shard_prefix
 from kvrelay.models.moe import MoeMlp
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
 from kvrelay.worker import RankContext
@@ -27,6 +27,13 @@ class Generate:
     seed: int
     stop_on_rank: int = -1  # this rank's step callback raises after `stop_after_step`
     stop_after_step: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateBatch:
+    """One denoise_batch over every item (same size and steps); answers each item's latents."""
+
+    items: tuple[Generate, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +101,24 @@ class DitRankHandler:
             rows.append(read_prefix(pool, self.layout, page_ids, row[0][0].shape[1]))
         return rows
 
-    def handle(self, command: Generate) -> GenerateResult:
+    def _my_rows(self, command: Generate) -> list[Sequence[LayerKv]]:
+        # A CFG-parallel group's ranks receive only their rows' KV (none for group 1 of a one-row request).
+        return [command.full_rows[r] for r in self.runner.local_rows(command.guidance_scale)]
+
+    def handle(self, command: Generate | GenerateBatch) -> GenerateResult | list[torch.Tensor | None]:
+        if isinstance(command, GenerateBatch):
+            return self._batch(command)
+        return self._one(command)
+
+    def _batch(self, command: GenerateBatch) -> list[torch.Tensor | None]:
+        first = command.items[0]
+        requests = [
+            BatchRequest(self._rows_through_pages(self._my_rows(c)), c.guidance_scale, c.seed) for c in command.items
+        ]
+        out = self.runner.denoise_batch(requests, width=first.width, height=first.height, steps=first.steps)
+        return [None if x is None else x.cpu() for x in out]
+
+    def _one(self, command: Generate) -> GenerateResult:
         seen: list[int] = []
 
         def on_step(step: int, total: int) -> None:
@@ -102,11 +126,7 @@ class DitRankHandler:
             if self.ctx.rank == command.stop_on_rank and step == command.stop_after_step:
                 raise StopRequested(f"rank {self.ctx.rank} stops after step {step}/{total}")
 
-        full_rows = command.full_rows
-        cfg = self.runner.parallel.cfg
-        if cfg.world_size > 1:
-            full_rows = [full_rows[cfg.rank]]  # a CFG group's ranks receive only their row's KV
-        rows = self._rows_through_pages(full_rows)
+        rows = self._rows_through_pages(self._my_rows(command))
         try:
             latents = self.runner.denoise(
                 rows,

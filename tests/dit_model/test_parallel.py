@@ -9,7 +9,7 @@ import torch
 from kvrelay.dit_service.model import DenoiseCancelled, DitRunner, random_prefix
 from kvrelay.worker import WorkerCommandError, WorkerGroup
 
-from .rank_handlers import DitRankFactory, Generate, StopRequested
+from .rank_handlers import DitRankFactory, Generate, GenerateBatch, StopRequested
 
 pytestmark = pytest.mark.slow
 
@@ -84,3 +84,27 @@ def test_cfg_parallel_image_equals_single_rank(tp: int, sp: int) -> None:
         assert r.steps_seen == [1, 2]
         torch.testing.assert_close(r.latents, ref, atol=1e-4, rtol=1e-4)
     assert all(torch.equal(r.latents, results[0].latents) for r in results)
+
+
+def test_cfg_parallel_batch_mixes_guidance_and_equals_single_rank() -> None:
+    """denoise_batch on CFG=2 ranks: a two-row request (rows on groups 0 and 1) and a one-row
+    request (guidance 1: group 0 computes, group 1 only joins the combine) in one batch give the
+    one-rank batch's latents; every rank ends with the same latents."""
+    width, height = 64, 48
+    preset = DitRunner(PRESET).preset
+    two = _command(width, height)
+    one = Generate(full_rows=(random_prefix(preset, 17, seed=30),), width=width, height=height, steps=2,
+                   guidance_scale=1.0, seed=5)
+    single = DitRunner(PRESET, weight_seed=WEIGHT_SEED)
+    refs = [
+        single.denoise(list(c.full_rows), width=width, height=height, steps=2, guidance_scale=c.guidance_scale,
+                       seed=c.seed)
+        for c in (two, one)
+    ]
+    with WorkerGroup(2, DitRankFactory(PRESET, 1, 1, WEIGHT_SEED, cfg_parallel=2)) as group:
+        results = group.call_all(GenerateBatch((two, one)), timeout_s=120)
+    for per_rank in results:
+        for got, ref in zip(per_rank, refs, strict=True):
+            assert got is not None
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))

@@ -12,7 +12,7 @@ PLANNED = [(r, s, s) for r in (0, 1) for s in (0, 1)]
 
 
 def _protocol(budget_end: float = 10.0) -> LoadProtocol:
-    return LoadProtocol("t", PLANNED, 2, [0, 1], budget_end, recheck_first_s=0.01, recheck_max_s=0.04)
+    return LoadProtocol("t", PLANNED, budget_end, recheck_first_s=0.01, recheck_max_s=0.04)
 
 
 def test_loads_are_verified_as_their_writes_report_ok_then_loaded_once_ready() -> None:
@@ -68,3 +68,15 @@ def test_a_ticket_that_ends_under_the_load_fails_it() -> None:
     p.on_ticket(broker_pb2.TICKET_STATE_DRAINING, {}, [])
     fail = p.next_command(0.0)
     assert isinstance(fail, Fail) and fail.reason == "TICKET_ENDED"
+
+
+def test_cfg_parallel_plan_expects_loads_only_on_each_rows_group() -> None:
+    """CFG=2 x 1 shard: row 0 lands on rank 0, row 1 on rank 1; no load of a row on the other rank."""
+    p = LoadProtocol("t", [(0, 0, 0), (1, 0, 1)], 10.0)
+    assert p.pending == {(0, 0), (1, 1)}
+    p.on_ticket(WRITING, {(0, 0, 0): WriteReport(OK, 1), (1, 0, 1): WriteReport(OK, 2)}, [])
+    assert p.next_command(0.0) == Verify(((0, 0), (1, 1)))
+    p.on_verified((0, 0), True)
+    p.on_verified((1, 1), True)
+    p.on_ticket(READY, {(0, 0, 0): WriteReport(OK, 1), (1, 0, 1): WriteReport(OK, 2)}, [(0, 0), (1, 1)])
+    assert p.next_command(0.0) == Loaded()

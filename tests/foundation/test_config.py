@@ -160,3 +160,32 @@ def test_rejects_features_not_in_this_build(base: dict[str, Any]) -> None:
     data["stages"][0]["model"] = {"engine": "vllm", "path": "/models/llama", "vllm_args": {"enforce_eager": True}}
     accepted = parse_config(data)
     assert accepted.ar_stage.model.engine == "vllm" and accepted.ar_stage.model.vllm_args == {"enforce_eager": True}
+
+
+def test_cfg_parallel_size_multiplies_the_dit_ranks_and_is_checked(base: dict[str, Any]) -> None:
+    base = copy.deepcopy(base)
+    for stage in base["stages"]:
+        stage["model"] = {"preset": "tiny"}
+    data = copy.deepcopy(base)
+    data["stages"][1].update(cfg_parallel_size=2, tensor_parallel_size=4)
+    dit = parse_config(data).dit_stage
+    # 2 CFG groups of tp 4: 8 ranks, each group's 4 ranks split the 4 kv heads (not 8).
+    assert (dit.world_size, dit.head_shards) == (8, 4)
+    assert dit.devices_for(0) == ["cpu"] * 8
+    data["stages"][1].update(devices="0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15", kv_transfer_config=None)
+    data["stages"][0]["kv_transfer_config"] = None
+    assert parse_config(data).dit_stage.devices_for(1) == [f"cuda:{d}" for d in range(8, 16)]
+    data = copy.deepcopy(base)
+    data["stages"][1]["cfg_parallel_size"] = 3
+    _reject(data, "stages[1].cfg_parallel_size", "at most 2 CFG rows")
+    data["stages"][1]["cfg_parallel_size"] = 0
+    _reject(data, "cfg_parallel_size", "greater than or equal to 1")
+    data = copy.deepcopy(base)
+    data["stages"][0]["cfg_parallel_size"] = 2
+    _reject(data, "stages[0].cfg_parallel_size", "the DiT's")
+    data = copy.deepcopy(base)
+    data["stages"][1].update(cfg_parallel_size=2, model={"format": "demo"})
+    _reject(data, "stages[1].cfg_parallel_size", "model.format: kvrelay")
+    data = copy.deepcopy(base)
+    data["stages"][1].update(cfg_parallel_size=2, sequence_parallel_size=8)
+    _reject(data, "stages[1].sequence_parallel_size", "8 rank(s) must divide num_kv_heads=4")
