@@ -289,7 +289,8 @@ def replicas_table(replicas: Sequence[Replica], now: _dt.datetime) -> str:
             r.role.name.lower(),
             r.endpoint,
             f"tp{r.tensor_parallel_size}"
-            + (f" sp{r.sequence_parallel_size}" if r.sequence_parallel_size > 1 else ""),
+            + (f" sp{r.sequence_parallel_size}" if r.sequence_parallel_size > 1 else "")
+            + (f" cfg{r.cfg_parallel_size}" if r.cfg_parallel_size > 1 else ""),
             r.transport.name.lower(),
             "yes" if r.up else "no",
             "FENCED" if r.fenced else "",

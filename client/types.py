@@ -246,12 +246,14 @@ class Replica:
     tensor_parallel_size: int
     sequence_parallel_size: int
     max_num_seqs: int
-    num_pages: int
+    num_pages: int  # per rank (a CFG-parallel DiT has this many in each CFG group)
     max_tokens: int
     geometry: KvGeometry | None
     up: bool
     fenced: bool
     lease_expire_time: _dt.datetime | None
+    # CFG-parallel DiT: groups of tp * sp ranks, group g computing CFG row g (1 = none).
+    cfg_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +429,7 @@ def replica_from_pb(msg: broker_pb2.ReplicaInfo) -> Replica:
         transport=_enum(TransportKind, msg.transport),
         tensor_parallel_size=par.tensor_parallel_size or 1,
         sequence_parallel_size=par.sequence_parallel_size or 1,
+        cfg_parallel_size=par.cfg_parallel_size or 1,
         max_num_seqs=msg.max_num_seqs,
         num_pages=msg.num_pages,
         max_tokens=msg.max_tokens,

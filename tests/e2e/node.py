@@ -1,5 +1,5 @@
-"""Real nodes for end-to-end tests: a config derived from tests/configs/test-fast.yaml, started by
-the supervisor in its own folder (locks, journal), always stopped."""
+"""Real nodes for end-to-end tests: a config derived from tests/configs/test-fast.yaml (or another
+file of tests/configs), started by the supervisor in its own folder (locks, journal), always stopped."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_config(tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Path:
-    cfg = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+def write_config(
+    tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None, base: str = "test-fast.yaml"
+) -> Path:
+    cfg = yaml.safe_load((REPO / "tests/configs" / base).read_text())
     cfg["broker"]["journal_path"] = str(tmp / f"{name}.sqlite")
     if edit is not None:
         edit(cfg)
@@ -31,10 +33,12 @@ def fallback(cfg: dict[str, Any]) -> None:
 
 
 @contextmanager
-def running_node(tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None) -> Iterator[Any]:
+def running_node(
+    tmp: Path, name: str, edit: Callable[[dict[str, Any]], None] | None = None, base: str = "test-fast.yaml"
+) -> Iterator[Any]:
     from kvrelay.node.supervisor import start_node
 
-    path = write_config(tmp, name, edit)
+    path = write_config(tmp, name, edit, base)
     rundir = tmp / name
     rundir.mkdir(exist_ok=True)
     with start_node(path, log_dir=rundir / "logs", cwd=rundir) as node:
