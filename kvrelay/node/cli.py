@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ar-tp", type=int, default=1)
     p.add_argument("--dit-tp", type=int, default=1)
     p.add_argument("--dit-sp", type=int, default=1)
+    p.add_argument(
+        "--dit-cfg", type=int, default=1, choices=(1, 2),
+        help="2: the receiver is a CFG-parallel DiT (cfg_parallel_size 2): each row only on its group's ranks",
+    )
     p.add_argument("--seed", type=int, default=0)
     return parser
 

@@ -163,9 +163,15 @@ def run_check(
     page_size: int = 16,
     flip_byte_in: str | None = None,
     device: str = "cpu",
+    dit_cfg: int = 1,
 ) -> dict[str, Any]:
     """Run the check; `flip_byte_in` names a variant whose pages get one byte flipped after they
-    arrive (the check's own self-test: it must then report a difference)."""
+    arrive (the check's own self-test: it must then report a difference).
+
+    `dit_cfg` 2: the receiver is a CFG-parallel DiT (2 groups of dit_tp * dit_sp ranks; rank
+    g * shards + s holds head shard s of row g only): each row lands only on its group's ranks,
+    and every byte of every rank's pool (the other row's pages included, which must stay zero)
+    is compared with the dense reference."""
     import torch
 
     from kvrelay.ar_service.model import build_ar_model
@@ -176,11 +182,12 @@ def run_check(
     from kvrelay.transfer.checksum import write_checksum
     from kvrelay.transfer.layout import PageLayout
     from kvrelay.transfer.pack import pack_staging
-    from kvrelay.transfer.planner import RowSpec, plan_transfer, staging_bytes
+    from kvrelay.transfer.planner import RowSpec, cfg_group, plan_transfer, staging_bytes
     from kvrelay.transfer.transport import make_sender
 
     preset = get_preset(preset_name)
     dst_shards = dit_tp * dit_sp
+    dst_ranks = dit_cfg * dst_shards
     geometry = preset.kv_geometry(page_size)
     tokenizer = ByteTokenizer()
     on_gpu = device.startswith("cuda")
@@ -199,11 +206,13 @@ def run_check(
         rows.append(RowSpec(row, n, tuple(reversed(range(cursor, cursor + pages)))))
         cursor += pages + 2
     num_pages = cursor + 1
-    layouts = [PageLayout(geometry, dst_shards, d) for d in range(dst_shards)]
+    # Rank d holds head shard d % dst_shards (of its CFG group's rows).
+    layouts = [PageLayout(geometry, dst_shards, d % dst_shards) for d in range(dst_ranks)]
     pool_bytes = layouts[0].page_bytes * num_pages
-    plan = plan_transfer(geometry, ar_tp, dst_shards, rows)
+    plan = plan_transfer(geometry, ar_tp, dst_shards, rows, cfg_parallel=dit_cfg)
+    per_rank = [sum(w.num_bytes for w in plan if w.dst_rank == d) for d in range(dst_ranks)]
     _log(f"preset={preset_name} tokens={[r.num_tokens for r in rows]} AR TP={ar_tp} -> DiT shards={dst_shards} "
-         f"writes={len(plan)} bytes={sum(w.num_bytes for w in plan)}")
+         f"x CFG groups={dit_cfg} writes={len(plan)} bytes={sum(per_rank)} bytes per DiT rank={per_rank}")
 
     # Pack every source rank's share into its own staging buffer, as each AR rank does.
     stagings = {}
@@ -224,23 +233,25 @@ def run_check(
             device_stagings[s] = staging
 
     # Local reference 1: the plan executed with plain copies.
-    planned = [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_shards)]
+    planned = [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_ranks)]
     for w in plan:
         for seg in w.segments:
             planned[w.dst_rank][seg.dst_offset : seg.dst_offset + seg.length] = \
                 stagings[w.src_rank][seg.src_offset : seg.src_offset + seg.length]
     # Local reference 2: the dense prefill written straight into pages (no planner, no staging).
-    dense = [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_shards)]
+    dense = [torch.zeros(pool_bytes, dtype=torch.uint8) for _ in range(dst_ranks)]
     for d, layout in enumerate(layouts):
-        h_lo, h_hi = geometry.head_range(dst_shards, d)
+        h_lo, h_hi = geometry.head_range(dst_shards, layout.shard)
         for spec in rows:
+            if cfg_group(spec.row, dit_cfg) != d // dst_shards:
+                continue  # a CFG-parallel rank never reads the other group's row: its pages stay zero
             kv = kv_full[spec.row]
             write_prefix(dense[d], layout, spec.page_ids,
                          [(kv[layer, 0, h_lo:h_hi], kv[layer, 1, h_lo:h_hi]) for layer in range(geometry.num_layers)])
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(child, pool_bytes, dst_shards, device), daemon=True)
+    proc = ctx.Process(target=receiver_main, args=(child, pool_bytes, dst_ranks, device), daemon=True)
     proc.start()
     received: dict[str, list[bytes]] = {}
     try:
@@ -297,7 +308,7 @@ def run_check(
         first = rows[0].page_ids[0] * layouts[0].page_bytes
         variants[flip_byte_in][0][first + 5] ^= 0x40
     prefix_bits_equal = all(
-        torch.equal(variants[name][d], dense[d]) for name in variants for d in range(dst_shards)
+        torch.equal(variants[name][d], dense[d]) for name in variants for d in range(dst_ranks)
     )
 
     # Attention over each variant's prefix (read back from its pages, every shard's heads joined)
@@ -305,7 +316,9 @@ def run_check(
     def prefix_rows_of(pools: list[Any]) -> list[list[tuple[Any, Any]]]:
         out = []
         for spec in rows:
-            shards = [read_prefix(pools[d], layouts[d], spec.page_ids, spec.num_tokens) for d in range(dst_shards)]
+            base = cfg_group(spec.row, dit_cfg) * dst_shards  # the ranks of the row's CFG group
+            shards = [read_prefix(pools[base + s], layouts[base + s], spec.page_ids, spec.num_tokens)
+                      for s in range(dst_shards)]
             out.append([(torch.cat([s[layer][0] for s in shards]), torch.cat([s[layer][1] for s in shards]))
                         for layer in range(geometry.num_layers)])
         return out
@@ -345,6 +358,7 @@ def run_check(
         "max_abs_diff": max_abs_diff,
         "tokens": [r.num_tokens for r in rows],
         "bytes": sum(w.num_bytes for w in plan),
+        "bytes_per_rank": per_rank,
     }
 
 
@@ -355,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
     preset = args.preset or ("bagel-7b-shape" if args.device.startswith("cuda") else "tiny")
     result = run_check(
         preset, args.prompt, args.negative_prompt, args.ar_tp, args.dit_tp, args.dit_sp, args.seed,
-        device=args.device,
+        device=args.device, dit_cfg=args.dit_cfg,
     )
     print(f"prefix_bits_equal {result['prefix_bits_equal']}")
     print(f"attention_bits_equal {result['attention_bits_equal']}")
