@@ -259,41 +259,23 @@ class BrokerCore:
     def get_replica(self, replica_id: ReplicaId) -> ReplicaStatus:
         return self.registry.status(self.registry.get(replica_id), self.clock())
 
-    def _schedulable(self, record: ReplicaRecord, now: float) -> bool:
-        return record.up(now) and not record.fenced
-
     def pages_needed(self, dit_replica_id: ReplicaId, row_token_counts: Sequence[int]) -> list[int]:
         geometry = self.registry.get(dit_replica_id).spec.geometry
         return [geometry.pages_for(n) for n in row_token_counts]
 
-    def choose_dit_replica(self, row_token_counts: Sequence[int]) -> ReplicaId | None:
-        """The up, unfenced DiT replica with the most free pages that fits the rows now."""
-        now = self.clock()
-        best: tuple[int, str] | None = None
-        for record in self.registry:
-            rid = record.spec.replica_id
-            if record.spec.role is not ReplicaRole.DIT or not self._schedulable(record, now):
-                continue
-            pool = self._pools[rid]
-            if not pool.fits_now(self.pages_needed(rid, row_token_counts)):
-                continue
-            key = (-pool.counts().free, rid)
-            if best is None or key < best:
-                best = key
-        return None if best is None else best[1]
+    def fits_now(self, dit_replica_id: ReplicaId, row_token_counts: Sequence[int]) -> bool:
+        """Whether that DiT replica's pool has the free pages for these rows now."""
+        return self._pools[dit_replica_id].fits_now(self.pages_needed(dit_replica_id, row_token_counts))
 
-    def choose_ar_replica(self) -> ReplicaId | None:
-        """The up, unfenced AR replica with the fewest live tickets."""
-        now = self.clock()
-        load: dict[str, int] = {}
+    def free_pages(self, dit_replica_id: ReplicaId) -> int:
+        return self._pools[dit_replica_id].counts().free
+
+    def live_tickets_per_ar(self) -> dict[ReplicaId, int]:
+        """How many live (not RELEASED) tickets each AR replica is bound to: its load."""
+        load: dict[ReplicaId, int] = {}
         for t in self._tickets.values():
             load[t.ar_replica_id] = load.get(t.ar_replica_id, 0) + 1
-        candidates = [
-            (load.get(r.spec.replica_id, 0), r.spec.replica_id)
-            for r in self.registry
-            if r.spec.role is ReplicaRole.AR and self._schedulable(r, now)
-        ]
-        return min(candidates)[1] if candidates else None
+        return load
 
     # =================================================================== tickets
 

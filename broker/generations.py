@@ -95,6 +95,14 @@ class ErrorInfo:
     message: str
 
 
+class RequestEnded(Exception):
+    """Raised inside placement or a pipeline to end its generation with this error (FAILED)."""
+
+    def __init__(self, error: ErrorInfo) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
 @dataclass(frozen=True, slots=True)
 class ImageResult:
     png: bytes

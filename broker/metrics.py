@@ -4,19 +4,28 @@ Owns `kvrelay_pages{replica,state}`, `kvrelay_tickets{state}`,
 `kvrelay_draining_oldest_seconds`, `kvrelay_replica_up{replica,role}` and
 `kvrelay_replica_fenced{replica}`. They are read from BrokerCore at scrape time by a custom
 collector, so the lifecycle's hot path never updates a gauge and a scrape can never disagree
-with GetPool. Must never mutate the core.
+with GetPool. Must never mutate the core. Also the generations' metrics (`GenerationMetrics`:
+`kvrelay_generations_total{outcome}`, `kvrelay_generation_seconds`, `kvrelay_phase_seconds{phase}`,
+`kvrelay_generations_queued`), which the orchestrator updates as each generation ends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.generations import PHASES, GenerationSnapshot, GenState
 from kvrelay.broker.tickets import TicketState
+
+_OUTCOME_OF_STATE = {
+    GenState.SUCCEEDED: "succeeded",
+    GenState.FAILED: "failed",
+    GenState.CANCELLED: "cancelled",
+}
 
 
 class BrokerCollector(Collector):
@@ -72,3 +81,43 @@ def register_broker_metrics(
     registry = registry if registry is not None else CollectorRegistry()
     registry.register(BrokerCollector(core, rpc_counts))
     return registry
+
+
+class GenerationMetrics:
+    """kvrelay_generations_total{outcome}, kvrelay_generation_seconds, kvrelay_phase_seconds{phase}."""
+
+    def __init__(self, registry: CollectorRegistry, queue_depth: Callable[[], int]) -> None:
+        self.queued = Gauge(
+            "kvrelay_generations_queued",
+            "Generations admitted and waiting (FIFO) for pages and a ticket",
+            registry=registry,
+        )
+        self.queued.set_function(queue_depth)
+        self.generations = Counter(
+            "kvrelay_generations", "Finished generations by outcome", ["outcome"], registry=registry
+        )
+        self.generation_seconds = Histogram(
+            "kvrelay_generation_seconds",
+            "End-to-end time of succeeded generations (accepted to image)",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
+        self.phase_seconds = Histogram(
+            "kvrelay_phase_seconds",
+            "Time of each phase of succeeded generations, measured where it happened",
+            ["phase"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 300),
+            registry=registry,
+        )
+        for outcome in _OUTCOME_OF_STATE.values():
+            self.generations.labels(outcome)
+        for phase in PHASES:
+            self.phase_seconds.labels(phase)
+
+    def finished(self, snap: GenerationSnapshot) -> None:
+        self.generations.labels(_OUTCOME_OF_STATE[snap.state]).inc()
+        if snap.state is GenState.SUCCEEDED:
+            self.generation_seconds.observe(snap.timings.get("total", 0.0))
+            for phase in PHASES:
+                if phase in snap.timings:
+                    self.phase_seconds.labels(phase).observe(snap.timings[phase])

@@ -427,6 +427,32 @@ def make_sync_channel(
     return grpc.intercept_channel(channel, _SyncMetadataInterceptor(md)) if md else channel
 
 
+class ChannelCache:
+    """One grpc.aio channel per target, all dialed with one `ChannelSecurity` (`make_channel`).
+
+    For a caller that reaches many peers by address, again and again (the broker dialing its AR
+    and DiT replicas' endpoints): a channel is opened on first use and kept until `close`.
+    Single-threaded: one event loop is its only caller.
+    """
+
+    def __init__(self, security: ChannelSecurity | None = None) -> None:
+        self._security = security
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = make_channel(target, self._security)
+            self._channels[target] = channel
+        return channel
+
+    async def close(self) -> None:
+        """Close every channel (their calls end CANCELLED); a later `get` dials again."""
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
 # ---------------------------------------------------------------- servers
 
 
@@ -750,6 +776,7 @@ __all__ = [
     "BROKER_CALLER_ID",
     "Caller",
     "CallerClass",
+    "ChannelCache",
     "ChannelSecurity",
     "Credentials",
     "REPLICA_ID_METADATA",

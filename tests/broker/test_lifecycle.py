@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.placement import choose_ar_replica, choose_dit_replica
 from kvrelay.broker.tickets import (
     TRANSITIONS,
     AlreadyExists,
@@ -111,8 +112,8 @@ def test_request_that_does_not_fit_now_returns_none(core, ar, dit) -> None:
     assert core.create_ticket("a", "ar-0", "dit-0", [16 * 30]) is not None
     assert core.create_ticket("b", "ar-0", "dit-0", [16 * 3]) is None
     assert pages(core) == (2, 30, 0)
-    assert core.choose_dit_replica([16 * 3]) is None
-    assert core.choose_dit_replica([16 * 2]) == "dit-0"
+    assert choose_dit_replica(core, [16 * 3]) is None
+    assert choose_dit_replica(core, [16 * 2]) == "dit-0"
 
 
 # --- "DiT allocates the destination pages, waits for every worker rank to finish loading, and
@@ -348,7 +349,7 @@ def test_reports_outside_the_plan_fence_the_writer(core, ar, dit, key, reason) -
     with pytest.raises(Unavailable) as unavailable:
         core.create_ticket("next", "ar-0", "dit-0", [3])
     assert unavailable.value.reason == "REPLICA_FENCED"
-    assert core.choose_ar_replica() is None
+    assert choose_ar_replica(core) is None
 
 
 def test_a_contradicting_report_is_a_failure_without_proven_rollback(core, ar, dit) -> None:

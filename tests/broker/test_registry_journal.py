@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.placement import choose_ar_replica, choose_dit_replica
 from kvrelay.broker.registry import Registration
 from kvrelay.broker.tickets import (
     FailedPrecondition,
@@ -90,9 +91,9 @@ def test_heartbeat_renews_the_lease_and_deregister_stops_scheduling() -> None:
         core.heartbeat("ar-0", ar.incarnation_id)
         core.heartbeat("dit-0", dit.incarnation_id)
     assert core.get_replica("ar-0").up
-    assert core.choose_ar_replica() == "ar-0"
+    assert choose_ar_replica(core) == "ar-0"
     core.deregister_replica("ar-0", ar.incarnation_id)
-    assert not core.get_replica("ar-0").up and core.choose_ar_replica() is None
+    assert not core.get_replica("ar-0").up and choose_ar_replica(core) is None
     with pytest.raises(Unavailable):
         core.create_ticket("r", "ar-0", "dit-0", [3])
     with pytest.raises(NotFound):
@@ -109,9 +110,9 @@ def test_choose_dit_prefers_most_free_pages() -> None:
     core.register_replica(dit_spec("dit-0", num_pages=16))
     core.register_replica(dit_spec("dit-1", num_pages=16))
     assert core.create_ticket("a", "ar-0", "dit-0", [16 * 4]) is not None
-    assert core.choose_dit_replica([16]) == "dit-1"
-    assert core.choose_dit_replica([16 * 13]) == "dit-1"
-    assert core.choose_dit_replica([16 * 17]) is None
+    assert choose_dit_replica(core, [16]) == "dit-1"
+    assert choose_dit_replica(core, [16 * 13]) == "dit-1"
+    assert choose_dit_replica(core, [16 * 17]) is None
 
 
 # -------------------------------------------------------------------- journal
@@ -178,7 +179,7 @@ def test_restart_brings_armed_tickets_back_draining_and_never_frees_silently(tmp
     # Replicas must register again before anything else.
     with pytest.raises(NotFound):
         core.heartbeat("ar-0", ar.incarnation_id)
-    assert core.choose_ar_replica() is None
+    assert choose_ar_replica(core) is None
     # Same DiT incarnation: it still reads `consuming`, not `ready`.
     reply = core.register_replica(dit, held_ticket_ids=[consuming.ticket_id])
     assert reply.registration is Registration.SAME_INCARNATION

@@ -28,8 +28,7 @@ def process_registries() -> dict[str, CollectorRegistry]:
     """The registries each kind of process serves, built by the processes' own code."""
     from kvrelay.ar_service.service import ArMetrics
     from kvrelay.broker.core import BrokerCore
-    from kvrelay.broker.metrics import register_broker_metrics
-    from kvrelay.broker.orchestrator import GenerationMetrics
+    from kvrelay.broker.metrics import GenerationMetrics, register_broker_metrics
     from kvrelay.dit_service.service import DitMetrics
 
     broker = CollectorRegistry()

@@ -463,9 +463,9 @@ def test_dit_replica_down_fails_with_unavailable() -> None:
 
 
 def test_image_is_served_when_the_prefill_reply_is_late(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvrelay.broker import orchestrator
+    from kvrelay.broker import pipeline
 
-    monkeypatch.setattr(orchestrator, "PREFILL_REPLY_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(pipeline, "PREFILL_REPLY_GRACE_SECONDS", 0.2)
 
     async def body() -> None:
         async with cluster() as c:

@@ -1,0 +1,338 @@
+"""Admission and the queue: how a generation gets in, and waits its turn for a ticket.
+
+Owns `Admission.submit` (attach a duplicate `request_id` to its generation, bound the queue at
+`broker.max_queue`, `ArService.Tokenize` the rows on an AR replica, reject a prompt that is too
+long or can never fit, and map what interrupts admission to the generation's end) and the
+`GenerationQueue`: admitted generations in arrival order, of which only the head is ever placed,
+so a large request is never starved by smaller ones behind it. Must never choose replicas or
+reserve pages (placement.py does, through BrokerCore) and never run a stage (pipeline.py): a
+generation leaves the queue holding a ticket, or ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.generations import (
+    ErrorInfo,
+    GenerationParams,
+    GenerationRecord,
+    GenerationStore,
+    GenState,
+    ImageResult,
+    RequestEnded,
+)
+from kvrelay.broker.placement import check_ever_fits, choose_ar_replica
+from kvrelay.broker.tickets import Ticket
+from kvrelay.errors import KvRelayServerError, invalid_argument, reason_of
+from kvrelay.logging import bind_request, get_logger
+from kvrelay.security import ChannelCache
+from kvrelay.v1 import ar_pb2, ar_pb2_grpc
+
+log = get_logger(__name__)
+
+# Tokenize is a table lookup on the AR: it answers in milliseconds or the replica is in trouble.
+TOKENIZE_TIMEOUT_SECONDS = 10.0
+# How often the queue re-checks placement without a wake-up (leases expire silently).
+PLACEMENT_POLL_SECONDS = 0.5
+
+
+class GenerationReporter(Protocol):
+    """What admission and the pipelines tell the Orchestrator, which owns the generation's
+    record, its metrics and its place in the queue."""
+
+    def advance(self, record: GenerationRecord, state: GenState, **changes: Any) -> None:
+        """Move forward only (a late TRANSFERRING never overwrites DENOISING)."""
+
+    def end(
+        self,
+        record: GenerationRecord,
+        state: GenState,
+        error: ErrorInfo | None = None,
+        *,
+        image: ImageResult | None = None,
+        timings: dict[str, float] | None = None,
+        counted: bool = True,
+        persist: bool = True,
+    ) -> None:
+        """The generation's terminal state (once; later calls are no-ops)."""
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """One admitted generation's place in the queue and its pipeline task."""
+
+    record: GenerationRecord
+    token_counts: tuple[int, ...]
+    deadline: float | None  # monotonic; None = no client deadline
+    enqueued: float  # monotonic
+    placed: asyncio.Future[Ticket] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    ticket_id: str = ""
+    ticket_ended: bool = False
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    def remaining(self, now: float) -> float | None:
+        return None if self.deadline is None else self.deadline - now
+
+
+class GenerationQueue:
+    """Admitted generations: those waiting for a ticket (FIFO) and those whose pipeline runs.
+
+    Single-threaded: everything runs on the broker's event loop.
+    """
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        # Waiting for a ticket, in arrival order: only the head is ever placed.
+        self._waiting: deque[GenerationJob] = deque()
+        # Every admitted generation whose pipeline has not finished, by request_id.
+        self._jobs: dict[str, GenerationJob] = {}
+        # request_id -> admission in progress (Tokenize), so a concurrent duplicate waits for it.
+        self._admitting: dict[str, asyncio.Future[None]] = {}
+        self._wake = asyncio.Event()
+
+    def depth(self) -> int:
+        """Generations waiting for a ticket (kvrelay_generations_queued)."""
+        return len(self._waiting)
+
+    def full(self) -> bool:
+        """The bound counts those waiting and those still being admitted."""
+        return len(self._waiting) + len(self._admitting) >= self.max_queue
+
+    def running_tasks(self) -> list[asyncio.Task[None]]:
+        return [job.task for job in self._jobs.values() if job.task is not None]
+
+    def wake(self) -> None:
+        """Retry placement now (pages were freed, a replica registered, a generation ended)."""
+        self._wake.set()
+
+    # ------------------------------------------------------------ admissions in progress
+
+    async def wait_for_admission(self, request_id: str) -> None:
+        """Return once no admission of this request_id is in progress."""
+        while True:
+            pending = self._admitting.get(request_id)
+            if pending is None:
+                return
+            # A duplicate of a request still being admitted: its fate is this one's.
+            await asyncio.shield(pending)
+
+    def begin_admission(self, request_id: str) -> None:
+        self._admitting[request_id] = asyncio.get_running_loop().create_future()
+
+    def finish_admission(self, request_id: str) -> None:
+        self._admitting.pop(request_id).set_result(None)
+
+    # --------------------------------------------------------------------- the jobs
+
+    def enqueue(self, job: GenerationJob) -> None:
+        self._jobs[job.request_id] = job
+        self._waiting.append(job)
+
+    def ended(self, request_id: str, *, stop_pipeline: bool) -> None:
+        """Its generation ended: out of the queue now, not when it reaches the head (the bound
+        counts waiting ones), and its pipeline cancelled unless it is the one ending it."""
+        job = self._jobs.get(request_id)
+        if job is not None and not job.placed.done():
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(job)
+        if job is not None and job.task is not None and stop_pipeline:
+            current = asyncio.current_task()
+            if job.task is not current:
+                job.task.cancel()
+        self._wake.set()
+
+    def finished(self, job: GenerationJob) -> None:
+        """Its pipeline returned: it holds nothing in the queue any more."""
+        self._jobs.pop(job.request_id, None)
+        self._wake.set()
+
+    # -------------------------------------------------------------------- placement
+
+    async def run_placement(self, place: Callable[[GenerationJob], Ticket | None]) -> None:
+        """Place the head whenever woken, and every PLACEMENT_POLL_SECONDS. Runs until cancelled."""
+        while True:
+            try:
+                self.place_waiting(place)
+            except Exception:  # noqa: BLE001 - one bad placement must not stop every later one
+                log.exception("placement_failed")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), PLACEMENT_POLL_SECONDS)
+
+    def place_waiting(self, place: Callable[[GenerationJob], Ticket | None]) -> None:
+        """Reserve tickets for the queue's head while they fit; stop at the first that does not."""
+        while self._waiting:
+            job = self._waiting[0]
+            if job.record.state.terminal or job.placed.done():
+                self._waiting.popleft()
+                continue
+            try:
+                ticket = place(job)
+            except RequestEnded as ended:
+                self._waiting.popleft()
+                job.placed.set_exception(ended)
+                continue
+            if ticket is None:
+                return  # FIFO: nobody overtakes the head
+            self._waiting.popleft()
+            # Set together, with no await between: whoever ends the job sees the ticket to end.
+            job.ticket_id = ticket.ticket_id
+            job.placed.set_result(ticket)
+
+
+class Admission:
+    """Admits generations into a GenerationQueue; `start` launches an admitted one's pipeline."""
+
+    def __init__(
+        self,
+        core: BrokerCore,
+        store: GenerationStore,
+        queue: GenerationQueue,
+        channels: ChannelCache,
+        reporter: GenerationReporter,
+        start: Callable[[GenerationJob], asyncio.Task[None]],
+        *,
+        clock: Callable[[], float],
+    ) -> None:
+        self.core = core
+        self.store = store
+        self.queue = queue
+        self.channels = channels
+        self.reporter = reporter
+        self.start = start
+        self._clock = clock
+        self.stopping = False
+
+    async def submit(
+        self, request_id: str, params: GenerationParams, *, seed_given: bool, timeout: float | None
+    ) -> GenerationRecord:
+        """Admit a generation (or attach to the one with this request_id) and return its record.
+
+        Raises KvRelayServerError: ALREADY_EXISTS (same id, other parameters), RESOURCE_EXHAUSTED
+        (queue full), INVALID_ARGUMENT (prompt too long, can never fit), UNAVAILABLE (no replica).
+        `timeout` is the client's deadline in seconds (None = none); it covers queueing too.
+        """
+        if self.stopping:
+            raise KvRelayServerError(
+                grpc.StatusCode.UNAVAILABLE, "BROKER_SHUTTING_DOWN", "the broker is stopping"
+            )
+        await self.queue.wait_for_admission(request_id)
+        record, created = self.store.create_or_attach(request_id, params, seed_given)
+        if not created:
+            return record
+        if self.queue.full():
+            self.store.discard(record)
+            raise KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "QUEUE_FULL",
+                f"the queue holds {self.queue.max_queue} generations (broker.max_queue); retry later",
+            )
+        deadline = None if timeout is None else self._clock() + timeout
+        end = self.reporter.end
+        self.queue.begin_admission(request_id)
+        try:
+            with bind_request(request_id=request_id):
+                token_counts = await self._tokenize(params, deadline)
+        except KvRelayServerError as err:
+            # Rejected: nothing was accepted under this id. Attached streams see the error.
+            end(record, GenState.FAILED, ErrorInfo(err.code.name, err.reason, err.message), counted=False)
+            self.store.discard(record)
+            raise
+        except asyncio.CancelledError:
+            if self.stopping:
+                aborted = ErrorInfo("ABORTED", "ADMISSION_ABORTED", "admission was interrupted")
+                end(record, GenState.FAILED, aborted, counted=False)
+                self.store.discard(record)
+            elif deadline is not None and self._clock() >= deadline:
+                end(
+                    record,
+                    GenState.FAILED,
+                    ErrorInfo("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "the client's deadline passed"),
+                )
+            else:
+                # The client went away (or cancelled its call) while it was being tokenized: a
+                # cancel like one at any later stage, counted and kept.
+                end(
+                    record,
+                    GenState.CANCELLED,
+                    ErrorInfo("CANCELLED", "CLIENT_DISCONNECTED", "the client cancelled or dropped the call"),
+                )
+            raise
+        except BaseException:
+            aborted = ErrorInfo("ABORTED", "ADMISSION_ABORTED", "admission was interrupted")
+            end(record, GenState.FAILED, aborted, counted=False)
+            self.store.discard(record)
+            raise
+        finally:
+            self.queue.finish_admission(request_id)
+        if record.state.terminal:
+            # Ended while it was being tokenized: cancelled by its client (keep that answer), or
+            # failed by stop() (then nothing is accepted any more).
+            if self.stopping:
+                self.store.discard(record)
+                raise KvRelayServerError(
+                    grpc.StatusCode.UNAVAILABLE, "BROKER_SHUTTING_DOWN", "the broker is stopping"
+                )
+            return record
+        job = GenerationJob(record=record, token_counts=token_counts, deadline=deadline, enqueued=self._clock())
+        self.queue.enqueue(job)
+        job.task = self.start(job)
+        self.queue.wake()
+        log.info(
+            "generation_queued", request_id=request_id, rows=len(token_counts), tokens=list(token_counts)
+        )
+        return record
+
+    async def _tokenize(self, params: GenerationParams, deadline: float | None) -> tuple[int, ...]:
+        """Tokenize the rows and check they fit the AR and some DiT: token counts per row."""
+        ar_id = choose_ar_replica(self.core)
+        if ar_id is None:
+            raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NO_AR_REPLICA", "no AR replica is up")
+        endpoint = self.core.get_replica(ar_id).spec.endpoint
+        timeout = TOKENIZE_TIMEOUT_SECONDS
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - self._clock()))
+        rows = params.rows
+        try:
+            reply = await ar_pb2_grpc.ArServiceStub(self.channels.get(endpoint)).Tokenize(
+                ar_pb2.TokenizeRequest(texts=list(rows)), timeout=timeout
+            )
+        except grpc.aio.AioRpcError as err:
+            code, reason, message = reason_of(err)
+            if code == "UNAVAILABLE" and reason == "UNAVAILABLE":
+                reason = "AR_UNAVAILABLE"
+            raise KvRelayServerError(
+                grpc.StatusCode[code], reason, f"Tokenize on AR replica {ar_id}: {message}"
+            ) from None
+        counts = tuple(int(n) for n in reply.token_counts)
+        if len(counts) != len(rows):
+            raise KvRelayServerError(
+                grpc.StatusCode.INTERNAL,
+                "BAD_TOKENIZE_REPLY",
+                f"AR replica {ar_id} returned {len(counts)} token counts for {len(rows)} rows",
+            )
+        check_rows_fit_the_ar(counts, reply.max_tokens)
+        check_ever_fits(self.core, counts)
+        return counts
+
+
+def check_rows_fit_the_ar(counts: Sequence[int], max_tokens: int) -> None:
+    """INVALID_ARGUMENT (PROMPT_TOO_LONG) naming the row over the AR model's `max_tokens`."""
+    for name, count in zip(("prompt", "negative_prompt"), counts, strict=False):
+        if max_tokens and count > max_tokens:
+            too_long = invalid_argument(name, f"{count} tokens; the AR model takes at most {max_tokens}")
+            too_long.reason = "PROMPT_TOO_LONG"
+            raise too_long

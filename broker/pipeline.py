@@ -1,0 +1,310 @@
+"""The stage pipeline of one generation: wait for its ticket, then AR Prefill and DiT Denoise.
+
+Owns what happens between placement and the image: both stage calls sent at once with the
+broker's plan (`ArService.Prefill`, `DitService.Denoise`, over gRPC, with the client's deadline),
+the mapping of their replies, events and errors to the generation's states (PREFILLING,
+TRANSFERRING, DENOISING k/n, SUCCEEDED or FAILED), and ending the ticket when the request ends
+before the DiT released it. Must never touch pages or tickets except through BrokerCore, never
+queue or place (admission.py, placement.py), and never block the event loop: AR and DiT are
+remote, reached at their registered endpoints. A request that ends early ends its ticket with
+`BrokerCore.cancel_ticket`, which rolls back a ticket nothing was written to and drains an armed
+one: the request is over for the client at once, the pages come back only when no write can
+land any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf import timestamp_pb2
+
+from kvrelay.broker.admission import GenerationJob, GenerationReporter
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.generations import ErrorInfo, GenState, ImageResult, RequestEnded
+from kvrelay.broker.service import plan_to_proto
+from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
+from kvrelay.errors import reason_of
+from kvrelay.logging import bind_request, get_logger
+from kvrelay.security import ChannelCache
+from kvrelay.v1 import ar_pb2, ar_pb2_grpc, dit_pb2, dit_pb2_grpc
+
+log = get_logger(__name__)
+
+# How long a finished image waits for the AR's Prefill reply (its timings) before it is served.
+PREFILL_REPLY_GRACE_SECONDS = 10.0
+# How long a TRANSFER_FAILED from the DiT waits for the AR's own error, which names the cause.
+WRITER_FAILURE_GRACE_SECONDS = 1.0
+
+
+class StagePipeline:
+    """Runs the pipeline of each admitted generation (`run`, one task per generation)."""
+
+    def __init__(
+        self,
+        core: BrokerCore,
+        channels: ChannelCache,
+        reporter: GenerationReporter,
+        *,
+        prefill_timeout: float,
+        denoise_timeout: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.core = core
+        self.channels = channels
+        self.reporter = reporter
+        # Each stage call's gRPC timeout when the client gave no deadline.
+        self.prefill_timeout = prefill_timeout
+        self.denoise_timeout = denoise_timeout
+        self._clock = clock
+
+    async def run(self, job: GenerationJob) -> None:
+        """The generation from QUEUED to its end; never raises (but CancelledError)."""
+        record = job.record
+        with bind_request(request_id=job.request_id):
+            try:
+                await self._run(job)
+            except RequestEnded as ended:
+                self.reporter.end(record, GenState.FAILED, ended.error)
+            except asyncio.CancelledError:
+                # cancel() or stop() ended the generation already; this only unwinds the calls.
+                pass
+            except Exception as err:  # noqa: BLE001 - report, never leave a generation hanging
+                log.exception("generation_pipeline_crashed")
+                self.reporter.end(record, GenState.FAILED, ErrorInfo("INTERNAL", "INTERNAL", f"broker error: {err}"))
+            finally:
+                if job.ticket_id:
+                    self.end_ticket(job)
+
+    async def _run(self, job: GenerationJob) -> None:
+        record = job.record
+        remaining = job.remaining(self._clock())
+        try:
+            ticket = await asyncio.wait_for(asyncio.shield(job.placed), remaining)
+        except TimeoutError:
+            raise RequestEnded(
+                ErrorInfo("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "deadline exceeded while queued")
+            ) from None
+        placed_at = self._clock()
+        timings = {"queue": placed_at - job.enqueued}
+        with bind_request(ticket_id=ticket.ticket_id):
+            log.info(
+                "generation_placed",
+                ar_replica=ticket.ar_replica_id,
+                dit_replica=ticket.dit_replica_id,
+                pages=len(ticket.page_ids),
+                queue_ms=round(timings["queue"] * 1000, 3),
+            )
+            self.reporter.advance(record, GenState.PREFILLING, ticket_id=ticket.ticket_id, timings=timings)
+            await self._run_stages(job, ticket, placed_at, timings)
+
+    async def _run_stages(
+        self, job: GenerationJob, ticket: Ticket, placed_at: float, timings: dict[str, float]
+    ) -> None:
+        """Prefill and Denoise at once; the first failure of either ends the request."""
+        record = job.record
+        params = record.params
+        ar = self.core.get_replica(ticket.ar_replica_id).spec
+        dit = self.core.get_replica(ticket.dit_replica_id).spec
+        now = self._clock()
+        remaining = job.remaining(now)
+        metadata = (("request_id", job.request_id), ("ticket_id", ticket.ticket_id))
+        # Planned once, here: both replicas get the ticket, its rows, writes and destinations with
+        # the call, so neither asks the broker for them nor runs the planner again.
+        try:
+            plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))
+        except BrokerError as err:
+            # Ended since it was placed (cancelled, its DiT restarted): nothing was sent yet.
+            raise RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
+        deadline_time = None
+        if remaining is not None:
+            deadline_time = timestamp_pb2.Timestamp()
+            deadline_time.FromNanoseconds(int((time.time() + remaining) * 1e9))
+        prefill_call = ar_pb2_grpc.ArServiceStub(self.channels.get(ar.endpoint)).Prefill(
+            ar_pb2.PrefillRequest(
+                ticket_id=ticket.ticket_id,
+                request_id=job.request_id,
+                rows=list(params.rows),
+                seed=params.seed,
+                plan=plan,
+                deadline_time=deadline_time,
+            ),
+            timeout=self.prefill_timeout if remaining is None else max(0.0, remaining),
+            metadata=metadata,
+        )
+        denoise_call = dit_pb2_grpc.DitServiceStub(self.channels.get(dit.endpoint)).Denoise(
+            dit_pb2.DenoiseRequest(
+                ticket_id=ticket.ticket_id,
+                request_id=job.request_id,
+                width=params.width,
+                height=params.height,
+                num_inference_steps=params.num_inference_steps,
+                guidance_scale=params.guidance_scale,
+                seed=params.seed,
+                plan=plan,
+                deadline_time=deadline_time,
+            ),
+            timeout=self.denoise_timeout if remaining is None else max(0.0, remaining),
+            metadata=metadata,
+        )
+        prefill = asyncio.create_task(self._prefill(prefill_call, ar.replica_id), name="prefill")
+        denoise = asyncio.create_task(
+            self._denoise(job, denoise_call, dit.replica_id, placed_at, timings), name="denoise"
+        )
+        watch = asyncio.create_task(self._watch_transfer(job, ticket.ticket_id), name="watch-ticket")
+        stages_done = False
+        try:
+            pending: set[asyncio.Task[Any]] = {prefill, denoise}
+            while pending:
+                # Once the image is here every write was verified, so a Prefill reply that is
+                # still missing only carries timings: wait for it a while, not for its deadline.
+                grace = PREFILL_REPLY_GRACE_SECONDS if denoise.done() else None
+                done, pending = await asyncio.wait(
+                    pending, timeout=grace, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    log.warning("prefill_reply_late", ar_replica=ar.replica_id, waited_s=grace)
+                    break
+                if denoise in done and prefill in pending:
+                    await self._prefer_writer_failure(denoise, prefill)
+                for task in done:
+                    task.result()  # the first failure ends the request; `finally` stops the other
+            stages_done = True
+        except RequestEnded as ended:
+            self.reporter.end(record, GenState.FAILED, ended.error)
+            raise
+        finally:
+            if not stages_done:
+                # End the ticket before cancelling the stage calls, so that its outcome is the
+                # request's and not a stage's echo of the cancellation (the DiT releases on cancel).
+                self.end_ticket(job)
+            for task in (prefill, denoise, watch):
+                task.cancel()
+            # Cancelling the tasks cancels their RPCs: the AR shields its writes and reports,
+            # the DiT stops within a step and releases the ticket.
+            prefill_call.cancel()
+            denoise_call.cancel()
+            await asyncio.gather(prefill, denoise, watch, return_exceptions=True)
+        image: ImageResult = denoise.result()
+        if not prefill.cancelled() and prefill.exception() is None:
+            reply: ar_pb2.PrefillResponse = prefill.result()
+            timings["prefill"] = reply.prefill_seconds
+            timings["transfer"] = reply.transfer_seconds
+        timings["total"] = self._clock() - record.created_mono
+        self.reporter.end(record, GenState.SUCCEEDED, image=image, timings=timings)
+
+    async def _prefer_writer_failure(self, denoise: asyncio.Task[Any], prefill: asyncio.Task[Any]) -> None:
+        """When the DiT gives up on a write that failed, the AR usually fails in the same moment
+        (its replica died mid-transfer): name that cause (e.g. UNAVAILABLE) rather than its
+        symptom at the receiver (TRANSFER_FAILED)."""
+        err = denoise.exception()
+        if not isinstance(err, RequestEnded) or err.error.reason != "TRANSFER_FAILED":
+            return
+        await asyncio.wait({prefill}, timeout=WRITER_FAILURE_GRACE_SECONDS)
+        if prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), RequestEnded):
+            prefill.result()
+
+    async def _prefill(self, call: Any, replica_id: str) -> ar_pb2.PrefillResponse:
+        try:
+            reply: ar_pb2.PrefillResponse = await call
+        except grpc.aio.AioRpcError as err:
+            raise RequestEnded(stage_error(err, "Prefill", "AR", replica_id)) from None
+        return reply
+
+    async def _denoise(
+        self, job: GenerationJob, call: Any, replica_id: str, placed_at: float, timings: dict[str, float]
+    ) -> ImageResult:
+        record = job.record
+        total = record.params.num_inference_steps
+        advance = self.reporter.advance
+        try:
+            async for event in call:
+                phase = event.phase
+                if phase == dit_pb2.DENOISE_PHASE_LOADING:
+                    # Admitted by the DiT (a slot is free): the wait for it is queueing, not handoff.
+                    admitted_at = self._clock()
+                    timings["queue"] = timings.get("queue", 0.0) + (admitted_at - placed_at)
+                    placed_at = admitted_at
+                elif phase == dit_pb2.DENOISE_PHASE_LOADED:
+                    # KV handoff: from the DiT's admission until every row is verified on every
+                    # rank, seen from here (the wait for a DiT slot counts as queue above).
+                    # (At least the DiT's own load time: the two clocks see the phase edges
+                    # a message apart.)
+                    timings["handoff"] = max(self._clock() - placed_at, event.load_seconds)
+                    timings["load"] = event.load_seconds
+                    # The DiT marked the ticket CONSUMING itself (StartConsuming) before this event.
+                    # Loaded implies armed and written: a client always sees TRANSFERRING first,
+                    # even when the ticket watch has not reported it yet.
+                    advance(record, GenState.TRANSFERRING)
+                    advance(record, GenState.DENOISING, step=0, timings=timings)
+                elif phase == dit_pb2.DENOISE_PHASE_STEP:
+                    advance(record, GenState.DENOISING, step=min(event.step, total))
+                elif phase == dit_pb2.DENOISE_PHASE_DECODED:
+                    timings["denoise"] = event.denoise_seconds
+                    timings["decode"] = event.decode_seconds
+                    if not event.image.png:
+                        raise RequestEnded(
+                            ErrorInfo("INTERNAL", "NO_IMAGE", f"DiT replica {replica_id} decoded no image")
+                        )
+                    return ImageResult(
+                        png=event.image.png,
+                        width=event.image.width or record.params.width,
+                        height=event.image.height or record.params.height,
+                        seed=record.params.seed,
+                    )
+        except grpc.aio.AioRpcError as err:
+            raise RequestEnded(stage_error(err, "Denoise", "DiT", replica_id)) from None
+        raise RequestEnded(
+            ErrorInfo(
+                "UNAVAILABLE",
+                "DENOISE_ENDED_EARLY",
+                f"DiT replica {replica_id} ended Denoise without an image",
+            )
+        )
+
+    async def _watch_transfer(self, job: GenerationJob, ticket_id: str) -> None:
+        """TRANSFERRING once the AR armed the ticket (WRITING): the KV is on its way."""
+        async for ticket in self.core.waiters.watch_ticket(ticket_id):
+            if ticket.state is not TicketState.RESERVED:
+                if ticket.state is TicketState.WRITING or ticket.armed:
+                    self.reporter.advance(job.record, GenState.TRANSFERRING)
+                return
+
+    def end_ticket(self, job: GenerationJob) -> None:
+        """Tell the core the request is over (once). A no-op for a ticket the DiT already released."""
+        if job.ticket_ended:
+            return
+        job.ticket_ended = True
+        state = job.record.state
+        if state is GenState.SUCCEEDED:
+            return  # the DiT released it OK after decoding
+        error = job.record.error
+        if state is GenState.CANCELLED:
+            outcome = TicketOutcome.CANCELLED
+        elif error is not None and error.code == "DEADLINE_EXCEEDED":
+            outcome = TicketOutcome.TIMED_OUT
+        else:
+            outcome = TicketOutcome.FAILED
+        reason = error.reason if error is not None else state.name
+        try:
+            ticket = self.core.cancel_ticket(job.ticket_id, outcome, reason)
+        except BrokerError as err:
+            log.warning("ticket_end_failed", ticket_id=job.ticket_id, code=err.code, reason=err.reason)
+            return
+        log.info("ticket_end_requested", ticket_id=job.ticket_id, ticket_state=ticket.state.value)
+
+
+def stage_error(err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str) -> ErrorInfo:
+    """A stage call's gRPC error as the generation's error, naming the RPC and the replica."""
+    code, reason, message = reason_of(err)
+    if code == "UNAVAILABLE" and reason == "UNAVAILABLE":
+        reason = "REPLICA_UNAVAILABLE"
+    elif code == "DEADLINE_EXCEEDED" and reason == "DEADLINE_EXCEEDED":
+        reason = "DEADLINE_EXCEEDED"
+    elif code == "CANCELLED" and reason == "CANCELLED":
+        # The stage cancelled its side without us asking: its process is going away.
+        code, reason = "UNAVAILABLE", "REPLICA_UNAVAILABLE"
+    return ErrorInfo(code, reason, f"{rpc} on {role} replica {replica_id}: {message}")

@@ -1,0 +1,95 @@
+"""Placement: which AR and which DiT replica serve one generation, and whether any ever can.
+
+Owns the choice of replicas for a queued generation (the up, unfenced AR with the fewest live
+tickets; the up, unfenced DiT with the most free pages that fits every row now), the check
+that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that choice into a
+ticket (`BrokerCore.create_ticket`, which reserves the pages and plans the transfer once).
+Reads replicas, pools and tickets only through BrokerCore; never reserves a page itself, never
+orders the queue (FIFO is the queue's rule, admission.py) and never talks to a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.generations import ErrorInfo, RequestEnded
+from kvrelay.broker.registry import ReplicaRole
+from kvrelay.broker.tickets import BrokerError, ReplicaId, Ticket
+from kvrelay.errors import KvRelayServerError, invalid_argument
+
+
+def choose_ar_replica(core: BrokerCore) -> ReplicaId | None:
+    """The up, unfenced AR replica with the fewest live tickets."""
+    load = core.live_tickets_per_ar()
+    candidates = [
+        (load.get(s.spec.replica_id, 0), s.spec.replica_id)
+        for s in core.list_replicas(ReplicaRole.AR)
+        if s.up and not s.fenced
+    ]
+    return min(candidates)[1] if candidates else None
+
+
+def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int]) -> ReplicaId | None:
+    """The up, unfenced DiT replica with the most free pages that fits the rows now."""
+    best: tuple[int, str] | None = None
+    for status in core.list_replicas(ReplicaRole.DIT):
+        rid = status.spec.replica_id
+        if not status.up or status.fenced or not core.fits_now(rid, row_token_counts):
+            continue
+        key = (-core.free_pages(rid), rid)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[1]
+
+
+def check_ever_fits(core: BrokerCore, counts: Sequence[int]) -> None:
+    """Raise UNAVAILABLE (NO_DIT_REPLICA) or INVALID_ARGUMENT (NEVER_FITS) unless some up DiT
+    replica's whole pool could hold these rows."""
+    dits = [s for s in core.list_replicas(ReplicaRole.DIT) if s.up and not s.fenced]
+    if not dits:
+        raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NO_DIT_REPLICA", "no DiT replica is up")
+    needed = {s.spec.replica_id: sum(core.pages_needed(s.spec.replica_id, counts)) for s in dits}
+    if any(needed[s.spec.replica_id] <= s.spec.num_pages for s in dits):
+        return
+    largest = max(s.spec.num_pages for s in dits)
+    never = invalid_argument(
+        "prompt",
+        f"the prompt rows need {min(needed.values())} KV pages; the largest DiT replica has {largest}: "
+        "this request can never fit (shorten the prompt or the negative prompt)",
+    )
+    never.reason = "NEVER_FITS"
+    raise never
+
+
+def place(core: BrokerCore, request_id: str, token_counts: Sequence[int]) -> Ticket | None:
+    """A RESERVED ticket for this generation on the chosen replicas, or None: not now.
+
+    Raises RequestEnded when it can never run (no DiT could ever hold it, or the chosen
+    replicas refuse it for good).
+    """
+    if core.ticket_for_request(request_id) is not None:
+        # An earlier generation with this id still drains its ticket; the core keys tickets
+        # by request_id, so this one waits until that ticket is released.
+        return None
+    ar_id = choose_ar_replica(core)
+    dit_id = choose_dit_replica(core, token_counts)
+    if dit_id is None:
+        try:
+            # The DiT replicas may have changed since admission (one restarted smaller): a
+            # head that can no longer fit any of them would block the whole queue.
+            check_ever_fits(core, token_counts)
+        except KvRelayServerError as err:
+            if err.code is grpc.StatusCode.INVALID_ARGUMENT:
+                raise RequestEnded(ErrorInfo(err.code.name, err.reason, err.message)) from None
+    if ar_id is None or dit_id is None:
+        return None
+    try:
+        return core.create_ticket(request_id, ar_id, dit_id, token_counts)
+    except BrokerError as err:
+        if err.code == "UNAVAILABLE":
+            return None  # the replica went down between choice and reservation: next round
+        # Can never run on the chosen replicas (e.g. an AR with a smaller max_tokens).
+        raise RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
