@@ -155,7 +155,7 @@ class ArRankHandler:
     def __init__(self, ctx: RankContext, spec: ArRankSpec) -> None:
         import torch
 
-        from kvrelay.ar_service.model import build_ar_model
+        from kvrelay.models.ar import build_ar_model
         from kvrelay.transfer.transport import make_sender
 
         self.ctx = ctx

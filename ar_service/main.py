@@ -85,7 +85,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from kvrelay.ar_service.registration import ArIdentity, ArRegistration, Fenced, RegistrationRefused
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
-    from kvrelay.ar_service.tokenizer import Tokenizer, load_tokenizer
+    from kvrelay.models.tokenizer import Tokenizer, load_tokenizer
     from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
 
     stage = cfg.ar_stage

@@ -42,9 +42,9 @@ from kvrelay.ar_service.sender import (
     after_arming,
     after_prefill,
 )
-from kvrelay.ar_service.tokenizer import Tokenizer
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
+from kvrelay.models.tokenizer import Tokenizer
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
 from kvrelay.transfer.planner import PlannedWrite, plan_transfer
 from kvrelay.transfer.transport import not_started_outcomes

@@ -30,7 +30,7 @@ NEGATIVES = ["blurry, low quality", "text, watermark, signature", "extra limbs, 
 
 
 def main() -> None:
-    from kvrelay.ar_service.tokenizer import ByteTokenizer
+    from kvrelay.models.tokenizer import ByteTokenizer
 
     tokenizer = ByteTokenizer()
     out = Path(__file__).parent / "data" / "t2i-50.jsonl"

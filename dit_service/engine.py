@@ -132,7 +132,7 @@ class DitRankHandler:
         import numpy as np
         import torch
 
-        from kvrelay.dit_service.model import DitRunner
+        from kvrelay.models.dit import DitRunner
         from kvrelay.models.layers import torch_dtype
 
         self.ctx = ctx
@@ -141,7 +141,7 @@ class DitRankHandler:
         device = torch.device(ctx.device)
         dtype = torch_dtype(spec.dtype) if spec.dtype else None
         if spec.model_format in ("bagel", "demo"):
-            from kvrelay.dit_service.bagel import BagelDitRunner
+            from kvrelay.models.bagel_runner import BagelDitRunner
 
             if spec.cfg_parallel != 1:
                 raise ValueError(f"cfg_parallel={spec.cfg_parallel}: the {spec.model_format} runner has no CFG-parallel")
@@ -254,8 +254,8 @@ class DitRankHandler:
         return [row for row in cmd.rows if row.row in wanted]
 
     def _denoise(self, cmd: RunDenoise) -> DenoiseResult:
-        from kvrelay.dit_service.image import encode_png
-        from kvrelay.dit_service.model import DenoiseCancelled
+        from kvrelay.models.dit import DenoiseCancelled
+        from kvrelay.models.image import encode_png
         from kvrelay.models.paged_attention import read_prefix
 
         control = self.control[cmd.slot]
@@ -301,8 +301,8 @@ class DitRankHandler:
         return int(control[SERIAL]) == cmd.serial and bool(int(control[CANCEL]))
 
     def _denoise_batch(self, cmd: RunDenoiseBatch) -> tuple[DenoiseResult, ...]:
-        from kvrelay.dit_service.image import encode_png
-        from kvrelay.dit_service.model import BatchRequest
+        from kvrelay.models.dit import BatchRequest
+        from kvrelay.models.image import encode_png
         from kvrelay.models.paged_attention import read_prefix
 
         items = cmd.items

@@ -38,7 +38,8 @@ def dit_geometry(preset: ModelPreset, page_size: int, dtype: str | None = None) 
 def rank_layouts(geometry: KvGeometry, head_shards: int, cfg_parallel: int = 1) -> list[PageLayout]:
     """Rank r holds head shard r % head_shards of head_shards (tp * sp); with CFG-parallel the
     replica has cfg_parallel groups of head_shards ranks, each group one page-id space of its own
-    (rank g * head_shards + s holds shard s of group g's rows). See DitParallel's rank mapping."""
+    (rank g * head_shards + s holds shard s of group g's rows). See DitParallel's rank mapping
+    (kvrelay/models/dit.py)."""
     return [
         PageLayout(geometry, num_shards=head_shards, shard=r % head_shards)
         for r in range(cfg_parallel * head_shards)

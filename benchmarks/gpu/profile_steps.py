@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvrelay.ar_service.model import build_ar_model
-from kvrelay.dit_service.model import DitRunner, random_prefix
+from kvrelay.models.ar import build_ar_model
+from kvrelay.models.dit import DitRunner, random_prefix
 from kvrelay.models.presets import get_preset
 
 

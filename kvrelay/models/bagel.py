@@ -19,7 +19,7 @@ checkpoint layout (`ema.safetensors` or a sharded index, `llm_config.json`, `kvr
 overrides) and its strict loading: every tensor of the files is used by the AR or the DiT or is
 on the short list of parts serving does not need (ViT, connector, LM head); a missing, unknown
 or misshapen tensor raises CheckpointError naming it. Each TP rank reads only its slice.
-Never owns sampling, VAE decoding or processes: kvrelay.dit_service.bagel and models/vae.py do.
+Never owns sampling, VAE decoding or processes: kvrelay.models.bagel_runner and models/vae.py do.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 Owns: the mapping between a model's parameter names and a checkpoint's tensor names (with the
 dimension each tensor is split along under TP), reading only this rank's slice of each tensor
 (safetensors slices, so a TP rank never materializes the full matrix), writing checkpoints
-(tests and users export random models), and the Llama/Qwen2 family's names and config.json.
+(tests and users export random models), the Llama/Qwen2 family's names and config.json, and
+full (unsharded) tensors by parameter name loaded into a sharded module (the DiT's checkpoints).
 Never downloads anything: a checkpoint is a local directory.
 """
 
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from kvrelay.models.parallel import TpGroup
+from kvrelay.models.moe import RoutedExperts
+from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import ArConfig
 
 COLUMN = 0  # split along output features (q/k/v, gate/up): Megatron column parallel
@@ -190,6 +193,60 @@ def load_into_module(
                     f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}"
                 )
             param.copy_(tensor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Full (unsharded) tensors by parameter name, sharded on load (the DiT's checkpoints)
+# ---------------------------------------------------------------------------------------------
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of an unsharded (world size 1) module, by name, on CPU, contiguous."""
+    # A copy even on CPU: fused projections make parameters views of one buffer, and safetensors
+    # refuses tensors that share memory.
+    return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in module.named_parameters()}
+
+
+@torch.no_grad()
+def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Load full tensors into a possibly sharded module: parallel linears keep their shard (as
+    `kvrelay.models.dit.init_seeded_weights` does), every other parameter is copied whole. A
+    missing tensor or a wrong shape raises CheckpointError naming it; nothing is guessed."""
+    done: set[str] = set()
+    for name, mod in module.named_modules():
+        if isinstance(mod, RoutedExperts):
+            keys = [f"{prefix}{name}.w_gate_up", f"{prefix}{name}.w_down"]
+            for key in keys:
+                if key not in tensors:
+                    raise CheckpointError(f"checkpoint has no tensor {key!r}")
+            try:
+                mod.load_full(*(tensors[k].to(mod.w_gate_up.device, mod.w_gate_up.dtype) for k in keys))
+            except ValueError as err:
+                raise CheckpointError(f"{keys[0]}: {err}") from None
+            done.update({f"{name}.w_gate_up", f"{name}.w_down"})
+        elif isinstance(mod, ColumnParallelLinear | RowParallelLinear):
+            key = f"{prefix}{name}.weight"
+            if key not in tensors:
+                raise CheckpointError(f"checkpoint has no tensor {key!r}")
+            bias_key = f"{prefix}{name}.bias"
+            bias = tensors.get(bias_key) if mod.bias is not None else None
+            if mod.bias is not None and bias is None:
+                raise CheckpointError(f"checkpoint has no tensor {bias_key!r}")
+            try:
+                mod.load_full(tensors[key].to(mod.weight.device, mod.weight.dtype),
+                              None if bias is None else bias.to(mod.weight.device, mod.weight.dtype))
+            except ValueError as err:
+                raise CheckpointError(f"{key}: {err}") from None
+            done.update({f"{name}.weight", f"{name}.bias"})
+    for name, param in module.named_parameters():
+        if name in done:
+            continue
+        key = f"{prefix}{name}"
+        if key not in tensors:
+            raise CheckpointError(f"checkpoint has no tensor {key!r}")
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise CheckpointError(f"{key}: shape {tuple(tensors[key].shape)} != model's {tuple(param.shape)}")
+        param.copy_(tensors[key].to(param.device, param.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

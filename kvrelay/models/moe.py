@@ -33,7 +33,7 @@ from torch import nn
 from kvrelay.models.layers import SwiGLU, init_std
 from kvrelay.models.parallel import TpGroup
 
-# fill(name, shape, std) -> a full fp32 tensor drawn from (seed, name): see dit_service/model.py.
+# fill(name, shape, std) -> a full fp32 tensor drawn from (seed, name): see kvrelay/models/dit.py.
 TensorSource = Callable[[str, tuple[int, ...], float], torch.Tensor]
 
 

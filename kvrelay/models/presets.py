@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # the geometry type lives in the transfer core (issue 4); imp
 
 DTypeName = Literal["bfloat16", "float16", "float32"]
 
-# Byte-level tokenizer (ar_service/tokenizer.py): ids 0..255 are raw bytes, then the specials.
+# Byte-level tokenizer (kvrelay/models/tokenizer.py): ids 0..255 are raw bytes, then the specials.
 BYTE_VOCAB = 256
 BOS_ID = 256
 EOS_ID = 257

@@ -20,9 +20,9 @@ class ColocatedPipeline:
     def __init__(
         self, preset: str, *, page_size: int = 16, weight_seed: int = 0, device: str = "cpu", max_batch: int = 1
     ) -> None:
-        from kvrelay.ar_service.model import build_ar_model
-        from kvrelay.ar_service.tokenizer import ByteTokenizer
-        from kvrelay.dit_service.model import DitRunner
+        from kvrelay.models.ar import build_ar_model
+        from kvrelay.models.dit import DitRunner
+        from kvrelay.models.tokenizer import ByteTokenizer
 
         self.preset = get_preset(preset)
         self.tokenizer = ByteTokenizer()
@@ -61,8 +61,8 @@ class ColocatedPipeline:
         runs them: one batched prefill of all their CFG rows, the hand-over, one batched denoise,
         then each decode. ``requests``: (prompt, negative prompt, seed). Returns the batch's phase
         timings (seconds), which every request of the batch shares."""
-        from kvrelay.dit_service.image import encode_png
-        from kvrelay.dit_service.model import BatchRequest
+        from kvrelay.models.dit import BatchRequest
+        from kvrelay.models.image import encode_png
 
         if not 0 < len(requests) <= self.max_batch:
             raise ValueError(f"{len(requests)} requests for a batch of at most {self.max_batch}")
@@ -98,7 +98,7 @@ class ColocatedPipeline:
         self, prompt: str, negative_prompt: str, seed: int, width: int, height: int, steps: int, guidance_scale: float
     ) -> dict[str, float]:
         """One generation; returns its phase timings (seconds) like a served request's."""
-        from kvrelay.dit_service.image import encode_png
+        from kvrelay.models.image import encode_png
 
         sync = torch.cuda.synchronize if self.pool.is_cuda else (lambda: None)
         t0 = time.perf_counter()

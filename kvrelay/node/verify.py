@@ -174,11 +174,11 @@ def run_check(
     is compared with the dense reference."""
     import torch
 
-    from kvrelay.ar_service.model import build_ar_model
-    from kvrelay.ar_service.tokenizer import ByteTokenizer
-    from kvrelay.dit_service.model import DitRunner
+    from kvrelay.models.ar import build_ar_model
+    from kvrelay.models.dit import DitRunner
     from kvrelay.models.paged_attention import prefix_attention, read_prefix, write_prefix
     from kvrelay.models.presets import get_preset
+    from kvrelay.models.tokenizer import ByteTokenizer
     from kvrelay.transfer.checksum import write_checksum
     from kvrelay.transfer.layout import PageLayout
     from kvrelay.transfer.pack import pack_staging

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.ar_service.model import build_ar_model
+from kvrelay.models.ar import build_ar_model
 from kvrelay.worker import RankContext
 
 

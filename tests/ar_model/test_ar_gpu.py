@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 
-from kvrelay.ar_service.model import build_ar_model
+from kvrelay.models.ar import build_ar_model
 from kvrelay.worker import WorkerGroup
 from tests.ar_model.ar_handlers import ArPrefillHandler, Prefill
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvrelay.ar_service.model import ArModel
+from kvrelay.models.ar import ArModel
 from kvrelay.models.presets import get_preset
 
 transformers = pytest.importorskip("transformers")

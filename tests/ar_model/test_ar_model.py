@@ -7,11 +7,11 @@ import functools
 import pytest
 import torch
 
-from kvrelay.ar_service.model import ArModel, PromptTooLong, build_ar_model
-from kvrelay.ar_service.tokenizer import ByteTokenizer
+from kvrelay.models.ar import ArModel, PromptTooLong, build_ar_model
 from kvrelay.models.layers import apply_rotary, rope_cos_sin
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset
+from kvrelay.models.tokenizer import ByteTokenizer
 from kvrelay.worker import WorkerCommandError, WorkerGroup
 from tests.ar_model.ar_handlers import ArPrefillHandler, Prefill
 

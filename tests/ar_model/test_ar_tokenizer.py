@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from kvrelay.ar_service.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 from kvrelay.models.presets import BOS_ID, get_preset
+from kvrelay.models.tokenizer import ByteTokenizer, HfTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trips_utf8():

@@ -14,9 +14,9 @@ import grpc
 import pytest
 import torch
 
-from kvrelay.ar_service.model import build_ar_model
-from kvrelay.ar_service.tokenizer import ByteTokenizer
 from kvrelay.broker.tickets import TicketOutcome
+from kvrelay.models.ar import build_ar_model
+from kvrelay.models.tokenizer import ByteTokenizer
 from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
 from tests.ar_service.harness import Receiver, ar_stub, start_ar, wait_serving, write_config
 from tests.dit_service.harness import inprocess_broker

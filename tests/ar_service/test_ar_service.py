@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
-from kvrelay.ar_service.model import build_ar_model
-from kvrelay.ar_service.tokenizer import ByteTokenizer
 from kvrelay.errors import reason_of
+from kvrelay.models.ar import build_ar_model
+from kvrelay.models.tokenizer import ByteTokenizer
 from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
 from tests.ar_service.harness import Receiver, ar_stub, broker_process, start_ar, wait_serving, write_config
 from tests.dit_service.harness import inprocess_broker
@@ -205,8 +205,8 @@ def test_real_dit_denoises_over_what_the_ar_wrote(tmp_path: Path) -> None:
     writes, verifies them, and draws the image a local AR prefill + DiT would draw."""
     import numpy as np
 
-    from kvrelay.dit_service.image import decode_png
-    from kvrelay.dit_service.model import DitRunner
+    from kvrelay.models.dit import DitRunner
+    from kvrelay.models.image import decode_png
     from kvrelay.v1 import dit_pb2, dit_pb2_grpc
     from tests.dit_service.harness import start_dit
 

@@ -16,8 +16,8 @@ from kvrelay.ar_service.engine import (
     PrefillTicket,
     WriteTicket,
 )
-from kvrelay.ar_service.model import build_ar_model
 from kvrelay.ar_service.sender import WriteLedger
+from kvrelay.models.ar import build_ar_model
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, Segment, plan_transfer

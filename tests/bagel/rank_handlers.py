@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from kvrelay.dit_service.bagel import BagelDitRunner
-from kvrelay.dit_service.model import shard_prefix
 from kvrelay.models.bagel import build_ar
+from kvrelay.models.bagel_runner import BagelDitRunner
+from kvrelay.models.dit import shard_prefix
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
 from kvrelay.worker import RankContext
 

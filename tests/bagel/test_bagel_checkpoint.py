@@ -12,8 +12,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from kvrelay.ar_service.tokenizer import BagelTokenizer, load_tokenizer
-from kvrelay.dit_service.bagel import BagelDitRunner, guided_velocity
 from kvrelay.models.bagel import (
     LLM,
     BagelDit,
@@ -25,9 +23,11 @@ from kvrelay.models.bagel import (
     sincos_2d_table,
     stage_preset,
 )
+from kvrelay.models.bagel_runner import BagelDitRunner, guided_velocity
 from kvrelay.models.formats import bagel_geometry, model_dir
 from kvrelay.models.loader import CheckpointError
 from kvrelay.models.parallel import TpGroup
+from kvrelay.models.tokenizer import BagelTokenizer, load_tokenizer
 
 from .tiny import WORDS, tiny_config, write_tiny_bagel
 
@@ -298,7 +298,7 @@ def test_unused_parts_of_the_release_are_ignored(tiny_dir: Path) -> None:
 def test_batched_denoise_is_each_request_alone(tiny_dir: Path) -> None:
     """The service's batching (max_num_seqs > 1): one forward per step over every request's rows,
     prefixes of different lengths, one request with CFG and one without, one stopped early."""
-    from kvrelay.dit_service.model import BatchRequest
+    from kvrelay.models.dit import BatchRequest
 
     tok = BagelTokenizer(tiny_dir)
     ar = build_ar(tiny_dir)

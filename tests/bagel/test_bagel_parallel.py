@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.ar_service.tokenizer import BagelTokenizer
-from kvrelay.dit_service.bagel import BagelDitRunner
 from kvrelay.models.bagel import build_ar
+from kvrelay.models.bagel_runner import BagelDitRunner
+from kvrelay.models.tokenizer import BagelTokenizer
 from kvrelay.worker import WorkerGroup
 
 from .rank_handlers import BagelRankFactory, Denoise, Prefill

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from kvrelay.ar_service.tokenizer import BagelTokenizer
-from kvrelay.dit_service.bagel import BagelDitRunner
 from kvrelay.models.bagel import build_ar, load_bagel_config
+from kvrelay.models.bagel_runner import BagelDitRunner
 from kvrelay.models.demo import COLOURS, PLACES, SHAPES, caption
 from kvrelay.models.formats import DEMO_DIR
+from kvrelay.models.tokenizer import BagelTokenizer
 
 from .demo_judge import judge
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.dit_service.model import BatchRequest, DitRunner, shard_prefix
+from kvrelay.models.dit import BatchRequest, DitRunner, shard_prefix
 from kvrelay.models.moe import MoeMlp
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
 from kvrelay.worker import RankContext

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvrelay.dit_service.model import DIT_CHECKPOINT_FILE, DitRunner, random_prefix
+from kvrelay.models.dit import DIT_CHECKPOINT_FILE, DitRunner, random_prefix
 from kvrelay.models.loader import CheckpointError
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.ar_service.model import build_ar_model
-from kvrelay.dit_service.model import DitRunner, random_prefix
+from kvrelay.models.ar import build_ar_model
+from kvrelay.models.dit import DitRunner, random_prefix
 
 pytestmark = pytest.mark.gpu
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.dit_service.image import decode_png, encode_png, png_size
-from kvrelay.dit_service.model import DitRunner, random_prefix
+from kvrelay.models.dit import DitRunner, random_prefix
+from kvrelay.models.image import decode_png, encode_png, png_size
 
 PRESET = "tiny"
 
@@ -136,7 +136,7 @@ def test_small_preset_512_is_fast_enough() -> None:
 
 
 def test_image_rope_positions_start_at_each_rows_prefix_length(runner: DitRunner, monkeypatch) -> None:
-    import kvrelay.dit_service.model as model_module
+    import kvrelay.models.dit as model_module
 
     starts: list[tuple[int, int]] = []
     real = model_module.rope_cos_sin
@@ -151,7 +151,7 @@ def test_image_rope_positions_start_at_each_rows_prefix_length(runner: DitRunner
 
 
 def test_batched_denoise_matches_each_request_alone_and_drops_stopped_requests(runner: DitRunner) -> None:
-    from kvrelay.dit_service.model import BatchRequest
+    from kvrelay.models.dit import BatchRequest
 
     a = BatchRequest(_rows(runner, 2.0, lengths=(13, 6)), 2.0, seed=1)
     b = BatchRequest(_rows(runner, 1.0, lengths=(9, 9)), 1.0, seed=2)

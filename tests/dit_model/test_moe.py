@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvrelay.dit_service.model import DIT_CHECKPOINT_FILE, DitRunner, random_prefix
+from kvrelay.models.dit import DIT_CHECKPOINT_FILE, DitRunner, random_prefix
 from kvrelay.models.loader import CheckpointError
 from kvrelay.models.moe import MoeMlp, route
 from kvrelay.models.presets import get_preset
@@ -117,8 +117,8 @@ def test_expert_parallel_equals_single_rank(
 
 
 @pytest.mark.slow
-def test_parallel_bench_times_every_layout_side_by_side() -> None:
-    from kvrelay.dit_service.parallel_bench import Layout, measure
+def test_dit_parallel_benchmark_times_every_layout_side_by_side() -> None:
+    from benchmarks.dit_parallel import Layout, measure
 
     layouts = [Layout("EP off", 2), Layout("EP on", 2, expert_parallel=True), Layout("CFG", 1, cfg_parallel=2)]
     results = measure(PRESET, layouts, width=64, height=64, steps=2, prefix_tokens=8, rounds=1)

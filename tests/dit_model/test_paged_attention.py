@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvrelay.dit_service.model import DitModel, DitParallel, init_seeded_weights, random_prefix
+from kvrelay.models.dit import DitModel, DitParallel, init_seeded_weights, random_prefix
 from kvrelay.models.paged_attention import pool_pages, prefix_attention, read_prefix, write_prefix
 from kvrelay.models.presets import get_preset
 from kvrelay.transfer.layout import K_INDEX, V_INDEX, KvGeometry, PageLayout

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.dit_service.model import DenoiseCancelled, DitRunner, random_prefix
+from kvrelay.models.dit import DenoiseCancelled, DitRunner, random_prefix
 from kvrelay.worker import WorkerCommandError, WorkerGroup
 
 from .rank_handlers import DitRankFactory, Generate, GenerateBatch, StopRequested

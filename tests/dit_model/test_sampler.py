@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.dit_service.sampler import cfg_rows, combine_cfg, euler_sample, flow_timesteps, initial_noise
+from kvrelay.models.sampler import cfg_rows, combine_cfg, euler_sample, flow_timesteps, initial_noise
 
 
 def test_schedule_runs_from_noise_to_data() -> None:

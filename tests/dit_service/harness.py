@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from kvrelay import LAYOUT_VERSION, __version__
-from kvrelay.dit_service.model import random_prefix
+from kvrelay.models.dit import random_prefix
 from kvrelay.models.presets import get_preset
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
 from kvrelay.transfer.convert import (

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvrelay.dit_service.engine import DitRankHandler, DitRankSpec, RunDenoise, control_bytes
-from kvrelay.dit_service.image import decode_png
 from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
-from kvrelay.dit_service.model import DitRunner, random_prefix
+from kvrelay.models.dit import DitRunner, random_prefix
+from kvrelay.models.image import decode_png
 from kvrelay.models.paged_attention import write_prefix
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset

@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from kvrelay.dit_service.image import decode_png
-from kvrelay.dit_service.model import DitRunner
 from kvrelay.errors import reason_of
+from kvrelay.models.dit import DitRunner
+from kvrelay.models.image import decode_png
 from kvrelay.transfer.convert import writes_from_proto
 from kvrelay.transfer.transport import not_started_outcomes
 from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc

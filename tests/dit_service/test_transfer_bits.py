@@ -9,7 +9,7 @@ import torch
 
 from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, VerifyWrites, control_bytes
 from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry, num_pages_for
-from kvrelay.dit_service.model import random_prefix
+from kvrelay.models.dit import random_prefix
 from kvrelay.models.paged_attention import prefix_attention, read_prefix
 from kvrelay.models.presets import get_preset
 from kvrelay.transfer.layout import PageLayout

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvrelay.client import KvRelayClient, TicketState
-from kvrelay.dit_service.image import decode_png
+from kvrelay.models.image import decode_png
 from tests.e2e.node import running_node, wait_pools_full
 
 pytestmark = pytest.mark.slow

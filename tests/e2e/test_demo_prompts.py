@@ -43,7 +43,7 @@ def _demo_cuda_ipc(cfg: dict[str, Any]) -> None:
 
 
 def _run(tmp_path: Path, name: str, edit: Any) -> list[bytes]:
-    from kvrelay.dit_service.image import decode_png
+    from kvrelay.models.image import decode_png
 
     pngs = []
     with running_node(tmp_path, name, edit) as node, KvRelayClient(node.address(), timeout=60) as client:

@@ -29,7 +29,7 @@ def _generate(address: str, **kw: Any) -> Any:
 def test_same_seed_same_image_bits_over_mooncake_fallback_and_colocated(tmp_path: Path) -> None:
     from PIL import Image
 
-    from kvrelay.dit_service.image import decode_png
+    from kvrelay.models.image import decode_png
     from kvrelay.node.colocated import ColocatedPipeline
 
     images = {}
@@ -79,8 +79,8 @@ def test_debug_topology_tp2_to_tp2_twenty_sequential_requests(tmp_path: Path) ->
 
 
 def test_dit_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
-    from kvrelay.dit_service.image import decode_png
-    from kvrelay.dit_service.model import DitRunner
+    from kvrelay.models.dit import DitRunner
+    from kvrelay.models.image import decode_png
     from kvrelay.node.colocated import ColocatedPipeline
 
     checkpoint = tmp_path / "dit-weights"

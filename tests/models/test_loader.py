@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvrelay.ar_service.model import ArModel, build_ar_model
+from kvrelay.models.ar import ArModel, build_ar_model
 from kvrelay.models.loader import (
     COLUMN,
     ROW,

@@ -27,7 +27,6 @@ from kvrelay.ar_service.engine import (  # noqa: E402
     PrefillTicket,
     WriteTicket,
 )
-from kvrelay.ar_service.model import build_ar_model  # noqa: E402
 from kvrelay.ar_service.vllm_engine import (  # noqa: E402
     EngineStats,
     OnWorkers,
@@ -36,6 +35,7 @@ from kvrelay.ar_service.vllm_engine import (  # noqa: E402
     VllmTokenizer,
     engine_env,
 )
+from kvrelay.models.ar import build_ar_model  # noqa: E402
 from kvrelay.transfer.layout import KvGeometry, PageLayout  # noqa: E402
 from kvrelay.transfer.pack import read_row  # noqa: E402
 from kvrelay.transfer.planner import RowSpec, plan_transfer  # noqa: E402

@@ -4,7 +4,7 @@ Owns the decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; blocks from kv
 tensor parallel over kv heads, with weights either random from a seed or read from a local
 Llama/Qwen2-family safetensors directory. `prefill` returns every layer's K (after RoPE) and V
 for this rank's kv heads, heads-major, ready for packing into DiT pages. It does not tokenize,
-transfer or serve: tokenizer.py, the sender and the service do.
+transfer or serve: tokenizer.py (beside it), the AR service's sender and service do.
 
 Random weights are generated whole, tensor by tensor, from (seed, parameter name) and then
 sliced, so every TP size and every process sees the same model (bit-identical weights on the
@@ -13,13 +13,7 @@ same device type; CPU and CUDA generators differ).
 
 from __future__ import annotations
 
-import argparse
-import functools
 import hashlib
-import json
-import statistics
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,7 +41,6 @@ from kvrelay.models.loader import (
 )
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import ArConfig, get_preset
-from kvrelay.worker import RankContext, WorkerGroup
 
 
 class PromptTooLong(ValueError):
@@ -335,87 +328,3 @@ def build_ar_model(
     default = "bfloat16" if device.startswith("cuda") else "float32"
     model = ArModel(cfg, tp, dtype=torch_dtype(dtype or default), device=device)
     return model.eval().load_checkpoint(path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Prefill throughput: python -m kvrelay.ar_service.model --preset small --tokens 256 --tp 1
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _TimePrefill:
-    tokens: int
-    repeat: int
-
-
-class _BenchRank:
-    """Rank handler of the benchmark: builds the model on its rank and times prefills there, so
-    the numbers exclude the command channel."""
-
-    def __init__(self, ctx: RankContext, preset: str, seed: int, dtype: str | None):
-        self.model = build_ar_model(preset=preset, seed=seed, tp=ctx.tp, device=ctx.device, dtype=dtype)
-        self.device = torch.device(ctx.device)
-
-    def handle(self, command: _TimePrefill) -> list[float]:
-        ids = torch.randint(0, 256, (command.tokens,), generator=torch.Generator().manual_seed(0))
-        times = []
-        for i in range(command.repeat + 1):  # the first run warms up kernels and allocators
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            self.model.prefill(ids)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            if i:
-                times.append(time.perf_counter() - start)
-        return times
-
-
-def bench_prefill(
-    preset: str,
-    tokens: int,
-    *,
-    tp: int = 1,
-    devices: list[str] | None = None,
-    repeat: int = 5,
-    seed: int = 0,
-    dtype: str | None = None,
-) -> dict[str, float]:
-    """Median prefill time and tokens/s of one prompt of `tokens` tokens on `tp` rank processes."""
-    factory = functools.partial(_BenchRank, preset=preset, seed=seed, dtype=dtype)
-    with WorkerGroup(tp, factory, devices=devices) as group:
-        per_rank = group.call_all(_TimePrefill(tokens, repeat), timeout_s=600)
-    # Ranks finish each prefill together (they all-reduce every layer); take the slowest.
-    median = statistics.median(max(times) for times in zip(*per_rank, strict=True))
-    return {
-        "tokens": tokens,
-        "tp": tp,
-        "threads_per_rank": group.threads_per_rank,
-        "median_s": median,
-        "tokens_per_s": tokens / median,
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Measure AR prefill throughput on rank processes.")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[64, 256, 1024])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--devices", default="cpu", help='"cpu" or comma-separated, e.g. "cuda:0,cuda:1"')
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args(argv)
-    devices = [args.devices] * args.tp if "," not in args.devices else args.devices.split(",")
-    for tokens in args.tokens:
-        result = bench_prefill(
-            args.preset, tokens, tp=args.tp, devices=devices, repeat=args.repeat, dtype=args.dtype
-        )
-        print(json.dumps({"preset": args.preset, "devices": args.devices, **result}))
-
-
-if __name__ == "__main__":
-    # Run the canonically imported module's main, so the rank handler pickles by its real name
-    # (kvrelay.ar_service.model._BenchRank), not as __main__._BenchRank.
-    from kvrelay.ar_service.model import main as _main
-
-    _main()

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from kvrelay.dit_service.model import (
+from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit
+from kvrelay.models.dit import (
     BatchRequest,
     BatchStepCallback,
     DitParallel,
@@ -25,10 +26,9 @@ from kvrelay.dit_service.model import (
     agreed_step_callback,
     agreed_stop_set,
 )
-from kvrelay.dit_service.sampler import StepCallback, cfg_rows, initial_noise
-from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit
 from kvrelay.models.layers import torch_dtype
 from kvrelay.models.presets import ModelPreset
+from kvrelay.models.sampler import StepCallback, cfg_rows, initial_noise
 from kvrelay.models.vae import Decoder, build_decoder, flow_match_scheduler
 from kvrelay.transfer.layout import PageLayout
 

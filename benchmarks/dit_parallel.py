@@ -1,7 +1,7 @@
 """DiT step time of parallel layouts side by side, in one run: expert parallel on/off and
 CFG-parallel on/off for a (MoE) preset, each layout in its own rank processes.
 
-``python -m kvrelay.dit_service.parallel_bench --preset tiny-moe --tp 2`` times, interleaved
+``python benchmarks/dit_parallel.py --preset tiny-moe --tp 2`` times, interleaved
 round by round (so machine drift hits all alike): TP=tp with EP off, TP=tp with EP on, and
 CFG=2 x TP=tp/2 (CFG-parallel on the same number of ranks); prints each layout's median seconds
 per denoising step (the slowest rank's, as steps end together) and its ratio to EP off.
@@ -13,14 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from kvrelay.dit_service.model import DitRunner, random_prefix, shard_prefix
-from kvrelay.worker import RankContext, WorkerGroup
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvrelay.models.dit import DitRunner, random_prefix, shard_prefix  # noqa: E402
+from kvrelay.worker import RankContext, WorkerGroup  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    # The canonically imported module's main, so the factory pickles by its real name.
-    from kvrelay.dit_service.parallel_bench import main as _main
+    # The canonically imported module's main, so the factory pickles by its real name
+    # (benchmarks.dit_parallel._BenchFactory), not as __main__._BenchFactory.
+    from benchmarks.dit_parallel import main as _main
 
     _main()

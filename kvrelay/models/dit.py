@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,14 +35,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.dit_service.sampler import (
-    StepCallback,
-    cfg_rows,
-    combine_cfg,
-    euler_sample,
-    flow_timesteps,
-    initial_noise,
-)
 from kvrelay.models.layers import (
     ParallelAttention,
     RMSNorm,
@@ -52,11 +44,19 @@ from kvrelay.models.layers import (
     init_std,
     rope_cos_sin,
 )
-from kvrelay.models.loader import CheckpointError
+from kvrelay.models.loader import CheckpointError, full_state, load_full_state
 from kvrelay.models.moe import RoutedExperts, build_mlp
 from kvrelay.models.paged_attention import LayerKv, PrefixKv, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
+from kvrelay.models.sampler import (
+    StepCallback,
+    cfg_rows,
+    combine_cfg,
+    euler_sample,
+    flow_timesteps,
+    initial_noise,
+)
 from kvrelay.models.ulysses import heads_to_seq, seq_to_heads
 from kvrelay.transfer.layout import PageLayout
 from kvrelay.transfer.planner import cfg_group
@@ -571,59 +571,11 @@ def init_seeded_weights(module: nn.Module, weight_seed: int, device: torch.devic
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: full (unsharded) tensors in safetensors, sharded on load like the seeded weights
+# Checkpoints: full (unsharded) tensors in safetensors (loader.full_state), sharded on load like
+# the seeded weights (loader.load_full_state)
 # ---------------------------------------------------------------------------------------------
 
 DIT_CHECKPOINT_FILE = "dit.safetensors"
-
-
-def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of an unsharded (world size 1) module, by name, on CPU, contiguous."""
-    # A copy even on CPU: fused projections make parameters views of one buffer, and safetensors
-    # refuses tensors that share memory.
-    return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in module.named_parameters()}
-
-
-@torch.no_grad()
-def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> None:
-    """Load full tensors into a possibly sharded module: parallel linears keep their shard (as
-    `init_seeded_weights` does), every other parameter is copied whole. A missing tensor or a wrong
-    shape raises CheckpointError naming it; nothing is guessed."""
-    done: set[str] = set()
-    for name, mod in module.named_modules():
-        if isinstance(mod, RoutedExperts):
-            keys = [f"{prefix}{name}.w_gate_up", f"{prefix}{name}.w_down"]
-            for key in keys:
-                if key not in tensors:
-                    raise CheckpointError(f"checkpoint has no tensor {key!r}")
-            try:
-                mod.load_full(*(tensors[k].to(mod.w_gate_up.device, mod.w_gate_up.dtype) for k in keys))
-            except ValueError as err:
-                raise CheckpointError(f"{keys[0]}: {err}") from None
-            done.update({f"{name}.w_gate_up", f"{name}.w_down"})
-        elif isinstance(mod, ColumnParallelLinear | RowParallelLinear):
-            key = f"{prefix}{name}.weight"
-            if key not in tensors:
-                raise CheckpointError(f"checkpoint has no tensor {key!r}")
-            bias_key = f"{prefix}{name}.bias"
-            bias = tensors.get(bias_key) if mod.bias is not None else None
-            if mod.bias is not None and bias is None:
-                raise CheckpointError(f"checkpoint has no tensor {bias_key!r}")
-            try:
-                mod.load_full(tensors[key].to(mod.weight.device, mod.weight.dtype),
-                              None if bias is None else bias.to(mod.weight.device, mod.weight.dtype))
-            except ValueError as err:
-                raise CheckpointError(f"{key}: {err}") from None
-            done.update({f"{name}.weight", f"{name}.bias"})
-    for name, param in module.named_parameters():
-        if name in done:
-            continue
-        key = f"{prefix}{name}"
-        if key not in tensors:
-            raise CheckpointError(f"checkpoint has no tensor {key!r}")
-        if tuple(tensors[key].shape) != tuple(param.shape):
-            raise CheckpointError(f"{key}: shape {tuple(tensors[key].shape)} != model's {tuple(param.shape)}")
-        param.copy_(tensors[key].to(param.device, param.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1071,124 +1023,6 @@ def random_prefix(
     shape = (preset.num_layers, 2, preset.num_kv_heads, num_tokens, preset.head_dim)
     kv = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
     return [(kv[layer, 0], kv[layer, 1]) for layer in range(preset.num_layers)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurement: `python -m kvrelay.dit_service.model --preset small` (numbers in docs/dit.md)
-# ---------------------------------------------------------------------------------------------
-
-
-def measure(
-    preset: str,
-    *,
-    width: int,
-    height: int,
-    steps: int,
-    guidance_scale: float,
-    prefix_tokens: int,
-    device: str,
-    repeats: int,
-) -> dict[str, Any]:
-    """Seconds per denoising step (median over ``repeats`` timed runs after one warm-up), model
-    build and decode time for one process (TP=1, SP=1)."""
-    import statistics
-    import time
-
-    dev = torch.device(device)
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    start = time.perf_counter()
-    runner = DitRunner(preset, weight_seed=0, device=dev)
-    sync()
-    build_s = time.perf_counter() - start
-    kv_dtype = getattr(torch, runner.preset.dtype)
-    rows = [
-        random_prefix(runner.preset, prefix_tokens, seed=r, dtype=kv_dtype, device=dev)
-        for r in range(cfg_rows(guidance_scale))
-    ]
-    step_s: list[float] = []
-    decode_s: list[float] = []
-    for run in range(repeats + 1):
-        marks: list[float] = []
-
-        def on_step(_step: int, _total: int, marks: list[float] = marks) -> None:
-            sync()
-            marks.append(time.perf_counter())
-
-        sync()
-        t0 = time.perf_counter()
-        latents = runner.denoise(
-            rows,
-            width=width,
-            height=height,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            seed=run,
-            on_step=on_step,
-        )
-        t1 = time.perf_counter()
-        image = runner.decode(latents)
-        t2 = time.perf_counter()
-        if run:  # run 0 warms up kernels and allocators
-            step_s += [b - a for a, b in zip([t0, *marks], marks, strict=False)]
-            decode_s.append(t2 - t1)
-    return {
-        "preset": preset,
-        "device": str(dev),
-        "dtype": str(runner.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
-        "width": width,
-        "height": height,
-        "image_tokens": runner.cfg.num_image_tokens(width, height),
-        "cfg_rows": len(rows),
-        "prefix_tokens": prefix_tokens,
-        "steps": steps,
-        "build_s": round(build_s, 3),
-        "step_s_median": round(statistics.median(step_s), 4),
-        "step_s_min": round(min(step_s), 4),
-        "decode_s_median": round(statistics.median(decode_s), 4),
-        "image_shape": list(image.shape),
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description="Measure the built-in DiT's seconds per denoising step.")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--height", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--prefix-tokens", type=int, default=64)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(
-        json.dumps(
-            measure(
-                args.preset,
-                width=args.width,
-                height=args.height,
-                steps=args.steps,
-                guidance_scale=args.guidance_scale,
-                prefix_tokens=args.prefix_tokens,
-                device=args.device,
-                repeats=args.repeats,
-            )
-        )
-    )
-
-
-if __name__ == "__main__":
-    main()
 
 
 def agreed_step_callback(
