@@ -1,7 +1,8 @@
 """`kvrelay bench`: the seed's throughput experiment, reproducible, side by side in one run.
 
 Starts one node per transported implementation (Mooncake; the gRPC-stream fallback, i.e. the same
-config without `kv_transfer_config`) plus the colocated baseline (AR and DiT in this process, KV
+config without `kv_transfer_config`; with `--dit-parallel`, one Mooncake node per DiT layout of
+DIT_LAYOUTS: TP=1, CFG=2 x TP=1, TP=2 with EP off and on) plus the colocated baseline (AR and DiT in this process, KV
 handed over in memory), warms each up, then runs N independent runs of M requests at concurrency C
 cycling through the dataset, implementations interleaved run by run so that machine drift hits all
 alike. It reports req/s, latency percentiles, handoff time and its share of latency, and bytes
@@ -41,6 +42,26 @@ IMPL_LABELS = {
     "colocated": "Colocated (no transfer)",
     "vllm": "vLLM AR engine (KvRelayConnector, Mooncake)",
 }
+
+# DiT parallel layouts (issue 21), each a Mooncake node whose DiT stage gets these keys; everything
+# else (AR, concurrency, max_num_seqs, workload) is the same for all. `--dit-parallel` runs them all.
+DIT_LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dit-tp1": ("DiT TP=1 (1 rank), CFG off",
+                {"tensor_parallel_size": 1, "cfg_parallel_size": 1, "enable_expert_parallel": False}),
+    "dit-cfg2": ("DiT CFG=2 x TP=1 (2 ranks)",
+                 {"tensor_parallel_size": 1, "cfg_parallel_size": 2, "enable_expert_parallel": False}),
+    "dit-tp2": ("DiT TP=2 (2 ranks), EP off",
+                {"tensor_parallel_size": 2, "cfg_parallel_size": 1, "enable_expert_parallel": False}),
+    "dit-tp2-ep": ("DiT TP=2 (2 ranks), EP on",
+                   {"tensor_parallel_size": 2, "cfg_parallel_size": 1, "enable_expert_parallel": True}),
+}
+IMPL_LABELS.update({name: label for name, (label, _) in DIT_LAYOUTS.items()})
+# (on, off, what): the comparisons `--dit-parallel` prints, each with the same concurrency/batching.
+PARALLEL_PAIRS = (
+    ("dit-tp2-ep", "dit-tp2", "EP on / EP off (TP=2)"),
+    ("dit-cfg2", "dit-tp1", "CFG-parallel on / off (TP=1; 2 ranks vs 1)"),
+    ("dit-cfg2", "dit-tp2", "CFG=2 x TP=1 / TP=2 (2 ranks each)"),
+)
 
 
 @dataclass
@@ -272,6 +293,8 @@ class NodeUnderTest:
             stage["metrics_port"] = reserve_free_port()
             if stage["kind"] == "ar" and (impl == "vllm" or ar_model):
                 stage["model"] = ar_model_config(impl, ar_model, data)
+            if stage["kind"] == "dit" and impl in DIT_LAYOUTS:
+                stage.update(DIT_LAYOUTS[impl][1])
             if impl == "grpc":
                 stage.pop("kv_transfer_config", None)
             elif impl == "cuda_ipc":
@@ -439,6 +462,42 @@ def engine_table(results: list[RunResult]) -> str:
     lines.append(
         f"| vLLM / built-in | {v_rps / b_rps if b_rps else 0:.3f}x | {v_tps / b_tps if b_tps else 0:.3f}x |"
     )
+    return "\n".join(lines)
+
+
+def parallel_table(results: list[RunResult]) -> str:
+    """DiT layouts side by side (`--dit-parallel`): means per layout, then EP on/off and
+    CFG-parallel on/off as ratios (>1: faster). Empty unless at least one pair of layouts ran."""
+    by = {name: [r for r in results if r.impl == name] for name in DIT_LAYOUTS}
+    ran = [name for name in DIT_LAYOUTS if by[name]]
+    if not any(by[on] and by[off] for on, off, _ in PARALLEL_PAIRS):
+        return ""
+
+    def mean(name: str, key: Callable[[RunResult], float]) -> float:
+        return statistics.mean(key(r) for r in by[name])
+
+    def denoise_ms(r: RunResult) -> float:
+        return r.phase_means.get("denoise_seconds", 0.0) * 1e3
+
+    lines = [
+        "| DiT layout | req/s (mean) | p50 latency s | denoise ms/request | MiB moved/request |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name in ran:
+        moved = mean(name, lambda r: r.bytes_moved / max(1, r.completed) / 2**20)
+        lines.append(
+            f"| {DIT_LAYOUTS[name][0]} | {mean(name, lambda r: r.req_per_s):.4f} | "
+            f"{mean(name, lambda r: r.latency_p50):.3f} | {mean(name, denoise_ms):.1f} | {moved:.3f} |"
+        )
+    lines += ["", "| comparison | req/s ratio | denoise time ratio (off / on) |", "| --- | ---: | ---: |"]
+    for on, off, what in PARALLEL_PAIRS:
+        if not (by[on] and by[off]):
+            continue
+        rps_on, rps_off = mean(on, lambda r: r.req_per_s), mean(off, lambda r: r.req_per_s)
+        dn_on, dn_off = mean(on, denoise_ms), mean(off, denoise_ms)
+        lines.append(
+            f"| {what} | {rps_on / rps_off if rps_off else 0:.3f}x | {dn_off / dn_on if dn_on else 0:.3f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -626,6 +685,8 @@ def run_scenario(
 
 def run(args: argparse.Namespace) -> int:
     impls = ["colocated"] if args.colocated else [i.strip() for i in args.impls.split(",") if i.strip()]
+    if getattr(args, "dit_parallel", False):
+        impls = list(DIT_LAYOUTS)
     unknown = [i for i in impls if i not in IMPL_LABELS]
     if unknown:
         print(
@@ -656,6 +717,7 @@ def run(args: argparse.Namespace) -> int:
             scenario["seed_table"] = seed_table(results, impls, args.runs)
             scenario["detail_table"] = detail_table(results)
             scenario["engine_table"] = engine_table(results)
+            scenario["parallel_table"] = parallel_table(results)
             scenario["plots"] = [str(p) for p in plot(results, impls, out, name)]
             report["scenarios"][name] = scenario
             print(
@@ -668,6 +730,9 @@ def run(args: argparse.Namespace) -> int:
             if scenario["engine_table"]:
                 print()
                 print(scenario["engine_table"])
+            if scenario["parallel_table"]:
+                print()
+                print(scenario["parallel_table"])
             all_ok = all(r.failed == 0 for r in results)
             print(f"\nall requests completed: {all_ok}")
     (out / "bench.json").write_text(json.dumps(report, indent=2, default=str))

@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=2.0)
     p.add_argument("--impls", default="mooncake,grpc,colocated", help="comma list of implementations")
     p.add_argument("--colocated", action="store_true", help="run only the colocated (no transfer) baseline")
+    p.add_argument(
+        "--dit-parallel", action="store_true",
+        help="compare DiT layouts instead of transports (Mooncake nodes, same concurrency/batching): TP=1, "
+        "CFG=2 x TP=1, TP=2 EP off, TP=2 EP on; prints EP on/off and CFG-parallel on/off ratios (use a MoE preset)",
+    )
     p.add_argument("--scenario", default="seed", choices=["seed", "transfer", "both"], help="workload")
     p.add_argument("--dataset", default="benchmarks/data/t2i-50.jsonl")
     p.add_argument("--output", default="benchmarks/results/latest", help="folder for JSON and plots")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.node.bench import BenchProgress, RequestRecord, plot, summarize
+from kvrelay.node.bench import BenchProgress, RequestRecord, parallel_table, plot, summarize
 
 
 def _results() -> list[Any]:
@@ -49,3 +49,22 @@ def test_the_throughput_plot_counts_runs_in_whole_numbers(tmp_path: Path, monkey
     assert ticks == [1, 2, 3]
     for fig in figures:
         fig.clf()
+
+
+def test_dit_parallel_table_puts_ep_and_cfg_on_off_side_by_side_with_ratios() -> None:
+    """`--dit-parallel`: one row per DiT layout, then EP on/off and CFG-parallel on/off as ratios
+    of the means (req/s; denoise time off / on), from runs of the same workload."""
+    denoise = {"dit-tp1": 0.4, "dit-cfg2": 0.2, "dit-tp2": 0.25, "dit-tp2-ep": 0.5}
+    wall = {"dit-tp1": 4.0, "dit-cfg2": 2.0, "dit-tp2": 2.5, "dit-tp2-ep": 5.0}
+    results = []
+    for run in range(2):
+        for impl in denoise:
+            records = [RequestRecord(True, 1.0, 0.0, {"denoise_seconds": denoise[impl]}) for _ in range(4)]
+            results.append(summarize(impl, run, records, wall_s=wall[impl], bytes_moved=4 * 2**20))
+    table = parallel_table(results)
+    assert "| DiT CFG=2 x TP=1 (2 ranks) | 2.0000 | 1.000 | 200.0 | 1.000 |" in table
+    assert "| EP on / EP off (TP=2) | 0.500x | 0.500x |" in table
+    assert "| CFG-parallel on / off (TP=1; 2 ranks vs 1) | 2.000x | 2.000x |" in table
+    assert "| CFG=2 x TP=1 / TP=2 (2 ranks each) | 1.250x | 1.250x |" in table
+    # Without a pair of layouts there is nothing to compare.
+    assert parallel_table([r for r in results if r.impl == "dit-tp1"]) == ""
