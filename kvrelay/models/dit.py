@@ -146,7 +146,7 @@ class DitParallel:
             raise RuntimeError(f"world={world} needs an initialized default process group of that size")
         c, local = divmod(rank, inner)
         tp_rank, sp_rank = divmod(local, sp)
-        tp_group, sp_group, cfg_group = TpGroup.single(), TpGroup.single(), TpGroup.single()
+        tp_group, sp_group, row_group = TpGroup.single(), TpGroup.single(), TpGroup.single()
         # Every rank creates every subgroup in the same order (new_group is collective).
         for g in range(cfg):
             base = g * inner
@@ -161,8 +161,8 @@ class DitParallel:
         for r in range(inner):
             handle = None if inner == 1 else dist.new_group([g * inner + r for g in range(cfg)])
             if r == local:
-                cfg_group = TpGroup(c, cfg, handle)
-        return cls(local, inner, tp_group, sp_group, cfg_group)
+                row_group = TpGroup(c, cfg, handle)
+        return cls(local, inner, tp_group, sp_group, row_group)
 
     def page_layout(self, preset: ModelPreset, page_size: int) -> PageLayout:
         """The layout of the pages this rank receives: head shard ``rank`` of ``world``."""
