@@ -267,6 +267,10 @@ class BrokerCore:
         """Whether that DiT replica's pool has the free pages for these rows now."""
         return self._pools[dit_replica_id].fits_now(self.pages_needed(dit_replica_id, row_token_counts))
 
+    def ever_fits(self, dit_replica_id: ReplicaId, row_token_counts: Sequence[int]) -> bool:
+        """Whether that DiT replica's pool could hold these rows when empty (per CFG group)."""
+        return not self._pools[dit_replica_id].never_fits(self.pages_needed(dit_replica_id, row_token_counts))
+
     def free_pages(self, dit_replica_id: ReplicaId) -> int:
         return self._pools[dit_replica_id].counts().free
 

@@ -19,6 +19,7 @@ from kvrelay.broker.generations import ErrorInfo, RequestEnded
 from kvrelay.broker.registry import ReplicaRole
 from kvrelay.broker.tickets import BrokerError, ReplicaId, Ticket
 from kvrelay.errors import KvRelayServerError, invalid_argument
+from kvrelay.transfer.planner import cfg_group
 
 
 def choose_ar_replica(core: BrokerCore) -> ReplicaId | None:
@@ -51,9 +52,18 @@ def check_ever_fits(core: BrokerCore, counts: Sequence[int]) -> None:
     dits = [s for s in core.list_replicas(ReplicaRole.DIT) if s.up and not s.fenced]
     if not dits:
         raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NO_DIT_REPLICA", "no DiT replica is up")
-    needed = {s.spec.replica_id: sum(core.pages_needed(s.spec.replica_id, counts)) for s in dits}
-    if any(needed[s.spec.replica_id] <= s.spec.num_pages for s in dits):
+    if any(core.ever_fits(s.spec.replica_id, counts) for s in dits):
         return
+    # For the message: a CFG-parallel replica holds each row in its group's pool, so its need
+    # is the largest group's, not the sum.
+    needed = {
+        s.spec.replica_id: max(
+            sum(n for row, n in enumerate(core.pages_needed(s.spec.replica_id, counts))
+                if cfg_group(row, s.spec.cfg_parallel_size) == g)
+            for g in range(s.spec.cfg_parallel_size)
+        )
+        for s in dits
+    }
     largest = max(s.spec.num_pages for s in dits)
     never = invalid_argument(
         "prompt",

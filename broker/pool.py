@@ -279,6 +279,10 @@ class ReplicaPages:
     def fits_now(self, rows_pages: Sequence[int]) -> bool:
         return all(pool.fits_now(n) for pool, n in zip(self.groups, self._per_group(rows_pages), strict=True))
 
+    def never_fits(self, rows_pages: Sequence[int]) -> bool:
+        """Some group could not hold its rows even if empty (each group only its own rows)."""
+        return any(pool.never_fits(n) for pool, n in zip(self.groups, self._per_group(rows_pages), strict=True))
+
     def reserve(self, rows_pages: Sequence[int]) -> list[list[PageId]] | None:
         """Reserve ``rows_pages[r]`` pages for row r in its group's pool, every row or none.
 

@@ -613,3 +613,43 @@ def test_the_dit_marks_consuming_itself_and_only_its_own_ticket(core, ar, dit) -
     assert info.value.reason == "STALE_INCARNATION"
     assert core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id).state is TicketState.CONSUMING
     assert core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id).state is TicketState.CONSUMING
+
+
+def test_cfg_parallel_dit_ticket_reserves_moves_and_loads_each_row_only_on_its_group(
+    core: BrokerCore, ar
+) -> None:
+    """A CFG=2 x TP=2 DiT (4 ranks): row r is planned, reserved and loaded only on group r's ranks
+    (2r, 2r+1); a load from the other group is a broken invariant; the lifecycle needs nothing else."""
+    from kvrelay.broker.placement import check_ever_fits
+    from kvrelay.errors import KvRelayServerError
+
+    dit = dit_spec("dit-cfg", tp=2, num_pages=4, cfg_parallel_size=2)
+    core.register_replica(dit)
+    geometry = dit.geometry
+    rows = [4 * geometry.page_size, 3 * geometry.page_size]  # 4 + 3 pages: 7 > 4, yet each row fits its group
+    check_ever_fits(core, rows)  # no NEVER_FITS: each group holds its own row
+    ticket = core.create_ticket("req-cfg", ar.replica_id, dit.replica_id, rows)
+    assert ticket is not None
+    assert [r.page_ids for r in ticket.rows] == [(0, 1, 2, 3), (0, 1, 2)]  # one id space per group
+    assert {(w.key.row, w.key.dst_rank) for w in ticket.writes} == {(0, 0), (0, 1), (1, 2), (1, 3)}
+    assert {(ld.key.row, ld.key.dst_rank) for ld in ticket.loads} == {(0, 0), (0, 1), (1, 2), (1, 3)}
+    armed = core.arm_ticket(ticket.ticket_id, ar.replica_id, ar.incarnation_id)
+    assert armed.dit_cfg_parallel_size == 2 and all(w.dst_rank // 2 == w.row for w in armed.writes)
+    ticket = write_all(core, ticket, ar)
+    ticket = load_all(core, ticket, dit)
+    assert ticket.state is TicketState.READY
+    core.start_consuming(ticket.ticket_id)
+    core.release_ticket(ticket.ticket_id, TicketOutcome.OK, replica_id=dit.replica_id)
+    (pool,) = core.pool_status(dit.replica_id)
+    assert (pool.total, pool.free) == (8, 8)
+    with pytest.raises(KvRelayServerError, match="need 5 KV pages; the largest DiT replica has 4"):
+        check_ever_fits(core, [5 * geometry.page_size, geometry.page_size])  # row 0 alone exceeds group 0
+    # Group 1's rank reporting row 0 (which it never holds) is a broken invariant: fenced.
+    second = core.create_ticket("req-cfg-2", ar.replica_id, dit.replica_id, rows)
+    assert second is not None
+    core.arm_ticket(second.ticket_id, ar.replica_id, ar.incarnation_id)
+    write_all(core, second, ar)
+    with pytest.raises(BrokenInvariant, match="not in the plan"):
+        core.report_load(second.ticket_id, 0, 2, replica_id=dit.replica_id, incarnation_id=dit.incarnation_id,
+                         verified={})
+    assert core.get_replica(dit.replica_id).fenced

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrelay.broker.pool import NeverFits, PagePool, PageState, PoolError
+from kvrelay.broker.pool import NeverFits, PagePool, PageState, PoolError, ReplicaPages
 
 
 def test_reserves_every_row_in_one_contiguous_run_when_possible() -> None:
@@ -106,3 +106,30 @@ def test_random_sequences_keep_pages_disjoint_and_counted(ops: list[tuple[str, l
         assert c.free + c.reserved + c.draining == c.total
         assert c.reserved == sum(len(g) for g in held)
         assert c.draining == sum(len(g) for g in draining)
+
+
+def test_cfg_parallel_pages_reserve_each_row_only_in_its_groups_pool() -> None:
+    """A CFG-parallel replica: row r lives in group r % 2's pool only, so both rows may carry the
+    same page ids (pages of different ranks); fits and never-fits are per group; all or nothing."""
+    pages = ReplicaPages("dit-0", 4, num_groups=2)
+    assert pages.reserve([3, 2]) == [[0, 1, 2], [0, 1]]  # same ids, different groups' pages
+    c = pages.counts()
+    assert (c.total, c.free, c.reserved) == (8, 3, 5)
+    assert pages.groups[0].counts().free == 1 and pages.groups[1].counts().free == 2
+    # Group 0 has 1 free page: a request whose row 0 needs 2 waits, though 3 pages are free in all.
+    assert not pages.fits_now([2, 1]) and pages.reserve([2, 1]) is None
+    assert pages.counts().free == 3, "nothing reserved by a request that did not fit"
+    assert pages.fits_now([1, 2]) and not pages.never_fits([4, 4]) and pages.never_fits([5])
+    with pytest.raises(NeverFits, match="cfg1"):
+        pages.reserve([1, 5])  # 6 pages <= 8 in total, but row 1 alone exceeds group 1's 4
+    # A one-row request reserves nothing in group 1.
+    assert pages.reserve([1]) == [[3]] and pages.groups[1].counts().free == 2
+    pages.mark_draining([(0, [0, 1, 2]), (1, [0, 1])])
+    assert pages.state_of(0, row=1) is PageState.DRAINING and pages.state_of(3, row=0) is PageState.RESERVED
+    pages.free([(0, [0, 1, 2]), (1, [0, 1]), (0, [3])])
+    assert pages.counts().free == 8
+    with pytest.raises(PoolError, match="cfg1"):
+        pages.free([(1, [0])])  # already free in group 1 (double release names the group's pool)
+    # One group: exactly one PagePool (the replica id is the pool's name).
+    plain = ReplicaPages("dit-1", 6)
+    assert plain.reserve([3, 2]) == [[0, 1, 2], [3, 4]] and plain.groups[0].replica_id == "dit-1"
