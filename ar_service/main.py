@@ -86,7 +86,14 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
     from kvrelay.models.tokenizer import Tokenizer, load_tokenizer
-    from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
+    from kvrelay.worker import (
+        DeviceUnavailable,
+        ReplicaLock,
+        WorkerGroup,
+        check_devices,
+        replica_lock_path,
+        watch_ranks,
+    )
 
     stage = cfg.ar_stage
     replica = int(args.replica)
@@ -180,6 +187,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         )
     registration: ArRegistration | None = None
     heartbeats: asyncio.Task[None] | None = None
+    watchdog: asyncio.Future[None] | None = None
     code = EXIT_OK
     deregistered = False
     try:
@@ -251,6 +259,13 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
                 transport=stage.transport,
             )
             heartbeats = asyncio.ensure_future(registration.run())
+            # A stopped or dead rank fail-stops the replica even in the middle of a command
+            # (a prefill or write waits for its ranks without a deadline): its writes go to the
+            # broker as lost with the incarnation, instead of every request timing out on it.
+            watchdog = asyncio.ensure_future(
+                watch_ranks(group, on_fail_stop, interval_s=min(1.0, cfg.broker.heartbeat_interval),
+                            max_silence_s=cfg.rank_stall_seconds_for(stage))
+            )
             stop = asyncio.ensure_future(stop_requested.wait())
             failed = asyncio.ensure_future(fail_stop.wait())
             await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
@@ -273,6 +288,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         code = EXIT_STARTUP
     finally:
         stop_watcher.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
         if registration is not None:
             registration.stop()
         if heartbeats is not None:

@@ -46,22 +46,6 @@ class _Stopper:
         self.event.set()
 
 
-async def _watch_ranks(group: object, interval_s: float, stopper: _Stopper) -> None:
-    """A missing worker rank is a broken invariant even while no request is running (its pool
-    can no longer be verified or read, and with Mooncake its engine is gone): ping the ranks every
-    interval and fail stop when one is gone. The ping waits its turn behind a running command."""
-    from kvrelay.worker import WorkerGroup, WorkerGroupError
-
-    assert isinstance(group, WorkerGroup)
-    while True:
-        await asyncio.sleep(interval_s)
-        try:
-            await asyncio.to_thread(group.ping, 30.0)
-        except WorkerGroupError as err:
-            stopper.fail_stop(f"worker rank lost: {err}")
-            return
-
-
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
     from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
@@ -78,7 +62,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.security import CallerClass, SecurityError, check_bind, load_credentials, make_channel
     from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
-    from kvrelay.worker import DeviceUnavailable, ReplicaLock, WorkerGroup, check_devices, replica_lock_path
+    from kvrelay.worker import (
+        DeviceUnavailable,
+        ReplicaLock,
+        WorkerGroup,
+        check_devices,
+        replica_lock_path,
+        watch_ranks,
+    )
 
     stage = cfg.dit_stage
     replica = args.replica
@@ -191,8 +182,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         )
         await registration.register()
         registration.start_heartbeats()
+        # A missing or stopped rank is a broken invariant even between requests (its pool can no
+        # longer be verified or read, its Mooncake engine neither receives nor drains) and in the
+        # middle of one (a denoise waits for it up to an hour): the watchdog kills the ranks and
+        # fail-stops the replica, whose new incarnation then proves them gone.
         watchdog = asyncio.get_running_loop().create_task(
-            _watch_ranks(group, cfg.broker.heartbeat_interval, stopper), name="dit-rank-watchdog"
+            watch_ranks(group, stopper.fail_stop, interval_s=min(1.0, cfg.broker.heartbeat_interval),
+                        max_silence_s=cfg.rank_stall_seconds_for(stage)),
+            name="dit-rank-watchdog",
         )
         if stopper.fail_reason is None:
             await server.set_serving(True)

@@ -202,6 +202,9 @@ class StageConfig(_Strict):
     cfg_parallel_size: int = Field(1, ge=1)
     # Per-request deadline the broker gives a stage call when the client set none.
     request_timeout_seconds: float = Field(600.0, gt=0)
+    # A rank whose liveness beat is silent this long (stopped, frozen, hung past its own threads)
+    # fail-stops its replica; None: KvRelayConfig.rank_stall_seconds_for's default.
+    rank_stall_seconds: float | None = Field(None, gt=0)
 
     @property
     def head_shards(self) -> int:
@@ -286,6 +289,15 @@ class KvRelayConfig(_Strict):
 
     def stage(self, kind: str) -> StageConfig:
         return self.ar_stage if kind == "ar" else self.dit_stage
+
+    def rank_stall_seconds_for(self, stage: StageConfig) -> float:
+        """How long a rank of `stage` may be silent before its replica fail-stops: the stage's
+        `rank_stall_seconds`, else `max(10 s, 3 x broker.lease_seconds)` (the beat comes from a
+        thread of its own every 0.5 s, so only a stopped process or a native call holding the GIL
+        that long is silent)."""
+        if stage.rank_stall_seconds is not None:
+            return stage.rank_stall_seconds
+        return max(10.0, 3.0 * self.broker.lease_seconds)
 
     @model_validator(mode="after")
     def _check_deployment(self) -> KvRelayConfig:

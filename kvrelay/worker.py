@@ -5,6 +5,9 @@ and the per-replica lock file. It guarantees DESIGN.md section 1's rules: worker
 parent (PR_SET_PDEATHSIG), a replica's lock is held by the service *and* every one of its workers
 (each inherits the locked file description), so a new incarnation that takes the lock proves that
 no process of the old one is alive; each worker sets torch's thread count to its share of cores.
+Each rank also writes a liveness beat (a timestamp in shared memory, from its own thread), so a
+rank that is stopped (SIGSTOP, a frozen cgroup) or not scheduled at all is seen by the service
+without a command having to go through its (serialized) pipe: `check_alive` / `watch_ranks`.
 
 What a rank computes is not this module's business: the service passes a picklable
 `worker_factory(ctx: RankContext) -> handler`, and each rank runs `handler.handle(command)` for
@@ -16,6 +19,7 @@ order (one caller at a time), so collectives inside handlers line up across rank
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import errno
@@ -84,6 +88,22 @@ class WorkerTimeout(WorkerGroupError):
     def __init__(self, ranks: Sequence[int], during: str, timeout_s: float):
         self.ranks = tuple(ranks)
         super().__init__(f"worker ranks {list(ranks)} did not answer {during} within {timeout_s:.1f}s")
+
+
+class WorkerStalled(WorkerGroupError):
+    """A rank's liveness beat was silent past the limit: it is stopped (SIGSTOP, a frozen cgroup)
+    or hung so hard that not even its beat thread runs. It can never be trusted to finish a
+    collective or a transfer, so the whole group was killed (fail-stop: the lock goes with the
+    ranks, and a new incarnation proves them gone)."""
+
+    def __init__(self, ranks: Sequence[int], silence_s: Sequence[float], limit_s: float, states: Sequence[str]):
+        self.ranks = tuple(ranks)
+        self.silence_s = tuple(silence_s)
+        what = ", ".join(
+            f"rank {r} silent {t:.1f}s{f' (process state {st})' if st else ''}"
+            for r, t, st in zip(ranks, silence_s, states, strict=True)
+        )
+        super().__init__(f"worker {what}: over the {limit_s:.1f}s limit, stopped or hung; the group was killed")
 
 
 class WorkerGroupBroken(WorkerGroupError):
@@ -205,6 +225,7 @@ class _RankSpec:
     parent_pid: int
     dist_timeout_s: float
     env: tuple[tuple[str, str], ...] = field(default=())
+    beat_interval_s: float = 0.5
 
 
 # Plain pickle both ways: tensors travel inline (no shared-memory fds whose lifetime the other
@@ -429,8 +450,25 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _rank_main(spec: _RankSpec, conn: Connection, factory_bytes: bytes, lock_fd: int | None) -> None:
+def _start_beats(beats: Any, rank: int, interval_s: float) -> None:
+    """Write this rank's liveness beat (CLOCK_MONOTONIC, one clock for every process of the host)
+    from a thread of its own: it keeps beating while the main thread runs a long command, and
+    stops only when the whole process does (stopped, frozen, or dead)."""
+
+    def beat() -> None:
+        while True:
+            beats[rank] = time.monotonic()
+            time.sleep(interval_s)
+
+    threading.Thread(target=beat, name="kvrelay-rank-beat", daemon=True).start()
+
+
+def _rank_main(
+    spec: _RankSpec, conn: Connection, factory_bytes: bytes, lock_fd: int | None, beats: Any = None
+) -> None:
     _die_with_parent(spec.parent_pid)
+    if beats is not None:
+        _start_beats(beats, spec.rank, spec.beat_interval_s)
     # The service orchestrates shutdown (Stop, or PDEATHSIG when it dies); a terminal's Ctrl-C
     # reaching the workers directly would kill them mid-collective and bury the real error.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -587,6 +625,7 @@ class WorkerGroup:
         env: dict[str, str] | None = None,
         name: str = "kvrelay-rank",
         error_grace_s: float = 10.0,
+        beat_interval_s: float = 0.5,
     ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -603,6 +642,8 @@ class WorkerGroup:
         self._env = tuple(sorted((env or {}).items()))
         self._name = name
         self.error_grace_s = error_grace_s
+        self.beat_interval_s = beat_interval_s
+        self._beats: Any = None  # ctypes double[world_size] shared with the ranks, set by start()
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._call_lock = threading.Lock()
@@ -635,6 +676,9 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         init_address = f"tcp://127.0.0.1:{free_port()}"
         lock_arg = _InheritedFd(self._lock.fileno()) if self._lock is not None else None
+        self._beats = ctx.RawArray("d", self.world_size)
+        for rank in range(self.world_size):
+            self._beats[rank] = time.monotonic()  # silence is counted from the spawn
         child_conns = []
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -648,10 +692,11 @@ class WorkerGroup:
                 parent_pid=os.getpid(),
                 dist_timeout_s=self._dist_timeout_s,
                 env=self._env,
+                beat_interval_s=self.beat_interval_s,
             )
             proc = ctx.Process(
                 target=_rank_main,
-                args=(spec, child_conn, self._factory_bytes, lock_arg),
+                args=(spec, child_conn, self._factory_bytes, lock_arg, self._beats),
                 name=f"{self._name}-{rank}",
                 daemon=True,
             )
@@ -794,6 +839,8 @@ class WorkerGroup:
         return [r.value for r in replies]
 
     def _fail(self, error: WorkerGroupError) -> None:
+        if isinstance(self._broken, WorkerStalled):
+            error = self._broken  # check_alive killed the ranks under this call: say why
         self._broken = error
         self._kill_all()
         raise error
@@ -851,6 +898,42 @@ class WorkerGroup:
     def ping(self, timeout_s: float = 10.0) -> list[RankInfo]:
         return self.call_all(Ping(), timeout_s)
 
+    # -- liveness -------------------------------------------------------------------------------
+
+    def silence_s(self) -> list[float]:
+        """Seconds since each rank's last liveness beat (since its spawn before the first)."""
+        if self._beats is None:
+            return [0.0] * self.world_size
+        now = time.monotonic()
+        return [max(0.0, now - float(self._beats[r])) for r in range(self.world_size)]
+
+    def check_alive(self, max_silence_s: float) -> None:
+        """Fail stop the group if a rank exited or its beat was silent over `max_silence_s`:
+        kill every rank and raise WorkerDied / WorkerStalled (a command in flight raises the same).
+        Does not wait for a running command (it takes no call lock), so a rank stopped in the
+        middle of one is found. Raises WorkerGroupBroken if the group already failed; returns
+        quietly before start and after a requested stop."""
+        if not self._started or isinstance(self._broken, WorkerGroupBroken):
+            return  # not started, or stopped/killed on request (a failed command also raises itself)
+        if self._broken is not None:
+            raise WorkerGroupBroken(f"worker group unusable: {self._broken}") from self._broken
+        error: WorkerGroupError | None = None
+        for rank, proc in enumerate(self._procs):
+            if proc.pid is not None and not proc.is_alive():
+                error = WorkerDied(rank, proc.exitcode, "no command (found by the liveness check)")
+                break
+        if error is None:
+            silence = self.silence_s()
+            stalled = [r for r, t in enumerate(silence) if t > max_silence_s]
+            if stalled:
+                error = WorkerStalled(stalled, [silence[r] for r in stalled], max_silence_s,
+                                      [_process_state(self._procs[r].pid) for r in stalled])
+        if error is None:
+            return
+        self._broken = error
+        self.kill()
+        raise error
+
 
 @dataclass(frozen=True, slots=True)
 class _Named:
@@ -867,3 +950,49 @@ class _ClosedConn:
 
     def close(self) -> None:
         pass
+
+
+def _process_state(pid: int | None) -> str:
+    """The kernel's one-letter state of `pid` (T: stopped, D: uninterruptible), for messages."""
+    if pid is None:
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+async def watch_ranks(
+    group: WorkerGroup,
+    on_lost: Callable[[str], None],
+    *,
+    interval_s: float,
+    max_silence_s: float,
+    ping_timeout_s: float = 30.0,
+) -> None:
+    """A replica's rank watchdog, until cancelled or a rank is lost (then `on_lost(reason)` once).
+
+    Every `interval_s`: `check_alive(max_silence_s)` (a dead or stopped rank, even in the middle of
+    a command: the group is killed, so that command raises too), and a `Ping` when none is in
+    flight (a rank whose command loop stopped answering while idle; it waits its turn behind a
+    running command and times out after `ping_timeout_s`)."""
+    ping: asyncio.Future[list[RankInfo]] | None = None
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.to_thread(group.check_alive, max_silence_s)
+                if ping is not None and ping.done():
+                    ping.result()
+                    ping = None
+                if ping is None:
+                    ping = asyncio.ensure_future(asyncio.to_thread(group.ping, ping_timeout_s))
+            except WorkerGroupError as err:
+                on_lost(f"worker rank lost: {err}")
+                return
+    finally:
+        if ping is not None:
+            # Its error, if any, is the loss already reported; the thread ends with the group.
+            ping.add_done_callback(lambda f: f.cancelled() or f.exception())
+            ping.cancel()

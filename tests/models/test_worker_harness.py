@@ -3,6 +3,7 @@ replica lock."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -22,10 +23,12 @@ from kvrelay.worker import (
     WorkerDied,
     WorkerGroup,
     WorkerGroupBroken,
+    WorkerStalled,
     WorkerTimeout,
     default_threads_per_rank,
     deployment_key,
     replica_lock_path,
+    watch_ranks,
 )
 from tests.models.rank_handlers import ExitNow, Explode, Info, ModelsTestHandler, Sleep, failing_factory
 
@@ -172,6 +175,78 @@ def test_stop_does_not_wait_forever_for_a_command_in_flight():
     assert time.monotonic() - started < 8.0
     assert len(outcome) == 1 and isinstance(outcome[0], WorkerDied), outcome
     assert _wait_gone(group.pids, 5.0)
+
+
+@pytest.mark.slow
+def test_a_rank_stopped_in_the_middle_of_a_command_is_found_and_the_group_killed(tmp_path):
+    """A SIGSTOPped rank answers nothing and never dies: a command without a deadline (a whole
+    denoise, a prefill) would wait for it forever, and a ping waits behind that command. Its
+    liveness beat stops with it: check_alive kills the group (lock released, every rank gone)
+    and the command in flight raises WorkerStalled."""
+    path = tmp_path / "dit-0.lock"
+    lock = ReplicaLock(path).acquire()
+    group = WorkerGroup(2, ModelsTestHandler, lock=lock, beat_interval_s=0.05)
+    group.start()
+    outcome: list[BaseException] = []
+
+    def busy() -> None:
+        try:
+            group.call_all(Sleep(120.0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome.append(exc)
+
+    caller = threading.Thread(target=busy)
+    try:
+        caller.start()
+        time.sleep(0.5)
+        group.check_alive(1.0)  # both ranks beat while the command runs: nothing to find
+        lock.release()
+        os.kill(group.pids[1], signal.SIGSTOP)
+        deadline = time.monotonic() + 10.0
+        with pytest.raises(WorkerStalled, match=r"rank 1 silent .*process state T") as info:
+            while time.monotonic() < deadline:
+                group.check_alive(1.0)
+                time.sleep(0.1)
+        assert info.value.ranks == (1,)
+        caller.join(10.0)
+        assert len(outcome) == 1 and isinstance(outcome[0], WorkerStalled), outcome
+        assert _wait_gone(group.pids, 5.0)
+        ReplicaLock(path).acquire(timeout_s=5.0).release()
+        with pytest.raises(WorkerGroupBroken):
+            group.check_alive(1.0)
+    finally:
+        for pid in group.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        group.stop()
+
+
+async def _watch_until_lost(group: WorkerGroup, fault: int, lost: list[str]) -> None:
+    watchdog = asyncio.ensure_future(
+        watch_ranks(group, lost.append, interval_s=0.1, max_silence_s=1.0, ping_timeout_s=30.0)
+    )
+    await asyncio.sleep(0.5)
+    assert not lost and not watchdog.done()
+    os.kill(group.pids[0], fault)
+    await asyncio.wait_for(watchdog, 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["died", "stopped"])
+def test_the_watchdog_reports_an_idle_rank_that_died_or_stopped(fault: int) -> None:
+    group = WorkerGroup(1, ModelsTestHandler, beat_interval_s=0.05)
+    group.start()
+    lost: list[str] = []
+    try:
+        asyncio.run(_watch_until_lost(group, fault, lost))
+        assert len(lost) == 1
+        assert ("died" if fault == signal.SIGKILL else "silent") in lost[0], lost
+        assert _wait_gone(group.pids, 5.0)
+    finally:
+        for pid in group.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        group.stop()
 
 
 @pytest.mark.slow
