@@ -263,7 +263,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             # (a prefill or write waits for its ranks without a deadline): its writes go to the
             # broker as lost with the incarnation, instead of every request timing out on it.
             watchdog = asyncio.ensure_future(
-                watch_ranks(group, on_fail_stop, interval_s=min(1.0, cfg.broker.heartbeat_interval),
+                watch_ranks(group, on_fail_stop, interval_s=cfg.rank_watch_interval,
                             max_silence_s=cfg.rank_stall_seconds_for(stage))
             )
             stop = asyncio.ensure_future(stop_requested.wait())

@@ -121,6 +121,7 @@ class BrokerCore:
         clock: Clock = time.time,
         lease_seconds: float = 10.0,
         drain_quiet_seconds: float = 2.0,
+        receiver_settle_seconds: float = 0.0,
         registration_token: str | None = None,
         verify_checksums: bool = True,
         layout_version: int = LAYOUT_VERSION,
@@ -132,6 +133,10 @@ class BrokerCore:
         self.clock = clock
         self.lease_seconds = lease_seconds
         self.drain_quiet_seconds = drain_quiet_seconds
+        # Pages of a ticket whose writer was proven gone (not returned) wait this long after the
+        # proof, and for the DiT replica to be up: a stopped DiT rank may still hold the dead
+        # sender's bytes in its socket buffer (KvRelayConfig.receiver_settle_seconds). 0: off.
+        self.receiver_settle_seconds = receiver_settle_seconds
         self.registration_token = registration_token or None
         self.verify_checksums = verify_checksums
         self.registry = ReplicaRegistry(layout_version)
@@ -641,7 +646,17 @@ class BrokerCore:
 
     def _try_drain(self, t: TicketRecord, now: float | None = None) -> bool:
         old = t.state
-        if t.try_drain(self.clock() if now is None else now, self.drain_quiet_seconds):
+        now = self.clock() if now is None else now
+        quiet = self.drain_quiet_seconds
+        if self.receiver_settle_seconds > 0 and t.writer_gone_writes():
+            # No sender is left, but the receiver's side is not proven drained: wait out its
+            # watchdog's limit, and never free while the DiT is down (stopped as a whole, it runs
+            # no watchdog; its ranks drain as soon as it runs again).
+            dit = self.registry.find(t.dit_replica_id)
+            if dit is not None and not dit.up(now):
+                return False
+            quiet = max(quiet, self.receiver_settle_seconds)
+        if t.try_drain(now, quiet):
             self._settle(t, old)
             return True
         return False

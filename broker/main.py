@@ -51,6 +51,7 @@ async def serve(
         b.journal_path,
         lease_seconds=b.lease_seconds,
         drain_quiet_seconds=b.drain_quiet_seconds,
+        receiver_settle_seconds=cfg.receiver_settle_seconds,
         registration_token=creds.replica_token,
         verify_checksums=cfg.dit_stage.verify_checksums,
     )

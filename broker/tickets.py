@@ -297,6 +297,10 @@ class TicketRecord:
         """Writes that may still land (PENDING or IN_DOUBT): the pages stay held while any exists."""
         return [k for k, w in self.writes.items() if w.status not in FINAL_WRITE_STATUSES]
 
+    def writer_gone_writes(self) -> list[WriteKey]:
+        """Writes resolved by proof that their sender is gone, not by its own final report."""
+        return [k for k, w in self.writes.items() if w.status is WriteStatus.WRITER_GONE]
+
     def quiet_until(self, quiet_seconds: float) -> float:
         """When the pages may be freed, once every write is resolved."""
         last = self.last_resolution_time

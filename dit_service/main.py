@@ -187,7 +187,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         # middle of one (a denoise waits for it up to an hour): the watchdog kills the ranks and
         # fail-stops the replica, whose new incarnation then proves them gone.
         watchdog = asyncio.get_running_loop().create_task(
-            watch_ranks(group, stopper.fail_stop, interval_s=min(1.0, cfg.broker.heartbeat_interval),
+            watch_ranks(group, stopper.fail_stop, interval_s=cfg.rank_watch_interval,
                         max_silence_s=cfg.rank_stall_seconds_for(stage)),
             name="dit-rank-watchdog",
         )

@@ -290,6 +290,20 @@ class KvRelayConfig(_Strict):
     def stage(self, kind: str) -> StageConfig:
         return self.ar_stage if kind == "ar" else self.dit_stage
 
+    @property
+    def rank_watch_interval(self) -> float:
+        """How often a replica's watchdog checks its ranks (kvrelay.worker.watch_ranks)."""
+        return min(1.0, self.broker.heartbeat_interval)
+
+    @property
+    def receiver_settle_seconds(self) -> float:
+        """How long after a writer is proven gone (WRITER_GONE) the broker holds its ticket's
+        pages, and only frees them while the DiT replica is up: a DiT rank stopped at that moment
+        may hold bytes of the dead sender in its socket buffer; it either runs again (and drains
+        them) or stays silent until its watchdog kills it, within the DiT's stall limit plus one
+        watch interval. One second of margin for the kill and the drain."""
+        return self.rank_stall_seconds_for(self.dit_stage) + self.rank_watch_interval + 1.0
+
     def rank_stall_seconds_for(self, stage: StageConfig) -> float:
         """How long a rank of `stage` may be silent before its replica fail-stops: the stage's
         `rank_stall_seconds`, else `max(10 s, 3 x broker.lease_seconds)` (the beat comes from a

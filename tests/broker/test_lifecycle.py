@@ -558,6 +558,55 @@ def test_in_doubt_write_resolves_when_its_writer_is_proven_gone(core, ar, dit, c
     assert pages(core) == (32, 0, 0)
 
 
+def test_pages_of_a_gone_writer_wait_until_a_stopped_receiver_drained_or_was_killed(clock) -> None:
+    """A new AR incarnation proves no sender is alive, not that the DiT rank drained its socket:
+    one stopped at that moment holds the dead sender's bytes until it runs again (then drains
+    them) or its watchdog kills it (within `receiver_settle_seconds`). So the pages wait that
+    long after the proof, and never free while the DiT is down (a stopped service runs no
+    watchdog). A writer's own final report keeps the plain quiet period."""
+    settle = 30.0
+    core = BrokerCore(None, clock=clock, lease_seconds=10.0, drain_quiet_seconds=QUIET,
+                      receiver_settle_seconds=settle, journal_synchronous="OFF")
+    try:
+        ar, dit = ar_spec(tp=2), dit_spec(tp=2, num_pages=32)
+        core.register_replica(ar)
+        core.register_replica(dit)
+        t = armed(core, ar, dit)
+        for w in t.writes:
+            _report(core, t, w.key, ar, WriteStatus.IN_DOUBT)
+        core.cancel_ticket(t.ticket_id, TicketOutcome.TIMED_OUT)
+        ar2 = new_incarnation(ar)
+        core.register_replica(ar2)
+        assert {w.status for w in core.get_ticket(t.ticket_id).writes} == {WriteStatus.WRITER_GONE}
+        clock.advance(QUIET)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+        for _ in range(3):  # the DiT heartbeats; the settle time has not passed
+            clock.advance(8.0)
+            core.heartbeat(dit.replica_id, dit.incarnation_id)
+            core.tick()
+            assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+        clock.advance(11.0)  # past the settle time, but the DiT's lease lapsed: it may be stopped
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+        assert pages(core)[2] > 0
+        core.heartbeat(dit.replica_id, dit.incarnation_id)  # it runs again (its ranks drained)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+        assert pages(core) == (32, 0, 0)
+
+        core.heartbeat(ar2.replica_id, ar2.incarnation_id)
+        t2 = armed(core, ar2, dit, request_id="req-2")
+        for w in t2.writes:
+            _report(core, t2, w.key, ar2, WriteStatus.FAILED)
+        core.cancel_ticket(t2.ticket_id, TicketOutcome.TIMED_OUT)
+        clock.advance(QUIET)
+        core.tick()
+        assert core.get_ticket(t2.ticket_id).state is TicketState.RELEASED
+    finally:
+        core.close()
+
+
 def test_in_doubt_survives_a_broker_restart(tmp_path, clock) -> None:
     path = tmp_path / "journal.sqlite"
     core = BrokerCore(path, clock=clock, drain_quiet_seconds=QUIET, journal_synchronous="OFF")

@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from kvrelay.client import GenerationState, KvRelayClient, KvRelayError
+from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, TicketState
 from tests.e2e.node import running_node, wait_pools_full
 
 pytestmark = pytest.mark.slow
@@ -56,6 +56,10 @@ def _wait_new_incarnation(client: KvRelayClient, replica_id: str, old: str, time
                 return new
         assert time.monotonic() < deadline, f"{replica_id} was not replaced: {client.list_replicas()}"
         time.sleep(0.1)
+
+
+def _ticket_states(client: KvRelayClient) -> dict[str, TicketState]:
+    return {t.ticket_id: t.state for t in client.list_tickets()}
 
 
 def _resume(procs: list[psutil.Process]) -> None:
@@ -132,3 +136,51 @@ def test_an_ar_rank_stopped_forever_fail_stops_the_ar_replica(tmp_path: Path) ->
             _resume(ranks)
         assert client.generate("after the fault", seed=4, width=64, height=64, timeout=60).result().png
         assert wait_pools_full(client, timeout=30)[0].free_pages == total
+
+
+RECEIVER_STALL_S = 20.0
+
+
+def _receiver_stalls_long(cfg: dict[str, Any]) -> None:
+    # The DiT rank stays stopped through the AR's restart without being killed; writes give up
+    # (IN_DOUBT) after 2 s.
+    cfg["stages"][1]["rank_stall_seconds"] = RECEIVER_STALL_S
+    for stage in cfg["stages"]:
+        stage["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout"] = 2.0
+
+
+def test_a_dead_senders_pages_stay_held_while_the_receiving_rank_is_stopped(tmp_path: Path) -> None:
+    """Known gap (c) of docs/transfer.md: the writer's death (a new AR incarnation) proved no
+    sender alive, and the pages were freed `drain_quiet_seconds` later although the DiT rank that
+    receives was stopped, with the dead sender's bytes possibly in its socket buffer. Now they
+    wait until that rank has run again (or been killed by its watchdog)."""
+    with running_node(tmp_path, "deadsender", _receiver_stalls_long) as node, \
+            KvRelayClient(node.address(), timeout=30) as client:
+        total = wait_pools_full(client)[0].total_pages
+        ar_first = _incarnation(client, "ar-0")
+        dit_first = _incarnation(client, "dit-0")
+        ranks = _ranks(node, "dit-0")
+        for proc in ranks:
+            os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KvRelayError) as info:
+                client.generate("into a stopped receiver", seed=5, width=64, height=64, timeout=6).result()
+            assert info.value.reason == "TRANSFER_TIMEOUT", info.value
+            # DRAINING past the quiet period: a write is in doubt (held until its call returns).
+            time.sleep(1.0)
+            (ticket,) = client.list_tickets()
+            assert ticket.state == TicketState.DRAINING
+            os.kill(node.process("ar-0").pid, signal.SIGKILL)  # its ranks die with it (PDEATHSIG)
+            _wait_new_incarnation(client, "ar-0", ar_first, timeout=30)
+            time.sleep(1.5)  # many times drain_quiet_seconds (0.2)
+            assert not any(_gone(p) for p in ranks), "the rank was killed: the test took too long"
+            assert _incarnation(client, "dit-0") == dit_first
+            (pool,) = client.get_pools()
+            assert pool.draining_pages > 0 and pool.free_pages < total, pool
+            assert _ticket_states(client).get(ticket.ticket_id) == TicketState.DRAINING
+        finally:
+            _resume(ranks)
+        # The rank ran again (its buffer drained); the settle time after the proof frees them.
+        assert wait_pools_full(client, timeout=RECEIVER_STALL_S + 15)[0].free_pages == total
+        assert _incarnation(client, "dit-0") == dit_first
+        assert client.generate("after the fault", seed=6, width=64, height=64, timeout=60).result().png
