@@ -907,12 +907,15 @@ class WorkerGroup:
         now = time.monotonic()
         return [max(0.0, now - float(self._beats[r])) for r in range(self.world_size)]
 
-    def check_alive(self, max_silence_s: float) -> None:
+    def check_alive(self, max_silence_s: float, observed_since: float | None = None) -> None:
         """Fail stop the group if a rank exited or its beat was silent over `max_silence_s`:
         kill every rank and raise WorkerDied / WorkerStalled (a command in flight raises the same).
         Does not wait for a running command (it takes no call lock), so a rank stopped in the
         middle of one is found. Raises WorkerGroupBroken if the group already failed; returns
-        quietly before start and after a requested stop."""
+        quietly before start and after a requested stop. `observed_since` (a `time.monotonic()`):
+        count silence only from then, the start of the caller's continuous watch: a caller that was
+        stopped itself (the whole replica paused, then continued) must not blame ranks that were
+        stopped with it and have not been scheduled to beat yet."""
         if not self._started or isinstance(self._broken, WorkerGroupBroken):
             return  # not started, or stopped/killed on request (a failed command also raises itself)
         if self._broken is not None:
@@ -924,6 +927,9 @@ class WorkerGroup:
                 break
         if error is None:
             silence = self.silence_s()
+            if observed_since is not None:
+                watched = max(0.0, time.monotonic() - observed_since)
+                silence = [min(t, watched) for t in silence]
             stalled = [r for r, t in enumerate(silence) if t > max_silence_s]
             if stalled:
                 error = WorkerStalled(stalled, [silence[r] for r in stalled], max_silence_s,
@@ -978,11 +984,18 @@ async def watch_ranks(
     flight (a rank whose command loop stopped answering while idle; it waits its turn behind a
     running command and times out after `ping_timeout_s`)."""
     ping: asyncio.Future[list[RankInfo]] | None = None
+    # Silence counts only while this watchdog itself ran: when its own wake-up comes late by more
+    # than a second (this process was stopped or starved too), watching starts again from now.
+    last = observed_since = time.monotonic()
     try:
         while True:
             await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            if now - last > interval_s + 1.0:
+                observed_since = now
+            last = now
             try:
-                await asyncio.to_thread(group.check_alive, max_silence_s)
+                await asyncio.to_thread(group.check_alive, max_silence_s, observed_since)
                 if ping is not None and ping.done():
                     ping.result()
                     ping = None

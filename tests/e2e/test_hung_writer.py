@@ -117,8 +117,15 @@ def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Pa
         assert client.generate("after the fault", seed=1, width=64, height=64, timeout=60).result().png
 
 
+def _small_patient(cfg: dict[str, Any]) -> None:
+    # Ranks stopped for the whole request (~30 s) are a hang to wait out here, not a rank to
+    # kill (that is tests/e2e/test_stopped_rank.py): past rank_stall_seconds the AR fail-stops.
+    _small(cfg)
+    cfg["stages"][0]["rank_stall_seconds"] = 300.0
+
+
 def test_writer_stopped_before_arming_rolls_back_at_once(tmp_path: Path) -> None:
-    with running_node(tmp_path, "unarmed", _small) as node, KvRelayClient(node.address(), timeout=30) as client:
+    with running_node(tmp_path, "unarmed", _small_patient) as node, KvRelayClient(node.address(), timeout=30) as client:
         total = wait_pools_full(client)[0].total_pages
         main, *ranks = _ar_processes(node)
         assert ranks, "the AR replica runs its model in rank worker processes"

@@ -43,6 +43,9 @@ def _config(cfg: dict[str, Any]) -> None:
         stage["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout"] = TIMEOUT_S
     cfg["stages"][0]["kv_cache_memory_bytes"] = 64 << 20
     cfg["stages"][1]["kv_cache_memory_bytes"] = 32 << 20
+    # The receiver's stop is a temporary hang here: past rank_stall_seconds its replica would
+    # kill it and fail-stop (tests/e2e/test_stopped_rank.py).
+    cfg["stages"][1]["rank_stall_seconds"] = 120.0
 
 
 def _dit_ranks(node: Any) -> list[psutil.Process]:

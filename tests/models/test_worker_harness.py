@@ -221,6 +221,26 @@ def test_a_rank_stopped_in_the_middle_of_a_command_is_found_and_the_group_killed
         group.stop()
 
 
+@pytest.mark.slow
+def test_silence_counts_only_while_the_caller_watched():
+    """A whole replica paused and continued (service and ranks stopped together): the watchdog
+    wakes up to stale beats of ranks that were not scheduled yet. Silence before the watch
+    (re)started is not blamed on them."""
+    group = WorkerGroup(1, ModelsTestHandler, beat_interval_s=0.05)
+    group.start()
+    try:
+        os.kill(group.pids[0], signal.SIGSTOP)
+        time.sleep(1.5)
+        group.check_alive(1.0, observed_since=time.monotonic() - 0.5)  # silent 1.5 s, watched 0.5 s
+        os.kill(group.pids[0], signal.SIGCONT)
+        time.sleep(0.5)
+        group.check_alive(1.0)  # beating again
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(group.pids[0], signal.SIGCONT)
+        group.stop()
+
+
 async def _watch_until_lost(group: WorkerGroup, fault: int, lost: list[str]) -> None:
     watchdog = asyncio.ensure_future(
         watch_ranks(group, lost.append, interval_s=0.1, max_silence_s=1.0, ping_timeout_s=30.0)
