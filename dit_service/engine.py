@@ -4,7 +4,8 @@ Owns, per rank: the mapping of its host page pool (shared with the service proce
 transport registration (Mooncake: one TransferEngine per rank process, the pool registered once
 for the process lifetime), the device pool and mirror -> device copy when the model runs on a GPU,
 checksum verification of the writes that target this rank, and its share of the DiT (TP heads or
-Ulysses SP tokens). Rank 0 decodes the latents and encodes the PNG.
+Ulysses SP tokens). Rank 0 decodes the latents and hands the pixels back (the service process
+encodes the PNG off the ranks' critical path).
 
 It never talks to the broker and never decides when pages are free: the service process does,
 after the rank has answered. Step progress and cancellation cross a small shared control block
@@ -78,7 +79,9 @@ class DenoiseResult:
     rank: int
     steps_done: int
     cancelled: bool
-    png: bytes | None
+    # Rank 0's decoded image, uint8 RGB [H, W, 3] (numpy) on the host. The service process encodes
+    # the PNG in a thread after the slot is released: the CPU encode never idles the GPU.
+    pixels: Any | None
     width: int
     height: int
     copy_seconds: float
@@ -255,7 +258,6 @@ class DitRankHandler:
 
     def _denoise(self, cmd: RunDenoise) -> DenoiseResult:
         from kvrelay.models.dit import DenoiseCancelled
-        from kvrelay.models.image import encode_png
         from kvrelay.models.paged_attention import read_prefix
 
         control = self.control[cmd.slot]
@@ -287,14 +289,27 @@ class DitRankHandler:
                                  copy_seconds, time.perf_counter() - start, 0.0)
         finally:
             del prefix_rows  # views into the pool: none outlives the call
+        self._sync()  # the steps are queued asynchronously (graph replays): time what they cost
         denoise_seconds = time.perf_counter() - start
-        png, decode_seconds = None, 0.0
+        pixels, decode_seconds = None, 0.0
         if self.ctx.rank == 0:
             start = time.perf_counter()
-            png = encode_png(self.runner.decode(latents))
+            pixels = self._pixels(latents)
             decode_seconds = time.perf_counter() - start
-        return DenoiseResult(self.ctx.rank, steps_done, False, png, cmd.width, cmd.height,
+        return DenoiseResult(self.ctx.rank, steps_done, False, pixels, cmd.width, cmd.height,
                              copy_seconds, denoise_seconds, decode_seconds)
+
+    def _sync(self) -> None:
+        if self.device_pool is not None:
+            self._torch.cuda.synchronize(self.device_pool.device)
+
+    def _pixels(self, latents: Any) -> Any:
+        """The decoded image as a host uint8 [H, W, 3] array (what the PNG encoder takes)."""
+        import numpy as np
+
+        image = self.runner.decode(latents)
+        array = image.detach().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
+        return np.ascontiguousarray(array)
 
     def _cancelled(self, cmd: RunDenoise) -> bool:
         control = self.control[cmd.slot]
@@ -302,7 +317,6 @@ class DitRankHandler:
 
     def _denoise_batch(self, cmd: RunDenoiseBatch) -> tuple[DenoiseResult, ...]:
         from kvrelay.models.dit import BatchRequest
-        from kvrelay.models.image import encode_png
         from kvrelay.models.paged_attention import read_prefix
 
         items = cmd.items
@@ -338,18 +352,19 @@ class DitRankHandler:
         latents = self.runner.denoise_batch(requests, width=first.width, height=first.height, steps=first.steps,
                                             on_step=on_step) if requests else []
         del requests  # views into the pool: none outlives the call
+        self._sync()
         denoise_seconds = time.perf_counter() - start
         out: list[DenoiseResult | None] = [None] * len(items)
         for j, i in enumerate(running):
             c = items[i]
             if latents[j] is None:
                 continue
-            png, decode_seconds = None, 0.0
+            pixels, decode_seconds = None, 0.0
             if self.ctx.rank == 0:
                 t0 = time.perf_counter()
-                png = encode_png(self.runner.decode(latents[j]))
+                pixels = self._pixels(latents[j])
                 decode_seconds = time.perf_counter() - t0
-            out[i] = DenoiseResult(self.ctx.rank, steps_done[i], False, png, c.width, c.height, copy_seconds,
+            out[i] = DenoiseResult(self.ctx.rank, steps_done[i], False, pixels, c.width, c.height, copy_seconds,
                                    denoise_seconds, decode_seconds)
         return tuple(
             r if r is not None else DenoiseResult(self.ctx.rank, steps_done[i], True, None, items[i].width,

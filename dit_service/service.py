@@ -42,6 +42,7 @@ from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, Wri
 from kvrelay.dit_service.scheduler import AdmissionQueue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
+from kvrelay.models.image import encode_png
 from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.convert import writes_from_proto
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
@@ -308,6 +309,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         outcome, reason = "CANCELLED", "denoise cancelled by the caller"
         ticket_id = request.ticket_id
         release = False
+        finished: tuple[DenoiseResult, float, int] | None = None
         error: KvRelayServerError | None = None
         self.s.metrics.waiting.inc()
         waiting = True
@@ -358,24 +360,31 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                 result = event
                             else:
                                 yield event
-                    assert result is not None and result.png is not None
+                    assert result is not None and result.pixels is not None
                     self.s.metrics.phase_seconds.labels("denoise").observe(result.denoise_seconds)
-                    self.s.metrics.phase_seconds.labels("decode").observe(result.decode_seconds)
                     # Release before the final event: the caller may act on DECODED at once (and
                     # tests check the pool right after it).
                     outcome, reason = "OK", ""
                     release = False
                     await self._release(ticket_id, "OK", "")
-                    yield dit_pb2.DenoiseEvent(
-                        phase=dit_pb2.DENOISE_PHASE_DECODED,
-                        step=request.num_inference_steps, total_steps=request.num_inference_steps,
-                        image=common_pb2.Image(png=result.png, width=result.width, height=result.height,
-                                               seed=request.seed),
-                        load_seconds=load_seconds, denoise_seconds=result.denoise_seconds + result.copy_seconds,
-                        decode_seconds=result.decode_seconds, bytes_loaded=loaded_bytes,
-                    )
+                    finished = (result, load_seconds, loaded_bytes)
                 finally:
                     self.s.metrics.active.dec()
+            # The slot is free again: the next admitted ticket loads and denoises on the GPU while
+            # this image's PNG is encoded on a host thread (Pillow releases the GIL while it encodes).
+            assert finished is not None
+            result, load_seconds, loaded_bytes = finished
+            encode_start = time.monotonic()
+            png = await asyncio.to_thread(encode_png, result.pixels)
+            decode_seconds = result.decode_seconds + (time.monotonic() - encode_start)
+            self.s.metrics.phase_seconds.labels("decode").observe(decode_seconds)
+            yield dit_pb2.DenoiseEvent(
+                phase=dit_pb2.DENOISE_PHASE_DECODED,
+                step=request.num_inference_steps, total_steps=request.num_inference_steps,
+                image=common_pb2.Image(png=png, width=result.width, height=result.height, seed=request.seed),
+                load_seconds=load_seconds, denoise_seconds=result.denoise_seconds + result.copy_seconds,
+                decode_seconds=decode_seconds, bytes_loaded=loaded_bytes,
+            )
         except KvRelayServerError as err:
             error = err
             outcome = "TIMED_OUT" if err.reason == "TRANSFER_TIMEOUT" else "FAILED"

@@ -9,7 +9,9 @@ root like the CLI: it is the one place besides the CLI allowed to import both se
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvrelay.models.paged_attention import read_prefix, write_prefix
@@ -37,6 +39,9 @@ class ColocatedPipeline:
         )
         self.ar.warm_up()
         self.dit.warm_up()
+        # PNG encoding off the GPU's critical path, as the served DiT does it (one host thread per
+        # image in flight is plenty: Pillow releases the GIL while it encodes).
+        self._encoder = ThreadPoolExecutor(max_workers=max(2, max_batch), thread_name_prefix="png")
 
     def prefill(self, texts: list[str]) -> list[torch.Tensor]:
         """Each CFG row's KV, [num_layers, 2, num_kv_heads, T, head_dim] (all rows in one batch)."""
@@ -56,13 +61,14 @@ class ColocatedPipeline:
 
     def generate_batch(
         self, requests: list[tuple[str, str, int]], width: int, height: int, steps: int, guidance_scale: float
-    ) -> dict[str, float]:
+    ) -> tuple[dict[str, float], Future[float]]:
         """Up to ``max_batch`` generations together, as a served replica with that max_num_seqs
         runs them: one batched prefill of all their CFG rows, the hand-over, one batched denoise,
-        then each decode. ``requests``: (prompt, negative prompt, seed). Returns the batch's phase
-        timings (seconds), which every request of the batch shares."""
+        then each decode to host pixels. ``requests``: (prompt, negative prompt, seed). Returns the
+        batch's phase timings (seconds), which every request of the batch shares, and a future of
+        the PNG encoding: like a served replica, the encode runs on a host thread while the next
+        batch uses the GPU (the future's result is the encode's seconds)."""
         from kvrelay.models.dit import BatchRequest
-        from kvrelay.models.image import encode_png
 
         if not 0 < len(requests) <= self.max_batch:
             raise ValueError(f"{len(requests)} requests for a batch of at most {self.max_batch}")
@@ -81,10 +87,12 @@ class ColocatedPipeline:
         latents = self.dit.denoise_batch(batch, width=width, height=height, steps=steps)
         sync()
         t3 = time.perf_counter()
+        images = []
         for lat in latents:
-            assert lat is not None and encode_png(self.dit.decode(lat))
+            assert lat is not None
+            images.append(self.dit.decode(lat).cpu().numpy())
         t4 = time.perf_counter()
-        return {
+        phases = {
             "prefill_seconds": t1 - t0,
             "transfer_seconds": t2 - t1,
             "handoff_seconds": t2 - t1,
@@ -93,6 +101,10 @@ class ColocatedPipeline:
             "decode_seconds": t4 - t3,
             "total_seconds": t4 - t0,
         }
+        return phases, self._encoder.submit(_encode_all, images)
+
+    def close(self) -> None:
+        self._encoder.shutdown(wait=True)
 
     def generate(
         self, prompt: str, negative_prompt: str, seed: int, width: int, height: int, steps: int, guidance_scale: float
@@ -126,3 +138,12 @@ class ColocatedPipeline:
             "decode_seconds": t4 - t3,
             "total_seconds": t4 - t0,
         }
+
+
+def _encode_all(images: list[np.ndarray]) -> float:
+    from kvrelay.models.image import encode_png
+
+    start = time.perf_counter()
+    for image in images:
+        assert encode_png(image)
+    return time.perf_counter() - start
