@@ -24,11 +24,12 @@ import functools
 import hashlib
 import json
 import math
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpG
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
 from kvrelay.models.sampler import (
     StepCallback,
+    VelocityFn,
     cfg_rows,
     combine_cfg,
     euler_sample,
@@ -269,7 +271,7 @@ class DitBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cond: torch.Tensor,
+        modulation: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
         keys: torch.Tensor,
@@ -277,7 +279,9 @@ class DitBlock(nn.Module):
         prefix_slots: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        shift1, scale1, gate1, shift2, scale2, gate2 = self.modulation(cond).unsqueeze(1).chunk(6, dim=-1)
+        """``modulation`` ``[1, 6 * hidden]``: this block's ``self.modulation(silu(c))`` for the
+        step's flow time, computed once per t (``DitModel.conditioning``) and broadcast over rows."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = modulation.unsqueeze(1).chunk(6, dim=-1)
         h = self.attn_norm(x) * (1 + scale1) + shift1
         x = x + gate1 * self.attn(h, cos, sin, keys, values, prefix_slots, mask)
         h = self.mlp_norm(x) * (1 + scale2) + shift2
@@ -286,11 +290,37 @@ class DitBlock(nn.Module):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class StepConditioning:
+    """What a step's flow time ``t`` contributes, for ONE row (every row of a step shares t):
+    each block's adaLN modulation ``blocks[i] = blocks.i.modulation(silu(c))`` ``[1, 6 * hidden]``
+    and the final ``final_modulation(silu(c))`` ``[1, 2 * hidden]``, ``c`` the time embedding.
+    Both are views of one contiguous buffer ``flat``, so a captured step's static copy is refilled
+    with one device copy (``copy_``)."""
+
+    flat: torch.Tensor  # [(6 * num_layers + 2) * hidden]
+    blocks: torch.Tensor  # [num_layers, 1, 6 * hidden], view of flat
+    final: torch.Tensor  # [1, 2 * hidden], view of flat
+
+    @classmethod
+    def empty(cls, num_layers: int, hidden: int, *, dtype: torch.dtype, device: torch.device) -> StepConditioning:
+        """A zeroed buffer (a captured step's static conditioning)."""
+        split = num_layers * 6 * hidden
+        flat = torch.zeros(split + 2 * hidden, dtype=dtype, device=device)
+        return cls(flat, flat[:split].view(num_layers, 1, 6 * hidden), flat[split:].view(1, 2 * hidden))
+
+    def copy_(self, other: StepConditioning) -> None:
+        """Overwrite in place with ``other``'s values (one device copy, no host synchronisation)."""
+        self.flat.copy_(other.flat)
+
+
 class DitModel(nn.Module):
-    """Velocity model: ``forward(latents [rows, C, h, w], t [rows], prefix_rows) -> v [rows, C, h, w]``.
+    """Velocity model: ``forward(latents [rows, C, h, w], t: float, prefix_rows) -> v [rows, C, h, w]``.
 
     Every rank passes the full latents (the sampler keeps them replicated); the rank embeds only
-    its sequence shard of the tokens and all-gathers the output tokens over its SP group.
+    its sequence shard of the tokens and all-gathers the output tokens over its SP group. All rows
+    of a step share the flow time t, so its adaLN modulation is computed once for one row
+    (``conditioning(t)``) and broadcast; ``DitRunner`` caches it per t.
     """
 
     def __init__(
@@ -386,10 +416,31 @@ class DitModel(nn.Module):
             into.sin[r, 0].copy_(sin)
         return into
 
+    def empty_conditioning(self) -> StepConditioning:
+        """A zeroed conditioning buffer of this model's shape, dtype and device."""
+        return StepConditioning.empty(self.cfg.num_layers, self.cfg.hidden, dtype=self.dtype, device=self.device)
+
     @torch.no_grad()
-    def step(self, latents: torch.Tensor, t: torch.Tensor, inputs: DitStepInputs) -> torch.Tensor:
-        """Velocity ``[rows, C, h, w]`` of ``latents`` at flow times ``t`` ``[rows]`` over prepared
-        inputs. No host synchronisation and fixed buffer addresses: a CUDA graph can capture it."""
+    def conditioning(self, t: float) -> StepConditioning:
+        """The conditioning of flow time ``t`` (a host float) for one row: the time embedding
+        ``c`` (t as fp32, as every row used to see it), then every block's modulation and the final
+        one of ``silu(c)``. The modulation linears read ``(6 L + 2) hidden^2`` weights for one
+        row, which is why ``DitRunner`` computes this once per distinct t, not every step."""
+        out = self.empty_conditioning()
+        t_row = torch.full((1,), t, dtype=torch.float32, device=self.device)
+        cond = self.time_out(F.silu(self.time_in(timestep_features(t_row).to(self.dtype))))
+        cond = F.silu(cond)  # every consumer (adaLN linears) takes silu(c), as in DiT
+        for layer, block in enumerate(self.blocks):
+            # cast, not isinstance: a block may be wrapped (torch.compile'd module) and still has it.
+            out.blocks[layer].copy_(cast(DitBlock, block).modulation(cond))
+        out.final.copy_(self.final_modulation(cond))
+        return out
+
+    @torch.no_grad()
+    def step(self, latents: torch.Tensor, cond: StepConditioning, inputs: DitStepInputs) -> torch.Tensor:
+        """Velocity ``[rows, C, h, w]`` of ``latents`` at the flow time whose conditioning is
+        ``cond`` (``conditioning(t)``, shared by every row) over prepared inputs. No host
+        synchronisation and fixed buffer addresses: a CUDA graph can capture it."""
         cfg, sp = self.cfg, self.parallel.sp
         rows, _, h, w = latents.shape
         if (h, w, rows) != (inputs.h, inputs.w, inputs.kv.rows):
@@ -405,34 +456,30 @@ class DitModel(nn.Module):
             pos = F.pad(pos, (0, 0, 0, n_padded - n))
         x = self.patch_embed(tokens[:, lo : lo + n_local]) + pos[lo : lo + n_local]
 
-        cond = self.time_out(F.silu(self.time_in(timestep_features(t).to(self.dtype))))
-        cond = F.silu(cond)  # every consumer (adaLN linears) takes silu(c), as in DiT
-
         kv = inputs.kv
         run_block = self.compiled_block or _run_block
         for layer, block in enumerate(self.blocks):
-            x = run_block(block, x, cond, inputs.cos, inputs.sin, kv.keys[layer], kv.values[layer],
+            x = run_block(block, x, cond.blocks[layer], inputs.cos, inputs.sin, kv.keys[layer], kv.values[layer],
                           kv.prefix_slots, kv.mask)
 
-        shift, scale = self.final_modulation(cond).unsqueeze(1).chunk(2, dim=-1)
+        shift, scale = cond.final.unsqueeze(1).chunk(2, dim=-1)
         out = self.final_proj(self.final_norm(x) * (1 + scale) + shift)
         out = sp.all_gather(out, dim=1)[:, :n]
         return self.unpatchify(out, h, w)
 
     @torch.no_grad()
-    def forward(
-        self, latents: torch.Tensor, t: torch.Tensor, prefix_rows: Sequence[PrefixRow]
-    ) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, t: float, prefix_rows: Sequence[PrefixRow]) -> torch.Tensor:
+        """One uncached step at flow time ``t`` (a host float) over ``prefix_rows``."""
         rows, _, h, w = latents.shape
         if len(prefix_rows) != rows:
             raise ValueError(f"{len(prefix_rows)} prefix rows for {rows} latent rows")
-        return self.step(latents, t, self.prepare(prefix_rows, h, w))
+        return self.step(latents, self.conditioning(t), self.prepare(prefix_rows, h, w))
 
 
 def _run_block(
     block: nn.Module,
     x: torch.Tensor,
-    cond: torch.Tensor,
+    modulation: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     keys: torch.Tensor,
@@ -440,7 +487,7 @@ def _run_block(
     prefix_slots: int,
     mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    out: torch.Tensor = block(x, cond, cos, sin, keys, values, prefix_slots, mask)
+    out: torch.Tensor = block(x, modulation, cos, sin, keys, values, prefix_slots, mask)
     return out
 
 
@@ -584,35 +631,49 @@ DIT_CHECKPOINT_FILE = "dit.safetensors"
 
 
 MAX_GRAPHS = 16  # captured step shapes kept per runner (each holds its K/V buffers)
+# Cached step conditionings per runner (distinct flow times t; BAGEL-7B shape: ~1.2 MB each).
+MAX_CONDITIONINGS = 64
 
 
 class StepGraph:
     """One DiT step captured as a CUDA graph for a shape bucket (rows, latent h x w, prefix
-    slots): static latents, times and per-denoise inputs (``DitStepInputs``, refilled in place by
-    ``DitModel.prepare(into=...)``); ``run`` copies the step's latents and times in and replays.
-    The kernels are exactly the eager step's over the same buffers, so the output is bit-identical
-    to ``model.step`` (tests/dit_model/test_cuda_graphs.py)."""
+    slots): static latents, conditioning (``StepConditioning``) and per-denoise inputs
+    (``DitStepInputs``, refilled in place by ``DitModel.prepare(into=...)``); ``run(x, t)`` copies
+    the step's latents and the conditioning of t (from ``conditioning``, the runner's cache; a
+    device copy) in and replays. The kernels are exactly the eager step's over the same buffers,
+    so the output is bit-identical to ``model.step`` (tests/dit_model/test_cuda_graphs.py)."""
 
-    def __init__(self, model: DitModel, rows: int, lat_h: int, lat_w: int, slots: int, pool: Any) -> None:
+    def __init__(
+        self, model: DitModel, rows: int, lat_h: int, lat_w: int, slots: int, pool: Any,
+        conditioning: Callable[[float], StepConditioning],
+    ) -> None:
         self.model = model
+        self.conditioning = conditioning
         self.inputs = model.allocate_inputs(rows, lat_h, lat_w, slots, masked=True)
         self.x = torch.zeros(rows, model.cfg.latent_channels, lat_h, lat_w, dtype=model.dtype, device=model.device)
-        self.t = torch.zeros(rows, dtype=torch.float32, device=model.device)
+        self.cond = model.empty_conditioning()
         side = torch.cuda.Stream(model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up: kernel selection and workspaces happen outside the capture
-                model.step(self.x, self.t, self.inputs)
+                model.step(self.x, self.cond, self.inputs)
         torch.cuda.current_stream(model.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = model.step(self.x, self.t, self.inputs)
+            self.out = model.step(self.x, self.cond, self.inputs)
 
-    def run(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def run(self, x: torch.Tensor, t: float) -> torch.Tensor:
         self.x.copy_(x)
-        self.t.copy_(t)
+        self.cond.copy_(self.conditioning(t))
         self.graph.replay()
         return self.out
+
+
+def _t_bits(t: float) -> int:
+    """The exact float64 bits of a host flow time (the conditioning cache's key: 0.5 and the next
+    float after it are different keys, as are 0.0 and -0.0)."""
+    bits: int = struct.unpack("<q", struct.pack("<d", float(t)))[0]
+    return bits
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -661,6 +722,8 @@ class DitRunner:
         self.expert_parallel = expert_parallel and self.cfg.is_moe and self.parallel.tp.world_size > 1
         self._graphs: OrderedDict[tuple[int, int, int, int], StepGraph] = OrderedDict()
         self._graph_pool: Any = None
+        # Step conditionings by (float64 bits of t, dtype, device), LRU; see ``conditioning``.
+        self._conditionings: OrderedDict[tuple[int, torch.dtype, torch.device], StepConditioning] = OrderedDict()
         self.model = DitModel(
             self.cfg, self.parallel, dtype=self.dtype, device=self.device, expert_parallel=self.expert_parallel
         ).eval()
@@ -693,21 +756,43 @@ class DitRunner:
         if not path.is_file():
             raise CheckpointError(f"no {DIT_CHECKPOINT_FILE} in {directory}")
         tensors = load_file(str(path))
+        self.clear_conditionings()  # also when loading fails halfway: weights may have changed
         load_full_state(self.model, tensors, "model.")
         load_full_state(self.decoder, tensors, "decoder.")
+
+    def conditioning(self, t: float) -> StepConditioning:
+        """The step conditioning of flow time ``t`` (``DitModel.conditioning``), cached by the
+        exact host value of t (its float64 bits) and the model's dtype/device, LRU over
+        ``MAX_CONDITIONINGS`` entries: t is shared by every row of a step and the schedule repeats
+        across requests, so the weight-read-bound modulation linears run once per distinct t, not
+        every step. Entries live on the device; a hit costs no device work and no host sync.
+        Anything that changes the model's weights must call ``clear_conditionings``."""
+        key = (_t_bits(t), self.model.dtype, self.model.device)
+        cached = self._conditionings.get(key)
+        if cached is None:
+            cached = self.model.conditioning(float(t))
+            self._conditionings[key] = cached
+            while len(self._conditionings) > MAX_CONDITIONINGS:
+                self._conditionings.popitem(last=False)
+        else:
+            self._conditionings.move_to_end(key)
+        return cached
+
+    def clear_conditionings(self) -> None:
+        """Drop every cached step conditioning (call after changing the model's weights)."""
+        self._conditionings.clear()
 
     def prefix_slots(self, longest: int) -> int:
         """Prefix slots for a batch whose longest prefix has ``longest`` tokens (its bucket on GPUs)."""
         b = self.prefix_bucket
         return -(-longest // b) * b if b else longest
 
-    def stepper(
-        self, prefix_rows: Sequence[PrefixRow], lat_h: int, lat_w: int
-    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """The velocity function of one denoise over ``prefix_rows`` (on the model's device): the
-        prefixes are copied once into the step's K/V buffers, then each call runs one step, as a
-        CUDA graph replay when graphs are on (the returned tensor is then the graph's output
-        buffer, valid until the next call)."""
+    def stepper(self, prefix_rows: Sequence[PrefixRow], lat_h: int, lat_w: int) -> VelocityFn:
+        """The velocity function ``velocity(x [rows, C, h, w], t: float) -> v`` of one denoise over
+        ``prefix_rows`` (on the model's device): the prefixes are copied once into the step's K/V
+        buffers, then each call runs one step at the host flow time t (every row at the same t;
+        its conditioning from the cache), as a CUDA graph replay when graphs are on (the returned
+        tensor is then the graph's output buffer, valid until the next call)."""
         longest = max(int(row[0][0].shape[1]) for row in prefix_rows)
         slots = self.prefix_slots(longest)
         if self.use_graphs:
@@ -716,7 +801,11 @@ class DitRunner:
             return graph.run
         inputs = self.model.allocate_inputs(len(prefix_rows), lat_h, lat_w, slots, masked=bool(self.prefix_bucket))
         self.model.prepare(prefix_rows, lat_h, lat_w, into=inputs)
-        return functools.partial(self.model.step, inputs=inputs)
+
+        def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
+            return self.model.step(x, self.conditioning(t), inputs)
+
+        return velocity
 
     def warm_up(self, width: int = 512, height: int = 512) -> None:
         """On a GPU: compile the blocks and capture the step graphs of the common buckets now (two
@@ -733,7 +822,7 @@ class DitRunner:
             rows = [shard_prefix(row, self.parallel.world, self.parallel.rank) for row in rows]
             step = self.stepper(rows, lat_h, lat_w)
             x = torch.zeros(len(rows), self.cfg.latent_channels, lat_h, lat_w, dtype=self.dtype, device=self.device)
-            step(x, torch.full((len(rows),), 0.5, device=self.device))
+            step(x, 0.5)
         torch.cuda.synchronize(self.device)
 
     def step_graph(self, rows: int, lat_h: int, lat_w: int, slots: int) -> StepGraph:
@@ -745,7 +834,7 @@ class DitRunner:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             if len(self._graphs) >= MAX_GRAPHS:
                 self._graphs.popitem(last=False)
-            graph = StepGraph(self.model, rows, lat_h, lat_w, slots, self._graph_pool)
+            graph = StepGraph(self.model, rows, lat_h, lat_w, slots, self._graph_pool, self.conditioning)
             self._graphs[key] = graph
         self._graphs.move_to_end(key)
         return graph
@@ -872,8 +961,7 @@ class DitRunner:
             t, t_next = float(times[k]), float(times[k + 1])
             counts = [len(rows_of[i]) for i in active]
             batch = torch.cat([xs[i].unsqueeze(0).expand(n, *xs[i].shape) for i, n in zip(active, counts, strict=True)])
-            t_rows = torch.full((batch.shape[0],), t, dtype=torch.float32, device=self.device)
-            v_all = velocity(batch, t_rows)
+            v_all = velocity(batch, t)
             for i, v in zip(active, v_all.split(counts), strict=True):
                 guided = combine_cfg(v, requests[i].guidance_scale)
                 xs[i] = (xs[i].float() + (t_next - t) * guided.float()).to(self.dtype)
@@ -909,7 +997,7 @@ class DitRunner:
         active = list(range(len(requests)))
         times = flow_timesteps(steps, self.timestep_shift)
 
-        def build(active: list[int]) -> tuple[list[int], Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None]:
+        def build(active: list[int]) -> tuple[list[int], VelocityFn | None]:
             mine = [i for i in active if rows_of[i]]
             return mine, (self.stepper([rows_of[i][0] for i in mine], lat_h, lat_w) if mine else None)
 
@@ -919,9 +1007,8 @@ class DitRunner:
             local = torch.zeros(len(active), *shape, dtype=self.dtype, device=self.device)
             if velocity is not None:
                 batch = torch.stack([xs[i] for i in mine])
-                t_rows = torch.full((len(mine),), t, dtype=torch.float32, device=self.device)
                 at = torch.tensor([active.index(i) for i in mine], device=self.device)
-                local.index_copy_(0, at, velocity(batch, t_rows).to(self.dtype))
+                local.index_copy_(0, at, velocity(batch, t).to(self.dtype))
             gathered = cfg.all_gather(local, dim=0).view(cfg.world_size, len(active), *shape)
             for j, i in enumerate(active):
                 # Row r's velocity came from group cfg_group(r): rows 0..n-1 are groups 0..n-1.

@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import torch
 
-# velocity(x [rows, C, h, w], t [rows]) -> v [rows, C, h, w]; row 0 = prompt, row 1 = negative.
-VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# velocity(x [rows, C, h, w], t) -> v [rows, C, h, w]; row 0 = prompt, row 1 = negative. t is the
+# step's flow time as a host float, shared by every row (the model conditions on it once per step).
+VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 # on_step(step, total) after step `step` (1-based) is applied; raising stops the loop there.
 StepCallback = Callable[[int, int], None]
 
@@ -91,8 +92,7 @@ def euler_sample(
     for k in range(steps):
         t, t_next = float(times[k]), float(times[k + 1])
         batch = x.unsqueeze(0).expand(rows, *x.shape)
-        t_rows = torch.full((rows,), t, dtype=torch.float32, device=x.device)
-        v = combine_cfg(velocity_fn(batch, t_rows), guidance_scale)
+        v = combine_cfg(velocity_fn(batch, t), guidance_scale)
         # Accumulate in fp32: with bf16 latents and few steps the update would otherwise round
         # differently per device, and the extra precision costs nothing at latent size.
         x = (x.float() + (t_next - t) * v.float()).to(noise.dtype)

@@ -333,7 +333,7 @@ def run_check(
     v = torch.randn(len(rows), geometry.num_kv_heads, n_img, geometry.head_dim, generator=gen).to(dtype)
     runner = DitRunner(preset, weight_seed=seed, device=device)
     latents = torch.randn(len(rows), preset.dit.latent_channels, 16, 16, generator=gen).to(device, runner.dtype)
-    t = torch.full((len(rows),), 0.5, device=device)
+    t = 0.5  # the flow time, shared by every row
     q, k, v = q.to(device), k.to(device), v.to(device)
 
     def outputs(host_rows: list[list[tuple[Any, Any]]]) -> list[Any]:

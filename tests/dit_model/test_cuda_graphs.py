@@ -32,13 +32,17 @@ def test_dit_graph_step_equals_eager_step_bit_for_bit(runner: DitRunner) -> None
         graph = runner.step_graph(2, 64, 64, runner.prefix_slots(max(lengths)))
         runner.model.prepare(rows, 64, 64, into=graph.inputs)
         x = torch.randn(2, runner.cfg.latent_channels, 64, 64, generator=gen).to("cuda", runner.dtype)
-        t = torch.rand(2, generator=gen).to("cuda")
+        t = float(torch.rand((), generator=gen, dtype=torch.float64))
         replayed = graph.run(x, t).clone()
-        eager = runner.model.step(x, t, graph.inputs)
+        eager = runner.model.step(x, runner.model.conditioning(t), graph.inputs)  # fresh, uncached
         assert torch.isfinite(replayed.float()).all()
         assert torch.equal(replayed, eager)
         again = graph.run(x * 0.5, t).clone()  # the graph reads its inputs anew each replay
         assert not torch.equal(again, replayed)
+        later = graph.run(x, t / 2).clone()  # ... and the conditioning of each step's t
+        assert not torch.equal(later, replayed)
+        assert torch.equal(later, runner.model.step(x, runner.model.conditioning(t / 2), graph.inputs))
+        assert torch.equal(graph.run(x, t), replayed)  # back to t: the cached conditioning, same bits
     assert len(runner._graphs) == 2  # (97, 41) and (120, 128) share the 128-slot bucket, (5, 140) takes 192
 
 

@@ -53,9 +53,9 @@ def test_guidance_one_runs_one_row(runner: DitRunner, monkeypatch) -> None:
     batch_rows: list[int] = []
     real_step = runner.model.step
 
-    def spy(latents, t, inputs):
+    def spy(latents, cond, inputs):
         batch_rows.append(latents.shape[0])
-        return real_step(latents, t, inputs)
+        return real_step(latents, cond, inputs)
 
     monkeypatch.setattr(runner.model, "step", spy)
     _generate(runner, guidance=1.0, steps=3)
@@ -74,9 +74,9 @@ def test_step_callback_streams_progress_and_stops_denoising(runner: DitRunner, m
     forwards: list[int] = []
     real_step = runner.model.step
 
-    def spy(latents, t, inputs):
+    def spy(latents, cond, inputs):
         forwards.append(1)
-        return real_step(latents, t, inputs)
+        return real_step(latents, cond, inputs)
 
     monkeypatch.setattr(runner.model, "step", spy)
 

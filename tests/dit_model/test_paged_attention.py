@@ -100,7 +100,7 @@ def test_dit_forward_over_paged_prefix_bits_equal_dense() -> None:
         for row, pages in zip(dense_rows, placement, strict=True)
     ]
     latents = torch.randn(2, preset.dit.latent_channels, 8, 8, generator=torch.Generator().manual_seed(5))
-    t = torch.tensor([0.7, 0.7])
+    t = 0.7
     out_paged = model(latents, t, paged_rows)
     out_dense = model(latents, t, dense_rows)
     assert (out_paged - out_dense).abs().max().item() == 0.0

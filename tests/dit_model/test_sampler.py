@@ -43,8 +43,8 @@ def test_an_exact_velocity_reaches_the_data(steps: int) -> None:
     x0 = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     noise = torch.randn(3, 4, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
 
-    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return (x - x0) / t.view(-1, 1, 1, 1).to(x.dtype)
+    def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
+        return (x - x0) / t
 
     out = euler_sample(velocity, noise, steps=steps, guidance_scale=1.0)
     torch.testing.assert_close(out, x0, atol=1e-6, rtol=1e-6)
@@ -53,7 +53,7 @@ def test_an_exact_velocity_reaches_the_data(steps: int) -> None:
 def test_guidance_batches_rows_and_combines_them() -> None:
     calls: list[int] = []
 
-    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
         calls.append(x.shape[0])
         # row 0 (prompt) pushes +1, row 1 (negative) pushes -1
         return torch.stack([torch.ones_like(x[0]), -torch.ones_like(x[0])])[: x.shape[0]]
@@ -78,8 +78,9 @@ def test_combine_cfg_rejects_more_rows() -> None:
 def test_callback_reports_every_step_and_can_stop() -> None:
     evaluated: list[float] = []
 
-    def velocity(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        evaluated.append(float(t[0]))
+    def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
+        assert type(t) is float  # the step's flow time stays on the host, shared by every row
+        evaluated.append(t)
         return torch.zeros_like(x)
 
     seen: list[tuple[int, int]] = []
@@ -87,6 +88,7 @@ def test_callback_reports_every_step_and_can_stop() -> None:
         velocity, torch.zeros(1, 2, 2), steps=4, guidance_scale=1.0, on_step=lambda k, n: seen.append((k, n))
     )
     assert seen == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert evaluated == flow_timesteps(4).tolist()[:4]  # the exact fp64 schedule values
 
     class Cancelled(Exception):
         pass
