@@ -229,11 +229,13 @@ class StagePipeline:
                     timings["queue"] = timings.get("queue", 0.0) + (admitted_at - placed_at)
                     placed_at = admitted_at
                 elif phase == dit_pb2.DENOISE_PHASE_LOADED:
-                    # KV handoff: from the DiT's admission until every row is verified on every
-                    # rank, seen from here (the wait for a DiT slot counts as queue above).
-                    # (At least the DiT's own load time: the two clocks see the phase edges
-                    # a message apart.)
-                    timings["handoff"] = max(self._clock() - placed_at, event.load_seconds)
+                    # KV handoff: from the DiT's admission (or the placement, if later) until every
+                    # row is verified on every rank and the ticket CONSUMING, seen from here: the
+                    # part of the handoff on the request's path (the wait for a DiT slot counts as
+                    # queue above). The DiT's load may have run, whole or in part, while the call
+                    # was queued there (look-ahead), so `load` is its own duration and may exceed
+                    # the handoff.
+                    timings["handoff"] = max(0.0, self._clock() - placed_at)
                     timings["load"] = event.load_seconds
                     # The DiT marked the ticket CONSUMING itself (StartConsuming) before this event.
                     # Loaded implies armed and written: a client always sees TRANSFERRING first,

@@ -1,9 +1,13 @@
-"""Admission of Denoise calls in reservation order, at most `max_num_seqs` at a time.
+"""Admission of Denoise calls in reservation order, at most `max_num_seqs` at a time, and the
+look-ahead that lets the first queued calls load their KV while they wait.
 
-Owns one rule (DESIGN.md section 7 step 4): among the tickets waiting on this replica, the one the
-broker reserved first (`Ticket.sequence`) is admitted first, so no later ticket can starve an
+Owns two rules. (1) DESIGN.md section 7 step 4: among the tickets waiting on this replica, the one
+the broker reserved first (`Ticket.sequence`) is admitted first, so no later ticket can starve an
 earlier one. A free slot is never held for a ticket whose Denoise has not arrived yet: the broker
-may have rolled it back, and waiting for it would idle the replica. Pure asyncio: no gRPC, no
+may have rolled it back, and waiting for it would idle the replica. (2) At most `look_ahead`
+calls that are not admitted yet may be loading (waiting for, verifying and reporting their
+writes) at once; the earliest reservations get those places, a call admitted before it got one
+starts loading at admission, and a started load is never taken back. Pure asyncio: no gRPC, no
 clock of its own, no knowledge of pages or ranks.
 """
 
@@ -16,42 +20,82 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+# Calls that may load ahead of admission, per slot: the next batch's worth and one more, so the
+# slot that frees next finds its request loaded even when one ahead of it fails.
+LOOK_AHEAD_PER_SLOT = 2
+
 
 @dataclass(order=True)
-class _Waiter:
+class Place:
+    """One Denoise call's place in the queue (ordered by reservation, then arrival).
+
+    `load_turn` resolves once the call may start loading (a look-ahead place, or its slot);
+    `admitted` resolves to its slot. Wait on them with `asyncio.wait`, never by awaiting them
+    directly: a cancelled await would cancel the queue's future."""
+
     sequence: int
     arrival: int
     ticket_id: str = field(compare=False)
-    future: asyncio.Future[int] = field(compare=False)
+    admitted: asyncio.Future[int] = field(compare=False)
+    load_turn: asyncio.Future[None] = field(compare=False)
+
+    @property
+    def queued(self) -> bool:
+        return not self.admitted.done()
+
+    @property
+    def loading_ahead(self) -> bool:
+        return self.queued and self.load_turn.done()
 
 
 class AdmissionQueue:
-    """`async with queue.admit(sequence, ticket_id) as slot:` runs the body holding one of
-    `max_num_seqs` slots (an index in [0, max_num_seqs), unique among the holders)."""
+    """`async with queue.enter(sequence, ticket_id) as place:` holds a place in the queue (and its
+    slot, once admitted) until the body ends; `async with queue.admit(sequence, ticket_id) as
+    slot:` runs the body holding one of `max_num_seqs` slots (an index in [0, max_num_seqs),
+    unique among the holders)."""
 
-    def __init__(self, max_num_seqs: int) -> None:
+    def __init__(self, max_num_seqs: int, look_ahead: int | None = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
+        self.look_ahead = LOOK_AHEAD_PER_SLOT * max_num_seqs if look_ahead is None else look_ahead
+        if self.look_ahead < 0:
+            raise ValueError(f"look_ahead must be >= 0, got {self.look_ahead}")
         self._free_slots = list(range(max_num_seqs))
-        self._waiters: list[_Waiter] = []
+        self._waiters: list[Place] = []
         self._arrivals = itertools.count()
         self.active: dict[int, str] = {}
 
     @property
     def waiting(self) -> int:
-        return sum(1 for w in self._waiters if not w.future.done())
+        return sum(1 for w in self._waiters if w.queued)
+
+    @property
+    def loading_ahead(self) -> int:
+        """Calls not admitted yet whose load may run (at most `look_ahead`)."""
+        return sum(1 for w in self._waiters if w.loading_ahead)
 
     def _dispatch(self) -> None:
-        # Hand free slots to the earliest reservations; a waiter whose call was cancelled meanwhile
-        # is skipped (its future is already done).
+        # Hand free slots to the earliest reservations; a waiter that left meanwhile is skipped
+        # (its future is already done). An admitted call may load, if it did not already.
         while self._free_slots and self._waiters:
             waiter = heapq.heappop(self._waiters)
-            if waiter.future.done():
+            if not waiter.queued:
                 continue
             slot = self._free_slots.pop(0)
             self.active[slot] = waiter.ticket_id
-            waiter.future.set_result(slot)
+            waiter.admitted.set_result(slot)
+            if not waiter.load_turn.done():
+                waiter.load_turn.set_result(None)
+        # Then the look-ahead places that are free go to the earliest queued calls without one.
+        free = self.look_ahead - self.loading_ahead
+        if free <= 0:
+            return
+        for waiter in sorted(w for w in self._waiters if w.queued and not w.load_turn.done()):
+            if free == 0:
+                break
+            waiter.load_turn.set_result(None)
+            free -= 1
 
     def _release(self, slot: int) -> None:
         self.active.pop(slot, None)
@@ -60,21 +104,25 @@ class AdmissionQueue:
         self._dispatch()
 
     @asynccontextmanager
-    async def admit(self, sequence: int, ticket_id: str) -> AsyncIterator[int]:
+    async def enter(self, sequence: int, ticket_id: str) -> AsyncIterator[Place]:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(sequence, next(self._arrivals), ticket_id, loop.create_future())
-        heapq.heappush(self._waiters, waiter)
+        place = Place(sequence, next(self._arrivals), ticket_id, loop.create_future(), loop.create_future())
+        heapq.heappush(self._waiters, place)
         self._dispatch()
         try:
-            slot = await waiter.future
-        except asyncio.CancelledError:
-            # Cancelled while queued, or just after being handed a slot: give the slot back.
-            if waiter.future.done() and not waiter.future.cancelled():
-                self._release(waiter.future.result())
-            else:
-                waiter.future.cancel()
-            raise
-        try:
-            yield slot
+            yield place
         finally:
-            self._release(slot)
+            if place.admitted.done() and not place.admitted.cancelled():
+                self._release(place.admitted.result())
+            else:
+                # Left while queued (cancelled, or its load failed): its look-ahead place, if it
+                # had one, goes to the next call.
+                place.admitted.cancel()
+                place.load_turn.cancel()
+                self._dispatch()
+
+    @asynccontextmanager
+    async def admit(self, sequence: int, ticket_id: str) -> AsyncIterator[int]:
+        async with self.enter(sequence, ticket_id) as place:
+            await asyncio.wait({place.admitted})
+            yield place.admitted.result()

@@ -39,7 +39,7 @@ from kvrelay.dit_service.engine import (
 )
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
-from kvrelay.dit_service.scheduler import AdmissionQueue
+from kvrelay.dit_service.scheduler import AdmissionQueue, Place
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.models.image import encode_png
@@ -153,6 +153,42 @@ def _rows_of(ticket: broker_pb2.Ticket) -> tuple[RowSpec, ...]:
 
 def _transfer_error(code: grpc.StatusCode, reason: str, message: str) -> KvRelayServerError:
     return KvRelayServerError(code, reason, message)
+
+
+async def _reading_pages(read: Callable[[], Any]) -> Any:
+    """`read()` on a thread. A cancelled caller still waits for the thread to return: it reads a
+    ticket's pages (a rank command, a checksum), and the ticket is released only once nothing
+    touches them any more."""
+    call = asyncio.ensure_future(asyncio.to_thread(read))
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await call
+        raise
+
+
+async def _admitted(place: Place, load: asyncio.Task[Any]) -> int:
+    """The call's slot, once admitted. A load that fails first ends the wait at once: the call
+    leaves the queue with the load's error rather than wait for a slot it could not use."""
+    while True:
+        if load.done() and (load.cancelled() or load.exception() is not None):
+            load.result()  # raises the load's error
+        if place.admitted.done():
+            return place.admitted.result()
+        await asyncio.wait({place.admitted} if load.done() else {place.admitted, load},
+                           return_when=asyncio.FIRST_COMPLETED)
+
+
+async def _stop_load(load: asyncio.Task[Any]) -> None:
+    """Cancel a load that still runs and wait until it stopped (its ticket watch closed, its
+    checksum threads returned), so that the ticket is released only after. Never raises: the
+    load's error was raised already, or is moot once the call ended another way."""
+    if not load.done():
+        load.cancel()
+        await asyncio.wait({load})
+    if not load.cancelled():
+        load.exception()  # retrieved: asyncio must not log it as never retrieved
 
 
 _NOT_READY = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NOT_READY",
@@ -273,16 +309,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
     # ======================================================================= worker calls
 
     async def _call_each(self, commands: Sequence[object], timeout_s: float = WORKER_CALL_TIMEOUT_S) -> list[Any]:
-        call = asyncio.ensure_future(asyncio.to_thread(self.s.group.call_each, list(commands), timeout_s))
         try:
-            try:
-                return await asyncio.shield(call)
-            except asyncio.CancelledError:
-                # The caller went away, but the ranks are still reading this ticket's pages: wait
-                # for them, so that the ticket is released only once no rank touches its pages.
-                with contextlib.suppress(Exception):
-                    await call
-                raise
+            return await _reading_pages(lambda: self.s.group.call_each(list(commands), timeout_s))
         except WorkerCommandError:
             raise
         except WorkerGroupError as err:
@@ -334,44 +362,54 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                          f"ticket {ticket_id} is already released")
             # From here on the ticket is ours to release, whatever happens.
             release = True
-            async with self.s.scheduler.admit(ticket.sequence, ticket_id) as slot:
-                waiting = False
-                self.s.metrics.waiting.dec()
-                self.s.metrics.active.inc()
+            async with self.s.scheduler.enter(ticket.sequence, ticket_id) as place:
+                # The load starts while the call is queued (once the queue gives it a look-ahead
+                # place, else at admission): by admission its rows are usually verified already.
+                load = asyncio.ensure_future(self._load_in_turn(
+                    place, ticket, rows, deadline, writes_from_proto(request.plan.writes) if planned else None
+                ))
                 try:
-                    yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING,
-                                               total_steps=request.num_inference_steps)
-                    load_start = time.monotonic()
-                    loaded_bytes = await self._load(
-                        ticket, rows, deadline, writes_from_proto(request.plan.writes) if planned else None
-                    )
-                    load_seconds = time.monotonic() - load_start
-                    await self._start_consuming(ticket_id)
-                    self.s.metrics.phase_seconds.labels("load").observe(load_seconds)
-                    self.s.metrics.transfer_bytes.labels(self.s.stage.transport).inc(loaded_bytes)
-                    yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
-                                               load_seconds=load_seconds, total_steps=request.num_inference_steps)
-                    result: DenoiseResult | None = None
-                    # aclosing: however this handler ends (even closed at a yield), the ranks are
-                    # stopped and awaited before the `finally` below releases the ticket.
-                    async with contextlib.aclosing(self._denoise(slot, request, rows, context)) as steps:
-                        async for event in steps:
-                            if isinstance(event, DenoiseResult):
-                                result = event
-                            else:
-                                yield event
-                    assert result is not None and result.pixels is not None
-                    self.s.metrics.phase_seconds.labels("denoise").observe(result.denoise_seconds)
-                    # Release before the final event: the caller may act on DECODED at once (and
-                    # tests check the pool right after it).
-                    outcome, reason = "OK", ""
-                    release = False
-                    await self._release(ticket_id, "OK", "")
-                    finished = (result, load_seconds, loaded_bytes)
+                    slot = await _admitted(place, load)
+                    waiting = False
+                    self.s.metrics.waiting.dec()
+                    self.s.metrics.active.inc()
+                    try:
+                        yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING,
+                                                   total_steps=request.num_inference_steps)
+                        loaded_bytes, load_seconds = await load
+                        # Only now may the ranks read the pages: READY -> CONSUMING after admission.
+                        await self._start_consuming(ticket_id)
+                        self.s.metrics.phase_seconds.labels("load").observe(load_seconds)
+                        self.s.metrics.transfer_bytes.labels(self.s.stage.transport).inc(loaded_bytes)
+                        yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
+                                                   load_seconds=load_seconds,
+                                                   total_steps=request.num_inference_steps)
+                        result: DenoiseResult | None = None
+                        # aclosing: however this handler ends (even closed at a yield), the ranks are
+                        # stopped and awaited before the `finally` below releases the ticket.
+                        async with contextlib.aclosing(self._denoise(slot, request, rows, context)) as steps:
+                            async for event in steps:
+                                if isinstance(event, DenoiseResult):
+                                    result = event
+                                else:
+                                    yield event
+                        assert result is not None and result.pixels is not None
+                        self.s.metrics.phase_seconds.labels("denoise").observe(result.denoise_seconds)
+                        # Release before the final event: the caller may act on DECODED at once (and
+                        # tests check the pool right after it).
+                        outcome, reason = "OK", ""
+                        release = False
+                        await self._release(ticket_id, "OK", "")
+                        finished = (result, load_seconds, loaded_bytes)
+                    finally:
+                        self.s.metrics.active.dec()
                 finally:
-                    self.s.metrics.active.dec()
-            # The slot is free again: the next admitted ticket loads and denoises on the GPU while
-            # this image's PNG is encoded on a host thread (Pillow releases the GIL while it encodes).
+                    # A load still running (the call was cancelled or failed elsewhere) is stopped
+                    # and awaited before the place, and then the ticket, is let go.
+                    await _stop_load(load)
+            # The slot is free again: the next admitted ticket (loaded already, as a rule) denoises
+            # on the GPU while this image's PNG is encoded on a host thread (Pillow releases the
+            # GIL while it encodes).
             assert finished is not None
             result, load_seconds, loaded_bytes = finished
             encode_start = time.monotonic()
@@ -453,6 +491,22 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
 
     # ======================================================================= loading
 
+    async def _load_in_turn(
+        self,
+        place: Place,
+        ticket: broker_pb2.Ticket,
+        rows: tuple[RowSpec, ...],
+        deadline: float,
+        broker_plan: Sequence[PlannedWrite] | None,
+    ) -> tuple[int, float]:
+        """`_load` once the queue gives the call its turn (a look-ahead place, or its slot): the
+        bytes loaded and the load's own seconds (its start to every row reported, whatever part
+        of it the call spent queued). Its transfer_timeout budget starts here, not at admission."""
+        await asyncio.wait({place.load_turn})
+        start = time.monotonic()
+        loaded_bytes = await self._load(ticket, rows, deadline, broker_plan)
+        return loaded_bytes, time.monotonic() - start
+
     async def _load(
         self,
         ticket: broker_pb2.Ticket,
@@ -515,10 +569,12 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     continue
                 changed.clear()
                 if latest[0] is t:
-                    try:
-                        await asyncio.wait_for(changed.wait(), timeout=command.seconds)
-                    except TimeoutError:
-                        pass
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that
+                    # arrives as the event is set, and a cancelled load must stop (the call that
+                    # owns it waits for it before releasing the ticket).
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(command.seconds):
+                            await changed.wait()
         finally:
             watcher.cancel()
             try:
@@ -567,7 +623,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             # Host pools are mapped here too: hash them in this process (off the event loop), so a
             # load never waits behind the ranks' running denoise batch.
             memory = self.s.memory
-            sums = await asyncio.to_thread(
+            sums = await _reading_pages(
                 lambda: [[checksum_segments(memory.region(w.dst_rank), w.segments, side="dst") for w in ws]
                          for ws in per_rank]
             )
@@ -579,7 +635,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             if pools is not None:
                 from kvrelay.transfer.cuda_ipc import verify_writes
 
-                sums = await asyncio.to_thread(
+                sums = await _reading_pages(
                     lambda: [verify_writes(pools[d], ws) if ws else [] for d, ws in enumerate(per_rank)]
                 )
             else:

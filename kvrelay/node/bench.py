@@ -455,8 +455,11 @@ def detail_table(results: list[RunResult]) -> str:
     ]
     for r in results:
         # Means per request: queue = waiting for the broker and for a DiT slot; transfer = the
-        # AR's writes; load = the DiT from admission to every row verified (and on host-staged
-        # transports, nothing of the later mirror copy); handoff = admission to loaded.
+        # AR's writes; load = the DiT's own load, from its start (while the call is queued at the
+        # DiT when it has a look-ahead place, else at admission) to every row verified (on
+        # host-staged transports, nothing of the later mirror copy): it may overlap the queue;
+        # handoff = admission (or placement, if later) to loaded: what of the KV handoff is left
+        # on the request's path.
         queue, transfer, load = (r.phase_means.get(k, 0.0) * 1e3 for k in
                                  ("queue_seconds", "transfer_seconds", "load_seconds"))
         lines.append(

@@ -59,3 +59,83 @@ def test_max_num_seqs_slots_and_cancel_while_waiting() -> None:
         assert queue.active == {} and queue.waiting == 0
 
     asyncio.run(scenario())
+
+
+async def _settle() -> None:
+    """Let every ready task run until all wait again (no timers involved: deterministic)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def _queued(queue: AdmissionQueue, seq: int, turns: list[int], admitted: list[int],
+                  release: asyncio.Event) -> None:
+    """A Denoise call's life in the queue, as the service lives it: load when it is its turn,
+    denoise when admitted."""
+    async with queue.enter(seq, f"t{seq}") as place:
+        await asyncio.wait({place.load_turn})
+        turns.append(seq)
+        await asyncio.wait({place.admitted})
+        admitted.append(seq)
+        await release.wait()
+
+
+def test_look_ahead_loads_the_earliest_queued_calls_and_is_bounded() -> None:
+    async def scenario() -> None:
+        queue = AdmissionQueue(1, look_ahead=2)
+        turns: list[int] = []
+        admitted: list[int] = []
+        gates = {s: asyncio.Event() for s in (1, 2, 3, 4, 5)}
+        first = asyncio.ensure_future(_queued(queue, 3, turns, admitted, gates[3]))
+        await _settle()
+        # 3 holds the slot; 5, 4 then an earlier reservation 1, then 2 arrive.
+        later = {}
+        for seq in (5, 4):
+            later[seq] = asyncio.ensure_future(_queued(queue, seq, turns, admitted, gates[seq]))
+            await _settle()
+        assert turns == [3, 5, 4] and queue.loading_ahead == 2
+        for seq in (1, 2):
+            later[seq] = asyncio.ensure_future(_queued(queue, seq, turns, admitted, gates[seq]))
+            await _settle()
+        # Both places are taken (a started load is never taken back): 1 and 2 wait for a place.
+        assert turns == [3, 5, 4] and queue.loading_ahead == 2 and queue.waiting == 4
+        # 4 leaves while queued (its load failed, or its caller cancelled): 1, the earliest
+        # reservation without a place, gets 4's place.
+        later.pop(4).cancel()
+        await _settle()
+        assert turns == [3, 5, 4, 1] and queue.loading_ahead == 2
+        # The slot goes to 1 (reservation order, whatever loaded first); its place goes to 2.
+        gates[3].set()
+        await _settle()
+        assert admitted == [3, 1] and turns == [3, 5, 4, 1, 2] and queue.loading_ahead == 2
+        for seq in (1, 2, 5):
+            gates[seq].set()
+        await asyncio.gather(first, *later.values())
+        assert admitted == [3, 1, 2, 5]
+        assert queue.active == {} and queue.waiting == 0 and queue.loading_ahead == 0
+
+    asyncio.run(scenario())
+
+
+def test_without_look_ahead_a_call_loads_at_admission() -> None:
+    async def scenario() -> None:
+        queue = AdmissionQueue(1, look_ahead=0)
+        turns: list[int] = []
+        admitted: list[int] = []
+        gates = {s: asyncio.Event() for s in (1, 2)}
+        a = asyncio.ensure_future(_queued(queue, 1, turns, admitted, gates[1]))
+        b = asyncio.ensure_future(_queued(queue, 2, turns, admitted, gates[2]))
+        await _settle()
+        assert turns == [1] and admitted == [1] and queue.loading_ahead == 0
+        gates[1].set()
+        await _settle()
+        assert turns == [1, 2] and admitted == [1, 2]
+        gates[2].set()
+        await asyncio.gather(a, b)
+
+    asyncio.run(scenario())
+
+
+def test_look_ahead_defaults_to_two_per_slot() -> None:
+    assert AdmissionQueue(1).look_ahead == 2 and AdmissionQueue(4).look_ahead == 8
+    with pytest.raises(ValueError, match="look_ahead"):
+        AdmissionQueue(1, look_ahead=-1)

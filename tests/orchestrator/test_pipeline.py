@@ -68,8 +68,9 @@ def test_states_image_and_timings_of_one_generation() -> None:
             t = final.timings
             for name in ("queue", "prefill", "transfer", "load", "denoise", "decode", "handoff", "total"):
                 assert getattr(t, f"{name}_seconds") > 0, name
-            # Handoff (reservation to loaded) contains the transfer and the load; total contains all.
-            assert t.handoff_seconds >= t.load_seconds
+            # Handoff (reservation or DiT admission, the later, to loaded) is what of the KV
+            # handoff is left on the request's path: a DiT may load while the call is queued, so
+            # it is not bounded below by the load. Total contains queue and handoff.
             assert t.total_seconds >= t.queue_seconds + t.handoff_seconds
             assert not final.HasField("error")
             ticket = c.core.get_ticket(final.ticket_id)
