@@ -478,6 +478,13 @@ def _rank_main(
     threads = str(spec.num_threads)
     os.environ["OMP_NUM_THREADS"] = threads
     os.environ["MKL_NUM_THREADS"] = threads
+    # Idle OpenMP threads sleep rather than spin (read when torch loads its OpenMP runtime, just
+    # below). An AR and a DiT on one host take turns on the same cores: a spinning idle pool
+    # steals them from the stage that has work (on 2 cores, served/colocated 0.59x spinning
+    # against 1.03x passive, `kvrelay bench --preset small --max-num-seqs 4`). The variable, set
+    # in the environment, wins.
+    if not spec.device.startswith("cuda"):
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     import torch
 
@@ -585,11 +592,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def default_threads_per_rank(world_size: int) -> int:
     """This process's share of the cores it may run on (affinity, which equals os.cpu_count()
-    on an unrestricted host) split over the ranks: ranks that oversubscribe cores slow each
-    other down in every collective.
+    on an unrestricted host) split over the ranks: ranks of one replica compute at the same
+    time, and ranks that oversubscribe cores slow each other down in every collective.
 
-    `KVRELAY_THREADS_PER_RANK` overrides it: `kvrelay up` on one small host runs AR and DiT
-    ranks side by side, and only the supervisor knows how many share the cores.
+    `KVRELAY_THREADS_PER_RANK` overrides it: `kvrelay up` on one small host runs several
+    replicas side by side, and only the supervisor knows how many compute at once.
     """
     override = os.environ.get("KVRELAY_THREADS_PER_RANK")
     if override:

@@ -732,16 +732,25 @@ def build_node(
 def cpu_share_env(cfg: KvRelayConfig, roles: Sequence[str] = ("broker", "ar", "dit")) -> dict[str, str]:
     """Torch threads per rank when the node's CPU ranks share this host's cores.
 
-    Each rank worker would otherwise take cores / (its replica's ranks), so an AR and a DiT on one
-    small host each take every core and slow each other down; only the supervisor sees all of
-    them. An explicit KVRELAY_THREADS_PER_RANK in the environment wins.
+    The ranks of one stage (its replicas x world size) compute at the same time and split the
+    cores; the AR and DiT stages take turns (a request's prefill, then its denoise), so each
+    stage gets every core, and rank workers wait for work passively (worker.py sets
+    OMP_WAIT_POLICY=PASSIVE) so the idle stage gives its cores back. Splitting the cores between
+    the stages instead left the DiT, the stage with nearly all the work, half of a 2-core host:
+    the served node ran at 0.59x of the colocated baseline, 1.03x with the shared cores
+    (`kvrelay bench --preset small --max-num-seqs 4`, benchmarks/README.md). Each rank worker
+    would otherwise take cores / (its replica's ranks), ignoring the stage's other replicas.
+    An explicit KVRELAY_THREADS_PER_RANK in the environment wins.
     """
     if os.environ.get("KVRELAY_THREADS_PER_RANK"):
         return {}
-    ranks = sum(
-        stage.world_size * stage.num_replicas
-        for stage in (cfg.ar_stage, cfg.dit_stage)
-        if stage.kind in roles and stage.device_list() == ["cpu"]
+    ranks = max(
+        (
+            stage.world_size * stage.num_replicas
+            for stage in (cfg.ar_stage, cfg.dit_stage)
+            if stage.kind in roles and stage.device_list() == ["cpu"]
+        ),
+        default=0,
     )
     if ranks == 0:
         return {}

@@ -134,7 +134,8 @@ class ModelsTestHandler:
             total = sub.all_reduce(torch.tensor([float(10**tp.rank)]))
             return sub.rank, sub.world_size, float(total)
         if isinstance(command, Info):
-            return os.getpid(), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+            return (os.getpid(), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"),
+                    os.environ.get("OMP_WAIT_POLICY"))
         raise TypeError(f"unknown command {command!r}")
 
 
