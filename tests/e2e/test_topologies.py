@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvrelay.client import GenerationState, KvRelayClient
-from tests.e2e.node import fallback, running_node, wait_pools_full
+from tests.e2e.node import fallback, running_node, threads_of_the_ranks, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,13 @@ def test_same_seed_same_image_bits_over_mooncake_fallback_and_colocated(tmp_path
         images[name] = result.png
     assert images["mooncake"] == images["grpc"], "the transports delivered different prefixes"
     # Disaggregated == colocated: the KV relayed over the network is the KV computed in place.
-    colocated = ColocatedPipeline("tiny")
-    local = colocated.dit.decode(
-        colocated.dit.denoise(
-            _colocated_rows(colocated), width=64, height=96, steps=2, guidance_scale=2.0, seed=SEED
+    with threads_of_the_ranks(tmp_path / "mooncake.yaml"):
+        colocated = ColocatedPipeline("tiny")
+        local = colocated.dit.decode(
+            colocated.dit.denoise(
+                _colocated_rows(colocated), width=64, height=96, steps=2, guidance_scale=2.0, seed=SEED
+            )
         )
-    )
     assert (decode_png(images["mooncake"]) == local.numpy()).all()
 
 
@@ -91,9 +92,10 @@ def test_dit_weights_from_a_safetensors_directory(tmp_path: Path) -> None:
 
     with running_node(tmp_path, "dit-ckpt", with_weights) as node:
         _, result = _generate(node.address())
-    pipe = ColocatedPipeline("tiny")  # the AR of the node: weight_seed 0
-    local_dit = DitRunner("tiny", weight_seed=7)
-    local = local_dit.decode(
-        local_dit.denoise(_colocated_rows(pipe), width=64, height=96, steps=2, guidance_scale=2.0, seed=SEED)
-    )
+    with threads_of_the_ranks(tmp_path / "dit-ckpt.yaml"):
+        pipe = ColocatedPipeline("tiny")  # the AR of the node: weight_seed 0
+        local_dit = DitRunner("tiny", weight_seed=7)
+        local = local_dit.decode(
+            local_dit.denoise(_colocated_rows(pipe), width=64, height=96, steps=2, guidance_scale=2.0, seed=SEED)
+        )
     assert (decode_png(result.png) == local.numpy()).all()
