@@ -479,10 +479,9 @@ def _rank_main(
     os.environ["OMP_NUM_THREADS"] = threads
     os.environ["MKL_NUM_THREADS"] = threads
     # Idle OpenMP threads sleep rather than spin (read when torch loads its OpenMP runtime, just
-    # below). An AR and a DiT on one host take turns on the same cores: a spinning idle pool
-    # steals them from the stage that has work (on 2 cores, served/colocated 0.59x spinning
-    # against 1.03x passive, `kvrelay bench --preset small --max-num-seqs 4`). The variable, set
-    # in the environment, wins.
+    # below): an AR and a DiT on one host take turns on the same cores, and a spinning idle pool
+    # steals them from the stage that has work (node/supervisor.py: cpu_share_env). The
+    # variable, set in the environment, wins.
     if not spec.device.startswith("cuda"):
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

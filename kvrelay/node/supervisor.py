@@ -736,9 +736,8 @@ def cpu_share_env(cfg: KvRelayConfig, roles: Sequence[str] = ("broker", "ar", "d
     cores; the AR and DiT stages take turns (a request's prefill, then its denoise), so each
     stage gets every core, and rank workers wait for work passively (worker.py sets
     OMP_WAIT_POLICY=PASSIVE) so the idle stage gives its cores back. Splitting the cores between
-    the stages instead left the DiT, the stage with nearly all the work, half of a 2-core host:
-    the served node ran at 0.59x of the colocated baseline, 1.03x with the shared cores
-    (`kvrelay bench --preset small --max-num-seqs 4`, benchmarks/README.md). Each rank worker
+    the stages instead left the DiT, the stage with nearly all the work, half of a 2-core host
+    (served vs colocated before and after: benchmarks/README.md). Each rank worker
     would otherwise take cores / (its replica's ranks), ignoring the stage's other replicas.
     An explicit KVRELAY_THREADS_PER_RANK in the environment wins.
     """

@@ -18,6 +18,7 @@ from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
 from kvrelay.worker import default_threads_per_rank
 from tests.ar_service.harness import Receiver, ar_stub, broker_process, start_ar, wait_serving, write_config
 from tests.dit_service.harness import inprocess_broker
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +26,12 @@ PROMPT = "a red fox in the snow, watercolor, soft morning light"
 NEGATIVE = "blurry"
 
 
-def _local_kv(text: str, heads: slice = slice(None), world_size: int = 1) -> torch.Tensor:
-    """A local prefill with the thread count the AR's ranks run with: a CPU matmul may round
-    differently with another thread count (the tiny preset does at 2 threads against 1), and the
-    promise under test is the AR's own bits, moved unchanged."""
+def _local_kv(text: str, heads: slice = slice(None)) -> torch.Tensor:
+    """A local prefill with the thread count the AR's rank runs with: the promise under test is
+    the AR's own bits, moved unchanged."""
     ids = ByteTokenizer().encode(text)
-    before = torch.get_num_threads()
-    torch.set_num_threads(default_threads_per_rank(world_size))
-    try:
+    with torch_threads(default_threads_per_rank(1)):
         return build_ar_model(preset="tiny", seed=0).prefill(ids)[:, :, heads]
-    finally:
-        torch.set_num_threads(before)
 
 
 async def _prefill(

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.threads import torch_threads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,22 +58,13 @@ def wait_pools_full(client: Any, timeout: float = 20.0) -> list[Any]:
         time.sleep(0.05)
 
 
-@contextmanager
-def threads_of_the_ranks(config_path: Path) -> Iterator[int]:
-    """Run a local reference computation with the torch thread count the node's CPU ranks use
-    (the node's cpu_share_env, else the environment's KVRELAY_THREADS_PER_RANK): a CPU matmul
-    may round differently with another thread count, and the promise under test is the node's
-    own bits, moved unchanged."""
+def threads_of_the_ranks(config_path: Path) -> AbstractContextManager[int]:
+    """torch_threads at the count the node's CPU ranks use (the node's cpu_share_env, else the
+    environment's KVRELAY_THREADS_PER_RANK), for a local reference of the node's bits."""
     import torch
 
     from kvrelay.config import load_config
     from kvrelay.node.supervisor import cpu_share_env
 
     share = cpu_share_env(load_config(config_path)).get("KVRELAY_THREADS_PER_RANK")
-    threads = int(share or os.environ.get("KVRELAY_THREADS_PER_RANK") or torch.get_num_threads())
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield threads
-    finally:
-        torch.set_num_threads(before)
+    return torch_threads(int(share or os.environ.get("KVRELAY_THREADS_PER_RANK") or torch.get_num_threads()))
