@@ -180,10 +180,13 @@ class ArModel(nn.Module):
 
     @torch.no_grad()
     def prefill_batch(self, prompts: list[torch.Tensor | list[int]]) -> list[torch.Tensor]:
-        """``prefill`` of several prompts. On a GPU with graphs on (TP=1): one forward, rows padded
-        at the end to a (rows, tokens) bucket (causal attention: padding after a token never
-        changes its K/V), replaying a CUDA graph captured once per bucket, each row's K/V cut back
-        to its length. Otherwise each row runs alone (bit-equal to ``prefill``)."""
+        """``prefill`` of several prompts. On a GPU with graphs on (TP=1) the rows are packed: up
+        to ``PACK_TOKENS`` tokens of consecutive rows run as one sequence (positions restart at 0
+        per row, attention causal within a row only, padded at the end to a token bucket), so a
+        96 + 16 token pair costs a 128-token forward, not two 128-token rows. Each pack replays a
+        CUDA graph captured once per (bucket, packed or single row); a longer row runs alone.
+        Each row's K/V are cut back to its length. Without graphs each row runs alone (bit-equal
+        to ``prefill``)."""
         ids_list = [torch.as_tensor(p, dtype=torch.long) for p in prompts]
         if not ids_list:
             return []
@@ -199,40 +202,54 @@ class ArModel(nn.Module):
                 self.forward_kv(ids.to(self.device)[None], kv)
                 out.append(kv[:, :, 0])
             return out
-        rows, tokens = self.bucket(len(ids_list), max(lengths))
-        padded = torch.zeros(rows, tokens, dtype=torch.long)
-        for r, ids in enumerate(ids_list):
-            padded[r, : lengths[r]] = ids
-        kv = self._graph(rows, tokens).run(padded)
-        # [layers, 2, rows, heads, T, D] -> per row [layers, 2, heads, T_r, D], own memory.
-        return [kv[:, :, r, :, : lengths[r]].contiguous() for r in range(len(ids_list))]
+        out_by_row: dict[int, torch.Tensor] = {}
+        for pack in pack_rows(lengths, PACK_TOKENS):
+            ids, positions, segments = packed_inputs([ids_list[r] for r in pack], self.bucket(sum(lengths[r] for r in pack)))
+            kv = self._graph(ids.shape[1], packed=len(pack) > 1).run(ids, positions, segments)
+            start = 0
+            for r in pack:
+                # [layers, 2, 1, heads, T, D] -> this row's [layers, 2, heads, T_r, D], own memory.
+                out_by_row[r] = kv[:, :, 0, :, start : start + lengths[r]].contiguous()
+                start += lengths[r]
+        return [out_by_row[r] for r in range(len(ids_list))]
 
     def kv_shape(self, rows: int, tokens: int) -> tuple[int, ...]:
         cfg = self.config
         return (cfg.num_layers, 2, rows, self.num_kv_heads_local, tokens, cfg.head_dim)
 
-    def bucket(self, rows: int, tokens: int) -> tuple[int, int]:
-        """(rows, tokens) of the padded batch: exact on CPU; on GPUs powers of two (tokens at least
-        64, at most max_tokens), so a few captured graphs serve every request."""
+    def bucket(self, tokens: int) -> int:
+        """Tokens of a padded pack: exact on CPU; on GPUs the next of 64, 96, 128, 192, 256, 384, ...
+        (powers of two and their halfway points: at most a third is padding), so a few captured
+        graphs serve every request."""
         if not self.use_graphs:
-            return rows, tokens
-        return 1 << (rows - 1).bit_length(), min(max(64, 1 << (tokens - 1).bit_length()), self.config.max_tokens)
+            return tokens
+        return token_bucket(tokens, max(self.config.max_tokens, PACK_TOKENS))
 
     @torch.no_grad()
-    def forward_kv(self, ids: torch.Tensor, kv: torch.Tensor) -> None:
+    def forward_kv(
+        self,
+        ids: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        segments: torch.Tensor | None = None,
+    ) -> None:
         """Write the K/V of token ids ``[rows, T]`` (on the model device) into ``kv`` (``kv_shape``).
+        A packed sequence (rows == 1) gives each token's RoPE ``positions`` ``[T]`` and its row's
+        ``segments`` id ``[T]``: a token attends to earlier tokens of its own segment only.
         No host synchronisation: a CUDA graph can capture it."""
         cfg = self.config
         t = ids.shape[1]
-        cos, sin = rope_cos_sin(
-            torch.arange(t, device=self.device), cfg.head_dim, cfg.rope_theta, dtype=self.dtype
-        )
+        index = torch.arange(t, device=self.device)
+        cos, sin = rope_cos_sin(index if positions is None else positions, cfg.head_dim, cfg.rope_theta, dtype=self.dtype)
+        mask = None
+        if segments is not None:
+            mask = (segments[:, None] == segments[None, :]) & (index[:, None] >= index[None, :])
         x = self.embed_tokens(ids)
         run_layer = self.compiled_layer or _run_layer
         last = len(self.layers) - 1
         for i, module in enumerate(self.layers):
             # Nothing after the last layer's attention changes any K/V: its MLP is skipped.
-            x = run_layer(module, x, cos, sin, kv[i, 0], kv[i, 1], i == last)
+            x = run_layer(module, x, cos, sin, kv[i, 0], kv[i, 1], i == last, mask)
 
     def warm_up(self) -> None:
         """On a GPU: compile the layer and capture the prefill graphs of the common buckets now
@@ -240,21 +257,75 @@ class ArModel(nn.Module):
         if self.device.type != "cuda":
             return
         for tokens in (64, 128):
-            self.prefill_batch([[1] * min(tokens, self.config.max_tokens), [1] * 16])
+            n = min(tokens, self.config.max_tokens)
+            self.prefill_batch([[1] * n, [1] * 16])  # packed rows
+            self.prefill_batch([[1] * n])  # one row: causal attention without a mask
 
     @property
     def use_graphs(self) -> bool:
         return self.cuda_graphs and self.device.type == "cuda" and self.tp.world_size == 1
 
-    def _graph(self, rows: int, tokens: int) -> PrefillGraph:
-        key = (rows, tokens)
+    def _graph(self, tokens: int, *, packed: bool) -> PrefillGraph:
+        key = (tokens, packed)
         graph = self._graphs.get(key)
         if graph is None:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = PrefillGraph(self, rows, tokens, self._graph_pool)
+            graph = PrefillGraph(self, tokens, packed, self._graph_pool)
             self._graphs[key] = graph
         return graph
+
+
+PACK_TOKENS = 1024
+"""Rows whose lengths add up to at most this many tokens are prefilled as one packed sequence.
+Its attention masks other rows' tokens densely (O(pack²) work), cheap next to the matmuls at this
+size; a longer row runs alone with causal attention."""
+
+
+def token_bucket(tokens: int, upper: int) -> int:
+    """The smallest of 64, 96, 128, 192, 256, 384, ... (a power of two or 1.5 times one) that holds
+    ``tokens``, at most ``upper``."""
+    bucket = 64
+    while bucket < tokens:
+        bucket = bucket * 3 // 2 if bucket & (bucket - 1) == 0 else bucket * 4 // 3
+    return min(bucket, upper)
+
+
+def pack_rows(lengths: list[int], limit: int) -> list[list[int]]:
+    """Consecutive rows grouped greedily into packs of at most ``limit`` tokens (a row longer
+    than ``limit`` is a pack of its own); the row indices of each pack, in order."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for row, n in enumerate(lengths):
+        if current and total + n > limit:
+            packs.append(current)
+            current, total = [], 0
+        current.append(row)
+        total += n
+    if current:
+        packs.append(current)
+    return packs
+
+
+def packed_inputs(rows: list[torch.Tensor], tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids ``[1, tokens]``, RoPE positions and segment ids ``[tokens]`` of ``rows`` laid end
+    to end: positions restart at 0 per row; the padding after the last row is a segment of its own
+    (id ``len(rows)``), so no row attends to it and every padding token sees at least itself."""
+    total = sum(int(row.numel()) for row in rows)
+    if total > tokens:
+        raise ValueError(f"{total} tokens do not fit a pack of {tokens}")
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    positions = torch.arange(tokens, dtype=torch.long)
+    segments = torch.full((tokens,), len(rows), dtype=torch.long)
+    start = 0
+    for i, row in enumerate(rows):
+        n = int(row.numel())
+        ids[0, start : start + n] = row
+        positions[start : start + n] = torch.arange(n)
+        segments[start : start + n] = i
+        start += n
+    return ids, positions, segments
 
 
 def _run_layer(
@@ -265,11 +336,13 @@ def _run_layer(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     last: bool,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decoder layer of the prefill: writes its K/V into ``k_out``/``v_out`` and returns the
-    hidden state for the next layer (``x`` unchanged after the last one)."""
+    hidden state for the next layer (``x`` unchanged after the last one). ``mask`` ``[T, T]``
+    (True = attend) replaces plain causal attention for a packed sequence."""
     layer = cast(ArDecoderLayer, module)
-    attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True)
+    attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, causal=True, attn_mask=mask)
     k_out.copy_(k)
     v_out.copy_(v)
     if last:
@@ -280,25 +353,40 @@ def _run_layer(
 
 
 class PrefillGraph:
-    """``ArModel.forward_kv`` captured as a CUDA graph for one (rows, tokens) bucket: static token
-    ids in, static K/V out (``run`` copies the ids in and replays). The same kernels as the eager
-    forward over the same shapes, so the K/V are bit-identical (tests/ar_model/test_ar_gpu.py)."""
+    """``ArModel.forward_kv`` of one sequence of ``tokens`` (a packed one when ``packed``) captured
+    as a CUDA graph: static ids, positions and segments in, static K/V out (``run`` copies the
+    inputs in and replays). The same kernels as the eager forward over the same inputs, so the
+    K/V are bit-identical (tests/dit_model/test_cuda_graphs.py)."""
 
-    def __init__(self, model: ArModel, rows: int, tokens: int, pool: Any) -> None:
-        self.ids = torch.zeros(rows, tokens, dtype=torch.long, device=model.device)
-        self.kv = torch.zeros(model.kv_shape(rows, tokens), dtype=model.dtype, device=model.device)
-        side = torch.cuda.Stream(model.device)
-        side.wait_stream(torch.cuda.current_stream(model.device))
+    def __init__(self, model: ArModel, tokens: int, packed: bool, pool: Any) -> None:
+        device = model.device
+        self.ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        self.positions = torch.arange(tokens, dtype=torch.long, device=device)
+        self.segments = torch.zeros(tokens, dtype=torch.long, device=device) if packed else None
+        self.kv = torch.zeros(model.kv_shape(1, tokens), dtype=model.dtype, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the capture (kernel choice, workspaces)
-                model.forward_kv(self.ids, self.kv)
-        torch.cuda.current_stream(model.device).wait_stream(side)
+                self._forward(model)
+        torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            model.forward_kv(self.ids, self.kv)
+            self._forward(model)
 
-    def run(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, model: ArModel) -> None:
+        if self.segments is None:
+            model.forward_kv(self.ids, self.kv)
+        else:
+            model.forward_kv(self.ids, self.kv, self.positions, self.segments)
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
+        """Replay for ``packed_inputs``; a single-row graph ignores positions and segments (its
+        row starts at 0 and the padding after it is causally invisible)."""
         self.ids.copy_(ids, non_blocking=True)
+        if self.segments is not None:
+            self.positions.copy_(positions, non_blocking=True)
+            self.segments.copy_(segments, non_blocking=True)
         self.graph.replay()
         return self.kv
 

@@ -98,13 +98,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Scaled dot-product attention, grouped-query, heads-major.
 
     q: [..., Hq, Tq, D]; k, v: [..., Hkv, Tk, D] with Hq a multiple of Hkv (query head h reads kv
     head h // (Hq / Hkv), the Llama grouping). Returns [..., Hq, Tq, D].
     `causal` aligns the mask to the end: query i sees keys 0 .. i + (Tk - Tq), so queries that
     follow a prefix of Tk - Tq cached tokens see all of it (prefill with a prefix, chunked prefill).
+    ``mask`` (bool ``[Tq, Tk]``, True = attend; causality included) replaces ``causal``: the
+    block-diagonal causal mask of rows packed into one sequence.
     Deterministic: same inputs, same bits (one kernel choice per shape, no atomics on CPU).
     """
     hq, hkv = q.shape[-3], k.shape[-3]
@@ -115,6 +119,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
         # Explicit expansion instead of SDPA's enable_gqa: one code path on every torch >= 2.11 build.
         k = k.repeat_interleave(hq // hkv, dim=-3)
         v = v.repeat_interleave(hq // hkv, dim=-3)
+    if mask is not None:
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if not causal:
         return nn.functional.scaled_dot_product_attention(q, k, v)
     if tq == tk:
@@ -182,6 +188,7 @@ class ParallelAttention(nn.Module):
     `forward` returns (output [B, T, hidden], k, v) with k after RoPE, k/v [B, Hkv_local, T, D],
     so callers can keep them as the KV cache. `prefix_kv` (k, v of earlier tokens,
     [B, Hkv_local, P, D]) is attended before the own tokens: `[prefix K/V | own K/V]`.
+    `attn_mask` ([T, T] bool) replaces `causal` for rows packed into one sequence (see `attention`).
     """
 
     def __init__(
@@ -243,6 +250,7 @@ class ParallelAttention(nn.Module):
         *,
         causal: bool,
         prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, t, _ = x.shape
         q, k, v = self.project_qkv(x)
@@ -252,7 +260,7 @@ class ParallelAttention(nn.Module):
             v_all = torch.cat((prefix_kv[1].to(v.dtype), v), dim=-2)
         else:
             k_all, v_all = k, v
-        out = attention(q, k_all, v_all, causal=causal)
+        out = attention(q, k_all, v_all, causal=causal, mask=attn_mask)
         out = out.transpose(1, 2).reshape(b, t, self.num_heads_local * self.head_dim)
         return self.o_proj(out), k, v
 

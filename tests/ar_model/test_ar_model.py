@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from kvrelay.models.ar import ArModel, PromptTooLong, build_ar_model
+from kvrelay.models.ar import ArModel, PromptTooLong, build_ar_model, pack_rows, packed_inputs, token_bucket
 from kvrelay.models.layers import apply_rotary, rope_cos_sin
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset
@@ -39,6 +39,41 @@ def test_prefill_is_causal_a_prefix_prompt_gives_the_prefix_kv():
     model = build_ar_model(preset="tiny", seed=3)
     full, head = model.prefill(ids), model.prefill(ids[:10])
     torch.testing.assert_close(full[..., :10, :], head, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_rows_give_each_row_its_own_kv():
+    # The GPU prefill packs rows into one sequence (positions restart per row, attention stays
+    # within a row); the same forward on the CPU gives every row the K/V of its own prefill.
+    model = build_ar_model(preset="tiny", seed=5)
+    rows = [torch.tensor(ByteTokenizer().encode(text)) for text in (PROMPT, "low quality", "x")]
+    total = sum(int(r.numel()) for r in rows)
+    ids, positions, segments = packed_inputs(rows, total + 13)  # 13 tokens of padding at the end
+    kv = torch.empty(model.kv_shape(1, ids.shape[1]), dtype=model.dtype)
+    model.forward_kv(ids, kv, positions, segments)
+    start = 0
+    for row in rows:
+        n = int(row.numel())
+        torch.testing.assert_close(kv[:, :, 0, :, start : start + n], model.prefill(row), rtol=1e-5, atol=1e-5)
+        start += n
+    # Without the segments the second row would attend to the first: different K/V.
+    leaky = torch.empty_like(kv)
+    model.forward_kv(ids, leaky, positions)
+    n0 = int(rows[0].numel())
+    assert not torch.allclose(leaky[1:, :, 0, :, n0 : n0 + 3], kv[1:, :, 0, :, n0 : n0 + 3], atol=1e-3)
+
+
+def test_packing_and_buckets():
+    assert pack_rows([96, 16, 96, 16], 1024) == [[0, 1, 2, 3]]
+    assert pack_rows([600, 500, 3000, 20, 30], 1024) == [[0], [1], [2], [3, 4]]
+    assert pack_rows([], 1024) == []
+    assert [token_bucket(n, 4096) for n in (1, 64, 65, 96, 97, 112, 192, 193, 1000, 3700, 5000)] == [
+        64, 64, 96, 96, 128, 128, 192, 256, 1024, 4096, 4096,
+    ]
+    ids, positions, segments = packed_inputs([torch.tensor([7, 8, 9]), torch.tensor([4])], 6)
+    assert ids.tolist() == [[7, 8, 9, 4, 0, 0]]
+    assert positions.tolist() == [0, 1, 2, 0, 4, 5] and segments.tolist() == [0, 0, 0, 1, 2, 2]
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_inputs([torch.tensor([1, 2, 3])], 2)
 
 
 def test_k_is_stored_after_rope():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvrelay.models.ar import build_ar_model
+from kvrelay.models.ar import build_ar_model, packed_inputs
 from kvrelay.models.dit import DitRunner, random_prefix
 
 pytestmark = pytest.mark.gpu
@@ -69,16 +69,18 @@ def test_ar_prefill_graph_equals_eager_bit_for_bit(preset: str) -> None:
     model = build_ar_model(preset=preset, seed=1, device="cuda")
     prompts = [list(range(1, 80)), list(range(7, 30)), [5] * 100]
     replayed = model.prefill_batch(prompts)
-    assert set(model._graphs) == {(4, 128)}
-    rows, tokens = model.bucket(len(prompts), 100)
-    padded = torch.zeros(rows, tokens, dtype=torch.long)
+    tokens = model.bucket(202)
+    assert set(model._graphs) == {(tokens, True)}  # one pack of the three rows
+    ids, positions, segments = packed_inputs([torch.tensor(p) for p in prompts], tokens)
+    kv = torch.empty(model.kv_shape(1, tokens), dtype=model.dtype, device="cuda")
+    model.forward_kv(ids.cuda(), kv, positions.cuda(), segments.cuda())
+    start = 0
     for r, p in enumerate(prompts):
-        padded[r, : len(p)] = torch.tensor(p)
-    kv = torch.empty(model.kv_shape(rows, tokens), dtype=model.dtype, device="cuda")
-    model.forward_kv(padded.cuda(), kv)
-    for r, p in enumerate(prompts):
-        assert torch.equal(replayed[r], kv[:, :, r, :, : len(p)])
-    # A prompt alone (its own bucket) matches the batched K/V to bf16 rounding over the layers,
-    # not bit for bit (other matmul shapes).
-    alone, batched = model.prefill(prompts[1]).float(), replayed[1].float()
-    assert float((alone - batched).norm() / batched.norm()) < 2e-2
+        assert torch.equal(replayed[r], kv[:, :, 0, :, start : start + len(p)])
+        start += len(p)
+    # A prompt alone (a single-row graph: causal attention, no mask) matches the packed K/V to
+    # bf16 rounding over the layers, not bit for bit (other matmul shapes).
+    alone = model.prefill(prompts[1])
+    assert (model.bucket(len(prompts[1])), False) in model._graphs
+    rel = (alone.float() - replayed[1].float()).norm() / replayed[1].float().norm()
+    assert float(rel) < 2e-2
