@@ -17,13 +17,15 @@ import enum
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from ._common import DEFAULT_TARGET
+from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
 from .types import (
@@ -202,7 +204,29 @@ def run_generate(args: argparse.Namespace) -> int:
     output = getattr(args, "output", None) or "out.png"
     progress = _Progress(stderr, enabled=not quiet)
     handle: GenerationHandle | None = None
-    with KvRelayClient(_target(args), token=_token(args), **_tls(args)) as client:
+    interrupted, cancelling = threading.Event(), threading.Event()
+    watchdog: list[threading.Thread] = []
+
+    def on_interrupt(signum: int, frame: Any) -> None:
+        # KeyboardInterrupt, as by default. It can be swallowed (raised inside a finalizer or a
+        # library's except-all, where Python only prints it); then, a second later, a thread
+        # cancels the generation, which ends the event stream below with CANCELLED.
+        if not interrupted.is_set():
+            interrupted.set()
+            if handle is not None:
+                watchdog.append(threading.Thread(target=_cancel_unless, args=(handle, cancelling), daemon=True))
+                watchdog[0].start()
+        raise KeyboardInterrupt
+
+    def on_cancel() -> int:
+        cancelling.set()
+        progress.close()
+        code = _cancel_on_interrupt(handle, stderr)
+        for thread in watchdog:
+            thread.join(CANCEL_TIMEOUT)
+        return code
+
+    with KvRelayClient(_target(args), token=_token(args), **_tls(args)) as client, _on_sigint(on_interrupt):
         try:
             handle = client.generate(
                 prompt,
@@ -220,10 +244,11 @@ def run_generate(args: argparse.Namespace) -> int:
             for event in handle.events():
                 progress.update(event)
             progress.close()
+            if interrupted.is_set():
+                return on_cancel()
             result = handle.result()
         except KeyboardInterrupt:
-            progress.close()
-            return _cancel_on_interrupt(handle, stderr)
+            return on_cancel()
         except KvRelayError as err:
             progress.close()
             _print_error("generate", err, stderr, tls=bool(_tls(args)), target=_target(args))
@@ -240,6 +265,34 @@ def run_generate(args: argparse.Namespace) -> int:
     if not quiet:
         print(f"timings: {format_timings(result.timings)}", file=stdout)
     return 0
+
+
+class _on_sigint:
+    """Context manager: ``handler`` for SIGINT inside, the previous one restored after (only in
+    the main thread, the one Python delivers signals to; elsewhere a no-op)."""
+
+    def __init__(self, handler: Any) -> None:
+        self._handler = handler
+        self._previous: Any = None
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _cancel_unless(handle: GenerationHandle, cancelling: threading.Event) -> None:
+    """Cancel ``handle`` unless ``cancelling`` is set within a second (the main thread got the
+    KeyboardInterrupt and cancels itself)."""
+    if cancelling.wait(1.0):
+        return
+    try:
+        handle.cancel()
+    except KvRelayError:
+        pass  # the main thread's own cancel (a no-op after this one) reports nothing; the dropped stream cancels
 
 
 def _cancel_on_interrupt(handle: GenerationHandle | None, stderr: TextIO) -> int:

@@ -126,6 +126,59 @@ def test_ctrl_c_cancels_on_the_server_and_exits_130(
     assert not output.exists()
 
 
+# Run by the test below in a child process: `kvrelay generate` whose event iteration swallows
+# KeyboardInterrupt, as a library's except-all or a finalizer does.
+SWALLOWING_CLIENT = """
+import queue, sys, threading
+from kvrelay.client.sync import GenerationHandle
+from kvrelay.node.cli import main
+
+original = GenerationHandle.events
+
+def swallowing_events(self):
+    items = queue.Queue()
+    def pump():
+        for event in original(self):
+            items.put(event)
+        items.put(None)
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            event = items.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        except KeyboardInterrupt:
+            print("swallowed", file=sys.stderr, flush=True)
+            continue
+        if event is None:
+            return
+        yield event
+
+GenerationHandle.events = swallowing_events
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_cancels_even_when_the_keyboard_interrupt_is_swallowed(server: ServerThread, harness: Harness) -> None:
+    harness.step_delay = 0.1
+    argv = [sys.executable, "-c", SWALLOWING_CLIENT, "generate", "slow", "--steps", "500", "--width", "64",
+            "--height", "64", "--target", server.address, "--request-id", "swallowed", "-o", os.devnull]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        server.wait_for_state("swallowed", PB.GENERATION_STATE_DENOISING, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "swallowed" in err, err
+    assert proc.returncode == 130, out + err
+    assert "cancelling request swallowed" in err
+    server.wait_for_state("swallowed", PB.GENERATION_STATE_CANCELLED)
+    assert harness.generations["swallowed"].cancelled_by == "CancelGeneration"
+
+
 def _fill_status(harness: Harness) -> None:
     harness.replicas = [
         broker_pb2.ReplicaInfo(
