@@ -33,6 +33,7 @@ def ms(fn: Any, reps: int = 20) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--autotune", action="store_true")
+    parser.add_argument("--gemms-only", action="store_true")
     args = parser.parse_args()
     dev, bf = "cuda", torch.bfloat16
     a = torch.randn(8192, 8192, device=dev, dtype=bf)
@@ -40,14 +41,20 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: 8192^3 bf16 {peak:.0f} TFLOP/s", flush=True)
     m, h, mlp, hq, hkv, d = 2048, 3584, 18944, 28, 4, 128
     shapes = {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * mlp), "down": (mlp, h)}
-    total = 0.0
-    for name, (k, n) in shapes.items():
-        x = torch.randn(m, k, device=dev, dtype=bf)
-        w = torch.randn(n, k, device=dev, dtype=bf)
-        t = ms(lambda x=x, w=w: F.linear(x, w))
-        total += t
-        print(f"gemm {name} [{m}x{k}] x [{k}x{n}]: {t * 1e3:.0f} us, {2 * m * k * n / (t / 1e3) / 1e12:.0f} TFLOP/s", flush=True)
-    print(f"gemms per layer {total * 1e3:.0f} us, x28 = {total * 28:.2f} ms", flush=True)
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        total = 0.0
+        for name, (k, n) in shapes.items():
+            x = torch.randn(m, k, device=dev, dtype=bf)
+            w = torch.randn(n, k, device=dev, dtype=bf)
+            t = ms(lambda x=x, w=w: F.linear(x, w))
+            total += t
+            print(f"{library} gemm {name} [{m}x{k}] x [{k}x{n}]: {t * 1e3:.0f} us, "
+                  f"{2 * m * k * n / (t / 1e3) / 1e12:.0f} TFLOP/s", flush=True)
+        print(f"{library} gemms per layer {total * 1e3:.0f} us, x28 = {total * 28:.2f} ms", flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    if args.gemms_only:
+        return
 
     rows, n_img, slots = 2, 1024, 96
     q = torch.randn(rows, hq, n_img, d, device=dev, dtype=bf)
