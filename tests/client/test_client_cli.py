@@ -90,36 +90,31 @@ def test_generate_errors_print_code_reason_message_and_exit_1(
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
-def test_ctrl_c_cancels_on_the_server_and_exits_130(
-    server: ServerThread, harness: Harness, tmp_path: Path
-) -> None:
-    harness.step_delay = 0.1
-    output = tmp_path / "never.png"
-    argv = [
-        sys.executable,
-        "-m",
-        "kvrelay",
-        "generate",
-        "slow",
-        "--steps",
-        "500",
-        "--width",
-        "64",
-        "--height",
-        "64",
-    ]
-    argv += ["--target", server.address, "--request-id", "ctrl-c", "-o", str(output)]
+def interrupt_when_denoising(server: ServerThread, prefix: list[str], request_id: str, output: str) -> tuple[int, str]:
+    """Run ``prefix + generate ...`` (500 slow steps), Ctrl-C it once the server denoises, and
+    return its exit code and its stdout + stderr."""
+    argv = prefix + ["generate", "slow", "--steps", "500", "--width", "64", "--height", "64"]
+    argv += ["--target", server.address, "--request-id", request_id, "-o", output]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        server.wait_for_state("ctrl-c", PB.GENERATION_STATE_DENOISING, timeout=60)
+        server.wait_for_state(request_id, PB.GENERATION_STATE_DENOISING, timeout=60)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, out + err
-    assert "cancelling request ctrl-c" in err
+    return proc.returncode, out + err
+
+
+def test_ctrl_c_cancels_on_the_server_and_exits_130(
+    server: ServerThread, harness: Harness, tmp_path: Path
+) -> None:
+    harness.step_delay = 0.1
+    output = tmp_path / "never.png"
+    code, text = interrupt_when_denoising(server, [sys.executable, "-m", "kvrelay"], "ctrl-c", str(output))
+    assert code == 130, text
+    assert "cancelling request ctrl-c" in text
     generation = server.wait_for_state("ctrl-c", PB.GENERATION_STATE_CANCELLED)
     assert harness.generations["ctrl-c"].cancelled_by == "CancelGeneration"
     assert generation.step < 500
@@ -161,20 +156,9 @@ raise SystemExit(main(sys.argv[1:]))
 
 def test_ctrl_c_cancels_even_when_the_keyboard_interrupt_is_swallowed(server: ServerThread, harness: Harness) -> None:
     harness.step_delay = 0.1
-    argv = [sys.executable, "-c", SWALLOWING_CLIENT, "generate", "slow", "--steps", "500", "--width", "64",
-            "--height", "64", "--target", server.address, "--request-id", "swallowed", "-o", os.devnull]
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        server.wait_for_state("swallowed", PB.GENERATION_STATE_DENOISING, timeout=60)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert "swallowed" in err, err
-    assert proc.returncode == 130, out + err
-    assert "cancelling request swallowed" in err
+    code, text = interrupt_when_denoising(server, [sys.executable, "-c", SWALLOWING_CLIENT], "swallowed", os.devnull)
+    assert "swallowed" in text and code == 130, text
+    assert "cancelling request swallowed" in text
     server.wait_for_state("swallowed", PB.GENERATION_STATE_CANCELLED)
     assert harness.generations["swallowed"].cancelled_by == "CancelGeneration"
 
