@@ -12,6 +12,9 @@ python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 REQ="${REQ:-32}" RUNS="${RUNS:-3}"
+# As in steps.sh: KVRELAY_COMMIT=<hash> names the commit (the copied .git may be stale).
+echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}" \
+  | tee "$OUT/commit.txt"
 bench() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
   echo "\$ python3 -m kvrelay bench --config configs/h200-1gpu.yaml $*" > "$OUT/$name.md"

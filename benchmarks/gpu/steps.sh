@@ -16,7 +16,10 @@ if [ -d .gpu/whl ]; then  # carried wheels (benchmarks/gpu/fetch.sh): Mooncake a
     && export PYTHONPATH="/tmp/site:$PWD"
 fi
 nvidia-smi --query-gpu=name,memory.used,driver_version --format=csv,noheader | tee "$OUT/env.txt"
-(git log --oneline -1 2>/dev/null || echo "no .git here") | tee -a "$OUT/env.txt"
+# The GPU machine's copy of the tree may carry a stale .git: pass KVRELAY_COMMIT=<hash> from the
+# checkout that was copied (git rev-parse --short HEAD there) to record the right commit.
+echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}" \
+  | tee -a "$OUT/env.txt"
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/dit_model/test_cuda_graphs.py \
   tests/ar_model/test_ar_gpu.py tests/transfer/test_cuda_ipc.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
 timeout "${PROFILE_TIMEOUT:-220}" python3 benchmarks/gpu/profile_steps.py --out "$OUT" --reps 10 ${PROFILE_ARGS:-} \
