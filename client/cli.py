@@ -11,6 +11,7 @@ Exit codes: 0 success, 1 an error from kvrelay (code, reason and message are pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import enum
@@ -22,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
@@ -267,21 +268,18 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-class _on_sigint:
-    """Context manager: ``handler`` for SIGINT inside, the previous one restored after (only in
-    the main thread, the one Python delivers signals to; elsewhere a no-op)."""
-
-    def __init__(self, handler: Any) -> None:
-        self._handler = handler
-        self._previous: Any = None
-
-    def __enter__(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+@contextlib.contextmanager
+def _on_sigint(handler: Any) -> Iterator[None]:
+    """``handler`` for SIGINT inside, the previous one restored after (only in the main thread,
+    the one Python delivers signals to; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _cancel_unless(handle: GenerationHandle, cancelling: threading.Event) -> None:

@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -564,18 +564,20 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     # Every verified (row, dst_rank) is reported concurrently (the round trips
                     # overlap instead of queueing). Loads only ever become loaded, so the reply
                     # that shows the most of them is the newest snapshot.
-                    loads = list(verified)
-                    reports: list[Awaitable[broker_pb2.Ticket | None]] = []
-                    for load in loads:
-                        checks = verified[load]
-                        reports.append(_none() if checks is None else self._report_load(ticket_id, load, checks))
-                    results = await asyncio.gather(*reports, return_exceptions=True)
+                    to_report = [(load, checks) for load, checks in verified.items() if checks is not None]
+                    results = await asyncio.gather(
+                        *(self._report_load(ticket_id, load, checks) for load, checks in to_report),
+                        return_exceptions=True,
+                    )
                     for result in results:
                         if isinstance(result, BaseException):
                             raise result
-                    replies = [r for r in results if not isinstance(r, BaseException)]
+                    replies = {
+                        load: r for (load, _), r in zip(to_report, results, strict=True) if not isinstance(r, BaseException)
+                    }
                     newest: broker_pb2.Ticket | None = None
-                    for load, reply_ticket in zip(loads, replies, strict=True):
+                    for load in verified:
+                        reply_ticket = replies.get(load)
                         protocol.on_verified(load, reply_ticket is not None)
                         if reply_ticket is not None and (
                             newest is None or _loaded_count(reply_ticket) >= _loaded_count(newest)
@@ -753,10 +755,6 @@ def control_view(buffer: Any, slots: int) -> Any:
     from kvrelay.dit_service.engine import CONTROL_FIELDS
 
     return np.frombuffer(buffer, dtype=np.int64).reshape(slots, CONTROL_FIELDS)
-
-
-async def _none() -> None:
-    return None
 
 
 def _loaded_count(ticket: broker_pb2.Ticket) -> int:
