@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvrelay.dit_service.memory import HostPool, PoolSpec
@@ -87,6 +87,10 @@ class DenoiseResult:
     copy_seconds: float
     denoise_seconds: float
     decode_seconds: float
+    # How long this rank sat without a denoise command before this one arrived (since its
+    # previous denoise returned; 0 for the first): the replica's own dispatch overhead when
+    # requests were queued, idle time otherwise.
+    idle_seconds: float = 0.0
 
 
 class DenoiseStopped(Exception):
@@ -186,6 +190,7 @@ class DitRankHandler:
             self.device_pool = torch.zeros(pool_spec.num_bytes, dtype=torch.uint8, device=device)
         self._endpoint: Any = None
         self._region: RegionDescriptor | None = None
+        self._denoise_returned: float | None = None  # perf_counter when the last denoise returned
 
     def _pin_mirror(self) -> None:
         torch = self._torch
@@ -202,10 +207,15 @@ class DitRankHandler:
             return self._describe()
         if isinstance(command, VerifyWrites):
             return self._verify(command.writes)
-        if isinstance(command, RunDenoise):
-            return self._denoise(command)
-        if isinstance(command, RunDenoiseBatch):
-            return self._denoise_batch(command)
+        if isinstance(command, RunDenoise | RunDenoiseBatch):
+            arrived = time.perf_counter()
+            idle = 0.0 if self._denoise_returned is None else arrived - self._denoise_returned
+            try:
+                if isinstance(command, RunDenoise):
+                    return replace(self._denoise(command), idle_seconds=idle)
+                return tuple(replace(r, idle_seconds=idle) for r in self._denoise_batch(command))
+            finally:
+                self._denoise_returned = time.perf_counter()
         raise TypeError(f"DiT rank {self.ctx.rank} got an unknown command {type(command).__name__}")
 
     def _describe(self) -> RegionDescriptor | None:

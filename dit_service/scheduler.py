@@ -38,6 +38,7 @@ class Place:
     ticket_id: str = field(compare=False)
     admitted: asyncio.Future[int] = field(compare=False)
     load_turn: asyncio.Future[None] = field(compare=False)
+    slot_freed: bool = field(default=False, compare=False)
 
     @property
     def queued(self) -> bool:
@@ -103,6 +104,16 @@ class AdmissionQueue:
         self._free_slots.sort()
         self._dispatch()
 
+    def free_slot(self, place: Place) -> None:
+        """Give the admitted call's slot to the next call now, before its body ends: the call is
+        done with the ranks (its denoise returned) and only bookkeeping is left (the ticket's
+        release, the final event), which must not keep the replica's GPU waiting. Idempotent; a
+        call that is not admitted has no slot to give."""
+        if place.slot_freed or not place.admitted.done() or place.admitted.cancelled():
+            return
+        place.slot_freed = True
+        self._release(place.admitted.result())
+
     @asynccontextmanager
     async def enter(self, sequence: int, ticket_id: str) -> AsyncIterator[Place]:
         loop = asyncio.get_running_loop()
@@ -113,7 +124,9 @@ class AdmissionQueue:
             yield place
         finally:
             if place.admitted.done() and not place.admitted.cancelled():
-                self._release(place.admitted.result())
+                if not place.slot_freed:
+                    place.slot_freed = True
+                    self._release(place.admitted.result())
             else:
                 # Left while queued (cancelled, or its load failed): its look-ahead place, if it
                 # had one, goes to the next call.

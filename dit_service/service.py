@@ -374,27 +374,43 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     self.s.metrics.waiting.dec()
                     self.s.metrics.active.inc()
                     try:
-                        yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING,
-                                                   total_steps=request.num_inference_steps)
+                        loading = dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADING,
+                                                       total_steps=request.num_inference_steps)
+                        # As a rule the load is done by admission: then every event before the
+                        # first step is sent once the ranks have the command, so the stream's
+                        # writes never stand between the previous denoise and this one.
+                        early = not load.done()
+                        if early:
+                            yield loading
                         loaded_bytes, load_seconds = await load
                         # Only now may the ranks read the pages: READY -> CONSUMING after admission.
                         await self._start_consuming(ticket_id)
                         self.s.metrics.phase_seconds.labels("load").observe(load_seconds)
                         self.s.metrics.transfer_bytes.labels(self.s.stage.transport).inc(loaded_bytes)
-                        yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
-                                                   load_seconds=load_seconds,
-                                                   total_steps=request.num_inference_steps)
+                        loaded = dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
+                                                      load_seconds=load_seconds,
+                                                      total_steps=request.num_inference_steps)
                         result: DenoiseResult | None = None
                         # aclosing: however this handler ends (even closed at a yield), the ranks are
                         # stopped and awaited before the `finally` below releases the ticket.
-                        async with contextlib.aclosing(self._denoise(slot, request, rows, context)) as steps:
+                        first = (loaded,) if early else (loading, loaded)
+                        async with contextlib.aclosing(self._denoise(slot, request, rows, context, first)) as steps:
                             async for event in steps:
                                 if isinstance(event, DenoiseResult):
                                     result = event
                                 else:
                                     yield event
                         assert result is not None and result.pixels is not None
+                        # The ranks are done with this call: the next admitted one may run while
+                        # this one releases its ticket and sends its image.
+                        self.s.scheduler.free_slot(place)
                         self.s.metrics.phase_seconds.labels("denoise").observe(result.denoise_seconds)
+                        self.s.metrics.phase_seconds.labels("rank_idle").observe(result.idle_seconds)
+                        log.info("denoised", ticket_id=ticket_id, steps=result.steps_done,
+                                 load_ms=round(load_seconds * 1e3, 2),
+                                 denoise_ms=round((result.denoise_seconds + result.copy_seconds) * 1e3, 2),
+                                 decode_ms=round(result.decode_seconds * 1e3, 2),
+                                 rank_idle_ms=round(result.idle_seconds * 1e3, 2))
                         # Release before the final event: the caller may act on DECODED at once (and
                         # tests check the pool right after it).
                         outcome, reason = "OK", ""
@@ -441,11 +457,13 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             await abort_with(context, error)
 
     async def _denoise(
-        self, slot: int, request: dit_pb2.DenoiseRequest, rows: tuple[RowSpec, ...], context: Any
+        self, slot: int, request: dit_pb2.DenoiseRequest, rows: tuple[RowSpec, ...], context: Any,
+        first: Sequence[dit_pb2.DenoiseEvent] = (),
     ) -> AsyncGenerator[dit_pb2.DenoiseEvent | DenoiseResult, None]:
-        """Run the denoise on every rank, streaming steps from the shared control block. On any
-        exit (cancel included) the ranks are told to stop and awaited before this returns, so no
-        rank reads the pages after the ticket is released."""
+        """Run the denoise on every rank, streaming steps from the shared control block; `first`
+        are sent once the command is on its way to the ranks. On any exit (cancel included) the
+        ranks are told to stop and awaited before this returns, so no rank reads the pages after
+        the ticket is released."""
         control = self.s.control[slot]
         serial = next(self._serials)
         control[STEP], control[CANCEL], control[SERIAL] = 0, 0, serial
@@ -464,6 +482,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         context.add_done_callback(on_rpc_done)
         sent = 0
         try:
+            for event in first:
+                yield event
             while not task.done():
                 await asyncio.wait({task}, timeout=STEP_POLL_S)
                 done = int(control[STEP])

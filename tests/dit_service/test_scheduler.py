@@ -139,3 +139,60 @@ def test_look_ahead_defaults_to_two_per_slot() -> None:
     assert AdmissionQueue(1).look_ahead == 2 and AdmissionQueue(4).look_ahead == 8
     with pytest.raises(ValueError, match="look_ahead"):
         AdmissionQueue(1, look_ahead=-1)
+
+
+def test_free_slot_admits_the_next_call_before_the_body_ends() -> None:
+    """A call done with the ranks gives its slot away at once (its ticket release and final event
+    still to come); leaving the body afterwards does not free the slot a second time."""
+
+    async def scenario() -> None:
+        queue = AdmissionQueue(1)
+        order: list[int] = []
+        done_with_ranks, leave = asyncio.Event(), asyncio.Event()
+
+        async def first() -> None:
+            async with queue.enter(1, "t1") as place:
+                await asyncio.wait({place.admitted})
+                order.append(1)
+                queue.free_slot(place)  # before: admitted calls keep their slot until they leave
+                queue.free_slot(place)  # idempotent
+                done_with_ranks.set()
+                await leave.wait()
+
+        gates = {s: asyncio.Event() for s in (2, 3)}
+        a = asyncio.ensure_future(first())
+        await done_with_ranks.wait()
+        b = asyncio.ensure_future(_hold(queue, 2, order, gates[2]))
+        c = asyncio.ensure_future(_hold(queue, 3, order, gates[3]))
+        await asyncio.sleep(0.01)
+        assert order == [1, 2] and queue.active == {0: "t2"} and queue.waiting == 1
+        leave.set()
+        await a
+        await asyncio.sleep(0.01)
+        # Leaving did not return slot 0 again: ticket 3 still waits for ticket 2's.
+        assert order == [1, 2] and queue.active == {0: "t2"} and queue.waiting == 1
+        gates[2].set()
+        await asyncio.sleep(0.01)
+        assert order == [1, 2, 3]
+        gates[3].set()
+        await asyncio.gather(b, c)
+        assert queue.active == {} and queue.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_free_slot_of_a_call_not_admitted_is_a_no_op() -> None:
+    async def scenario() -> None:
+        queue = AdmissionQueue(1)
+        order: list[int] = []
+        gate = asyncio.Event()
+        holder = asyncio.ensure_future(_hold(queue, 1, order, gate))
+        await asyncio.sleep(0.01)
+        async with queue.enter(2, "t2") as place:
+            queue.free_slot(place)  # queued: nothing to give, and the holder keeps slot 0
+            assert queue.active == {0: "t1"} and not place.slot_freed
+        gate.set()
+        await holder
+        assert queue.active == {} and queue.waiting == 0
+
+    asyncio.run(scenario())
