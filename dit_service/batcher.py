@@ -55,6 +55,17 @@ class DenoiseBatcher:
         # A caller that goes away before its batch starts cancels the future: it is skipped.
         return await future
 
+    def withdraw(self, item: BatchItem) -> bool:
+        """Take back an item whose batch has not started (its caller is gone): True if it was
+        still waiting here (its ``submit`` is cancelled; no rank ever sees it), False if its batch
+        runs or ran."""
+        for pending in self._pending:
+            if pending[0] is item and not pending[1].done():
+                self._pending.remove(pending)
+                pending[1].cancel()
+                return True
+        return False
+
     def _take(self) -> list[tuple[Any, asyncio.Future[list[Any]]]]:
         live = [(item, f) for item, f in self._pending if not f.done()]
         if not live:

@@ -55,6 +55,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         new_incarnation_id,
         replica_id_for,
     )
+    from kvrelay.dit_service.scheduler import admission_slots
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
     from kvrelay.models.bagel import stage_preset as model_preset
     from kvrelay.models.formats import model_dir
@@ -133,14 +134,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         memory = ReplicaMemory(
             geometry, stage.head_shards, stage.kv_cache_memory_bytes, tag=tag, cfg_parallel=stage.cfg_parallel_size
         )
-        control_pool = HostPool.create(0, control_bytes(stage.max_num_seqs), f"{tag}-control")
+        control_pool = HostPool.create(0, control_bytes(admission_slots(stage.max_num_seqs)), f"{tag}-control")
         metrics.pages.labels(replica_id).set(memory.num_pages)
         spec = DitRankSpec(
             preset=preset.name, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype,
             checkpoint=model_dir(stage.model), model_format=stage.model.format,
             tp=stage.tensor_parallel_size, sp=stage.sequence_parallel_size, page_size=stage.page_size,
             num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
-            slots=stage.max_num_seqs, transport=stage.transport, mooncake_host=stage.advertise_host,
+            slots=admission_slots(stage.max_num_seqs), transport=stage.transport, mooncake_host=stage.advertise_host,
             mooncake_protocol=stage.mooncake_protocol, mooncake_device_name=str(stage.extra.get("device_name", "")),
             expert_parallel=stage.enable_expert_parallel, cfg_parallel=stage.cfg_parallel_size,
         )
@@ -165,7 +166,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         state = DitReplicaState(
             replica_id=replica_id, incarnation_id=incarnation_id, stage=stage, geometry=geometry, memory=memory,
-            control=control_view(control_pool.buffer, stage.max_num_seqs), group=group, broker=stub,
+            control=control_view(control_pool.buffer, admission_slots(stage.max_num_seqs)), group=group, broker=stub,
             metrics=metrics, fail_stop=stopper.fail_stop, regions=tuple(regions),
         )
         servicer.attach(state)

@@ -39,7 +39,7 @@ from kvrelay.dit_service.engine import (
 )
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
-from kvrelay.dit_service.scheduler import AdmissionQueue, Place
+from kvrelay.dit_service.scheduler import AdmissionQueue, Place, replica_queue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.models.image import encode_png
@@ -96,7 +96,8 @@ class DitMetrics:
         self.denoise_steps = Counter(
             "kvrelay_dit_denoise_steps_total", "Denoising steps executed by the ranks", registry=self.registry
         )
-        self.active = Gauge("kvrelay_dit_active_requests", "Denoise calls holding a slot", registry=self.registry)
+        self.active = Gauge("kvrelay_dit_active_requests",
+                            "Denoise calls admitted (denoising, or next in line with their ticket CONSUMING)", registry=self.registry)
         self.waiting = Gauge("kvrelay_dit_waiting_requests", "Denoise calls waiting for admission",
                              registry=self.registry)
         self.pages = Gauge("kvrelay_dit_pages_per_rank", "Pages in each rank's pool", ["replica"],
@@ -123,7 +124,7 @@ class DitReplicaState:
     scheduler: AdmissionQueue = field(init=False)
 
     def __post_init__(self) -> None:
-        self.scheduler = AdmissionQueue(self.stage.max_num_seqs)
+        self.scheduler = replica_queue(self.stage.max_num_seqs)
 
     @property
     def world_size(self) -> int:
@@ -500,7 +501,11 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 yield dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_STEP, step=sent, total_steps=total)
             yield lead
         finally:
-            if not task.done():
+            if not task.done() and self.batcher.withdraw(command):
+                # A standby whose batch had not started: no rank ever saw it.
+                await asyncio.wait({task})
+                log.info("denoise_withdrawn", total_steps=total)
+            elif not task.done():
                 control[CANCEL] = 1
                 try:
                     results = await asyncio.shield(task)

@@ -19,6 +19,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -739,6 +740,10 @@ def run(args: argparse.Namespace) -> int:
 
                 workload = transfer_workload(dataset, preset, get_preset(preset).ar.max_tokens)
             scenario = run_scenario(args, workload, impls, base, Path(tmp))
+            # The processes' own logs (per-request lines such as the DiT's `denoised`) outlive the
+            # temporary folder: <output>/logs/<scenario>/<impl>-logs/<process>.log.
+            for logs in sorted(Path(tmp).glob("*-logs")):
+                shutil.copytree(logs, out / "logs" / name / logs.name, dirs_exist_ok=True)
             results = [RunResult(**r) for r in scenario["results"]]
             scenario["seed_table"] = seed_table(results, impls, args.runs)
             scenario["detail_table"] = detail_table(results)

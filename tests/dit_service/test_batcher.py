@@ -96,3 +96,33 @@ def test_a_caller_gone_before_its_batch_is_left_out() -> None:
             DenoiseBatcher(run, max_batch=0)
 
     asyncio.run(main())
+
+
+def test_withdraw_takes_back_an_item_only_before_its_batch_starts() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+        batches: list[list[str]] = []
+
+        async def run(items: list[Item]) -> list[list[str]]:
+            batches.append([i.name for i in items])
+            await gate.wait()
+            return [[i.name for i in items]]
+
+        batcher = DenoiseBatcher(run, max_batch=1)
+        a_item, b_item, c_item = Item("a"), Item("b"), Item("c")
+        a = asyncio.ensure_future(batcher.submit(a_item))
+        await asyncio.sleep(0)
+        b = asyncio.ensure_future(batcher.submit(b_item))
+        c = asyncio.ensure_future(batcher.submit(c_item))
+        await asyncio.sleep(0)
+        assert not batcher.withdraw(a_item)  # running: only its ranks can stop it
+        assert batcher.withdraw(b_item)
+        assert not batcher.withdraw(b_item)  # already taken back
+        await asyncio.wait({b})
+        assert b.cancelled()
+        gate.set()
+        assert await a == ["a"] and await c == ["c"]
+        assert batches == [["a"], ["c"]]
+        assert not batcher.withdraw(c_item)  # ran
+
+    asyncio.run(main())

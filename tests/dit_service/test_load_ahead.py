@@ -1,6 +1,6 @@
-"""Look-ahead load: a Denoise call queued behind the only slot (`max_num_seqs: 1`) waits for,
-verifies and reports its writes while it waits, fails at once when that load fails, and stops
-its load before its ticket is released when its caller goes away. A real `kvrelay dit` process,
+"""Look-ahead load: a Denoise call queued behind the only slot (`max_num_seqs: 1`) and its standby
+waits for, verifies and reports its writes while it waits, fails at once when that load fails,
+and stops its load before its ticket is released when its caller goes away. A real `kvrelay dit` process,
 the real BrokerCore in this process (its ticket changes are watched, not polled), and an AR
 writer the test controls."""
 
@@ -71,11 +71,15 @@ async def _written(writer: ArWriter, counts: list[int], *, report_rows: set[int]
 
 async def _hold_the_slot(
     stub: dit_pb2_grpc.DitServiceStub, writer: ArWriter
-) -> tuple[asyncio.Task[None], broker_pb2.Ticket, asyncio.Queue[int]]:
-    """Ticket A denoises 1000 steps at 512x512 until the test cancels it: the only slot is taken
-    once its first step is seen. Its step events arrive on the returned queue."""
+) -> tuple[asyncio.Task[None], list[broker_pb2.Ticket], asyncio.Queue[int]]:
+    """Take both admission slots of a `max_num_seqs: 1` replica: ticket A denoises 1000 steps at
+    512x512 until the test cancels it, and ticket S (one small step) is its standby, admitted and
+    LOADED with its command queued behind A's. Returns the holder task (cancel it with
+    `_free_the_slot`: A stops, then S runs and ends), the tickets [A, S], and A's step events."""
     ticket, _ = await _written(writer, [6])
+    standby, _ = await _written(writer, [6], seed=3)
     steps: asyncio.Queue[int] = asyncio.Queue()
+    loaded = asyncio.Event()
 
     async def run() -> None:
         async for event in stub.Denoise(dit_pb2.DenoiseRequest(
@@ -84,9 +88,29 @@ async def _hold_the_slot(
             if event.phase == dit_pb2.DENOISE_PHASE_STEP:
                 steps.put_nowait(event.step)
 
-    task = asyncio.ensure_future(run())
+    async def run_standby() -> None:
+        async for event in stub.Denoise(_request(standby), timeout=120.0):
+            if event.phase == dit_pb2.DENOISE_PHASE_LOADED:
+                loaded.set()
+
+    a = asyncio.ensure_future(run())
     await asyncio.wait_for(steps.get(), 30.0)
-    return task, ticket, steps
+    s = asyncio.ensure_future(run_standby())
+    await asyncio.wait_for(loaded.wait(), 30.0)
+    # The standby waits for the ranks, not for a slot: it is admitted, but A still runs.
+    assert not s.done()
+
+    async def hold() -> None:
+        try:
+            await a
+        finally:
+            await asyncio.wait_for(s, 60.0)  # A stopped: its standby runs and completes
+
+    return asyncio.ensure_future(hold()), [ticket, standby], steps
+
+
+def _held_pages(core: Any, held: list[broker_pb2.Ticket]) -> int:
+    return sum(len(core.get_ticket(t.ticket_id).page_ids) for t in held)
 
 
 async def _free_the_slot(holder: asyncio.Task[None]) -> None:
@@ -120,7 +144,7 @@ def test_queued_requests_load_while_the_slot_is_taken_and_keep_reservation_order
 
     async def scenario() -> None:
         async with _replica(tmp_path) as (core, _dit, writer, stub):
-            holder, a, a_steps = await _hold_the_slot(stub, writer)
+            holder, held, a_steps = await _hold_the_slot(stub, writer)
             b = await writer.create_ticket([6])
             c = await writer.create_ticket([6])
             armed = {t.ticket_id: await writer.arm(t.ticket_id) for t in (b, c)}
@@ -147,7 +171,7 @@ def test_queued_requests_load_while_the_slot_is_taken_and_keep_reservation_order
             for t in (b, c):
                 await _until(core, t.ticket_id, lambda t: t.state is TicketState.READY)
             # Both verified and reported while queued: A still denoises in the only slot.
-            assert not holder.done() and core.get_ticket(a.ticket_id).state is TicketState.CONSUMING
+            assert not holder.done() and all(core.get_ticket(t.ticket_id).state is TicketState.CONSUMING for t in held)
             assert order == []
             # A few more of A's steps: the wait for the slot outlasts the loads by far.
             for _ in range(3):
@@ -173,7 +197,7 @@ def test_queued_request_whose_writer_never_writes_times_out_while_queued(tmp_pat
 
     async def scenario() -> None:
         async with _replica(tmp_path, transfer_timeout=1.0) as (core, _dit, writer, stub):
-            holder, a, _ = await _hold_the_slot(stub, writer)
+            holder, held, _ = await _hold_the_slot(stub, writer)
             b = await writer.create_ticket([6])
             armed = await writer.arm(b.ticket_id)
             started = time.monotonic()
@@ -192,7 +216,7 @@ def test_queued_request_whose_writer_never_writes_times_out_while_queued(tmp_pat
             ])
             await _until(core, b.ticket_id, lambda t: t.state is TicketState.RELEASED)
             pool = await writer.pool()
-            assert pool.free_pages == pool.total_pages - len(core.get_ticket(a.ticket_id).page_ids)
+            assert pool.free_pages == pool.total_pages - _held_pages(core, held)
             await _free_the_slot(holder)
 
     asyncio.run(scenario())
@@ -206,7 +230,7 @@ def test_cancel_while_queued_stops_the_load_before_the_release(tmp_path: Path) -
 
     async def scenario() -> None:
         async with _replica(tmp_path, transfer_timeout=30.0) as (core, _dit, writer, stub):
-            holder, a, _ = await _hold_the_slot(stub, writer)
+            holder, held, _ = await _hold_the_slot(stub, writer)
             b, armed = await _written(writer, [6, 3], report_rows={0})
             call = stub.Denoise(_request(b, rows=2), timeout=60.0)
             reader = asyncio.ensure_future(call.read())
@@ -225,11 +249,52 @@ def test_cancel_while_queued_stops_the_load_before_the_release(tmp_path: Path) -
             ])
             await _until(core, b.ticket_id, lambda t: t.state is TicketState.RELEASED)
             pool = await writer.pool()
-            assert pool.free_pages == pool.total_pages - len(core.get_ticket(a.ticket_id).page_ids)
+            assert pool.free_pages == pool.total_pages - _held_pages(core, held)
             await _free_the_slot(holder)
             # B left the queue: the next request is admitted and served.
             d, _ = await _written(writer, [5], seed=2)
             events = [e async for e in stub.Denoise(_request(d), timeout=60.0)]
+            assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+            pool = await writer.pool()
+            assert pool.free_pages == pool.total_pages
+
+    asyncio.run(scenario())
+
+
+def test_a_standby_cancelled_before_its_batch_never_reaches_the_ranks(tmp_path: Path) -> None:
+    """A denoises; B is admitted as its standby (LOADED, ticket CONSUMING, its command queued
+    behind A's). B's caller cancels: B is taken back from the batcher at once (no rank sees it),
+    its ticket is released CANCELLED while A still runs, and the replica serves the next call."""
+
+    async def scenario() -> None:
+        async with _replica(tmp_path) as (core, dit, writer, stub):
+            a, _ = await _written(writer, [6])
+            a_steps: asyncio.Queue[int] = asyncio.Queue()
+
+            async def run_a() -> None:
+                async for event in stub.Denoise(dit_pb2.DenoiseRequest(
+                        ticket_id=a.ticket_id, width=512, height=512, num_inference_steps=1000,
+                        guidance_scale=1.0, seed=0), timeout=120.0):
+                    if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                        a_steps.put_nowait(event.step)
+
+            holder = asyncio.ensure_future(run_a())
+            await asyncio.wait_for(a_steps.get(), 30.0)
+            b, _ = await _written(writer, [6], seed=1)
+            call = stub.Denoise(_request(b), timeout=60.0)
+            phases = []
+            while dit_pb2.DENOISE_PHASE_LOADED not in phases:
+                phases.append((await asyncio.wait_for(call.read(), 30.0)).phase)
+            assert core.get_ticket(b.ticket_id).state is TicketState.CONSUMING
+            call.cancel()
+            ended = await _until(core, b.ticket_id, lambda t: t.state is TicketState.RELEASED)
+            assert ended.outcome is TicketOutcome.CANCELLED
+            assert not holder.done(), "B was released while A still ran"
+            await asyncio.sleep(0.2)
+            assert any("denoise_withdrawn" in line for line in dit.lines), "".join(dit.lines[-20:])
+            await _free_the_slot(holder)
+            c, _ = await _written(writer, [5], seed=2)
+            events = [e async for e in stub.Denoise(_request(c), timeout=60.0)]
             assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
             pool = await writer.pool()
             assert pool.free_pages == pool.total_pages

@@ -337,8 +337,9 @@ def test_dead_rank_fails_stop(tmp_path: Path) -> None:
 
 
 def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> None:
-    """max_num_seqs=1: while ticket A denoises, ticket C's Denoise arrives before B's; B was
-    reserved first, so B is admitted (LOADING) before C."""
+    """max_num_seqs=1: while ticket A denoises and S (reserved last, but the only caller then)
+    waits as its standby, ticket C's Denoise arrives before B's; B was reserved first, so B is
+    admitted (LOADING) before C."""
     config = write_config(tmp_path, transport="mooncake", max_num_seqs=1)
 
     async def scenario() -> None:
@@ -348,7 +349,7 @@ def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> N
                 await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
-                tickets = [await writer.create_ticket([6]) for _ in range(3)]  # A, B, C in reservation order
+                tickets = [await writer.create_ticket([6]) for _ in range(4)]  # A, B, C, S in reservation order
                 for t in tickets:
                     armed = await writer.arm(t.ticket_id)
                     outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv([6], seed=0))
@@ -371,16 +372,18 @@ def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> N
                     # A runs until the test cancels it, so B and C surely both wait for its slot.
                     a = asyncio.ensure_future(run(tickets[0], "A", 1000, a_running))
                     await a_running.wait()
+                    s = asyncio.ensure_future(run(tickets[3], "S", 1, unused))
+                    await asyncio.sleep(0.3)
                     c = asyncio.ensure_future(run(tickets[2], "C", 1, unused))
                     await asyncio.sleep(0.3)
                     b = asyncio.ensure_future(run(tickets[1], "B", 1, unused))
                     await asyncio.sleep(0.3)
-                    assert order == ["A"]
+                    assert order == ["A", "S"] and not s.done()  # S waits for A's ranks, admitted
                     a.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await a
-                    await asyncio.gather(b, c)
-                assert order == ["A", "B", "C"]
+                    await asyncio.gather(s, b, c)
+                assert order == ["A", "S", "B", "C"]
                 await writer.close()
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
