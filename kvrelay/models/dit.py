@@ -47,7 +47,7 @@ from kvrelay.models.layers import (
 )
 from kvrelay.models.loader import CheckpointError, full_state, load_full_state
 from kvrelay.models.moe import RoutedExperts, build_mlp
-from kvrelay.models.paged_attention import LayerKv, PrefixKv, gqa_attention
+from kvrelay.models.paged_attention import LayerKv, PrefixBlock, PrefixKv, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
 from kvrelay.models.sampler import (
@@ -782,6 +782,15 @@ class DitRunner:
         """Drop every cached step conditioning (call after changing the model's weights)."""
         self._conditionings.clear()
 
+    def _on_device(self, row: PrefixRow) -> PrefixRow:
+        """The row on this model's device; a PrefixBlock already there stays one (so filling the
+        step buffers copies each row once, not once per layer)."""
+        if isinstance(row, PrefixBlock):
+            at = row.block.device
+            if at.type == self.device.type and (self.device.index is None or at.index == self.device.index):
+                return row
+        return [(k.to(self.device), v.to(self.device)) for k, v in row]
+
     def prefix_slots(self, longest: int) -> int:
         """Prefix slots for a batch whose longest prefix has ``longest`` tokens (its bucket on GPUs)."""
         b = self.prefix_bucket
@@ -905,7 +914,7 @@ class DitRunner:
                 BatchRequest(prefix_rows, guidance_scale, seed), width, height, steps, on_step
             )
         lat_h, lat_w = self.cfg.latent_size(width, height)
-        rows = [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in prefix_rows]
+        rows = [self._on_device(row) for row in prefix_rows]
         noise = initial_noise(
             seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device
         )
@@ -944,9 +953,7 @@ class DitRunner:
         for req in requests:
             self._check_prefix(req.prefix_rows, req.guidance_scale)
         lat_h, lat_w = self.cfg.latent_size(width, height)
-        rows_of = [
-            [[(k.to(self.device), v.to(self.device)) for k, v in row] for row in req.prefix_rows] for req in requests
-        ]
+        rows_of = [[self._on_device(row) for row in req.prefix_rows] for req in requests]
         xs: list[torch.Tensor] = [
             initial_noise(req.seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device)
             for req in requests

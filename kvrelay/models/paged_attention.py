@@ -81,6 +81,16 @@ def _page_index(page_ids: Sequence[int], num_pages: int, device: torch.device) -
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+class PrefixBlock(list[LayerKv]):
+    """A row's per-layer ``(k, v)`` list that also carries the tensor they are all views of,
+    ``block`` ``[layers, 2 (K, V), heads, T', head_dim]`` (T' >= the row's T tokens): what lets a
+    consumer copy every layer of the row at once (``PrefixKv.fill``)."""
+
+    def __init__(self, layers: list[LayerKv], block: torch.Tensor) -> None:
+        super().__init__(layers)
+        self.block = block
+
+
 def read_prefix(
     pool: torch.Tensor, layout: PageLayout, page_ids: Sequence[int], num_tokens: int
 ) -> list[LayerKv]:
@@ -106,10 +116,10 @@ def read_prefix(
     index = _page_index(page_ids, pages.shape[0], pages.device)
     if len(page_ids) == 1:
         one = pages[index][0]  # [layers, 2, heads, page_size, head_dim], a view
-        return [
+        return PrefixBlock([
             (one[layer, K_INDEX, :, :num_tokens], one[layer, V_INDEX, :, :num_tokens])
             for layer in range(g.num_layers)
-        ]
+        ], one)
     # [layers, 2, heads, n_pages, page_size, head_dim]: token axis = (page, slot) in row order.
     by_head = pages.permute(1, 2, 3, 0, 4, 5)
     if isinstance(index, slice):
@@ -119,10 +129,10 @@ def read_prefix(
     tokens = gathered.reshape(
         g.num_layers, 2, layout.heads_per_shard, len(page_ids) * g.page_size, g.head_dim
     )
-    return [
+    return PrefixBlock([
         (tokens[layer, K_INDEX, :, :num_tokens], tokens[layer, V_INDEX, :, :num_tokens])
         for layer in range(g.num_layers)
-    ]
+    ], tokens)
 
 
 def write_prefix(
@@ -233,10 +243,12 @@ class PrefixKv:
     is ``None`` when every slot is valid, else bool ``[rows, 1, 1, P + N]`` (True = attend).
     """
 
-    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], prefix_slots: int,
-                 mask: torch.Tensor | None) -> None:
-        self.keys = keys
-        self.values = values
+    def __init__(self, block: torch.Tensor, prefix_slots: int, mask: torch.Tensor | None) -> None:
+        # One buffer [layers, 2 (K, V), rows, heads_kv, P + N, head_dim]: each layer's keys and
+        # values are contiguous views of it, and one copy per row fills every layer's prefix.
+        self.block = block
+        self.keys = [block[layer, K_INDEX] for layer in range(block.shape[0])]
+        self.values = [block[layer, V_INDEX] for layer in range(block.shape[0])]
         self.prefix_slots = prefix_slots
         self.mask = mask
 
@@ -246,11 +258,10 @@ class PrefixKv:
                  masked: bool = False) -> PrefixKv:
         """Zeroed buffers; ``masked`` keeps a mask tensor even when every slot is valid (a graph
         captured over these buffers must always read the same mask tensor)."""
-        shape = (rows, heads_kv, prefix_slots + image_tokens, head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        mask = torch.ones(rows, 1, 1, shape[2], dtype=torch.bool, device=device) if masked else None
-        return cls(keys, values, prefix_slots, mask)
+        length = prefix_slots + image_tokens
+        block = torch.zeros(num_layers, 2, rows, heads_kv, length, head_dim, dtype=dtype, device=device)
+        mask = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device) if masked else None
+        return cls(block, prefix_slots, mask)
 
     @property
     def rows(self) -> int:
@@ -272,14 +283,18 @@ class PrefixKv:
         lengths = [int(row[0][0].shape[1]) for row in prefix_rows]
         if max(lengths, default=0) > p:
             raise ValueError(f"prefix of {max(lengths)} tokens does not fit {p} prefix slots")
-        for layer, (keys, values) in enumerate(zip(self.keys, self.values, strict=True)):
-            for r, row in enumerate(prefix_rows):
-                pk, pv = row[layer]
-                t = lengths[r]
-                keys[r, :, :t].copy_(pk)
-                values[r, :, :t].copy_(pv)
-                keys[r, :, t:p].zero_()
-                values[r, :, t:p].zero_()
+        for r, row in enumerate(prefix_rows):
+            t = lengths[r]
+            source = row.block if isinstance(row, PrefixBlock) else None
+            if source is not None and source.shape[-2] >= t:
+                # Every layer's K and V of the row in one copy (a GPU runs 2 kernels per row, not
+                # 4 per row and layer: on an H200 that was 2.7 ms of host time per denoise).
+                self.block[:, :, r, :, :t].copy_(source[..., :t, :])
+            else:
+                for layer, (pk, pv) in enumerate(row):
+                    self.keys[layer][r, :, :t].copy_(pk)
+                    self.values[layer][r, :, :t].copy_(pv)
+            self.block[:, :, r, :, t:p].zero_()
         keep = torch.ones(self.rows, 1, 1, p + n, dtype=torch.bool)
         for r, t in enumerate(lengths):
             keep[r, ..., t:p] = False

@@ -184,3 +184,41 @@ def test_prefix_attention_matches_textbook_attention(lengths: tuple[int, int], n
     out = prefix_attention(q, k, v, prefixes, num_valid=num_valid)
     expected = _reference_attention(q, k, v, prefixes, num_valid)
     np.testing.assert_allclose(out.double().numpy(), expected.numpy(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_kv_fill_from_page_blocks_equals_per_layer_copies(dtype: str) -> None:
+    """read_prefix's rows carry the tensor their layers are views of (one page: a view into the
+    pool; several: the gathered copy). Filling the step buffers from those blocks (one copy per
+    row) gives the same bits as copying each layer's (k, v) alone, padding zeroed, the mask the
+    same, even over buffers that held another request's prefixes before."""
+    from kvrelay.models.paged_attention import PrefixBlock, PrefixKv
+
+    layout = _layout(dtype, page_size=16)
+    g = layout.geometry
+    pool = torch.randint(
+        0, 256, (layout.pool_bytes(8),), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)
+    )
+    rows_spec = [(5, [3]), (37, [6, 1, 4]), (16, [0])]
+    for n, pages in rows_spec:
+        write_by_offsets(pool, layout, pages, _dense_prefix(layout, n, seed=n))
+    rows = [read_prefix(pool, layout, pages, n) for n, pages in rows_spec]
+    assert all(isinstance(row, PrefixBlock) for row in rows)
+    plain = [[(k.clone(), v.clone()) for k, v in row] for row in rows]
+
+    def filled(prefix_rows: list) -> PrefixKv:
+        kv = PrefixKv.allocate(3, layout.heads_per_shard, 48, 10, g.head_dim, num_layers=g.num_layers,
+                               dtype=DTYPES[dtype], device="cpu", masked=True)
+        kv.block.fill_(7.0)  # what an earlier denoise left there
+        kv.fill(prefix_rows, num_valid=9)
+        return kv
+
+    by_block, by_layer = filled(rows), filled(plain)
+    prefix = by_block.block[..., :48, :]
+    assert torch.equal(prefix, by_layer.block[..., :48, :])
+    assert torch.equal(by_block.mask, by_layer.mask)
+    for r, (n, _) in enumerate(rows_spec):
+        assert not bool(prefix[:, :, r, :, n:].any())  # zero padding after each row's tokens
+        for layer in range(g.num_layers):
+            assert torch.equal(by_block.keys[layer][r, :, :n], plain[r][layer][0])
+            assert torch.equal(by_block.values[layer][r, :, :n], plain[r][layer][1])
