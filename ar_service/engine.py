@@ -1,10 +1,10 @@
 """The AR rank handler: what runs inside each tensor parallel worker process of an AR replica.
 
-Owns, per rank: this rank's shard of the AR model, the KV of every ticket it has prefilled
-(held until it is packed), one staging buffer registered once with the rank's transport
-(Mooncake: one TransferEngine per rank process, fresh ports per start) split into per-ticket
-regions (`StagingAllocator`), the packing of a ticket's KV into its region in the destination
-page layout, and the writes.
+Owns, per rank: this rank's shard of the AR model, the KV of every ticket it has prefilled (held
+until it is packed; several tickets may share one forward, `PrefillTickets`), one staging buffer
+registered once with the rank's transport (Mooncake: one TransferEngine per rank process, fresh
+ports per start) split into per-ticket regions (`StagingAllocator`), the packing of a ticket's KV
+into its region in the destination page layout, and the writes.
 
 It never talks to the broker and never decides whether a write may start: the service process
 arms the ticket and reports the outcomes this handler returns. A write command always answers
@@ -23,12 +23,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.logging import get_logger
 from kvrelay.security import ChannelSecurity
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, staging_bytes
 from kvrelay.transfer.staging import StagingAllocator, StagingInUse
 from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, not_started_outcomes
 from kvrelay.worker import RankContext
+
+log = get_logger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # Commands (sent to every rank in the same order; frozen so they pickle cheaply)
@@ -55,6 +58,9 @@ class RankDescription:
     # Mooncake session "host:rpc_port" of this rank's engine (fresh per process); "" for gRPC.
     session: str
     staging_bytes: int
+    # Tokens of several tickets one `PrefillTickets` may carry; 0: the handler prefills one
+    # ticket per command (`PrefillTicket` only, e.g. the vLLM engine).
+    prefill_batch_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +77,27 @@ class PrefillDone:
     token_counts: tuple[int, ...]
     kv_bytes: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTickets:
+    """Prefill several tickets in one forward (every row of every ticket in one
+    `prefill_batch`); each ticket's KV is then held exactly as `PrefillTicket` holds it. Answers
+    one `PrefillDone` or `PrefillFailed` per item, in item order: a ticket whose rows are invalid
+    fails alone, and a shared forward that raises is retried ticket by ticket (TP=1; with TP > 1
+    the command fails whole, as the ranks could not agree on a retry without a collective).
+    Only the built-in handler answers it (`RankDescription.prefill_batch_tokens` > 0)."""
+
+    items: tuple[PrefillTicket, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFailed:
+    """One ticket of a `PrefillTickets` that this rank did not prefill (it holds no KV of it)."""
+
+    rank: int
+    ticket_id: str
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +239,8 @@ class ArRankHandler:
     def handle(self, command: Any) -> Any:
         if isinstance(command, PrefillTicket):
             return self._prefill(command)
+        if isinstance(command, PrefillTickets):
+            return self._prefill_tickets(command)
         if isinstance(command, WriteTicket):
             return self._write(command)
         if isinstance(command, DropTicket):
@@ -226,6 +255,8 @@ class ArRankHandler:
         raise TypeError(f"unknown AR rank command {type(command).__name__}")
 
     def _describe(self) -> RankDescription:
+        from kvrelay.models.ar import PACK_TOKENS
+
         cfg = self.model.config
         dtype = str(self.model.dtype).removeprefix("torch.")
         return RankDescription(
@@ -241,27 +272,94 @@ class ArRankHandler:
             transport=self.spec.transport,
             session=self.session,
             staging_bytes=int(self.staging.numel()),
+            # Four full packs: enough to share a forward between a few tickets, small enough
+            # that one batch never holds the ranks much longer than one long ticket does.
+            prefill_batch_tokens=4 * PACK_TOKENS,
         )
 
     # -- prefill ---------------------------------------------------------------------------------
 
     def _prefill(self, cmd: PrefillTicket) -> PrefillDone:
-        # Drop any earlier KV of this ticket first: a retried prefill must not double the memory.
-        self._held.pop(cmd.ticket_id, None)
+        return self._prefill_together([cmd])[0]
+
+    def _prefill_tickets(self, cmd: PrefillTickets) -> tuple[PrefillDone | PrefillFailed, ...]:
+        results: list[PrefillDone | PrefillFailed | None] = [None] * len(cmd.items)
+        valid: list[int] = []
+        seen: set[str] = set()
+        for i, item in enumerate(cmd.items):
+            # Checked before the shared forward, the same way on every rank (a pure check of the
+            # ids), so a bad ticket fails alone and the ranks still run the same collectives.
+            self._held.pop(item.ticket_id, None)
+            problem = "appears twice in one PrefillTickets" if item.ticket_id in seen else self._row_problem(item.rows)
+            seen.add(item.ticket_id)
+            if problem is None:
+                valid.append(i)
+            else:
+                results[i] = PrefillFailed(self.ctx.rank, item.ticket_id, problem)
+        if valid:
+            done: Sequence[PrefillDone | PrefillFailed]
+            try:
+                done = self._prefill_together([cmd.items[i] for i in valid])
+            except Exception as exc:
+                if self.ctx.world_size > 1:
+                    # A rank that failed alone would pair its retry's all-reduces with its peers'
+                    # pending ones: fail the command; the service retries ticket by ticket.
+                    raise
+                log.warning("prefill_batch_failed", tickets=len(valid), error=repr(exc))
+                done = [self._prefill_alone(cmd.items[i]) for i in valid]
+            for i, result in zip(valid, done, strict=True):
+                results[i] = result
+        assert all(r is not None for r in results)
+        return tuple(r for r in results if r is not None)
+
+    def _prefill_alone(self, item: PrefillTicket) -> PrefillDone | PrefillFailed:
+        try:
+            return self._prefill_together([item])[0]
+        except Exception as exc:  # noqa: BLE001 - this ticket's outcome, not the command's
+            self._held.pop(item.ticket_id, None)
+            return PrefillFailed(self.ctx.rank, item.ticket_id, f"{type(exc).__name__}: {exc}")
+
+    def _row_problem(self, rows: tuple[tuple[int, ...], ...]) -> str | None:
+        """Why `rows` cannot be prefilled (what the model's own checks would raise), or None."""
+        cfg = self.model.config
+        if not rows:
+            return "no rows"
+        for row, ids in enumerate(rows):
+            if not ids:
+                return f"row {row} has no tokens"
+            if len(ids) > cfg.max_tokens:
+                return f"row {row} has {len(ids)} tokens; the model's max is {cfg.max_tokens}"
+            if min(ids) < 0 or max(ids) >= cfg.vocab:
+                return f"row {row}: token ids must be in [0, {cfg.vocab}), got [{min(ids)}, {max(ids)}]"
+        return None
+
+    def _prefill_together(self, items: Sequence[PrefillTicket]) -> list[PrefillDone]:
+        """Every row of `items` in one forward; each ticket's KV held as its own. Each ticket's
+        `seconds` is the shared forward's time."""
+        # Drop any earlier KV of these tickets first: a retried prefill must not double the memory.
+        for item in items:
+            self._held.pop(item.ticket_id, None)
+        rows = [list(ids) for item in items for ids in item.rows]
         start = time.perf_counter()
         if hasattr(self.model, "prefill_batch"):
-            # All CFG rows of the ticket in one batched forward (a captured graph on a GPU).
-            kv_by_row = dict(enumerate(self.model.prefill_batch([list(ids) for ids in cmd.rows])))
+            # All CFG rows of all tickets in one batched forward (packed, a captured graph on a GPU).
+            kvs = list(self.model.prefill_batch(rows))
         else:
-            kv_by_row = {row: self.model.prefill(list(ids)) for row, ids in enumerate(cmd.rows)}
+            kvs = [self.model.prefill(ids) for ids in rows]
         if self.model.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(self.model.device)
         seconds = time.perf_counter() - start
-        self._held[cmd.ticket_id] = kv_by_row
-        kv_bytes = sum(int(kv.numel()) * kv.element_size() for kv in kv_by_row.values())
-        return PrefillDone(self.ctx.rank, tuple(len(ids) for ids in cmd.rows), kv_bytes, seconds)
+        done = []
+        first = 0
+        for item in items:
+            kv_by_row = dict(enumerate(kvs[first : first + len(item.rows)]))
+            first += len(item.rows)
+            self._held[item.ticket_id] = kv_by_row
+            kv_bytes = sum(int(kv.numel()) * kv.element_size() for kv in kv_by_row.values())
+            done.append(PrefillDone(self.ctx.rank, tuple(len(ids) for ids in item.rows), kv_bytes, seconds))
+        return done
 
     # -- write -----------------------------------------------------------------------------------
 

@@ -213,6 +213,10 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             transport=stage.transport,
             transfer_timeout_s=stage.transfer_timeout,
             request_timeout_s=stage.request_timeout_seconds,
+            # Tickets waiting while a prefill runs share the next one (up to max_num_seqs) when
+            # the engine takes several per command (the built-in one; vLLM's takes one).
+            max_prefill_batch=stage.max_num_seqs if first.prefill_batch_tokens > 0 else 1,
+            max_prefill_batch_tokens=first.prefill_batch_tokens,
         )
         servicer.attach(state)
         assert servicer.reporter is not None

@@ -1,9 +1,11 @@
 """ArService: the AR replica's gRPC servicer (Tokenize, Prefill) and the Prefill protocol.
 
 Owns one request's path through the AR (docs/internals.md, "The request protocol"): validate and
-tokenize the rows, check the ticket with the broker, prefill on every TP rank, arm the ticket
+tokenize the rows, check the ticket with the broker, prefill on every TP rank (tickets that wait
+for the ranks meanwhile share the next prefill: ar_service/batcher.py), arm the ticket
 (`BrokerService.ReserveTicket`), write on every rank, report every write (`ReportWrite`), and
-answer with token counts, bytes and timings.
+answer with token counts, bytes and timings. Only the prefill is shared: arming, writes and
+reports stay per ticket, one ticket's turn after another's.
 
 Rules it keeps: nothing is armed before the input is known good and the prefill is done, so
 every early failure can still roll the ticket back; once armed, the write-and-report part runs
@@ -15,26 +17,31 @@ runs model work on the event loop: ranks do, and blocking pipe calls go through 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from kvrelay.ar_service.batcher import PrefillBatcher
 from kvrelay.ar_service.engine import (
     CollectFinished,
     DropTicket,
     FinishedWrites,
     PrefillDone,
+    PrefillFailed,
     PrefillTicket,
+    PrefillTickets,
     WriteDone,
     WriteTicket,
 )
 from kvrelay.ar_service.sender import (
     RETRYABLE,
     Abandon,
+    Arm,
     EndWrites,
     WriteLedger,
     WriteProtocol,
@@ -75,6 +82,7 @@ class ArMetrics:
     transfer_seconds: Any
     prefill_seconds: Any
     prefill_tokens: Any
+    prefill_batch_tickets: Any
 
     @classmethod
     def create(cls, registry: Any) -> ArMetrics:
@@ -90,10 +98,14 @@ class ArMetrics:
                 registry=registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             ),
             prefill_seconds=Histogram(
-                "kvrelay_ar_prefill_seconds", "Prefill time of all rows of one ticket", registry=registry,
-                buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                "kvrelay_ar_prefill_seconds", "Time of one prefill forward on the ranks (all rows of its tickets)",
+                registry=registry, buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             ),
             prefill_tokens=Counter("kvrelay_ar_prefill_tokens_total", "Tokens prefilled", registry=registry),
+            prefill_batch_tickets=Histogram(
+                "kvrelay_ar_prefill_batch_tickets", "Tickets prefilled together in one forward", registry=registry,
+                buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            ),
         )  # fmt: skip
 
 
@@ -111,6 +123,10 @@ class ArReplicaState:
     transport: str
     transfer_timeout_s: float
     request_timeout_s: float
+    # Tickets one prefill may take together (the stage's max_num_seqs when the engine can take
+    # several per command, else 1) and their token cap (the oldest waiting ticket always goes).
+    max_prefill_batch: int = 1
+    max_prefill_batch_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +134,45 @@ class _Job:
     task: asyncio.Task[ar_pb2.PrefillResponse]
     cancel_requested: bool = False
     armed: bool = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _PrefillItem:
+    """A ticket waiting in the PrefillBatcher."""
+
+    ticket_id: str
+    rows: tuple[tuple[int, ...], ...]
+    num_tokens: int
+    job: _Job | None
+    deadline: _Deadline
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefilled:
+    """This ticket's KV is held on every rank; `seconds`: its (shared) forward's time."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillFailed:
+    """The ranks did not prefill this ticket; `held`: some rank may still hold KV of it."""
+
+    message: str
+    held: bool
+
+
+# None: left out of the forward (cancelled or out of time while it waited).
+_PrefillResult = _Prefilled | _PrefillFailed | None
+
+
+def _combine(per_rank: Sequence[PrefillDone | PrefillFailed]) -> _PrefillResult:
+    """One ticket's outcome from every rank's answer to a PrefillTickets."""
+    failed = [r for r in per_rank if isinstance(r, PrefillFailed)]
+    if failed:
+        held = any(isinstance(r, PrefillDone) for r in per_rank)
+        return _PrefillFailed(f"rank {failed[0].rank}: {failed[0].message}", held)
+    return _Prefilled(max(r.seconds for r in per_rank if isinstance(r, PrefillDone)))
 
 
 @dataclass(slots=True)
@@ -152,14 +207,20 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         # Background work that must outlive RPCs (shielded writes, late arming resolution).
         self._background: set[asyncio.Task[Any]] = set()
         # WorkerGroup serializes commands anyway; this keeps a ticket's prefill and write from
-        # interleaving with another ticket's across the to_thread hop. Staging is per ticket
-        # (each rank's StagingAllocator): a ticket with in-doubt writes keeps its region while the
-        # next one packs into the space left.
+        # interleaving with another batch's across the to_thread hop (the PrefillBatcher holds it
+        # from a batch's prefill to its last member's writes). Staging is per ticket (each rank's
+        # StagingAllocator): a ticket with in-doubt writes keeps its region while the next one
+        # packs into the space left.
         self._ranks = asyncio.Lock()
+        self.prefills = PrefillBatcher(self._run_prefills, self._ranks, max_batch=1, max_tokens=0)
         self._collector: asyncio.Future[None] | None = None
 
     def attach(self, state: ArReplicaState) -> None:
         self.state = state
+        self.prefills = PrefillBatcher(
+            self._run_prefills, self._ranks, max_batch=max(1, state.max_prefill_batch),
+            max_tokens=state.max_prefill_batch_tokens, discard=self._discard_prefill,
+        )  # fmt: skip
         self.reporter = WriteReporter(self.broker, self.ledger, state.replica_id, state.incarnation_id)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -387,21 +448,15 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             await self._rollback_if_ours(ticket_id, state, "FAILED", err.reason, known)
             raise err
 
-        async with self._ranks:
-            t0 = time.perf_counter()
-            try:
-                done: list[PrefillDone] = await self._call_ranks(
-                    PrefillTicket(ticket_id, tuple(tuple(ids) for ids in token_ids))
-                )
-            except WorkerCommandError as err:
+        item = _PrefillItem(ticket_id, tuple(tuple(ids) for ids in token_ids), sum(counts), job, deadline)
+        # Waits with the other tickets for the ranks; its batch holds them from the shared
+        # prefill until the end of this ticket's turn (arming and writes), as one ticket did alone.
+        async with self.prefills.turn(item) as prefilled:
+            if isinstance(prefilled, _PrefillFailed):
+                if prefilled.held:
+                    await self._call_ranks(DropTicket(ticket_id))
                 await self._rollback_if_ours(ticket_id, state, "FAILED", "PREFILL_FAILED", known)
-                raise KvRelayServerError(
-                    grpc.StatusCode.INTERNAL, "PREFILL_FAILED", str(err).splitlines()[0]
-                ) from err
-            # Measured on the ranks (model time), not including the pipe hop.
-            prefill_s = max(d.seconds for d in done) if done else time.perf_counter() - t0
-            self.metrics.prefill_seconds.observe(prefill_s)
-            self.metrics.prefill_tokens.inc(sum(counts))
+                raise KvRelayServerError(grpc.StatusCode.INTERNAL, "PREFILL_FAILED", prefilled.message)
 
             # The decisions are the pure ones of ar_service/sender.py; this only carries them out.
             step = after_prefill(
@@ -409,11 +464,18 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 deadline_left_s=deadline.left(),
                 min_transfer_s=MIN_TRANSFER_S,
             )
+            if prefilled is None:
+                # Left out of its batch's prefill: cancelled or out of time while it waited
+                # (both only ever become true, so the decision now is the same).
+                assert isinstance(step, Abandon)
             if isinstance(step, Abandon):
-                await self._call_ranks(DropTicket(ticket_id))
+                if prefilled is not None:
+                    await self._call_ranks(DropTicket(ticket_id))
                 if step.rollback is not None:
                     await self._rollback_if_ours(ticket_id, state, step.rollback, step.rollback, known)
                 raise step.failure
+            assert isinstance(prefilled, _Prefilled)
+            prefill_s = prefilled.seconds
 
             arming = await self._arm(ticket_id, state, deadline)
             abandon = after_arming(arming)
@@ -428,6 +490,76 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             return await self._write_and_report(
                 request, counts, arming, state, deadline, prefill_s, request.plan if planned else None
             )
+
+    # -- the shared prefill (PrefillBatcher's runner; called holding the ranks) ----------------
+
+    async def _run_prefills(self, items: list[_PrefillItem]) -> list[_PrefillResult]:
+        """Prefill every item that still wants it, in one rank command when the engine can take
+        several tickets; one result per item. Only a FailStop escapes (to every member)."""
+        results: list[_PrefillResult] = [None] * len(items)
+        wanted = [
+            i for i, item in enumerate(items)
+            if isinstance(after_prefill(cancel_requested=item.job is not None and item.job.cancel_requested,
+                                        deadline_left_s=item.deadline.left(), min_transfer_s=MIN_TRANSFER_S), Arm)
+        ]  # fmt: skip
+        if len(wanted) > 1:
+            batch = [items[i] for i in wanted]
+            try:
+                per_rank: list[tuple[PrefillDone | PrefillFailed, ...]] = await self._call_ranks(
+                    PrefillTickets(tuple(PrefillTicket(it.ticket_id, it.rows) for it in batch))
+                )
+            except WorkerCommandError as err:
+                # The shared forward failed on the ranks (TP > 1 does not retry there): every
+                # ticket gets its own try, as it would have alone.
+                log.warning("prefill_batch_failed", tickets=len(batch), error=str(err).splitlines()[0])
+            else:
+                seconds = max((d.seconds for r in per_rank for d in r if isinstance(d, PrefillDone)), default=0.0)
+                self._observe_prefill(seconds, batch, per_rank)
+                for k, i in enumerate(wanted):
+                    results[i] = _combine([r[k] for r in per_rank])
+                return results
+        for i in wanted:
+            results[i] = await self._prefill_one(items[i])
+        return results
+
+    async def _prefill_one(self, item: _PrefillItem) -> _PrefillResult:
+        try:
+            done: list[PrefillDone] = await self._call_ranks(PrefillTicket(item.ticket_id, item.rows))
+        except WorkerCommandError as err:
+            held = any(isinstance(v, PrefillDone) for v in err.values)
+            return _PrefillFailed(str(err).splitlines()[0], held)
+        # Measured on the ranks (model time), not including the pipe hop.
+        seconds = max((d.seconds for d in done), default=0.0)
+        self._observe_prefill(seconds, [item], [(d,) for d in done])
+        return _Prefilled(seconds)
+
+    def _observe_prefill(
+        self, seconds: float, items: list[_PrefillItem], per_rank: Sequence[Sequence[PrefillDone | PrefillFailed]]
+    ) -> None:
+        """Metrics of one forward on the ranks (once per forward, whatever its tickets)."""
+        prefilled = [
+            item for k, item in enumerate(items) if all(isinstance(r[k], PrefillDone) for r in per_rank)
+        ]
+        if not prefilled:
+            return  # nothing ran: every ticket of the command was refused before the forward
+        tokens = sum(item.num_tokens for item in prefilled)
+        self.metrics.prefill_seconds.observe(seconds)
+        self.metrics.prefill_tokens.inc(tokens)
+        self.metrics.prefill_batch_tickets.observe(len(prefilled))
+        if len(items) > 1:
+            log.info(
+                "prefill_batch", tickets=len(items), prefilled=len(prefilled), tokens=tokens,
+                prefill_ms=round(seconds * 1000, 3), ticket_ids=[item.ticket_id for item in items],
+            )  # fmt: skip
+
+    def _discard_prefill(self, item: _PrefillItem, result: _PrefillResult) -> None:
+        """A member gone before its turn (its job was cancelled): free the KV the ranks hold."""
+        if isinstance(result, _Prefilled) or (isinstance(result, _PrefillFailed) and result.held):
+            self._spawn(self._drop_quietly(item.ticket_id))
+
+    async def _drop_quietly(self, ticket_id: str) -> None:
+        with contextlib.suppress(FailStop, WorkerCommandError):
+            await self._call_ranks(DropTicket(ticket_id))
 
     async def _arm(
         self, ticket_id: str, state: ArReplicaState, deadline: _Deadline
