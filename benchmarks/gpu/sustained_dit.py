@@ -6,7 +6,10 @@ speed under sustained load (clocks, power). Usage on the GPU machine:
 Prints (1) a whole 2-step, guidance-2 denoise of a seed-shaped request as a DiT rank runs it
 (prefix copy into the step buffers, noise, 2 graph replays, decode to host pixels), with the
 prefix copy timed on its own; (2) graph-replayed steps back to back for ``--seconds``, per block
-of 50 steps with the SM clock and power draw that nvidia-smi reports right after the block.
+of 50 steps with the SM clock and power draw that nvidia-smi reports right after the block;
+(3) bf16 8192^3 matmuls back to back for as long, the same way: what the GPU sustains at its
+power limit, and the step against the floor at that rate (the burst rate of a short matmul run,
+profile_steps.py's floor, is not sustained once the GPU reaches its power limit).
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from kvrelay.models.dit import DitRunner, random_prefix
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_steps import dit_flops  # noqa: E402 - a sibling script, not a package
 
 
 def smi() -> str:
@@ -71,18 +79,34 @@ def main() -> None:
 
     step = runner.stepper(rows, 64, 64)
     lat = torch.randn(2, 16, 64, 64, device="cuda", dtype=runner.dtype)
-    end_at = time.perf_counter() + args.seconds
-    block = 0
+    step_ms = sustained("DiT step 512x512, prefixes 81+16", lambda: step(lat, 0.5), 50, args.seconds)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = sustained("bf16 8192^3 matmul", lambda: a @ b, 20, args.seconds)
+    rate = 2 * n**3 / (mm_ms / 1e3) / 1e12
+    floor_ms = dit_flops(args.preset, 512, 512, 2, 81) / (rate * 1e12) * 1e3
+    print(f"sustained matmul {rate:.0f} TFLOP/s -> DiT step floor {floor_ms:.2f} ms at that rate; "
+          f"sustained step {step_ms:.2f} ms = {step_ms / floor_ms:.2f}x that floor")
+    print("done")
+
+
+def sustained(name: str, fn: object, per_block: int, seconds: float) -> float:
+    """Run ``fn`` back to back for ``seconds`` in blocks of ``per_block`` calls; print each block's
+    ms per call with the clocks and power after it; return the median of the second half."""
+    assert callable(fn)
+    end_at = time.perf_counter() + seconds
+    times: list[float] = []
     while time.perf_counter() < end_at:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(50):
-            step(lat, 0.5)
+        for _ in range(per_block):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        print(f"block {block}: {start.elapsed_time(end) / 50:.2f} ms/step; {smi()}")
-        block += 1
-    print("done")
+        times.append(start.elapsed_time(end) / per_block)
+        print(f"{name} block {len(times) - 1}: {times[-1]:.3f} ms; {smi()}")
+    return statistics.median(times[len(times) // 2 :])
 
 
 if __name__ == "__main__":
