@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,10 +92,9 @@ def main() -> None:
     print("done")
 
 
-def sustained(name: str, fn: object, per_block: int, seconds: float) -> float:
+def sustained(name: str, fn: Callable[[], object], per_block: int, seconds: float) -> float:
     """Run ``fn`` back to back for ``seconds`` in blocks of ``per_block`` calls; print each block's
     ms per call with the clocks and power after it; return the median of the second half."""
-    assert callable(fn)
     end_at = time.perf_counter() + seconds
     times: list[float] = []
     while time.perf_counter() < end_at:
