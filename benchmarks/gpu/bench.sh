@@ -28,7 +28,7 @@ bench() {  # name, timeout, args...
 BENCHES="${BENCHES:-b4 b1}"
 if [[ " $BENCHES " == *" b4 "* ]]; then
 bench bench-seed-b4 "${LIMIT_B4:-360}" --scenario seed --impls "${IMPLS_B4:-cuda_ipc,mooncake,grpc,colocated}" \
-  --max-num-seqs 4 --requests "$REQ" --runs "$RUNS" --concurrency 8 --warmup 8
+  --max-num-seqs 4 --requests "$REQ" --runs "$RUNS" --concurrency 8 --warmup "${WARMUP_B4:-8}"
 fi
 if [[ " $BENCHES " == *" b1 "* ]]; then
 bench bench-seed-b1 "${LIMIT_B1:-200}" --scenario seed --impls "${IMPLS_B1:-cuda_ipc,colocated}" --max-num-seqs 1 \
