@@ -136,6 +136,7 @@ def _driver() -> Any:
             lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), ctypes.c_uint64]
             lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
             lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+            lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
             _DRIVER = lib
         return _DRIVER
 
@@ -210,6 +211,16 @@ def export_region(memory: torch.Tensor) -> IpcRegion:
                      memory.data_ptr() - base.value, memory.numel())
 
 
+def _ensure_context(lib: Any, device: torch.device) -> None:
+    """Bind the device's primary context to this thread before a driver call. torch creates it
+    lazily (first allocation or kernel): a process that only maps another's memory, such as the
+    DiT service that verifies its ranks' pools, has none yet, and cuIpcOpenMemHandle then fails
+    with CUDA_ERROR_INVALID_CONTEXT (201)."""
+    current = ctypes.c_void_p()
+    if lib.cuCtxGetCurrent(ctypes.byref(current)) != 0 or not current.value:
+        torch.cuda.synchronize(device)  # a runtime call: creates and binds the primary context
+
+
 class _Mapping:
     """An opened remote allocation in this process; ``tensor`` is the region's bytes."""
 
@@ -223,6 +234,7 @@ class _Mapping:
         handle = _IpcHandle.from_buffer_copy(region.handle)
         ptr = ctypes.c_uint64()
         with torch.cuda.device(device):
+            _ensure_context(lib, device)
             _check(lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
                    "cuIpcOpenMemHandle")
         self.base = ptr.value

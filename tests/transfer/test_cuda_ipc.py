@@ -146,3 +146,58 @@ def test_two_process_write_lands_and_verifies_on_the_device() -> None:
         proc.join(20)
         if proc.is_alive():
             proc.kill()
+
+
+def _fresh_mapper(conn: Any, region: Any, writes: Any) -> None:
+    """A process that never touched CUDA before (like the DiT service): maps the region and
+    checksums it from a worker thread, as the service does off its event loop."""
+    try:
+        import threading
+
+        from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint, verify_writes
+
+        pool = CudaIpcEndpoint("cuda:0").map_region(region)
+        out: list[Any] = []
+        thread = threading.Thread(target=lambda: out.append(verify_writes(pool, writes)))
+        thread.start()
+        thread.join(60)
+        conn.send(("ok", out[0]))
+    except Exception:  # noqa: BLE001 - reported to the test
+        conn.send(("error", traceback.format_exc()))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_process_without_a_cuda_context_maps_and_verifies_a_pool() -> None:
+    """The DiT service verifies CUDA IPC writes in its own process, which has no CUDA context
+    until then: mapping must create one (it failed with driver error 201 and every verify fell
+    back to the ranks, behind their running denoise)."""
+    from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_receiver, args=(child, 1 << 20), daemon=True)
+    owner.start()
+    try:
+        assert parent.poll(120)
+        status, region = parent.recv()
+        assert status == "ok", region
+        staging = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, device="cuda:0")
+        writes = [PlannedWrite(0, 0, 0, (Segment(0, 4096, 8192), Segment(8192, 65536, 4096)))]
+        sender = CudaIpcEndpoint("cuda:0")
+        outcomes = sender.write(staging, writes, {0: region}, "t-fresh", 10.0)
+        mine, theirs = ctx.Pipe()
+        mapper = ctx.Process(target=_fresh_mapper, args=(theirs, region, writes), daemon=True)
+        mapper.start()
+        assert mine.poll(120)
+        status, sums = mine.recv()
+        assert status == "ok", sums
+        assert sums == [o.checksum for o in outcomes]
+        mapper.join(20)
+        sender.close()
+        parent.send(("stop", None))
+        assert parent.recv() == "bye"
+    finally:
+        owner.join(20)
+        if owner.is_alive():
+            owner.kill()
