@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.models.fp8 import QUANTIZATIONS, fp8_unsupported, quantize_fp8_
 from kvrelay.models.layers import (
     ParallelAttention,
     RMSNorm,
@@ -704,11 +705,22 @@ class DitRunner:
         prefix_bucket: int | None = None,
         expert_parallel: bool = False,
         cfg_parallel: int = 1,
+        quantization: str | None = None,
     ) -> None:
         self.preset = get_preset(preset) if isinstance(preset, str) else preset
         self.cfg = self.preset.dit
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        # "fp8": the blocks' qkv, o, gate/up and down linears run as FP8 GEMMs (kvrelay.models.fp8).
+        self.quantization = quantization
+        if quantization is not None:
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
+            if self.cfg.is_moe:
+                raise ValueError(f"quantization {quantization}: the MoE preset {self.preset.name!r} is not supported (dense DiTs only)")
+            reason = fp8_unsupported(self.device, self.dtype)
+            if reason is not None:
+                raise ValueError(f"quantization {quantization}: {reason}")
         self.parallel = DitParallel.build(rank, world, tp, sp, cfg_parallel)
         self.timestep_shift = timestep_shift
         on_gpu = self.device.type == "cuda"
@@ -732,6 +744,8 @@ class DitRunner:
         init_seeded_weights(self.decoder, weight_seed, self.device)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint)
+        elif self.quantization is not None:
+            quantize_fp8_(self.model)
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Write the DiT and its decoder as full tensors (`dit.safetensors` + `config.json` naming
@@ -758,6 +772,8 @@ class DitRunner:
         tensors = load_file(str(path))
         self.clear_conditionings()  # also when loading fails halfway: weights may have changed
         load_full_state(self.model, tensors, "model.")
+        if self.quantization is not None:
+            quantize_fp8_(self.model)  # in place: captured step graphs read the same buffers
         load_full_state(self.decoder, tensors, "decoder.")
 
     def conditioning(self, t: float) -> StepConditioning:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvrelay.models.fp8 import linear, store_fp8
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,6 +159,9 @@ class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column parallel, down row parallel, so the
     intermediate activation never leaves the rank and one all-reduce ends the block."""
 
+    _gate_up_fp8: torch.Tensor | None
+    _gate_up_fp8_scale: torch.Tensor | None
+
     def __init__(
         self,
         hidden: int,
@@ -173,9 +177,17 @@ class SwiGLU(nn.Module):
         self.down_proj = RowParallelLinear(mlp, hidden, tp, dtype=dtype, device=device)
         # gate and up as one matmul ([gate | up] rows of one weight; the parameters are views).
         self._gate_up, _ = fuse_column_linears([self.gate_proj, self.up_proj])
+        # FP8 copy of the fused weight (kvrelay.models.fp8), None unless quantized.
+        self.register_buffer("_gate_up_fp8", None, persistent=False)
+        self.register_buffer("_gate_up_fp8_scale", None, persistent=False)
+
+    def quantize_fp8_(self) -> int:
+        """Quantize the fused gate/up weight (down_proj quantizes itself)."""
+        store_fp8(self, "_gate_up_fp8", self._gate_up)
+        return 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = nn.functional.linear(x, self._gate_up).chunk(2, dim=-1)
+        gate, up = linear(x, self._gate_up, None, self._gate_up_fp8, self._gate_up_fp8_scale).chunk(2, dim=-1)
         out: torch.Tensor = self.down_proj(nn.functional.silu(gate) * up)
         return out
 
@@ -190,6 +202,9 @@ class ParallelAttention(nn.Module):
     [B, Hkv_local, P, D]) is attended before the own tokens: `[prefix K/V | own K/V]`.
     `attn_mask` ([T, T] bool) replaces `causal` for rows packed into one sequence (see `attention`).
     """
+
+    _qkv_fp8: torch.Tensor | None
+    _qkv_fp8_scale: torch.Tensor | None
 
     def __init__(
         self,
@@ -228,10 +243,20 @@ class ParallelAttention(nn.Module):
             self.num_kv_heads_local * head_dim,
             self.num_kv_heads_local * head_dim,
         )
+        # FP8 copy of the fused weight (kvrelay.models.fp8), None unless quantized.
+        self.register_buffer("_qkv_fp8", None, persistent=False)
+        self.register_buffer("_qkv_fp8_scale", None, persistent=False)
+
+    def quantize_fp8_(self) -> int:
+        """Quantize the fused q/k/v weight (o_proj quantizes itself; the bias stays as is)."""
+        store_fp8(self, "_qkv_fp8", self._qkv_weight)
+        return 1
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ``[B, heads, T, D]`` (before RoPE) of ``x`` ``[B, T, hidden]``, from one matmul."""
-        q, k, v = nn.functional.linear(x, self._qkv_weight, self._qkv_bias).split(self._qkv_split, dim=-1)
+        q, k, v = linear(x, self._qkv_weight, self._qkv_bias, self._qkv_fp8, self._qkv_fp8_scale).split(
+            self._qkv_split, dim=-1
+        )
         return (
             self._heads(q, self.num_heads_local),
             self._heads(k, self.num_kv_heads_local),

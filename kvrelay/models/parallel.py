@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kvrelay.models.fp8 import linear, store_fp8
+
 
 @dataclass(frozen=True, slots=True)
 class TpGroup:
@@ -211,6 +213,9 @@ class RowParallelLinear(nn.Module):
     the reduction (adding it on every rank would count it tp times).
     """
 
+    fp8_weight: torch.Tensor | None
+    fp8_weight_scale: torch.Tensor | None
+
     def __init__(
         self,
         in_features: int,
@@ -234,6 +239,14 @@ class RowParallelLinear(nn.Module):
             if bias
             else None
         )
+        # FP8 copy of this rank's weight (kvrelay.models.fp8), None unless quantized.
+        self.register_buffer("fp8_weight", None, persistent=False)
+        self.register_buffer("fp8_weight_scale", None, persistent=False)
+
+    def quantize_fp8_(self) -> int:
+        """Quantize this rank's weight shard (per output feature: partial sums stay exact to add)."""
+        store_fp8(self, "fp8_weight", self.weight)
+        return 1
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's columns of the full weight [out, in] (the bias is replicated)."""
@@ -247,6 +260,6 @@ class RowParallelLinear(nn.Module):
                 self.bias.copy_(bias)
 
     def forward(self, x_parallel: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x_parallel, self.weight)
+        y = linear(x_parallel, self.weight, None, self.fp8_weight, self.fp8_weight_scale)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

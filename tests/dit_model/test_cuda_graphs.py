@@ -1,6 +1,7 @@
 """CUDA graphs of the model steps, on a GPU: a replayed DiT step and a replayed AR prefill equal
 the eager step over the same buffers bit for bit, a bucket's graph serves every prompt length of
-the bucket, and a whole denoise with graphs equals the same denoise without them."""
+the bucket, and a whole denoise with graphs equals the same denoise without them. The DiT cases
+run unquantized and with FP8 linears (``quantization="fp8"``)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,14 @@ def _rows(runner: DitRunner, lengths: tuple[int, ...], seed: int) -> list:
     return [random_prefix(runner.preset, n, seed=seed + i, dtype=dtype, device="cuda") for i, n in enumerate(lengths)]
 
 
-@pytest.fixture(scope="module", params=PRESETS)
+@pytest.fixture(
+    scope="module",
+    params=[(p, q) for q in (None, "fp8") for p in PRESETS],
+    ids=lambda param: f"{param[0]}-{param[1] or 'unquantized'}",
+)
 def runner(request: pytest.FixtureRequest) -> DitRunner:
-    return DitRunner(request.param, weight_seed=0, device="cuda")
+    preset, quantization = request.param
+    return DitRunner(preset, weight_seed=0, device="cuda", quantization=quantization)
 
 
 def test_dit_graph_step_equals_eager_step_bit_for_bit(runner: DitRunner) -> None:

@@ -1,0 +1,119 @@
+"""FP8 (e4m3) weights and activations for the transformer's big linears: opt-in quantization.
+
+The scheme is the one vLLM calls dynamic FP8 with per-channel weights: each weight row (one output
+feature) gets its own fp32 scale, computed once when the weights are quantized (``amax / 448``);
+each activation row (one token) gets its own scale, computed on the fly inside the step; the
+product runs as one ``torch._scaled_mm`` (an FP8 tensor-core GEMM on Hopper/Ada GPUs, a reference
+kernel on the CPU) that applies both scales and returns the activation dtype. Per-token and
+per-channel scales keep outlier tokens and channels from costing everyone else their precision.
+
+Owns only the arithmetic (``quantize_rows``, ``fp8_linear``), the support check and the walk that
+quantizes a module tree (``quantize_fp8_``). Which layers take part is each layer's own business:
+a module that can run its matmul in FP8 has a ``quantize_fp8_()`` method (the fused qkv and
+gate/up projections, the row-parallel o/down projections); everything else (norms, adaLN
+modulation, embeddings, the final projection, attention itself) stays in the model dtype. The
+source weights stay where they are (checkpoints save and reload from them); the FP8 copies live
+in non-persistent buffers next to them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+# Smallest amax a row may have: an all-zero row (padding tokens) would otherwise divide by zero.
+_MIN_AMAX = 1e-12
+QUANTIZATIONS = ("fp8",)
+
+
+def fp8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FP8 linears cannot run on ``device`` with activations of ``dtype``; None if they can."""
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
+        return f"torch {torch.__version__} has no float8_e4m3fn/_scaled_mm"
+    if dtype == torch.float16:
+        return "fp8 GEMMs here return bfloat16 (GPU) or bfloat16/float32 (CPU), not float16: use dtype bfloat16"
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            return f"{name} (compute capability {major}.{minor}) has no FP8 tensor cores: needs 8.9 or newer (Ada, Hopper)"
+        if dtype != torch.bfloat16:
+            return f"on GPUs fp8 linears need bfloat16 activations, not {dtype}"
+    elif device.type != "cpu":
+        return f"no fp8 GEMM on {device.type} devices"
+    return None
+
+
+@torch.no_grad()
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[N, K]`` as e4m3 ``[N, K]`` (contiguous) and its per-row fp32 scales ``[1, N]``,
+    so that ``q[n].float() * scale[0, n]`` approximates ``weight[n]``."""
+    if weight.dim() != 2:
+        raise ValueError(f"fp8 quantization takes [out, in] weights, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if weight.device.type == "cuda" and (n % 16 or k % 16):
+        raise ValueError(f"fp8 GEMMs on GPUs need both weight dims divisible by 16, got [{n}, {k}]")
+    w32 = weight.float()
+    scale = w32.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX  # [N, 1]
+    q = (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
+    return q, scale.reshape(1, n).contiguous()
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` with W given by ``quantize_rows`` and x quantized per row (token) here.
+
+    x: ``[..., K]`` in the model dtype; returns ``[..., N]`` in x's dtype. Deterministic: the
+    scales come from a max, the GEMM is one cuBLAS (or CPU) kernel per shape.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX  # [M, 1]
+    xq = (x2 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # _scaled_mm wants its second operand column-major: weight is [N, K] row-major, so .t() is.
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, weight.shape[0])
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fp8_weight: torch.Tensor | None = None,
+    fp8_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, or its FP8 form when the layer holds quantized weights."""
+    if fp8_weight is None or fp8_scale is None:
+        return nn.functional.linear(x, weight, bias)
+    return fp8_linear(x, fp8_weight, fp8_scale, bias)
+
+
+def store_fp8(module: nn.Module, name: str, weight: torch.Tensor) -> None:
+    """Quantize ``weight`` into ``module``'s buffers ``<name>`` (e4m3) and ``<name>_scale``.
+
+    Buffers that already hold a tensor of the right shape are overwritten in place, so a CUDA
+    graph captured over them stays valid when the weights are reloaded and quantized again.
+    """
+    q, scale = quantize_rows(weight.detach())
+    for key, value in ((name, q), (f"{name}_scale", scale)):
+        old = getattr(module, key, None)
+        if isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype:
+            old.copy_(value)
+        else:
+            module.register_buffer(key, value, persistent=False)
+
+
+def quantize_fp8_(module: nn.Module) -> int:
+    """Quantize every layer of ``module`` that can run in FP8 (it has ``quantize_fp8_()``), in
+    place; returns how many weight matrices were quantized."""
+    count = 0
+    for sub in module.modules():
+        quantize = getattr(sub, "quantize_fp8_", None)
+        if callable(quantize):
+            count += int(quantize())
+    return count
