@@ -2,7 +2,8 @@
 # The seed workload on one lent H200, side by side in one run per config (configs/h200-1gpu.yaml,
 # BAGEL-7B-shaped AR + DiT on GPU 0): CUDA IPC, Mooncake, the gRPC fallback and the colocated
 # baseline (same batching), at max_num_seqs 4 and then 1. Needs .gpu/ (benchmarks/gpu/fetch.sh),
-# carried. Results under $OUT.
+# carried. Results under $OUT. CONFIG picks another config (configs/h200-1gpu-fp8.yaml: the DiT's
+# linears in FP8) and TAG is appended to the result names.
 set -uo pipefail
 OUT="${OUT:-/tmp/kvrelay-gpu-out}"
 mkdir -p "$OUT" /tmp/debroot
@@ -11,14 +12,14 @@ export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-REQ="${REQ:-32}" RUNS="${RUNS:-3}"
+REQ="${REQ:-32}" RUNS="${RUNS:-3}" CONFIG="${CONFIG:-configs/h200-1gpu.yaml}" TAG="${TAG:-}"
 # As in steps.sh: KVRELAY_COMMIT=<hash> names the commit (the copied .git may be stale).
 echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}" \
   | tee "$OUT/commit.txt"
 bench() {  # name, timeout, args...
-  local name=$1 limit=$2; shift 2
-  echo "\$ python3 -m kvrelay bench --config configs/h200-1gpu.yaml $*" > "$OUT/$name.md"
-  timeout "$limit" python3 -m kvrelay bench --config configs/h200-1gpu.yaml "$@" --output "/tmp/$name" \
+  local name=$1$TAG limit=$2; shift 2
+  echo "\$ python3 -m kvrelay bench --config $CONFIG $*" > "$OUT/$name.md"
+  timeout "$limit" python3 -m kvrelay bench --config "$CONFIG" "$@" --output "/tmp/$name" \
     >> "$OUT/$name.md" 2> "/tmp/$name.err"
   echo "rc=$?" >> "$OUT/$name.md"
   tail -c 2500 "/tmp/$name.err" > "$OUT/$name.err.txt"

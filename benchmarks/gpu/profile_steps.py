@@ -3,7 +3,8 @@
 Prints, per model, the step time (CUDA events, median), the host time of one step (how long Python
 takes to issue it: a step whose host time is close to its device time is launch-bound), the
 compute floor (the step's matmul FLOPs at the measured bf16 matmul rate) and the torch.profiler
-table of the kernels that take the device time. Run on the GPU machine:
+table of the kernels that take the device time. The DiT runs unquantized and with FP8 linears
+(``--dit-quantizations``), timed shape by shape side by side. Run on the GPU machine:
 
     python3 benchmarks/gpu/profile_steps.py --out $OUT
 
@@ -36,6 +37,28 @@ def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
     start.record()
     for _ in range(reps):
         a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def fp8_matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    """The rate of the FP8 GEMM the quantized DiT runs (e4m3, per-row scales, bf16 out)."""
+    from kvrelay.models.fp8 import quantize_rows
+
+    a, sa = quantize_rows(torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
+    b, sb = quantize_rows(torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
+    sa = sa.reshape(n, 1).contiguous()
+
+    def mm() -> torch.Tensor:
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        mm()
     end.record()
     torch.cuda.synchronize()
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
@@ -96,6 +119,7 @@ def main() -> None:
     parser.add_argument("--ar-tokens", type=int, nargs="+", default=[96, 192, 1024])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--dit-quantizations", default="none,fp8", help="comma list of none|fp8, timed side by side")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -138,8 +162,16 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     if "dit" not in args.skip:
-        runner = DitRunner(args.preset, device="cuda")
+        # Unquantized and FP8 (kvrelay.models.fp8) side by side: each shape is timed for every
+        # quantization in turn, so both see the same clocks; ratios are printed per shape.
+        quantizations: list[str | None] = [None if q == "none" else q for q in args.dit_quantizations.split(",")]
+        runners = {q: DitRunner(args.preset, device="cuda", quantization=q) for q in quantizations}
+        runner = runners[quantizations[0]]
         kv_dtype = getattr(torch, runner.preset.dtype)
+        if "fp8" in runners:
+            fp8_rate = fp8_matmul_tflops()
+            result["fp8_matmul_tflops"] = fp8_rate
+            say(f"fp8 e4m3 8192^3 _scaled_mm (per-row scales) {fp8_rate:.0f} TFLOP/s")
 
         def prefixes(lengths: tuple[int, ...]) -> list[Any]:
             return [
@@ -153,23 +185,32 @@ def main() -> None:
             t = 0.5  # the step's flow time (a host float; its conditioning is cached by the runner)
             floor_ms = dit_flops(args.preset, 512, 512, len(rows), max(lengths)) / (rate * 1e12) * 1e3
             row = {"floor_ms": floor_ms}
-            for graphs in (False, True):
-                runner.use_graphs = graphs
-                step = runner.stepper(rows, 64, 64)
-                dev_ms, host_ms = timed(lambda step=step, lat=lat, t=t: step(lat, t), args.reps)
-                row["graph" if graphs else "eager"] = {"ms": dev_ms, "host_ms": host_ms}
-                say(
-                    f"DiT step 512x512, prefixes {list(lengths)}, {'graph' if graphs else 'eager'}: "
-                    f"{dev_ms:.2f} ms device, {host_ms:.2f} ms host; floor {floor_ms:.2f} ms -> "
-                    f"{dev_ms / floor_ms:.2f}x floor"
-                )
+            for q, each in runners.items():
+                name = q or "unquantized"
+                for graphs in (False, True):
+                    each.use_graphs = graphs
+                    step = each.stepper(rows, 64, 64)
+                    dev_ms, host_ms = timed(lambda step=step, lat=lat, t=t: step(lat, t), args.reps)
+                    row[f"{name}-{'graph' if graphs else 'eager'}"] = {"ms": dev_ms, "host_ms": host_ms}
+                    say(
+                        f"DiT step 512x512, prefixes {list(lengths)}, {name}, {'graph' if graphs else 'eager'}: "
+                        f"{dev_ms:.2f} ms device, {host_ms:.2f} ms host; bf16 floor {floor_ms:.2f} ms -> "
+                        f"{dev_ms / floor_ms:.2f}x floor"
+                    )
+            if "fp8" in runners and None in runners:
+                ratio = row["fp8-graph"]["ms"] / row["unquantized-graph"]["ms"]
+                say(f"DiT step prefixes {list(lengths)}: fp8 / unquantized (graph) = {ratio:.3f}")
             result["dit"][str(list(lengths))] = row
+        for q, each in runners.items():
+            each.use_graphs = False
+            rows = prefixes((81, 16))
+            step = each.stepper(rows, 64, 64)
+            lat = torch.randn(2, 16, 64, 64, device="cuda", dtype=each.dtype)
+            t = 0.5
+            say(f"kernels of the (81, 16) step, {q or 'unquantized'}, eager:")
+            say(kernel_table(lambda step=step, lat=lat, t=t: step(lat, t)))
         runner.use_graphs = False
-        rows = prefixes((81, 16))
-        step = runner.stepper(rows, 64, 64)
-        lat = torch.randn(2, 16, 64, 64, device="cuda", dtype=runner.dtype)
-        t = 0.5
-        say(kernel_table(lambda: step(lat, t)))
+        step = runner.stepper(prefixes((81, 16)), 64, 64)
 
         latents = torch.randn(16, 64, 64, device="cuda", dtype=runner.dtype)
         dec_ms, dec_host = timed(lambda: runner.decode(latents), args.reps)

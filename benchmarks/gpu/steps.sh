@@ -20,8 +20,8 @@ nvidia-smi --query-gpu=name,memory.used,driver_version --format=csv,noheader | t
 # checkout that was copied (git rev-parse --short HEAD there) to record the right commit.
 echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}" \
   | tee -a "$OUT/env.txt"
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider tests/dit_model/test_cuda_graphs.py \
-  tests/ar_model/test_ar_gpu.py tests/transfer/test_cuda_ipc.py 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -s ${GPU_TESTS:-tests/dit_model/test_cuda_graphs.py tests/dit_model/test_fp8.py \
+  tests/ar_model/test_ar_gpu.py tests/transfer/test_cuda_ipc.py} 2>&1 | grep -v "^$" | tail -30 | tee "$OUT/gpu-tests.txt"
 timeout "${PROFILE_TIMEOUT:-220}" python3 benchmarks/gpu/profile_steps.py --out "$OUT" --reps 10 ${PROFILE_ARGS:-} \
   > "$OUT/profile-stdout.txt" 2>&1
 grep -E "TFLOP|prefill_batch|DiT step|decode|compile|Error|error" "$OUT/profile-stdout.txt" | cut -c1-400

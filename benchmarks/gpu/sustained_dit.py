@@ -1,7 +1,7 @@
 """What one request costs the DiT on a GPU when nothing else runs, and whether the step holds its
 speed under sustained load (clocks, power). Usage on the GPU machine:
 
-    python3 benchmarks/gpu/sustained_dit.py [--seconds 20] [--requests 30]
+    python3 benchmarks/gpu/sustained_dit.py [--seconds 20] [--requests 30] [--quantization fp8]
 
 Prints (1) a whole 2-step, guidance-2 denoise of a seed-shaped request as a DiT rank runs it
 (prefix copy into the step buffers, noise, 2 graph replays, decode to host pixels), with the
@@ -46,9 +46,11 @@ def main() -> None:
     parser.add_argument("--preset", default="bagel-7b-shape")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="fp8: the DiT's big linears as FP8 GEMMs (kvrelay.models.fp8)")
     args = parser.parse_args()
 
-    runner = DitRunner(args.preset, device="cuda")
+    runner = DitRunner(args.preset, device="cuda", quantization=None if args.quantization == "none" else args.quantization)
     runner.warm_up()
     kv_dtype = getattr(torch, runner.preset.dtype)
     rows = [random_prefix(runner.preset, n, seed=i, dtype=kv_dtype, device="cuda") for i, n in enumerate((81, 16))]
@@ -72,7 +74,7 @@ def main() -> None:
         runner.stepper(rows, 64, 64)
         torch.cuda.synchronize()
         prep.append((time.perf_counter() - t0) * 1e3)
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}: {smi()}")
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}, quantization {args.quantization}: {smi()}")
     print(f"whole request (2 steps, guidance 2, prefixes 81+16, decode to host), back to back: "
           f"median {statistics.median(walls):.2f} ms, min {min(walls):.2f}, max {max(walls):.2f} "
           f"over {args.requests} -> {1e3 / statistics.median(walls):.2f} req/s of DiT alone")
