@@ -18,6 +18,8 @@ in non-persistent buffers next to them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -73,11 +75,27 @@ def fp8_linear(
     x2 = x.reshape(-1, x.shape[-1]).float()
     x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=_MIN_AMAX) / FP8_MAX  # [M, 1]
     xq = (x2 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    # _scaled_mm wants its second operand column-major: weight is [N, K] row-major, so .t() is.
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
+    if x.device.type == "cpu" and not _cpu_rowwise_scaled_mm():
+        # Older CPU builds scale per tensor only: the same arithmetic on the dequantized operands.
+        out = ((xq.float() * x_scale) @ (weight.float() * weight_scale.reshape(-1, 1)).t()).to(x.dtype)
+    else:
+        # _scaled_mm wants its second operand column-major: weight is [N, K] row-major, so .t() is.
+        out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, weight.shape[0])
+
+
+@functools.cache
+def _cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes per-row scales (2.13 does; 2.11 scales per
+    tensor only and asserts otherwise)."""
+    a = torch.ones(16, 16).to(FP8_DTYPE)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def linear(

@@ -66,6 +66,18 @@ def test_fp8_linear_is_the_gemm_of_the_dequantized_operands(dtype: torch.dtype) 
     assert torch.equal(fp8_linear(x, q, scale, bias), out)  # deterministic
 
 
+def test_cpu_builds_without_per_row_scaled_mm_compute_the_same_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvrelay.models.fp8 as fp8
+
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(9, 48, generator=gen), torch.randn(16, 48, generator=gen)
+    q, scale = quantize_rows(w)
+    kernel = fp8_linear(x, q, scale)
+    monkeypatch.setattr(fp8, "_cpu_rowwise_scaled_mm", lambda: False)
+    fallback = fp8_linear(x, q, scale)
+    assert torch.allclose(fallback, kernel, rtol=1e-5, atol=1e-5)
+
+
 def _rows(runner: DitRunner) -> list:
     return [
         random_prefix(runner.preset, n, seed=10 + i, dtype=runner.dtype, device=runner.device)
