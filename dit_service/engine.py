@@ -18,13 +18,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.dit_service.memory import HostPool, PoolSpec
 from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.planner import PlannedWrite, RowSpec
 from kvrelay.transfer.transport import RegionDescriptor
 from kvrelay.worker import RankContext
+
+if TYPE_CHECKING:
+    from kvrelay.config import StageConfig
 
 # Control block: one row of int64 per slot: [steps done, cancel requested, sequence number].
 CONTROL_FIELDS = 3
@@ -129,6 +132,25 @@ class DitRankSpec:
     # `cfg_parallel_size`: the ranks form this many groups of tp * sp; group g reads and computes
     # CFG row g only (its pages hold no other row).
     cfg_parallel: int = 1
+    # `model.quantization`: "fp8" = the built-in DiT's big linears as FP8 GEMMs (kvrelay.models.fp8).
+    quantization: str | None = None
+
+    @classmethod
+    def for_stage(
+        cls, stage: StageConfig, *, preset: str, checkpoint: str | None, num_pages: int,
+        pools: tuple[PoolSpec, ...], control: PoolSpec, slots: int,
+    ) -> DitRankSpec:
+        """The spec of one replica of the DiT `stage` (what `kvrelay dit` starts its ranks with):
+        the model and parallel layout from the config, the memory the service process made."""
+        return cls(
+            preset=preset, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype, checkpoint=checkpoint,
+            model_format=stage.model.format, quantization=stage.model.quantization,
+            tp=stage.tensor_parallel_size, sp=stage.sequence_parallel_size, page_size=stage.page_size,
+            num_pages=num_pages, pools=pools, control=control, slots=slots, transport=stage.transport,
+            mooncake_host=stage.advertise_host, mooncake_protocol=stage.mooncake_protocol,
+            mooncake_device_name=str(stage.extra.get("device_name", "")),
+            expert_parallel=stage.enable_expert_parallel, cfg_parallel=stage.cfg_parallel_size,
+        )
 
     def __call__(self, ctx: RankContext) -> DitRankHandler:
         return DitRankHandler(ctx, self)
@@ -152,6 +174,8 @@ class DitRankHandler:
 
             if spec.cfg_parallel != 1:
                 raise ValueError(f"cfg_parallel={spec.cfg_parallel}: the {spec.model_format} runner has no CFG-parallel")
+            if spec.quantization is not None:
+                raise ValueError(f"quantization {spec.quantization}: the {spec.model_format} runner is not quantized yet")
             assert spec.checkpoint is not None
             self.runner: Any = BagelDitRunner(
                 spec.checkpoint, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
@@ -162,6 +186,7 @@ class DitRankHandler:
                 spec.preset, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
                 weight_seed=spec.weight_seed, device=device, dtype=dtype, checkpoint=spec.checkpoint,
                 expert_parallel=spec.expert_parallel, cfg_parallel=spec.cfg_parallel,
+                quantization=spec.quantization,
             )
         self.layout = self.runner.page_layout(spec.page_size)
         self.runner.warm_up()  # GPU: compile and capture before the replica reports SERVING

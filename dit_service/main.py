@@ -136,14 +136,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         )
         control_pool = HostPool.create(0, control_bytes(admission_slots(stage.max_num_seqs)), f"{tag}-control")
         metrics.pages.labels(replica_id).set(memory.num_pages)
-        spec = DitRankSpec(
-            preset=preset.name, weight_seed=stage.model.weight_seed, dtype=stage.model.dtype,
-            checkpoint=model_dir(stage.model), model_format=stage.model.format,
-            tp=stage.tensor_parallel_size, sp=stage.sequence_parallel_size, page_size=stage.page_size,
-            num_pages=memory.num_pages, pools=tuple(memory.specs()), control=control_pool.spec,
-            slots=admission_slots(stage.max_num_seqs), transport=stage.transport, mooncake_host=stage.advertise_host,
-            mooncake_protocol=stage.mooncake_protocol, mooncake_device_name=str(stage.extra.get("device_name", "")),
-            expert_parallel=stage.enable_expert_parallel, cfg_parallel=stage.cfg_parallel_size,
+        spec = DitRankSpec.for_stage(
+            stage, preset=preset.name, checkpoint=model_dir(stage.model), num_pages=memory.num_pages,
+            pools=tuple(memory.specs()), control=control_pool.spec, slots=admission_slots(stage.max_num_seqs),
         )
         group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
         await asyncio.to_thread(group.start)

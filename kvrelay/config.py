@@ -122,6 +122,9 @@ class ModelConfig(_Strict):
     tokenizer: str | None = None
     weight_seed: int = 0
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    # DiT stage, format kvrelay only: "fp8" runs the transformer blocks' big linears (qkv, o, gate/up,
+    # down) as FP8 e4m3 GEMMs (kvrelay.models.fp8); everything else stays in `dtype`.
+    quantization: Literal["fp8"] | None = None
     # engine: vllm only: extra vLLM EngineArgs (checked by the AR at start: kvrelay.ar_service.vllm_engine).
     vllm_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -131,6 +134,17 @@ class ModelConfig(_Strict):
             raise ValueError("model.vllm_args is for engine: vllm only")
         if self.engine == "vllm" and not self.path:
             raise ValueError("model.path is required with engine: vllm")
+        if self.quantization is not None:
+            if self.format != "kvrelay":
+                raise ValueError(
+                    f"model.quantization: {self.quantization} applies to the built-in presets (format: kvrelay) "
+                    f"only; {self.format} checkpoints are not quantized yet"
+                )
+            if self.dtype == "float16":
+                raise ValueError(
+                    f"model.quantization: {self.quantization} GEMMs return bfloat16 on GPUs (bfloat16 or float32 on "
+                    "the CPU), not float16: use dtype bfloat16 (or float32 on the CPU)"
+                )
         if self.format != "kvrelay":
             if self.engine != "builtin":
                 raise ValueError(f"model.format {self.format} runs on the built-in engine only")
@@ -375,6 +389,11 @@ class KvRelayConfig(_Strict):
             )
         if dit.model.engine != "builtin":
             raise ValueError("stages[1].model.engine: the DiT runs the built-in engine")
+        if ar.model.quantization is not None:
+            raise ValueError(
+                f"stages[0].model.quantization: {ar.model.quantization} is for the DiT stage (stages[1]); "
+                "the AR runs unquantized"
+            )
         return self
 
 
@@ -430,6 +449,11 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                 raise ConfigError(f"invalid config: stages[{idx}].model.preset: {err}") from None
             geometry = (preset.num_layers, preset.num_kv_heads, preset.head_dim, stage.model.dtype or preset.dtype)
             what = f"preset {preset.name!r}"
+            if stage.model.quantization is not None and preset.dit.is_moe:
+                raise ConfigError(
+                    f"invalid config: stages[{idx}].model.quantization: {stage.model.quantization} quantizes dense "
+                    f"DiTs only, {what} is a MoE"
+                )
         heads = geometry[1]
         # Every CFG group holds all heads: tp * sp shards divide them, whatever cfg_parallel_size.
         shards = stage.head_shards

@@ -356,10 +356,17 @@ class ColocatedUnderTest:
 
     impl = "colocated"
 
-    def __init__(self, preset: str, device: str = "cpu", max_batch: int = 1) -> None:
+    def __init__(self, preset: str, device: str = "cpu", max_batch: int = 1, quantization: str | None = None) -> None:
         from kvrelay.node.colocated import ColocatedPipeline
 
-        self.pipeline = ColocatedPipeline(preset, device=device, max_batch=max_batch)
+        self.pipeline = ColocatedPipeline(preset, device=device, max_batch=max_batch, quantization=quantization)
+
+    @classmethod
+    def for_config(cls, data: dict[str, Any], preset: str) -> ColocatedUnderTest:
+        """The baseline of a config's DiT stage: on its first device, with its max_num_seqs and its
+        `model.quantization` (a fair comparison with the served DiT)."""
+        dit_stage = parse_config(data).dit_stage
+        return cls(preset, dit_stage.devices_for(0)[0], dit_stage.max_num_seqs, dit_stage.model.quantization)
 
     def run(
         self,
@@ -658,27 +665,33 @@ class BenchProgress:
                          done_runs), file=self.stream, flush=True)  # fmt: skip
 
 
-def run_scenario(
-    args: argparse.Namespace, workload: Workload, impls: list[str], base: dict[str, Any], workdir: Path
-) -> dict[str, Any]:
-    data = json.loads(json.dumps(base))
+def scenario_config(base: dict[str, Any], preset: str, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """`base` (a config as data) with the workload's preset on both stages (and `--max-num-seqs`);
+    everything else of each stage's model (dtype, weight_seed, the DiT's quantization) is kept."""
+    data: dict[str, Any] = json.loads(json.dumps(base))
     for stage in data["stages"]:
         model = dict(stage["model"])
         if model.get("format", "kvrelay") != "kvrelay":
             # A BAGEL-format model (the demo default) fixes its own shape: the workload's preset
             # replaces it, with random weights.
             model = {k: v for k, v in model.items() if k not in ("format", "path", "tokenizer")}
-        stage["model"] = {**model, "preset": workload.preset}
-        if getattr(args, "max_num_seqs", None):
-            stage["max_num_seqs"] = args.max_num_seqs
+        stage["model"] = {**model, "preset": preset}
+        if max_num_seqs:
+            stage["max_num_seqs"] = max_num_seqs
+    return data
+
+
+def run_scenario(
+    args: argparse.Namespace, workload: Workload, impls: list[str], base: dict[str, Any], workdir: Path
+) -> dict[str, Any]:
+    data = scenario_config(base, workload.preset, getattr(args, "max_num_seqs", None))
     nodes: dict[str, Any] = {}
     try:
         for impl in impls:
             print(f"bench[{workload.name}]: starting {impl} ...", file=sys.stderr, flush=True)
             if impl == "colocated":
                 # The baseline runs where the DiT stage would: on its first device.
-                dit_stage = parse_config(data).dit_stage
-                nodes[impl] = ColocatedUnderTest(workload.preset, dit_stage.devices_for(0)[0], dit_stage.max_num_seqs)
+                nodes[impl] = ColocatedUnderTest.for_config(data, workload.preset)
             else:
                 nodes[impl] = NodeUnderTest(impl, data, workdir, getattr(args, "ar_model", None))
         progress = BenchProgress(workload.name, impls, args.runs, args.requests)

@@ -20,7 +20,14 @@ from kvrelay.models.presets import get_preset
 
 class ColocatedPipeline:
     def __init__(
-        self, preset: str, *, page_size: int = 16, weight_seed: int = 0, device: str = "cpu", max_batch: int = 1
+        self,
+        preset: str,
+        *,
+        page_size: int = 16,
+        weight_seed: int = 0,
+        device: str = "cpu",
+        max_batch: int = 1,
+        quantization: str | None = None,
     ) -> None:
         from kvrelay.models.ar import build_ar_model
         from kvrelay.models.dit import DitRunner
@@ -29,7 +36,8 @@ class ColocatedPipeline:
         self.preset = get_preset(preset)
         self.tokenizer = ByteTokenizer()
         self.ar = build_ar_model(preset=preset, seed=weight_seed, device=device)
-        self.dit = DitRunner(self.preset, weight_seed=weight_seed, device=device)
+        # The DiT as the served DiT stage runs it (`model.quantization`); the AR is never quantized.
+        self.dit = DitRunner(self.preset, weight_seed=weight_seed, device=device, quantization=quantization)
         self.layout = self.dit.page_layout(page_size)
         # Room for two CFG rows of the longest prompt per request of a batch (max_num_seqs).
         self.max_batch = max_batch

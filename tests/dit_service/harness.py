@@ -51,6 +51,7 @@ def write_config(
     kv_cache_memory_bytes: int = 4 << 20,
     drain_quiet_seconds: float = 0.2,
     lease_seconds: float = 3.0,
+    quantization: str | None = None,
 ) -> Path:
     ar: dict[str, Any] = {
         "stage_id": 0, "kind": "ar", "devices": "cpu", "kv_cache_memory_bytes": 16 << 20, "port": 0,
@@ -61,6 +62,8 @@ def write_config(
         "max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes, "page_size": PAGE_SIZE,
         "port": 0, "metrics_port": 0, "request_timeout_seconds": 60, "model": {"preset": preset},
     }
+    if quantization is not None:
+        dit["model"]["quantization"] = quantization
     if transport == "mooncake":
         ar["kv_transfer_config"] = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
                                     "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}

@@ -35,8 +35,13 @@ async def _collect(stub: dit_pb2_grpc.DitServiceStub, request: dit_pb2.DenoiseRe
     return [event async for event in stub.Denoise(request, timeout=timeout)]
 
 
-def test_denoise_over_mooncake_matches_local_and_frees_pages(tmp_path: Path, repo_root: Path) -> None:
-    config = write_config(tmp_path, transport="mooncake")
+# quantization fp8: the stage's `model.quantization` reaches the ranks (`kvrelay dit` -> DitRankSpec
+# -> DitRunner): the image is the local FP8 runner's.
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_denoise_over_mooncake_matches_local_and_frees_pages(
+    tmp_path: Path, repo_root: Path, quantization: str | None
+) -> None:
+    config = write_config(tmp_path, transport="mooncake", quantization=quantization)
 
     async def scenario() -> None:
         async with inprocess_broker() as (broker, _core):
@@ -66,8 +71,8 @@ def test_denoise_over_mooncake_matches_local_and_frees_pages(tmp_path: Path, rep
                 final = events[-1]
                 assert final.bytes_loaded == sum(o.bytes for o in outcomes) > 0
                 image = decode_png(final.image.png)
-                local = DitRunner("tiny").generate(prefixes, width=64, height=64, steps=3, guidance_scale=2.0,
-                                                   seed=11).numpy()
+                local = DitRunner("tiny", quantization=quantization).generate(
+                    prefixes, width=64, height=64, steps=3, guidance_scale=2.0, seed=11).numpy()
                 assert image.shape == (64, 64, 3)
                 # Different thread counts may round matmuls differently; the prefix itself is exact
                 # (test_transfer_bits), so the image agrees to within one level.

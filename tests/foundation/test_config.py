@@ -26,7 +26,12 @@ def _reject(data: dict[str, Any], *needles: str) -> str:
     return message
 
 
-@pytest.mark.parametrize("name", ["single-node.yaml", "debug-4gpu.yaml", "reference-8gpu.yaml"])
+# Every file of configs/ but the compose ones (DNS names as advertised hosts: tests/compose loads them).
+SHIPPED = ["single-node.yaml", "debug-4gpu.yaml", "reference-8gpu.yaml", "h200-1gpu.yaml", "h200-1gpu-fp8.yaml"]
+COMPOSE = ["compose-node.yaml", "compose-node-cpu.yaml"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_load(repo_root: Path, name: str) -> None:
     cfg = load_config(repo_root / "configs" / name)
     assert cfg.ar_stage.transfer_timeout == 60.0 or cfg.dit_stage.transfer_timeout == 60.0
@@ -189,3 +194,46 @@ def test_cfg_parallel_size_multiplies_the_dit_ranks_and_is_checked(base: dict[st
     data = copy.deepcopy(base)
     data["stages"][1].update(cfg_parallel_size=2, sequence_parallel_size=8)
     _reject(data, "stages[1].sequence_parallel_size", "8 rank(s) must divide num_kv_heads=4")
+
+
+def test_shipped_configs_are_all_checked(repo_root: Path) -> None:
+    assert sorted(p.name for p in (repo_root / "configs").glob("*.yaml")) == sorted(SHIPPED + COMPOSE)
+
+
+def test_fp8_quantization_is_the_dit_stages_only(base: dict[str, Any], repo_root: Path) -> None:
+    base = copy.deepcopy(base)
+    for stage in base["stages"]:
+        stage["model"] = {"preset": "small"}
+    assert parse_config(base).dit_stage.model.quantization is None  # off unless asked for
+    data = copy.deepcopy(base)
+    data["stages"][1]["model"] = {"preset": "small", "quantization": "fp8"}
+    cfg = parse_config(data)
+    assert cfg.dit_stage.model.quantization == "fp8" and cfg.ar_stage.model.quantization is None
+    data["stages"][1]["model"]["dtype"] = "float32"  # the CPU's fp8 GEMM returns fp32 too
+    assert parse_config(data).dit_stage.model.quantization == "fp8"
+    # the shipped fp8 config differs from its bf16 reference in that one key
+    fp8 = load_config(repo_root / "configs" / "h200-1gpu-fp8.yaml")
+    ref = load_config(repo_root / "configs" / "h200-1gpu.yaml")
+    assert fp8.dit_stage.model.quantization == "fp8" and fp8.ar_stage.model.quantization is None
+    assert fp8.dit_stage.model.model_copy(update={"quantization": None}) == ref.dit_stage.model
+    assert fp8.model_dump(exclude={"stages"}) == ref.model_dump(exclude={"stages"})
+    assert fp8.ar_stage == ref.ar_stage
+
+    data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"preset": "small", "quantization": "fp8"}
+    _reject(data, "stages[0].model.quantization", "DiT stage")
+    data = copy.deepcopy(base)
+    data["stages"][1]["model"] = {"preset": "small", "quantization": "int4"}
+    _reject(data, "stages.1.model.quantization", "'fp8'")
+    data = copy.deepcopy(base)
+    data["stages"][1]["model"] = {"preset": "small", "quantization": "fp8", "dtype": "float16"}
+    _reject(data, "stages.1.model", "model.quantization", "not float16")
+    for model in ({"format": "bagel", "path": "/models/BAGEL-7B-MoT"}, {"format": "demo"}):
+        data = copy.deepcopy(base)
+        data["stages"][1]["model"] = {**model, "quantization": "fp8"}
+        _reject(data, "stages.1.model", "model.quantization", f"{model['format']} checkpoints are not quantized")
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        stage["model"] = {"preset": "tiny-moe"}
+    data["stages"][1]["model"]["quantization"] = "fp8"
+    _reject(data, "stages[1].model.quantization", "dense DiTs only", "'tiny-moe'")
