@@ -65,30 +65,18 @@ def _words(memory: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return part.view(torch.int64)
 
 
-def _term_sum(w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """The checksum's sum over the words ``w`` (int64) of a segment whose first word has the
-    write-wide index ``pos``: ``c`` = ``[M1, pos*M1 + M2, M3, pos*M3 + M1]`` (int64, mod 2**64),
-    so word j's multipliers are ``(j*c0 + c1) | 1`` and ``(j*c2 + c3) | 1``. The constants come in
-    a tensor, not as literals: a GPU kernel keeps them 64-bit."""
-    j = torch.arange(w.numel(), dtype=torch.int64, device=w.device)
+def _term_sum(w: torch.Tensor, pos: int) -> torch.Tensor:
+    """The checksum's sum over the words ``w`` (int64), whose write-wide indices start at ``pos``."""
+    i = torch.arange(pos, pos + w.numel(), dtype=torch.int64, device=w.device)
     mixed = torch.bitwise_xor(w, torch.bitwise_right_shift(w, 31))
-    term = w * torch.bitwise_or(j * c[0] + c[1], 1) + mixed * torch.bitwise_or(j * c[2] + c[3], 1)
+    term = w * torch.bitwise_or(i * _M1 + _M2, 1) + mixed * torch.bitwise_or(i * _M3 + _M1, 1)
     return term.sum()
-
-
-def _signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >> 63 else x
-
-
-def _segment_constants(pos: int) -> list[int]:
-    return [_M1, _signed(pos * _M1 + _M2), _M3, _signed(pos * _M3 + _M1)]
 
 
 # Per CUDA device: ``_term_sum`` compiled into one fused kernel (one read of the bytes instead of
 # a dozen full-size int64 temporaries: ~2.4 ms per 200 MiB on an H200 eager), once
 # ``warm_up_checksums`` has checked that it gives the eager bits; None after a failed check.
-_FUSED: dict[torch.device, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {}
+_FUSED: dict[torch.device, Callable[[torch.Tensor, int], torch.Tensor] | None] = {}
 _FUSED_LOCK = threading.Lock()
 
 
@@ -110,11 +98,9 @@ def warm_up_checksums(device: str | torch.device) -> bool:
         try:
             fn = torch.compile(_term_sum, dynamic=True, fullgraph=True)
             gen = torch.Generator(device=dev).manual_seed(0)
-            for n, (words, pos) in enumerate(((3, 0), (4097, 1), (100_003, 2), (1 << 20, (1 << 33) + 7))):
+            for words, pos in ((3, 0), (4097, 0), (100_003, 2), (1 << 20, (1 << 33) + 7)):
                 w = torch.randint(0, 256, (words * 8,), dtype=torch.uint8, device=dev, generator=gen).view(torch.int64)
-                # a row of a constants table, at offset 0 and not, as device_checksums passes them
-                c = torch.tensor([_segment_constants(pos)] * 2, dtype=torch.int64, device=dev)[n % 2]
-                if int(fn(w, c)) != int(_term_sum(w, c)):
+                if int(fn(w, pos)) != int(_term_sum(w, pos)):
                     raise RuntimeError(f"compiled checksum differs from the eager one ({words} words at {pos})")
             fused = fn
         except Exception as err:  # noqa: BLE001 - the eager reductions stay correct
@@ -138,35 +124,28 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
         raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
     if memory.dtype != torch.uint8 or memory.dim() != 1 or not memory.is_contiguous():
         raise ValueError("memory must be a flat contiguous uint8 tensor")
-    starts: list[list[int]] = []
-    constants: list[list[int]] = []
+    sums = torch.zeros(len(writes), dtype=torch.int64, device=memory.device)
+    fused = _FUSED.get(memory.device) if memory.device.type == "cuda" else None
     nbytes = []
-    for segments in writes:
+    for k, segments in enumerate(writes):
         pos = 0
-        starts.append([])
+        total = 0
         for seg in segments:
             start = seg.src_offset if side == "src" else seg.dst_offset
             if start < 0 or start + seg.length > memory.numel():
                 raise ValueError(
                     f"segment [{start}, {start + seg.length}) lies outside the {memory.numel()}-byte {side} memory"
                 )
-            starts[-1].append(start)
-            constants.append(_segment_constants(pos))
-            pos += -(-seg.length // 8)
-        nbytes.append(sum(seg.length for seg in segments))
-    # Every segment's constants reach the device in one copy.
-    table = torch.tensor(constants or [[0, 0, 0, 0]], dtype=torch.int64).to(memory.device)
-    sums = torch.zeros(len(writes), dtype=torch.int64, device=memory.device)
-    fused = _FUSED.get(memory.device) if memory.device.type == "cuda" else None
-    s_index = 0
-    for k, segments in enumerate(writes):
-        for seg, start in zip(segments, starts[k], strict=True):
             w = _words(memory, start, seg.length)
-            # The compiled kernel was built (and checked) for word counts >= 2 at warm-up
-            # (torch.compile specialises the sizes 0 and 1).
-            term_sum = fused if fused is not None and w.numel() >= 2 else _term_sum
-            sums[k] += term_sum(w, table[s_index])
-            s_index += 1
+            # The compiled kernel was built (and checked) for these guards at warm-up: word counts
+            # >= 2 and a start index of 0 or >= 2 (torch.compile specialises the values 0 and 1).
+            if fused is not None and w.numel() >= 2 and pos != 1:
+                sums[k] += fused(w, pos)
+            else:
+                sums[k] += _term_sum(w, pos)
+            pos += w.numel()
+            total += seg.length
+        nbytes.append(total)
     return [(int(s) + n * _M2) & _MASK64 for s, n in zip(sums.tolist(), nbytes, strict=True)]
 
 
