@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import math
-import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -218,17 +217,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             regions = sorted(self.s.regions, key=lambda r: r.rank)
             if len(regions) == self.s.world_size and all(r.transport == "cuda_ipc" for r in regions):
                 try:
-                    from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint, warm_up_checksums
+                    from kvrelay.transfer.cuda_ipc import CudaIpcEndpoint
 
                     self._ipc_endpoint = CudaIpcEndpoint()
                     self._ipc_mapped = [self._ipc_endpoint.map_region(r) for r in regions]
-                    # The fused checksum kernel compiles in the background (seconds, once; this
-                    # process captures no CUDA graphs): verifies use the eager reductions until
-                    # it has been checked against them.
-                    threading.Thread(
-                        target=warm_up_checksums, args=(self._ipc_mapped[0].device,),
-                        name="checksum-compile", daemon=True,
-                    ).start()
                 except Exception as err:  # noqa: BLE001 - the ranks verify instead
                     log.warning("ipc_verify_unavailable", error=str(err))
         return self._ipc_mapped or None

@@ -19,11 +19,9 @@ ctypes: no extra package. Importing this module needs torch but no GPU; using it
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 import socket
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +30,6 @@ import torch
 from kvrelay.transfer.planner import PlannedWrite, Segment
 from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, check_writes_fit
 
-_log = logging.getLogger(__name__)
 ENDPOINT_PREFIX = "cudaipc"
 _IPC_HANDLE_BYTES = 64
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
@@ -65,50 +62,6 @@ def _words(memory: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return part.view(torch.int64)
 
 
-def _term_sum(w: torch.Tensor, pos: int) -> torch.Tensor:
-    """The checksum's sum over the words ``w`` (int64), whose write-wide indices start at ``pos``."""
-    i = torch.arange(pos, pos + w.numel(), dtype=torch.int64, device=w.device)
-    mixed = torch.bitwise_xor(w, torch.bitwise_right_shift(w, 31))
-    term = w * torch.bitwise_or(i * _M1 + _M2, 1) + mixed * torch.bitwise_or(i * _M3 + _M1, 1)
-    return term.sum()
-
-
-# Per CUDA device: ``_term_sum`` compiled into one fused kernel (one read of the bytes instead of
-# a dozen full-size int64 temporaries: ~2.4 ms per 200 MiB on an H200 eager), once
-# ``warm_up_checksums`` has checked that it gives the eager bits; None after a failed check.
-_FUSED: dict[torch.device, Callable[[torch.Tensor, int], torch.Tensor] | None] = {}
-_FUSED_LOCK = threading.Lock()
-
-
-def warm_up_checksums(device: str | torch.device) -> bool:
-    """Compile the fused device checksum for ``device`` and check it against the eager definition
-    (random words, several lengths and start indices); from then on ``device_checksums`` uses it.
-    Idempotent; returns whether the fused kernel is in use. Call it where compiling is safe (at
-    start-up, or in a thread of a process that captures no CUDA graphs): it takes seconds once.
-    ``KVRELAY_COMPILE=0`` keeps the eager reductions."""
-    dev = torch.device(device)
-    if dev.type != "cuda" or os.environ.get("KVRELAY_COMPILE", "1") == "0":
-        return False
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    with _FUSED_LOCK:
-        if dev in _FUSED:
-            return _FUSED[dev] is not None
-        fused: Any = None
-        try:
-            fn = torch.compile(_term_sum, dynamic=True, fullgraph=True)
-            gen = torch.Generator(device=dev).manual_seed(0)
-            for words, pos in ((3, 0), (4097, 0), (100_003, 2), (1 << 20, (1 << 33) + 7)):
-                w = torch.randint(0, 256, (words * 8,), dtype=torch.uint8, device=dev, generator=gen).view(torch.int64)
-                if int(fn(w, pos)) != int(_term_sum(w, pos)):
-                    raise RuntimeError(f"compiled checksum differs from the eager one ({words} words at {pos})")
-            fused = fn
-        except Exception as err:  # noqa: BLE001 - the eager reductions stay correct
-            _log.warning("device checksum kept eager on %s: %s", dev, err)
-        _FUSED[dev] = fused
-        return fused is not None
-
-
 def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], *, side: str) -> list[int]:
     """One 64-bit checksum per write: over its segments' bytes of ``memory`` in segment order
     (``side`` "src": the segments' staging offsets, "dst": their destination offsets), computed
@@ -125,7 +78,6 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
     if memory.dtype != torch.uint8 or memory.dim() != 1 or not memory.is_contiguous():
         raise ValueError("memory must be a flat contiguous uint8 tensor")
     sums = torch.zeros(len(writes), dtype=torch.int64, device=memory.device)
-    fused = _FUSED.get(memory.device) if memory.device.type == "cuda" else None
     nbytes = []
     for k, segments in enumerate(writes):
         pos = 0
@@ -137,12 +89,10 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
                     f"segment [{start}, {start + seg.length}) lies outside the {memory.numel()}-byte {side} memory"
                 )
             w = _words(memory, start, seg.length)
-            # The compiled kernel was built (and checked) for these guards at warm-up: word counts
-            # >= 2 and a start index of 0 or >= 2 (torch.compile specialises the values 0 and 1).
-            if fused is not None and w.numel() >= 2 and pos != 1:
-                sums[k] += fused(w, pos)
-            else:
-                sums[k] += _term_sum(w, pos)
+            i = torch.arange(pos, pos + w.numel(), dtype=torch.int64, device=memory.device)
+            mixed = torch.bitwise_xor(w, torch.bitwise_right_shift(w, 31))
+            term = w * torch.bitwise_or(i * _M1 + _M2, 1) + mixed * torch.bitwise_or(i * _M3 + _M1, 1)
+            sums[k] += term.sum()
             pos += w.numel()
             total += seg.length
         nbytes.append(total)
@@ -419,18 +369,11 @@ class CudaIpcEndpoint:
 
 
 def make_sender(device: str | None = None) -> CudaIpcEndpoint:
-    """The AR rank's endpoint (built at start-up, before the rank serves: the fused checksum is
-    compiled here, not in the middle of a write)."""
-    endpoint = CudaIpcEndpoint(device)
-    warm_up_checksums(endpoint.device)
-    return endpoint
+    return CudaIpcEndpoint(device)
 
 
 def make_receiver(device: str | None = None) -> CudaIpcEndpoint:
-    """A DiT rank's endpoint (see make_sender)."""
-    endpoint = CudaIpcEndpoint(device)
-    warm_up_checksums(endpoint.device)
-    return endpoint
+    return CudaIpcEndpoint(device)
 
 
 __all__ = [
@@ -443,6 +386,5 @@ __all__ = [
     "make_receiver",
     "make_sender",
     "verify_writes",
-    "warm_up_checksums",
     "write_checksum",
 ]

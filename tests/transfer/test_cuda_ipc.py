@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvrelay.transfer.convert import region_from_proto, region_to_proto
-from kvrelay.transfer.cuda_ipc import _FUSED, IpcRegion, device_checksums, warm_up_checksums
+from kvrelay.transfer.cuda_ipc import IpcRegion, device_checksums
 from kvrelay.transfer.planner import PlannedWrite, Segment
 from kvrelay.transfer.transport import RegionDescriptor
 
@@ -70,36 +70,6 @@ def test_device_checksum_sees_any_changed_byte_length_and_order() -> None:
     assert device_checksums(memory, [[Segment(0, 0, 255), segs[1]]], side="src")[0] != base
     with pytest.raises(ValueError, match="outside"):
         device_checksums(memory, [[Segment(1000, 0, 100)]], side="src")
-
-
-def test_no_fused_checksum_off_the_gpu() -> None:
-    assert warm_up_checksums("cpu") is False
-
-
-@pytest.mark.gpu
-def test_the_fused_device_checksum_gives_the_definitions_bits() -> None:
-    """The compiled one-pass checksum (warm_up_checksums) against the documented definition and
-    the eager reductions on the CPU: big segments (the fused path), a 1-word segment and a start
-    index of 1 (the eager path), unaligned starts and lengths."""
-    assert warm_up_checksums("cuda") is True
-    assert _FUSED[torch.device("cuda", torch.cuda.current_device())] is not None
-    rng = random.Random(11)
-    size = 1 << 21
-    data = rng.randbytes(size)
-    cpu = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    gpu = cpu.to("cuda")
-    writes = [
-        [Segment(0, 0, size)],
-        [Segment(8, 16, 8), Segment(4096, 8192, 65536)],  # 1 word, then a start index of 1
-        [Segment(3, 5, 200_003), Segment(300_001, 700_000, 123_457), Segment(1 << 20, 1 << 19, 1 << 19)],
-    ]
-    for side in ("src", "dst"):
-        fused = device_checksums(gpu, writes, side=side)
-        assert fused == device_checksums(cpu, writes, side=side)
-        assert fused[1:] == [reference_checksum(data, segs, side) for segs in writes[1:]]
-    flipped = gpu.clone()
-    flipped[size - 1] ^= 0x80
-    assert device_checksums(flipped, writes[:1], side="src") != device_checksums(gpu, writes[:1], side="src")
 
 
 def test_region_descriptor_carries_the_ipc_handle_through_the_proto() -> None:
