@@ -10,7 +10,6 @@ import torch
 from kvrelay.dit_service.engine import DitRankHandler, DitRankSpec, RunDenoise, control_bytes
 from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
 from kvrelay.models.dit import DitRunner, random_prefix
-from kvrelay.models.image import decode_png
 from kvrelay.models.paged_attention import write_prefix
 from kvrelay.models.parallel import TpGroup
 from kvrelay.models.presets import get_preset
@@ -41,7 +40,7 @@ def test_pinned_mirror_to_device_pool() -> None:
         for r, p in zip(rows, prefixes, strict=True):
             write_prefix(host, layout, r.page_ids, p)  # what a transfer leaves in the mirror
         result = handler.handle(RunDenoise(0, 1, tuple(rows), 64, 64, 3, 2.0, 5))
-        assert not result.cancelled and result.steps_done == 3 and result.png
+        assert not result.cancelled and result.steps_done == 3 and result.pixels is not None
         for r in rows:
             for page in r.page_ids:
                 lo, hi = page * layout.page_bytes, (page + 1) * layout.page_bytes
@@ -49,7 +48,7 @@ def test_pinned_mirror_to_device_pool() -> None:
         local = DitRunner("tiny", device="cuda:0", dtype=torch.float32).generate(
             [[(k.cuda(), v.cuda()) for k, v in p] for p in prefixes],
             width=64, height=64, steps=3, guidance_scale=2.0, seed=5).numpy().astype(int)
-        assert int(abs(decode_png(result.png).astype(int) - local).max()) <= 1
+        assert int(abs(result.pixels.astype(int) - local).max()) <= 1
     finally:
         handler.close()
         memory.close()
