@@ -132,7 +132,8 @@ class DitRankSpec:
     # `cfg_parallel_size`: the ranks form this many groups of tp * sp; group g reads and computes
     # CFG row g only (its pages hold no other row).
     cfg_parallel: int = 1
-    # `model.quantization`: "fp8" = the built-in DiT's big linears as FP8 GEMMs (kvrelay.models.fp8).
+    # `model.quantization`: "fp8" = the DiT's big linears as FP8 GEMMs (kvrelay.models.fp8): the
+    # built-in blocks', or a BAGEL-format DiT's generation expert's.
     quantization: str | None = None
 
     @classmethod
@@ -174,12 +175,10 @@ class DitRankHandler:
 
             if spec.cfg_parallel != 1:
                 raise ValueError(f"cfg_parallel={spec.cfg_parallel}: the {spec.model_format} runner has no CFG-parallel")
-            if spec.quantization is not None:
-                raise ValueError(f"quantization {spec.quantization}: the {spec.model_format} runner is not quantized yet")
             assert spec.checkpoint is not None
             self.runner: Any = BagelDitRunner(
                 spec.checkpoint, rank=ctx.rank, world=ctx.world_size, tp=spec.tp, sp=spec.sp,
-                device=device, dtype=dtype,
+                device=device, dtype=dtype, quantization=spec.quantization,
             )
         else:
             self.runner = DitRunner(

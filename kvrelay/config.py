@@ -122,8 +122,9 @@ class ModelConfig(_Strict):
     tokenizer: str | None = None
     weight_seed: int = 0
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    # DiT stage, format kvrelay only: "fp8" runs the transformer blocks' big linears (qkv, o, gate/up,
-    # down) as FP8 e4m3 GEMMs (kvrelay.models.fp8); everything else stays in `dtype`.
+    # DiT stage only: "fp8" runs the big linears (qkv, o, gate/up, down) as FP8 e4m3 GEMMs
+    # (kvrelay.models.fp8): a preset's transformer blocks, a BAGEL-format DiT's generation expert;
+    # everything else stays in `dtype`.
     quantization: Literal["fp8"] | None = None
     # engine: vllm only: extra vLLM EngineArgs (checked by the AR at start: kvrelay.ar_service.vllm_engine).
     vllm_args: dict[str, Any] = Field(default_factory=dict)
@@ -135,11 +136,6 @@ class ModelConfig(_Strict):
         if self.engine == "vllm" and not self.path:
             raise ValueError("model.path is required with engine: vllm")
         if self.quantization is not None:
-            if self.format != "kvrelay":
-                raise ValueError(
-                    f"model.quantization: {self.quantization} applies to the built-in presets (format: kvrelay) "
-                    f"only; {self.format} checkpoints are not quantized yet"
-                )
             if self.dtype == "float16":
                 raise ValueError(
                     f"model.quantization: {self.quantization} GEMMs return bfloat16 on GPUs (bfloat16 or float32 on "
@@ -440,6 +436,14 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
             if found is None:
                 continue
             geometry, what = found, f"model format {stage.model.format}"
+            quantization = stage.model.quantization
+            if quantization is not None and found[3] != "bfloat16" and stage.device_list() != ["cpu"]:
+                # The directory's kvrelay.json may name the dtype (the demo's is float32): refused
+                # here rather than by every rank at start-up.
+                raise ConfigError(
+                    f"invalid config: stages[{idx}].model.quantization: {quantization} on GPUs needs bfloat16 "
+                    f"activations; {what} runs in {found[3]} here: set model.dtype: bfloat16"
+                )
         elif stage.model.preset is None:
             continue
         else:

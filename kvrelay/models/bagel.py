@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from kvrelay.models.fp8 import quantize_fp8_
 from kvrelay.models.layers import RMSNorm, SwiGLU, apply_rotary, attention, rope_cos_sin
 from kvrelay.models.loader import COLUMN, ROW, CheckpointError, ar_config_from_hf
 from kvrelay.models.paged_attention import LayerKv, prefix_attention
@@ -467,6 +468,24 @@ class BagelDit(nn.Module):
         self.latent_pos_embed = PositionEmbedding(cfg.max_latent_size, llm.hidden, dtype=dtype, device=dev)
         for p in self.parameters():
             p.requires_grad_(False)
+
+    def quantize_generation_fp8_(self) -> int:
+        """Quantize the generation expert's big linears to FP8 (kvrelay.models.fp8), in place;
+        returns how many weight matrices were quantized: 6 per layer (q, k, v, o and the MLP's
+        fused gate/up and down).
+
+        Only the generation expert: it runs over every latent token, while the understanding
+        expert (whose weights the DiT holds too) runs over the two image markers only, where FP8
+        would save no time and its copies would cost memory. Norms, the timestep and latent
+        embeddings and the vae2llm/llm2vae projections stay in the model dtype."""
+        count = 0
+        for module in self.layers:
+            layer: MotLayer = module  # type: ignore[assignment]
+            attn = layer.self_attn
+            for proj in (attn.q_proj_moe_gen, attn.k_proj_moe_gen, attn.v_proj_moe_gen, attn.o_proj_moe_gen):
+                count += proj.quantize_fp8_()
+            count += quantize_fp8_(layer.mlp_moe_gen)  # the fused gate/up, then down_proj
+        return count
 
     def position_ids(self, grid_h: int, grid_w: int) -> torch.Tensor:
         """BAGEL's extrapolated latent position ids: row * max_latent_size + col, raster order."""

@@ -7,6 +7,7 @@ Owns BAGEL's sampling recipe around kvrelay.models.bagel.BagelDit: seeded packed
 unpatchifying (BAGEL's `nhwpqc -> nchpwq`) and decoding with the directory's VAE (FLUX
 AutoencoderKL through diffusers, or the demo's pixel decoder). Same interface as DitRunner, so
 the DiT service's rank workers run either. Rank mapping and page layout are DitParallel's.
+`quantization="fp8"` runs the generation expert's big linears as FP8 GEMMs (kvrelay.models.fp8).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvrelay.models.dit import (
     agreed_step_callback,
     agreed_stop_set,
 )
+from kvrelay.models.fp8 import QUANTIZATIONS, fp8_unsupported
 from kvrelay.models.layers import torch_dtype
 from kvrelay.models.presets import ModelPreset
 from kvrelay.models.sampler import StepCallback, cfg_rows, initial_noise
@@ -72,6 +74,7 @@ class BagelDitRunner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         config: BagelConfig | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.bagel = config or load_bagel_config(self.directory)
@@ -79,11 +82,22 @@ class BagelDitRunner:
         self.cfg = self.preset.dit
         self.device = torch.device(device)
         self.dtype = dtype or (torch.float32 if self.device.type == "cpu" else torch_dtype(self.bagel.dtype))
+        # "fp8": the generation expert's q/k/v, o, gate/up and down linears run as FP8 GEMMs
+        # (BagelDit.quantize_generation_fp8_); checked before any weight is read.
+        self.quantization = quantization
+        if quantization is not None:
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
+            reason = fp8_unsupported(self.device, self.dtype)
+            if reason is not None:
+                raise ValueError(f"quantization {quantization}: {reason}")
         self.parallel = DitParallel.build(rank, world, tp, sp)
         self.model = BagelDit(
             self.bagel, self.parallel.tp, self.parallel.sp, dtype=self.dtype, device=self.device
         ).eval()
         load_dit(self.directory, self.bagel, self.model)
+        if quantization is not None:
+            self.model.quantize_generation_fp8_()
         # The VAE runs in fp32 on CPU and in the model dtype on GPUs (BAGEL decodes in bf16).
         vae_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.decoder: Decoder | None = None

@@ -10,7 +10,8 @@ per-channel scales keep outlier tokens and channels from costing everyone else t
 Owns only the arithmetic (``quantize_rows``, ``fp8_linear``), the support check and the walk that
 quantizes a module tree (``quantize_fp8_``). Which layers take part is each layer's own business:
 a module that can run its matmul in FP8 has a ``quantize_fp8_()`` method (the fused qkv and
-gate/up projections, the row-parallel o/down projections); everything else (norms, adaLN
+gate/up projections, the row-parallel o/down projections, column-parallel linears that are not
+pieces of a fused weight); everything else (norms, adaLN
 modulation, embeddings, the final projection, attention itself) stays in the model dtype. The
 source weights stay where they are (checkpoints save and reload from them); the FP8 copies live
 in non-persistent buffers next to them.

@@ -136,7 +136,9 @@ def attention(
 def fuse_column_linears(linears: list[ColumnParallelLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One contiguous ``[sum(out), in]`` weight (and bias) holding the linears' weights in order;
     each linear's parameters become views into it, so one matmul computes all outputs and loading
-    a checkpoint or seeded weights into the named parameters fills the fused buffer too."""
+    a checkpoint or seeded weights into the named parameters fills the fused buffer too. The
+    linears are marked ``fused``: the owner of the fused weight runs and quantizes it, they never
+    quantize themselves (``quantize_fp8_`` walks over them and gets 0)."""
     with torch.no_grad():
         weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)
         biases = [lin.bias for lin in linears]
@@ -149,6 +151,7 @@ def fuse_column_linears(linears: list[ColumnParallelLinear]) -> tuple[torch.Tens
         for lin in linears:
             rows = lin.weight.shape[0]
             lin.weight.data = weight[lo : lo + rows]
+            lin.fused = True
             if bias is not None and lin.bias is not None:
                 lin.bias.data = bias[lo : lo + rows]
             lo += rows

@@ -163,6 +163,9 @@ class ColumnParallelLinear(nn.Module):
     slices (rarely wanted: the next layer is normally a RowParallelLinear that takes them as is).
     """
 
+    fp8_weight: torch.Tensor | None
+    fp8_weight_scale: torch.Tensor | None
+
     def __init__(
         self,
         in_features: int,
@@ -188,6 +191,21 @@ class ColumnParallelLinear(nn.Module):
             if bias
             else None
         )
+        # True when this layer is one piece of a fused weight (layers.fuse_column_linears): the
+        # owner runs and quantizes the fused matmul, so the piece never quantizes itself.
+        self.fused = False
+        # FP8 copy of this rank's weight (kvrelay.models.fp8), None unless quantized.
+        self.register_buffer("fp8_weight", None, persistent=False)
+        self.register_buffer("fp8_weight_scale", None, persistent=False)
+
+    def quantize_fp8_(self) -> int:
+        """Quantize this rank's weight shard (per output feature, so a shard's scales are the full
+        weight's rows); the bias stays in the model dtype. A fused piece returns 0: its owner
+        quantizes the fused weight."""
+        if self.fused:
+            return 0
+        store_fp8(self, "fp8_weight", self.weight)
+        return 1
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's rows of the full (unsharded) weight [out, in] (and bias [out])."""
@@ -201,7 +219,7 @@ class ColumnParallelLinear(nn.Module):
                 self.bias.copy_(self.tp.shard(bias, 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.fp8_weight, self.fp8_weight_scale)
         return self.tp.all_gather(y, dim=-1) if self.gather_output else y
 
 

@@ -1,5 +1,6 @@
 """FP8 linears of the DiT (``DitRunner(quantization="fp8")``, kvrelay.models.fp8): the arithmetic
-(per-channel weight scales, per-token activation scales, one scaled GEMM), that a quantized runner
+(per-channel weight scales, per-token activation scales, one scaled GEMM), the layers that quantize
+themselves (a column-parallel linear unless it is a piece of a fused weight), that a quantized runner
 really runs its blocks' big linears in FP8 and stays close to the unquantized model, that reloading
 weights quantizes again in place, and the clear refusals. On the CPU (torch's reference
 ``_scaled_mm``); the GPU cases (graph == eager with FP8, accuracy at the BAGEL-7B shape) are in
@@ -13,7 +14,9 @@ import pytest
 import torch
 
 from kvrelay.models.dit import DitRunner, random_prefix
-from kvrelay.models.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, fp8_unsupported, quantize_rows
+from kvrelay.models.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, fp8_unsupported, quantize_fp8_, quantize_rows
+from kvrelay.models.layers import ParallelAttention, SwiGLU
+from kvrelay.models.parallel import ColumnParallelLinear, TpGroup
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,6 +79,56 @@ def test_cpu_builds_without_per_row_scaled_mm_compute_the_same_product(monkeypat
     monkeypatch.setattr(fp8, "_cpu_rowwise_scaled_mm", lambda: False)
     fallback = fp8_linear(x, q, scale)
     assert torch.allclose(fallback, kernel, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_column_parallel_linear_with_bias_quantizes_its_own_shard(dtype: torch.dtype) -> None:
+    """BAGEL's unfused q/k/v projections: the FP8 GEMM of the dequantized operands plus the bias,
+    and each TP rank's shard quantizes to exactly its rows of the full weight's quantization."""
+    gen = torch.Generator().manual_seed(6)
+    w, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(3, 7, 32, generator=gen).to(dtype)
+    layer = ColumnParallelLinear(32, 48, TpGroup.single(), bias=True, dtype=dtype)
+    layer.load_full(w.to(dtype), bias.to(dtype))
+    plain = layer(x)
+    assert torch.equal(plain, torch.nn.functional.linear(x, layer.weight, layer.bias))  # unquantized: as before
+    assert layer.quantize_fp8_() == 1
+    assert layer.fp8_weight is not None and layer.fp8_weight_scale is not None
+    assert not [k for k in layer.state_dict() if "fp8" in k]
+    out = layer(x)
+    q, scale = quantize_rows(layer.weight)
+    assert torch.equal(layer.fp8_weight, q) and torch.equal(layer.fp8_weight_scale, scale)
+    assert torch.equal(out, fp8_linear(x, q, scale, layer.bias))
+    x2 = x.reshape(21, 32).float()
+    xs = x2.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    xd = (x2 / xs).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * xs
+    ref = (xd @ (q.float() * scale.reshape(48, 1)).t()).to(dtype).reshape(3, 7, 48) + layer.bias
+    assert torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert not torch.equal(out, plain) and _rel(out, plain) < 0.08
+    for rank in range(2):
+        shard = ColumnParallelLinear(32, 48, TpGroup(rank, 2, None), bias=True, dtype=dtype)
+        shard.load_full(w.to(dtype), bias.to(dtype))
+        assert shard.quantize_fp8_() == 1
+        rows = slice(24 * rank, 24 * (rank + 1))
+        assert torch.equal(shard.fp8_weight, q[rows])  # type: ignore[arg-type]
+        assert torch.equal(shard.fp8_weight_scale, scale[:, rows])  # type: ignore[arg-type]
+        assert torch.equal(shard(x), out[..., rows])
+
+
+def test_pieces_of_a_fused_weight_leave_quantization_to_its_owner() -> None:
+    tp = TpGroup.single()
+    mlp = SwiGLU(32, 64, tp)
+    attn = ParallelAttention(32, 4, 2, 8, tp, qkv_bias=True)
+    pieces = (mlp.gate_proj, mlp.up_proj, attn.q_proj, attn.k_proj, attn.v_proj)
+    assert all(p.fused for p in pieces)
+    assert not ColumnParallelLinear(32, 16, tp).fused
+    assert [p.quantize_fp8_() for p in pieces] == [0] * 5
+    assert all(p.fp8_weight is None for p in pieces)
+    # the walker: fused gate/up + down, fused qkv + o; the pieces add nothing
+    assert quantize_fp8_(mlp) == 2 and quantize_fp8_(attn) == 2
+    assert mlp._gate_up_fp8 is not None and attn._qkv_fp8 is not None
+    assert all(p.fp8_weight is None for p in pieces)
+    assert not [b for p in pieces for b in p.buffers()]
 
 
 def _rows(runner: DitRunner) -> list:

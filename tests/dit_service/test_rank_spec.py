@@ -1,7 +1,7 @@
 """From the DiT stage of a config to the rank's model: `DitRankSpec.for_stage` (what `kvrelay dit`
 starts its ranks with) carries the stage's model settings, and a rank built from it runs the DiT
-they describe; here `model.quantization: fp8`, on the CPU (torch's reference FP8 GEMM), against a
-local runner of the same settings."""
+they describe; here `model.quantization: fp8` (a preset's DiT, and the demo's BAGEL-format one), on
+the CPU (torch's reference FP8 GEMM), against a local runner of the same settings."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ import yaml
 from kvrelay.config import parse_config
 from kvrelay.dit_service.engine import DitRankHandler, DitRankSpec, RunDenoise, control_bytes
 from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
+from kvrelay.models.bagel import stage_preset
+from kvrelay.models.bagel_runner import BagelDitRunner
 from kvrelay.models.dit import DitRunner, random_prefix
+from kvrelay.models.formats import DEMO_DIR, model_dir
 from kvrelay.models.fp8 import FP8_DTYPE
 from kvrelay.models.paged_attention import write_prefix
 from kvrelay.models.parallel import TpGroup
@@ -107,15 +110,45 @@ def test_rank_runs_the_dit_the_stage_describes(repo_root: Path, quantization: st
         control.close()
 
 
-def test_a_checkpoint_format_rank_refuses_quantization(repo_root: Path) -> None:
-    preset = get_preset("tiny")
-    memory = ReplicaMemory(dit_geometry(preset, 16), 1, 1 << 20, tag="test-spec-demo")
-    control = HostPool.create(-1, control_bytes(1), "test-spec-demo-control")
+def test_a_demo_rank_runs_its_generation_expert_in_fp8(repo_root: Path) -> None:
+    """`format: demo` (a BAGEL-format DiT) with `quantization: fp8`: the rank's BagelDitRunner
+    quantizes the generation expert and computes what a local fp8 runner does."""
+    data = _config(repo_root, {"format": "demo", "quantization": "fp8"})
+    data["stages"][0]["model"] = {"format": "demo"}
+    stage = parse_config(data).dit_stage
+    preset = stage_preset(stage.model)
+    geometry = dit_geometry(preset, 16, stage.model.dtype)
+    memory = ReplicaMemory(geometry, 1, 1 << 20, tag="test-spec-demo-fp8")
+    control = HostPool.create(-1, control_bytes(1), "test-spec-demo-fp8-control")
+    handler = None
     try:
-        spec = _spec(_config(repo_root, {"preset": "tiny"}), memory, control)
-        spec = DitRankSpec(**{**_fields(spec), "model_format": "demo", "checkpoint": "/nowhere", "quantization": "fp8"})
-        with pytest.raises(ValueError, match="quantization fp8: the demo runner is not quantized yet"):
-            DitRankHandler(RankContext(0, 1, "cpu", "gloo", 1, TpGroup.single()), spec)
+        spec = DitRankSpec.for_stage(
+            stage, preset=preset.name, checkpoint=model_dir(stage.model), num_pages=memory.num_pages,
+            pools=tuple(memory.specs()), control=control.spec, slots=1,
+        )
+        assert (spec.model_format, spec.quantization) == ("demo", "fp8")
+        handler = DitRankHandler(RankContext(0, 1, "cpu", "gloo", 1, TpGroup.single()), spec)
+        runner = handler.runner
+        assert isinstance(runner, BagelDitRunner) and runner.quantization == "fp8"
+        fp8 = [name for name, b in runner.model.named_buffers() if b.dtype == FP8_DTYPE]
+        # per layer: the generation expert's q, k, v, o, fused gate/up and down
+        assert len(fp8) == 6 * preset.num_layers and all("_moe_gen" in name for name in fp8), fp8
+
+        rows = [RowSpec(0, 21, (5, 2)), RowSpec(1, 6, (9,))]
+        prefixes = [random_prefix(preset, r.num_tokens, seed=70 + r.row) for r in rows]
+        layout = PageLayout(geometry, 1, 0)
+        host = HostPool.attach(memory.specs()[0]).tensor()
+        for r, p in zip(rows, prefixes, strict=True):
+            write_prefix(host, layout, r.page_ids, p)
+        result = handler.handle(RunDenoise(0, 1, tuple(rows), 256, 256, 2, 2.0, 5))
+        assert not result.cancelled and result.steps_done == 2 and result.pixels is not None
+        kwargs: dict[str, Any] = dict(width=256, height=256, steps=2, guidance_scale=2.0, seed=5)
+        same = BagelDitRunner(DEMO_DIR, quantization="fp8").generate(prefixes, **kwargs).numpy()
+        plain = BagelDitRunner(DEMO_DIR).generate(prefixes, **kwargs).numpy()
+        assert (result.pixels == same).all()
+        assert not (result.pixels == plain).all()  # the FP8 path really ran
     finally:
+        if handler is not None:
+            handler.close()
         memory.close()
         control.close()

@@ -228,10 +228,26 @@ def test_fp8_quantization_is_the_dit_stages_only(base: dict[str, Any], repo_root
     data = copy.deepcopy(base)
     data["stages"][1]["model"] = {"preset": "small", "quantization": "fp8", "dtype": "float16"}
     _reject(data, "stages.1.model", "model.quantization", "not float16")
-    for model in ({"format": "bagel", "path": "/models/BAGEL-7B-MoT"}, {"format": "demo"}):
-        data = copy.deepcopy(base)
-        data["stages"][1]["model"] = {**model, "quantization": "fp8"}
-        _reject(data, "stages.1.model", "model.quantization", f"{model['format']} checkpoints are not quantized")
+    # BAGEL-format DiTs quantize their generation expert
+    data = copy.deepcopy(base)
+    data["stages"][1]["model"] = {"format": "bagel", "path": "/models/BAGEL-7B-MoT", "quantization": "fp8"}
+    assert parse_config(data).dit_stage.model.quantization == "fp8"
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        stage["model"] = {"format": "demo"}
+    data["stages"][1]["model"]["quantization"] = "fp8"
+    cfg = parse_config(data)  # on the CPU the demo's float32 is fine
+    assert cfg.dit_stage.model.quantization == "fp8" and cfg.ar_stage.model.quantization is None
+    data["stages"][0]["model"]["quantization"] = "fp8"
+    _reject(data, "stages[0].model.quantization", "DiT stage")
+    del data["stages"][0]["model"]["quantization"]
+    data["stages"][1]["devices"] = "0"  # on a GPU the demo's float32 (its kvrelay.json) is not
+    _reject(data, "stages[1].model.quantization", "needs bfloat16", "model format demo runs in float32")
+    for stage in data["stages"]:
+        stage["model"]["dtype"] = "bfloat16"
+    assert parse_config(data).dit_stage.model.quantization == "fp8"
+    data["stages"][1]["model"]["dtype"] = "float16"
+    _reject(data, "stages.1.model", "model.quantization", "not float16")
     data = copy.deepcopy(base)
     for stage in data["stages"]:
         stage["model"] = {"preset": "tiny-moe"}
