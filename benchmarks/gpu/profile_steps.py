@@ -28,18 +28,23 @@ from kvrelay.models.dit import DitRunner, random_prefix
 from kvrelay.models.presets import get_preset
 
 
-def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+def _gemm_tflops(mm: Any, n: int, reps: int) -> float:
+    """TFLOP/s of ``mm()``, an n^3 GEMM, over ``reps`` back-to-back calls after 3 warm-ups."""
     for _ in range(3):
-        a @ b
+        mm()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        a @ b
+        mm()
     end.record()
     torch.cuda.synchronize()
     return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def matmul_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return _gemm_tflops(lambda: a @ b, n, reps)
 
 
 def fp8_matmul_tflops(n: int = 8192, reps: int = 10) -> float:
@@ -49,19 +54,9 @@ def fp8_matmul_tflops(n: int = 8192, reps: int = 10) -> float:
     a, sa = quantize_rows(torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
     b, sb = quantize_rows(torch.randn(n, n, device="cuda", dtype=torch.bfloat16))
     sa = sa.reshape(n, 1).contiguous()
-
-    def mm() -> torch.Tensor:
-        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-
-    for _ in range(3):
-        mm()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        mm()
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n**3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+    return _gemm_tflops(
+        lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), n, reps
+    )
 
 
 def timed(fn: Any, reps: int) -> tuple[float, float]:
