@@ -27,7 +27,7 @@ from kvrelay.models.dit import (
     agreed_step_callback,
     agreed_stop_set,
 )
-from kvrelay.models.fp8 import QUANTIZATIONS, fp8_unsupported
+from kvrelay.models.fp8 import check_quantization
 from kvrelay.models.layers import torch_dtype
 from kvrelay.models.presets import ModelPreset
 from kvrelay.models.sampler import StepCallback, cfg_rows, initial_noise
@@ -85,12 +85,7 @@ class BagelDitRunner:
         # "fp8": the generation expert's q/k/v, o, gate/up and down linears run as FP8 GEMMs
         # (BagelDit.quantize_generation_fp8_); checked before any weight is read.
         self.quantization = quantization
-        if quantization is not None:
-            if quantization not in QUANTIZATIONS:
-                raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
-            reason = fp8_unsupported(self.device, self.dtype)
-            if reason is not None:
-                raise ValueError(f"quantization {quantization}: {reason}")
+        check_quantization(quantization, self.device, self.dtype)
         self.parallel = DitParallel.build(rank, world, tp, sp)
         self.model = BagelDit(
             self.bagel, self.parallel.tp, self.parallel.sp, dtype=self.dtype, device=self.device

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kvrelay.models.fp8 import QUANTIZATIONS, fp8_unsupported, quantize_fp8_
+from kvrelay.models.fp8 import check_quantization, quantize_fp8_
 from kvrelay.models.layers import (
     ParallelAttention,
     RMSNorm,
@@ -713,14 +713,9 @@ class DitRunner:
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
         # "fp8": the blocks' qkv, o, gate/up and down linears run as FP8 GEMMs (kvrelay.models.fp8).
         self.quantization = quantization
-        if quantization is not None:
-            if quantization not in QUANTIZATIONS:
-                raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
-            if self.cfg.is_moe:
-                raise ValueError(f"quantization {quantization}: the MoE preset {self.preset.name!r} is not supported (dense DiTs only)")
-            reason = fp8_unsupported(self.device, self.dtype)
-            if reason is not None:
-                raise ValueError(f"quantization {quantization}: {reason}")
+        check_quantization(quantization, self.device, self.dtype)
+        if quantization is not None and self.cfg.is_moe:
+            raise ValueError(f"quantization {quantization}: the MoE preset {self.preset.name!r} is not supported (dense DiTs only)")
         self.parallel = DitParallel.build(rank, world, tp, sp, cfg_parallel)
         self.timestep_shift = timestep_shift
         on_gpu = self.device.type == "cuda"

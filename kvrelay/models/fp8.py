@@ -49,6 +49,18 @@ def fp8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError, saying why, unless ``quantization`` (None or one of QUANTIZATIONS) can run
+    on ``device`` with activations of ``dtype``: what every runner checks before loading weights."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
+    reason = fp8_unsupported(device, dtype)
+    if reason is not None:
+        raise ValueError(f"quantization {quantization}: {reason}")
+
+
 @torch.no_grad()
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ``[N, K]`` as e4m3 ``[N, K]`` (contiguous) and its per-row fp32 scales ``[1, N]``,
