@@ -47,6 +47,8 @@ from kvrelay.transfer.transport import (
 # Below these, a batch uses the plain sync call and does not update the goodput estimate.
 _MIN_NAP_S = 0.001
 _MIN_LEARN_BYTES = 4 << 20
+# A failed batch is sent once more after this pause (see `_send_session`).
+_RETRY_PAUSE_S = 0.02
 
 
 class MooncakeError(RuntimeError):
@@ -111,6 +113,13 @@ class MooncakeEndpoint:
         # this process (the advertised host), never every interface. An explicit
         # MC_TCP_BIND_ADDRESS in the environment wins.
         self.bind_address = os.environ.setdefault("MC_TCP_BIND_ADDRESS", _bind_address(hostname))
+        # The engine caches a peer's segment descriptor (its data port, its registered memory)
+        # under the peer's session name "host:rpc_port" and never refreshes it. RPC ports are
+        # drawn from ~2,000, so a restarted DiT sooner or later gets a port a dead one had: with
+        # the cache, every write to it then fails until this process restarts (seen in CI).
+        # Without it, each batch fetches the descriptor afresh (one handshake round trip; not
+        # measurable next to a batch on loopback). An explicit MC_DISABLE_METACACHE wins.
+        os.environ.setdefault("MC_DISABLE_METACACHE", "1")
         self._engine = TransferEngine()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -160,8 +169,9 @@ class MooncakeEndpoint:
     def register_region(self, memory: Any, rank: int) -> RegionDescriptor:
         """Register a rank's pool (or its pinned host mirror) and describe it for senders.
 
-        Call at start-up, before any sender connects: a peer caches this process's segment
-        descriptor on its first write, so memory registered later may be unknown to it."""
+        Senders fetch this process's segment descriptor per batch (MC_DISABLE_METACACHE, set
+        by default in `__init__`), so memory registered later is writable too; a sender that
+        turned the cache back on keeps the descriptor of its first write."""
         addr, length = self.register(memory)
         return RegionDescriptor(
             rank=rank, transport="mooncake", endpoint=self.session_id, base_address=addr, length=length
@@ -316,12 +326,24 @@ class MooncakeEndpoint:
                 if cancel.is_set():
                     return
                 prog.started |= batch_writes
-            rc = self._transfer(session, [b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch])
+            args = ([b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch])
+            rc = self._transfer(session, *args)
+            tries = 1
+            if rc != 0 and not cancel.is_set():
+                # Once more: the engine keeps a connection per peer data port, and one left from
+                # a dead peer whose port a new one took fails the first batch only. The failed
+                # call has returned (nothing of it is still in flight), the pages are still this
+                # ticket's, and the bytes are the same: writing them again is safe.
+                time.sleep(_RETRY_PAUSE_S)
+                if not cancel.is_set():
+                    rc = self._transfer(session, *args)
+                    tries = 2
             with self._lock:
                 if rc != 0:
                     msg = (
-                        f"Mooncake batch write to {session} returned {rc} ({len(batch)} segments): "
-                        "peer unreachable, region not registered there, or queue limit exceeded"
+                        f"Mooncake batch write to {session} returned {rc} ({len(batch)} segments, "
+                        f"{'twice' if tries == 2 else 'once'}): peer unreachable, region not "
+                        "registered there, or queue limit exceeded"
                     )
                     for i in batch_writes:
                         prog.failed.setdefault(i, msg)

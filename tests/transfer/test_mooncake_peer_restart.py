@@ -1,0 +1,180 @@
+"""A Mooncake sender keeps writing to a peer whose segment changed under the same session name.
+
+The engine caches a peer's segment descriptor by session ("host:rpc_port"). A DiT that restarted
+on a port a dead one had (ports come from ~2,000) used to get every write refused until the AR
+restarted: that failed a CI run (docs/transfer.md has the reproduction: it needs a port to come
+round again, which TIME_WAIT holds off for a minute, too slow for a unit test). The sender now
+fetches the descriptor per batch (MC_DISABLE_METACACHE, tested here as set) and sends a failed
+batch once more (tested with an engine that fails on cue)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvrelay.transfer.planner import PlannedWrite, Segment
+
+mooncake = pytest.importorskip("kvrelay.transfer.mooncake")
+
+_RECEIVER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from kvrelay.transfer.mooncake import MooncakeEndpoint
+
+    ep = MooncakeEndpoint("127.0.0.1", "tcp")
+    bufs = []
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "region":
+            bufs.append(np.zeros(int(cmd[1]), dtype=np.uint8))
+            r = ep.register_region(bufs[-1], len(bufs) - 1)
+            print(r.endpoint, r.base_address, r.length, flush=True)
+        elif cmd[0] == "sum":
+            print(int(bufs[int(cmd[1])].astype(np.int64).sum()), flush=True)
+        elif cmd[0] == "exit":
+            break
+    """
+)
+
+
+class _Receiver:
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True,
+        )
+
+    def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline().strip()
+        assert reply, f"receiver gave no answer to {line!r} (exit {self.proc.poll()})"
+        return reply
+
+    def region(self, rank: int, nbytes: int) -> Any:
+        session, base, length = self.ask(f"region {nbytes}").split()
+        return mooncake.RegionDescriptor(rank, "mooncake", session, int(base), int(length))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def sender() -> Iterator[Any]:
+    ep = mooncake.MooncakeEndpoint("127.0.0.1", "tcp")
+    ep.register(_SRC)  # once: a fresh array per test could overlap a dead one's registration
+    yield ep
+    ep.close()
+
+
+_SRC = np.full(1 << 16, 3, dtype=np.uint8)
+
+
+def test_the_endpoint_turns_the_descriptor_cache_off_unless_told() -> None:
+    code = (
+        "import os; from kvrelay.transfer.mooncake import MooncakeEndpoint; "
+        "ep = MooncakeEndpoint('127.0.0.1', 'tcp'); print(os.environ['MC_DISABLE_METACACHE']); ep.close()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MC_DISABLE_METACACHE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split()[-1:] == ["1"], out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "MC_DISABLE_METACACHE": "0"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split()[-1:] == ["0"], "an explicit setting wins"
+
+
+def _sum_until(rx: _Receiver, index: int, expected: int) -> int:
+    # Mooncake's TCP transport may report completion just before the bytes land.
+    import time
+
+    end = time.monotonic() + 5.0
+    got = int(rx.ask(f"sum {index}"))
+    while got != expected and time.monotonic() < end:
+        time.sleep(0.02)
+        got = int(rx.ask(f"sum {index}"))
+    return got
+
+
+def test_a_region_the_peer_registers_after_the_first_write_is_writable(sender: Any) -> None:
+    rx = _Receiver()
+    try:
+        src = _SRC
+        first = rx.region(0, 1 << 16)
+        w = PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))
+        (out,) = sender.write(src, [w], {0: first}, "t-first", 10.0)
+        assert out.status == "OK", out.message
+        assert _sum_until(rx, 0, 3 * 4096) == 3 * 4096
+        # The peer's segment changes under the same session name.
+        second = rx.region(1, 1 << 16)
+        assert second.endpoint == first.endpoint
+        w2 = PlannedWrite(0, 0, 1, (Segment(0, 0, 8192),))
+        (out2,) = sender.write(src, [w2], {1: second}, "t-second", 10.0)
+        assert out2.status == "OK", out2.message
+        assert _sum_until(rx, 1, 3 * 8192) == 3 * 8192
+    finally:
+        rx.close()
+
+
+def _flaky(ep: Any, failures: int) -> list[int]:
+    """The first `failures` engine calls of `ep` return -1; returns the list of call results."""
+    real = ep._transfer
+    calls: list[int] = []
+
+    def transfer(*args: Any) -> int:
+        rc = -1 if len(calls) < failures else real(*args)
+        calls.append(rc)
+        return rc
+
+    ep._transfer = transfer
+    return calls
+
+
+def test_a_batch_that_fails_once_is_sent_again_and_lands(sender: Any) -> None:
+    rx = _Receiver()
+    try:
+        src = _SRC
+        region = rx.region(0, 1 << 16)
+        calls = _flaky(sender, failures=1)
+        try:
+            (out,) = sender.write(src, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, "t-once", 10.0)
+        finally:
+            del sender._transfer
+        assert calls == [-1, 0]
+        assert out.status == "OK" and out.final, out.message
+        assert _sum_until(rx, 0, 3 * 4096) == 3 * 4096
+    finally:
+        rx.close()
+
+
+def test_a_batch_that_fails_twice_is_final_failed(sender: Any) -> None:
+    rx = _Receiver()
+    try:
+        src = _SRC
+        region = rx.region(0, 1 << 16)
+        calls = _flaky(sender, failures=2)
+        try:
+            (out,) = sender.write(src, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, "t-twice", 10.0)
+        finally:
+            del sender._transfer
+        assert calls == [-1, -1], "one retry, not more"
+        assert out.status == "FAILED" and out.final
+        assert "returned -1" in out.message and "twice" in out.message
+    finally:
+        rx.close()
