@@ -13,7 +13,7 @@ echo "== mypy --strict over the package (exceptions: pyproject's [[tool.mypy.ove
 ./scripts/mypy.sh
 echo "== pytest"
 set +e
-pytest -q -p no:cacheprovider "$@"
+pytest -q -p no:cacheprovider --durations=20 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi
