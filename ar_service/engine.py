@@ -59,7 +59,7 @@ class RankDescription:
     session: str
     staging_bytes: int
     # Tokens of several tickets one `PrefillTickets` may carry; 0: the handler prefills one
-    # ticket per command (`PrefillTicket` only, e.g. the vLLM engine).
+    # ticket per command (`PrefillTicket` only).
     prefill_batch_tokens: int = 0
 
 
@@ -86,7 +86,7 @@ class PrefillTickets:
     one `PrefillDone` or `PrefillFailed` per item, in item order: a ticket whose rows are invalid
     fails alone, and a shared forward that raises is retried ticket by ticket (TP=1; with TP > 1
     the command fails whole, as the ranks could not agree on a retry without a collective).
-    Only the built-in handler answers it (`RankDescription.prefill_batch_tokens` > 0)."""
+    Sent only to handlers whose `RankDescription.prefill_batch_tokens` > 0 (both engines)."""
 
     items: tuple[PrefillTicket, ...]
 
@@ -283,55 +283,11 @@ class ArRankHandler:
         return self._prefill_together([cmd])[0]
 
     def _prefill_tickets(self, cmd: PrefillTickets) -> tuple[PrefillDone | PrefillFailed, ...]:
-        results: list[PrefillDone | PrefillFailed | None] = [None] * len(cmd.items)
-        valid: list[int] = []
-        seen: set[str] = set()
-        for i, item in enumerate(cmd.items):
-            # Checked before the shared forward, the same way on every rank (a pure check of the
-            # ids), so a bad ticket fails alone and the ranks still run the same collectives.
-            self._held.pop(item.ticket_id, None)
-            problem = "appears twice in one PrefillTickets" if item.ticket_id in seen else self._row_problem(item.rows)
-            seen.add(item.ticket_id)
-            if problem is None:
-                valid.append(i)
-            else:
-                results[i] = PrefillFailed(self.ctx.rank, item.ticket_id, problem)
-        if valid:
-            done: Sequence[PrefillDone | PrefillFailed]
-            try:
-                done = self._prefill_together([cmd.items[i] for i in valid])
-            except Exception as exc:
-                if self.ctx.world_size > 1:
-                    # A rank that failed alone would pair its retry's all-reduces with its peers'
-                    # pending ones: fail the command; the service retries ticket by ticket.
-                    raise
-                log.warning("prefill_batch_failed", tickets=len(valid), error=repr(exc))
-                done = [self._prefill_alone(cmd.items[i]) for i in valid]
-            for i, result in zip(valid, done, strict=True):
-                results[i] = result
-        assert all(r is not None for r in results)
-        return tuple(r for r in results if r is not None)
-
-    def _prefill_alone(self, item: PrefillTicket) -> PrefillDone | PrefillFailed:
-        try:
-            return self._prefill_together([item])[0]
-        except Exception as exc:  # noqa: BLE001 - this ticket's outcome, not the command's
-            self._held.pop(item.ticket_id, None)
-            return PrefillFailed(self.ctx.rank, item.ticket_id, f"{type(exc).__name__}: {exc}")
-
-    def _row_problem(self, rows: tuple[tuple[int, ...], ...]) -> str | None:
-        """Why `rows` cannot be prefilled (what the model's own checks would raise), or None."""
         cfg = self.model.config
-        if not rows:
-            return "no rows"
-        for row, ids in enumerate(rows):
-            if not ids:
-                return f"row {row} has no tokens"
-            if len(ids) > cfg.max_tokens:
-                return f"row {row} has {len(ids)} tokens; the model's max is {cfg.max_tokens}"
-            if min(ids) < 0 or max(ids) >= cfg.vocab:
-                return f"row {row}: token ids must be in [0, {cfg.vocab}), got [{min(ids)}, {max(ids)}]"
-        return None
+        return prefill_tickets(
+            cmd, self.ctx, drop=lambda t: self._held.pop(t, None),
+            row_problem=lambda rows: row_problem(rows, cfg.max_tokens, cfg.vocab), together=self._prefill_together,
+        )  # fmt: skip
 
     def _prefill_together(self, items: Sequence[PrefillTicket]) -> list[PrefillDone]:
         """Every row of `items` in one forward; each ticket's KV held as its own. Each ticket's
@@ -390,6 +346,76 @@ class ArRankHandler:
         # Closing the sender waits for its write threads and unregisters staging; it runs only
         # after the last write command answered, so no transfer still reads this memory.
         self.sender.close()
+
+
+def prefill_tickets(
+    cmd: PrefillTickets,
+    ctx: RankContext,
+    *,
+    drop: Callable[[str], object],
+    row_problem: Callable[[tuple[tuple[int, ...], ...]], str | None],
+    together: Callable[[Sequence[PrefillTicket]], Sequence[PrefillDone | PrefillFailed]],
+) -> tuple[PrefillDone | PrefillFailed, ...]:
+    """A rank handler's answer to `PrefillTickets` (both engines): the invalid tickets fail alone,
+    the others go through `together` (one shared prefill, one result per ticket); when that
+    raises, each is retried alone with one rank (with several, the command fails whole).
+    `drop(ticket_id)` frees any KV a rank holds of a ticket."""
+    results: list[PrefillDone | PrefillFailed | None] = [None] * len(cmd.items)
+    valid: list[int] = []
+    seen: set[str] = set()
+    for i, item in enumerate(cmd.items):
+        # Checked before the shared prefill, the same way on every rank (a pure check of the
+        # ids), so a bad ticket fails alone and the ranks still run the same collectives.
+        drop(item.ticket_id)
+        problem = "appears twice in one PrefillTickets" if item.ticket_id in seen else row_problem(item.rows)
+        seen.add(item.ticket_id)
+        if problem is None:
+            valid.append(i)
+        else:
+            results[i] = PrefillFailed(ctx.rank, item.ticket_id, problem)
+    if valid:
+        done: Sequence[PrefillDone | PrefillFailed]
+        try:
+            done = together([cmd.items[i] for i in valid])
+        except Exception as exc:
+            if ctx.world_size > 1:
+                # A rank that failed alone would pair its retry's all-reduces with its peers'
+                # pending ones: fail the command; the service retries ticket by ticket.
+                raise
+            log.warning("prefill_batch_failed", tickets=len(valid), error=repr(exc))
+            done = [_prefill_alone(ctx, cmd.items[i], drop, together) for i in valid]
+        for i, result in zip(valid, done, strict=True):
+            results[i] = result
+    assert all(r is not None for r in results)
+    return tuple(r for r in results if r is not None)
+
+
+def _prefill_alone(
+    ctx: RankContext,
+    item: PrefillTicket,
+    drop: Callable[[str], object],
+    together: Callable[[Sequence[PrefillTicket]], Sequence[PrefillDone | PrefillFailed]],
+) -> PrefillDone | PrefillFailed:
+    try:
+        return together([item])[0]
+    except Exception as exc:  # noqa: BLE001 - this ticket's outcome, not the command's
+        drop(item.ticket_id)
+        return PrefillFailed(ctx.rank, item.ticket_id, f"{type(exc).__name__}: {exc}")
+
+
+def row_problem(rows: tuple[tuple[int, ...], ...], max_tokens: int, vocab: int) -> str | None:
+    """Why `rows` cannot be prefilled by a model of `max_tokens` and `vocab` (what the model's
+    own checks would raise), or None."""
+    if not rows:
+        return "no rows"
+    for row, ids in enumerate(rows):
+        if not ids:
+            return f"row {row} has no tokens"
+        if len(ids) > max_tokens:
+            return f"row {row} has {len(ids)} tokens; the model's max is {max_tokens}"
+        if min(ids) < 0 or max(ids) >= vocab:
+            return f"row {row}: token ids must be in [0, {vocab}), got [{min(ids)}, {max(ids)}]"
+    return None
 
 
 def collect_returned_calls(sender: Any, regions: StagingAllocator) -> list[tuple[str, tuple[WriteOutcome, ...]]]:

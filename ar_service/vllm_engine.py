@@ -3,7 +3,7 @@ KVTransferConfig kvrelay builds for its `KvRelayConnector`, and the rank handler
 engine.
 
 The handler answers the same commands as the built-in AR's rank handler (engine.py:
-`DescribeRank`, `PrefillTicket`, `WriteTicket`, `DropTicket`, `HeldTickets`), so the AR service
+`DescribeRank`, `PrefillTicket`, `PrefillTickets`, `WriteTicket`, `DropTicket`, `HeldTickets`), so the AR service
 (Prefill protocol, arming, reports, ledger) is the same code for both engines. It runs in one
 kvrelay worker process (spawned, dies with the service) that hosts vLLM's engine in-process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the handler drives the engine's steps itself, so a held
@@ -12,7 +12,8 @@ request's blocks go back to vLLM at the step right after its writes end. vLLM's 
 `collective_rpc`.
 
 Prefill runs each CFG row as one vLLM request with `max_tokens=1` whose KV the connector keeps
-when the request finishes. Settings that would break that hand-off are refused at start with the
+when the request finishes; a `PrefillTickets` adds every row of its tickets and steps them together
+(one scheduling pass shared by the tickets). Settings that would break that hand-off are refused at start with the
 setting named (REFUSED_ARGS); chunked prefill is allowed (the blocks are read only after the
 whole prompt is computed).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,10 +34,14 @@ from kvrelay.ar_service.engine import (
     FinishedWrites,
     HeldTickets,
     PrefillDone,
+    PrefillFailed,
     PrefillTicket,
+    PrefillTickets,
     RankDescription,
     WriteDone,
     WriteTicket,
+    prefill_tickets,
+    row_problem,
 )
 from kvrelay.config import ConfigError, StageConfig
 from kvrelay.logging import get_logger
@@ -224,7 +230,13 @@ class VllmRankHandler:
                 f"vLLM failed to start for {spec.path}: {type(exc).__name__}: {exc}"
             ) from exc
         model_config = self.engine.vllm_config.model_config
-        self.max_tokens = int(model_config.max_model_len)
+        # vLLM refuses a prompt of max_model_len tokens: the one sampled token must fit too.
+        self.max_tokens = int(model_config.max_model_len) - 1
+        # The tokens one scheduling step computes: the tickets of one PrefillTickets up to this
+        # share a step's forward (rows permitting, max_num_seqs); more would only queue behind it
+        # and hold every ticket of the batch until the last one is done. The oldest waiting ticket
+        # always goes, however long (chunked prefill spreads it over several steps).
+        self.batch_tokens = int(self.engine.vllm_config.scheduler_config.max_num_batched_tokens)
         self.vocab = int(model_config.get_vocab_size())
         self.block_size = int(self.engine.vllm_config.cache_config.block_size)
         # ticket -> its rows as the connector holds them
@@ -246,6 +258,8 @@ class VllmRankHandler:
     def handle(self, command: Any) -> Any:
         if isinstance(command, PrefillTicket):
             return self._prefill(command)
+        if isinstance(command, PrefillTickets):
+            return self._prefill_tickets(command)
         if isinstance(command, WriteTicket):
             return self._write(command)
         if isinstance(command, DropTicket):
@@ -287,6 +301,7 @@ class VllmRankHandler:
             transport=first.transport,
             session=",".join(d.session for d in self._descriptions),
             staging_bytes=first.staging_bytes,
+            prefill_batch_tokens=self.batch_tokens,
         )
 
     def _stats(self) -> EngineStatsReply:
@@ -304,38 +319,60 @@ class VllmRankHandler:
     # -- prefill ---------------------------------------------------------------------------------
 
     def _prefill(self, cmd: PrefillTicket) -> PrefillDone:
+        (done,) = self._prefill_together([cmd])
+        if isinstance(done, PrefillFailed):
+            raise RuntimeError(done.message)
+        return done
+
+    def _prefill_tickets(self, cmd: PrefillTickets) -> tuple[PrefillDone | PrefillFailed, ...]:
+        # One kvrelay rank drives every vLLM worker: a failed shared pass is retried ticket by
+        # ticket here (ctx.world_size is 1), as the built-in engine does with TP=1.
+        return prefill_tickets(
+            cmd, self.ctx, drop=self._drop,
+            row_problem=lambda rows: row_problem(rows, self.max_tokens, self.vocab), together=self._prefill_together,
+        )  # fmt: skip
+
+    def _prefill_together(self, items: Sequence[PrefillTicket]) -> list[PrefillDone | PrefillFailed]:
+        """Every row of `items` added to vLLM and stepped together until each finished; each
+        ticket's rows then held as its own (`seconds`: the shared pass's time). A ticket that vLLM
+        ended without its KV fails alone (its held rows released); a timeout or an exception
+        aborts every row, releases every held row of the command and raises."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         from kvrelay.ar_service.vllm_connector import ROW_KEY, TICKET_KEY, HeldRow
 
-        # A retried prefill must not hold the blocks twice.
-        self._drop(cmd.ticket_id)
-        request_ids = [f"{cmd.ticket_id}/{row}" for row in range(len(cmd.rows))]
+        # request id -> (item index, row)
+        requests: dict[str, tuple[int, int]] = {}
+        for k, item in enumerate(items):
+            # A retried prefill must not hold the blocks twice.
+            self._drop(item.ticket_id)
+            requests.update({f"{item.ticket_id}/{row}": (k, row) for row in range(len(item.rows))})
         start = time.perf_counter()
         held: dict[str, Any] = {}
         unheld: list[str] = []
         deadline = time.monotonic() + self.spec.prefill_timeout_s
         try:
-            for row, (request_id, ids) in enumerate(zip(request_ids, cmd.rows, strict=True)):
+            for request_id, (k, row) in requests.items():
                 params = SamplingParams(
                     max_tokens=1,
                     temperature=0.0,
-                    extra_args={"kv_transfer_params": {TICKET_KEY: cmd.ticket_id, ROW_KEY: row}},
+                    extra_args={"kv_transfer_params": {TICKET_KEY: items[k].ticket_id, ROW_KEY: row}},
                 )
-                self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
-            while len(held) + len(unheld) < len(request_ids):
+                prompt = TokensPrompt(prompt_token_ids=list(items[k].rows[row]))
+                self.engine.add_request(request_id, prompt, params)
+            while len(held) + len(unheld) < len(requests):
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"vLLM did not finish the prefill within {self.spec.prefill_timeout_s:.0f}s"
                     )
                 for out in self.engine.step():
-                    if not out.finished or out.request_id not in request_ids:
+                    if not out.finished or out.request_id not in requests:
                         continue
                     kept: dict[str, Any] = getattr(out, "kv_transfer_params", None) or {}
                     if kept.get("kvrelay_held"):
                         held[out.request_id] = HeldRow(
-                            row=request_ids.index(out.request_id),
+                            row=requests[out.request_id][1],
                             request_id=str(kept["kvrelay_request_id"]),
                             block_ids=tuple(kept["kvrelay_block_ids"]),
                             num_tokens=int(kept["kvrelay_num_tokens"]),
@@ -345,30 +382,35 @@ class VllmRankHandler:
         except BaseException:
             # Aborted requests free their blocks at once (the connector holds only complete rows);
             # the steps let the scheduler act on the abort before the next command.
-            self.engine.abort_request([r for r in request_ids if r not in held and r not in unheld])
+            self.engine.abort_request([r for r in requests if r not in held and r not in unheld])
             self._release([h.request_id for h in held.values()])
             while self.engine.has_unfinished_requests():
                 self.engine.step()
             raise
         seconds = time.perf_counter() - start
-        if unheld:
-            self._release([h.request_id for h in held.values()])
-            raise RuntimeError(f"vLLM ended rows {sorted(unheld)} without their KV (aborted or failed)")
-        rows = tuple(sorted(held.values(), key=lambda h: h.row))
-        self._held[cmd.ticket_id] = rows
-        for row, ids in zip(rows, cmd.rows, strict=True):
-            if row.num_tokens != len(ids):
-                self._drop(cmd.ticket_id)
-                raise RuntimeError(
-                    f"row {row.row}: vLLM computed {row.num_tokens} tokens, expected {len(ids)}"
-                )
         first = self._descriptions[0]
-        item = 4 if first.dtype == "float32" else 2
-        kv_bytes = sum(
-            r.num_tokens * first.num_layers * 2 * first.num_kv_heads_local * first.head_dim * item
-            for r in rows
-        )
-        return PrefillDone(self.ctx.rank, tuple(len(ids) for ids in cmd.rows), kv_bytes, seconds)
+        item_bytes = 4 if first.dtype == "float32" else 2
+        token_bytes = first.num_layers * 2 * first.num_kv_heads_local * first.head_dim * item_bytes
+        results: list[PrefillDone | PrefillFailed] = []
+        for k, item in enumerate(items):
+            mine = [r for r, (i, _) in requests.items() if i == k]
+            rows = tuple(held[r] for r in mine if r in held)  # in row order (requests is)
+            missing = [r for r in mine if r not in held]
+            wrong = [f"row {h.row}: {h.num_tokens} tokens, expected {len(ids)}"
+                     for h, ids in zip(rows, item.rows, strict=False) if h.num_tokens != len(ids)]  # fmt: skip
+            problem = (
+                f"vLLM ended rows {missing} without their KV (aborted or failed)" if missing
+                else f"vLLM computed the wrong token counts: {wrong}" if wrong else None
+            )  # fmt: skip
+            if problem is not None:
+                self._release([r.request_id for r in rows])
+                results.append(PrefillFailed(self.ctx.rank, item.ticket_id, problem))
+                continue
+            self._held[item.ticket_id] = rows
+            kv_bytes = sum(r.num_tokens for r in rows) * token_bytes
+            counts = tuple(len(ids) for ids in item.rows)
+            results.append(PrefillDone(self.ctx.rank, counts, kv_bytes, seconds))
+        return results
 
     # -- write / drop ------------------------------------------------------------------------------
 

@@ -24,7 +24,10 @@ from kvrelay.ar_service.engine import (  # noqa: E402
     DescribeRank,
     DropTicket,
     HeldTickets,
+    PrefillDone,
+    PrefillFailed,
     PrefillTicket,
+    PrefillTickets,
     WriteTicket,
 )
 from kvrelay.ar_service.vllm_engine import (  # noqa: E402
@@ -106,7 +109,10 @@ def test_description_is_the_checkpoints_geometry(engine: WorkerGroup) -> None:
         HEAD_DIM,
         "float32",
     )
-    assert desc.max_tokens == 1024 and desc.transport == "mooncake" and ":" in desc.session
+    # A prompt of max_model_len tokens leaves no room for the one sampled token: vLLM refuses it.
+    assert desc.max_tokens == 1023 and desc.transport == "mooncake" and ":" in desc.session
+    # Several tickets share a scheduling step: the service sends PrefillTickets, up to the step's budget.
+    assert desc.prefill_batch_tokens == 128
     _assert_all_blocks_free(engine)
 
 
@@ -231,4 +237,65 @@ def test_aborted_request_returns_its_blocks(engine: WorkerGroup, checkpoint: Pat
     # The engine serves the next ticket normally.
     engine.call_all(PrefillTicket("after", (good,)))
     engine.call_all(DropTicket("after"))
+    _assert_all_blocks_free(engine)
+
+
+def _alone(group: WorkerGroup, ticket_id: str, rows: tuple[tuple[int, ...], ...]) -> Any:
+    group.call_all(PrefillTicket(ticket_id, rows))
+    (cache_rows,) = group.call_all(ReadHeld(ticket_id))
+    group.call_all(DropTicket(ticket_id))
+    return cache_rows
+
+
+def test_tickets_prefilled_together_hold_what_each_would_alone(engine: WorkerGroup, checkpoint: Path) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    tickets = {
+        "t-a": (tuple(tok.encode(PROMPT[:150])), tuple(tok.encode("blurry"))),
+        "t-b": (tuple(tok.encode(PROMPT)),),  # several chunked-prefill steps
+        "t-c": (tuple(tok.encode("a cat on a mat")), tuple(tok.encode(""))),
+    }
+    alone = {t: _alone(engine, t, rows) for t, rows in tickets.items()}
+    _assert_all_blocks_free(engine)
+    (answers,) = engine.call_all(PrefillTickets(tuple(PrefillTicket(t, rows) for t, rows in tickets.items())))
+    assert [type(a) for a in answers] == [PrefillDone] * 3
+    assert [a.token_counts for a in answers] == [tuple(len(ids) for ids in rows) for rows in tickets.values()]
+    assert len({a.seconds for a in answers}) == 1  # one shared pass
+    assert _stats(engine).held_tickets == tuple(sorted(tickets))
+    for ticket_id, rows in tickets.items():
+        (together,) = engine.call_all(ReadHeld(ticket_id))
+        assert len(together) == len(rows)
+        for (kv,), (ref,) in zip(together, alone[ticket_id], strict=True):
+            # Bit for bit: batching changes which rows share a step, not what a row computes.
+            torch.testing.assert_close(kv, ref, rtol=0, atol=0)
+    # One ticket of the batch written, the others dropped: every block is back with vLLM.
+    rows_a = tickets["t-a"]
+    geometry, layouts, pools, destinations, specs, plan = _destination(rows_a)
+    (done,) = engine.call_all(WriteTicket("t-a", specs, geometry, 1, 2, plan, destinations, timeout_s=30.0))
+    assert {o.status for o in done.outcomes} == {"OK"}
+    _assert_pages_equal_cache(alone["t-a"], layouts, pools, specs)
+    engine.call_all(DropTicket("t-b"))
+    engine.call_all(DropTicket("t-c"))
+    _assert_all_blocks_free(engine)
+
+
+def test_a_bad_ticket_in_a_batch_fails_alone(engine: WorkerGroup, checkpoint: Path) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    good = (tuple(tok.encode(PROMPT[:120])), tuple(tok.encode("")))
+    items = (
+        PrefillTicket("ok-1", good),
+        PrefillTicket("vocab", (good[0], (tok.bos_id or 0, 10_000_000))),  # outside the vocabulary
+        PrefillTicket("ok-1", good),  # the same ticket twice in one command
+        PrefillTicket("long", ((1,) * 1024,)),  # max_model_len: no room for the sampled token
+        PrefillTicket("empty", ((),)),
+        PrefillTicket("ok-2", (good[1],)),
+    )
+    (answers,) = engine.call_all(PrefillTickets(items))
+    assert [type(a) for a in answers] == [PrefillDone, PrefillFailed, PrefillFailed, PrefillFailed, PrefillFailed, PrefillDone]
+    assert "token ids must be in" in answers[1].message and "twice" in answers[2].message
+    assert "1024 tokens" in answers[3].message and "no tokens" in answers[4].message
+    assert _stats(engine).held_tickets == ("ok-1", "ok-2")
+    for ticket_id, rows in (("ok-1", good), ("ok-2", (good[1],))):
+        (cache_rows,) = engine.call_all(ReadHeld(ticket_id))
+        assert [kv.shape[3] for (kv,) in cache_rows] == [len(ids) for ids in rows]
+        engine.call_all(DropTicket(ticket_id))
     _assert_all_blocks_free(engine)

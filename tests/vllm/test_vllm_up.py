@@ -6,6 +6,7 @@ module."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -35,6 +36,8 @@ def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
     ar, dit = data["stages"]
     ar["model"] = {"engine": "vllm", "path": str(checkpoint), "dtype": "float32", "vllm_args": {"max_model_len": 1024}}
     ar["request_timeout_seconds"] = 120
+    # Several tickets per prefill: the vLLM handler answers PrefillTickets.
+    ar["max_num_seqs"] = 4
     # The DiT whose geometry is the checkpoint's (4 layers, 4 kv heads, head_dim 32, fp32).
     dit["model"] = {"preset": "small"}
     dit["request_timeout_seconds"] = 120
@@ -44,7 +47,7 @@ def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp_path = tmp_path_factory.mktemp("vllm-node")
     config = vllm_node_config(tmp_path, build_checkpoint(tmp_path / "llama", seed=5))
     argv = [sys.executable, "-m", "kvrelay", "up", "--config", str(config), "--log-dir", str(tmp_path / "logs")]
@@ -64,7 +67,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         text = "".join(lines)
         match = re.search(r"--target (\S+)", text)
         assert match, f"kvrelay up did not come up:\n{text}\n{up.stderr.read() if up.poll() is not None else ''}"
-        yield match.group(1)
+        yield match.group(1), tmp_path / "logs"
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0
     finally:
@@ -73,8 +76,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             up.wait()
 
 
-def test_generates_images_and_frees_every_page(node: str) -> None:
-    with KvRelayClient(node) as client:
+def test_generates_images_and_frees_every_page(node: tuple[str, Path]) -> None:
+    with KvRelayClient(node[0]) as client:
         # Two CFG rows (guidance 2.0), then one (guidance 1.0).
         first = client.generate("a red fox in the snow", seed=11, width=64, height=64, timeout=180).result()
         assert Image.open(io.BytesIO(first.png)).size == (64, 64)
@@ -92,3 +95,23 @@ def test_generates_images_and_frees_every_page(node: str) -> None:
                 break
             time.sleep(0.2)
         assert all(p.free_pages == p.total_pages for p in pools), pools
+
+
+def _prefill_batches(log_dir: Path) -> list[dict[str, object]]:
+    lines = [line for f in log_dir.glob("*.log") for line in f.read_text().splitlines()]
+    events = [json.loads(line) for line in lines if '"prefill_batch"' in line and line.startswith("{")]
+    return [e for e in events if e.get("event") == "prefill_batch"]
+
+
+def test_concurrent_requests_share_a_vllm_prefill(node: tuple[str, Path]) -> None:
+    target, log_dir = node
+    with KvRelayClient(target) as client:
+        # Tickets that reach the AR while it serves one wait and go together in the next batch.
+        for _ in range(3):
+            handles = [client.generate(f"a boat number {i}", seed=i, width=64, height=64, timeout=180) for i in range(6)]
+            results = [h.result() for h in handles]
+            assert all(Image.open(io.BytesIO(r.png)).size == (64, 64) for r in results)
+            batches = _prefill_batches(log_dir)
+            if any(int(str(b["prefilled"])) > 1 for b in batches):
+                break
+        assert any(int(str(b["prefilled"])) > 1 for b in batches), "no shared prefill in 3 rounds"
