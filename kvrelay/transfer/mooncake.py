@@ -114,11 +114,11 @@ class MooncakeEndpoint:
         # MC_TCP_BIND_ADDRESS in the environment wins.
         self.bind_address = os.environ.setdefault("MC_TCP_BIND_ADDRESS", _bind_address(hostname))
         # The engine caches a peer's segment descriptor (its data port, its registered memory)
-        # under the peer's session name "host:rpc_port" and never refreshes it. RPC ports are
-        # drawn from ~2,000, so a restarted DiT sooner or later gets a port a dead one had: with
-        # the cache, every write to it then fails until this process restarts (seen in CI).
-        # Without it, each batch fetches the descriptor afresh (one handshake round trip; not
-        # measurable next to a batch on loopback). An explicit MC_DISABLE_METACACHE wins.
+        # under the peer's session name "host:rpc_port" and never refreshes it; ports come from
+        # ~2,000, so a restarted DiT sooner or later takes a dead one's. A bare engine with the
+        # cache failed every write to such a peer; without it, each batch fetches the descriptor
+        # afresh (not measurable next to a batch on loopback). See docs/transfer.md. An explicit
+        # MC_DISABLE_METACACHE wins.
         os.environ.setdefault("MC_DISABLE_METACACHE", "1")
         self._engine = TransferEngine()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
@@ -330,10 +330,11 @@ class MooncakeEndpoint:
             rc = self._transfer(session, *args)
             tries = 1
             if rc != 0 and not cancel.is_set():
-                # Once more: the engine keeps a connection per peer data port, and one left from
-                # a dead peer whose port a new one took fails the first batch only. The failed
-                # call has returned (nothing of it is still in flight), the pages are still this
-                # ticket's, and the bytes are the same: writing them again is safe.
+                # Once more: the engine keeps a connection per peer port, and one left from a
+                # dead peer whose port a new one took fails the first batch only (measured:
+                # benchmarks/mooncake/port_reuse.py). The failed call has returned (nothing of it
+                # is in flight), the pages are still this ticket's and the bytes are the same:
+                # writing them again is safe.
                 time.sleep(_RETRY_PAUSE_S)
                 if not cancel.is_set():
                     rc = self._transfer(session, *args)

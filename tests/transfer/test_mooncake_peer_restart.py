@@ -1,11 +1,11 @@
-"""A Mooncake sender keeps writing to a peer whose segment changed under the same session name.
+"""A Mooncake sender keeps writing to peers that restart on a dead one's port.
 
-The engine caches a peer's segment descriptor by session ("host:rpc_port"). A DiT that restarted
-on a port a dead one had (ports come from ~2,000) used to get every write refused until the AR
-restarted: that failed a CI run (docs/transfer.md has the reproduction: it needs a port to come
-round again, which TIME_WAIT holds off for a minute, too slow for a unit test). The sender now
-fetches the descriptor per batch (MC_DISABLE_METACACHE, tested here as set) and sends a failed
-batch once more (tested with an engine that fails on cue)."""
+A receiver's ports come from ~2,000, so a restarted DiT sooner or later takes a port a dead one
+had; a long-lived sender's first write to it then failed (its engine still held the dead peer's
+connection), which failed a CI run. The sender now sends a failed batch once more (tested here
+with an engine that fails on cue; `benchmarks/mooncake/port_reuse.py` reproduces the real thing,
+which needs a minute for a port to come round) and runs its engine without the segment
+descriptor cache (tested as set, and memory a peer registers after a first write is writable)."""
 
 from __future__ import annotations
 
