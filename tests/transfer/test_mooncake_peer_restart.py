@@ -146,16 +146,22 @@ def _flaky(ep: Any, failures: int) -> list[int]:
     return calls
 
 
+def _write_with_failures(sender: Any, rx: _Receiver, failures: int, ticket_id: str) -> tuple[list[int], Any]:
+    """One 4 KiB write into a fresh region of `rx` while the first `failures` engine calls fail:
+    (every engine call's result, the write's outcome)."""
+    region = rx.region(0, 1 << 16)
+    calls = _flaky(sender, failures)
+    try:
+        (out,) = sender.write(_SRC, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, ticket_id, 10.0)
+    finally:
+        del sender._transfer
+    return calls, out
+
+
 def test_a_batch_that_fails_once_is_sent_again_and_lands(sender: Any) -> None:
     rx = _Receiver()
     try:
-        src = _SRC
-        region = rx.region(0, 1 << 16)
-        calls = _flaky(sender, failures=1)
-        try:
-            (out,) = sender.write(src, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, "t-once", 10.0)
-        finally:
-            del sender._transfer
+        calls, out = _write_with_failures(sender, rx, 1, "t-once")
         assert calls == [-1, 0]
         assert out.status == "OK" and out.final, out.message
         assert _sum_until(rx, 0, 3 * 4096) == 3 * 4096
@@ -166,13 +172,7 @@ def test_a_batch_that_fails_once_is_sent_again_and_lands(sender: Any) -> None:
 def test_a_batch_that_fails_twice_is_final_failed(sender: Any) -> None:
     rx = _Receiver()
     try:
-        src = _SRC
-        region = rx.region(0, 1 << 16)
-        calls = _flaky(sender, failures=2)
-        try:
-            (out,) = sender.write(src, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, "t-twice", 10.0)
-        finally:
-            del sender._transfer
+        calls, out = _write_with_failures(sender, rx, 2, "t-twice")
         assert calls == [-1, -1], "one retry, not more"
         assert out.status == "FAILED" and out.final
         assert "returned -1" in out.message and "twice" in out.message
