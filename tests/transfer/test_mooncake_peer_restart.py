@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,8 +103,6 @@ def test_the_endpoint_turns_the_descriptor_cache_off_unless_told() -> None:
 
 def _sum_until(rx: _Receiver, index: int, expected: int) -> int:
     # Mooncake's TCP transport may report completion just before the bytes land.
-    import time
-
     end = time.monotonic() + 5.0
     got = int(rx.ask(f"sum {index}"))
     while got != expected and time.monotonic() < end:
