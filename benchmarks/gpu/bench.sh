@@ -37,5 +37,5 @@ bench bench-seed-b1 "${LIMIT_B1:-200}" --scenario seed --impls "${IMPLS_B1:-cuda
 fi
 if [[ " $BENCHES " == *" transfer "* ]]; then
 bench bench-transfer "${LIMIT_TR:-150}" --scenario transfer --impls "${IMPLS_TR:-cuda_ipc,mooncake,colocated}" \
-  --max-num-seqs 1 --requests "${REQ_TR:-8}" --runs 2 --concurrency 4 --warmup 2
+  --max-num-seqs 1 --requests "${REQ_TR:-8}" --runs "${RUNS_TR:-2}" --concurrency 4 --warmup 2
 fi

@@ -19,6 +19,7 @@ ctypes: no extra package. Importing this module needs torch but no GPU; using it
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 import threading
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,11 @@ from typing import Any
 
 import torch
 
+from kvrelay.logging import get_logger
 from kvrelay.transfer.planner import PlannedWrite, Segment
 from kvrelay.transfer.transport import RegionDescriptor, WriteOutcome, check_writes_fit
+
+_log = get_logger(__name__)
 
 ENDPOINT_PREFIX = "cudaipc"
 _IPC_HANDLE_BYTES = 64
@@ -72,15 +76,18 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
     ``h = sum(w_i * (i * M1 + M2 | 1)) + sum(mix(w_i) * (i * M3 + M1 | 1)) + nbytes * M2`` mod 2**64,
     ``mix(w) = w ^ (w >> 31)`` (w as a signed int64, arithmetic shift). Each term is a bijection of w_i, so any single changed word, and
     any changed length, changes h.
+
+    On a GPU with Triton, when every segment is whole 8-byte words at 8-byte-aligned addresses
+    (kvrelay's pages always are), the sums come from one kernel that reads each word once
+    (`kvrelay.transfer.checksum_kernel`); otherwise from torch ops, one segment at a time.
+    ``KVRELAY_DEVICE_CHECKSUM=eager`` forces the torch ops (to compare the two).
     """
     if side not in ("src", "dst"):
         raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
     if memory.dtype != torch.uint8 or memory.dim() != 1 or not memory.is_contiguous():
         raise ValueError("memory must be a flat contiguous uint8 tensor")
-    sums = torch.zeros(len(writes), dtype=torch.int64, device=memory.device)
     nbytes = []
-    for k, segments in enumerate(writes):
-        pos = 0
+    for segments in writes:
         total = 0
         for seg in segments:
             start = seg.src_offset if side == "src" else seg.dst_offset
@@ -88,15 +95,86 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
                 raise ValueError(
                     f"segment [{start}, {start + seg.length}) lies outside the {memory.numel()}-byte {side} memory"
                 )
+            total += seg.length
+        nbytes.append(total)
+    sums = _kernel_sums(memory, writes, side)
+    if sums is None:
+        sums = _eager_sums(memory, writes, side)
+    return [(int(s) + n * _M2) & _MASK64 for s, n in zip(sums.tolist(), nbytes, strict=True)]
+
+
+def _eager_sums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], side: str) -> torch.Tensor:
+    sums = torch.zeros(len(writes), dtype=torch.int64, device=memory.device)
+    for k, segments in enumerate(writes):
+        pos = 0
+        for seg in segments:
+            start = seg.src_offset if side == "src" else seg.dst_offset
             w = _words(memory, start, seg.length)
             i = torch.arange(pos, pos + w.numel(), dtype=torch.int64, device=memory.device)
             mixed = torch.bitwise_xor(w, torch.bitwise_right_shift(w, 31))
             term = w * torch.bitwise_or(i * _M1 + _M2, 1) + mixed * torch.bitwise_or(i * _M3 + _M1, 1)
             sums[k] += term.sum()
             pos += w.numel()
-            total += seg.length
-        nbytes.append(total)
-    return [(int(s) + n * _M2) & _MASK64 for s, n in zip(sums.tolist(), nbytes, strict=True)]
+    return sums
+
+
+_KERNEL: Any = None
+_KERNEL_LOCK = threading.Lock()
+
+
+def _checksum_kernel() -> Any:
+    """`kvrelay.transfer.checksum_kernel`, or False where Triton cannot be imported."""
+    global _KERNEL
+    with _KERNEL_LOCK:
+        if _KERNEL is None:
+            try:
+                from kvrelay.transfer import checksum_kernel
+
+                _KERNEL = checksum_kernel
+            except ImportError:
+                _KERNEL = False
+        return _KERNEL
+
+
+def _kernel_sums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], side: str) -> torch.Tensor | None:
+    """The per-write sums from the Triton kernel, or None where it does not apply (no GPU or no
+    Triton, the eager form forced, or a segment that is not whole aligned words)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
+    if memory.device.type != "cuda" and not interpreted:
+        return None
+    if os.environ.get("KVRELAY_DEVICE_CHECKSUM", "") == "eager" or memory.data_ptr() % 8:
+        return None
+    starts, lengths, positions, write_of = [], [], [], []
+    for k, segments in enumerate(writes):
+        pos = 0
+        for seg in segments:
+            start = seg.src_offset if side == "src" else seg.dst_offset
+            if start % 8 or seg.length % 8:
+                return None
+            starts.append(start // 8)
+            lengths.append(seg.length // 8)
+            positions.append(pos)
+            write_of.append(k)
+            pos += seg.length // 8
+    kernel = _checksum_kernel()
+    if not kernel:
+        return None
+    words = memory[: memory.numel() - memory.numel() % 8].view(torch.int64)
+    table = kernel.block_table(starts, lengths, positions, write_of)
+    try:
+        return kernel.word_sums(words, table, len(writes))  # type: ignore[no-any-return]
+    except Exception as err:  # noqa: BLE001 - a kernel that does not build here: the eager form
+        global _KERNEL
+        with _KERNEL_LOCK:
+            _KERNEL = False
+        _log.warning("device_checksum_kernel_unavailable", error=str(err)[:500])
+        return None
+
+
+def warm_up(device: torch.device) -> None:
+    """Build the checksum kernel for ``device`` now (Triton compiles at first launch, ~1 s),
+    not on a request's first write."""
+    device_checksums(torch.zeros(64, dtype=torch.uint8, device=device), [[Segment(0, 0, 64)]], side="src")
 
 
 def write_checksum(staging: torch.Tensor, write: PlannedWrite) -> int:
@@ -270,6 +348,7 @@ class CudaIpcEndpoint:
         self._lock = threading.Lock()
         self._stream: Any = None
         self._closed = False
+        warm_up(self.device)
 
     # -- receiving side ---------------------------------------------------------------------------
 

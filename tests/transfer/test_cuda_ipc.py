@@ -72,6 +72,82 @@ def test_device_checksum_sees_any_changed_byte_length_and_order() -> None:
         device_checksums(memory, [[Segment(1000, 0, 100)]], side="src")
 
 
+_KERNEL_VS_EAGER = """
+import os, random, sys, torch
+from kvrelay.transfer import checksum_kernel, cuda_ipc
+from kvrelay.transfer.planner import Segment
+checksum_kernel.BLOCK_WORDS, checksum_kernel._SUB = int(sys.argv[2]), int(sys.argv[3])
+device = sys.argv[1]
+rng = random.Random(5)
+mem = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, device=device)
+for _ in range(6):
+    writes = [[Segment(8 * rng.randrange(0, 7000), 8 * rng.randrange(0, 7000), 8 * rng.choice([1, 2, 63, 64, 65, 200, 1000]))
+               for _ in range(rng.randrange(0, 5))] for _ in range(3)]
+    for side in ("src", "dst"):
+        assert cuda_ipc._kernel_sums(mem, writes, side) is not None  # the kernel applies
+        kernel = cuda_ipc.device_checksums(mem, writes, side=side)
+        os.environ["KVRELAY_DEVICE_CHECKSUM"] = "eager"
+        assert cuda_ipc._kernel_sums(mem, writes, side) is None
+        eager = cuda_ipc.device_checksums(mem, writes, side=side)
+        del os.environ["KVRELAY_DEVICE_CHECKSUM"]
+        assert kernel == eager, (kernel, eager)
+        assert kernel == [REF(mem.cpu().numpy().tobytes(), segs, side) for segs in writes]
+odd = [[Segment(3, 3, 16)], [Segment(0, 0, 13)]]  # not whole aligned words: the eager form
+assert cuda_ipc._kernel_sums(mem, odd, "src") is None
+print("kernel == eager")
+"""
+
+
+def _run_kernel_check(device: str, block: int, sub: int, env: dict[str, str]) -> None:
+    import inspect
+    import os
+    import subprocess
+    import sys
+
+    script = (f"from __future__ import annotations\nMASK = {MASK}\nM1, M2, M3 = {M1}, {M2}, {M3}\n"
+              + inspect.getsource(reference_checksum) + "REF = reference_checksum\n" + _KERNEL_VS_EAGER)
+    proc = subprocess.run([sys.executable, "-c", script, device, str(block), str(sub)],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "kernel == eager" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_checksum_kernel_equals_the_definition_in_tritons_interpreter() -> None:
+    """The Triton kernel on the CPU through Triton's interpreter (where Triton is installed;
+    CI has no Triton: the GPU test below runs the compiled kernel), with small blocks so that
+    segments span several programs and the masks are exercised."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed here")
+    _run_kernel_check("cpu", 64, 16, {"TRITON_INTERPRET": "1"})
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize(("block", "sub"), [(64, 16), (1 << 15, 1024)])
+def test_checksum_kernel_equals_the_definition_on_the_gpu(block: int, sub: int) -> None:
+    _run_kernel_check("cuda:0", block, sub, {})
+
+
+@pytest.mark.gpu
+def test_checksum_kernel_on_a_large_write_equals_eager_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real block size, a 96 MiB write of 1000 page-sized segments plus a 40 MiB one."""
+    from kvrelay.transfer import cuda_ipc
+
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+    mem = torch.randint(0, 256, (200 << 20,), dtype=torch.uint8, device="cuda:0", generator=g)
+    page = 98304
+    writes = [[Segment(k * page, (999 - k) * page, page) for k in range(1000)], [Segment(8, 16, 40 << 20)]]
+    assert cuda_ipc._kernel_sums(mem, writes, "dst") is not None
+    kernel = device_checksums(mem, writes, side="dst")
+    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "eager")
+    assert device_checksums(mem, writes, side="dst") == kernel
+    mem[12345] ^= 1
+    monkeypatch.delenv("KVRELAY_DEVICE_CHECKSUM")
+    assert device_checksums(mem, writes, side="dst") != kernel
+
+
 def test_region_descriptor_carries_the_ipc_handle_through_the_proto() -> None:
     handle = bytes(range(64))
     region = IpcRegion("host/boot", "GPU-1234", handle, 4096, 1 << 20).descriptor(rank=3)
