@@ -174,7 +174,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         )
         registration = Registration(
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
-            on_fenced=stopper.fail_stop, held_tickets=lambda: list(state.scheduler.active.values()),
+            on_fenced=stopper.fail_stop, held_tickets=state.scheduler.held_tickets,
         )
         await registration.register()
         registration.start_heartbeats()

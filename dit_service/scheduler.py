@@ -94,6 +94,13 @@ class AdmissionQueue:
         """Calls not admitted yet whose load may run (at most `look_ahead`)."""
         return sum(1 for w in self._waiters if w.loading_ahead)
 
+    def held_tickets(self) -> list[str]:
+        """The tickets this replica still holds: the admitted calls' (until their slot is given
+        back) and the queued calls' whose load started (their ticket may be READY already). A
+        re-registration after a broker restart lists them, so that the broker keeps them; a call
+        that left the queue is not listed (its ticket is released, by it or by the broker)."""
+        return [*self.active.values(), *(w.ticket_id for w in sorted(self._waiters) if w.loading_ahead)]
+
     def _dispatch(self) -> None:
         # Hand free slots to the earliest reservations; a waiter that left meanwhile is skipped
         # (its future is already done). An admitted call may load, if it did not already.

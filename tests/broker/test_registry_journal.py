@@ -204,6 +204,48 @@ def test_restart_brings_armed_tickets_back_draining_and_never_frees_silently(tmp
     core.close()
 
 
+def test_restart_keeps_a_ready_ticket_its_dit_lists_until_it_reads_and_releases_it(tmp_path: Path) -> None:
+    """A READY ticket whose Denoise is queued at the DiT (loaded ahead of admission) and listed in
+    `held_ticket_ids` keeps its pages across broker restarts; the DiT then marks it CONSUMING and
+    releases it. The READY ticket it does not list is released; so is the kept one once read."""
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(), dit_spec(num_pages=32)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    queued = core.create_ticket("queued", "ar-0", "dit-0", [32])
+    dropped = core.create_ticket("dropped", "ar-0", "dit-0", [16])
+    assert queued and dropped
+    for t in (queued, dropped):
+        core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+        load_all(core, write_all(core, t, ar), dit)
+    assert pages(core) == (29, 3, 0)
+    core.close()
+
+    clock.advance(60)
+    core = make_core(path, clock)
+    assert pages(core) == (29, 3, 0), "READY tickets wait for their DiT to re-register"
+    reply = core.register_replica(dit, held_ticket_ids=[queued.ticket_id])
+    assert reply.registration is Registration.SAME_INCARNATION
+    assert core.get_ticket(dropped.ticket_id).state is TicketState.RELEASED
+    kept = core.get_ticket(queued.ticket_id)
+    assert (kept.state, kept.reason, journal_state(path, queued.ticket_id)) == (
+        TicketState.READY, "BROKER_RESTARTED", "READY")
+    assert pages(core) == (30, 2, 0)
+    core.close()
+    # Journaled READY: another restart keeps it for the DiT as well.
+    core = make_core(path, clock)
+    core.register_replica(dit, held_ticket_ids=[queued.ticket_id])
+    assert core.get_ticket(queued.ticket_id).state is TicketState.READY and pages(core) == (30, 2, 0)
+    # Admitted: the DiT reads the pages, then releases them.
+    assert core.start_consuming(queued.ticket_id, "dit-0", dit.incarnation_id).state is TicketState.CONSUMING
+    assert journal_state(path, queued.ticket_id) == "CONSUMING"
+    assert core.release_ticket(queued.ticket_id, TicketOutcome.OK, replica_id="dit-0").state is TicketState.RELEASED
+    assert pages(core) == (32, 0, 0) and journal_state(path, queued.ticket_id) is None
+    core.close()
+
+
 def test_restart_then_new_ar_incarnation_resolves_as_writer_gone(tmp_path: Path) -> None:
     path = tmp_path / "broker.sqlite"
     clock = ManualClock()

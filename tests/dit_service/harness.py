@@ -91,14 +91,17 @@ def write_config(
 
 
 @contextlib.asynccontextmanager
-async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 10.0) -> AsyncIterator[Any]:
+async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 10.0, *,
+                           journal_path: Path | None = None, port: int = 0) -> AsyncIterator[Any]:
+    """Journal-less by default; with `journal_path` and the first one's `port`, a second one is
+    that broker restarted."""
     from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.service import BrokerServicer
     from kvrelay.broker.waiters import run_maintenance
 
-    core = BrokerCore(None, lease_seconds=lease_seconds, drain_quiet_seconds=drain_quiet_seconds)
+    core = BrokerCore(journal_path, lease_seconds=lease_seconds, drain_quiet_seconds=drain_quiet_seconds)
     name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
-    server = GrpcServer(name="broker", host="127.0.0.1", port=0,
+    server = GrpcServer(name="broker", host="127.0.0.1", port=port,
                         registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
                                         BrokerServicer(core), name)])
     await server.start()

@@ -300,3 +300,76 @@ def test_a_standby_cancelled_before_its_batch_never_reaches_the_ranks(tmp_path: 
             assert pool.free_pages == pool.total_pages
 
     asyncio.run(scenario())
+
+
+def test_queued_ready_tickets_survive_a_broker_restart(tmp_path: Path) -> None:
+    """A denoises in the only slot (S its standby); B and C are queued with their loads done
+    (READY). The broker restarts (same port, same journal): the DiT re-registers listing B and C
+    as held with A and S, so the broker keeps them READY. C's caller then cancels: C is released.
+    A stops: S, then B run (B marks its ticket CONSUMING on the restarted broker) and complete,
+    and every page is free at the end."""
+
+    async def scenario() -> None:
+        config = write_config(tmp_path, transport="mooncake", max_num_seqs=1, transfer_timeout=30.0)
+        journal = tmp_path / "restarting-broker.sqlite"
+        first: Any = inprocess_broker(journal_path=journal)
+        restarted: Any = None
+        broker, core = await first.__aenter__()
+        dit = start_dit(config, broker.address, cwd=tmp_path)
+        try:
+            await wait_serving(dit)
+            writer = ArWriter(broker.address, "tiny", "mooncake")
+            await writer.register()
+            async with grpc.aio.insecure_channel(dit.address) as channel:
+                stub = dit_pb2_grpc.DitServiceStub(channel)
+                holder, held, _ = await _hold_the_slot(stub, writer)
+                b, _ = await _written(writer, [6], seed=1)
+                c, _ = await _written(writer, [6], seed=2)
+                b_phases: list[int] = []
+
+                async def run_b() -> None:
+                    async for event in stub.Denoise(_request(b), timeout=60.0):
+                        b_phases.append(event.phase)
+
+                b_call = asyncio.ensure_future(run_b())
+                c_call = stub.Denoise(_request(c), timeout=60.0)
+                c_reader = asyncio.ensure_future(c_call.read())
+                for t in (b, c):
+                    await _until(core, t.ticket_id, lambda t: t.state is TicketState.READY)
+
+                await first.__aexit__(None, None, None)
+                first = None
+                restarted = inprocess_broker(journal_path=journal, port=broker.bound_port)
+                _, core = await restarted.__aenter__()
+                # The DiT's next heartbeat is refused NOT_FOUND: it registers again (same incarnation).
+                for _ in range(200):
+                    if core.get_replica("dit-0").up:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the DiT never registered with the restarted broker")
+                assert [core.get_ticket(t.ticket_id).state for t in (*held, b, c)] == [
+                    TicketState.CONSUMING, TicketState.CONSUMING, TicketState.READY, TicketState.READY]
+                assert not b_call.done() and not c_reader.done() and not holder.done()
+
+                c_call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await c_reader
+                await _until(core, c.ticket_id, lambda t: t.state is TicketState.RELEASED)
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages - _held_pages(core, [*held, b])
+
+                await _free_the_slot(holder)
+                await asyncio.wait_for(b_call, 60.0)
+                assert b_phases[-1] == dit_pb2.DENOISE_PHASE_DECODED
+                assert core.get_ticket(b.ticket_id).state is TicketState.RELEASED
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages
+            await writer.close()
+        finally:
+            assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+            for running in (restarted, first):
+                if running is not None:
+                    await running.__aexit__(None, None, None)
+
+    asyncio.run(scenario())

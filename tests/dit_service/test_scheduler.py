@@ -98,20 +98,26 @@ def test_look_ahead_loads_the_earliest_queued_calls_and_is_bounded() -> None:
             await _settle()
         # Both places are taken (a started load is never taken back): 1 and 2 wait for a place.
         assert turns == [3, 5, 4] and queue.loading_ahead == 2 and queue.waiting == 4
+        # Held (listed at a re-registration after a broker restart): the admitted call's ticket and
+        # those of queued calls whose load started, not those still waiting for a place.
+        assert queue.held_tickets() == ["t3", "t4", "t5"]
         # 4 leaves while queued (its load failed, or its caller cancelled): 1, the earliest
         # reservation without a place, gets 4's place.
         later.pop(4).cancel()
         await _settle()
         assert turns == [3, 5, 4, 1] and queue.loading_ahead == 2
+        assert queue.held_tickets() == ["t3", "t1", "t5"], "a call that left the queue is not held"
         # The slot goes to 1 (reservation order, whatever loaded first); its place goes to 2.
         gates[3].set()
         await _settle()
         assert admitted == [3, 1] and turns == [3, 5, 4, 1, 2] and queue.loading_ahead == 2
+        assert queue.held_tickets() == ["t1", "t2", "t5"]
         for seq in (1, 2, 5):
             gates[seq].set()
         await asyncio.gather(first, *later.values())
         assert admitted == [3, 1, 2, 5]
         assert queue.active == {} and queue.waiting == 0 and queue.loading_ahead == 0
+        assert queue.held_tickets() == []
 
     asyncio.run(scenario())
 
