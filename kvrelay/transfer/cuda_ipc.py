@@ -77,10 +77,12 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
     ``mix(w) = w ^ (w >> 31)`` (w as a signed int64, arithmetic shift). Each term is a bijection of w_i, so any single changed word, and
     any changed length, changes h.
 
-    On a GPU with Triton, when every segment is whole 8-byte words at 8-byte-aligned addresses
-    (kvrelay's pages always are), the sums come from one kernel that reads each word once
-    (`kvrelay.transfer.checksum_kernel`); otherwise from torch ops, one segment at a time.
-    ``KVRELAY_DEVICE_CHECKSUM=eager`` forces the torch ops (to compare the two).
+    The sums come from torch ops, one segment at a time (about 25 passes over the bytes). With
+    ``KVRELAY_DEVICE_CHECKSUM=triton`` (opt-in until it is measured on a GPU, see
+    docs/transfer.md), on a GPU with Triton and when every segment is whole 8-byte words at
+    8-byte-aligned addresses (kvrelay's pages always are), they come from one kernel that reads
+    each word once (`kvrelay.transfer.checksum_kernel`), which `warm_up` checks against the torch
+    ops before it is used.
     """
     if side not in ("src", "dst"):
         raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
@@ -139,10 +141,10 @@ def _checksum_kernel() -> Any:
 def _kernel_sums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], side: str) -> torch.Tensor | None:
     """The per-write sums from the Triton kernel, or None where it does not apply (no GPU or no
     Triton, the eager form forced, or a segment that is not whole aligned words)."""
+    if checksum_mode() != "triton" or memory.data_ptr() % 8:
+        return None
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
     if memory.device.type != "cuda" and not interpreted:
-        return None
-    if os.environ.get("KVRELAY_DEVICE_CHECKSUM", "") == "eager" or memory.data_ptr() % 8:
         return None
     starts, lengths, positions, write_of = [], [], [], []
     for k, segments in enumerate(writes):
@@ -164,17 +166,49 @@ def _kernel_sums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], side
     try:
         return kernel.word_sums(words, table, len(writes))  # type: ignore[no-any-return]
     except Exception as err:  # noqa: BLE001 - a kernel that does not build here: the eager form
-        global _KERNEL
-        with _KERNEL_LOCK:
-            _KERNEL = False
-        _log.warning("device_checksum_kernel_unavailable", error=str(err)[:500])
+        _disable_kernel(f"the kernel failed: {err}")
         return None
 
 
+CHECKSUM_MODES = ("eager", "triton")
+
+
+def checksum_mode() -> str:
+    """``KVRELAY_DEVICE_CHECKSUM``: "eager" (torch ops, the default) or "triton" (one kernel)."""
+    mode = os.environ.get("KVRELAY_DEVICE_CHECKSUM", "") or "eager"
+    if mode not in CHECKSUM_MODES:
+        raise CudaIpcError(f"KVRELAY_DEVICE_CHECKSUM must be one of {', '.join(CHECKSUM_MODES)}, got {mode!r}")
+    return mode
+
+
+def _disable_kernel(reason: str) -> None:
+    global _KERNEL
+    with _KERNEL_LOCK:
+        _KERNEL = False
+    _log.warning("device_checksum_kernel_disabled", reason=reason[:500], using="eager torch ops")
+
+
 def warm_up(device: torch.device) -> None:
-    """Build the checksum kernel for ``device`` now (Triton compiles at first launch, ~1 s),
-    not on a request's first write."""
-    device_checksums(torch.zeros(64, dtype=torch.uint8, device=device), [[Segment(0, 0, 64)]], side="src")
+    """Check the checksum mode, and with "triton" build the kernel for ``device`` now (Triton
+    compiles at first launch) and check it against the torch ops on writes that span several of
+    its blocks: a kernel that fails to build or gives other bits is disabled (logged), so every
+    checksum stays the definition's."""
+    if checksum_mode() != "triton":
+        return
+    kernel = _checksum_kernel()
+    if not kernel:
+        _log.warning("device_checksum_kernel_unavailable", reason="Triton cannot be imported", using="eager torch ops")
+        return
+    g = torch.Generator(device=device).manual_seed(0x5EED)
+    span = kernel.BLOCK_WORDS * 8
+    memory = torch.randint(0, 256, (3 * span,), dtype=torch.uint8, device=device, generator=g)
+    writes = [[Segment(8, 0, span + 64), Segment(2 * span, 0, span // 2)], [Segment(span + 96, 0, 808)], []]
+    got = _kernel_sums(memory, writes, "src")  # None: the kernel failed (disabled and logged)
+    if got is None:
+        return
+    want = _eager_sums(memory, writes, "src")
+    if not torch.equal(got, want):
+        _disable_kernel(f"the kernel's sums {got.tolist()} differ from the torch ops' {want.tolist()}")
 
 
 def write_checksum(staging: torch.Tensor, write: PlannedWrite) -> int:

@@ -78,6 +78,9 @@ from kvrelay.transfer import checksum_kernel, cuda_ipc
 from kvrelay.transfer.planner import Segment
 checksum_kernel.BLOCK_WORDS, checksum_kernel._SUB = int(sys.argv[2]), int(sys.argv[3])
 device = sys.argv[1]
+os.environ["KVRELAY_DEVICE_CHECKSUM"] = "triton"
+cuda_ipc.warm_up(torch.device(device))
+assert cuda_ipc._checksum_kernel(), "the self-check disabled the kernel"
 rng = random.Random(5)
 mem = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, device=device)
 for _ in range(6):
@@ -89,7 +92,7 @@ for _ in range(6):
         os.environ["KVRELAY_DEVICE_CHECKSUM"] = "eager"
         assert cuda_ipc._kernel_sums(mem, writes, side) is None
         eager = cuda_ipc.device_checksums(mem, writes, side=side)
-        del os.environ["KVRELAY_DEVICE_CHECKSUM"]
+        os.environ["KVRELAY_DEVICE_CHECKSUM"] = "triton"
         assert kernel == eager, (kernel, eager)
         assert kernel == [REF(mem.cpu().numpy().tobytes(), segs, side) for segs in writes]
 odd = [[Segment(3, 3, 16)], [Segment(0, 0, 13)]]  # not whole aligned words: the eager form
@@ -139,13 +142,48 @@ def test_checksum_kernel_on_a_large_write_equals_eager_on_the_gpu(monkeypatch: p
     mem = torch.randint(0, 256, (200 << 20,), dtype=torch.uint8, device="cuda:0", generator=g)
     page = 98304
     writes = [[Segment(k * page, (999 - k) * page, page) for k in range(1000)], [Segment(8, 16, 40 << 20)]]
+    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "triton")
     assert cuda_ipc._kernel_sums(mem, writes, "dst") is not None
     kernel = device_checksums(mem, writes, side="dst")
     monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "eager")
     assert device_checksums(mem, writes, side="dst") == kernel
     mem[12345] ^= 1
-    monkeypatch.delenv("KVRELAY_DEVICE_CHECKSUM")
+    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "triton")
     assert device_checksums(mem, writes, side="dst") != kernel
+
+
+class _WrongKernel:
+    """A stand-in for `checksum_kernel` whose sums are off by one: what the self-check is for."""
+
+    BLOCK_WORDS = 64
+
+    @staticmethod
+    def block_table(starts: Any, lengths: Any, positions: Any, write_of: Any) -> Any:
+        return write_of
+
+    @staticmethod
+    def word_sums(words: torch.Tensor, table: Any, num_writes: int) -> torch.Tensor:
+        return torch.ones(num_writes, dtype=torch.int64)
+
+
+def test_the_kernel_is_opt_in_and_a_wrong_one_is_disabled_at_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay.transfer import cuda_ipc
+
+    fake = _WrongKernel()
+    monkeypatch.setattr(cuda_ipc, "_KERNEL", fake)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the kernel path run on CPU tensors
+    memory = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    writes = [[Segment(0, 0, 64)]]
+    monkeypatch.delenv("KVRELAY_DEVICE_CHECKSUM", raising=False)
+    assert cuda_ipc.checksum_mode() == "eager" and cuda_ipc._kernel_sums(memory, writes, "src") is None
+    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "triton")
+    assert cuda_ipc._kernel_sums(memory, writes, "src") is not None  # used once opted in...
+    cuda_ipc.warm_up(torch.device("cpu"))
+    assert cuda_ipc._KERNEL is False  # ...until the self-check sees other bits than the torch ops'
+    assert device_checksums(memory, writes, side="src") == [reference_checksum(bytes(memory.tolist()), writes[0], "src")]
+    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "fast")
+    with pytest.raises(cuda_ipc.CudaIpcError, match="eager, triton"):
+        cuda_ipc.warm_up(torch.device("cpu"))
 
 
 def test_region_descriptor_carries_the_ipc_handle_through_the_proto() -> None:
