@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ from kvrelay.logging import get_logger
 from kvrelay.models.tokenizer import Tokenizer
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
 from kvrelay.transfer.planner import PlannedWrite, plan_transfer
-from kvrelay.transfer.transport import not_started_outcomes
+from kvrelay.transfer.transport import WriteOutcome, not_started_outcomes
 from kvrelay.v1 import ar_pb2, ar_pb2_grpc, broker_pb2
 from kvrelay.worker import WorkerCommandError, WorkerGroup, WorkerGroupError
 
@@ -79,6 +79,7 @@ class ArMetrics:
     """Prometheus metrics of DESIGN.md section 11 that the AR owns."""
 
     transfer_bytes: Any
+    sent_bytes: Any
     transfer_seconds: Any
     prefill_seconds: Any
     prefill_tokens: Any
@@ -92,6 +93,10 @@ class ArMetrics:
             transfer_bytes=Counter(
                 "kvrelay_transfer_bytes_total", "KV bytes written by AR ranks (OK writes)", ["transport"],
                 registry=registry,
+            ),
+            sent_bytes=Counter(
+                "kvrelay_ar_sent_bytes_total", "KV bytes of the writes AR ranks sent, by rank and outcome",
+                ["rank", "transport", "outcome"], registry=registry,
             ),
             transfer_seconds=Histogram(
                 "kvrelay_transfer_seconds", "Pack + write time of one ticket on the slowest AR rank", ["transport"],
@@ -107,6 +112,14 @@ class ArMetrics:
                 buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             ),
         )  # fmt: skip
+
+    def record_sent(self, transport: str, outcomes: Iterable[WriteOutcome]) -> None:
+        """Count each write that was sent once, at the end of its request, by its source rank and
+        outcome (ok / failed / in_doubt: an in-doubt write's later end is not counted again, so the
+        outcomes add up to the bytes sent). NOT_STARTED writes sent nothing."""
+        for o in outcomes:
+            if o.status != "NOT_STARTED":
+                self.sent_bytes.labels(str(o.src_rank), transport, o.status.lower()).inc(o.bytes)
 
 
 @dataclass(slots=True)
@@ -707,6 +720,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 # (IN_DOUBT for anything sent, NOT_STARTED otherwise); that error propagates.
                 end = protocol.on_rank_error((), "the write phase ended unexpectedly")
             final = list(end.outcomes)
+            self.metrics.record_sent(state.transport, final)
             if not end.sent:
                 # Nothing was written: the ranks still hold the ticket's KV.
                 try:

@@ -87,8 +87,8 @@ class DitMetrics:
             ["phase"], buckets=buckets, registry=self.registry,
         )
         self.transfer_bytes = Counter(
-            "kvrelay_dit_received_bytes_total", "KV bytes received and verified into DiT pages",
-            ["transport"], registry=self.registry,
+            "kvrelay_dit_received_bytes_total", "KV bytes received and verified into DiT pages, by rank",
+            ["rank", "transport"], registry=self.registry,
         )
         self.denoise_requests = Counter(
             "kvrelay_dit_requests_total", "Denoise calls by outcome", ["outcome"], registry=self.registry
@@ -387,7 +387,6 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                         # Only now may the ranks read the pages: READY -> CONSUMING after admission.
                         await self._start_consuming(ticket_id)
                         self.s.metrics.phase_seconds.labels("load").observe(load_seconds)
-                        self.s.metrics.transfer_bytes.labels(self.s.stage.transport).inc(loaded_bytes)
                         loaded = dit_pb2.DenoiseEvent(phase=dit_pb2.DENOISE_PHASE_LOADED, bytes_loaded=loaded_bytes,
                                                       load_seconds=load_seconds,
                                                       total_steps=request.num_inference_steps)
@@ -601,6 +600,11 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                         load: r for (load, _), r in zip(to_report, results, strict=True) if not isinstance(r, BaseException)
                     }
                     newest: broker_pb2.Ticket | None = None
+                    for load, checks in to_report:
+                        if replies[load] is not None:
+                            # Counted once the broker took the load: its bytes are verified in pages.
+                            s.metrics.transfer_bytes.labels(str(load[1]), s.stage.transport).inc(
+                                sum(c.bytes for c in checks))
                     for load in verified:
                         reply_ticket = replies.get(load)
                         protocol.on_verified(load, reply_ticket is not None)
@@ -730,6 +734,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         s = self.s
         allowed: dict[tuple[str, int], tuple[list[tuple[int, int]], frozenset[int]]] = {}
         received = chunks = 0
+        per_rank: dict[int, int] = {}
         try:
             async for chunk in request_iterator:
                 if chunk.dst_rank >= s.world_size:
@@ -748,13 +753,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                            f"to rank {chunk.dst_rank} (ranks {sorted(ranks)})")
                 region = s.memory.region(chunk.dst_rank)
                 try:
-                    received += apply_put_kv(region, chunk, len(region), ranges)
+                    landed = apply_put_kv(region, chunk, len(region), ranges)
                 except PutKvRejected as err:
                     raise invalid_argument("dst_offset", str(err)) from None
+                received += landed
+                per_rank[chunk.dst_rank] = per_rank.get(chunk.dst_rank, 0) + landed
                 chunks += 1
         except KvRelayServerError as err:
             await abort_with(context, err)
-        s.metrics.transfer_bytes.labels("grpc_received").inc(received)
+        for rank, landed in per_rank.items():
+            s.metrics.transfer_bytes.labels(str(rank), "grpc_received").inc(landed)
         return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
 
     async def _allowed_ranges(self, ticket_id: str, row: int) -> tuple[list[tuple[int, int]], frozenset[int]]:

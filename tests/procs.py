@@ -67,3 +67,31 @@ def start_service(args: Sequence[str], *, cwd: Path, timeout: float = 60.0, env:
         proc.wait(5)
         raise RuntimeError(f"kvrelay {args[0]} did not start:\n" + "".join(lines[-40:]))
     return ServiceProcess(proc, found[0], lines)
+
+
+def metrics_port_of(lines: Sequence[str]) -> int | None:
+    """The metrics port a process printed in its `grpc_listening` line (JSON logs), if any."""
+    import json
+
+    for line in lines:
+        if '"grpc_listening"' in line and "metrics_port" in line:
+            try:
+                return int(json.loads(line)["metrics_port"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return None
+
+
+def scrape_counter_by_labels(port: int, name: str, labels: Sequence[str]) -> dict[tuple[str, ...], float]:
+    """The samples of counter `name` (without `_total`) at 127.0.0.1:`port`, keyed by `labels`' values."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return {
+        tuple(sample.labels[label] for label in labels): sample.value
+        for family in text_string_to_metric_families(text) if family.name == name
+        for sample in family.samples if sample.name == name + "_total"
+    }

@@ -30,7 +30,7 @@ from kvrelay.transfer.pack import read_row
 from kvrelay.transfer.planner import RowSpec
 from kvrelay.transfer.transport import make_receiver
 from kvrelay.v1 import ar_pb2_grpc, broker_pb2, broker_pb2_grpc, common_pb2, dit_pb2, dit_pb2_grpc
-from tests.procs import start_service
+from tests.procs import metrics_port_of, start_service
 
 PAGE_SIZE = 16
 # Regions registered with this process's one Mooncake engine stay registered for its lifetime (the
@@ -105,6 +105,9 @@ class ArProcess:
 
     def output(self) -> str:
         return "".join(self.lines[-60:])
+
+    def metrics_port(self) -> int | None:
+        return metrics_port_of(self.lines)
 
 
 @contextlib.asynccontextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -268,3 +269,59 @@ def test_real_dit_denoises_over_what_the_ar_wrote(tmp_path: Path) -> None:
                 dit.stop()
 
     asyncio.run(scenario())
+
+
+def test_sent_and_received_bytes_are_counted_per_rank(tmp_path: Path) -> None:
+    """AR TP=2 -> DiT TP=2 over Mooncake: each AR rank's `kvrelay_ar_sent_bytes_total{outcome=ok}`
+    and each DiT rank's `kvrelay_dit_received_bytes_total` equal the bytes of the plan's writes
+    from / to that rank."""
+    from kvrelay.v1 import dit_pb2, dit_pb2_grpc
+    from tests.dit_service.harness import start_dit
+    from tests.procs import scrape_counter_by_labels
+
+    config = write_config(tmp_path, transport="mooncake", ar_tp=2, dit_tp=2)
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            dit = await asyncio.to_thread(start_dit, config, broker.address, cwd=tmp_path)
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit.address)
+                await wait_serving(ar.address)
+                tok = ByteTokenizer()
+                counts = [len(tok.encode(PROMPT)), len(tok.encode(NEGATIVE))]
+                ticket = core.create_ticket("req-1", "ar-0", "dit-0", counts)
+                assert ticket is not None
+                plan = core.plan_for(ticket.ticket_id).writes
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    request = dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, request_id="req-1", width=64, height=64,
+                        num_inference_steps=1, guidance_scale=2.0, seed=3,
+                    )  # fmt: skip
+                    stub = dit_pb2_grpc.DitServiceStub(channel)  # type: ignore[no-untyped-call]
+                    denoise = asyncio.ensure_future(_collect_events(stub, request))
+                    reply = await _prefill(
+                        ar.address, ar_pb2.PrefillRequest(ticket_id=ticket.ticket_id, rows=[PROMPT, NEGATIVE])
+                    )
+                    events = await denoise
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                assert reply.bytes_written == sum(w.num_bytes for w in plan) > 0
+                sent_by_rank = {r: sum(w.num_bytes for w in plan if w.src_rank == r) for r in (0, 1)}
+                received_by_rank = {r: sum(w.num_bytes for w in plan if w.dst_rank == r) for r in (0, 1)}
+                assert all(sent_by_rank.values()) and all(received_by_rank.values())
+                ar_port, dit_port = ar.metrics_port(), dit.metrics_port()
+                assert ar_port is not None and dit_port is not None
+                sent = scrape_counter_by_labels(ar_port, "kvrelay_ar_sent_bytes", ["rank", "transport", "outcome"])
+                assert sent == {(str(r), "mooncake", "ok"): float(b) for r, b in sent_by_rank.items()}
+                received = scrape_counter_by_labels(dit_port, "kvrelay_dit_received_bytes", ["rank", "transport"])
+                assert received == {(str(r), "mooncake"): float(b) for r, b in received_by_rank.items()}
+                assert ar.stop() == 0, ar.output()
+            finally:
+                ar.stop()
+                dit.stop()
+
+    asyncio.run(scenario())
+
+
+async def _collect_events(stub: Any, request: Any) -> list[Any]:
+    return [e async for e in stub.Denoise(request, timeout=60.0)]

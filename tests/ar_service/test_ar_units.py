@@ -330,3 +330,27 @@ def test_prefill_then_arming_decisions() -> None:
     refused = KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "FENCED", "stale incarnation")
     assert after_arming(refused) == Abandon(refused)
     assert after_arming(object()) is None
+
+
+def test_sent_bytes_are_counted_by_source_rank_and_outcome_and_not_started_sends_nothing() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvrelay.ar_service.service import ArMetrics
+
+    registry = CollectorRegistry()
+    metrics = ArMetrics.create(registry)
+    metrics.record_sent("mooncake", [
+        WriteOutcome(0, 0, 1, "OK", 100, 1),
+        WriteOutcome(1, 0, 1, "OK", 30, 2),
+        WriteOutcome(0, 1, 0, "FAILED", 40, 3, "refused"),
+        WriteOutcome(1, 1, 0, "IN_DOUBT", 50, 0, "call still running"),
+        WriteOutcome(0, 2, 0, "NOT_STARTED", 0, 0),
+    ])  # fmt: skip
+    counted = {
+        (s.labels["rank"], s.labels["transport"], s.labels["outcome"]): s.value
+        for family in registry.collect() if family.name == "kvrelay_ar_sent_bytes"
+        for s in family.samples if s.name.endswith("_total")
+    }
+    assert counted == {
+        ("0", "mooncake", "ok"): 130.0, ("1", "mooncake", "failed"): 40.0, ("1", "mooncake", "in_doubt"): 50.0,
+    }  # fmt: skip

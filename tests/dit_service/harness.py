@@ -33,7 +33,7 @@ from kvrelay.transfer.pack import pack_staging
 from kvrelay.transfer.planner import RowSpec, staging_bytes
 from kvrelay.transfer.transport import WriteOutcome, make_sender
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
-from tests.procs import start_service
+from tests.procs import metrics_port_of, start_service
 
 PAGE_SIZE = 16
 STAGING_BYTES = 16 << 20
@@ -152,13 +152,7 @@ class DitProcess:
         return int(self.proc.returncode)
 
     def metrics_port(self) -> int | None:
-        for line in self.lines:
-            if '"grpc_listening"' in line and "metrics_port" in line:
-                import json
-
-                with contextlib.suppress(ValueError):
-                    return int(json.loads(line)["metrics_port"])
-        return None
+        return metrics_port_of(self.lines)
 
 
 def start_dit(config: Path, broker_address: str, *, cwd: Path, timeout: float = 60.0) -> DitProcess:
