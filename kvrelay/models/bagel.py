@@ -469,10 +469,10 @@ class BagelDit(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def quantize_generation_fp8_(self) -> int:
-        """Quantize the generation expert's big linears to FP8 (kvrelay.models.fp8), in place;
-        returns how many weight matrices were quantized: 6 per layer (q, k, v, o and the MLP's
-        fused gate/up and down).
+    def quantize_generation_fp8_(self, keep_source: bool = False) -> int:
+        """Quantize the generation expert's big linears to FP8 (kvrelay.models.fp8), in place,
+        freeing their bf16 weights unless ``keep_source``; returns how many weight matrices were
+        quantized: 6 per layer (q, k, v, o and the MLP's fused gate/up and down).
 
         Only the generation expert: it runs over every latent token, while the understanding
         expert (whose weights the DiT holds too) runs over the two image markers only, where FP8
@@ -483,8 +483,8 @@ class BagelDit(nn.Module):
             layer: MotLayer = module  # type: ignore[assignment]
             attn = layer.self_attn
             for proj in (attn.q_proj_moe_gen, attn.k_proj_moe_gen, attn.v_proj_moe_gen, attn.o_proj_moe_gen):
-                count += proj.quantize_fp8_()
-            count += quantize_fp8_(layer.mlp_moe_gen)  # the fused gate/up, then down_proj
+                count += proj.quantize_fp8_(keep_source=keep_source)
+            count += quantize_fp8_(layer.mlp_moe_gen, keep_source=keep_source)  # the fused gate/up, then down_proj
         return count
 
     def position_ids(self, grid_h: int, grid_w: int) -> torch.Tensor:
@@ -675,6 +675,9 @@ def _load(
     world_shards: int = 1,
 ) -> None:
     params = dict(module.named_parameters())
+    freed = [spec.model_key for spec in specs if params[spec.model_key].is_meta]
+    if freed:  # copying into a meta tensor would silently do nothing
+        raise ValueError(f"{freed[0]} was freed by FP8 quantization: load into a new runner")
     handles: dict[Path, Any] = {}
     try:
         for spec in specs:
@@ -759,6 +762,8 @@ def state_for_file(ar: BagelAr | None, dit: BagelDit) -> dict[str, torch.Tensor]
         raise ValueError("writing needs the unsharded model")
     cfg = dit.bagel
     params = dict(dit.named_parameters())
+    if any(p.is_meta for p in params.values()):
+        raise ValueError("writing needs the unquantized model: FP8 quantization freed the generation expert's weights")
     out = {s.file_key: params[s.model_key].detach().cpu().contiguous() for s in dit_tensors(cfg)}
     out["latent_pos_embed.pos_embed"] = dit.latent_pos_embed.pos_embed.detach().cpu().contiguous()
     if ar is not None:

@@ -92,7 +92,9 @@ class BagelDitRunner:
         ).eval()
         load_dit(self.directory, self.bagel, self.model)
         if quantization is not None:
-            self.model.quantize_generation_fp8_()
+            self.model.quantize_generation_fp8_()  # frees the quantized linears' bf16 weights
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         # The VAE runs in fp32 on CPU and in the model dtype on GPUs (BAGEL decodes in bf16).
         vae_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.decoder: Decoder | None = None

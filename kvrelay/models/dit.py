@@ -740,13 +740,27 @@ class DitRunner:
         if checkpoint is not None:
             self.load_checkpoint(checkpoint)
         elif self.quantization is not None:
-            quantize_fp8_(self.model)
+            self._quantize()
+
+    def _quantize(self) -> None:
+        """FP8 copies of the blocks' big linears; their bf16 sources are freed (kvrelay.models.fp8),
+        and on a GPU the freed memory goes back to the driver (other processes may use it)."""
+        quantize_fp8_(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def save_checkpoint(self, directory: str | Path) -> Path:
         """Write the DiT and its decoder as full tensors (`dit.safetensors` + `config.json` naming
-        the preset's shape). Only an unsharded (world size 1) runner holds whole tensors."""
+        the preset's shape). Only an unsharded (world size 1), unquantized runner holds whole
+        tensors: a quantized one freed the bf16 weights of its big linears, and writing their FP8
+        rounding back as bf16 would pass a lossy copy off as the original, so it refuses."""
         if self.parallel.world != 1:
             raise ValueError("save_checkpoint needs the unsharded (world size 1) DiT")
+        if self.quantization is not None:
+            raise ValueError(
+                f"save_checkpoint: this runner is quantized ({self.quantization}) and freed the bf16 weights of "
+                "its big linears; save from a runner without quantization (same weight_seed or checkpoint)"
+            )
         from safetensors.torch import save_file
 
         out = Path(directory)
@@ -758,7 +772,10 @@ class DitRunner:
         return out
 
     def load_checkpoint(self, directory: str | Path) -> None:
-        """Load weights written by `save_checkpoint` (any TP/SP size: each rank keeps its shard)."""
+        """Load weights written by `save_checkpoint` (any TP/SP size: each rank keeps its shard).
+        A quantized runner quantizes each big linear's tensor straight into its FP8 buffers, in
+        place (captured step graphs stay valid), one matrix at a time: the bf16 model is never
+        whole on the device."""
         from safetensors.torch import load_file
 
         path = Path(directory) / DIT_CHECKPOINT_FILE
@@ -768,7 +785,7 @@ class DitRunner:
         self.clear_conditionings()  # also when loading fails halfway: weights may have changed
         load_full_state(self.model, tensors, "model.")
         if self.quantization is not None:
-            quantize_fp8_(self.model)  # in place: captured step graphs read the same buffers
+            self._quantize()  # first load (from __init__): quantize and free; later ones: loaded into FP8
         load_full_state(self.decoder, tensors, "decoder.")
 
     def conditioning(self, t: float) -> StepConditioning:

@@ -13,8 +13,11 @@ a module that can run its matmul in FP8 has a ``quantize_fp8_()`` method (the fu
 gate/up projections, the row-parallel o/down projections, column-parallel linears that are not
 pieces of a fused weight); everything else (norms, adaLN
 modulation, embeddings, the final projection, attention itself) stays in the model dtype. The
-source weights stay where they are (checkpoints save and reload from them); the FP8 copies live
-in non-persistent buffers next to them.
+FP8 copies live in non-persistent buffers; once a layer is quantized its source weight is freed
+(``free_source``: the parameter becomes a meta tensor of the same shape and dtype, holding no
+memory), so FP8 saves memory instead of adding a copy. Weights loaded later (a checkpoint, seeded
+weights) go straight into the FP8 buffers, in place (``quantize_into``), one matrix at a time.
+``quantize_fp8_(module, keep_source=True)`` keeps the sources (tests compare against it).
 """
 
 from __future__ import annotations
@@ -139,12 +142,42 @@ def store_fp8(module: nn.Module, name: str, weight: torch.Tensor) -> None:
             module.register_buffer(key, value, persistent=False)
 
 
-def quantize_fp8_(module: nn.Module) -> int:
+@torch.no_grad()
+def quantize_into(q_buf: torch.Tensor, scale_buf: torch.Tensor, weight: torch.Tensor) -> None:
+    """Quantize ``weight`` ``[N, K]`` (in the model dtype, on any device: it is moved to the
+    buffers' device first) into existing FP8 buffers, or row views of them, in place: ``q_buf``
+    ``[N, K]`` e4m3 and ``scale_buf`` ``[1, N]``. Same bits as ``quantize_rows``; the buffers keep
+    their addresses (a captured CUDA graph stays valid)."""
+    q, scale = quantize_rows(weight.to(q_buf.device))
+    if q.shape != q_buf.shape or scale.shape != scale_buf.shape:
+        raise ValueError(f"weight shape {tuple(weight.shape)} != the FP8 buffer's {tuple(q_buf.shape)}")
+    q_buf.copy_(q)
+    scale_buf.copy_(scale)
+
+
+def free_source(module: nn.Module, name: str) -> None:
+    """Replace ``module``'s weight ``name`` (a parameter or a plain tensor attribute) by a meta
+    tensor of the same shape and dtype: its memory is released (once no view of it remains), and
+    reading its values fails loudly instead of computing with stale ones. Call after the layer's
+    FP8 copy is made; from then on new weights must go through ``quantize_into``."""
+    old = getattr(module, name)
+    meta = torch.empty(old.shape, dtype=old.dtype, device="meta")
+    setattr(module, name, nn.Parameter(meta, requires_grad=False) if isinstance(old, nn.Parameter) else meta)
+
+
+def quantize_fp8_(module: nn.Module, *, keep_source: bool = False) -> int:
     """Quantize every layer of ``module`` that can run in FP8 (it has ``quantize_fp8_()``), in
-    place; returns how many weight matrices were quantized."""
+    place, and free each one's source weight unless ``keep_source``; returns how many weight
+    matrices are quantized. A layer whose source is already freed counts but is left as is (its
+    FP8 copy is current: every later load wrote straight into it)."""
     count = 0
     for sub in module.modules():
         quantize = getattr(sub, "quantize_fp8_", None)
         if callable(quantize):
-            count += int(quantize())
+            count += int(quantize(keep_source=keep_source))
     return count
+
+
+def holds_freed_weights(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` was freed by ``free_source`` (a meta tensor)."""
+    return any(p.is_meta for p in module.parameters())

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvrelay.models.fp8 import linear, store_fp8
+from kvrelay.models.fp8 import free_source, linear, store_fp8
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -158,6 +158,29 @@ def fuse_column_linears(linears: list[ColumnParallelLinear]) -> tuple[torch.Tens
     return weight, bias
 
 
+def quantize_fused_(
+    owner: nn.Module, name: str, buffer: str, pieces: list[ColumnParallelLinear], *, keep_source: bool
+) -> None:
+    """Quantize ``owner``'s fused weight ``name`` into its buffers ``<buffer>`` (e4m3) and
+    ``<buffer>_scale``; unless ``keep_source``, free the fused weight and its pieces' views of
+    it, each piece keeping its rows of the FP8 buffers (``fp8_rows``) for later loads. Per-row
+    scales make a piece's rows of the fused quantization exactly its own quantization. A no-op
+    once freed (loads since then went straight into the FP8 buffers)."""
+    if getattr(owner, name).is_meta:
+        return
+    store_fp8(owner, buffer, getattr(owner, name))
+    if keep_source:
+        return
+    q, scale = getattr(owner, buffer), getattr(owner, f"{buffer}_scale")
+    lo = 0
+    for piece in pieces:
+        rows = piece.weight.shape[0]
+        piece.fp8_rows = (q[lo : lo + rows], scale[:, lo : lo + rows])
+        free_source(piece, "weight")
+        lo += rows
+    free_source(owner, name)
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column parallel, down row parallel, so the
     intermediate activation never leaves the rank and one all-reduce ends the block."""
@@ -184,9 +207,10 @@ class SwiGLU(nn.Module):
         self.register_buffer("_gate_up_fp8", None, persistent=False)
         self.register_buffer("_gate_up_fp8_scale", None, persistent=False)
 
-    def quantize_fp8_(self) -> int:
-        """Quantize the fused gate/up weight (down_proj quantizes itself)."""
-        store_fp8(self, "_gate_up_fp8", self._gate_up)
+    def quantize_fp8_(self, keep_source: bool = False) -> int:
+        """Quantize the fused gate/up weight and free it unless ``keep_source`` (down_proj
+        quantizes itself)."""
+        quantize_fused_(self, "_gate_up", "_gate_up_fp8", [self.gate_proj, self.up_proj], keep_source=keep_source)
         return 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,9 +274,12 @@ class ParallelAttention(nn.Module):
         self.register_buffer("_qkv_fp8", None, persistent=False)
         self.register_buffer("_qkv_fp8_scale", None, persistent=False)
 
-    def quantize_fp8_(self) -> int:
-        """Quantize the fused q/k/v weight (o_proj quantizes itself; the bias stays as is)."""
-        store_fp8(self, "_qkv_fp8", self._qkv_weight)
+    def quantize_fp8_(self, keep_source: bool = False) -> int:
+        """Quantize the fused q/k/v weight and free it unless ``keep_source`` (o_proj quantizes
+        itself; the bias stays as is)."""
+        quantize_fused_(
+            self, "_qkv_weight", "_qkv_fp8", [self.q_proj, self.k_proj, self.v_proj], keep_source=keep_source
+        )
         return 1
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -201,7 +201,11 @@ def load_into_module(
 
 
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter of an unsharded (world size 1) module, by name, on CPU, contiguous."""
+    """Every parameter of an unsharded (world size 1) module, by name, on CPU, contiguous.
+    Refuses a module whose FP8 quantization freed source weights (it no longer holds them)."""
+    freed = [name for name, p in module.named_parameters() if p.is_meta]
+    if freed:
+        raise ValueError(f"{freed[0]} (and {len(freed) - 1} more) were freed by FP8 quantization: no weights to save")
     # A copy even on CPU: fused projections make parameters views of one buffer, and safetensors
     # refuses tensors that share memory.
     return {name: p.detach().to("cpu", copy=True).contiguous() for name, p in module.named_parameters()}
@@ -232,9 +236,11 @@ def load_full_state(module: nn.Module, tensors: Mapping[str, torch.Tensor], pref
             bias = tensors.get(bias_key) if mod.bias is not None else None
             if mod.bias is not None and bias is None:
                 raise CheckpointError(f"checkpoint has no tensor {bias_key!r}")
+            # Sharded where the tensor is, then copied: only this rank's shard reaches the device
+            # (a quantized layer's freed weight is a meta tensor: load_full quantizes into FP8).
             try:
-                mod.load_full(tensors[key].to(mod.weight.device, mod.weight.dtype),
-                              None if bias is None else bias.to(mod.weight.device, mod.weight.dtype))
+                mod.load_full(tensors[key].to(dtype=mod.weight.dtype),
+                              None if bias is None else bias.to(dtype=mod.weight.dtype))
             except ValueError as err:
                 raise CheckpointError(f"{key}: {err}") from None
             done.update({f"{name}.weight", f"{name}.bias"})

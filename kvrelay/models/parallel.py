@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvrelay.models.fp8 import linear, store_fp8
+from kvrelay.models.fp8 import free_source, linear, quantize_into, store_fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +156,23 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _load_weight(
+    layer: ColumnParallelLinear | RowParallelLinear,
+    shard: torch.Tensor,
+    fp8_rows: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """Copy this rank's ``shard`` into ``layer.weight``; once FP8 quantization freed that weight,
+    quantize the shard (in the model dtype) into the layer's FP8 buffers in place instead, or into
+    ``fp8_rows`` (a fused piece's rows of its owner's buffers)."""
+    if not layer.weight.is_meta:
+        layer.weight.copy_(shard)
+        return
+    q, scale = fp8_rows if fp8_rows is not None else (layer.fp8_weight, layer.fp8_weight_scale)
+    if q is None or scale is None:
+        raise RuntimeError("weight freed without an FP8 copy to load into")
+    quantize_into(q, scale, shard.to(layer.weight.dtype))
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output features split over ranks: each rank computes its slice of y.
 
@@ -197,22 +214,29 @@ class ColumnParallelLinear(nn.Module):
         # FP8 copy of this rank's weight (kvrelay.models.fp8), None unless quantized.
         self.register_buffer("fp8_weight", None, persistent=False)
         self.register_buffer("fp8_weight_scale", None, persistent=False)
+        # A fused piece whose owner quantized the fused weight and freed it: this piece's rows of
+        # the owner's FP8 buffers (e4m3 [rows, in], scales [1, rows]), where its weight now loads.
+        self.fp8_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def quantize_fp8_(self) -> int:
+    def quantize_fp8_(self, keep_source: bool = False) -> int:
         """Quantize this rank's weight shard (per output feature, so a shard's scales are the full
-        weight's rows); the bias stays in the model dtype. A fused piece returns 0: its owner
-        quantizes the fused weight."""
+        weight's rows) and free the source unless ``keep_source``; the bias stays in the model
+        dtype. A fused piece returns 0: its owner quantizes the fused weight."""
         if self.fused:
             return 0
-        store_fp8(self, "fp8_weight", self.weight)
+        if not self.weight.is_meta:  # freed: the FP8 copy is current (loads write into it)
+            store_fp8(self, "fp8_weight", self.weight)
+            if not keep_source:
+                free_source(self, "weight")
         return 1
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy this rank's rows of the full (unsharded) weight [out, in] (and bias [out])."""
+        """Copy this rank's rows of the full (unsharded) weight [out, in] (and bias [out]), from
+        any device; quantized straight into the FP8 buffers once the source weight is freed."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         with torch.no_grad():
-            self.weight.copy_(self.tp.shard(weight, 0))
+            _load_weight(self, self.tp.shard(weight, 0), self.fp8_rows)
             if self.bias is not None:
                 if bias is None:
                     raise ValueError("layer has a bias but none was given")
@@ -261,17 +285,22 @@ class RowParallelLinear(nn.Module):
         self.register_buffer("fp8_weight", None, persistent=False)
         self.register_buffer("fp8_weight_scale", None, persistent=False)
 
-    def quantize_fp8_(self) -> int:
-        """Quantize this rank's weight shard (per output feature: partial sums stay exact to add)."""
-        store_fp8(self, "fp8_weight", self.weight)
+    def quantize_fp8_(self, keep_source: bool = False) -> int:
+        """Quantize this rank's weight shard (per output feature: partial sums stay exact to add)
+        and free the source unless ``keep_source``."""
+        if not self.weight.is_meta:  # freed: the FP8 copy is current (loads write into it)
+            store_fp8(self, "fp8_weight", self.weight)
+            if not keep_source:
+                free_source(self, "weight")
         return 1
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy this rank's columns of the full weight [out, in] (the bias is replicated)."""
+        """Copy this rank's columns of the full weight [out, in] (the bias is replicated), from
+        any device; quantized straight into the FP8 buffers once the source weight is freed."""
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight shape {tuple(weight.shape)} != {(self.out_features, self.in_features)}")
         with torch.no_grad():
-            self.weight.copy_(self.tp.shard(weight, 1))
+            _load_weight(self, self.tp.shard(weight, 1), None)
             if self.bias is not None:
                 if bias is None:
                     raise ValueError("layer has a bias but none was given")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.models.bagel import build_ar
+from kvrelay.models.bagel import build_ar, state_for_file
 from kvrelay.models.bagel_runner import BagelDitRunner
 from kvrelay.models.demo import COLOURS, PLACES, SHAPES, caption
 from kvrelay.models.formats import DEMO_DIR
@@ -68,11 +68,39 @@ def test_only_the_generation_experts_big_linears_are_quantized(tiny_dir: Path) -
     q = layer.self_attn.q_proj_moe_gen
     assert q.fp8_weight is not None and q.fp8_weight_scale is not None
     back = q.fp8_weight.float() * q.fp8_weight_scale.reshape(-1, 1)
-    assert _rel(back, q.weight) < 0.05
-    # the FP8 copies are not checkpoint state; the source weights stay as loaded
+    assert _rel(back, plain.model.layers[0].self_attn.q_proj_moe_gen.weight) < 0.05
+    # the FP8 copies are not checkpoint state; the quantized linears' source weights are freed
+    # (meta: shape and dtype, no storage), every other parameter stays as loaded
     assert not [k for k in fp8.model.state_dict() if "fp8" in k]
+    freed = {name for name, p in fp8.model.named_parameters() if p.is_meta}
+    assert freed == {
+        f"layers.{i}.{name}.weight"
+        for i in range(layers)
+        for name in (*GEN_LINEARS[:4], "mlp_moe_gen.gate_proj", "mlp_moe_gen.up_proj", "mlp_moe_gen.down_proj")
+    }
+    assert all(layer.mlp_moe_gen._gate_up.is_meta for layer in fp8.model.layers)
+    freed_bytes = sum(p.numel() * p.element_size() for name, p in plain.model.named_parameters() if name in freed)
+    resident = {name: p for name, p in fp8.model.named_parameters() if not p.is_meta}
+    assert sum(p.numel() * p.element_size() for p in resident.values()) == sum(
+        p.numel() * p.element_size() for p in plain.model.parameters()
+    ) - freed_bytes
     for (name, a), (_, b) in zip(fp8.model.named_parameters(), plain.model.named_parameters(), strict=True):
-        assert torch.equal(a, b), name
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        if name in resident:
+            assert torch.equal(a, b), name
+    # the quantized model cannot be written back as the checkpoint it no longer holds
+    with pytest.raises(ValueError, match="unquantized model"):
+        state_for_file(None, fp8.model)
+
+
+def test_freeing_the_sources_changes_no_output_bit(tiny_dir: Path) -> None:
+    """Against the generation expert quantized with its bf16 weights kept (as before they were freed)."""
+    kept, fp8 = BagelDitRunner(tiny_dir, dtype=torch.bfloat16), BagelDitRunner(tiny_dir, dtype=torch.bfloat16, quantization="fp8")
+    assert kept.model.quantize_generation_fp8_(keep_source=True) == 6 * kept.preset.num_layers
+    assert not any(p.is_meta for p in kept.model.parameters())
+    rows = _rows(tiny_dir, ["a red circle", ""])
+    kwargs: dict[str, Any] = dict(width=32, height=32, steps=3, guidance_scale=3.0, seed=5)
+    assert torch.equal(fp8.denoise(rows, **kwargs), kept.denoise(rows, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
