@@ -13,6 +13,7 @@ which hands its checks to the interceptor.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import enum
 import hmac
@@ -747,15 +748,26 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except KvRelayServerError as err:
                 await abort_with(context, err)
             token = _current_caller.set(caller)
+            result = behavior(request, context)
             try:
-                result = behavior(request, context)
                 if inspect.isasyncgen(result):
-                    async for item in result:
-                        yield item
+                    try:
+                        async for item in result:
+                            yield item
+                    finally:
+                        # A client that leaves while grpc sends an item abandons this generator
+                        # at its `yield`; the loop's finaliser then closes it in a task of its
+                        # own, in another context. Close the handler now (its cleanup runs here,
+                        # not whenever it is collected), with the caller bound in this context.
+                        _current_caller.set(caller)
+                        await result.aclose()
                 else:
                     await result
             finally:
-                _current_caller.reset(token)
+                # The token is of the context that admitted the call; a finaliser's context is
+                # a throwaway copy, with nothing of ours to restore.
+                with contextlib.suppress(ValueError):
+                    _current_caller.reset(token)
 
         return wrapper
 

@@ -255,3 +255,69 @@ def test_the_bearer_scheme_is_case_insensitive() -> None:
     # Anything else is still no credential.
     for value in ("op", "Basic op", "Bearerop", "Bearer", "Bearer ", "Bearer op2", "Token op"):
         assert classes(value) == set()
+
+
+def test_a_stream_dropped_at_a_yield_closes_its_handler_with_the_caller_bound() -> None:
+    """A client that goes away while a streaming handler waits at a `yield` (as `kvrelay up`'s
+    broker saw for every Generate/WatchTicket whose client left early): grpc abandons the handler
+    and the loop finalises the interceptor's generator in a task of its own, in another context.
+    That must neither raise (it logged `Task exception was never retrieved ... ValueError ... created
+    in a different Context` at error level) nor leave the handler's cleanup to the garbage collector:
+    the handler is closed then, with its caller still visible."""
+    import asyncio
+    import gc
+
+    from grpc_health.v1 import health_pb2
+
+    from kvrelay.security import RPC_RULES, RpcRule, current_caller, make_channel
+    from kvrelay.server import GrpcServer
+
+    echo = "test.Echo"
+    closed: list[str | None] = []
+    errors: list[dict[str, object]] = []
+
+    async def stream(request: health_pb2.HealthCheckRequest, context: object) -> object:
+        try:
+            while True:
+                # Never waits inside the handler: grpc is in its send when the client leaves.
+                yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        finally:
+            caller = current_caller()
+            closed.append(caller.replica_id if caller is not None else None)
+
+    def add(_: object, server: grpc.aio.Server) -> None:
+        handler = grpc.unary_stream_rpc_method_handler(
+            stream, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+        )  # fmt: skip
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(echo, {"Stream": handler}),))
+
+    rules = {**RPC_RULES, f"/{echo}/Stream": RpcRule(CallerClass.REPLICA, False, "none")}
+
+    async def body() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        server = GrpcServer("drop", "127.0.0.1", 0, [(add, None, echo)], credentials=Credentials(replica_token="r"),
+                            rules=rules)  # fmt: skip
+        await server.start()
+        try:
+            for _ in range(5):
+                async with make_channel(server.address, ChannelSecurity(token="r", replica_id="ar-0")) as ch:
+                    call = ch.unary_stream(f"/{echo}/Stream")(
+                        health_pb2.HealthCheckRequest().SerializeToString(), timeout=5
+                    )
+                    await call.read()
+                    call.cancel()
+                await asyncio.sleep(0.2)
+            for _ in range(50):
+                gc.collect()
+                await asyncio.sleep(0.02)
+                if len(closed) == 5:
+                    break
+        finally:
+            await server.stop(0.1)
+
+    asyncio.run(body())
+    # Only a handler's own failures: grpc's poller may report unrelated EAGAINs to the handler.
+    failed = [str(e.get("exception")) for e in errors if "never retrieved" in str(e.get("message"))]
+    assert failed == []
+    assert closed == ["ar-0"] * 5
