@@ -50,6 +50,11 @@ _SEED_BITS: Final = 63
 MAX_DETACH_SECONDS: Final = 3600.0
 DEFAULT_LIST_PAGE_SIZE: Final = 100
 MAX_LIST_PAGE_SIZE: Final = 1000
+# A ListGenerations reply stops before this many bytes: gRPC's default receive limit, so any stock
+# client (grpcurl, another language's stub) can read it although retained prompts may be 1 MiB each.
+MAX_LIST_REPLY_BYTES: Final = 4 * 1024 * 1024
+# A repeated message field's tag and length prefix (a length below 2**28 takes at most 4 bytes).
+_LIST_ITEM_OVERHEAD: Final = 5
 
 # Built by name from the proto and checked both ways (broker/wire.py).
 _STATE = wire_enum(GenState, generation_pb2.GenerationState, "GENERATION_STATE_")
@@ -291,10 +296,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             states.append(_STATE_FROM_PB[value])
         # Above the maximum is coerced to it (AIP-158), 0 means the default.
         limit = min(request.page_size or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
-        snaps = self.orchestrator.list_generations(states, limit)
-        return generation_pb2.ListGenerationsResponse(
-            generations=[generation_to_proto(s, with_image=False) for s in snaps]
-        )
+        reply = generation_pb2.ListGenerationsResponse()
+        size = 0
+        for snap in self.orchestrator.list_generations(states, limit):
+            generation = generation_to_proto(snap, with_image=False)
+            size += generation.ByteSize() + _LIST_ITEM_OVERHEAD
+            if size > MAX_LIST_REPLY_BYTES:
+                break  # the newest that fit; one always does (two prompts of at most 1 MiB each)
+            reply.generations.append(generation)
+        return reply
 
 
 def add_generation_servicer(orchestrator: Orchestrator, server: grpc.aio.Server) -> GenerationServicer:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from kvrelay.errors import KvRelayServerError
-from kvrelay.v1 import generation_pb2
+from kvrelay.v1 import generation_pb2, generation_pb2_grpc
 
 from .harness import cluster, collect, error_info, png_size, request, run, wait_until
 
@@ -205,6 +205,34 @@ def test_list_generations_newest_first_filtered_without_images() -> None:
             assert error_info(exc.value)[2]["field"] == "states"
             c.ar.prefill_gate.set()
             assert (await collect(live))[-1].state == S.GENERATION_STATE_SUCCEEDED
+
+    run(body())
+
+
+def test_list_generations_fits_a_stock_clients_receive_limit() -> None:
+    """Retained prompts may be 1 MiB each (prompt and negative prompt): a default page of them
+    once failed every ListGenerations with RESOURCE_EXHAUSTED ("Sent message larger than max").
+    The reply stops before MAX_LIST_REPLY_BYTES (gRPC's default receive limit), newest first."""
+    from kvrelay.broker.generation import MAX_LIST_REPLY_BYTES
+
+    big = "n" * (1 << 20)
+
+    async def body() -> None:
+        async with cluster() as c:
+            for i in range(6):  # guidance 1.0: the negative prompt is kept, never tokenized
+                events = await collect(
+                    c.api.Generate(request(request_id=f"b{i}", guidance_scale=1.0, negative_prompt=big), timeout=10)
+                )
+                assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+            async with grpc.aio.insecure_channel(c.target) as stock:  # default options: 4 MiB replies
+                reply = await generation_pb2_grpc.GenerationServiceStub(stock).ListGenerations(
+                    S.ListGenerationsRequest(), timeout=5
+                )
+            assert reply.ByteSize() <= MAX_LIST_REPLY_BYTES
+            assert [g.request_id for g in reply.generations] == ["b5", "b4", "b3"]
+            assert all(g.params.negative_prompt == big for g in reply.generations)
+            one = await c.api.ListGenerations(S.ListGenerationsRequest(page_size=1), timeout=5)
+            assert [g.request_id for g in one.generations] == ["b5"]
 
     run(body())
 
