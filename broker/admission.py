@@ -314,6 +314,11 @@ class Admission:
             code, reason, message = reason_of(err)
             if code == "UNAVAILABLE" and reason == "UNAVAILABLE":
                 reason = "AR_UNAVAILABLE"
+            elif code == "DEADLINE_EXCEEDED" and (deadline is None or self._clock() < deadline):
+                # Our own bound passed, not the client's (a stopped or overloaded AR): retryable,
+                # nothing accepted. DEADLINE_EXCEEDED would tell the client its deadline passed.
+                code, reason = "UNAVAILABLE", "AR_UNAVAILABLE"
+                message = f"no answer within {timeout:g} s"
             raise KvRelayServerError(
                 grpc.StatusCode[code], reason, f"Tokenize on AR replica {ar_id}: {message}"
             ) from None

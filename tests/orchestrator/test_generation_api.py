@@ -237,6 +237,31 @@ def test_list_generations_fits_a_stock_clients_receive_limit() -> None:
     run(body())
 
 
+def test_an_ar_that_does_not_answer_tokenize_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stopped AR (SIGSTOP, still within its lease) once made Generate fail DEADLINE_EXCEEDED
+    after the broker's own Tokenize bound, long before the client's deadline: a code that tells
+    the client its deadline passed (and that the SDK does not retry). It is UNAVAILABLE /
+    AR_UNAVAILABLE, nothing is accepted, and the id is free for a retry."""
+    from kvrelay.broker import admission
+
+    monkeypatch.setattr(admission, "TOKENIZE_TIMEOUT_SECONDS", 0.3)
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.tokenize_gate.clear()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(c.api.Generate(request(request_id="tk", seed=1), timeout=20))
+            code, reason, _ = error_info(exc.value)
+            assert (code, reason) == (grpc.StatusCode.UNAVAILABLE, "AR_UNAVAILABLE")
+            assert "Tokenize on AR replica" in (exc.value.details() or "")
+            assert c.orchestrator.list_generations() == [] and c.ar.prefills == []
+            c.ar.tokenize_gate.set()
+            events = await collect(c.api.Generate(request(request_id="tk", seed=1), timeout=20))
+            assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+
+    run(body())
+
+
 def test_cancel_unknown_and_finished() -> None:
     async def body() -> None:
         async with cluster() as c:
