@@ -30,7 +30,7 @@ from kvrelay.broker.generations import (
     ImageResult,
     RequestEnded,
 )
-from kvrelay.broker.placement import check_ever_fits, choose_ar_replica
+from kvrelay.broker.placement import check_ever_fits, check_image_fits, choose_ar_replica
 from kvrelay.broker.tickets import Ticket
 from kvrelay.errors import KvRelayServerError, invalid_argument, reason_of
 from kvrelay.logging import bind_request, get_logger
@@ -331,6 +331,7 @@ class Admission:
             )
         check_rows_fit_the_ar(counts, reply.max_tokens)
         check_ever_fits(self.core, counts)
+        check_image_fits(self.core, params.width, params.height)
         return counts
 
 

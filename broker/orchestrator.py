@@ -177,7 +177,8 @@ class Orchestrator:
     # ================================================================= wiring
 
     def _place(self, job: GenerationJob) -> Ticket | None:
-        return place(self.core, job.request_id, job.token_counts)
+        params = job.record.params
+        return place(self.core, job.request_id, job.token_counts, params.width, params.height)
 
     def _start_pipeline(self, job: GenerationJob) -> asyncio.Task[None]:
         return asyncio.create_task(self._run_pipeline(job), name=f"generation-{job.request_id}")

@@ -16,7 +16,7 @@ import grpc
 
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import ErrorInfo, RequestEnded
-from kvrelay.broker.registry import ReplicaRole
+from kvrelay.broker.registry import ReplicaRole, ReplicaSpec
 from kvrelay.broker.tickets import BrokerError, ReplicaId, Ticket
 from kvrelay.errors import KvRelayServerError, invalid_argument
 from kvrelay.transfer.planner import cfg_group
@@ -33,17 +33,41 @@ def choose_ar_replica(core: BrokerCore) -> ReplicaId | None:
     return min(candidates)[1] if candidates else None
 
 
-def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int]) -> ReplicaId | None:
-    """The up, unfenced DiT replica with the most free pages that fits the rows now."""
+def takes_image(spec: ReplicaSpec, side: int) -> bool:
+    """Whether a DiT replica's model generates images `side` pixels wide or high."""
+    return not spec.max_image_side or side <= spec.max_image_side
+
+
+def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0) -> ReplicaId | None:
+    """The up, unfenced DiT replica with the most free pages that fits the rows now (and whose
+    model generates an image `image_side` pixels wide or high)."""
     best: tuple[int, str] | None = None
     for status in core.list_replicas(ReplicaRole.DIT):
         rid = status.spec.replica_id
-        if not status.up or status.fenced or not core.fits_now(rid, row_token_counts):
+        if not status.up or status.fenced or not takes_image(status.spec, image_side):
+            continue
+        if not core.fits_now(rid, row_token_counts):
             continue
         key = (-core.free_pages(rid), rid)
         if best is None or key < best:
             best = key
     return None if best is None else best[1]
+
+
+def check_image_fits(core: BrokerCore, width: int, height: int) -> None:
+    """Raise INVALID_ARGUMENT (IMAGE_TOO_LARGE, naming `width` or `height`) unless some up DiT
+    replica's model generates an image this large (BAGEL's position table covers 1024 pixels)."""
+    dits = [s for s in core.list_replicas(ReplicaRole.DIT) if s.up and not s.fenced]
+    side = max(width, height)
+    if not dits or any(takes_image(s.spec, side) for s in dits):
+        return  # no DiT at all is check_ever_fits' NO_DIT_REPLICA
+    largest = max(s.spec.max_image_side for s in dits)
+    too_large = invalid_argument(
+        "width" if width > largest else "height",
+        f"{width}x{height}: the DiT model generates at most {largest} pixels per side",
+    )
+    too_large.reason = "IMAGE_TOO_LARGE"
+    raise too_large
 
 
 def check_ever_fits(core: BrokerCore, counts: Sequence[int]) -> None:
@@ -74,7 +98,7 @@ def check_ever_fits(core: BrokerCore, counts: Sequence[int]) -> None:
     raise never
 
 
-def place(core: BrokerCore, request_id: str, token_counts: Sequence[int]) -> Ticket | None:
+def place(core: BrokerCore, request_id: str, token_counts: Sequence[int], width: int = 0, height: int = 0) -> Ticket | None:
     """A RESERVED ticket for this generation on the chosen replicas, or None: not now.
 
     Raises RequestEnded when it can never run (no DiT could ever hold it, or the chosen
@@ -85,12 +109,13 @@ def place(core: BrokerCore, request_id: str, token_counts: Sequence[int]) -> Tic
         # by request_id, so this one waits until that ticket is released.
         return None
     ar_id = choose_ar_replica(core)
-    dit_id = choose_dit_replica(core, token_counts)
+    dit_id = choose_dit_replica(core, token_counts, max(width, height))
     if dit_id is None:
         try:
             # The DiT replicas may have changed since admission (one restarted smaller): a
             # head that can no longer fit any of them would block the whole queue.
             check_ever_fits(core, token_counts)
+            check_image_fits(core, width, height)
         except KvRelayServerError as err:
             if err.code is grpc.StatusCode.INVALID_ARGUMENT:
                 raise RequestEnded(ErrorInfo(err.code.name, err.reason, err.message)) from None

@@ -57,6 +57,8 @@ class ReplicaSpec:
     transport: str = "mooncake"
     stage_id: int = 0
     max_num_seqs: int = 1
+    # DiT: the largest image width or height its model generates (0 = no limit of its own).
+    max_image_side: int = 0
 
     @property
     def head_shards(self) -> int:
@@ -82,6 +84,7 @@ class ReplicaSpec:
             ],
             "num_pages": self.num_pages, "max_tokens": self.max_tokens, "transport": self.transport,
             "stage_id": self.stage_id, "max_num_seqs": self.max_num_seqs,
+            "max_image_side": self.max_image_side,
         }  # fmt: skip
 
     @classmethod
@@ -98,6 +101,7 @@ class ReplicaSpec:
             ),
             num_pages=d["num_pages"], max_tokens=d["max_tokens"], transport=d["transport"],
             stage_id=d["stage_id"], max_num_seqs=d["max_num_seqs"],
+            max_image_side=d.get("max_image_side", 0),  # journals written before it
         )  # fmt: skip
 
 

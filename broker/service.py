@@ -150,6 +150,7 @@ def spec_from_proto(pb: broker_pb2.ReplicaInfo) -> ReplicaSpec:
         transport=_TRANSPORT_FROM_PB.get(pb.transport, "mooncake"),
         stage_id=pb.stage_id,
         max_num_seqs=pb.max_num_seqs or 1,
+        max_image_side=pb.max_image_side,
     )
 
 
@@ -184,6 +185,7 @@ def replica_to_proto(s: ReplicaStatus) -> broker_pb2.ReplicaInfo:
         transport=_TRANSPORT_TO_PB.get(spec.transport, common_pb2.TRANSPORT_KIND_UNSPECIFIED),
         stage_id=spec.stage_id,
         max_num_seqs=spec.max_num_seqs,
+        max_image_side=spec.max_image_side,
         up=s.up,
         fenced=s.fenced,
         lease_expire_time=_timestamp(s.lease_expire_time),

@@ -17,7 +17,7 @@ import contextlib
 import os
 import sys
 
-from kvrelay.config import ConfigError, KvRelayConfig, load_config
+from kvrelay.config import ConfigError, KvRelayConfig, ModelConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.server import GrpcServer
 from kvrelay.v1 import dit_pb2, dit_pb2_grpc
@@ -44,6 +44,22 @@ class _Stopper:
 
     def clean_stop(self) -> None:
         self.event.set()
+
+
+def model_max_image_side(model: ModelConfig) -> int:
+    """The largest width or height in pixels a stage's model generates, registered so the broker
+    refuses a larger image at admission (INVALID_ARGUMENT) instead of the DiT failing it: a
+    BAGEL-format model's latent position table covers `max_latent_size` patches per side (1024
+    pixels for BAGEL-7B and the demo); 0 for the presets (2D sin-cos positions: no limit)."""
+    from kvrelay.models.bagel import load_bagel_config
+    from kvrelay.models.formats import BAGEL_FORMATS, model_dir
+
+    if model.format not in BAGEL_FORMATS:
+        return 0
+    directory = model_dir(model)
+    assert directory is not None
+    bagel = load_bagel_config(directory, dtype=model.dtype)
+    return bagel.max_latent_size * bagel.latent_downsample
 
 
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
@@ -169,7 +185,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             replica_id=replica_id, incarnation_id=incarnation_id, endpoint=endpoint, stage_id=stage.stage_id,
             geometry=geometry, tensor_parallel_size=stage.tensor_parallel_size,
             sequence_parallel_size=stage.sequence_parallel_size, cfg_parallel_size=stage.cfg_parallel_size,
-            num_pages=memory.num_pages,
+            num_pages=memory.num_pages, max_image_side=model_max_image_side(stage.model),
             max_num_seqs=stage.max_num_seqs, transport=stage.transport, regions=regions,
         )
         registration = Registration(

@@ -60,6 +60,8 @@ class DitReplicaInfo:
     regions: tuple[RegionDescriptor, ...]
     # CFG groups of tp * sp ranks each (regions: one per rank of every group).
     cfg_parallel_size: int = 1
+    # The largest image width or height the model generates (0 = no limit of its own).
+    max_image_side: int = 0
 
     def to_proto(self) -> broker_pb2.ReplicaInfo:
         return broker_pb2.ReplicaInfo(
@@ -79,6 +81,7 @@ class DitReplicaInfo:
             transport=_TRANSPORT_KIND[self.transport],
             stage_id=self.stage_id,
             max_num_seqs=self.max_num_seqs,
+            max_image_side=self.max_image_side,
         )
 
 

@@ -39,7 +39,7 @@ TICKET_OUTCOME_TIMED_OUT: TicketOutcome
 TICKET_OUTCOME_FAILED: TicketOutcome
 
 class ReplicaInfo(_message.Message):
-    __slots__ = ("replica_id", "role", "incarnation_id", "layout_version", "version", "endpoint", "regions", "geometry", "parallelism", "num_pages", "max_tokens", "transport", "stage_id", "max_num_seqs", "up", "fenced", "lease_expire_time")
+    __slots__ = ("replica_id", "role", "incarnation_id", "layout_version", "version", "endpoint", "regions", "geometry", "parallelism", "num_pages", "max_tokens", "transport", "stage_id", "max_num_seqs", "up", "fenced", "lease_expire_time", "max_image_side")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ReplicaInfo(_message.Message):
     UP_FIELD_NUMBER: _ClassVar[int]
     FENCED_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_SIDE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: _common_pb2.ReplicaRole
     incarnation_id: str
@@ -74,7 +75,8 @@ class ReplicaInfo(_message.Message):
     up: bool
     fenced: bool
     lease_expire_time: _timestamp_pb2.Timestamp
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ReplicaRole, str]] = ..., incarnation_id: _Optional[str] = ..., layout_version: _Optional[int] = ..., version: _Optional[str] = ..., endpoint: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., parallelism: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., num_pages: _Optional[int] = ..., max_tokens: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportKind, str]] = ..., stage_id: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., up: bool = ..., fenced: bool = ..., lease_expire_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    max_image_side: int
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ReplicaRole, str]] = ..., incarnation_id: _Optional[str] = ..., layout_version: _Optional[int] = ..., version: _Optional[str] = ..., endpoint: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., parallelism: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., num_pages: _Optional[int] = ..., max_tokens: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportKind, str]] = ..., stage_id: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., up: bool = ..., fenced: bool = ..., lease_expire_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., max_image_side: _Optional[int] = ...) -> None: ...
 
 class RegisterReplicaRequest(_message.Message):
     __slots__ = ("replica", "token", "unresolved_writes", "held_ticket_ids")

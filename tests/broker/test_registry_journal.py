@@ -115,6 +115,31 @@ def test_choose_dit_prefers_most_free_pages() -> None:
     assert choose_dit_replica(core, [16 * 17]) is None
 
 
+def test_choose_dit_takes_only_a_replica_whose_model_generates_the_image(tmp_path: Path) -> None:
+    """ReplicaSpec.max_image_side (BAGEL's position table: 1024 pixels): a larger image goes only
+    to a DiT without that limit; none left is IMAGE_TOO_LARGE naming the side. The side survives a
+    broker restart (the journal)."""
+    from kvrelay.broker.placement import check_image_fits
+    from kvrelay.errors import KvRelayServerError
+
+    core = make_core(tmp_path / "j.sqlite", ManualClock())
+    core.register_replica(ar_spec())
+    core.register_replica(dit_spec("dit-0", num_pages=32, max_image_side=1024))
+    core.register_replica(dit_spec("dit-1", num_pages=16))
+    assert choose_dit_replica(core, [16], 1024) == "dit-0"  # the most free pages
+    assert choose_dit_replica(core, [16], 2048) == "dit-1"
+    check_image_fits(core, 2048, 2048)
+    core.deregister_replica("dit-1", core.get_replica("dit-1").spec.incarnation_id)
+    assert choose_dit_replica(core, [16], 2048) is None
+    with pytest.raises(KvRelayServerError) as err:
+        check_image_fits(core, 512, 2048)
+    assert (err.value.reason, err.value.metadata["field"]) == ("IMAGE_TOO_LARGE", "height")
+    core.close()
+    again = make_core(tmp_path / "j.sqlite", ManualClock())
+    assert {s.spec.replica_id: s.spec.max_image_side for s in again.list_replicas()}["dit-0"] == 1024
+    again.close()
+
+
 # -------------------------------------------------------------------- journal
 
 

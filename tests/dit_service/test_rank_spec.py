@@ -152,3 +152,16 @@ def test_a_demo_rank_runs_its_generation_expert_in_fp8(repo_root: Path) -> None:
             handler.close()
         memory.close()
         control.close()
+
+
+def test_the_dit_registers_its_models_largest_image_side() -> None:
+    """What `kvrelay dit` registers as ReplicaInfo.max_image_side (the broker refuses a larger
+    image at admission): the demo's BAGEL-format position table covers 16 latent patches of 64
+    pixels per side; a preset's sin-cos positions have no limit of their own (0)."""
+    from kvrelay.dit_service.main import model_max_image_side
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = parse_config(yaml.safe_load((repo / "configs/single-node.yaml").read_text()))
+    assert model_max_image_side(cfg.dit_stage.model) == 1024
+    preset = cfg.dit_stage.model.model_copy(update={"format": "kvrelay", "preset": "tiny"})
+    assert model_max_image_side(preset) == 0

@@ -284,6 +284,8 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         self.transfer_timeout = transfer_timeout
         self.step_seconds = step_seconds
         self.endpoint = ""
+        # Registered as ReplicaInfo.max_image_side (0 = no limit of the model's own).
+        self.max_image_side = 0
         # Cleared = hold before the first step (DENOISING 0/n).
         self.step_gate = _opened()
         self.denoise_started = asyncio.Event()
@@ -336,6 +338,7 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
             num_pages=self.memory.num_pages,
             transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
             stage_id=1,
+            max_image_side=self.max_image_side,
         )
         await self.broker.RegisterReplica(
             broker_pb2.RegisterReplicaRequest(replica=info), timeout=RPC_TIMEOUT

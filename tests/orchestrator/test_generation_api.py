@@ -262,6 +262,33 @@ def test_an_ar_that_does_not_answer_tokenize_is_unavailable(monkeypatch: pytest.
     run(body())
 
 
+def test_an_image_larger_than_the_dit_model_takes_is_invalid_argument() -> None:
+    """The API allows sides up to 2048, but BAGEL's (and the demo's) latent position table covers
+    1024 pixels: a 2048x2048 request once passed admission and failed INTERNAL (DENOISE_FAILED) in
+    the DiT. The DiT registers its model's largest side and admission refuses a larger image,
+    naming the side, before anything is accepted."""
+    import uuid
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.dit.max_image_side = 1024
+            c.dit.incarnation_id = uuid.uuid4().hex  # a DiT process (re)starting with that model
+            await c.dit.register()
+            for fields, field in (({"width": 2048, "height": 512}, "width"), ({"height": 1040}, "height")):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await collect(c.api.Generate(request(**fields), timeout=10))
+                code, reason, metadata = error_info(exc.value)
+                assert (code, reason, metadata["field"]) == (grpc.StatusCode.INVALID_ARGUMENT, "IMAGE_TOO_LARGE", field)
+                assert "at most 1024 pixels per side" in (exc.value.details() or "")
+            assert c.orchestrator.list_generations() == [] and c.ar.prefills == []
+            events = await collect(c.api.Generate(request(width=1024, height=1024), timeout=10))
+            assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+            (status,) = [s for s in c.core.list_replicas() if s.spec.replica_id == "dit-0"]
+            assert status.spec.max_image_side == 1024
+
+    run(body())
+
+
 def test_cancel_unknown_and_finished() -> None:
     async def body() -> None:
         async with cluster() as c:
