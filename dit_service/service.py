@@ -412,10 +412,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                  decode_ms=round(result.decode_seconds * 1e3, 2),
                                  rank_idle_ms=round(result.idle_seconds * 1e3, 2))
                         # Release before the final event: the caller may act on DECODED at once (and
-                        # tests check the pool right after it).
+                        # tests check the pool right after it). A task of its own, awaited shielded:
+                        # a caller cancelling now (the broker ending the generation just as its image
+                        # is made) must not cut the ReleaseTicket off half-way, which left the ticket
+                        # CONSUMING, its pages reserved for good.
                         outcome, reason = "OK", ""
+                        releasing = asyncio.ensure_future(self._release(ticket_id, "OK", ""))
+                        self.inflight.add(releasing)
+                        releasing.add_done_callback(self.inflight.discard)
                         release = False
-                        await self._release(ticket_id, "OK", "")
+                        await asyncio.shield(releasing)
                         finished = (result, load_seconds, loaded_bytes)
                     finally:
                         self.s.metrics.active.dec()
