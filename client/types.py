@@ -254,6 +254,8 @@ class Replica:
     lease_expire_time: _dt.datetime | None
     # CFG-parallel DiT: groups of tp * sp ranks, group g computing CFG row g (1 = none).
     cfg_parallel_size: int = 1
+    # DiT: the largest image width or height its model generates (0 = only the API's bound).
+    max_image_side: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -430,6 +432,7 @@ def replica_from_pb(msg: broker_pb2.ReplicaInfo) -> Replica:
         tensor_parallel_size=par.tensor_parallel_size or 1,
         sequence_parallel_size=par.sequence_parallel_size or 1,
         cfg_parallel_size=par.cfg_parallel_size or 1,
+        max_image_side=msg.max_image_side,
         max_num_seqs=msg.max_num_seqs,
         num_pages=msg.num_pages,
         max_tokens=msg.max_tokens,

@@ -3,11 +3,13 @@
 # broker + 1 AR + 1 DiT on CPU, KV over Mooncake TCP), generate one image, stop the node.
 # Usage: scripts/quickstart.sh ["prompt"] [output.png]   (KVRELAY_CONFIG=... picks another config)
 set -euo pipefail
+prompt="${1:-a red circle on a blue background, top left}"
+out="${2:-out.png}"
+# A relative output path is the caller's, not the repository's (resolved before the cd below).
+[[ "$out" = /* ]] || out="$PWD/$out"
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
-prompt="${1:-a red circle on a blue background, top left}"
-out="${2:-out.png}"
 config="${KVRELAY_CONFIG:-configs/single-node.yaml}"
 mkdir -p .kvrelay/logs
 

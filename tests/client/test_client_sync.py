@@ -415,6 +415,7 @@ def test_status_reads_decode_into_dataclasses(client: KvRelayClient, harness: Ha
             transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
             stage_id=1,
             up=True,
+            max_image_side=1024,
         )
     ]
     harness.pools = [
@@ -442,6 +443,7 @@ def test_status_reads_decode_into_dataclasses(client: KvRelayClient, harness: Ha
         2,
     )
     assert replica.geometry is not None and replica.geometry.dtype == "bfloat16"
+    assert replica.max_image_side == 1024
     assert client.get_pools() == [PoolStatus("dit-0", 100, 90, 6, 4, False)]
     with pytest.raises(KvRelayError) as info:
         client.get_pools("dit-9")
