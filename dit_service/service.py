@@ -738,7 +738,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         if self._state is None:
             await abort_with(context, _NOT_READY)
         s = self.s
-        allowed: dict[tuple[str, int], tuple[list[tuple[int, int]], frozenset[int]]] = {}
+        allowed: dict[tuple[str, int], tuple[list[tuple[int, int]], frozenset[tuple[int, int]]]] = {}
         received = chunks = 0
         per_rank: dict[int, int] = {}
         try:
@@ -751,12 +751,18 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 if found is None:
                     found = await self._allowed_ranges(chunk.ticket_id, chunk.row)
                     allowed[key] = found
-                ranges, ranks = found
+                ranges, pairs = found
+                ranks = {dst for _, dst in pairs}
                 if chunk.dst_rank not in ranks:
                     # A CFG-parallel rank holds no pages for the other group's row: same page ids,
                     # another row's memory.
                     raise invalid_argument("dst_rank", f"ticket {chunk.ticket_id} plans no write of row {chunk.row} "
                                            f"to rank {chunk.dst_rank} (ranks {sorted(ranks)})")
+                if (chunk.src_rank, chunk.dst_rank) not in pairs:
+                    srcs = sorted(src for src, dst in pairs if dst == chunk.dst_rank)
+                    raise invalid_argument("src_rank", f"ticket {chunk.ticket_id} plans no write of row {chunk.row} "
+                                           f"from rank {chunk.src_rank} to rank {chunk.dst_rank} "
+                                           f"(source ranks {srcs})")
                 region = s.memory.region(chunk.dst_rank)
                 try:
                     landed = apply_put_kv(region, chunk, len(region), ranges)
@@ -771,10 +777,12 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             s.metrics.transfer_bytes.labels(str(rank), "grpc_received").inc(landed)
         return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
 
-    async def _allowed_ranges(self, ticket_id: str, row: int) -> tuple[list[tuple[int, int]], frozenset[int]]:
-        """Byte ranges of the pages the broker reserved for (ticket, row), and the ranks its plan
-        writes that row to; the ticket must be ours and armed, and not released (its pages may
-        belong to another ticket by now)."""
+    async def _allowed_ranges(
+        self, ticket_id: str, row: int
+    ) -> tuple[list[tuple[int, int]], frozenset[tuple[int, int]]]:
+        """Byte ranges of the pages the broker reserved for (ticket, row), and the (source rank,
+        destination rank) pairs of its plan's writes of that row; the ticket must be ours and
+        armed, and not released (its pages may belong to another ticket by now)."""
         ticket = await self._get_ticket(ticket_id)
         if ticket.dit_replica_id != self.s.replica_id:
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
@@ -785,8 +793,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                      f"{'' if ticket.armed else ' and not armed'}: no write may land in its pages")
         for r in ticket.rows:
             if r.row == row:
-                ranks = frozenset(w.dst_rank for w in ticket.writes if w.row == row)
-                return self.s.memory.page_ranges(tuple(r.page_ids)), ranks
+                pairs = frozenset((w.src_rank, w.dst_rank) for w in ticket.writes if w.row == row)
+                return self.s.memory.page_ranges(tuple(r.page_ids)), pairs
         raise invalid_argument("row", f"ticket {ticket_id} has no row {row}")
 
 

@@ -82,6 +82,7 @@ def test_putkv_fallback_end_to_end_and_bounds(tmp_path: Path) -> None:
                         "past the pool": dict(row=0, dst_offset=1 << 40),
                         "unknown row": dict(row=5, dst_offset=row0[0] * page_bytes),
                         "unknown rank": dict(row=0, dst_rank=3, dst_offset=row0[0] * page_bytes),
+                        "unknown source rank": dict(row=0, src_rank=2, dst_offset=row0[0] * page_bytes),
                     }
                     for name, fields in cases.items():
                         bad = dit_pb2.PutKvRequest(ticket_id=ticket.ticket_id, data=b"\x02" * 64,
@@ -89,6 +90,8 @@ def test_putkv_fallback_end_to_end_and_bounds(tmp_path: Path) -> None:
                         with pytest.raises(grpc.aio.AioRpcError) as info:
                             await _put(stub, [inside, bad])
                         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                        if name == "unknown source rank":
+                            assert "from rank 2 to rank 0 (source ranks [0])" in (info.value.details() or "")
 
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await _put(stub, [dit_pb2.PutKvRequest(ticket_id="no-such-ticket", data=b"x")])
