@@ -31,6 +31,7 @@ from kvrelay.broker.generations import (
     RequestEnded,
 )
 from kvrelay.broker.placement import check_ever_fits, check_image_fits, choose_ar_replica
+from kvrelay.broker.registry import ReplicaSpec
 from kvrelay.broker.tickets import Ticket
 from kvrelay.errors import KvRelayServerError, invalid_argument, reason_of
 from kvrelay.logging import bind_request, get_logger
@@ -64,6 +65,20 @@ class GenerationReporter(Protocol):
         persist: bool = True,
     ) -> None:
         """The generation's terminal state (once; later calls are no-ops)."""
+
+
+def note_connection_failure(
+    core: BrokerCore, channels: ChannelCache, spec: ReplicaSpec, err: grpc.aio.AioRpcError
+) -> None:
+    """A call to replica `spec` failed: if it never reached the replica (UNAVAILABLE without a
+    kvrelay reason: connection refused or reset, no route), drop the channel and keep the replica
+    out of placement until its next heartbeat (`BrokerCore.mark_unreachable`). An error the
+    replica itself answered with (it carries a reason) proves it reachable."""
+    code, reason, message = reason_of(err)
+    if code != "UNAVAILABLE" or reason != "UNAVAILABLE":
+        return
+    channels.forget(spec.endpoint)
+    core.mark_unreachable(spec.replica_id, spec.incarnation_id, message)
 
 
 @dataclass(eq=False)
@@ -300,8 +315,9 @@ class Admission:
         """Tokenize the rows and check they fit the AR and some DiT: token counts per row."""
         ar_id = choose_ar_replica(self.core)
         if ar_id is None:
-            raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NO_AR_REPLICA", "no AR replica is up")
-        endpoint = self.core.get_replica(ar_id).spec.endpoint
+            raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "NO_AR_REPLICA", "no AR replica is up and reachable")
+        spec = self.core.get_replica(ar_id).spec
+        endpoint = spec.endpoint
         timeout = TOKENIZE_TIMEOUT_SECONDS
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - self._clock()))
@@ -311,6 +327,7 @@ class Admission:
                 ar_pb2.TokenizeRequest(texts=list(rows)), timeout=timeout
             )
         except grpc.aio.AioRpcError as err:
+            note_connection_failure(self.core, self.channels, spec, err)
             code, reason, message = reason_of(err)
             if code == "UNAVAILABLE" and reason == "UNAVAILABLE":
                 reason = "AR_UNAVAILABLE"

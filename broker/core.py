@@ -218,6 +218,11 @@ class BrokerCore:
             if err.reason == "STALE_INCARNATION":
                 log.warning("stale_incarnation_heartbeat_ignored", replica_id=replica_id, incarnation=incarnation_id)
             raise
+        if record.unreachable:
+            # The process is alive again (or was all along, behind a path that failed): placeable.
+            record.unreachable = False
+            log.info("replica_reachable", replica_id=replica_id, incarnation=incarnation_id)
+            self.waiters.notify_change()
         listed = list(unresolved_writes)
         if listed:
             # Informational only: absence from this list is no proof (a ReserveTicket answer may
@@ -242,6 +247,21 @@ class BrokerCore:
         record.deregistered = True
         self._commit((), [record])
         log.info("replica_deregistered", replica_id=replica_id, incarnation=incarnation_id)
+
+    def mark_unreachable(self, replica_id: ReplicaId, incarnation_id: str, message: str) -> bool:
+        """A call the broker made to this incarnation failed to connect: no new tickets go to it
+        until its next heartbeat proves it alive (placement reads `ReplicaStatus.reachable`).
+
+        Without this, a killed replica kept its lease for up to `lease_seconds`, and a placement
+        that prefers the least-loaded replica sent it nearly every request (each failed in
+        milliseconds, so it always looked idle). Not a fence and not proof of anything: tickets
+        and pages are untouched. Returns whether the replica was newly marked."""
+        record = self.registry.find(replica_id)
+        if record is None or record.spec.incarnation_id != incarnation_id or record.unreachable:
+            return False
+        record.unreachable = True
+        log.warning("replica_unreachable", replica_id=replica_id, incarnation=incarnation_id, message=message)
+        return True
 
     def fence_replica(self, replica_id: ReplicaId, reason: str) -> None:
         """A broken invariant for this replica: no new tickets; its heartbeats say fenced."""

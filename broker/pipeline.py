@@ -22,9 +22,10 @@ from typing import Any
 import grpc
 from google.protobuf import timestamp_pb2
 
-from kvrelay.broker.admission import GenerationJob, GenerationReporter
+from kvrelay.broker.admission import GenerationJob, GenerationReporter, note_connection_failure
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import ErrorInfo, GenState, ImageResult, RequestEnded
+from kvrelay.broker.registry import ReplicaSpec
 from kvrelay.broker.service import plan_to_proto
 from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
 from kvrelay.errors import reason_of
@@ -150,9 +151,9 @@ class StagePipeline:
             timeout=self.denoise_timeout if remaining is None else max(0.0, remaining),
             metadata=metadata,
         )
-        prefill = asyncio.create_task(self._prefill(prefill_call, ar.replica_id), name="prefill")
+        prefill = asyncio.create_task(self._prefill(prefill_call, ar), name="prefill")
         denoise = asyncio.create_task(
-            self._denoise(job, denoise_call, dit.replica_id, placed_at, timings), name="denoise"
+            self._denoise(job, denoise_call, dit, placed_at, timings), name="denoise"
         )
         watch = asyncio.create_task(self._watch_transfer(job, ticket.ticket_id), name="watch-ticket")
         stages_done = False
@@ -207,16 +208,18 @@ class StagePipeline:
         if prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), RequestEnded):
             prefill.result()
 
-    async def _prefill(self, call: Any, replica_id: str) -> ar_pb2.PrefillResponse:
+    async def _prefill(self, call: Any, spec: ReplicaSpec) -> ar_pb2.PrefillResponse:
         try:
             reply: ar_pb2.PrefillResponse = await call
         except grpc.aio.AioRpcError as err:
-            raise RequestEnded(stage_error(err, "Prefill", "AR", replica_id)) from None
+            note_connection_failure(self.core, self.channels, spec, err)
+            raise RequestEnded(stage_error(err, "Prefill", "AR", spec.replica_id)) from None
         return reply
 
     async def _denoise(
-        self, job: GenerationJob, call: Any, replica_id: str, placed_at: float, timings: dict[str, float]
+        self, job: GenerationJob, call: Any, spec: ReplicaSpec, placed_at: float, timings: dict[str, float]
     ) -> ImageResult:
+        replica_id = spec.replica_id
         record = job.record
         total = record.params.num_inference_steps
         advance = self.reporter.advance
@@ -258,6 +261,7 @@ class StagePipeline:
                         seed=record.params.seed,
                     )
         except grpc.aio.AioRpcError as err:
+            note_connection_failure(self.core, self.channels, spec, err)
             raise RequestEnded(stage_error(err, "Denoise", "DiT", replica_id)) from None
         raise RequestEnded(
             ErrorInfo(

@@ -1,9 +1,9 @@
 """Placement: which AR and which DiT replica serve one generation, and whether any ever can.
 
-Owns the choice of replicas for a queued generation (the up, unfenced AR with the fewest live
-tickets; the up, unfenced DiT with the most free pages that fits every row now), the check
-that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that choice into a
-ticket (`BrokerCore.create_ticket`, which reserves the pages and plans the transfer once).
+Owns the choice of replicas for a queued generation (the up, unfenced, reachable AR with the
+fewest live tickets; the up, unfenced, reachable DiT with the most free pages that fits every
+row now), the check that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that
+choice into a ticket (`BrokerCore.create_ticket`, which reserves the pages and plans the transfer once).
 Reads replicas, pools and tickets only through BrokerCore; never reserves a page itself, never
 orders the queue (FIFO is the queue's rule, admission.py) and never talks to a replica.
 """
@@ -23,12 +23,12 @@ from kvrelay.transfer.planner import cfg_group
 
 
 def choose_ar_replica(core: BrokerCore) -> ReplicaId | None:
-    """The up, unfenced AR replica with the fewest live tickets."""
+    """The up, unfenced, reachable AR replica with the fewest live tickets."""
     load = core.live_tickets_per_ar()
     candidates = [
         (load.get(s.spec.replica_id, 0), s.spec.replica_id)
         for s in core.list_replicas(ReplicaRole.AR)
-        if s.up and not s.fenced
+        if s.up and not s.fenced and s.reachable
     ]
     return min(candidates)[1] if candidates else None
 
@@ -39,12 +39,12 @@ def takes_image(spec: ReplicaSpec, side: int) -> bool:
 
 
 def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0) -> ReplicaId | None:
-    """The up, unfenced DiT replica with the most free pages that fits the rows now (and whose
-    model generates an image `image_side` pixels wide or high)."""
+    """The up, unfenced, reachable DiT replica with the most free pages that fits the rows now
+    (and whose model generates an image `image_side` pixels wide or high)."""
     best: tuple[int, str] | None = None
     for status in core.list_replicas(ReplicaRole.DIT):
         rid = status.spec.replica_id
-        if not status.up or status.fenced or not takes_image(status.spec, image_side):
+        if not status.up or status.fenced or not status.reachable or not takes_image(status.spec, image_side):
             continue
         if not core.fits_now(rid, row_token_counts):
             continue

@@ -115,6 +115,9 @@ class ReplicaRecord:
     # Restored from the journal after a broker restart: the replica must register again
     # (same incarnation: reconcile; new one: the old process is proven gone).
     needs_registration: bool = False
+    # A call the broker made to it failed to connect (refused, reset, no route) since its last
+    # heartbeat. Placement only, never journaled: a lease or a fence is what ownership rules read.
+    unreachable: bool = False
 
     def up(self, now: float) -> bool:
         return not self.deregistered and not self.needs_registration and now < self.lease_expire_time
@@ -149,6 +152,9 @@ class ReplicaStatus:
     fence_reason: str
     lease_expire_time: float
     deregistered: bool
+    # False from a failed connection to it (the broker's own call) until its next heartbeat:
+    # placement skips it meanwhile (`BrokerCore.mark_unreachable`).
+    reachable: bool = True
 
 
 class Registration(enum.Enum):
@@ -308,4 +314,5 @@ class ReplicaRegistry:
             fence_reason=record.fence_reason,
             lease_expire_time=record.lease_expire_time,
             deregistered=record.deregistered,
+            reachable=not record.unreachable,
         )

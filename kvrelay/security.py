@@ -13,6 +13,7 @@ which hands its checks to the interceptor.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import enum
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 # (<= 1 MiB each). Both limits are set explicitly on every channel and server.
 MAX_REPLY_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# How long calls still running on a channel dropped by `ChannelCache.forget` may go on: a
+# failed connection rarely leaves a healthy call behind, but a long Denoise stream may be one.
+FORGOTTEN_CHANNEL_GRACE_S = 600.0
 # Longest id (replica, ticket, request, incarnation) any RPC accepts.
 MAX_ID_CHARS = 256
 
@@ -432,23 +436,45 @@ class ChannelCache:
     """One grpc.aio channel per target, all dialed with one `ChannelSecurity` (`make_channel`).
 
     For a caller that reaches many peers by address, again and again (the broker dialing its AR
-    and DiT replicas' endpoints): a channel is opened on first use and kept until `close`.
+    and DiT replicas' endpoints): a channel is opened on first use and kept until `close`, or
+    until `forget` drops it after a failed connection.
     Single-threaded: one event loop is its only caller.
     """
 
     def __init__(self, security: ChannelSecurity | None = None) -> None:
         self._security = security
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Forgotten channels still closing (their running calls get a grace period).
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def get(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            channel = make_channel(target, self._security)
+            # A local subchannel pool: by default channels to one target share gRPC's global
+            # subchannel, backoff included, and a fresh channel would inherit the failed one's.
+            channel = make_channel(target, self._security, options=[("grpc.use_local_subchannel_pool", 1)])
             self._channels[target] = channel
         return channel
 
+    def forget(self, target: str, grace_s: float = FORGOTTEN_CHANNEL_GRACE_S) -> None:
+        """Drop the channel to `target` after a call on it failed to connect; the next `get`
+        dials afresh. A channel whose connection failed waits out gRPC's reconnect backoff
+        (growing to 2 minutes) and fails every call at once meanwhile, so a replica restarted
+        at the same address stayed unreachable long after it was serving. Calls still running
+        on the old channel get `grace_s` to finish before it closes."""
+        channel = self._channels.pop(target, None)
+        if channel is None:
+            return
+        task = asyncio.get_running_loop().create_task(channel.close(grace_s))
+        self._closing[task] = channel
+        task.add_done_callback(lambda t: self._closing.pop(t, None))
+
     async def close(self) -> None:
         """Close every channel (their calls end CANCELLED); a later `get` dials again."""
+        for task, channel in list(self._closing.items()):
+            task.cancel()
+            await channel.close()
+        self._closing.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

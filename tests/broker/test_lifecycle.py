@@ -702,3 +702,25 @@ def test_cfg_parallel_dit_ticket_reserves_moves_and_loads_each_row_only_on_its_g
         core.report_load(second.ticket_id, 0, 2, replica_id=dit.replica_id, incarnation_id=dit.incarnation_id,
                          verified={})
     assert core.get_replica(dit.replica_id).fenced
+
+
+def test_an_unreachable_replica_leaves_placement_until_its_next_heartbeat(core, ar, dit) -> None:
+    """`mark_unreachable` (a broker call failed to connect) is placement only: no lease, fence,
+    ticket or page changes; the replica's next heartbeat, or a new incarnation, lifts it."""
+    ticket = core.create_ticket("r1", ar.replica_id, dit.replica_id, [16])
+    assert not core.mark_unreachable(dit.replica_id, "another-incarnation", "refused")  # stale: ignored
+    assert core.get_replica(dit.replica_id).reachable
+    assert core.mark_unreachable(dit.replica_id, dit.incarnation_id, "connection refused")
+    assert not core.mark_unreachable(dit.replica_id, dit.incarnation_id, "again")  # once
+    status = core.get_replica(dit.replica_id)
+    assert status.up and not status.fenced and not status.reachable
+    assert choose_dit_replica(core, [16]) is None
+    assert core.get_ticket(ticket.ticket_id).state is TicketState.RESERVED
+    core.heartbeat(dit.replica_id, dit.incarnation_id)
+    assert choose_dit_replica(core, [16]) == dit.replica_id
+
+    assert core.mark_unreachable(ar.replica_id, ar.incarnation_id, "connection reset")
+    assert choose_ar_replica(core) is None
+    restarted = new_incarnation(ar)
+    core.register_replica(restarted)
+    assert choose_ar_replica(core) == ar.replica_id
