@@ -8,7 +8,8 @@ Facts about the engine this module relies on (mooncake-transfer-engine 0.3.13, v
 experiment, see docs/transfer.md):
 - Under P2PHANDSHAKE `initialize(host, ...)` ignores any port in `host` and listens on a random
   RPC port (`get_rpc_port()`) plus a random TCP data port, on all interfaces: every process
-  start gets fresh ports, and `MC_TCP_BIND_ADDRESS` narrows the interface.
+  start gets fresh ports. `MC_TCP_BIND_ADDRESS` narrows neither listener, and the address peers
+  dial is the `hostname` given to `initialize` (the stage's `advertise_host`), whatever it says.
 - `batch_transfer_sync_write(session, src_addrs, dst_addrs, lengths)` returns 0 or -1 and
   releases the GIL; it rejects a whole batch past MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER (1024)
   segments, a destination outside the peer's registered memory, and an unreachable peer.
@@ -109,9 +110,10 @@ class MooncakeEndpoint:
         # peer's recent goodput predicts before the (spinning) wait; 0 = the plain sync call.
         self.sleep_fraction = sleep_fraction
         self._goodput: dict[str, float] = {}
-        # Mooncake has no authentication: its listeners bind the interface peers use to reach
-        # this process (the advertised host), never every interface. An explicit
-        # MC_TCP_BIND_ADDRESS in the environment wins.
+        # Set for the engine's sake (an explicit MC_TCP_BIND_ADDRESS wins), but it is no guard:
+        # measured in network namespaces, the listeners stay on every interface and peers reach
+        # the advertised host even with it set to another address. Mooncake has no
+        # authentication: firewall its ports (docs/operations.md, Security).
         self.bind_address = os.environ.setdefault("MC_TCP_BIND_ADDRESS", _bind_address(hostname))
         # The engine caches a peer's segment descriptor (its data port, its registered memory)
         # under the peer's session name "host:rpc_port" and never refreshes it; ports come from
