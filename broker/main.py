@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import sqlite3
 import sys
 from pathlib import Path
 
@@ -45,16 +46,22 @@ async def serve(
 ) -> None:
     b = cfg.broker
     creds = credentials if credentials is not None else load_credentials(cfg.security)
-    if b.journal_path:
-        Path(b.journal_path).parent.mkdir(parents=True, exist_ok=True)
-    core = BrokerCore(
-        b.journal_path,
-        lease_seconds=b.lease_seconds,
-        drain_quiet_seconds=b.drain_quiet_seconds,
-        receiver_settle_seconds=cfg.receiver_settle_seconds,
-        registration_token=creds.replica_token,
-        verify_checksums=cfg.dit_stage.verify_checksums,
-    )
+    try:
+        if b.journal_path:
+            Path(b.journal_path).parent.mkdir(parents=True, exist_ok=True)
+        core = BrokerCore(
+            b.journal_path,
+            lease_seconds=b.lease_seconds,
+            drain_quiet_seconds=b.drain_quiet_seconds,
+            receiver_settle_seconds=cfg.receiver_settle_seconds,
+            registration_token=creds.replica_token,
+            verify_checksums=cfg.dit_stage.verify_checksums,
+        )
+    except (OSError, sqlite3.Error) as err:
+        # A directory, a read-only place, a file that is not a journal: the operator's setting,
+        # named, not a traceback (nothing is listening yet).
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ConfigError(f"broker.journal_path: cannot open the journal {b.journal_path!r}: {reason}") from None
     registry = CollectorRegistry()
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     broker_servicer = BrokerServicer(core, ticket_ttl)
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     except PortInUse as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 1
-    except SecurityError as err:
+    except (SecurityError, ConfigError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2
     return 0

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import MAX_CFG_ROWS
 
 DEFAULT_CONFIG = "configs/single-node.yaml"
@@ -30,6 +39,23 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML's `yes`/`true` would otherwise pass as 1 (`port: true` listened on port 1).
+        field = cls.model_fields[info.field_name] if info.field_name else None
+        if isinstance(value, bool) and field is not None and _is_number(field.annotation):
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+
+def _is_number(annotation: Any) -> bool:
+    """int/float, or an optional of one (`int | None`)."""
+    if annotation in (int, float):
+        return True
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return len(args) == 1 and args[0] in (int, float)
 
 
 class BrokerConfig(_Strict):
@@ -199,8 +225,8 @@ class StageConfig(_Strict):
     kv_cache_memory_bytes: int = Field(..., gt=0)
     # Tokens per KV page (the DiT's pages; DESIGN.md section 3).
     page_size: int = Field(16, ge=1, le=4096)
-    host: str = "127.0.0.1"
-    advertise_host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", min_length=1)
+    advertise_host: str = Field("127.0.0.1", min_length=1)
     port: int | None = Field(None, ge=0, le=65535)
     metrics_port: int | None = Field(None, ge=0, le=65535)
     model: ModelConfig
@@ -215,6 +241,16 @@ class StageConfig(_Strict):
     # A rank whose liveness beat is silent this long (stopped, frozen, hung past its own threads)
     # fail-stops its replica; None: KvRelayConfig.rank_stall_seconds_for's default.
     rank_stall_seconds: float | None = Field(None, gt=0)
+
+    @field_validator("devices")
+    @classmethod
+    def _cpu_or_gpu_indices(cls, value: str) -> str:
+        if value.strip() == "cpu":
+            return value
+        indices = [d.strip() for d in value.split(",")]
+        if not all(d.isdigit() for d in indices):
+            raise ValueError(f"must be \"cpu\" or comma-separated GPU indices such as \"0,1\", got {value!r}")
+        return value
 
     @property
     def head_shards(self) -> int:
@@ -383,6 +419,8 @@ class KvRelayConfig(_Strict):
                 f"stages[1].cfg_parallel_size: the {dit.model.format} DiT runner computes every CFG row on each "
                 "rank; CFG-parallel needs a built-in preset (model.format: kvrelay)"
             )
+        if dit.model.format == "kvrelay" and dit.model.preset is None:
+            raise ValueError("stages[1].model.preset: required: it names the DiT's shape (path: DIR adds weights)")
         if dit.model.engine != "builtin":
             raise ValueError("stages[1].model.engine: the DiT runs the built-in engine")
         if ar.model.quantization is not None:
@@ -468,6 +506,18 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                 f"of {what}"
             )
         geometries[stage.kind] = geometry
+        if stage.kind == "dit":
+            # The DiT carves kv_cache_memory_bytes (per rank) into pages: refused here, not by
+            # the replica after the broker and the AR are already up.
+            layers, _, head_dim, dtype = geometry
+            kv = KvGeometry(layers, heads, head_dim, dtype, stage.page_size)  # type: ignore[arg-type]
+            page_bytes = PageLayout(kv, num_shards=shards, shard=0).page_bytes
+            if stage.kv_cache_memory_bytes < page_bytes:
+                raise ConfigError(
+                    f"invalid config: stages[{idx}].kv_cache_memory_bytes: {stage.kv_cache_memory_bytes} is "
+                    f"smaller than one page ({page_bytes} bytes per rank at page_size {stage.page_size} for "
+                    f"{what}); raise it or lower page_size"
+                )
     if "ar" in geometries and "dit" in geometries and geometries["ar"] != geometries["dit"]:
         names = ("num_layers", "num_kv_heads", "head_dim", "dtype")
         field = next(n for n, a, d in zip(names, geometries["ar"], geometries["dit"], strict=True) if a != d)
@@ -487,7 +537,12 @@ def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
         shipped = ", ".join(shipped_names("configs"))
         raise ConfigError(f"config file not found: {asked}" + (f" (shipped configs: {shipped})" if shipped else ""))
     try:
-        data = yaml.safe_load(chosen.read_text())
+        data = yaml.safe_load(chosen.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         raise ConfigError(f"invalid YAML in {chosen}: {err}") from None
+    except UnicodeDecodeError as err:
+        # A binary file, or a config saved in another encoding: YAML here is UTF-8.
+        raise ConfigError(f"invalid config {chosen}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config {chosen}: {err.strerror or err}") from None
     return parse_config(data, str(chosen))

@@ -253,3 +253,69 @@ def test_fp8_quantization_is_the_dit_stages_only(base: dict[str, Any], repo_root
         stage["model"] = {"preset": "tiny-moe"}
     data["stages"][1]["model"]["quantization"] = "fp8"
     _reject(data, "stages[1].model.quantization", "dense DiTs only", "'tiny-moe'")
+
+
+def test_binary_file_is_a_config_error_not_a_traceback(tmp_path: Path) -> None:
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x00\xff\xfe garbage")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(binary)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [(("broker", "port"), True), (("stages", 1, "tensor_parallel_size"), True), (("broker", "lease_seconds"), False)],
+)
+def test_rejects_booleans_as_numbers(base: dict[str, Any], path: tuple[Any, ...], value: bool) -> None:
+    # `port: true` used to pass as port 1 (the broker listened there).
+    data = copy.deepcopy(base)
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    _reject(data, ".".join(str(p) for p in path), "expected a number")
+
+
+@pytest.mark.parametrize("devices", ["gpu0", "cuda:0", "0,,1", ""])
+def test_rejects_devices_that_are_not_cpu_or_gpu_indices(base: dict[str, Any], devices: str) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][0]["devices"] = devices
+    _reject(data, "stages.0.devices", "GPU indices")
+    data["stages"][0]["devices"] = " 0, 1 "
+    assert parse_config(data).ar_stage.device_list() == ["cuda:0", "cuda:1"]
+
+
+def test_rejects_empty_hosts(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][1]["advertise_host"] = ""
+    _reject(data, "stages.1.advertise_host")
+
+
+def test_rejects_a_dit_without_a_preset(base: dict[str, Any]) -> None:
+    # The DiT refused it at start-up, after the broker and the AR were already up.
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        stage["model"] = {"path": "/nonexistent/checkpoint"}
+    _reject(data, "stages[1].model.preset", "required")
+
+
+@pytest.mark.parametrize("fmt", [{"format": "demo"}, {"preset": "tiny"}])
+def test_rejects_dit_memory_smaller_than_one_page(base: dict[str, Any], fmt: dict[str, str]) -> None:
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        stage["model"] = dict(fmt)
+    data["stages"][1]["kv_cache_memory_bytes"] = 1024
+    _reject(data, "stages[1].kv_cache_memory_bytes", "smaller than one page")
+
+
+def test_dit_memory_of_exactly_one_page_loads(base: dict[str, Any]) -> None:
+    # The demo model: 4 layers x K,V x 4 kv heads x head_dim 16 x 16 tokens x float32 per page.
+    page = 4 * 2 * 4 * 16 * 16 * 4
+    data = copy.deepcopy(base)
+    data["stages"][1]["kv_cache_memory_bytes"] = page
+    assert parse_config(data).dit_stage.kv_cache_memory_bytes == page
+    data["stages"][1]["kv_cache_memory_bytes"] = page - 1
+    _reject(data, "stages[1].kv_cache_memory_bytes", f"({page} bytes per rank")
+    # TP=2 halves a rank's page.
+    data["stages"][1]["tensor_parallel_size"] = 2
+    assert parse_config(data).dit_stage.head_shards == 2
