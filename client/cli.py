@@ -83,7 +83,10 @@ def _print_error(
     if err.request_id:
         print(f"  request_id: {err.request_id}", file=stream)
     if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE" and tls is not None:
-        if "Connection refused" in err.message:
+        if "DNS resolution failed" in err.message:
+            # The name does not resolve: no TLS setting would help either.
+            hint = f"cannot resolve the host of {target or 'the target'}: is --target HOST:PORT right?"
+        elif "Connection refused" in err.message:
             # Nothing listens there: no TLS setting would help.
             where = target or "the target"
             hint = f"nothing listens at {where}: is the node up (kvrelay up), and is --target right?"

@@ -802,8 +802,12 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         cfg = load_config(config_path)
         creds = load_credentials(cfg.security)
         # Refused here once rather than by every child in a restart loop.
-        for listen in {getattr(args, "host", None) or h for h in (cfg.broker.host, cfg.ar_stage.host, cfg.dit_stage.host)}:
-            check_bind(listen, creds, bool(getattr(args, "insecure_bind", False)), "kvrelay up")
+        listens = {"broker.host": cfg.broker.host, "stages[0].host": cfg.ar_stage.host, "stages[1].host": cfg.dit_stage.host}
+        if getattr(args, "host", None):
+            listens = {"--host": args.host}
+        for key, listen in listens.items():
+            # `what` names the setting: the line is printed after "kvrelay up: " already.
+            check_bind(listen, creds, bool(getattr(args, "insecure_bind", False)), key)
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay up: {err}", file=sys.stderr)
         return 2

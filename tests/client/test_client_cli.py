@@ -311,3 +311,13 @@ def test_the_prompt_comes_from_the_argument_a_file_or_stdin(tmp_path: Path) -> N
     ):
         with pytest.raises(ValueError, match=match):
             read_prompt(bad, _Pipe("  \n"))
+
+
+def test_unresolvable_target_hints_at_the_target_not_tls(capsys: pytest.CaptureFixture[str]) -> None:
+    os.environ.pop("KVRELAY_API_TOKEN", None)
+    target = "kvrelay-no-such-host.invalid:50051"
+    assert run_status(argparse.Namespace(target=target, json=False, token=None)) == 1
+    err = capsys.readouterr().err
+    assert "kvrelay status: UNAVAILABLE" in err
+    # A name that does not resolve is never a TLS mismatch (the hint used to say "serving TLS?").
+    assert f"hint: cannot resolve the host of {target}" in err and "--tls-ca" not in err

@@ -143,3 +143,26 @@ def test_an_advertised_endpoint_the_broker_cannot_reach_fails_up_instead_of_repo
     assert len(err) == 1, captured.err
     assert "ar-0 advertises kvrelay-ar.invalid:" in err[0] and "does not answer from this host" in err[0]
     assert "every process is SERVING" not in captured.out
+
+
+@pytest.mark.parametrize(("where", "key"), [("broker", "broker.host"), ("dit", "stages[1].host"), ("--host", "--host")])
+def test_a_refused_non_loopback_bind_names_the_setting_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, where: str, key: str
+) -> None:
+    for env in ("KVRELAY_REPLICA_TOKEN", "KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN"):
+        monkeypatch.delenv(env, raising=False)
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    if where == "broker":
+        data["broker"]["host"] = "0.0.0.0"
+    elif where == "dit":
+        data["stages"][1]["host"] = "0.0.0.0"
+    path = tmp_path / "node.yaml"
+    path.write_text(yaml.safe_dump(data))
+    args = argparse.Namespace(
+        config=str(path), host="0.0.0.0" if where == "--host" else None, log_dir=None, log_level=None
+    )
+    assert run_up(args) == 2
+    err = capsys.readouterr().err.strip()
+    # Refused before anything starts, one line, "kvrelay up:" once (it used to be printed twice).
+    assert err.startswith(f"kvrelay up: {key}: refusing to listen on 0.0.0.0"), err
+    assert err.count("kvrelay up") == 1 and "\n" not in err
