@@ -18,6 +18,7 @@ this long, open the stream again, call CancelGeneration). So the rules are teste
 from __future__ import annotations
 
 import random
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -135,6 +136,10 @@ class ClientBase:
             target, token, tls, timeout, root_certificates, retry, certificate_chain, private_key
         )
         self._channel = self._open_channel(self._settings)
+        # Set by close(): a call after it is a KvRelayError, never grpc's ValueError/UsageError.
+        self._closed = False
+        # Open Generate streams (the asyncio face cancels them itself on close()).
+        self._open_calls: weakref.WeakSet[Any] = weakref.WeakSet()
         self._stubs: dict[Service, Any] = {
             "generation": generation_pb2_grpc.GenerationServiceStub(self._channel),
             "broker": broker_pb2_grpc.BrokerServiceStub(self._channel),
@@ -142,6 +147,10 @@ class ClientBase:
 
     def _open_channel(self, settings: ClientSettings) -> Any:
         raise NotImplementedError
+
+    def _check_open(self, request_id: str | None = None) -> None:
+        if self._closed:
+            raise client_closed_error(request_id)
 
 
 # ------------------------------------------------------------------------------ unary calls
@@ -288,6 +297,11 @@ def cancelled_by_client_event(request_id: str) -> GenerationEvent:
     )
 
 
+def client_closed_error(request_id: str | None = None) -> KvRelayError:
+    """A call made on (or a stream dropped by) a closed client."""
+    return KvRelayError("CANCELLED", "CLIENT_CLOSED", "the client is closed", request_id=request_id)
+
+
 def stream_ended_error(request_id: str | None) -> KvRelayError:
     return KvRelayError(
         "UNAVAILABLE",
@@ -380,10 +394,15 @@ class GenerationCore:
 
     # -- following ------------------------------------------------------------------------------
 
-    def start_following(self) -> None:
-        """A new `events()`/`result()` pass: a fresh re-attach window."""
+    def start_following(self) -> GenerationEvent | None:
+        """A new `events()`/`result()` pass: a fresh re-attach window. Returns the terminal event
+        when the generation already ended: the pass yields it again and nothing else (its stream
+        is over; reading it would look like a stream that ended early)."""
+        if self.terminal is not None:
+            return self.terminal
         self.failure = None
         self._window = Reattach(self._policy, self.deadline, clock=self._clock, rng=self._rng)
+        return None
 
     def on_message(self, message: generation_pb2.GenerationEvent) -> GenerationEvent:
         """A message arrived on the stream: the event to yield (stop after it when `done`)."""

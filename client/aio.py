@@ -62,6 +62,12 @@ class AsyncKvRelayClient(_core.ClientBase):
     async def close(self) -> None:
         """Close the channel, dropping open streams: the broker cancels their generations (at once,
         or after the re-attach window for a generation with a `request_id`)."""
+        self._closed = True
+        # grpc.aio's Channel.close() does not cancel a stream that no task is awaiting inside
+        # grpc (ours are read between events): the generation ran on, and its handle still
+        # received SUCCEEDED. Cancel them here, as the blocking client's close() does.
+        for call in list(self._open_calls):
+            call.cancel()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncKvRelayClient:
@@ -129,6 +135,7 @@ class AsyncKvRelayClient(_core.ClientBase):
     # -- plumbing -------------------------------------------------------------------------------
 
     async def _unary(self, call: _core.UnaryCall[_T], timeout: float | None) -> _T:
+        self._check_open(call.request_id)
         method = getattr(self._stubs[call.service], call.method)
         attempts = self._settings.attempts(call, timeout)
         while True:
@@ -143,9 +150,12 @@ class AsyncKvRelayClient(_core.ClientBase):
             await asyncio.sleep(delay)
 
     def _open_generate(self, core: _core.GenerationCore) -> Any:
-        return self._stubs["generation"].Generate(
+        self._check_open(core.request_id)
+        call = self._stubs["generation"].Generate(
             core.request, timeout=core.deadline.remaining(), metadata=self._settings.metadata
         )
+        self._open_calls.add(call)
+        return call
 
 
 class AsyncGenerationHandle(_core.HandleBase):
@@ -204,7 +214,10 @@ class AsyncGenerationHandle(_core.HandleBase):
 
     async def _follow(self) -> AsyncIterator[GenerationEvent]:
         core = self._core
-        core.start_following()
+        ended = core.start_following()
+        if ended is not None:
+            yield ended
+            return
         while True:
             error: KvRelayError | None = None
             try:
@@ -214,11 +227,17 @@ class AsyncGenerationHandle(_core.HandleBase):
                         return
             except grpc.RpcError as rpc_error:
                 error = error_from_rpc(rpc_error, request_id=core.request_id)
+                if self._client._closed and not core.cancel_requested:
+                    error = _core.client_closed_error(core.request_id)
             except asyncio.CancelledError:
-                # grpc.aio raises CancelledError from a call this handle cancelled; a cancellation
-                # of the task that iterates us must still propagate.
-                if not core.cancel_requested or _task_is_cancelling():
+                # grpc.aio raises CancelledError from a call this handle (or the client's close())
+                # cancelled; a cancellation of the task that iterates us must still propagate.
+                if _task_is_cancelling():
                     raise
+                if not core.cancel_requested:
+                    if not self._client._closed:
+                        raise
+                    error = _core.client_closed_error(core.request_id)
             decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
             if isinstance(decision, _core.Wait):
                 await asyncio.sleep(decision.seconds)

@@ -70,6 +70,7 @@ class KvRelayClient(_core.ClientBase):
     def close(self) -> None:
         """Close the channel, dropping open streams: the broker cancels their generations (at once,
         or after the re-attach window for a generation with a `request_id`)."""
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> KvRelayClient:
@@ -148,6 +149,7 @@ class KvRelayClient(_core.ClientBase):
     # -- plumbing -------------------------------------------------------------------------------
 
     def _unary(self, call: _core.UnaryCall[_T], timeout: float | None) -> _T:
+        self._check_open(call.request_id)
         method = getattr(self._stubs[call.service], call.method)
         attempts = self._settings.attempts(call, timeout)
         while True:
@@ -160,6 +162,7 @@ class KvRelayClient(_core.ClientBase):
             time.sleep(delay)
 
     def _open_generate(self, core: _core.GenerationCore) -> Any:
+        self._check_open(core.request_id)
         return self._stubs["generation"].Generate(
             core.request, timeout=core.deadline.remaining(), metadata=self._settings.metadata
         )
@@ -268,7 +271,11 @@ class GenerationHandle(_core.HandleBase):
     def _follow(self) -> Iterator[GenerationEvent]:
         core = self._core
         self._ended.clear()
-        core.start_following()
+        ended = core.start_following()
+        if ended is not None:
+            self._ended.set()
+            yield ended
+            return
         while True:
             error: KvRelayError | None = None
             try:
@@ -279,6 +286,8 @@ class GenerationHandle(_core.HandleBase):
                         return
             except grpc.RpcError as rpc_error:
                 error = error_from_rpc(rpc_error, request_id=core.request_id)
+                if self._client._closed and not core.cancel_requested:
+                    error = _core.client_closed_error(core.request_id)
             decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
             if isinstance(decision, _core.Wait):
                 self._cancel_event.wait(decision.seconds)  # a cancel() ends the wait early

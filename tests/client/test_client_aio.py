@@ -162,3 +162,50 @@ def test_async_status_reads_and_token(server: ServerThread, harness: Harness) ->
     with pytest.raises(KvRelayError) as info:
         run(server.address, body)
     assert info.value.code == "UNAUTHENTICATED"
+
+
+def test_async_close_drops_an_open_stream_and_later_calls_are_kvrelay_errors(
+    server: ServerThread, harness: Harness
+) -> None:
+    harness.step_delay = 0.1
+
+    async def main() -> tuple[str, list[KvRelayError]]:
+        client = AsyncKvRelayClient(server.address, retry=FAST_RETRY)
+        handle = await client.generate("slow", width=64, height=64, num_inference_steps=300)
+        states: list[GenerationState] = []
+
+        async def consume() -> None:
+            async for event in handle.events():
+                states.append(event.state)
+
+        consumer = asyncio.create_task(consume())
+        while S.DENOISING not in states:
+            await asyncio.sleep(0.01)
+        await client.close()
+        errors = []
+        # grpc.aio's close() left the stream running to SUCCEEDED; the iteration now fails at once.
+        for action in (
+            lambda: asyncio.wait_for(consumer, 5),
+            lambda: client.generate("x"),
+            lambda: client.get_generation("missing"),
+        ):
+            with pytest.raises(KvRelayError) as info:
+                await action()
+            errors.append(info.value)
+        await client.close()  # idempotent
+        return handle.request_id or "", errors
+
+    request_id, errors = asyncio.run(main())
+    assert [(e.code, e.reason) for e in errors] == [("CANCELLED", "CLIENT_CLOSED")] * 3
+    server.wait_for_state(request_id, PB.GENERATION_STATE_CANCELLED)
+    assert harness.generations[request_id].cancelled_by == "stream_dropped"
+
+
+def test_async_events_of_an_ended_generation_repeat_only_its_terminal_event(server: ServerThread) -> None:
+    async def body(client: AsyncKvRelayClient) -> tuple[list[Any], list[Any]]:
+        handle = await client.generate("a fox", width=64, height=64, num_inference_steps=2)
+        first = [event async for event in handle.events()]
+        return first, [event async for event in handle.events()]
+
+    first, second = run(server.address, body)
+    assert first[-1].state == S.SUCCEEDED and second == [first[-1]]

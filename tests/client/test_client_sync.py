@@ -487,3 +487,33 @@ def test_importing_the_client_loads_no_torch_config_or_service() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_closed_client_raises_kvrelay_error_not_grpcs_value_error(
+    server: ServerThread, harness: Harness
+) -> None:
+    harness.step_delay = 0.1
+    client = KvRelayClient(server.address)
+    handle = client.generate("slow", width=64, height=64, num_inference_steps=200)
+    next(iter(handle.events()))
+    client.close()
+    # The open stream, and every call after close(): one KvRelayError (grpc raised ValueError).
+    for action in (
+        handle.result,
+        lambda: client.generate("x"),
+        lambda: client.get_generation("missing"),
+        client.list_generations,
+    ):
+        with pytest.raises(KvRelayError) as info:
+            action()
+        assert (info.value.code, info.value.reason) == ("CANCELLED", "CLIENT_CLOSED")
+    client.close()  # idempotent
+
+
+def test_events_of_an_ended_generation_repeat_only_its_terminal_event(client: KvRelayClient) -> None:
+    handle = client.generate("a fox", width=64, height=64, num_inference_steps=2)
+    first = list(handle.events())
+    assert first[-1].state == S.SUCCEEDED
+    # A second pass used to raise UNAVAILABLE/STREAM_ENDED ("ended before the generation finished").
+    assert list(handle.events()) == [first[-1]]
+    assert handle.result().request_id == first[-1].request_id
