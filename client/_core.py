@@ -190,11 +190,26 @@ def cancel_generation(request_id: str) -> UnaryCall[Generation]:
     )
 
 
+def wire_unsigned(field: str, value: int, bits: int) -> int:
+    """`value` for an unsigned proto field; one it cannot carry is refused here, like the server
+    would (INVALID_ARGUMENT naming the field), never protobuf's ValueError."""
+    if not 0 <= int(value) < 1 << bits:
+        raise KvRelayError(
+            "INVALID_ARGUMENT",
+            "INVALID_ARGUMENT",
+            f"{field}: must be in [0, 2**{bits}), got {value}",
+            {"field": field},
+        )
+    return int(value)
+
+
 def list_generations(states: Iterable[GenerationState] | None, page_size: int) -> UnaryCall[list[Generation]]:
     return UnaryCall(
         "generation",
         "ListGenerations",
-        generation_pb2.ListGenerationsRequest(states=enum_values(states), page_size=page_size),
+        generation_pb2.ListGenerationsRequest(
+            states=enum_values(states), page_size=wire_unsigned("page_size", page_size, 32)
+        ),
         lambda r: [generation_from_pb(g) for g in r.generations],
     )
 
@@ -524,15 +539,7 @@ def new_generation(
     for field, value, bits in unsigned:
         if value is None:
             continue
-        # The wire type is unsigned: a value it cannot carry is refused here, like the server would.
-        if not 0 <= int(value) < 1 << bits:
-            raise KvRelayError(
-                "INVALID_ARGUMENT",
-                "INVALID_ARGUMENT",
-                f"{field}: must be in [0, 2**{bits}), got {value}",
-                {"field": field},
-            )
-        setattr(request, field, int(value))
+        setattr(request, field, wire_unsigned(field, value, bits))
     if guidance_scale is not None:
         request.guidance_scale = float(guidance_scale)
     if request_id:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +37,39 @@ INSECURE_BIND_HELP = (
     "(any caller on that network may then call every RPC)"
 )
 
+
+
+# argparse types: a count or a timeout that can only mean a mistake is a usage error (exit 2) here,
+# not an empty benchmark table or a deadline that expired before the call.
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM roots of a TLS broker (default: $KVRELAY_TLS_CA)")
@@ -67,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address every process listens on (default: the config's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
     p.add_argument("--log-level", default=None, help="log level for every child")
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+    p.add_argument("--ready-timeout", type=_positive_float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument(
         "--metrics-port", type=int, default=9399,
         help="the node's one Prometheus target: every process's metrics, label process (0 = any free port)",
@@ -95,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", default="out.png", help="PNG path (default: %(default)s)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--request-id", default=None, help="idempotency key; re-running attaches to it")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=_positive_float, default=None, help="deadline in seconds")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_client_tls_args(p)
@@ -111,13 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="one gRPC health check; exit 0 only if SERVING (container healthchecks)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="HOST[:PORT] of any kvrelay process; no port means the broker's 50051 (default: %(default)s)")
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=_positive_float, default=3.0, help="seconds to wait for the answer")
     _add_client_tls_args(p)
 
     p = sub.add_parser("list", help="list generations, newest first")
     p.add_argument("--state", action="append", default=None,
                    help="only this state (QUEUED, PREFILLING, ..., SUCCEEDED, FAILED, CANCELLED); repeatable")
-    p.add_argument("--limit", type=int, default=0, help="at most this many (default: all the broker keeps)")
+    p.add_argument("--limit", type=_non_negative_int, default=0, help="at most this many (default: all the broker keeps)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
@@ -132,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
     p.add_argument("--config", default=None, help="base config (default: built-in single-node CPU config)")
     p.add_argument("--preset", default=None, help="model preset for both stages (default: the config's)")
-    p.add_argument("--requests", type=int, default=20, help="requests per run (default: %(default)s)")
-    p.add_argument("--runs", type=int, default=2, help="independent runs per implementation")
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=_positive_int, default=20, help="requests per run (default: %(default)s)")
+    p.add_argument("--runs", type=_positive_int, default=2, help="independent runs per implementation")
+    p.add_argument("--concurrency", type=_positive_int, default=8)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--height", type=int, default=512)
     p.add_argument("--steps", type=int, default=2)
@@ -194,3 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # `kvrelay list | head`: the reader left. Quietly, as a shell tool killed by SIGPIPE would
+        # (exit 128 + SIGPIPE), and with stdout pointed at /dev/null so that the interpreter's
+        # final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

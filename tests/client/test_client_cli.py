@@ -321,3 +321,50 @@ def test_unresolvable_target_hints_at_the_target_not_tls(capsys: pytest.CaptureF
     assert "kvrelay status: UNAVAILABLE" in err
     # A name that does not resolve is never a TLS mismatch (the hint used to say "serving TLS?").
     assert f"hint: cannot resolve the host of {target}" in err and "--tls-ca" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["list", "--limit", "-1"], "argument --limit: must be 0 or more, got -1"),
+        (["list", "--limit", "x"], "argument --limit: expected an integer, got 'x'"),
+        (["generate", "x", "--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
+        (["generate", "x", "--timeout", "-5"], "argument --timeout: must be a positive number of seconds"),
+        (["health", "--timeout", "nan"], "argument --timeout: must be a positive number of seconds"),
+        (["bench", "--runs", "0"], "argument --runs: must be at least 1, got 0"),
+        (["bench", "--requests", "0"], "argument --requests: must be at least 1, got 0"),
+        (["bench", "--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
+    ],
+)
+def test_counts_and_timeouts_that_can_only_be_mistakes_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # They were a traceback (--limit -1), an already-expired deadline (--timeout 0) or an empty
+    # benchmark table that said "all requests completed: True" (--runs 0).
+    from kvrelay.node.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_the_pipe_is_not_a_traceback() -> None:
+    # `kvrelay list | head -1` printed a BrokenPipeError traceback.
+    code = (
+        "import sys, kvrelay.client.cli as c, kvrelay.node.cli as cli\n"
+        "def spam(args):\n"
+        "    for _ in range(200000):\n"
+        "        print('x' * 100)\n"
+        "c.run_list = spam\n"
+        "sys.exit(cli.main(['list']))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

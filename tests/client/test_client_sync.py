@@ -517,3 +517,11 @@ def test_events_of_an_ended_generation_repeat_only_its_terminal_event(client: Kv
     # A second pass used to raise UNAVAILABLE/STREAM_ENDED ("ended before the generation finished").
     assert list(handle.events()) == [first[-1]]
     assert handle.result().request_id == first[-1].request_id
+
+
+@pytest.mark.parametrize("page_size", [-1, 1 << 32])
+def test_a_page_size_the_wire_cannot_carry_is_invalid_argument(client: KvRelayClient, page_size: int) -> None:
+    # protobuf's ValueError reached the caller (and `kvrelay list --limit -1` printed a traceback).
+    with pytest.raises(KvRelayError) as info:
+        client.list_generations(page_size=page_size)
+    assert info.value.code == "INVALID_ARGUMENT" and info.value.details == {"field": "page_size"}
