@@ -276,13 +276,15 @@ def test_rejects_booleans_as_numbers(base: dict[str, Any], path: tuple[Any, ...]
     _reject(data, ".".join(str(p) for p in path), "expected a number")
 
 
-@pytest.mark.parametrize("devices", ["gpu0", "cuda:0", "0,,1", ""])
+@pytest.mark.parametrize("devices", ["gpu0", "cuda:x", "0,,1", ""])
 def test_rejects_devices_that_are_not_cpu_or_gpu_indices(base: dict[str, Any], devices: str) -> None:
+    # "gpu0" became the device "cuda:gpu0", refused by the AR only after the broker was up.
     data = copy.deepcopy(base)
     data["stages"][0]["devices"] = devices
     _reject(data, "stages.0.devices", "GPU indices")
-    data["stages"][0]["devices"] = " 0, 1 "
-    assert parse_config(data).ar_stage.device_list() == ["cuda:0", "cuda:1"]
+    for accepted in (" 0, 1 ", "cuda:0,cuda:1"):
+        data["stages"][0]["devices"] = accepted
+        assert parse_config(data).ar_stage.device_list() == ["cuda:0", "cuda:1"]
 
 
 def test_rejects_empty_hosts(base: dict[str, Any]) -> None:
