@@ -506,17 +506,20 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                 f"of {what}"
             )
         geometries[stage.kind] = geometry
-        if stage.kind == "dit":
-            # The DiT carves kv_cache_memory_bytes (per rank) into pages: refused here, not by
-            # the replica after the broker and the AR are already up.
+        if stage.kind == "dit" or stage.model.engine == "builtin":
+            # The DiT carves kv_cache_memory_bytes (per rank) into pages; the built-in AR stages
+            # whole DiT pages of its rank's heads in it (the smallest request writes one page).
+            # Refused here, not by the DiT after the broker and the AR are up, or by the AR on
+            # every request of a node that reported SERVING.
+            page_size = cfg.dit_stage.page_size
             layers, _, head_dim, dtype = geometry
-            kv = KvGeometry(layers, heads, head_dim, dtype, stage.page_size)  # type: ignore[arg-type]
+            kv = KvGeometry(layers, heads, head_dim, dtype, page_size)  # type: ignore[arg-type]
             page_bytes = PageLayout(kv, num_shards=shards, shard=0).page_bytes
             if stage.kv_cache_memory_bytes < page_bytes:
                 raise ConfigError(
                     f"invalid config: stages[{idx}].kv_cache_memory_bytes: {stage.kv_cache_memory_bytes} is "
-                    f"smaller than one page ({page_bytes} bytes per rank at page_size {stage.page_size} for "
-                    f"{what}); raise it or lower page_size"
+                    f"smaller than one page ({page_bytes} bytes per rank at page_size {page_size} for "
+                    f"{what}); raise it or lower stages[1].page_size"
                 )
     if "ar" in geometries and "dit" in geometries and geometries["ar"] != geometries["dit"]:
         names = ("num_layers", "num_kv_heads", "head_dim", "dtype")

@@ -302,12 +302,15 @@ def test_rejects_a_dit_without_a_preset(base: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("fmt", [{"format": "demo"}, {"preset": "tiny"}])
-def test_rejects_dit_memory_smaller_than_one_page(base: dict[str, Any], fmt: dict[str, str]) -> None:
+@pytest.mark.parametrize("stage", [0, 1])
+def test_rejects_stage_memory_smaller_than_one_page(base: dict[str, Any], fmt: dict[str, str], stage: int) -> None:
+    # The DiT failed at start-up after the broker and AR were up; an AR this small reported
+    # SERVING and failed every request (UNAVAILABLE/TRANSFER_FAILED "needs N staging bytes").
     data = copy.deepcopy(base)
-    for stage in data["stages"]:
-        stage["model"] = dict(fmt)
-    data["stages"][1]["kv_cache_memory_bytes"] = 1024
-    _reject(data, "stages[1].kv_cache_memory_bytes", "smaller than one page")
+    for each in data["stages"]:
+        each["model"] = dict(fmt)
+    data["stages"][stage]["kv_cache_memory_bytes"] = 1024
+    _reject(data, f"stages[{stage}].kv_cache_memory_bytes", "smaller than one page")
 
 
 def test_dit_memory_of_exactly_one_page_loads(base: dict[str, Any]) -> None:
@@ -318,6 +321,9 @@ def test_dit_memory_of_exactly_one_page_loads(base: dict[str, Any]) -> None:
     assert parse_config(data).dit_stage.kv_cache_memory_bytes == page
     data["stages"][1]["kv_cache_memory_bytes"] = page - 1
     _reject(data, "stages[1].kv_cache_memory_bytes", f"({page} bytes per rank")
-    # TP=2 halves a rank's page.
+    # TP=2 halves a rank's page; the AR stages pages of the DiT's page_size.
     data["stages"][1]["tensor_parallel_size"] = 2
+    data["stages"][1]["kv_cache_memory_bytes"] = page // 2
     assert parse_config(data).dit_stage.head_shards == 2
+    data["stages"][0]["kv_cache_memory_bytes"] = page - 1
+    _reject(data, "stages[0].kv_cache_memory_bytes", "at page_size 16")
