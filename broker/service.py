@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import ipaddress
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -214,6 +216,72 @@ _Resp = TypeVar("_Resp")
 _Handler = Callable[[Any, _Req, grpc.aio.ServicerContext], Awaitable[_Resp]]
 
 
+def _peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP of a grpc peer string (`ipv4:10.0.0.2:5000`, `ipv6:[::ffff:10.0.0.2]:5000`), or None
+    (a unix socket, anything else)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def is_local_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether `ip` is an address of this host (loopback, or one a socket can bind)."""
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
+
+
+def _is_loopback_host(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: the replica's resolver and ours may differ; nothing to prove
+
+
+def loopback_endpoint_problem(
+    spec: ReplicaSpec, peer: str, is_local: Callable[[ipaddress.IPv4Address | ipaddress.IPv6Address], bool] | None = None
+) -> str:
+    """Why a registration from `peer` cannot be reached where it says, or "" when it may be.
+
+    A replica on another host that advertises a loopback address (its stage's `advertise_host`
+    left at 127.0.0.1 while `--host` or the network put it elsewhere) would have the broker call
+    the broker's own host, and ARs write KV into their own host's loopback: every request placed
+    on it fails (or reaches whatever listens there). Only provable cases are refused: a peer
+    address of this host (loopback or not) or an endpoint given as a name passes."""
+    ip = _peer_ip(peer)
+    if ip is None or (is_local or is_local_address)(ip):
+        return ""
+    named = [("replica.endpoint", spec.endpoint)] + [
+        (f"replica.regions[{r.rank}].endpoint", r.endpoint) for r in spec.regions if r.endpoint
+    ]
+    for field_name, endpoint in named:
+        host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
+        if _is_loopback_host(host):
+            return (
+                f"{field_name}: {spec.replica_id} advertises {endpoint}, a loopback address, but registered "
+                f"from {ip}, another host: set its stage's advertise_host to an address the broker and "
+                "the other replicas reach (docs/operations.md, Ports)"
+            )
+    return ""
+
+
 def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
     @functools.wraps(fn)
     async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
@@ -257,8 +325,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def RegisterReplica(
         self, request: broker_pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.RegisterReplicaResponse:
+        spec = spec_from_proto(request.replica)
+        problem = loopback_endpoint_problem(spec, context.peer())
+        if problem:
+            raise InvalidArgument("LOOPBACK_ENDPOINT", problem)
         reply = self.core.register_replica(
-            spec_from_proto(request.replica),
+            spec,
             token=request.token,
             unresolved_writes=[_write_key(k) for k in request.unresolved_writes],
             held_ticket_ids=list(request.held_ticket_ids),
