@@ -12,6 +12,7 @@ import asyncio
 import collections
 import functools
 import ipaddress
+import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -190,7 +191,9 @@ def replica_to_proto(s: ReplicaStatus) -> broker_pb2.ReplicaInfo:
         max_image_side=spec.max_image_side,
         up=s.up,
         fenced=s.fenced,
-        lease_expire_time=_timestamp(s.lease_expire_time),
+        # None (unset) for a replica restored from the journal that has not registered again:
+        # its lease is -inf, which has no timestamp (an empty one read as 1970 in `kvrelay status`).
+        lease_expire_time=_timestamp(s.lease_expire_time) if math.isfinite(s.lease_expire_time) else None,
     )
 
 

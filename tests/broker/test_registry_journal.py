@@ -140,6 +140,21 @@ def test_choose_dit_takes_only_a_replica_whose_model_generates_the_image(tmp_pat
     again.close()
 
 
+def test_a_replica_restored_from_the_journal_shows_no_lease_until_it_registers(tmp_path: Path) -> None:
+    """Its lease is -inf until it registers again: ListReplicas leaves lease_expire_time unset (an
+    empty Timestamp read as 1970, and `kvrelay status` showed a lease of -1796424466.8s)."""
+    from kvrelay.broker.service import replica_to_proto
+
+    core = make_core(tmp_path / "j.sqlite", ManualClock())
+    core.register_replica(dit_spec("dit-0", num_pages=8))
+    assert replica_to_proto(core.get_replica("dit-0")).HasField("lease_expire_time")
+    core.close()
+    again = make_core(tmp_path / "j.sqlite", ManualClock())
+    info = replica_to_proto(again.get_replica("dit-0"))
+    assert not info.HasField("lease_expire_time") and not info.up
+    again.close()
+
+
 # -------------------------------------------------------------------- journal
 
 
