@@ -384,6 +384,13 @@ class KvRelayConfig(_Strict):
                 raise ValueError("stages[0].kv_transfer_config.kv_role: the AR stage is the kv_producer")
             if dit.kv_transfer_config.kv_role == "kv_producer":
                 raise ValueError("stages[1].kv_transfer_config.kv_role: the DiT stage is the kv_consumer")
+            # An AR without its own transfer_timeout bounds its writes by the DiT's: a DiT that
+            # gives up after 5 s must not leave the AR's slot writing (and the ticket in doubt)
+            # for the 60 s default.
+            ar_extra = ar.kv_transfer_config.kv_connector_extra_config
+            dit_timeout = dit.kv_transfer_config.kv_connector_extra_config.get("transfer_timeout")
+            if "transfer_timeout" not in ar_extra and dit_timeout is not None:
+                ar_extra["transfer_timeout"] = dit_timeout
         # CUDA IPC maps the DiT's device pool into the AR process: both stages on GPUs of one
         # host. Refused here, with the reason, instead of at a replica's start-up (where a
         # supervisor would restart it in a loop).

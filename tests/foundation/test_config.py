@@ -105,6 +105,18 @@ def test_rejects_bad_transfer_timeout(base: dict[str, Any], timeout: Any) -> Non
     _reject(data, "stages.1.kv_transfer_config.kv_connector_extra_config", "transfer_timeout")
 
 
+def test_an_ar_without_its_own_transfer_timeout_takes_the_dits(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    for stage in data["stages"]:
+        stage["kv_transfer_config"]["kv_connector_extra_config"].pop("transfer_timeout", None)
+    data["stages"][1]["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout"] = 5
+    cfg = parse_config(data)
+    assert cfg.ar_stage.transfer_timeout == cfg.dit_stage.transfer_timeout == 5.0
+    data["stages"][0]["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout"] = 9
+    cfg = parse_config(data)
+    assert (cfg.ar_stage.transfer_timeout, cfg.dit_stage.transfer_timeout) == (9.0, 5.0)  # its own wins
+
+
 @pytest.mark.parametrize(
     ("path", "key"),
     [((), "bogus"), (("broker",), "lease_secs"), (("stages", 0), "tensor_parallel"), (("stages", 1, "model"), "presett")],
