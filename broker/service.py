@@ -33,6 +33,7 @@ from kvrelay.broker.tickets import (
 )
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with
+from kvrelay.security import is_loopback
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -248,16 +249,6 @@ def is_local_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
     return True
 
 
-def _is_loopback_host(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: the replica's resolver and ours may differ; nothing to prove
-
-
 def loopback_endpoint_problem(
     spec: ReplicaSpec, peer: str, is_local: Callable[[ipaddress.IPv4Address | ipaddress.IPv6Address], bool] | None = None
 ) -> str:
@@ -276,7 +267,7 @@ def loopback_endpoint_problem(
     ]
     for field_name, endpoint in named:
         host = endpoint.rsplit(":", 1)[0] if ":" in endpoint else endpoint
-        if _is_loopback_host(host):
+        if is_loopback(host):  # a name other than localhost: resolvers may differ, nothing to prove
             return (
                 f"{field_name}: {spec.replica_id} advertises {endpoint}, a loopback address, but registered "
                 f"from {ip}, another host: set its stage's advertise_host to an address the broker and "

@@ -752,13 +752,13 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     found = await self._allowed_ranges(chunk.ticket_id, chunk.row)
                     allowed[key] = found
                 ranges, pairs = found
-                ranks = {dst for _, dst in pairs}
-                if chunk.dst_rank not in ranks:
-                    # A CFG-parallel rank holds no pages for the other group's row: same page ids,
-                    # another row's memory.
-                    raise invalid_argument("dst_rank", f"ticket {chunk.ticket_id} plans no write of row {chunk.row} "
-                                           f"to rank {chunk.dst_rank} (ranks {sorted(ranks)})")
                 if (chunk.src_rank, chunk.dst_rank) not in pairs:
+                    ranks = {dst for _, dst in pairs}
+                    if chunk.dst_rank not in ranks:
+                        # A CFG-parallel rank holds no pages for the other group's row: same page
+                        # ids, another row's memory.
+                        raise invalid_argument("dst_rank", f"ticket {chunk.ticket_id} plans no write of row "
+                                               f"{chunk.row} to rank {chunk.dst_rank} (ranks {sorted(ranks)})")
                     srcs = sorted(src for src, dst in pairs if dst == chunk.dst_rank)
                     raise invalid_argument("src_rank", f"ticket {chunk.ticket_id} plans no write of row {chunk.row} "
                                            f"from rank {chunk.src_rank} to rank {chunk.dst_rank} "

@@ -250,7 +250,7 @@ class StageConfig(_Strict):
         indices = [d.strip().removeprefix("cuda:") for d in value.split(",")]
         if not all(d.isdigit() for d in indices):
             raise ValueError(f"must be \"cpu\" or comma-separated GPU indices such as \"0,1\", got {value!r}")
-        return value
+        return ",".join(indices)  # `cuda:N` entries as N
 
     @property
     def head_shards(self) -> int:
@@ -303,7 +303,7 @@ class StageConfig(_Strict):
     def device_list(self) -> list[str]:
         if self.devices.strip() == "cpu":
             return ["cpu"]
-        return [f"cuda:{d.strip().removeprefix('cuda:')}" for d in self.devices.split(",") if d.strip()]
+        return [f"cuda:{d.strip()}" for d in self.devices.split(",") if d.strip()]
 
     def devices_for(self, replica: int) -> list[str]:
         """The device of each rank of replica N: `cpu`, or consecutive GPUs from `devices`."""

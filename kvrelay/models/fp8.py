@@ -165,6 +165,19 @@ def free_source(module: nn.Module, name: str) -> None:
     setattr(module, name, nn.Parameter(meta, requires_grad=False) if isinstance(old, nn.Parameter) else meta)
 
 
+def quantize_source_(module: nn.Module, name: str, buffer: str, *, keep_source: bool) -> bool:
+    """Quantize ``module``'s weight ``name`` into its buffers ``<buffer>`` and ``<buffer>_scale``
+    and free the weight unless ``keep_source``. A no-op, returning False, once it is freed: the
+    FP8 copy is current (every load since wrote straight into it)."""
+    weight = getattr(module, name)
+    if weight.is_meta:
+        return False
+    store_fp8(module, buffer, weight)
+    if not keep_source:
+        free_source(module, name)
+    return True
+
+
 def quantize_fp8_(module: nn.Module, *, keep_source: bool = False) -> int:
     """Quantize every layer of ``module`` that can run in FP8 (it has ``quantize_fp8_()``), in
     place, and free each one's source weight unless ``keep_source``; returns how many weight
@@ -176,8 +189,3 @@ def quantize_fp8_(module: nn.Module, *, keep_source: bool = False) -> int:
         if callable(quantize):
             count += int(quantize(keep_source=keep_source))
     return count
-
-
-def holds_freed_weights(module: nn.Module) -> bool:
-    """Whether any parameter of ``module`` was freed by ``free_source`` (a meta tensor)."""
-    return any(p.is_meta for p in module.parameters())

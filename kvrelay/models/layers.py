@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvrelay.models.fp8 import free_source, linear, store_fp8
+from kvrelay.models.fp8 import free_source, linear, quantize_source_
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -166,10 +166,7 @@ def quantize_fused_(
     it, each piece keeping its rows of the FP8 buffers (``fp8_rows``) for later loads. Per-row
     scales make a piece's rows of the fused quantization exactly its own quantization. A no-op
     once freed (loads since then went straight into the FP8 buffers)."""
-    if getattr(owner, name).is_meta:
-        return
-    store_fp8(owner, buffer, getattr(owner, name))
-    if keep_source:
+    if not quantize_source_(owner, name, buffer, keep_source=keep_source) or keep_source:
         return
     q, scale = getattr(owner, buffer), getattr(owner, f"{buffer}_scale")
     lo = 0
@@ -178,7 +175,6 @@ def quantize_fused_(
         piece.fp8_rows = (q[lo : lo + rows], scale[:, lo : lo + rows])
         free_source(piece, "weight")
         lo += rows
-    free_source(owner, name)
 
 
 class SwiGLU(nn.Module):

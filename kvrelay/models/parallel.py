@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from kvrelay.models.fp8 import free_source, linear, quantize_into, store_fp8
+from kvrelay.models.fp8 import linear, quantize_into, quantize_source_
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +224,7 @@ class ColumnParallelLinear(nn.Module):
         dtype. A fused piece returns 0: its owner quantizes the fused weight."""
         if self.fused:
             return 0
-        if not self.weight.is_meta:  # freed: the FP8 copy is current (loads write into it)
-            store_fp8(self, "fp8_weight", self.weight)
-            if not keep_source:
-                free_source(self, "weight")
+        quantize_source_(self, "weight", "fp8_weight", keep_source=keep_source)
         return 1
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -288,10 +285,7 @@ class RowParallelLinear(nn.Module):
     def quantize_fp8_(self, keep_source: bool = False) -> int:
         """Quantize this rank's weight shard (per output feature: partial sums stay exact to add)
         and free the source unless ``keep_source``."""
-        if not self.weight.is_meta:  # freed: the FP8 copy is current (loads write into it)
-            store_fp8(self, "fp8_weight", self.weight)
-            if not keep_source:
-                free_source(self, "weight")
+        quantize_source_(self, "weight", "fp8_weight", keep_source=keep_source)
         return 1
 
     def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

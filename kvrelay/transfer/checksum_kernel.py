@@ -37,14 +37,14 @@ def _checksum_blocks(words, starts, lengths, positions, partials, BLOCK: tl.cons
     n = tl.load(lengths + pid)
     pos = tl.load(positions + pid)
     acc = tl.zeros([SUB], dtype=tl.int64)
+    m1 = tl.full([SUB], _M1, tl.int64)
+    m2 = tl.full([SUB], _M2, tl.int64)
+    m3 = tl.full([SUB], _M3, tl.int64)
     for off in range(0, BLOCK, SUB):
         j = off + tl.arange(0, SUB).to(tl.int64)
         inside = j < n
         w = tl.load(words + start + j, mask=inside, other=0)
         i = pos + j
-        m1 = tl.full([SUB], _M1, tl.int64)
-        m2 = tl.full([SUB], _M2, tl.int64)
-        m3 = tl.full([SUB], _M3, tl.int64)
         c1 = (i * m1 + m2) | 1
         c2 = (i * m3 + m1) | 1
         mixed = w ^ (w >> 31)
