@@ -94,8 +94,9 @@ class RunResult:
     phase_means: dict[str, float]
     latencies: list[float]
     errors: list[str]
-    # AR engine time per prefilled token over the run (kvrelay_ar_prefill_* on the AR's metrics).
-    prefill_tokens_per_s: float = 0.0
+    # AR engine time per prefilled token over the run (kvrelay_ar_prefill_* on the AR's metrics);
+    # None where no served AR ran (the colocated baseline): printed "n/a", never a measured 0.
+    prefill_tokens_per_s: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -470,8 +471,9 @@ def detail_table(results: list[RunResult]) -> str:
         # on the request's path.
         queue, transfer, load = (r.phase_means.get(k, 0.0) * 1e3 for k in
                                  ("queue_seconds", "transfer_seconds", "load_seconds"))
+        prefill = "n/a" if r.prefill_tokens_per_s is None else f"{r.prefill_tokens_per_s:.0f}"
         lines.append(
-            f"| {r.impl} | {r.run + 1} | {r.completed}/{r.failed} | {r.req_per_s:.4f} | {r.prefill_tokens_per_s:.0f} | "
+            f"| {r.impl} | {r.run + 1} | {r.completed}/{r.failed} | {r.req_per_s:.4f} | {prefill} | "
             f"{r.latency_p50:.3f} | {r.latency_p95:.3f} | {r.latency_p99:.3f} | {queue:.1f} | {transfer:.1f} | {load:.1f} | "
             f"{r.handoff_p50 * 1e3:.1f} | {r.handoff_p99 * 1e3:.1f} | "
             f"{r.handoff_share * 100:.1f}% | {r.bytes_moved / 2**20:.1f} |"
@@ -489,7 +491,7 @@ def engine_table(results: list[RunResult]) -> str:
     means = {}
     for impl, label in (("mooncake", "built-in torch AR"), ("vllm", "vLLM")):
         rps = statistics.mean(r.req_per_s for r in by[impl])
-        tps = statistics.mean(r.prefill_tokens_per_s for r in by[impl])
+        tps = statistics.mean(r.prefill_tokens_per_s or 0.0 for r in by[impl])
         means[impl] = (rps, tps)
         lines.append(f"| {label} | {rps:.4f} | {tps:.0f} |")
     (b_rps, b_tps), (v_rps, v_tps) = means["mooncake"], means["vllm"]
@@ -712,7 +714,7 @@ def run_scenario(
                     workload, args.requests, args.concurrency, run_idx, on_done=progress.request_done
                 )
                 results.append(summarize(impl, run_idx, records, wall, moved))
-                results[-1].prefill_tokens_per_s = getattr(nodes[impl], "last_prefill_tokens_per_s", 0.0)
+                results[-1].prefill_tokens_per_s = getattr(nodes[impl], "last_prefill_tokens_per_s", None)
                 progress.end_run(results[-1])
     finally:
         for node in nodes.values():

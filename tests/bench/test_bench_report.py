@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.node.bench import BenchProgress, RequestRecord, parallel_table, plot, summarize
+from kvrelay.node.bench import BenchProgress, RequestRecord, detail_table, parallel_table, plot, summarize
 
 
 def _results() -> list[Any]:
@@ -68,3 +68,15 @@ def test_dit_parallel_table_puts_ep_and_cfg_on_off_side_by_side_with_ratios() ->
     assert "| CFG=2 x TP=1 / TP=2 (2 ranks each) | 1.250x | 1.250x |" in table
     # Without a pair of layouts there is nothing to compare.
     assert parallel_table([r for r in results if r.impl == "dit-tp1"]) == ""
+
+
+def test_detail_table_prints_na_for_the_colocated_prefill_rate() -> None:
+    """The colocated baseline has no served AR whose metrics give a prefill rate: its cell is
+    "n/a", not a measured-looking 0; a served run's measured rate is printed as a number."""
+    records = [RequestRecord(True, 0.5, 0.001, {"denoise_seconds": 0.3}) for _ in range(2)]
+    served = summarize("mooncake", 0, records, wall_s=1.0, bytes_moved=1024)
+    served.prefill_tokens_per_s = 1234.4
+    colocated = summarize("colocated", 0, records, wall_s=1.0, bytes_moved=0)
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in detail_table([served, colocated]).splitlines()}
+    assert rows["| mooncake"][4] == "1234"
+    assert rows["| colocated"][4] == "n/a"
