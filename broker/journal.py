@@ -9,9 +9,10 @@ records into pools and tickets is BrokerCore's job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,6 +26,20 @@ CREATE TABLE IF NOT EXISTS generations (request_id TEXT PRIMARY KEY, data TEXT N
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 _KEY_COLUMNS = {"tickets": "ticket_id", "generations": "request_id"}
+
+
+class JournalWriteError(Exception):
+    """A commit of broker state (replicas, tickets) did not reach the disk.
+
+    BrokerCore changes memory before it commits, so from here on memory is ahead of disk: the
+    journal refuses every later commit and the broker process must stop and recover from what
+    the disk holds (`kvrelay.broker.main` exits non-zero; its supervisor restarts it).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"journal write failed ({path}): {reason}")
+        self.path = path
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,8 +58,16 @@ class Journal:
     benchmarks may pass "NORMAL" (durable across a broker crash, not a power cut).
     """
 
-    def __init__(self, path: str | Path, synchronous: Synchronous = "FULL") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        synchronous: Synchronous = "FULL",
+        on_failure: Callable[[JournalWriteError], None] | None = None,
+    ) -> None:
         self.path = str(path)
+        # Set by the first failed commit of broker state; called once (the broker's fail stop).
+        self.failure: JournalWriteError | None = None
+        self.on_failure = on_failure
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: transactions are explicit (BEGIN/COMMIT) so one core
@@ -73,7 +96,32 @@ class Journal:
         generations: Mapping[str, dict[str, Any] | None] | None = None,
         meta: Mapping[str, str] | None = None,
     ) -> None:
-        """Write everything given in one transaction; a None value deletes that row."""
+        """Write everything given in one transaction; a None value deletes that row.
+
+        Raises JournalWriteError when the write fails (disk full, I/O error, file gone read-only).
+        A failed write of replicas, tickets or meta marks the journal failed: every later commit
+        raises at once. A failed write of generations alone does not (their retention across
+        restarts is best effort, and no page depends on it).
+        """
+        if self.failure is not None:
+            raise JournalWriteError(self.path, self.failure.reason)
+        try:
+            self._commit(replicas, tickets, generations, meta)
+        except (sqlite3.Error, OSError) as err:
+            failure = JournalWriteError(self.path, str(err) or type(err).__name__)
+            if replicas or tickets or meta:
+                self.failure = failure
+                if self.on_failure is not None:
+                    self.on_failure(failure)
+            raise failure from err
+
+    def _commit(
+        self,
+        replicas: Mapping[str, dict[str, Any]] | None,
+        tickets: Mapping[str, dict[str, Any] | None] | None,
+        generations: Mapping[str, dict[str, Any] | None] | None,
+        meta: Mapping[str, str] | None,
+    ) -> None:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -85,7 +133,11 @@ class Journal:
                 db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
             db.execute("COMMIT")
         except BaseException:
-            db.execute("ROLLBACK")
+            # SQLite has already rolled back after SQLITE_FULL or an I/O error: a ROLLBACK then
+            # would raise "no transaction is active" and hide the real reason.
+            if db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
             raise
 
     def _upsert(self, table: str, rows: Iterable[tuple[str, dict[str, Any] | None]]) -> None:

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generation import GenerationServicer
+from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
@@ -57,11 +58,17 @@ async def serve(
             registration_token=creds.replica_token,
             verify_checksums=cfg.dit_stage.verify_checksums,
         )
+    except JournalWriteError:
+        raise  # the journal opened but its replay could not be written (disk full): not a setting
     except (OSError, sqlite3.Error) as err:
         # A directory, a read-only place, a file that is not a journal: the operator's setting,
         # named, not a traceback (nothing is listening yet).
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise ConfigError(f"broker.journal_path: cannot open the journal {b.journal_path!r}: {reason}") from None
+    # Fail stop: a failed journal write leaves memory ahead of disk, so the process exits and
+    # its supervisor starts it again from what the disk holds (as a failed maintenance pass does).
+    journal_failed = asyncio.Event()
+    core.journal.on_failure = lambda _err: journal_failed.set()
     registry = CollectorRegistry()
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     broker_servicer = BrokerServicer(core, ticket_ttl)
@@ -91,13 +98,19 @@ async def serve(
     await orchestrator.start()
     await server.set_serving(True)
     print(f"kvrelay broker listening on {server.address}", flush=True)
+    stop = asyncio.create_task(server.wait_for_stop())
+    failed = asyncio.create_task(journal_failed.wait())
     try:
-        stop = asyncio.create_task(server.wait_for_stop())
         # A failed maintenance pass (journal error) stops the process: memory would run ahead of disk.
-        done, _ = await asyncio.wait({stop, maintenance}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({stop, maintenance, failed}, return_when=asyncio.FIRST_COMPLETED)
         if maintenance in done:
             maintenance.result()
+        if core.journal.failure is not None:
+            log.error("broker_journal_failed", path=core.journal.path, reason=core.journal.failure.reason)
+            raise core.journal.failure
     finally:
+        for task in (stop, failed):
+            task.cancel()
         await orchestrator.stop()
         await server.stop(grace=2.0)
         maintenance.cancel()
@@ -122,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
     except PortInUse as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
+        return 1
+    except JournalWriteError as err:
+        # Exit 1, not 2: a full disk may be freed, so the supervisor starts it again (with backoff).
+        print(f"kvrelay broker: broker.journal_path: {err}; stopping to recover from the journal", file=sys.stderr)
         return 1
     except (SecurityError, ConfigError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)

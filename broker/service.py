@@ -21,6 +21,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from kvrelay.broker.core import Arming, BrokerCore, PoolStatus
+from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec, ReplicaStatus
 from kvrelay.broker.tickets import (
     BrokerError,
@@ -73,7 +74,13 @@ def plan_to_proto(arming: Arming) -> broker_pb2.TicketPlan:
     )
 
 
-def to_server_error(err: BrokerError) -> KvRelayServerError:
+def to_server_error(err: BrokerError | JournalWriteError) -> KvRelayServerError:
+    if isinstance(err, JournalWriteError):
+        # The change was not made durable, and the broker stops to recover from its journal
+        # (kvrelay.broker.main): retryable once it is back.
+        return KvRelayServerError(
+            grpc.StatusCode.UNAVAILABLE, "JOURNAL_FAILED", f"{err}; the broker stops and recovers from its journal"
+        )
     return KvRelayServerError(grpc.StatusCode[err.code], err.reason, err.message)
 
 
@@ -282,7 +289,7 @@ def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
         self.rpc_counts[fn.__name__] += 1
         try:
             return await fn(self, request, context)
-        except BrokerError as err:
+        except (BrokerError, JournalWriteError) as err:
             await abort_with(context, to_server_error(err))
 
     return handler
@@ -469,7 +476,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         try:
             async for ticket in self.core.waiters.watch_ticket(request.ticket_id):
                 yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
-        except BrokerError as err:
+        except (BrokerError, JournalWriteError) as err:
             await abort_with(context, to_server_error(err))
 
     @_maps_errors

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +36,17 @@ class ServiceProcess:
         return "".join(self.lines[-60:])
 
 
-def start_service(args: Sequence[str], *, cwd: Path, timeout: float = 60.0, env: dict[str, str] | None = None) -> ServiceProcess:
-    """Run `python -m kvrelay ARGS` and wait for its 'listening on HOST:PORT' line."""
+def start_service(
+    args: Sequence[str],
+    *,
+    cwd: Path,
+    timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> ServiceProcess:
+    """Run `python -m kvrelay ARGS` and wait for its 'listening on HOST:PORT' line.
+
+    `preexec_fn` runs in the child before it starts (resource limits of a fault test)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVRELAY_LOG_FORMAT": "json", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvrelay", *args],
@@ -46,6 +55,7 @@ def start_service(args: Sequence[str], *, cwd: Path, timeout: float = 60.0, env:
         stderr=subprocess.STDOUT,
         text=True,
         env=full_env,
+        preexec_fn=preexec_fn,
     )
     lines: list[str] = []
     found: list[str] = []
