@@ -1,37 +1,57 @@
 #!/usr/bin/env bash
 # Set up kvrelay on a fresh Debian/Ubuntu machine: system libraries, a virtualenv in .venv,
 # the local CPU build of torch, and kvrelay with its dev extras. Idempotent and quick when done.
-#   --vllm   also install vLLM's CPU build beside that torch (the AR's `engine: vllm`, docs/ar.md)
+#   --vllm      also install vLLM's CPU build beside that torch (the AR's `engine: vllm`, docs/ar.md)
+#   --compose   also the tools tests/compose needs: docker-compose, and podman + debootstrap where
+#               no Docker daemon answers (scripts/test.sh passes it; running a node needs none)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 with_vllm=0
+with_compose=0
 for arg in "$@"; do
   case "$arg" in
     --vllm) with_vllm=1 ;;
-    *) echo "usage: scripts/setup.sh [--vllm]" >&2; exit 2 ;;
+    --compose) with_compose=1 ;;
+    *) echo "usage: scripts/setup.sh [--vllm] [--compose]" >&2; exit 2 ;;
   esac
 done
 
+PY="${PYTHON:-python3}"
+if ! command -v "$PY" >/dev/null 2>&1 || ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "setup: kvrelay needs Python >= 3.11; '$PY' is $({ command -v "$PY" >/dev/null 2>&1 && "$PY" --version 2>&1; } || echo "not found")." \
+    "Install one and run again with PYTHON=python3.11 (or newer)" >&2
+  exit 1
+fi
+
 need=()
-# Mooncake's transfer engine links libibverbs even for TCP.
-ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
-# docker-compose (the client) validates compose/docker-compose.yml; no engine is needed for that.
-command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
-# A container engine for tests/compose (scripts/compose_smoke.sh): podman where no Docker daemon
-# answers, and debootstrap for a base image where no image registry is reachable.
-if ! { command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; }; then
-  command -v podman >/dev/null 2>&1 || need+=(podman)
-  command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+# Mooncake's transfer engine links libibverbs even for TCP. (ldconfig is in /sbin, off a
+# non-root user's PATH on Debian.)
+{ ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
+# Debian and Ubuntu ship `python3 -m venv` without ensurepip unless python3-venv is installed.
+[ -x .venv/bin/python ] || "$PY" -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
+if [ "$with_compose" = 1 ]; then
+  # docker-compose (the client) validates compose/docker-compose.yml; no engine is needed for that.
+  command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+  # A container engine for tests/compose (scripts/compose_smoke.sh): podman where no Docker daemon
+  # answers, and debootstrap for a base image where no image registry is reachable.
+  if ! { command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; }; then
+    command -v podman >/dev/null 2>&1 || need+=(podman)
+    command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+  fi
 fi
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
-  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  sudo=""
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null 2>&1 || {
+      echo "setup: not root and no sudo: install these Debian packages, then run again: ${need[*]}" >&2; exit 1; }
+    sudo="sudo"
+  fi
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.kvrelay-setup
 want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"

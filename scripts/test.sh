@@ -3,8 +3,8 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k broker
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# --vllm: CI runs the tests of the AR's engine: vllm too (tests/vllm).
-./scripts/setup.sh --vllm
+# --vllm: CI runs the tests of the AR's engine: vllm too (tests/vllm); --compose: and tests/compose.
+./scripts/setup.sh --vllm --compose
 export PATH="$PWD/.venv/bin:$PATH"
 
 echo "== ruff"; ruff check .
