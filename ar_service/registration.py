@@ -221,7 +221,8 @@ class ArRegistration:
                     log.error("replica_superseded", replica_id=self.identity.replica_id, message=message)
                     self._fail_stop(f"superseded: {message}")
                     return
-                if reason == "REPLICA_NOT_REGISTERED":
+                if reason in ("REPLICA_NOT_REGISTERED", "UNKNOWN_REPLICA"):
+                    # The broker restarted, or forgot us while our lease had lapsed (a full registry).
                     log.warning("broker_restarted_reregistering", replica_id=self.identity.replica_id)
                     try:
                         await self._register_once()

@@ -174,6 +174,8 @@ class BrokerCore:
         now = self.clock()
         old = self.registry.find(spec.replica_id)
         old_was_up = old is not None and old.up(now)
+        if old is None and len(self.registry) >= self.registry.max_replicas:
+            self._forget_idle_replicas(now)
         kind, record = self.registry.register(spec, now, self.lease_seconds)
         changed: list[TicketRecord] = []
         if kind is Registration.NEW_INCARNATION:
@@ -238,6 +240,27 @@ class BrokerCore:
                 ):
                     poll.extend((t.ticket_id, k) for k in t.unresolved())
         return HeartbeatReply(record.fenced, record.fence_reason, self.lease_seconds, tuple(poll))
+
+    def _forget_idle_replicas(self, now: float) -> None:
+        """Make room in a full registry: forget every replica that is not up (deregistered,
+        lapsed, or restored and not registered again), not fenced, and that no live ticket names.
+        Nothing needs such a record: no write of its can be unresolved, no page of it held, and
+        its next registration is simply NEW (a fence is kept: its process must fail stop)."""
+        named: set[ReplicaId] = set()
+        for t in self._tickets.values():
+            named.update((t.ar_replica_id, t.dit_replica_id))
+        idle = [
+            r.spec.replica_id
+            for r in self.registry
+            if not r.up(now) and not r.fenced and r.spec.replica_id not in named
+        ]
+        if not idle:
+            return
+        for replica_id in idle:
+            self.registry.forget(replica_id)
+            self._pools.pop(replica_id, None)
+        self.journal.commit(replicas=dict.fromkeys(idle))
+        log.info("replicas_forgotten", count=len(idle), replica_ids=idle[:16])
 
     def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
         """The replica is leaving: no new tickets. Not proof that its writes are over."""
@@ -585,11 +608,13 @@ class BrokerCore:
             if replica_id not in self._pools:
                 raise InvalidArgument("NOT_A_DIT", f"replica {replica_id} is not a DiT replica; it has no pool")
         out = []
-        for rid in sorted(self._pools):
-            if replica_id and rid != replica_id:
+        # list(): the metrics endpoint reads from its own thread while a registration may forget one.
+        for rid, pool in sorted(list(self._pools.items())):
+            record = self.registry.find(rid)
+            if record is None or (replica_id and rid != replica_id):
                 continue
-            c = self._pools[rid].counts()
-            out.append(PoolStatus(rid, c.total, c.free, c.reserved, c.draining, self.registry.get(rid).fenced))
+            c = pool.counts()
+            out.append(PoolStatus(rid, c.total, c.free, c.reserved, c.draining, record.fenced))
         return out
 
     def draining_oldest_seconds(self) -> float:

@@ -91,7 +91,7 @@ class Journal:
     def commit(
         self,
         *,
-        replicas: Mapping[str, dict[str, Any]] | None = None,
+        replicas: Mapping[str, dict[str, Any] | None] | None = None,
         tickets: Mapping[str, dict[str, Any] | None] | None = None,
         generations: Mapping[str, dict[str, Any] | None] | None = None,
         meta: Mapping[str, str] | None = None,
@@ -126,7 +126,10 @@ class Journal:
         db.execute("BEGIN IMMEDIATE")
         try:
             for rid, data in (replicas or {}).items():
-                db.execute("INSERT OR REPLACE INTO replicas VALUES (?, ?)", (rid, json.dumps(data)))
+                if data is None:
+                    db.execute("DELETE FROM replicas WHERE replica_id = ?", (rid,))
+                else:
+                    db.execute("INSERT OR REPLACE INTO replicas VALUES (?, ?)", (rid, json.dumps(data)))
             self._upsert("tickets", (tickets or {}).items())
             self._upsert("generations", (generations or {}).items())
             for key, value in (meta or {}).items():

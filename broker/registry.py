@@ -13,12 +13,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.broker.tickets import FailedPrecondition, InvalidArgument, NotFound, ReplicaId
+from kvrelay.broker.tickets import FailedPrecondition, InvalidArgument, NotFound, ReplicaId, ResourceExhausted
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import MAX_CFG_ROWS
 
 # Geometry fields that AR and DiT must agree on; page_size is the DiT's alone (DESIGN.md section 3).
 SHARED_GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+# The broker keeps one byte of state per page and CFG group (pool.PagePool), allocated when the
+# replica registers: one RegisterReplica saying num_pages 4e9 grew the broker by 4 GB and stalled
+# its event loop for 10 s. 4Mi pages is ~57 GiB of BAGEL-7B KV per rank at page_size 1.
+MAX_PAGES_PER_REPLICA = 1 << 22
+# Distinct replica ids the registry holds (live, lapsed, deregistered and restored ones): a holder
+# of the shared replica token could otherwise grow the broker's memory, journal and metrics
+# without bound by registering made-up ids. Room is made by forgetting idle ones first
+# (BrokerCore.register_replica).
+MAX_REPLICAS = 256
 
 
 class ReplicaRole(enum.Enum):
@@ -194,6 +203,12 @@ def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
     if spec.role is ReplicaRole.DIT:
         if spec.num_pages <= 0:
             raise InvalidArgument("MISSING_FIELD", "replica.num_pages: a DiT replica needs pages")
+        if spec.num_pages > MAX_PAGES_PER_REPLICA:
+            raise InvalidArgument(
+                "TOO_MANY_PAGES",
+                f"replica.num_pages: {spec.num_pages} pages per rank; the broker tracks at most "
+                f"{MAX_PAGES_PER_REPLICA} (raise the DiT stage's page_size)",
+            )
         ranks = sorted(r.rank for r in spec.regions)
         if ranks != list(range(spec.world_size)):
             # A DiT rank without a region is a missing worker rank: nothing could land there.
@@ -213,9 +228,13 @@ def geometry_mismatch(a: KvGeometry, b: KvGeometry) -> str | None:
 
 
 class ReplicaRegistry:
-    def __init__(self, layout_version: int) -> None:
+    def __init__(self, layout_version: int, max_replicas: int = MAX_REPLICAS) -> None:
         self.layout_version = layout_version
+        self.max_replicas = max_replicas
         self._replicas: dict[ReplicaId, ReplicaRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self._replicas)
 
     def __iter__(self) -> Iterator[ReplicaRecord]:
         # A copy: the metrics endpoint iterates from its own thread while the loop registers.
@@ -236,6 +255,10 @@ class ReplicaRegistry:
     def restore(self, record: ReplicaRecord) -> None:
         self._replicas[record.spec.replica_id] = record
 
+    def forget(self, replica_id: ReplicaId) -> None:
+        """Drop a replica's record for good (BrokerCore decides that nothing needs it)."""
+        del self._replicas[replica_id]
+
     def check_compatible(self, spec: ReplicaSpec) -> None:
         for other in self._replicas.values():
             if other.spec.replica_id == spec.replica_id or other.deregistered:
@@ -252,6 +275,13 @@ class ReplicaRegistry:
         validate_spec(spec, self.layout_version)
         self.check_compatible(spec)
         old = self._replicas.get(spec.replica_id)
+        if old is None and len(self._replicas) >= self.max_replicas:
+            raise ResourceExhausted(
+                "TOO_MANY_REPLICAS",
+                f"replica {spec.replica_id}: the broker already holds {len(self._replicas)} replica ids "
+                f"(at most {self.max_replicas}); deregister replicas that are gone "
+                "(an idle deregistered or lapsed one is forgotten to make room)",
+            )
         if old is not None and old.spec.role is not spec.role:
             raise InvalidArgument(
                 "ROLE_MISMATCH",

@@ -11,11 +11,12 @@ import pytest
 
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.placement import choose_ar_replica, choose_dit_replica
-from kvrelay.broker.registry import Registration
+from kvrelay.broker.registry import MAX_PAGES_PER_REPLICA, Registration
 from kvrelay.broker.tickets import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     TicketOutcome,
     TicketState,
     Unauthenticated,
@@ -328,3 +329,68 @@ def test_a_deregistered_writer_is_still_polled_for_its_draining_writes() -> None
     assert [k for _, k in hb.poll_writes] == [w.key for w in t.writes]
     assert not core.get_replica("ar-0").up, "deregistering is not proof, and not schedulable either"
     assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+
+
+# ------------------------------------------------------------ registration floods
+
+
+def test_a_dit_claiming_billions_of_pages_is_refused_before_the_broker_allocates_them() -> None:
+    # Found black-box: one RegisterReplica with num_pages 4e9 (a uint32 field) grew the broker
+    # by 4 GB (one byte of state per page) and blocked its event loop for 10 s.
+    core = make_core(None, ManualClock())
+    with pytest.raises(InvalidArgument) as err:
+        core.register_replica(dit_spec("dit-9", num_pages=MAX_PAGES_PER_REPLICA + 1))
+    assert err.value.reason == "TOO_MANY_PAGES"
+    assert "replica.num_pages" in err.value.message
+    assert "dit-9" not in core.registry and core.pool_status() == []
+    core.register_replica(dit_spec("dit-0", num_pages=MAX_PAGES_PER_REPLICA))  # the bound itself is fine
+
+
+def test_a_flood_of_made_up_replica_ids_is_capped_and_idle_ones_make_room(tmp_path: Path) -> None:
+    # Found black-box: 2000 RegisterReplica calls with the replica token and made-up ids
+    # (ar-1000...) were all kept, in memory, in the journal and as metric labels, for good.
+    clock = ManualClock()
+    core = make_core(tmp_path / "j.sqlite", clock)
+    core.registry.max_replicas = 8
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0")
+    core.register_replica(ar)
+    core.register_replica(dit)
+    ticket = core.create_ticket("req-1", ar.replica_id, dit.replica_id, [20])
+    assert ticket is not None
+    fakes = [ar_spec(f"ar-{100 + i}") for i in range(6)]
+    for spec in fakes:
+        core.register_replica(spec)
+    with pytest.raises(ResourceExhausted) as err:
+        core.register_replica(ar_spec("ar-999"))
+    assert err.value.reason == "TOO_MANY_REPLICAS"
+    assert "at most 8" in err.value.message
+    # The fakes never heartbeat: once their leases lapse they are forgotten to make room. ar-0 and
+    # dit-0 lapse too but are kept: a live ticket names them (its writes need proof of their end).
+    clock.advance(core.lease_seconds + 1)
+    core.register_replica(ar_spec("ar-999"))
+    assert sorted(r.spec.replica_id for r in core.registry) == ["ar-0", "ar-999", "dit-0"]
+    assert [p.replica_id for p in core.pool_status()] == ["dit-0"]
+    core.journal.close()
+    restored = make_core(tmp_path / "j.sqlite", clock)
+    assert sorted(r.spec.replica_id for r in restored.registry) == ["ar-0", "ar-999", "dit-0"]
+    # A forgotten replica that was only partitioned away registers again as new.
+    restored.register_replica(fakes[0])
+    assert fakes[0].replica_id in restored.registry
+
+
+def test_a_full_registry_of_live_replicas_refuses_a_new_id_and_keeps_a_fence() -> None:
+    clock = ManualClock()
+    core = make_core(None, clock)
+    core.registry.max_replicas = 2
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0")
+    core.register_replica(ar)
+    core.register_replica(dit)
+    with pytest.raises(ResourceExhausted):
+        core.register_replica(ar_spec("ar-1"))
+    core.fence_replica("ar-0", "test")
+    clock.advance(core.lease_seconds + 1)
+    core.register_replica(ar_spec("ar-1"))  # dit-0 (lapsed, idle) made room; the fenced ar-0 stays
+    assert sorted(r.spec.replica_id for r in core.registry) == ["ar-0", "ar-1"]
+    assert core.registry.get("ar-0").fenced
+    # Re-registering a known id never needs room.
+    core.register_replica(new_incarnation(ar))
