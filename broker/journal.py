@@ -10,7 +10,10 @@ records into pools and tickets is BrokerCore's job.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
+import os
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +45,15 @@ class JournalWriteError(Exception):
         self.reason = reason
 
 
+class JournalInUse(Exception):
+    """Another broker holds this journal: two brokers on one file would each replay and rewrite
+    the other's tickets (one orphans the other's live requests as BROKER_RESTARTED)."""
+
+    def __init__(self, path: str, holder: str) -> None:
+        super().__init__(f"the journal {path!r} is in use by another broker ({holder}); stop it or give this broker its own journal_path")
+        self.path = path
+
+
 @dataclass(frozen=True, slots=True)
 class JournalContents:
     replicas: dict[str, dict[str, Any]]
@@ -68,14 +80,21 @@ class Journal:
         # Set by the first failed commit of broker state; called once (the broker's fail stop).
         self.failure: JournalWriteError | None = None
         self.on_failure = on_failure
+        self._lock_fd: int | None = None
         if self.path != ":memory:":
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = _lock_exclusively(f"{self.path}.lock", self.path)
         # isolation_level=None: transactions are explicit (BEGIN/COMMIT) so one core
         # operation is one atomic commit, never split by sqlite3's implicit transactions.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous}")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.executescript(_SCHEMA)
+        except BaseException:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise
 
     def load(self) -> JournalContents:
         def table(name: str, key: str) -> dict[str, dict[str, Any]]:
@@ -158,3 +177,24 @@ class Journal:
 
     def close(self) -> None:
         self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _lock_exclusively(lock_path: str, journal_path: str) -> int:
+    """One broker per journal: an exclusive flock on `PATH.lock`, held until close() or exit (the
+    kernel drops it with the process, so a broker killed with SIGKILL never leaves it stale)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise JournalInUse(journal_path, f"pid {holder}" if holder.isdigit() else "an unknown process") from None
+        raise
+    # Who holds it, for the next broker's message; not used for correctness.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generation import GenerationServicer
-from kvrelay.broker.journal import JournalWriteError
+from kvrelay.broker.journal import JournalInUse, JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer
@@ -60,6 +60,8 @@ async def serve(
         )
     except JournalWriteError:
         raise  # the journal opened but its replay could not be written (disk full): not a setting
+    except JournalInUse as err:
+        raise ConfigError(f"broker.journal_path: {err}") from None
     except (OSError, sqlite3.Error) as err:
         # A directory, a read-only place, a file that is not a journal: the operator's setting,
         # named, not a traceback (nothing is listening yet).

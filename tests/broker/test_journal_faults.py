@@ -9,6 +9,8 @@ under load: the broker kept running, RPCs failed UNKNOWN and five requests hung 
 
 from __future__ import annotations
 
+import asyncio
+import os
 import resource
 import time
 from pathlib import Path
@@ -17,7 +19,9 @@ import grpc
 import pytest
 import yaml
 
-from kvrelay.broker.journal import Journal, JournalWriteError
+from kvrelay.broker.journal import Journal, JournalInUse, JournalWriteError
+from kvrelay.broker.main import serve
+from kvrelay.config import ConfigError, load_config
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from tests.broker.test_grpc import replica
@@ -93,3 +97,22 @@ def test_the_broker_stops_when_its_journal_cannot_be_written(repo_root: Path, tm
     assert refused and refused[0] == ("UNAVAILABLE", "JOURNAL_FAILED"), (refused, broker.output())
     # What the disk holds is a journal the next broker opens.
     assert Journal(tmp_path / "journal.sqlite").load().replicas
+
+
+def test_a_second_broker_on_the_same_journal_is_refused(repo_root: Path, tmp_path: Path) -> None:
+    """Two brokers on one journal (a second `kvrelay broker` with the node's config) each replayed
+    the other's tickets: the second one orphaned the first one's live requests."""
+    path = tmp_path / "journal.sqlite"
+    first = Journal(path, "NORMAL")
+    first.commit(tickets={"t0": {"state": "WRITING"}})
+    with pytest.raises(JournalInUse, match=rf"in use by another broker \(pid {os.getpid()}\)"):
+        Journal(path, "NORMAL")
+    cfg = load_config(repo_root / "tests" / "configs" / "test-fast.yaml")
+    cfg = cfg.model_copy(update={"broker": cfg.broker.model_copy(update={"journal_path": str(path)})})
+    with pytest.raises(ConfigError, match=r"broker\.journal_path: the journal .* is in use by another broker"):
+        asyncio.run(serve(cfg, "127.0.0.1", 0, 0))
+    assert first.load().tickets == {"t0": {"state": "WRITING"}}  # untouched
+    first.close()
+    second = Journal(path, "NORMAL")  # the lock goes with its holder
+    assert second.load().tickets == {"t0": {"state": "WRITING"}}
+    second.close()
