@@ -136,7 +136,7 @@ class Journal:
 
     def _commit(
         self,
-        replicas: Mapping[str, dict[str, Any]] | None,
+        replicas: Mapping[str, dict[str, Any] | None] | None,
         tickets: Mapping[str, dict[str, Any] | None] | None,
         generations: Mapping[str, dict[str, Any] | None] | None,
         meta: Mapping[str, str] | None,
