@@ -523,7 +523,9 @@ def run_list(args: argparse.Namespace) -> int:
         return 2
     states = [GenerationState[n] for n in names] or None
     try:
-        with KvRelayClient(target, token=_token(args), timeout=10.0, **_tls(args)) as client:
+        # Every client's generations: an operator RPC (the api token serves a development node).
+        token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
+        with KvRelayClient(target, token=token, timeout=10.0, **_tls(args)) as client:
             generations = client.list_generations(states, page_size=int(getattr(args, "limit", 0) or 0))
     except KvRelayError as err:
         _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))

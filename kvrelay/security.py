@@ -56,7 +56,7 @@ class CallerClass(enum.StrEnum):
 
     PUBLIC = "public"  # anyone; the api token when the deployment sets one
     REPLICA = "replica"  # AR/DiT <-> broker: the replica token or a client certificate
-    OPERATOR = "operator"  # status, cancel any, deregister any, debug: the operator token
+    OPERATOR = "operator"  # status, list/cancel any, deregister any, debug: the operator token
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +80,11 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _G + "Generate": RpcRule(CallerClass.PUBLIC, True, "input bounds (prompt, size, steps, guidance)"),
     _G + "GetGeneration": RpcRule(CallerClass.PUBLIC, True, "request_id (the id is the capability)"),
     _G + "CancelGeneration": RpcRule(CallerClass.PUBLIC, True, "request_id (the id is the capability)"),
-    _G + "ListGenerations": RpcRule(CallerClass.PUBLIC, True, "states; no images in the answer"),
+    # Not public: it names every client's request_id (the capability GetGeneration and
+    # CancelGeneration take) and prompt, so any api client could read or cancel anyone's work.
+    _G + "ListGenerations": RpcRule(
+        CallerClass.OPERATOR, True, "every client's generations (request ids, prompts); no images in the answer"
+    ),
     "/grpc.health.v1.Health/Check": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
     "/grpc.health.v1.Health/Watch": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": RpcRule(

@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_non_negative_int, default=0, help="at most this many (default: all the broker keeps)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
+    p.add_argument(
+        "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
+    )
     _add_client_tls_args(p)
 
     p = sub.add_parser("cancel", help="cancel generations by request id (idempotent)")

@@ -89,8 +89,11 @@ def test_operator_and_api_tokens(deployment: SecuredDeployment) -> None:
     assert _code(deployment, operator, "ListReplicas", broker_pb2.ListReplicasRequest()) == ("OK", "")
     api = ChannelSecurity(token=API)
     assert _code(deployment, api, "ListReplicas", broker_pb2.ListReplicasRequest())[0] == "PERMISSION_DENIED"
+    # Found black-box: ListGenerations named every client's request_id (the capability of
+    # GetGeneration and CancelGeneration) and prompt to any api client: listing is an operator's.
     listing = generation_pb2.ListGenerationsRequest()
-    assert _code(deployment, api, "ListGenerations", listing, service="generation") == ("OK", "")
+    assert _code(deployment, api, "ListGenerations", listing, service="generation")[0] == "PERMISSION_DENIED"
+    assert _code(deployment, operator, "ListGenerations", listing, service="generation") == ("OK", "")
     assert _code(deployment, None, "ListGenerations", listing, service="generation")[0] == "UNAUTHENTICATED"
     # A replica credential is not a client's when the deployment sets an api token.
     replica = CREDENTIALS.channel(CallerClass.REPLICA, "ar-1")
