@@ -213,6 +213,10 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         stopper.fail_stop(str(err))
     except Exception as err:  # noqa: BLE001 - startup failure: stop what started, exit non-zero
         log.exception("dit_failed", error=str(err))
+        # One line for `kvrelay up` and the terminal (the AR prints its own alike); the log has the rest.
+        first = (str(err) or type(err).__name__).splitlines()[0]
+        print(f"kvrelay dit: {first if first.startswith('startup failed') else f'startup failed: {first}'}",
+              file=sys.stderr)  # fmt: skip
         stopper.fail_stop(f"startup failed: {err}")
     finally:
         if watchdog is not None:

@@ -133,7 +133,8 @@ class WorkerCommandError(WorkerGroupError):
         self.values = tuple(values)
         first = self.errors[0]
         super().__init__(
-            f"{type(command).__name__} failed on rank(s) {[e.rank for e in self.errors]}: "
+            f"{command.name if isinstance(command, _Named) else type(command).__name__} failed on rank(s) "
+            f"{[e.rank for e in self.errors]}: "
             f"{first.error_type}: {first.message}\n--- rank {first.rank} traceback ---\n{first.traceback}"
         )
 

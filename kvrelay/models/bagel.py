@@ -38,7 +38,7 @@ from torch import nn
 
 from kvrelay.models.fp8 import quantize_fp8_
 from kvrelay.models.layers import RMSNorm, SwiGLU, apply_rotary, attention, rope_cos_sin
-from kvrelay.models.loader import COLUMN, ROW, CheckpointError, ar_config_from_hf
+from kvrelay.models.loader import COLUMN, ROW, CheckpointError, ar_config_from_hf, require_dir, require_shards
 from kvrelay.models.paged_attention import LayerKv, prefix_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import ArConfig, DitConfig, DTypeName, ModelPreset
@@ -151,11 +151,12 @@ def stage_preset(model: Any) -> ModelPreset:
 def weight_files(directory: str | Path) -> list[Path]:
     """The weight files of a BAGEL directory: `ema.safetensors` (the published release), else the
     files of `model.safetensors.index.json`, else every `*.safetensors` except the VAE."""
-    d = Path(directory)
+    d = require_dir(directory)
     if (d / EMA_FILE).is_file():
         return [d / EMA_FILE]
     if (d / INDEX_FILE).is_file():
         names = sorted(set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values()))
+        require_shards(d / INDEX_FILE, [d / n for n in names])
         return [d / n for n in names]
     files = sorted(p for p in d.glob("*.safetensors") if p.name != VAE_FILE)
     if not files:
@@ -192,7 +193,7 @@ def _special_ids(directory: Path) -> dict[str, int]:
 def load_bagel_config(directory: str | Path, *, dtype: DTypeName | None = None) -> BagelConfig:
     """Read `llm_config.json` (Qwen2), the special tokens, the latent shapes implied by the
     weights (`vae2llm`, `latent_pos_embed`) and optional `kvrelay.json` overrides."""
-    d = Path(directory)
+    d = require_dir(directory)
     llm_path = d / LLM_CONFIG_FILE
     if not llm_path.is_file():
         raise CheckpointError(f"{d} has no {LLM_CONFIG_FILE}: not a BAGEL checkpoint directory")

@@ -46,7 +46,7 @@ from kvrelay.models.layers import (
     init_std,
     rope_cos_sin,
 )
-from kvrelay.models.loader import CheckpointError, full_state, load_full_state
+from kvrelay.models.loader import CheckpointError, full_state, load_full_state, require_dir
 from kvrelay.models.moe import RoutedExperts, build_mlp
 from kvrelay.models.paged_attention import LayerKv, PrefixBlock, PrefixKv, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
@@ -778,9 +778,12 @@ class DitRunner:
         whole on the device."""
         from safetensors.torch import load_file
 
-        path = Path(directory) / DIT_CHECKPOINT_FILE
+        path = require_dir(directory) / DIT_CHECKPOINT_FILE
         if not path.is_file():
-            raise CheckpointError(f"no {DIT_CHECKPOINT_FILE} in {directory}")
+            raise CheckpointError(
+                f"no {DIT_CHECKPOINT_FILE} in {directory} (a preset DiT's path holds what "
+                "DitRunner.save_checkpoint writes; a BAGEL release directory is model.format: bagel)"
+            )
         tensors = load_file(str(path))
         self.clear_conditionings()  # also when loading fails halfway: weights may have changed
         load_full_state(self.model, tensors, "model.")

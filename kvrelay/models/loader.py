@@ -11,7 +11,7 @@ Never downloads anything: a checkpoint is a local directory.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,13 +72,33 @@ def llama_key_map(num_layers: int, *, qkv_bias: bool = False) -> KeyMap:
     return tuple(specs)
 
 
+def require_dir(directory: str | Path) -> Path:
+    """`directory` as a Path, or a CheckpointError saying it is not there (before any message
+    about a file it lacks, which would send the user looking for the wrong thing)."""
+    path = Path(directory)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"model path {str(directory)!r} {what} (model.path is read on the host of the process)")
+    return path
+
+
+def require_shards(index: Path, files: Sequence[Path]) -> None:
+    """Every shard a `*.index.json` names is there; else one error naming the absent ones."""
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise CheckpointError(
+            f"{index} names {len(absent)} of {len(files)} shard(s) that are not in {index.parent}: {absent[:5]}"
+        )
+
+
 def checkpoint_files(directory: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint directory (the index's files when there is one)."""
-    directory = Path(directory)
+    directory = require_dir(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [directory / n for n in names]
+        require_shards(index, files)
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
@@ -311,7 +331,7 @@ def ar_config_to_hf(cfg: ArConfig) -> dict[str, Any]:
 
 
 def read_hf_config(directory: str | Path) -> ArConfig:
-    path = Path(directory) / "config.json"
+    path = require_dir(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no config.json")
     return ar_config_from_hf(json.loads(path.read_text()))

@@ -431,9 +431,10 @@ class Node:
                     if code == EXIT_CONFIG:
                         raise SupervisorError(f"{child.spec.name}: {self._last_words(child)}")
                     if code is not None:
+                        said = self._printed_reason(child)
                         raise SupervisorError(
                             f"{child.spec.name} exited with code {code} before it was SERVING"
-                            + self._log_tail(child)
+                            + (f": {said}" if said else "") + self._log_tail(child)
                         )
                     if self._check_serving(child):
                         with self._lock:
@@ -634,6 +635,11 @@ class Node:
 
     def _last_words(self, child: _Child) -> str:
         """The one line a child printed about why it could not run (`kvrelay <role>: ...`)."""
+        return self._printed_reason(child) or f"exited with code {EXIT_CONFIG} (a configuration error; see its log)"
+
+    def _printed_reason(self, child: _Child) -> str | None:
+        """The last `kvrelay <role>: ...` line of a child's log (what it printed about why it
+        stopped: a config error, a checkpoint that does not load), or None."""
         if self.log_dir is not None:
             try:
                 lines = (self.log_dir / f"{child.spec.name}.log").read_text(errors="replace").splitlines()
@@ -646,9 +652,10 @@ class Node:
                         line = str(json.loads(line).get("line", ""))
                     except (ValueError, AttributeError):
                         continue
-                if line.startswith("kvrelay "):
+                # `kvrelay ar: ...`, not `kvrelay ar listening on ...`.
+                if line.startswith("kvrelay ") and line.split(" ", 2)[1].endswith(":"):
                     return line
-        return f"exited with code {EXIT_CONFIG} (a configuration error; see its log)"
+        return None
 
     def _log_tail(self, child: _Child) -> str:
         if self.log_dir is None:

@@ -109,3 +109,37 @@ def test_rope_settings_of_both_config_generations():
     scaled = {**base, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
     with pytest.raises(CheckpointError, match="llama3"):
         ar_config_from_hf(scaled)
+
+
+def test_a_model_path_that_is_not_there_says_so_not_which_file_it_lacks(tmp_path):
+    """A typo in `model.path` reads "does not exist", on the Llama, DiT and BAGEL loaders alike,
+    not "has no config.json" (which sends a user looking for a file)."""
+    from kvrelay.models.bagel import load_bagel_config, weight_files
+    from kvrelay.models.dit import DitRunner
+    from kvrelay.models.loader import checkpoint_files, read_hf_config
+
+    missing = tmp_path / "no-such-model"
+    for load in (read_hf_config, checkpoint_files, load_bagel_config, weight_files):
+        with pytest.raises(CheckpointError, match=r"model path '.*no-such-model' does not exist"):
+            load(missing)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        DitRunner("tiny", checkpoint=missing)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        read_hf_config(tmp_path / "a-file")
+
+
+def test_a_sharded_index_naming_an_absent_shard_names_it(tmp_path):
+    """`model.safetensors.index.json` lists a shard that was not downloaded: one error naming
+    it (Llama and BAGEL layouts), not a bare "No such file" from deep inside safetensors."""
+    from kvrelay.models.bagel import INDEX_FILE, weight_files
+    from kvrelay.models.loader import checkpoint_files
+
+    build_ar_model(preset="tiny", seed=3).save_checkpoint(tmp_path)
+    weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                  "lm_head.weight": "model-00002-of-00002.safetensors"}  # fmt: skip
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00002.safetensors")
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for files in (checkpoint_files, weight_files):
+        with pytest.raises(CheckpointError, match=r"names 1 of 2 shard\(s\).*\['model-00002-of-00002.safetensors'\]"):
+            files(tmp_path)

@@ -221,8 +221,12 @@ def test_a_child_that_dies_during_startup_fails_the_start_and_nothing_is_left(
     behaviour = {"dit-1": {"exit_at_start": 7}}
     with pytest.raises(SupervisorError) as info:
         start_node(path, command=COMMAND, env=node_env(state_dir, behaviour), log_dir=tmp_path / "logs")
-    assert "dit-1 exited with code 7" in str(info.value)
-    assert "exiting at start as asked" in str(info.value)  # the tail of its log
+    # The headline carries what the child printed about why (a checkpoint that does not load,
+    # say), then the tail of its log.
+    assert str(info.value).splitlines()[0] == (
+        "dit-1 exited with code 7 before it was SERVING: kvrelay dit: dit-1: exiting at start as asked"
+    )
+    assert "--- last lines of" in str(info.value)
     assert wait_dead(all_pids(state_dir)) == []
 
 
