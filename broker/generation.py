@@ -28,6 +28,7 @@ from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
 from kvrelay.logging import bind_request, get_logger
+from kvrelay.security import current_caller
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -297,9 +298,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Above the maximum is coerced to it (AIP-158), 0 means the default.
         limit = min(request.page_size or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
         reply = generation_pb2.ListGenerationsResponse()
+        # A request_id is the capability of Get/CancelGeneration, and prompts are the clients':
+        # only an operator (or anyone in a development deployment) sees them in a listing.
+        caller = current_caller()
+        redact = caller is not None and not caller.operator
         size = 0
         for snap in self.orchestrator.list_generations(states, limit):
             generation = generation_to_proto(snap, with_image=False)
+            if redact:
+                generation.request_id = ""
+                generation.ticket_id = ""
+                generation.params.prompt = ""
+                generation.params.negative_prompt = ""
             size += generation.ByteSize() + _LIST_ITEM_OVERHEAD
             if size > MAX_LIST_REPLY_BYTES:
                 break  # the newest that fit; one always does (two prompts of at most 1 MiB each)

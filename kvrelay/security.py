@@ -56,7 +56,7 @@ class CallerClass(enum.StrEnum):
 
     PUBLIC = "public"  # anyone; the api token when the deployment sets one
     REPLICA = "replica"  # AR/DiT <-> broker: the replica token or a client certificate
-    OPERATOR = "operator"  # status, list/cancel any, deregister any, debug: the operator token
+    OPERATOR = "operator"  # status, cancel any, deregister any, debug: the operator token
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +80,11 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _G + "Generate": RpcRule(CallerClass.PUBLIC, True, "input bounds (prompt, size, steps, guidance)"),
     _G + "GetGeneration": RpcRule(CallerClass.PUBLIC, True, "request_id (the id is the capability)"),
     _G + "CancelGeneration": RpcRule(CallerClass.PUBLIC, True, "request_id (the id is the capability)"),
-    # Not public: it names every client's request_id (the capability GetGeneration and
-    # CancelGeneration take) and prompt, so any api client could read or cancel anyone's work.
+    # Public (DESIGN: GenerationService is public), but a request_id is the capability of Get/
+    # CancelGeneration: a caller that is not an operator gets every generation without its
+    # request_id, ticket_id and prompts (broker/generation.py redacts them).
     _G + "ListGenerations": RpcRule(
-        CallerClass.OPERATOR, True, "every client's generations (request ids, prompts); no images in the answer"
+        CallerClass.PUBLIC, True, "states; no images; ids and prompts only for an operator"
     ),
     "/grpc.health.v1.Health/Check": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
     "/grpc.health.v1.Health/Watch": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),

@@ -209,6 +209,41 @@ def test_list_generations_newest_first_filtered_without_images() -> None:
     run(body())
 
 
+def test_list_generations_names_ids_and_prompts_only_to_an_operator() -> None:
+    """A request_id is the capability of Get/CancelGeneration: a public caller (the api token)
+    lists every generation's state, sizes and timings, but not its request_id, ticket_id or
+    prompts (found black-box: list, then GetGeneration of another client's id gave its image)."""
+    from broker.generation import GenerationServicer
+    from kvrelay.security import Caller, CallerClass, _current_caller
+
+    async def listing(servicer: GenerationServicer, caller: Caller) -> list[generation_pb2.Generation]:
+        token = _current_caller.set(caller)
+        try:
+            reply = await servicer.ListGenerations(S.ListGenerationsRequest(), None)  # type: ignore[arg-type]
+        finally:
+            _current_caller.reset(token)
+        return list(reply.generations)
+
+    async def body() -> None:
+        async with cluster() as c:
+            await collect(c.api.Generate(request(request_id="mine", prompt="a secret fox", seed=1), timeout=10))
+            servicer = GenerationServicer(c.orchestrator)
+            public = await listing(servicer, Caller(frozenset({CallerClass.PUBLIC}), authenticated=True))
+            assert len(public) == 1 and public[0].state == S.GENERATION_STATE_SUCCEEDED
+            assert public[0].params.width > 0 and public[0].HasField("timings")
+            assert (public[0].request_id, public[0].ticket_id) == ("", "")
+            assert (public[0].params.prompt, public[0].params.negative_prompt) == ("", "")
+            for caller in (
+                Caller(frozenset({CallerClass.OPERATOR}), authenticated=True),
+                Caller(frozenset(CallerClass), trusted=True),  # a development deployment
+            ):
+                full = await listing(servicer, caller)
+                assert (full[0].request_id, full[0].params.prompt) == ("mine", "a secret fox")
+                assert full[0].ticket_id
+
+    run(body())
+
+
 def test_list_generations_fits_a_stock_clients_receive_limit() -> None:
     """Retained prompts may be 1 MiB each (prompt and negative prompt): a default page of them
     once failed every ListGenerations with RESOURCE_EXHAUSTED ("Sent message larger than max").
