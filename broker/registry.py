@@ -265,10 +265,15 @@ class ReplicaRegistry:
                 continue
             bad = geometry_mismatch(spec.geometry, other.spec.geometry)
             if bad is not None:
+                # What a user bringing their own model can change (a checkpoint's dtype is not
+                # always what the engine runs: vLLM may pick bfloat16 for a float32 one).
+                fix = ("set the same model.dtype on both stages" if bad == "dtype"
+                       else "the AR and DiT models must have the same KV shape (layers, kv heads, head_dim)")
                 raise InvalidArgument(
                     "GEOMETRY_MISMATCH",
                     f"replica.geometry.{bad}: {spec.replica_id} has {bad}={getattr(spec.geometry, bad)!r} but "
-                    f"{other.spec.replica_id} ({other.spec.role.value}) has {getattr(other.spec.geometry, bad)!r}",
+                    f"{other.spec.replica_id} ({other.spec.role.value}) has {getattr(other.spec.geometry, bad)!r}: "
+                    f"{fix}",
                 )
 
     def register(self, spec: ReplicaSpec, now: float, lease_seconds: float) -> tuple[Registration, ReplicaRecord]:

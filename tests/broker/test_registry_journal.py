@@ -60,6 +60,8 @@ def test_geometry_mismatch_between_ar_and_dit_names_the_field(field: str, value:
         core.register_replica(dit_spec(geometry=other))
     assert err.value.reason == "GEOMETRY_MISMATCH"
     assert f"geometry.{field}" in err.value.message
+    # It says what to change, not only what differs.
+    assert ("set the same model.dtype on both stages" if field == "dtype" else "the same KV shape") in err.value.message
     assert "dit-0" not in {s.spec.replica_id for s in core.list_replicas()}
 
 

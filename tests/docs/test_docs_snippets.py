@@ -6,7 +6,8 @@ address (`127.0.0.1:50051`, `localhost:50051`, a client built without a target, 
 command without `--target`) is pointed at that node. A block or a line the test cannot run here
 (a GPU, the network, minutes of CPU, a second node on the default ports) must be listed in
 NOT_RUN or SKIPPED_LINES with the test that covers it instead, so a new snippet is never
-silently untested. Links between docs must resolve to files in the repository.
+silently untested. Links between docs must resolve to files in the repository, and every
+`kvrelay` command the docs name (prose and untagged blocks included) must exist with its flags.
 """
 
 from __future__ import annotations
@@ -125,6 +126,34 @@ def test_links_between_docs_resolve() -> None:
             if not (REPO / name).exists():
                 missing.append(f"{path.relative_to(REPO)} names {name}")
     assert missing == []
+
+
+def test_every_kvrelay_command_in_the_docs_is_a_real_subcommand_with_real_flags() -> None:
+    """Prose and untagged blocks are not run, so a renamed flag or subcommand survives there:
+    every `kvrelay SUBCOMMAND ...` in backticks or a code block must name a subcommand of the CLI
+    and only flags its parser has (`kvrelay replicas` once stood for `kvrelay status`)."""
+    import argparse
+
+    from kvrelay.node.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {name: {o for a in p._actions for o in a.option_strings} for name, p in sub.choices.items()}
+    wrong = []
+    for path in DOC_FILES + [REPO / "benchmarks" / "README.md"]:
+        text = path.read_text()
+        spans = re.findall(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S) + re.findall(r"`([^`\n]+)`", text)
+        for span in spans:
+            for line in span.splitlines():
+                line = re.split(r"(?:^|\s)#", line, maxsplit=1)[0]  # a shell comment is prose
+                for m in re.finditer(r"(?:^|[\s(|;&])kvrelay ([a-z][\w-]*)((?: +(?:\"[^\"]*\"|'[^']*'|[^\s|;&)`]+))*)", line):
+                    command, args = m.group(1), re.sub(r"\$\([^)]*\)", "", m.group(2))
+                    if command not in flags:
+                        wrong.append(f"{path.relative_to(REPO)}: kvrelay {command}: no such subcommand")
+                        continue
+                    for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", args):
+                        if flag not in flags[command]:
+                            wrong.append(f"{path.relative_to(REPO)}: kvrelay {command} {flag}: no such flag")
+    assert wrong == []
 
 
 # ------------------------------------------------------------------------------------ running
