@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address every process listens on (default: the config's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
     p.add_argument("--log-level", default=None, help="log level for every child")
-    p.add_argument("--ready-timeout", type=_positive_float, default=300.0, help="seconds to wait for SERVING")
+    p.add_argument("--ready-timeout", type=_positive_float, default=300.0,
+                   help="seconds to wait for every process to be SERVING (default: %(default)g)")
     p.add_argument(
         "--metrics-port", type=int, default=9399,
         help="the node's one Prometheus target: every process's metrics, label process (0 = any free port)",
@@ -123,14 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-file", default=None, help="read the prompt from this file (- = stdin)")
     p.add_argument("--negative-prompt", default="", help="negative prompt (CFG row 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: assigned by the server)")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--width", type=int, default=512, help="pixels, a multiple of 16 in [64, 2048] (default: %(default)s)")
+    p.add_argument("--height", type=int, default=512, help="pixels, like --width (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="num_inference_steps (default: %(default)s)")
-    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale; 1.0 = no CFG")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale; 1.0 = no CFG (default: %(default)s)")
     p.add_argument("-o", "--output", default="out.png", help="PNG path (default: %(default)s)")
     p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--request-id", default=None, help="idempotency key; re-running attaches to it")
-    p.add_argument("--timeout", type=_positive_float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=_positive_float, default=None,
+                   help="deadline of the whole generation in seconds (default: 600)")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_client_tls_args(p)
@@ -167,27 +169,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_tls_args(p)
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
-    p.add_argument("--config", default=None, help="base config (default: built-in single-node CPU config)")
-    p.add_argument("--preset", default=None, help="model preset for both stages (default: the config's)")
+    p.add_argument("--config", default=None, help="base config (default: configs/single-node.yaml, the shipped CPU node)")
+    p.add_argument("--preset", default=None, help="model preset for both stages (default: the config's AR "
+                   "preset; small when it has none, as the default config's demo model)")
     p.add_argument("--requests", type=_positive_int, default=20, help="requests per run (default: %(default)s)")
-    p.add_argument("--runs", type=_positive_int, default=2, help="independent runs per implementation")
-    p.add_argument("--concurrency", type=_positive_int, default=8)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--height", type=int, default=512)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--guidance-scale", type=float, default=2.0)
-    p.add_argument("--impls", default="mooncake,grpc,colocated", help="comma list of implementations")
+    p.add_argument("--runs", type=_positive_int, default=2,
+                   help="independent runs per implementation (default: %(default)s)")
+    p.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight (default: %(default)s)")
+    p.add_argument("--width", type=int, default=512, help="seed workload (default: %(default)s)")
+    p.add_argument("--height", type=int, default=512, help="seed workload (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=2, help="seed workload (default: %(default)s)")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="seed workload (default: %(default)s)")
+    p.add_argument("--impls", default="mooncake,grpc,colocated",
+                   help="comma list of mooncake, grpc, cuda_ipc, colocated, vllm (default: %(default)s)")
     p.add_argument("--colocated", action="store_true", help="run only the colocated (no transfer) baseline")
     p.add_argument(
         "--dit-parallel", action="store_true",
         help="compare DiT layouts instead of transports (Mooncake nodes, same concurrency/batching): TP=1, "
         "CFG=2 x TP=1, TP=2 EP off, TP=2 EP on; prints EP on/off and CFG-parallel on/off ratios (use a MoE preset)",
     )
-    p.add_argument("--scenario", default="seed", choices=["seed", "transfer", "both"], help="workload")
-    p.add_argument("--dataset", default="benchmarks/data/t2i-50.jsonl")
-    p.add_argument("--output", default="benchmarks/results/latest", help="folder for JSON and plots")
-    p.add_argument("--warmup", type=int, default=2, help="warm-up requests per node")
-    p.add_argument("--max-num-seqs", type=int, default=None,
+    p.add_argument("--scenario", default="seed", choices=["seed", "transfer", "both"], help="workload (default: %(default)s)")
+    p.add_argument("--dataset", default="benchmarks/data/t2i-50.jsonl",
+                   help="JSONL of prompts (default: %(default)s, shipped with kvrelay)")
+    p.add_argument("--output", default="benchmarks/results/latest",
+                   help="folder for JSON and plots (default: %(default)s)")
+    p.add_argument("--warmup", type=_non_negative_int, default=2, help="warm-up requests per node (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None,
                    help="override every stage's max_num_seqs (DiT batch size; the colocated baseline batches alike)")
     p.add_argument(
         "--ar-model",
@@ -199,16 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
     p.add_argument("--preset", default=None, help="model preset (default: tiny on cpu, bagel-7b-shape on cuda)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: models on the GPU and CUDA IPC checked too")
-    p.add_argument("--prompt", default="a red fox in the snow, watercolor")
-    p.add_argument("--negative-prompt", default="blurry")
-    p.add_argument("--ar-tp", type=int, default=1)
-    p.add_argument("--dit-tp", type=int, default=1)
-    p.add_argument("--dit-sp", type=int, default=1)
+    p.add_argument("--prompt", default="a red fox in the snow, watercolor", help="CFG row 0 (default: %(default)r)")
+    p.add_argument("--negative-prompt", default="blurry", help="CFG row 1 (default: %(default)r)")
+    p.add_argument("--ar-tp", type=_positive_int, default=1, help="the sender's TP ranks (default: %(default)s)")
+    p.add_argument("--dit-tp", type=_positive_int, default=1, help="the receiver's TP ranks (default: %(default)s)")
+    p.add_argument("--dit-sp", type=_positive_int, default=1, help="the receiver's SP ranks (default: %(default)s)")
     p.add_argument(
         "--dit-cfg", type=int, default=1, choices=(1, 2),
         help="2: the receiver is a CFG-parallel DiT (cfg_parallel_size 2): each row only on its group's ranks",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="weight seed of the random models (default: %(default)s)")
     return parser
 
 
