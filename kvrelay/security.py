@@ -21,6 +21,7 @@ import hmac
 import inspect
 import ipaddress
 import os
+import resource
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -488,6 +489,29 @@ class ChannelCache:
 # ---------------------------------------------------------------- servers
 
 
+# A connection that has not finished its handshake (TLS, then the HTTP/2 preface and settings)
+# within this is closed. gRPC's default is 120 s: an anonymous peer that opened ~20000 TCP
+# connections and sent nothing left the broker without file descriptors, refusing every client.
+SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
+# File descriptors a server keeps for itself beyond its incoming connections: the journal, its
+# own channels to replicas, the metrics listener, worker pipes, model files.
+RESERVED_FDS = 256
+MIN_INCOMING_CONNECTIONS = 64
+
+
+def _open_files_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def max_incoming_connections() -> int:
+    """Connections a server accepts at once: what the open-files limit leaves after RESERVED_FDS
+    (gRPC closes any further one at once instead of the process running out of descriptors)."""
+    limit = _open_files_limit()
+    if limit == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(MIN_INCOMING_CONNECTIONS, limit - RESERVED_FDS)
+
+
 def server_options(creds: Credentials) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", creds.max_request_bytes),
@@ -496,6 +520,9 @@ def server_options(creds: Credentials) -> list[tuple[str, Any]]:
         # Bound what one peer can hold open.
         ("grpc.max_concurrent_streams", 1024),
         ("grpc.max_metadata_size", 16 * 1024),
+        # Bound what idle sockets can hold: connections that never speak, and their number.
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_allowed_incoming_connections", max_incoming_connections()),
     ]
 
 

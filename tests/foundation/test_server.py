@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +16,7 @@ import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 
+from kvrelay import security
 from kvrelay.security import RPC_RULES, CallerClass, RpcRule
 from kvrelay.server import GrpcServer
 
@@ -192,3 +195,48 @@ def test_every_rpc_is_counted_and_timed_with_its_code() -> None:
     )
     assert count == 2
     assert registry.get_sample_value("process_cpu_seconds_total") is not None
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` within `within_s` (its SETTINGS and GOAWAY read first)."""
+    deadline = time.monotonic() + within_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
+    return False
+
+
+def test_silent_connections_are_closed_and_their_number_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found black-box: ~20000 TCP connections that never sent a byte (no HTTP/2 preface) held
+    # the broker's every file descriptor for gRPC's default 120 s handshake timeout; every new
+    # client got DEADLINE_EXCEEDED, and the attacker needs no credential.
+    monkeypatch.setattr(security, "SERVER_HANDSHAKE_TIMEOUT_MS", 2500)
+    cap = security.MIN_INCOMING_CONNECTIONS
+    monkeypatch.setattr(security, "_open_files_limit", lambda: security.RESERVED_FDS + cap)
+    assert security.max_incoming_connections() == cap
+
+    async def body() -> None:
+        server, _ = await _serve()
+        host, port = server.address.rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port))) for _ in range(cap + 4)]
+        try:
+            # Beyond the bound: closed at once, well before the handshake timeout (the process
+            # keeps descriptors of its own).
+            assert await asyncio.to_thread(lambda: all(_closed_by_peer(s, 1.0) for s in socks[cap:]))
+            # Within it: closed once the handshake timeout passes without a preface.
+            assert await asyncio.to_thread(lambda: all(_closed_by_peer(s, 5.0) for s in socks[:cap]))
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                checked = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert checked.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            for s in socks:
+                s.close()
+            await server.stop(0.5)
+
+    asyncio.run(body())
