@@ -441,11 +441,12 @@ class KvRelayConfig(_Strict):
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{loc}: {msg}")
+        # A whole-config check names its keys itself (`stages[1].model.preset: ...`).
+        lines.append(f"{loc}: {msg}" if loc else msg)
     return f"invalid config {source}:\n  " + "\n  ".join(lines)
 
 
@@ -456,7 +457,11 @@ def parse_config(data: Any, source: str = "<config>") -> KvRelayConfig:
         cfg = KvRelayConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, source)) from None
-    check_model_geometry(cfg)
+    try:
+        check_model_geometry(cfg)
+    except ConfigError as err:
+        # The same shape as every other config error: which file, then the key and what is wrong.
+        raise ConfigError(f"invalid config {source}:\n  " + str(err).removeprefix("invalid config: ")) from None
     return cfg
 
 

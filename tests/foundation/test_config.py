@@ -79,7 +79,8 @@ def test_rejects_sleep_mode_on_native_dit(base: dict[str, Any]) -> None:
 def test_rejects_tp_not_dividing_kv_heads(base: dict[str, Any]) -> None:
     data = copy.deepcopy(base)
     data["stages"][0]["tensor_parallel_size"] = 3
-    _reject(data, "stages[0].tensor_parallel_size", "num_kv_heads=4")
+    # Like every config error: the file first (a node reads several), then the key.
+    assert _reject(data, "stages[0].tensor_parallel_size", "num_kv_heads=4").startswith("invalid config test.yaml:\n  ")
     data = copy.deepcopy(base)
     data["stages"][1]["sequence_parallel_size"] = 8
     _reject(data, "stages[1].sequence_parallel_size", "num_kv_heads")
@@ -310,7 +311,8 @@ def test_rejects_a_dit_without_a_preset(base: dict[str, Any]) -> None:
     data = copy.deepcopy(base)
     for stage in data["stages"]:
         stage["model"] = {"path": "/nonexistent/checkpoint"}
-    _reject(data, "stages[1].model.preset", "required")
+    # A whole-config check names its key itself: no pydantic "<root>" in front of it.
+    assert "\n  stages[1].model.preset: required" in _reject(data, "stages[1].model.preset", "required")
 
 
 @pytest.mark.parametrize("fmt", [{"format": "demo"}, {"preset": "tiny"}])
