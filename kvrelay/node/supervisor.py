@@ -22,6 +22,7 @@ import contextvars
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -129,8 +130,35 @@ def _connect_host(host: str) -> str:
     return host
 
 
+# A port picked for `port: 0` is kept across the child's restarts (same address). One from the
+# kernel's ephemeral range, which bind(0) hands out, may meanwhile become the local port of any
+# outgoing connection on the host, and the restarted child then cannot bind it: a broker restarted
+# after a journal failure exited twice with "port 58323 (broker metrics) is already in use" and
+# stayed down for a minute of backoff. So such ports are picked outside that range.
+_PICKED_PORT_FLOOR = 20000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if unknown)."""
+    try:
+        low, high = (int(part) for part in Path(_EPHEMERAL_RANGE_FILE).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def _free_port(host: str, taken: set[int]) -> int:
     bare = host.strip("[]")
+    low, high = ephemeral_port_range()
+    spans = [(lo, hi) for lo, hi in ((_PICKED_PORT_FLOOR, low - 1), (high + 1, 65535)) if hi - lo >= 1000]
+    for _ in range(200 if spans else 0):
+        lo, hi = random.choice(spans)
+        port = random.randint(lo, hi)
+        if port not in taken and is_port_free(bare, port):
+            taken.add(port)
+            return port
+    # No room outside the ephemeral range (or all of it taken): let the kernel choose.
     family = socket.AF_INET6 if ":" in bare else socket.AF_INET
     for _ in range(100):
         with socket.socket(family) as sock:

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -139,6 +140,29 @@ def test_plan_gives_every_replica_its_own_port_and_the_broker_address(tmp_path: 
     ]
     assert all(s.argv[-2:] == ("--host", "0.0.0.0") for phase in phases for s in phase)
 
+
+def test_ports_picked_for_port_0_are_outside_the_ephemeral_range(tmp_path: Path) -> None:
+    """A picked port is kept across restarts; one from the ephemeral range can meanwhile be the local
+    port of an outgoing connection, and the restarted child cannot bind it (a broker stayed down a
+    minute: 'port 58323 (broker metrics) is already in use')."""
+    from kvrelay.config import load_config
+    from kvrelay.node.supervisor import ephemeral_port_range
+    from kvrelay.ports import is_port_free
+
+    low, high = ephemeral_port_range()
+    # The hazard: a connection whose local port is P keeps a listener from binding P.
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.bind(("127.0.0.1", 0))
+        client.connect(server.getsockname())
+        assert not is_port_free("127.0.0.1", client.getsockname()[1])
+    path = write_config(tmp_path, ar_replicas=2, dit_replicas=2)
+    for _ in range(5):
+        phases = plan_children(path, load_config(path), command=["X"])
+        ports = [int(a.rsplit(":", 1)[1]) for phase in phases for s in phase for a in (s.address, s.metrics)]
+        assert len(set(ports)) == 10
+        assert not [p for p in ports if low <= p <= high], (ports, (low, high))
 
 def test_node_starts_the_broker_first_then_every_replica_and_says_where(
     tmp_path: Path, state_dir: Path
