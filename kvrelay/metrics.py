@@ -12,6 +12,7 @@ It never imports a service package or torch; the node server only speaks HTTP to
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 import urllib.request
@@ -20,9 +21,11 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -30,6 +33,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrelay.logging import get_logger, wrap_handler
 
 log = get_logger(__name__)
+
+# The metrics listeners (every process's own and the node's) serve a handful of scrapers. A
+# connection that sends nothing for METRICS_IDLE_TIMEOUT_S is closed, and at most
+# METRICS_MAX_CONNECTIONS are served at once (a further one is closed at once): each held a
+# thread and a descriptor of the process it reports on, for good. Found black-box: silent TCP
+# connections to the broker's metrics port grew it by a thread each (1279 and counting), and the
+# descriptors they take are the ones its gRPC listener and journal need.
+METRICS_IDLE_TIMEOUT_S = 10.0
+METRICS_MAX_CONNECTIONS = 32
 
 RPC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
@@ -193,6 +205,68 @@ class _ChildMetrics:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _BoundedConnections:
+    """A mixin for socketserver's ThreadingMixIn servers: a thread per connection, at most
+    METRICS_MAX_CONNECTIONS of them; a connection beyond that is closed without a thread."""
+
+    # socketserver's listen backlog is 5: under a flood a scraper's connect waited for a retry.
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(METRICS_MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        try:
+            super().process_request(request, client_address)  # type: ignore[misc]
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[misc]
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a scraper that timed out or hung up is not news (socketserver prints a traceback)
+
+
+class _MetricsHttpServer(_BoundedConnections, ThreadingHTTPServer):
+    daemon_threads = True
+
+
+def _metrics_address(host: str, port: int) -> tuple[int, str]:
+    # An IPv6 host needs an AF_INET6 socket (prometheus_client's start_http_server does the same).
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return family, str(sockaddr[0])
+
+
+def start_metrics_server(host: str, port: int, registry: Any) -> ThreadingHTTPServer:
+    """Serve `registry` on `http://host:port/metrics` from a daemon thread, connections bounded as
+    above (prometheus_client's start_http_server keeps any number open for ever). The caller
+    stops it with `shutdown()` and `server_close()`."""
+    app = make_wsgi_app(registry)
+
+    class _Server(_BoundedConnections, ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class _Handler(WSGIRequestHandler):
+        timeout = METRICS_IDLE_TIMEOUT_S
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+            pass
+
+    _Server.address_family, addr = _metrics_address(host, port)
+    httpd = make_server(addr, port, app, _Server, handler_class=_Handler)
+    threading.Thread(target=httpd.serve_forever, name="kvrelay-metrics", daemon=True).start()
+    return httpd  # type: ignore[return-value]
+
+
 class NodeMetricsServer:
     """`http://HOST:PORT/metrics`: every child's metrics (label `process`), scraped on request,
     plus the supervisor's own process metrics (`process="up"`)."""
@@ -207,6 +281,8 @@ class NodeMetricsServer:
         registry.register(self._children)
 
         class _Handler(BaseHTTPRequestHandler):
+            timeout = METRICS_IDLE_TIMEOUT_S
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 if self.path.split("?")[0] not in ("/metrics", "/"):
                     self.send_error(404)
@@ -221,8 +297,7 @@ class NodeMetricsServer:
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
                 pass
 
-        self._httpd = ThreadingHTTPServer((host, port), _Handler)
-        self._httpd.daemon_threads = True
+        self._httpd = _MetricsHttpServer((host, port), _Handler)
         self.port = int(self._httpd.server_address[1])
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="kvrelay-node-metrics", daemon=True)
 

@@ -22,7 +22,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvrelay.logging import get_logger, logging_interceptor
-from kvrelay.metrics import add_process_metrics, rpc_metrics_for
+from kvrelay.metrics import add_process_metrics, rpc_metrics_for, start_metrics_server
 from kvrelay.ports import PortInUse, in_use_message, is_port_free
 from kvrelay.security import (
     RPC_RULES,
@@ -123,13 +123,9 @@ class GrpcServer:
         return prometheus_client.REGISTRY
 
     def _start_metrics(self) -> None:
-        import prometheus_client
-
         registry = self._registry()
         try:
-            httpd, _thread = prometheus_client.start_http_server(
-                self.metrics_port or 0, addr=self.host, registry=registry
-            )
+            httpd = start_metrics_server(self.host, self.metrics_port or 0, registry)
         except OSError as err:
             if err.errno != errno.EADDRINUSE:
                 raise

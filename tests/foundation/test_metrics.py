@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrelay.metrics import NodeMetricsServer, RpcMetrics, add_process_metrics
+from kvrelay import metrics
+from kvrelay.metrics import NodeMetricsServer, RpcMetrics, add_process_metrics, start_metrics_server
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "monitoring" / "grafana-dashboard.json"
@@ -130,7 +134,7 @@ def test_the_node_target_carries_every_process_with_a_process_label() -> None:
         registry = CollectorRegistry()
         Counter("kvrelay_example", "an example", ["kind"], registry=registry).labels("x").inc(value)
         add_process_metrics(registry)
-        httpd, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        httpd = start_metrics_server("127.0.0.1", 0, registry)
         servers.append(httpd)
         targets[name] = f"http://127.0.0.1:{httpd.server_port}/metrics"
     targets["dit-0"] = "http://127.0.0.1:1/metrics"  # down: reported, not fatal
@@ -158,3 +162,45 @@ def test_node_only_names_are_the_node_servers(name: str) -> None:
             assert f"# TYPE {name} gauge" in reply.read().decode()
     finally:
         node.stop()
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
+    except TimeoutError:
+        return False
+    except OSError:  # reset
+        return True
+    return False
+
+
+@pytest.mark.parametrize("which", ["process", "node"])
+def test_silent_scrapers_are_bounded_and_timed_out(which: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found black-box: TCP connections to the broker's metrics port that never sent a request
+    # each held a thread (1279 and counting) and a descriptor of the broker, for good.
+    monkeypatch.setattr(metrics, "METRICS_MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(metrics, "METRICS_IDLE_TIMEOUT_S", 1.0)
+    if which == "process":
+        httpd = start_metrics_server("127.0.0.1", 0, CollectorRegistry())
+        port, stop = httpd.server_port, lambda: (httpd.shutdown(), httpd.server_close())
+    else:
+        node = NodeMetricsServer(lambda: {}, host="127.0.0.1", port=0).start()
+        port, stop = node.port, node.stop
+    threads_before = threading.active_count()
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(7)]
+    try:
+        # Beyond the bound: closed at once, no thread started for them.
+        assert all(_closed_by_peer(s, 0.5) for s in socks[4:])
+        assert threading.active_count() <= threads_before + 4
+        # Within it: closed once they stay silent past the idle timeout.
+        assert all(_closed_by_peer(s, 5.0) for s in socks[:4])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            assert reply.status == 200
+    finally:
+        for s in socks:
+            s.close()
+        stop()
