@@ -326,6 +326,23 @@ def stream_ended_error(request_id: str | None) -> KvRelayError:
     )
 
 
+def stream_dropped_error(error: KvRelayError, request_id: str | None) -> KvRelayError:
+    """A Generate call ended with a bare status CANCELLED that this client did not ask for.
+
+    The broker never ends a Generate call so (a cancelled generation is a CANCELLED *event*):
+    the server or a proxy dropped the call, as a stopping broker does to streams opened in its
+    last milliseconds. Retryable, so a `request_id` re-attaches; "CANCELLED" would tell the
+    caller that someone cancelled the generation.
+    """
+    return KvRelayError(
+        "UNAVAILABLE",
+        "STREAM_DROPPED",
+        f"the server dropped the Generate stream (status CANCELLED: {error.message or 'no details'}); "
+        "the broker may be restarting",
+        request_id=request_id,
+    )
+
+
 def enum_values(states: Iterable[IntEnum] | None) -> Any:
     """Public IntEnums as the proto's enum numbers (the values are the same by construction)."""
     return [int(s) for s in states or ()]
@@ -433,6 +450,8 @@ class GenerationCore:
             return self._finish_cancelled()
         if error is None:
             error = stream_ended_error(self.request_id)
+        elif error.code == "CANCELLED" and error.reason == "CANCELLED":  # not ours: checked above
+            error = stream_dropped_error(error, self.request_id)
         if self.deadline.expired() and error.code != "DEADLINE_EXCEEDED":
             error = deadline_error("Generate", self.request_id)
         delay = None

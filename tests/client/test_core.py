@@ -244,3 +244,25 @@ def test_any_sequence_keeps_the_follow_rules(steps: list[str], with_id: bool) ->
                 assert core.failure is decision.error
                 core.start_following()  # a later events() tries again
                 failing_for = 0.0
+
+
+def test_a_status_cancelled_this_client_did_not_ask_for_is_a_dropped_stream_and_is_reattached() -> None:
+    """A broker that stops drops the Generate streams opened in its last milliseconds with a bare
+    status CANCELLED (seen: 6 of 24 requests of a load whose broker got SIGTERM ended
+    'CANCELLED: CANCELLED' in 10 ms, never reaching the broker; with a request_id they now
+    re-attach to the restarted broker)."""
+    dropped = KvRelayError("CANCELLED", "CANCELLED", "CANCELLED")
+    core, clock = core_for("mine")
+    decision = core.on_stream_end(dropped)
+    assert isinstance(decision, _core.Wait)
+    clock.now += decision.seconds
+    assert core.wait_over() == _core.Reopen()
+    # Without a request_id it cannot re-attach: the error says what happened, and is retryable.
+    core, _ = core_for()
+    decision = core.on_stream_end(dropped)
+    assert isinstance(decision, _core.Fail)
+    assert (decision.error.code, decision.error.reason) == ("UNAVAILABLE", "STREAM_DROPPED")
+    assert decision.error.retryable and "dropped the Generate stream" in decision.error.message
+    # The client's own close is still CLIENT_CLOSED, not a dropped stream.
+    closed = _core.client_closed_error()
+    assert core_for()[0].on_stream_end(closed) == _core.Fail(closed)
