@@ -57,11 +57,19 @@ stamp=.venv/.kvrelay-setup
 want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into .venv (torch CPU build, grpc, mooncake, ...)"
-  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v -i '^warning' || true
+  # pip's and setuptools' chatter (multi-line build warnings) goes to a log, shown when it failed.
+  log=.venv/setup-pip.log
+  : > "$log"
+  pip_install() { .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1 || echo "setup: pip install $* failed" >&2; }
+  pip_install --upgrade pip
   # The pinned CPU torch first: an unpinned torch could pull a multi-GB CUDA build.
-  .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v -i 'warning' || true
-  .venv/bin/python -m pip install -q -c requirements/constraints.txt -e ".[dev]" 2>&1 | grep -v -i 'warning' || true
-  .venv/bin/python -c "import torch, grpc, mooncake.engine, kvrelay.node.cli" 
+  pip_install torch==2.13.0
+  pip_install -c requirements/constraints.txt -e ".[dev]"
+  if ! .venv/bin/python -c "import torch, grpc, mooncake.engine, kvrelay.node.cli"; then
+    tail -n 30 "$log" >&2
+    echo "setup: the Python packages did not install (above: the end of $log)" >&2
+    exit 1
+  fi
   echo "$want" > "$stamp"
 fi
 
