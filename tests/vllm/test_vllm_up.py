@@ -50,7 +50,9 @@ def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp_path = tmp_path_factory.mktemp("vllm-node")
     config = vllm_node_config(tmp_path, build_checkpoint(tmp_path / "llama", seed=5))
-    argv = [sys.executable, "-m", "kvrelay", "up", "--config", str(config), "--log-dir", str(tmp_path / "logs")]
+    # --metrics-port 0: the node's default 9399 is a real node's (a quickstart beside this test failed on it).
+    argv = [sys.executable, "-m", "kvrelay", "up", "--config", str(config), "--log-dir", str(tmp_path / "logs"),
+            "--metrics-port", "0"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     up = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
