@@ -315,8 +315,17 @@ def _cancel_on_interrupt(handle: GenerationHandle | None, stderr: TextIO) -> int
 # ---------------------------------------------------------------------------------------------
 
 
+def _printable(text: str) -> str:
+    """`text` with every character a terminal would act on (C0/C1 controls, DEL, bidi and other
+    format characters) written as its escape: table cells carry what other callers chose (an
+    api client's prompt, a replica's id or reason), and the terminal is the operator's."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [list(headers)] + [["-" if v is None or v == "" else str(v) for v in row] for row in rows]
+    cells = [list(headers)] + [["-" if v is None or v == "" else _printable(str(v)) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells

@@ -368,3 +368,22 @@ def test_a_reader_that_leaves_the_pipe_is_not_a_traceback() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 128 + signal.SIGPIPE
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_tables_escape_what_a_terminal_would_act_on() -> None:
+    # Found black-box: an api client's prompt reached `kvrelay list` on the operator's terminal
+    # as is: OSC 52 (write the operator's clipboard), cursor-up and erase-line (rewrite the rows
+    # above). Every table cell is another caller's text; none may drive the terminal.
+    import datetime as dt
+
+    from kvrelay.client.cli import format_table, generations_table
+    from kvrelay.client.types import Generation, GenerationParams, GenerationState
+
+    hostile = "\x1b]52;c;ZWNobyBwd25lZA==\x07\x1b[2K\x1b[1Ared\u202eTXT.exe\x9b"
+    now = dt.datetime.now(dt.UTC)
+    params = GenerationParams(hostile, "", 1, 64, 64, 1, 1.0)
+    generation = Generation("r-1", GenerationState.SUCCEEDED, params, 1, 1, None, None, None, "", now, now)
+    for out in (generations_table([generation], now), format_table(("REPLICA",), [(hostile,)])):
+        assert all(c.isprintable() or c == "\n" for c in out), repr(out)
+        assert "\\x1b]52;c;" in out and "\\u202e" in out
+    assert format_table(("PROMPT",), [("a red fox, ünïcode ✓",)]).endswith("a red fox, ünïcode ✓")
