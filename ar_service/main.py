@@ -85,7 +85,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from kvrelay.ar_service.registration import ArIdentity, ArRegistration, Fenced, RegistrationRefused
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
-    from kvrelay.models.tokenizer import Tokenizer, load_tokenizer
+    from kvrelay.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
     from kvrelay.worker import (
         DeviceUnavailable,
         ReplicaLock,
@@ -202,6 +202,10 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             tokenizer: Tokenizer = VllmTokenizer(stage.model.tokenizer or rank_spec.path)
         else:
             tokenizer = load_tokenizer(stage.model.tokenizer, model=stage.model)
+            if stage.model.path is not None and isinstance(tokenizer, ByteTokenizer) and first.vocab != tokenizer.vocab_size:
+                # A checkpoint of another vocabulary prefilled byte ids computes a prefix of noise, silently.
+                log.warning("byte_tokenizer_for_checkpoint", path=str(stage.model.path), model_vocab=first.vocab,
+                            fix="set model.tokenizer: DIR (its tokenizer.json), or put tokenizer.json in model.path")
         state = ArReplicaState(
             replica_id=replica_id,
             incarnation_id=incarnation_id,

@@ -75,7 +75,9 @@ class HfTokenizer:
 
 def load_tokenizer(path: str | Path | None = None, *, model: Any = None) -> Tokenizer:
     """The byte tokenizer, or the Hugging Face tokenizer at `path` (a directory or tokenizer.json);
-    for a BAGEL-format `model` (ModelConfig), BAGEL's prompt wrapping over its tokenizer.json."""
+    for a BAGEL-format `model` (ModelConfig), BAGEL's prompt wrapping over its tokenizer.json; for
+    a checkpoint directory (`model.path`) that holds a tokenizer.json and no `tokenizer` given,
+    that one (as vLLM reads it): byte ids would be noise to a model trained on another vocabulary."""
     if model is not None and model.format in ("bagel", "demo"):
         from kvrelay.models.formats import model_dir
 
@@ -83,6 +85,8 @@ def load_tokenizer(path: str | Path | None = None, *, model: Any = None) -> Toke
         if directory is None:
             raise ValueError(f"a {model.format!r} model needs model.path (its tokenizer.json)")
         return BagelTokenizer(directory)
+    if path is None and getattr(model, "path", None) and (Path(model.path) / "tokenizer.json").is_file():
+        return HfTokenizer(model.path)
     if path is None:
         return ByteTokenizer()
     return HfTokenizer(path)

@@ -52,3 +52,25 @@ def test_hf_tokenizer_directory_encodes_and_decodes(tmp_path):
     assert hf.bos_id == 1 and ids[0] == 1 and len(ids) > 1
     assert hf.decode(ids).replace(" ", "").replace("Ġ", "") == "aredfox"
     assert hf.vocab_size <= 300
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="tokenizers not installed")
+def test_a_checkpoint_directory_with_a_tokenizer_uses_it(tmp_path):
+    """`model: {path: DIR}` without `tokenizer:` reads DIR's tokenizer.json, as vLLM does: byte
+    ids fed to a model trained on another vocabulary would prefill noise. Without one (a
+    checkpoint written by save_checkpoint for the byte vocabulary) it stays the byte tokenizer."""
+    from tokenizers import Tokenizer, models
+
+    from kvrelay.config import ModelConfig
+
+    def build_tokenizer(directory):
+        Tokenizer(models.WordLevel({"<unk>": 0, "fox": 1}, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+
+    assert isinstance(load_tokenizer(None, model=ModelConfig(path=str(tmp_path))), ByteTokenizer)
+    build_tokenizer(tmp_path)
+    assert isinstance(load_tokenizer(None, model=ModelConfig(path=str(tmp_path))), HfTokenizer)
+    # An explicit tokenizer still wins.
+    other = tmp_path / "other"
+    other.mkdir()
+    build_tokenizer(other)
+    assert isinstance(load_tokenizer(str(other), model=ModelConfig(path=str(tmp_path))), HfTokenizer)
