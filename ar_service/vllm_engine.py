@@ -68,6 +68,11 @@ REFUSED_ARGS: dict[str, str] = {
     "dtype": "set model.dtype instead",
     "tokenizer": "set model.tokenizer instead",
 }
+# Test-only fault hook (tests/vllm): comma-separated token ids; a PrefillTicket with a row that
+# contains them makes the prefill that carries it raise mid-pass (after a step that ended a row),
+# as a model error would. Read once when the engine starts; unset in production.
+PREFILL_FAULT_ENV = "KVRELAY_TEST_VLLM_PREFILL_FAULT"
+
 # Allowed but pinned to what the hand-off needs.
 _MUST_BE: dict[str, Any] = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
 
@@ -206,6 +211,20 @@ class VllmStartError(RuntimeError):
     """vLLM could not start; the message says what and how to fix it."""
 
 
+class InjectedPrefillFault(RuntimeError):
+    """Raised mid-prefill by the test-only fault hook (PREFILL_FAULT_ENV)."""
+
+
+def _fault_tokens() -> tuple[int, ...]:
+    text = os.environ.get(PREFILL_FAULT_ENV, "").strip()
+    return tuple(int(t) for t in text.split(",")) if text else ()
+
+
+def _contains(ids: Sequence[int], needle: tuple[int, ...]) -> bool:
+    n = len(needle)
+    return any(tuple(ids[i : i + n]) == needle for i in range(len(ids) - n + 1))
+
+
 class VllmRankHandler:
     def __init__(self, ctx: RankContext, spec: VllmRankSpec) -> None:
         self.ctx = ctx
@@ -244,6 +263,11 @@ class VllmRankHandler:
         # ticket -> request ids whose blocks stay held until its in-doubt writes return
         self._in_doubt: dict[str, list[str]] = {}
         self._descriptions = self.engine.collective_rpc(_describe)
+        self._fault_tokens = _fault_tokens()
+        if self._fault_tokens:
+            log.warning(
+                "vllm_prefill_fault_hook_armed", env=PREFILL_FAULT_ENV, tokens=list(self._fault_tokens)
+            )
         log.info(
             "vllm_engine_started",
             path=spec.path,
@@ -352,6 +376,11 @@ class VllmRankHandler:
         held: dict[str, Any] = {}
         unheld: list[str] = []
         deadline = time.monotonic() + self.spec.prefill_timeout_s
+        faulty = [
+            it.ticket_id
+            for it in items
+            if self._fault_tokens and any(_contains(r, self._fault_tokens) for r in it.rows)
+        ]
         try:
             for request_id, (k, row) in requests.items():
                 params = SamplingParams(
@@ -379,6 +408,10 @@ class VllmRankHandler:
                         )
                     else:
                         unheld.append(out.request_id)
+                if faulty and (held or unheld):
+                    raise InjectedPrefillFault(
+                        f"injected prefill fault ({PREFILL_FAULT_ENV}) in ticket {faulty[0]}"
+                    )
         except BaseException:
             # Aborted requests free their blocks at once (the connector holds only complete rows);
             # the steps let the scheduler act on the abort before the next command.

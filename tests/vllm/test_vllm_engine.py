@@ -31,6 +31,7 @@ from kvrelay.ar_service.engine import (  # noqa: E402
     WriteTicket,
 )
 from kvrelay.ar_service.vllm_engine import (  # noqa: E402
+    PREFILL_FAULT_ENV,
     EngineStats,
     OnWorkers,
     ReadHeld,
@@ -51,6 +52,8 @@ pytestmark = pytest.mark.slow
 
 PAGE_SIZE = 16
 PROMPT = "a small red boat on a calm lake at dawn, oil painting, soft light" * 3
+# A row containing this text makes the engine's prefill raise mid-pass (the fault hook).
+FAULT_MARKER = "@@fault@@"
 # Pools registered with the test process's one Mooncake engine stay registered for its lifetime.
 _REGISTERED: list[torch.Tensor] = []
 
@@ -86,7 +89,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[WorkerGroup]:
-    with WorkerGroup(1, _spec(checkpoint, "mooncake"), env=engine_env(), name="kvrelay-vllm-test") as group:
+    marker = VllmTokenizer(str(checkpoint)).encode(FAULT_MARKER)[1:]  # without BOS
+    env = {**engine_env(), PREFILL_FAULT_ENV: ",".join(map(str, marker))}
+    with WorkerGroup(1, _spec(checkpoint, "mooncake"), env=env, name="kvrelay-vllm-test") as group:
         yield group
         assert group.call_all(HeldTickets()) == [[]]
 
@@ -298,4 +303,42 @@ def test_a_bad_ticket_in_a_batch_fails_alone(engine: WorkerGroup, checkpoint: Pa
         (cache_rows,) = engine.call_all(ReadHeld(ticket_id))
         assert [kv.shape[3] for (kv,) in cache_rows] == [len(ids) for ids in rows]
         engine.call_all(DropTicket(ticket_id))
+    _assert_all_blocks_free(engine)
+
+
+def test_a_fault_mid_shared_prefill_is_retried_ticket_by_ticket(
+    engine: WorkerGroup, checkpoint: Path
+) -> None:
+    tok = VllmTokenizer(str(checkpoint))
+    tickets = {
+        "mate-1": (tuple(tok.encode(PROMPT)), tuple(tok.encode(""))),  # several chunked-prefill steps
+        "faulty": (tuple(tok.encode("short")), tuple(tok.encode(f"a cat {FAULT_MARKER} on a mat"))),
+        "mate-2": (tuple(tok.encode("blurry")),),
+    }
+    alone = {t: _alone(engine, t, rows) for t, rows in tickets.items() if t != "faulty"}
+    (answers,) = engine.call_all(PrefillTickets(tuple(PrefillTicket(t, rows) for t, rows in tickets.items())))
+    # The shared pass raised after its first finished rows (some already held); each ticket was
+    # then prefilled alone: the batch-mates hold their KV, the faulty one fails with the reason.
+    assert [type(a) for a in answers] == [PrefillDone, PrefillFailed, PrefillDone]
+    assert "InjectedPrefillFault" in answers[1].message and "ticket faulty" in answers[1].message
+    assert answers[0].seconds != answers[2].seconds  # two passes, not the shared one
+    assert _stats(engine).held_tickets == ("mate-1", "mate-2")
+    for ticket_id, ref in alone.items():
+        (cache_rows,) = engine.call_all(ReadHeld(ticket_id))
+        for (kv,), (want,) in zip(cache_rows, ref, strict=True):
+            torch.testing.assert_close(kv, want, rtol=0, atol=0)
+        engine.call_all(DropTicket(ticket_id))
+    # Nothing of the aborted pass or the failed retry is left in vLLM.
+    _assert_all_blocks_free(engine)
+    # The engine keeps serving, batched.
+    (answers,) = engine.call_all(
+        PrefillTickets(
+            (PrefillTicket("next-1", tickets["mate-2"]), PrefillTicket("next-2", tickets["mate-1"]))
+        )
+    )
+    assert [type(a) for a in answers] == [PrefillDone, PrefillDone] and answers[0].seconds == answers[
+        1
+    ].seconds
+    engine.call_all(DropTicket("next-1"))
+    engine.call_all(DropTicket("next-2"))
     _assert_all_blocks_free(engine)

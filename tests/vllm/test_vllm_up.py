@@ -22,12 +22,16 @@ from PIL import Image
 
 pytest.importorskip("vllm", reason="engine: vllm needs vLLM (scripts/setup.sh --vllm)")
 
-from kvrelay.client import KvRelayClient  # noqa: E402
+from kvrelay.ar_service.vllm_engine import PREFILL_FAULT_ENV, VllmTokenizer  # noqa: E402
+from kvrelay.client import KvRelayClient, KvRelayError  # noqa: E402
 from tests.vllm.checkpoint import build_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
+
+# A prompt containing this text makes the vLLM engine's prefill raise mid-pass (the fault hook).
+FAULT_MARKER = "@@fault@@"
 
 
 def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
@@ -49,11 +53,13 @@ def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp_path = tmp_path_factory.mktemp("vllm-node")
-    config = vllm_node_config(tmp_path, build_checkpoint(tmp_path / "llama", seed=5))
+    checkpoint = build_checkpoint(tmp_path / "llama", seed=5)
+    config = vllm_node_config(tmp_path, checkpoint)
     # --metrics-port 0: the node's default 9399 is a real node's (a quickstart beside this test failed on it).
     argv = [sys.executable, "-m", "kvrelay", "up", "--config", str(config), "--log-dir", str(tmp_path / "logs"),
             "--metrics-port", "0"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    marker = VllmTokenizer(str(checkpoint)).encode(FAULT_MARKER)[1:]  # without BOS
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PREFILL_FAULT_ENV: ",".join(map(str, marker))}
     up = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert up.stdout is not None
@@ -117,3 +123,46 @@ def test_concurrent_requests_share_a_vllm_prefill(node: tuple[str, Path]) -> Non
             if any(int(str(b["prefilled"])) > 1 for b in batches):
                 break
         assert any(int(str(b["prefilled"])) > 1 for b in batches), "no shared prefill in 3 rounds"
+
+
+def _wait_all_pages_free(client: KvRelayClient) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pools = client.get_pools()
+        if all(p.free_pages == p.total_pages for p in pools):
+            break
+        time.sleep(0.2)
+    assert all(p.free_pages == p.total_pages for p in pools), pools
+
+
+def test_a_fault_mid_shared_prefill_fails_only_its_request(node: tuple[str, Path]) -> None:
+    target, log_dir = node
+    with KvRelayClient(target) as client:
+        for _ in range(3):
+            # Tickets that queue behind the first share the next prefill, the faulty one among them.
+            handles = [
+                client.generate(f"a kite number {i}", seed=i, width=64, height=64, timeout=180)
+                for i in range(6)
+            ]
+            faulty = client.generate(f"a kite {FAULT_MARKER}", seed=9, width=64, height=64, timeout=180)
+            handles += [
+                client.generate(f"a kite number {i}", seed=i, width=64, height=64, timeout=180)
+                for i in range(6, 9)
+            ]
+            # The batch-mates succeed; the faulty request fails with its reason.
+            assert all(Image.open(io.BytesIO(h.result().png)).size == (64, 64) for h in handles)
+            with pytest.raises(KvRelayError) as failed:
+                faulty.result()
+            assert failed.value.reason == "PREFILL_FAILED" and "InjectedPrefillFault" in str(failed.value)
+            # A shared prefill that carried the faulty ticket ran every other ticket of it alone.
+            shared = [b for b in _prefill_batches(log_dir) if int(str(b["tickets"])) > 1]
+            if any(int(str(b["prefilled"])) == int(str(b["tickets"])) - 1 for b in shared):
+                break
+        else:
+            pytest.fail("the faulty ticket never shared a prefill in 3 rounds")
+        # Nothing leaks: every ticket released, every DiT page free; the AR keeps serving.
+        assert client.list_tickets() == []
+        _wait_all_pages_free(client)
+        after = client.generate("a kite after the fault", seed=1, width=64, height=64, timeout=180).result()
+        assert Image.open(io.BytesIO(after.png)).size == (64, 64)
+        _wait_all_pages_free(client)
