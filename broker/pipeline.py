@@ -37,8 +37,12 @@ log = get_logger(__name__)
 
 # How long a finished image waits for the AR's Prefill reply (its timings) before it is served.
 PREFILL_REPLY_GRACE_SECONDS = 10.0
-# How long a TRANSFER_FAILED from the DiT waits for the AR's own error, which names the cause.
+# How long a TRANSFER_FAILED or TICKET_ENDED from the DiT waits for the AR's own error, which
+# names the cause.
 WRITER_FAILURE_GRACE_SECONDS = 1.0
+# DiT failures that are usually the echo of the AR's: a failed write, or the ticket the AR rolled
+# back (CancelTicket before its PREFILL_FAILED reply) ending under the waiting DiT.
+_ECHOES_OF_THE_WRITER = frozenset({"TRANSFER_FAILED", "TICKET_ENDED"})
 
 
 class StagePipeline:
@@ -198,11 +202,12 @@ class StagePipeline:
         self.reporter.end(record, GenState.SUCCEEDED, image=image, timings=timings)
 
     async def _prefer_writer_failure(self, denoise: asyncio.Task[Any], prefill: asyncio.Task[Any]) -> None:
-        """When the DiT gives up on a write that failed, the AR usually fails in the same moment
-        (its replica died mid-transfer): name that cause (e.g. UNAVAILABLE) rather than its
-        symptom at the receiver (TRANSFER_FAILED)."""
+        """When the DiT gives up on a write that failed, or on a ticket that ended while it waited,
+        the AR usually fails in the same moment (its replica died mid-transfer; its prefill failed
+        and it rolled the ticket back first): name that cause (e.g. UNAVAILABLE, PREFILL_FAILED)
+        rather than its symptom at the receiver (TRANSFER_FAILED, TICKET_ENDED)."""
         err = denoise.exception()
-        if not isinstance(err, RequestEnded) or err.error.reason != "TRANSFER_FAILED":
+        if not isinstance(err, RequestEnded) or err.error.reason not in _ECHOES_OF_THE_WRITER:
             return
         await asyncio.wait({prefill}, timeout=WRITER_FAILURE_GRACE_SECONDS)
         if prefill.done() and not prefill.cancelled() and isinstance(prefill.exception(), RequestEnded):

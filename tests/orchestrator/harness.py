@@ -129,6 +129,9 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.fail_prefill: KvRelayServerError | None = None
         # After arming: report every write FAILED, then fail the RPC with this (a rank died).
         self.fail_after_arming: KvRelayServerError | None = None
+        # Before failing with `fail_prefill`: roll the ticket back (CancelTicket FAILED) and wait
+        # this long, as the real AR does; the DiT sees the ticket end before the AR's reply.
+        self.rollback_before_failing_s: float | None = None
         self.prefills: list[str] = []
         self.deadlines: list[float | None] = []
         self.writes_resolved = 0
@@ -190,6 +193,16 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         started = time.monotonic()
         await self.prefill_gate.wait()
         if self.fail_prefill is not None:
+            if self.rollback_before_failing_s is not None:
+                await self.broker.CancelTicket(
+                    broker_pb2.CancelTicketRequest(
+                        ticket_id=request.ticket_id,
+                        outcome=broker_pb2.TICKET_OUTCOME_FAILED,
+                        reason=self.fail_prefill.reason,
+                    ),
+                    timeout=RPC_TIMEOUT,
+                )
+                await asyncio.sleep(self.rollback_before_failing_s)
             await abort_with(context, self.fail_prefill)
         prefill_seconds = time.monotonic() - started
         armed = await self.broker.ReserveTicket(
@@ -368,6 +381,16 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
             remaining = context.time_remaining()
             wait = self.transfer_timeout if remaining is None else min(self.transfer_timeout, remaining)
             ticket = await self._wait_for_writes(ticket_id, wait)
+            unwritten = ticket is not None and all(
+                w.status == common_pb2.WRITE_STATUS_UNSPECIFIED for w in ticket.writes
+            )
+            if ticket is not None and ticket.state == broker_pb2.TICKET_STATE_RELEASED and unwritten:
+                # Ended before any write (rolled back): what the real DiT answers (receiver.py).
+                outcome, reason = broker_pb2.TICKET_OUTCOME_FAILED, "TICKET_ENDED"
+                await abort_with(
+                    context,
+                    KvRelayServerError(grpc.StatusCode.ABORTED, "TICKET_ENDED", "ticket ended while loading"),
+                )
             if ticket is None:
                 outcome, reason = broker_pb2.TICKET_OUTCOME_TIMED_OUT, "TRANSFER_TIMEOUT"
                 await abort_with(

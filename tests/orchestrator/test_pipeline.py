@@ -447,6 +447,24 @@ def test_ar_dying_mid_transfer_is_unavailable_not_transfer_failed() -> None:
     run(body())
 
 
+def test_prefill_failure_is_named_not_the_dits_ticket_ended() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            # The AR rolls its ticket back before its error reaches the broker: the DiT, watching
+            # the ticket, fails TICKET_ENDED first. The request names the cause.
+            c.ar.fail_prefill = KvRelayServerError(
+                grpc.StatusCode.INTERNAL, "PREFILL_FAILED", "rank 0: the model raised"
+            )
+            c.ar.rollback_before_failing_s = 0.3
+            final = (await collect(c.api.Generate(request(request_id="pf", seed=1), timeout=10)))[-1]
+            assert final.state == FAILED
+            assert (final.error.code, final.error.reason) == ("INTERNAL", "PREFILL_FAILED")
+            assert "the model raised" in final.error.message
+            await c.wait_pool_free()
+
+    run(body())
+
+
 def test_dit_replica_down_fails_with_unavailable() -> None:
     async def body() -> None:
         async with cluster() as c:
