@@ -45,6 +45,10 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 FORGOTTEN_CHANNEL_GRACE_S = 600.0
 # Longest id (replica, ticket, request, incarnation) any RPC accepts.
 MAX_ID_CHARS = 256
+# Streams of the RPCs open to anyone (health Watch, reflection) one server holds at once; one
+# more is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Each held ~25 KB of the server for as long as the
+# peer kept it: 10000 anonymous Watch streams grew the broker by 256 MB, with no bound.
+MAX_OPEN_STREAMS = 256
 
 AUTHORIZATION_METADATA = "authorization"
 REPLICA_ID_METADATA = "kvrelay-replica-id"
@@ -668,6 +672,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
     _limiter: _RateLimiter = field(init=False)
 
+    _open_streams: int = field(init=False, default=0)
+
     def __post_init__(self) -> None:
         self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
@@ -800,13 +806,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """A unary-stream or stream-stream handler, in either style grpc.aio allows (an async
         generator, or a coroutine that writes with context.write)."""
 
+        counted = rule is not None and rule.always_open
+
         async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 caller = await self._admit(method, rule, check, None if request_streaming else request, context)
+                if counted and self._open_streams >= MAX_OPEN_STREAMS:
+                    raise KvRelayServerError(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS",
+                        f"{method}: this server already holds {MAX_OPEN_STREAMS} streams of its open "
+                        "RPCs (health Watch, reflection); retry later, or poll with Health/Check",
+                    )
             except KvRelayServerError as err:
                 await abort_with(context, err)
             token = _current_caller.set(caller)
             result = behavior(request, context)
+            if counted:
+                self._open_streams += 1
             try:
                 if inspect.isasyncgen(result):
                     try:
@@ -822,6 +838,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 else:
                     await result
             finally:
+                if counted:
+                    self._open_streams -= 1
                 # The token is of the context that admitted the call; a finaliser's context is
                 # a throwaway copy, with nothing of ours to restore.
                 with contextlib.suppress(ValueError):
