@@ -54,6 +54,10 @@ MAX_LIST_PAGE_SIZE: Final = 1000
 # A ListGenerations reply stops before this many bytes: gRPC's default receive limit, so any stock
 # client (grpcurl, another language's stub) can read it although retained prompts may be 1 MiB each.
 MAX_LIST_REPLY_BYTES: Final = 4 * 1024 * 1024
+# Generate streams that may follow one generation at once (re-attaching clients, a dashboard);
+# one more is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Attaching needs only the request_id and
+# parameters, and each stream held ~25 KB of the broker: one client could attach without bound.
+MAX_STREAMS_PER_GENERATION: Final = 16
 # A repeated message field's tag and length prefix (a length below 2**28 takes at most 4 bytes).
 _LIST_ITEM_OVERHEAD: Final = 5
 
@@ -206,6 +210,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             record = await self.orchestrator.submit(
                 request_id, params, seed_given=seed_given, timeout=timeout
             )
+            if len(record.subscribers) >= MAX_STREAMS_PER_GENERATION:
+                raise KvRelayServerError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS",
+                    f"generation {request_id!r} already has {len(record.subscribers)} Generate streams "
+                    f"(at most {MAX_STREAMS_PER_GENERATION}); follow it with GetGeneration",
+                )
         except KvRelayServerError as err:
             await abort_with(context, err)
         except BrokerError as err:

@@ -125,6 +125,35 @@ def test_same_request_id_and_params_attach_to_one_generation() -> None:
     run(body())
 
 
+def test_streams_attached_to_one_generation_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found black-box: attaching needs only the request_id and parameters, and each Generate
+    # stream held ~25 KB of the broker; one client could attach to its own generation without bound.
+    import kvrelay.broker.generation as generation
+
+    monkeypatch.setattr(generation, "MAX_STREAMS_PER_GENERATION", 3)
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.dit.step_gate.clear()
+            streams = [c.api.Generate(request(request_id="req-1", seed=5), timeout=10) for _ in range(3)]
+            for stream in streams:
+                assert (await stream.read()).state == S.GENERATION_STATE_QUEUED
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect(c.api.Generate(request(request_id="req-1", seed=5), timeout=10))
+            code, reason, _ = error_info(exc.value)
+            assert (code, reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_STREAMS")
+            # A stream that leaves frees its place; the generation goes on for the others.
+            streams[0].cancel()
+            await wait_until(lambda: len(c.orchestrator.store.get("req-1").subscribers) == 2)
+            streams.append(c.api.Generate(request(request_id="req-1", seed=5), timeout=10))
+            c.dit.step_gate.set()
+            for events in await asyncio.gather(*(collect(s) for s in streams[1:])):
+                assert events[-1].state == S.GENERATION_STATE_SUCCEEDED
+            assert c.ar.prefills == ["req-1"]
+
+    run(body())
+
+
 def test_same_request_id_other_params_is_already_exists() -> None:
     async def body() -> None:
         async with cluster() as c:
