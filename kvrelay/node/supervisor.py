@@ -2,8 +2,8 @@
 
 Owns child processes only: it starts the broker, waits for its gRPC health to say SERVING, then
 starts every replica of the config and waits for each to be SERVING; prints where everything
-listens; restarts a child that exits (exponential backoff, capped, logged); and on Ctrl-C or
-SIGTERM stops everything: SIGTERM to each child (replicas first, the broker last), a grace
+listens; restarts a child that exits (exponential backoff, capped, logged); and on Ctrl-C,
+SIGTERM or SIGHUP stops everything: SIGTERM to each child (replicas first, the broker last), a grace
 period, then SIGKILL to whatever of a child's process group or descendants is still alive.
 
 Every child runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which
@@ -893,7 +893,9 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         raise _StopRequested(signum)
 
     metrics.start()
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP (the terminal or SSH session went away) stops the node in order too: by default it
+    # would kill this process outright and leave the children to PDEATHSIG, all at once.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     up = False
     try:
         try:

@@ -302,7 +302,10 @@ def _wait_up(proc: subprocess.Popen[str]) -> list[str]:
     )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGHUP: the terminal or SSH session of `kvrelay up` went away. It used to kill the supervisor
+# outright: the children got PDEATHSIG's SIGTERM all at once, the broker went first and an AR
+# lingered 30 s as an orphan, reporting to a broker that was gone.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_to_kvrelay_up_stops_everything_and_leaves_no_process(
     tmp_path: Path, state_dir: Path, sig: signal.Signals
 ) -> None:
