@@ -469,13 +469,15 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
     """Reject at load what can never run: TP not dividing kv heads, AR/DiT geometry that cannot match.
 
     Preset geometry comes from kvrelay.models.presets, imported lazily (it imports no torch);
-    checkpoint directories are checked at registration instead, where the broker names the field.
+    a checkpoint directory from its JSON files when it is on this machine, else at registration,
+    where the broker names the field. A dtype of None (vLLM picks its own) is not compared.
     """
-    from kvrelay.models.formats import bagel_geometry
+    from kvrelay.models.formats import bagel_geometry, hf_geometry
     from kvrelay.models.presets import get_preset
 
-    geometries: dict[str, tuple[int, int, int, str]] = {}
+    geometries: dict[str, tuple[int, int, int, str | None]] = {}
     for idx, stage in enumerate(cfg.stages):
+        geometry: tuple[int, int, int, str | None]
         if stage.model.format != "kvrelay":
             # A BAGEL-format directory's llm_config.json (no torch); a directory not on this
             # machine is checked at registration.
@@ -495,7 +497,15 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                     f"activations; {what} runs in {found[3]} here: set model.dtype: bfloat16"
                 )
         elif stage.model.preset is None:
-            continue
+            # An AR `{path: DIR}` checkpoint (Llama/Qwen2 config.json), checked here rather than
+            # by the broker refusing the AR's registration after every model has loaded.
+            try:
+                found_hf = hf_geometry(stage.model, on_cpu=stage.device_list() == ["cpu"])
+            except ValueError as err:
+                raise ConfigError(f"invalid config: stages[{idx}].model.path: {err}") from None
+            if found_hf is None:
+                continue
+            geometry, what = found_hf, f"checkpoint {stage.model.path}"
         else:
             try:
                 preset = get_preset(stage.model.preset)
@@ -518,7 +528,7 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                 f"of {what}"
             )
         geometries[stage.kind] = geometry
-        if stage.kind == "dit" or stage.model.engine == "builtin":
+        if (stage.kind == "dit" or stage.model.engine == "builtin") and geometry[3] is not None:
             # The DiT carves kv_cache_memory_bytes (per rank) into pages; the built-in AR stages
             # whole DiT pages of its rank's heads in it (the smallest request writes one page).
             # Refused here, not by the DiT after the broker and the AR are up, or by the AR on
@@ -533,13 +543,16 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                     f"smaller than one page ({page_bytes} bytes per rank at page_size {page_size} for "
                     f"{what}); raise it or lower stages[1].page_size"
                 )
-    if "ar" in geometries and "dit" in geometries and geometries["ar"] != geometries["dit"]:
+    if "ar" in geometries and "dit" in geometries:
         names = ("num_layers", "num_kv_heads", "head_dim", "dtype")
-        field = next(n for n, a, d in zip(names, geometries["ar"], geometries["dit"], strict=True) if a != d)
-        raise ConfigError(
-            f"invalid config: stages: AR and DiT KV geometry differ in {field} "
-            f"(AR {geometries['ar'][names.index(field)]}, DiT {geometries['dit'][names.index(field)]})"
-        )
+        differ = [n for n, a, d in zip(names, geometries["ar"], geometries["dit"], strict=True)
+                  if a != d and a is not None and d is not None]  # fmt: skip
+        if differ:
+            field = differ[0]
+            raise ConfigError(
+                f"invalid config: stages: AR and DiT KV geometry differ in {field} "
+                f"(AR {geometries['ar'][names.index(field)]}, DiT {geometries['dit'][names.index(field)]})"
+            )
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:

@@ -41,3 +41,28 @@ def bagel_geometry(model: Any) -> tuple[int, int, int, str] | None:
     head_dim = int(llm.get("head_dim") or int(llm["hidden_size"]) // heads)
     dtype = model.dtype or extra.get("dtype", "bfloat16")
     return int(llm["num_hidden_layers"]), int(llm.get("num_key_value_heads", heads)), head_dim, str(dtype)
+
+
+def hf_geometry(model: Any, on_cpu: bool) -> tuple[int, int, int, str | None] | None:
+    """(num_layers, num_kv_heads, head_dim, dtype) of an AR `{path: DIR}` checkpoint from its
+    config.json (the Llama/Qwen2 keys `read_hf_config` reads); dtype None for `engine: vllm`,
+    which picks its own. None when the directory or its config.json is not on this machine (the
+    AR says so at start). The built-in AR runs a checkpoint in `model.dtype`, else float32 on
+    the CPU and bfloat16 on GPUs (`build_ar_model`)."""
+    if model.format != "kvrelay" or model.preset is not None or not model.path:
+        return None
+    path = Path(model.path) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        layers, kv_heads = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads", heads))
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a Llama/Qwen2 config.json ({type(err).__name__}: {err})") from None
+    if model.engine == "vllm":
+        dtype = model.dtype
+    else:
+        dtype = model.dtype or ("float32" if on_cpu else "bfloat16")
+    return layers, kv_heads, head_dim, dtype

@@ -341,3 +341,33 @@ def test_dit_memory_of_exactly_one_page_loads(base: dict[str, Any]) -> None:
     assert parse_config(data).dit_stage.head_shards == 2
     data["stages"][0]["kv_cache_memory_bytes"] = page - 1
     _reject(data, "stages[0].kv_cache_memory_bytes", "at page_size 16")
+
+
+def test_an_ar_checkpoint_of_another_shape_is_refused_at_load(base: dict[str, Any], tmp_path: Path) -> None:
+    """`model: {path: DIR}` on the AR: its config.json's KV shape is checked against the DiT when
+    the config loads (the broker refused the AR's registration only after both models loaded);
+    vLLM picks its own dtype, so only its shape is compared; a directory not on this machine is
+    left to the AR's start."""
+    import json
+
+    small = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 256,
+             "head_dim": 32}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({**small, "num_hidden_layers": 2}))
+    data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"path": str(tmp_path)}
+    data["stages"][1]["model"] = {"preset": "small"}
+    _reject(data, "geometry differ in num_layers (AR 2, DiT 4)")
+    data["stages"][0]["tensor_parallel_size"] = 3
+    _reject(data, "stages[0].tensor_parallel_size", f"num_kv_heads=4 of checkpoint {tmp_path}")
+    data["stages"][0]["tensor_parallel_size"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    parse_config(data, "test.yaml")  # small's shape, float32 on the CPU like the preset
+    data["stages"][0]["model"] = {"path": str(tmp_path), "dtype": "bfloat16"}
+    _reject(data, "geometry differ in dtype")
+    data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path)}
+    parse_config(data, "test.yaml")
+    data["stages"][0]["model"] = {"path": str(tmp_path / "elsewhere")}
+    parse_config(data, "test.yaml")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256}))
+    data["stages"][0]["model"] = {"path": str(tmp_path)}
+    _reject(data, "stages[0].model.path", "not a Llama/Qwen2 config.json")
