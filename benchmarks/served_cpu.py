@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 GROUPS = ("broker", "ar", "ar-ranks", "dit", "dit-ranks")
 SERVICE_GROUPS = ("broker", "ar", "dit")
+PER_REPLICA = {"Heartbeat", "RegisterReplica", "DeregisterReplica"}
 
 
 def _cpu(proc: psutil.Process) -> float:
@@ -76,6 +79,7 @@ class ServedNode:
             env["SERVED_CPU_PROFILE_DIR"] = str(profile / label)
             command = (sys.executable, str(Path(__file__).resolve()), "--as-child")
         self.target = f"{cfg.broker.host}:{cfg.broker.port}"
+        self.metrics_url = f"http://{cfg.broker.host}:{cfg.broker.metrics_port}/metrics"
         self.node = start_node(path, log_dir=workdir / f"{label}-logs", cwd=rundir, env=env, command=command)
         self.profiling = profile is not None
 
@@ -92,6 +96,12 @@ class ServedNode:
 
     def cpu(self) -> dict[str, float]:
         return {g: sum(_cpu(p) for p in procs) for g, procs in self.processes().items()}
+
+    def broker_rpcs(self) -> dict[str, float]:
+        """`kvrelay_broker_rpcs_total` by method so far (a WatchTicket stream counts once)."""
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        pattern = r'^kvrelay_broker_rpcs_total\{method="(\w+)"\} ([0-9.e+]+)$'
+        return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
 
     def threads(self) -> dict[str, float]:
         """CPU seconds so far per (group, thread name), threads of one name summed."""
@@ -137,14 +147,15 @@ class ServedNode:
 
 
 def _table(label_runs: dict[str, list[dict[str, float]]]) -> str:
-    head = "| node | " + " | ".join(GROUPS) + " | services | all | wall s/req |"
-    lines = [head, "| --- |" + " ---: |" * (len(GROUPS) + 3)]
+    head = "| node | " + " | ".join(GROUPS) + " | services | all | wall s/req | broker RPCs/req |"
+    lines = [head, "| --- |" + " ---: |" * (len(GROUPS) + 4)]
     for label, runs in label_runs.items():
         mean = {k: statistics.mean(r[k] for r in runs) for k in runs[0]}
         services = sum(mean[g] for g in SERVICE_GROUPS)
         total = sum(mean[g] for g in GROUPS)
         cells = " | ".join(f"{mean[g]:.1f}" for g in GROUPS)
-        lines.append(f"| {label} | {cells} | **{services:.1f}** | {total:.1f} | {mean['wall']:.3f} |")
+        lines.append(f"| {label} | {cells} | **{services:.1f}** | {total:.1f} | {mean['wall']:.3f} | "
+                     f"{mean['rpcs']:.1f} |")
     return "\n".join(lines)
 
 
@@ -192,13 +203,19 @@ def main() -> int:
                 for label, node in nodes.items():
                     if node.profiling:
                         node.signal_services(signal.SIGUSR1)
+                    rpcs_before = node.broker_rpcs()
                     before, threads_before = node.cpu(), node.threads() if args.threads else {}
                     n, wall = node.drive(workload, args.requests, args.concurrency, run * args.requests)
                     after, threads_after = node.cpu(), node.threads() if args.threads else {}
+                    rpcs = {m: (c - rpcs_before.get(m, 0.0)) / n for m, c in node.broker_rpcs().items()}
                     if node.profiling:
                         node.signal_services(signal.SIGUSR2)
                     row = {g: (after[g] - before[g]) * 1e3 / n for g in GROUPS}
                     row["wall"] = wall / n
+                    row["rpcs"] = sum(c for m, c in rpcs.items() if m not in PER_REPLICA)
+                    listed = ", ".join(f"{m} {c:.2f}" for m, c in sorted(rpcs.items()) if c)
+                    print(f"served_cpu: {label} run {run + 1}: broker RPCs per request: {listed}", file=sys.stderr,
+                          flush=True)  # fmt: skip
                     per_run[label].append(row)
                     for key in sorted(threads_after, key=lambda k: threads_before.get(k, 0.0) - threads_after[k]):
                         spent = (threads_after[key] - threads_before.get(key, 0.0)) * 1e3 / n
