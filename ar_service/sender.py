@@ -31,7 +31,7 @@ import grpc
 
 from kvrelay.errors import KvRelayServerError
 from kvrelay.logging import get_logger
-from kvrelay.transfer.convert import outcome_to_report
+from kvrelay.transfer.convert import outcome_to_report, outcomes_to_report
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import WriteOutcome
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -374,15 +374,28 @@ class WriteReporter:
         report still unacknowledged after `budget_s` stays pending: heartbeats retry it. An
         IN_DOUBT report is not retried past its budget: the write stays unresolved at the broker
         either way, and its final report follows."""
-        outcome = self.ledger.finish(ticket_id, outcome)
-        request = outcome_to_report(outcome, ticket_id, self.replica_id, self.incarnation_id)
+        return await self.report_all(ticket_id, [outcome], budget_s)
+
+    async def report_all(
+        self, ticket_id: str, outcomes: Iterable[WriteOutcome], budget_s: float = 30.0
+    ) -> bool:
+        """Report every outcome of one ticket in one ReportWrite (one broker commit; one call per
+        write before), as `report` does for one: retried until `budget_s`, acknowledged together."""
+        outcomes = [self.ledger.finish(ticket_id, o) for o in outcomes]
+        if not outcomes:
+            return True
+        if len(outcomes) == 1:
+            request = outcome_to_report(outcomes[0], ticket_id, self.replica_id, self.incarnation_id)
+        else:
+            request = outcomes_to_report(outcomes, ticket_id, self.replica_id, self.incarnation_id)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + budget_s
         delay = 0.05
         while True:
             try:
                 await self.stub.ReportWrite(request, timeout=self.rpc_timeout_s)
-                self.ledger.acknowledge(ticket_id, outcome)
+                for o in outcomes:
+                    self.ledger.acknowledge(ticket_id, o)
                 return True
             except grpc.aio.AioRpcError as err:
                 code = err.code()
@@ -390,10 +403,12 @@ class WriteReporter:
                     # The broker refused it for good (released ticket, stale incarnation, fence):
                     # retrying would be refused the same way; nothing more can be proven.
                     log.warning(
-                        "report_write_refused", ticket_id=ticket_id, row=outcome.row, src_rank=outcome.src_rank,
-                        dst_rank=outcome.dst_rank, code=code.name, details=err.details(),
+                        "report_write_refused", ticket_id=ticket_id,
+                        writes=[(o.row, o.src_rank, o.dst_rank) for o in outcomes],
+                        code=code.name, details=err.details(),
                     )  # fmt: skip
-                    self.ledger.acknowledge(ticket_id, outcome)
+                    for o in outcomes:
+                        self.ledger.acknowledge(ticket_id, o)
                     return False
                 if loop.time() + delay >= give_up:
                     log.warning(
@@ -402,12 +417,6 @@ class WriteReporter:
                     return False
             await asyncio.sleep(delay * (1 + random.random() * 0.5))
             delay = min(delay * 2, 1.0)
-
-    async def report_all(
-        self, ticket_id: str, outcomes: Iterable[WriteOutcome], budget_s: float = 30.0
-    ) -> bool:
-        results = await asyncio.gather(*(self.report(ticket_id, o, budget_s) for o in outcomes))
-        return all(results)
 
     async def report_pending(self, budget_s: float = 2.0) -> None:
         """Retry every unacknowledged report once more (called on each heartbeat)."""

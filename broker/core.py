@@ -70,6 +70,17 @@ DIT_REPLICA_RESTARTED = "DIT_REPLICA_RESTARTED"
 
 
 @dataclass(frozen=True, slots=True)
+class ReportedWrite:
+    """One write's report, as the writer sent it (ReportWrite, alone or in a batch)."""
+
+    key: WriteKey
+    status: WriteStatus
+    checksum: int = 0
+    nbytes: int = 0
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Arming:
     """What the AR gets when it arms a ticket: where to write, and exactly which writes."""
 
@@ -463,6 +474,18 @@ class BrokerCore:
         OK, FAILED and NOT_STARTED are final; IN_DOUBT (the sender stopped waiting while its
         transport call still runs) keeps the write unresolved, so the ticket drains with its pages
         held until the final report, or until the writer's incarnation is proven gone."""
+        return self.report_writes(
+            ticket_id, [ReportedWrite(key, status, checksum, nbytes, message)],
+            replica_id=replica_id, incarnation_id=incarnation_id,
+        )  # fmt: skip
+
+    def report_writes(
+        self, ticket_id: TicketId, reports: Sequence[ReportedWrite], *, replica_id: ReplicaId, incarnation_id: str
+    ) -> Ticket:
+        """Several write reports of one ticket (as `report_write` each, in order) in one journal
+        commit: one ReportWrite from the AR per ticket instead of one per write. A report that is
+        refused (a broken invariant fences the writer) leaves the ones before it applied and
+        committed, as if each had come alone."""
         released = self._released.get(ticket_id)
         if released is not None:
             return released
@@ -478,18 +501,33 @@ class BrokerCore:
             raise FailedPrecondition(
                 "STALE_INCARNATION", f"ticket {ticket_id} was armed by another incarnation of {replica_id}"
             )
+        now = self.clock()
+        changed: list[ReportedWrite] = []
         try:
-            changed = t.report_write(key, status, checksum, nbytes, message, self.clock())
+            for r in reports:
+                if t.report_write(r.key, r.status, r.checksum, r.nbytes, r.message, now):
+                    changed.append(r)
         except BrokenInvariant as err:
+            self._writes_reported(t, changed)
             self._fence_and_raise(replica_id, err)
-        if changed:
-            self._try_drain(t)
-            self._commit([t])
-            if status is WriteStatus.IN_DOUBT:
-                log.warning("write_in_doubt", ticket_id=ticket_id, write=str(key), message=message)
-            elif status is not WriteStatus.OK:
-                log.warning("write_not_ok", ticket_id=ticket_id, write=str(key), status=status.value, message=message)
+        except BaseException:
+            self._writes_reported(t, changed)
+            raise
+        self._writes_reported(t, changed)
         return self._snapshot(ticket_id)
+
+    def _writes_reported(self, t: TicketRecord, changed: Sequence[ReportedWrite]) -> None:
+        """Journal what a batch of write reports changed (before anyone can learn of it)."""
+        if not changed:
+            return
+        self._try_drain(t)
+        self._commit([t])
+        for r in changed:
+            if r.status is WriteStatus.IN_DOUBT:
+                log.warning("write_in_doubt", ticket_id=t.ticket_id, write=str(r.key), message=r.message)
+            elif r.status is not WriteStatus.OK:
+                log.warning("write_not_ok", ticket_id=t.ticket_id, write=str(r.key), status=r.status.value,
+                            message=r.message)  # fmt: skip
 
     def report_load(
         self,
@@ -502,6 +540,22 @@ class BrokerCore:
         verified: Mapping[WriteKey, int],
     ) -> Ticket:
         """A DiT rank verified the bytes of (row, dst_rank). Idempotent; READY after the last one."""
+        return self.report_loads(
+            ticket_id, [(LoadKey(row, dst_rank), verified)], replica_id=replica_id, incarnation_id=incarnation_id
+        )
+
+    def report_loads(
+        self,
+        ticket_id: TicketId,
+        loads: Sequence[tuple[LoadKey, Mapping[WriteKey, int]]],
+        *,
+        replica_id: ReplicaId,
+        incarnation_id: str,
+    ) -> Ticket:
+        """Several verified loads of one ticket (as `report_load` each, in order) in one journal
+        commit. A load that is refused (e.g. CHECKSUM_MISMATCH: bytes still landing) raises after
+        the ones before it are applied and committed; the DiT re-verifies and reports again
+        (a load already taken is a retry)."""
         released = self._released.get(ticket_id)
         if released is not None:
             return released
@@ -515,15 +569,25 @@ class BrokerCore:
         if incarnation_id != t.dit_incarnation:
             log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
             raise FailedPrecondition("STALE_INCARNATION", f"ticket {ticket_id} belongs to another DiT incarnation")
+        now = self.clock()
+        changed = False
         try:
-            changed = t.report_load(LoadKey(row, dst_rank), verified, self.verify_checksums, self.clock())
+            for key, verified in loads:
+                changed = t.report_load(key, verified, self.verify_checksums, now) or changed
         except BrokenInvariant as err:
+            self._loads_reported(t, changed)
             self._fence_and_raise(replica_id, err)
+        except BaseException:
+            self._loads_reported(t, changed)
+            raise
+        self._loads_reported(t, changed)
+        return t.snapshot()
+
+    def _loads_reported(self, t: TicketRecord, changed: bool) -> None:
         if changed:
             self._commit([t])
             if t.state is TicketState.READY:
-                log.info("ticket_ready", ticket_id=ticket_id, request_id=t.request_id)
-        return t.snapshot()
+                log.info("ticket_ready", ticket_id=t.ticket_id, request_id=t.request_id)
 
     def start_consuming(self, ticket_id: TicketId, replica_id: ReplicaId = "", incarnation_id: str = "") -> Ticket:
         """READY -> CONSUMING: the DiT started reading the pages (its own StartConsuming RPC).

@@ -20,12 +20,13 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import timestamp_pb2
 
-from kvrelay.broker.core import Arming, BrokerCore, PoolStatus
+from kvrelay.broker.core import Arming, BrokerCore, PoolStatus, ReportedWrite
 from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec, ReplicaStatus
 from kvrelay.broker.tickets import (
     BrokerError,
     InvalidArgument,
+    LoadKey,
     Ticket,
     TicketOutcome,
     TicketState,
@@ -411,20 +412,19 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ReportWrite(
         self, request: broker_pb2.ReportWriteRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ReportWriteResponse:
-        status = _WRITE_STATUS_FROM_PB.get(request.status, WriteStatus.PENDING)
-        if status is WriteStatus.PENDING or status is WriteStatus.WRITER_GONE:
-            raise InvalidArgument(
-                "INVALID_ARGUMENT", "status: a writer reports OK, FAILED, NOT_STARTED or IN_DOUBT"
-            )
-        ticket = self.core.report_write(
-            request.ticket_id,
-            WriteKey(request.row, request.src_rank, request.dst_rank),
-            replica_id=request.replica_id,
-            incarnation_id=request.incarnation_id,
-            status=status,
-            checksum=request.checksum,
-            nbytes=request.bytes,
-            message=request.message,
+        # `writes` (several writes, one commit) or the single write's own fields.
+        items: list[broker_pb2.WriteReport | broker_pb2.ReportWriteRequest] = [*request.writes] or [request]
+        reports = []
+        for item in items:
+            status = _WRITE_STATUS_FROM_PB.get(item.status, WriteStatus.PENDING)
+            if status is WriteStatus.PENDING or status is WriteStatus.WRITER_GONE:
+                raise InvalidArgument(
+                    "INVALID_ARGUMENT", "status: a writer reports OK, FAILED, NOT_STARTED or IN_DOUBT"
+                )
+            reports.append(ReportedWrite(WriteKey(item.row, item.src_rank, item.dst_rank), status,
+                                         item.checksum, item.bytes, item.message))  # fmt: skip
+        ticket = self.core.report_writes(
+            request.ticket_id, reports, replica_id=request.replica_id, incarnation_id=request.incarnation_id
         )
         return broker_pb2.ReportWriteResponse(ticket=ticket_to_proto(ticket))
 
@@ -432,14 +432,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ReportLoad(
         self, request: broker_pb2.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ReportLoadResponse:
-        verified = {WriteKey(v.row, v.src_rank, v.dst_rank): v.checksum for v in request.verified}
-        ticket = self.core.report_load(
-            request.ticket_id,
-            request.row,
-            request.dst_rank,
-            replica_id=request.replica_id,
-            incarnation_id=request.incarnation_id,
-            verified=verified,
+        # `loads` (several loads, one commit) or the single load's own fields.
+        items: list[broker_pb2.LoadReport | broker_pb2.ReportLoadRequest] = [*request.loads] or [request]
+        loads = [
+            (LoadKey(item.row, item.dst_rank),
+             {WriteKey(v.row, v.src_rank, v.dst_rank): v.checksum for v in item.verified})
+            for item in items
+        ]  # fmt: skip
+        ticket = self.core.report_loads(
+            request.ticket_id, loads, replica_id=request.replica_id, incarnation_id=request.incarnation_id
         )
         return broker_pb2.ReportLoadResponse(ticket=ticket_to_proto(ticket))
 

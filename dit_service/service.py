@@ -599,35 +599,19 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 if isinstance(command, Verify):
                     reported = {(w.row, w.src_rank, w.dst_rank): w for w in t.writes}
                     verified = await self._verify(list(command.loads), planned, reported)
-                    # Every verified (row, dst_rank) is reported concurrently (the round trips
-                    # overlap instead of queueing). Loads only ever become loaded, so the reply
-                    # that shows the most of them is the newest snapshot.
+                    # Every verified (row, dst_rank) goes in one ReportLoad (one broker commit,
+                    # one ticket change for the watchers), not one call per load.
                     to_report = [(load, checks) for load, checks in verified.items() if checks is not None]
-                    results = await asyncio.gather(
-                        *(self._report_load(ticket_id, load, checks) for load, checks in to_report),
-                        return_exceptions=True,
-                    )
-                    for result in results:
-                        if isinstance(result, BaseException):
-                            raise result
-                    replies = {
-                        load: r for (load, _), r in zip(to_report, results, strict=True) if not isinstance(r, BaseException)
-                    }
-                    newest: broker_pb2.Ticket | None = None
-                    for load, checks in to_report:
-                        if replies[load] is not None:
-                            # Counted once the broker took the load: its bytes are verified in pages.
+                    reply_ticket = await self._report_loads(ticket_id, to_report) if to_report else None
+                    if reply_ticket is not None:
+                        # Counted once the broker took the loads: their bytes are verified in pages.
+                        for load, checks in to_report:
                             s.metrics.transfer_bytes.labels(str(load[1]), s.stage.transport).inc(
                                 sum(c.bytes for c in checks))
                     for load in verified:
-                        reply_ticket = replies.get(load)
-                        protocol.on_verified(load, reply_ticket is not None)
-                        if reply_ticket is not None and (
-                            newest is None or _loaded_count(reply_ticket) >= _loaded_count(newest)
-                        ):
-                            newest = reply_ticket
-                    if newest is not None:
-                        latest[0] = newest
+                        protocol.on_verified(load, reply_ticket is not None and verified[load] is not None)
+                    if reply_ticket is not None:
+                        latest[0] = reply_ticket
                     continue
                 changed.clear()
                 if latest[0] is t:
@@ -722,20 +706,29 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             ]
         return out
 
-    async def _report_load(self, ticket_id: str, load: tuple[int, int],
-                           verified: list[broker_pb2.WriteProgress]) -> broker_pb2.Ticket | None:
-        """ReportLoad (idempotent, retried). None when the broker says the checksums do not match
-        its writer's yet (bytes still landing): the caller re-verifies."""
-        request = broker_pb2.ReportLoadRequest(ticket_id=ticket_id, row=load[0], dst_rank=load[1],
-                                               replica_id=self.s.replica_id,
-                                               incarnation_id=self.s.incarnation_id, verified=verified)
+    async def _report_loads(
+        self, ticket_id: str, loads: Sequence[tuple[tuple[int, int], list[broker_pb2.WriteProgress]]]
+    ) -> broker_pb2.Ticket | None:
+        """ReportLoad of every (row, dst_rank) in `loads`, in one call (idempotent, retried). None
+        when the broker says a checksum does not match its writer's yet (bytes still landing):
+        the caller re-verifies (the loads the broker took before it are retries then)."""
+        request = broker_pb2.ReportLoadRequest(ticket_id=ticket_id, replica_id=self.s.replica_id,
+                                               incarnation_id=self.s.incarnation_id)
+        if len(loads) == 1:
+            (row, dst_rank), verified = loads[0]
+            request.row, request.dst_rank = row, dst_rank
+            request.verified.extend(verified)
+        else:
+            request.loads.extend(broker_pb2.LoadReport(row=row, dst_rank=dst_rank, verified=verified)
+                                 for (row, dst_rank), verified in loads)  # fmt: skip
         try:
             reply = await self._broker_call(self.s.broker.ReportLoad, request)
         except grpc.aio.AioRpcError as err:
             if reason_of(err)[1] == "CHECKSUM_MISMATCH":
                 return None
+            where = ", ".join(f"row={row} rank={rank}" for (row, rank), _ in loads)
             raise KvRelayServerError(err.code(), "REPORT_LOAD_FAILED",
-                                     f"ReportLoad {ticket_id} row={load[0]} rank={load[1]}: {err.details()}") from None
+                                     f"ReportLoad {ticket_id} {where}: {err.details()}") from None
         return reply.ticket
 
     # ======================================================================= PutKv
@@ -816,7 +809,3 @@ def control_view(buffer: Any, slots: int) -> Any:
     from kvrelay.dit_service.engine import CONTROL_FIELDS
 
     return np.frombuffer(buffer, dtype=np.int64).reshape(slots, CONTROL_FIELDS)
-
-
-def _loaded_count(ticket: broker_pb2.Ticket) -> int:
-    return sum(1 for ld in ticket.loads if ld.loaded)

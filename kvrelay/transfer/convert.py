@@ -6,7 +6,7 @@ dataclasses never go on the wire. Enum mappings are total: an UNSPECIFIED value 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 from kvrelay.transfer.layout import DTypeName, KvGeometry
@@ -124,4 +124,20 @@ def outcome_to_report(
         ticket_id=ticket_id, row=o.row, src_rank=o.src_rank, dst_rank=o.dst_rank,
         replica_id=replica_id, incarnation_id=incarnation_id,
         status=_STATUS_TO_PB[o.status], checksum=o.checksum, bytes=o.bytes, message=o.message,  # type: ignore[arg-type]
+    )
+
+
+def outcomes_to_report(
+    outcomes: Sequence[WriteOutcome], ticket_id: str, replica_id: str, incarnation_id: str
+) -> broker_pb2.ReportWriteRequest:
+    """The AR's ReportWrite for several outcomes of one ticket (one call, one broker commit)."""
+    return broker_pb2.ReportWriteRequest(
+        ticket_id=ticket_id, replica_id=replica_id, incarnation_id=incarnation_id,
+        writes=[
+            broker_pb2.WriteReport(
+                row=o.row, src_rank=o.src_rank, dst_rank=o.dst_rank, status=_STATUS_TO_PB[o.status],  # type: ignore[arg-type]
+                checksum=o.checksum, bytes=o.bytes, message=o.message,
+            )
+            for o in outcomes
+        ],
     )

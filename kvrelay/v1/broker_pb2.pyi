@@ -237,7 +237,7 @@ class ReserveTicketResponse(_message.Message):
     def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ..., destinations: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., writes: _Optional[_Iterable[_Union[_common_pb2.PlannedWrite, _Mapping]]] = ..., dit_geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., dit_parallelism: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., dit_num_pages: _Optional[int] = ..., verify_checksums: bool = ...) -> None: ...
 
 class ReportWriteRequest(_message.Message):
-    __slots__ = ("ticket_id", "row", "src_rank", "dst_rank", "replica_id", "incarnation_id", "status", "checksum", "bytes", "message")
+    __slots__ = ("ticket_id", "row", "src_rank", "dst_rank", "replica_id", "incarnation_id", "status", "checksum", "bytes", "message", "writes")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +248,7 @@ class ReportWriteRequest(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
     row: int
     src_rank: int
@@ -258,7 +259,26 @@ class ReportWriteRequest(_message.Message):
     checksum: int
     bytes: int
     message: str
-    def __init__(self, ticket_id: _Optional[str] = ..., row: _Optional[int] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.WriteStatus, str]] = ..., checksum: _Optional[int] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    writes: _containers.RepeatedCompositeFieldContainer[WriteReport]
+    def __init__(self, ticket_id: _Optional[str] = ..., row: _Optional[int] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., status: _Optional[_Union[_common_pb2.WriteStatus, str]] = ..., checksum: _Optional[int] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ..., writes: _Optional[_Iterable[_Union[WriteReport, _Mapping]]] = ...) -> None: ...
+
+class WriteReport(_message.Message):
+    __slots__ = ("row", "src_rank", "dst_rank", "status", "checksum", "bytes", "message")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    src_rank: int
+    dst_rank: int
+    status: _common_pb2.WriteStatus
+    checksum: int
+    bytes: int
+    message: str
+    def __init__(self, row: _Optional[int] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., status: _Optional[_Union[_common_pb2.WriteStatus, str]] = ..., checksum: _Optional[int] = ..., bytes: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ReportWriteResponse(_message.Message):
     __slots__ = ("ticket",)
@@ -267,20 +287,32 @@ class ReportWriteResponse(_message.Message):
     def __init__(self, ticket: _Optional[_Union[Ticket, _Mapping]] = ...) -> None: ...
 
 class ReportLoadRequest(_message.Message):
-    __slots__ = ("ticket_id", "row", "dst_rank", "replica_id", "incarnation_id", "verified")
+    __slots__ = ("ticket_id", "row", "dst_rank", "replica_id", "incarnation_id", "verified", "loads")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     ROW_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
     row: int
     dst_rank: int
     replica_id: str
     incarnation_id: str
     verified: _containers.RepeatedCompositeFieldContainer[WriteProgress]
-    def __init__(self, ticket_id: _Optional[str] = ..., row: _Optional[int] = ..., dst_rank: _Optional[int] = ..., replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[WriteProgress, _Mapping]]] = ...) -> None: ...
+    loads: _containers.RepeatedCompositeFieldContainer[LoadReport]
+    def __init__(self, ticket_id: _Optional[str] = ..., row: _Optional[int] = ..., dst_rank: _Optional[int] = ..., replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., verified: _Optional[_Iterable[_Union[WriteProgress, _Mapping]]] = ..., loads: _Optional[_Iterable[_Union[LoadReport, _Mapping]]] = ...) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("row", "dst_rank", "verified")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    row: int
+    dst_rank: int
+    verified: _containers.RepeatedCompositeFieldContainer[WriteProgress]
+    def __init__(self, row: _Optional[int] = ..., dst_rank: _Optional[int] = ..., verified: _Optional[_Iterable[_Union[WriteProgress, _Mapping]]] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ("ticket",)

@@ -76,3 +76,21 @@ def test_a_hanging_report_never_delays_heartbeats() -> None:
         assert stopped == []
 
     asyncio.run(body())
+
+
+def test_a_tickets_outcomes_go_in_one_report_acknowledged_together() -> None:
+    async def body() -> None:
+        broker = _Broker()
+        broker.hang = False
+        ledger = WriteLedger()
+        reporter = WriteReporter(broker, ledger, "ar-0", "inc-1", rpc_timeout_s=1.0)  # type: ignore[arg-type]
+        outcomes = [WriteOutcome(0, 0, 0, "OK", 64, 7), WriteOutcome(1, 0, 0, "FAILED", 0, 0, "boom")]
+        assert await reporter.report_all("t1", outcomes)
+        assert len(broker.reports) == 1
+        sent = broker.reports[0]
+        assert [(w.row, w.status, w.checksum, w.message) for w in sent.writes] == [
+            (0, common_pb2.WRITE_STATUS_OK, 7, ""), (1, common_pb2.WRITE_STATUS_FAILED, 0, "boom")]
+        assert (sent.ticket_id, sent.replica_id, sent.incarnation_id) == ("t1", "ar-0", "inc-1")
+        assert ledger.pending_reports() == []
+
+    asyncio.run(body())
