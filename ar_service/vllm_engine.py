@@ -211,6 +211,12 @@ class VllmStartError(RuntimeError):
     """vLLM could not start; the message says what and how to fix it."""
 
 
+class VllmCacheFull(RuntimeError):
+    """The rows of a prefill need more of vLLM's KV blocks than are free now: vLLM would keep the
+    rows it cannot place waiting (the held ones never give theirs back during the pass) until the
+    prefill timeout, holding the AR. Raised before anything is added to vLLM."""
+
+
 class InjectedPrefillFault(RuntimeError):
     """Raised mid-prefill by the test-only fault hook (PREFILL_FAULT_ENV)."""
 
@@ -350,11 +356,39 @@ class VllmRankHandler:
 
     def _prefill_tickets(self, cmd: PrefillTickets) -> tuple[PrefillDone | PrefillFailed, ...]:
         # One kvrelay rank drives every vLLM worker: a failed shared pass is retried ticket by
-        # ticket here (ctx.world_size is 1), as the built-in engine does with TP=1.
+        # ticket here (ctx.world_size is 1), as the built-in engine does with TP=1. A shared pass
+        # whose rows do not fit vLLM's free blocks raises VllmCacheFull before it starts: each
+        # ticket then goes alone, and one that still does not fit fails at once.
         return prefill_tickets(
             cmd, self.ctx, drop=self._drop,
-            row_problem=lambda rows: row_problem(rows, self.max_tokens, self.vocab), together=self._prefill_together,
+            row_problem=lambda rows: row_problem(rows, self.max_tokens, self.vocab) or self._cache_problem(rows),
+            together=self._prefill_together,
         )  # fmt: skip
+
+    def _blocks_for(self, rows: Sequence[Sequence[int]]) -> int:
+        # vLLM gives a prompt of n tokens ceil(n / block_size) blocks (max_tokens=1: the sampled
+        # token is never stored).
+        return sum(-(-len(ids) // self.block_size) for ids in rows)
+
+    def _cache_problem(self, rows: tuple[tuple[int, ...], ...]) -> str | None:
+        """A ticket whose rows could never be held in vLLM's cache at once (a pure check)."""
+        needed, total = self._blocks_for(rows), self._stats().total_blocks
+        if needed > total:
+            return (
+                f"its rows need {needed} KV blocks of {self.block_size} tokens at once; vLLM's whole "
+                f"cache has {total} (raise VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization or lower "
+                "max_model_len)"
+            )
+        return None
+
+    def _check_free_blocks(self, items: Sequence[PrefillTicket]) -> None:
+        stats = self._stats()
+        needed = self._blocks_for([ids for item in items for ids in item.rows])
+        if needed > stats.free_blocks:
+            raise VllmCacheFull(
+                f"the rows need {needed} KV blocks of {self.block_size} tokens; vLLM has {stats.free_blocks} "
+                f"free of {stats.total_blocks} (the others hold tickets not yet written or writes in doubt)"
+            )
 
     def _prefill_together(self, items: Sequence[PrefillTicket]) -> list[PrefillDone | PrefillFailed]:
         """Every row of `items` added to vLLM and stepped together until each finished; each
@@ -372,6 +406,7 @@ class VllmRankHandler:
             # A retried prefill must not hold the blocks twice.
             self._drop(item.ticket_id)
             requests.update({f"{item.ticket_id}/{row}": (k, row) for row in range(len(item.rows))})
+        self._check_free_blocks(items)
         start = time.perf_counter()
         held: dict[str, Any] = {}
         unheld: list[str] = []

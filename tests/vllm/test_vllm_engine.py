@@ -52,6 +52,7 @@ pytestmark = pytest.mark.slow
 
 PAGE_SIZE = 16
 PROMPT = "a small red boat on a calm lake at dawn, oil painting, soft light" * 3
+CACHE_BLOCKS = 11  # vLLM's block 0 is its null block
 # A row containing this text makes the engine's prefill raise mid-pass (the fault hook).
 FAULT_MARKER = "@@fault@@"
 # Pools registered with the test process's one Mooncake engine stay registered for its lifetime.
@@ -78,7 +79,11 @@ def _spec(path: Path, transport: str) -> VllmRankSpec:
             },
         },
         # Small batches: a long prompt takes several steps (chunked prefill), as on a busy engine.
-        vllm_args={"max_model_len": 1024, "max_num_batched_tokens": 128, "enable_chunked_prefill": True},
+        # A small cache (11 usable blocks of 128 tokens): every ticket here fits, the cache tests fill it.
+        vllm_args={"max_model_len": 1024, "max_num_batched_tokens": 128, "enable_chunked_prefill": True,
+                   "num_gpu_blocks_override": CACHE_BLOCKS + 1},
+        # Far below the default 300 s: a prefill that waits on vLLM's blocks fails the test, not hangs it.
+        prefill_timeout_s=60.0,
     )
 
 
@@ -341,4 +346,36 @@ def test_a_fault_mid_shared_prefill_is_retried_ticket_by_ticket(
     ].seconds
     engine.call_all(DropTicket("next-1"))
     engine.call_all(DropTicket("next-2"))
+    _assert_all_blocks_free(engine)
+
+
+def test_rows_that_do_not_fit_vllms_cache_fail_at_once(engine: WorkerGroup) -> None:
+    assert _stats(engine).total_blocks == CACHE_BLOCKS and _stats(engine).block_size == 128
+    started = time.monotonic()
+    # 2 x 6 blocks: more than the whole cache; alone or in a batch, it fails before reaching vLLM.
+    with pytest.raises(WorkerCommandError, match="VllmCacheFull: the rows need 12 KV blocks"):
+        engine.call_all(PrefillTicket("huge", ((5,) * 700, (6,) * 700)))
+    (answers,) = engine.call_all(PrefillTickets((PrefillTicket("huge", ((5,) * 700, (6,) * 700)),)))
+    assert "need 12 KV blocks of 128 tokens at once; vLLM's whole cache has 11" in answers[0].message
+    _assert_all_blocks_free(engine)
+    # 5 + 5 + 3 blocks do not fit 11 together: each goes alone; the first two are held, the last
+    # one finds 1 block free and fails, naming the numbers.
+    items = (
+        PrefillTicket("x", ((5,) * 600,)),
+        PrefillTicket("y", ((6,) * 600,)),
+        PrefillTicket("z", ((7,) * 300,)),
+    )
+    (answers,) = engine.call_all(PrefillTickets(items))
+    assert [type(a) for a in answers] == [PrefillDone, PrefillDone, PrefillFailed]
+    assert "need 3 KV blocks of 128 tokens; vLLM has 1 free of 11" in answers[2].message
+    # No prefill waited for blocks (the timeout is 60 s, each pass here well under a second's work).
+    assert time.monotonic() - started < 30
+    assert _stats(engine).held_tickets == ("x", "y")
+    engine.call_all(DropTicket("x"))
+    engine.call_all(DropTicket("y"))
+    _assert_all_blocks_free(engine)
+    # With the cache free again, z prefills.
+    (answers,) = engine.call_all(PrefillTickets((items[2],)))
+    assert [type(a) for a in answers] == [PrefillDone]
+    engine.call_all(DropTicket("z"))
     _assert_all_blocks_free(engine)
