@@ -254,7 +254,11 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         self, request: ar_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> ar_pb2.TokenizeResponse:
         state = await self._ready(context)
-        counts = [len(state.tokenizer.encode(text)) for text in request.texts]
+        # Off the event loop: prompts of up to 1 MiB took seconds each, and a few api clients
+        # sending them at once stalled this replica's heartbeats, Prefills and reports
+        # (a 0.2 s generation took 31 s; others got AR_UNAVAILABLE).
+        texts = list(request.texts)
+        counts = await asyncio.to_thread(lambda: [len(state.tokenizer.encode(text)) for text in texts])
         return ar_pb2.TokenizeResponse(token_counts=counts, max_tokens=state.max_tokens)
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> ArReplicaState:
@@ -280,14 +284,18 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         job = self._jobs.get(request.ticket_id)
         if job is None:
             try:
-                token_ids = self._validate(request, state)
+                # Off the event loop, as Tokenize.
+                token_ids = await asyncio.to_thread(self._validate, request, state)
             except KvRelayServerError as err:
                 # Bad input can never succeed: roll the (unarmed) ticket back so nothing is left.
                 await self._rollback_if_ours(request.ticket_id, state, "FAILED", err.reason)
                 await abort_with(context, err)
-            job = _Job(task=asyncio.ensure_future(self._prefill(request, token_ids, state, deadline)))
-            self._jobs[request.ticket_id] = job
-            job.task.add_done_callback(functools.partial(self._forget_job, request.ticket_id))
+            # A retry of this Prefill may have started the job while this one tokenized.
+            job = self._jobs.get(request.ticket_id)
+            if job is None:
+                job = _Job(task=asyncio.ensure_future(self._prefill(request, token_ids, state, deadline)))
+                self._jobs[request.ticket_id] = job
+                job.task.add_done_callback(functools.partial(self._forget_job, request.ticket_id))
         try:
             # Shielded: a cancelled RPC must not cancel a write in progress; the job itself looks
             # at `cancel_requested` at the one point where stopping is still safe (before arming).
