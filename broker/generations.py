@@ -201,7 +201,7 @@ def record_to_json(record: GenerationRecord) -> dict[str, Any]:
         "image": None
         if image is None
         else {
-            "png": base64.b64encode(image.png).decode(),
+            "png": image.png,  # bytes: the journal stores them as a BLOB
             "width": image.width,
             "height": image.height,
             "seed": image.seed,
@@ -215,6 +215,11 @@ def record_to_json(record: GenerationRecord) -> dict[str, Any]:
     }
 
 
+def _png_bytes(png: bytes | str) -> bytes:
+    """A journaled PNG: bytes (a BLOB of the journal), or base64 text (journaled before that)."""
+    return png if isinstance(png, bytes) else base64.b64decode(png)
+
+
 def record_from_json(data: dict[str, Any], finished_mono: float) -> GenerationRecord:
     image = data["image"]
     record = GenerationRecord(
@@ -226,7 +231,7 @@ def record_from_json(data: dict[str, Any], finished_mono: float) -> GenerationRe
         step=data["step"],
         image=None
         if image is None
-        else ImageResult(base64.b64decode(image["png"]), image["width"], image["height"], image["seed"]),
+        else ImageResult(_png_bytes(image["png"]), image["width"], image["height"], image["seed"]),
         timings=dict(data["timings"]),
         error=None if data["error"] is None else ErrorInfo(**data["error"]),
         ticket_id=data["ticket_id"],

@@ -27,7 +27,43 @@ CREATE TABLE IF NOT EXISTS replicas (replica_id TEXT PRIMARY KEY, data TEXT NOT 
 CREATE TABLE IF NOT EXISTS tickets (ticket_id TEXT PRIMARY KEY, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS generations (request_id TEXT PRIMARY KEY, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blobs (
+    tbl TEXT NOT NULL, key TEXT NOT NULL, idx INTEGER NOT NULL, value BLOB NOT NULL,
+    PRIMARY KEY (tbl, key, idx)
+);
 """
+# Tables whose rows may hold `bytes` (a finished generation's PNG): each bytes value is stored
+# as a BLOB row beside the JSON, which keeps a placeholder. Base64 inside the JSON cost ~4 ms
+# of the broker's CPU per 700 KB image (encode, JSON, a third more to write and fsync;
+# benchmarks/served_cpu.py). Rows journaled before keep their base64 text; readers take both.
+_BLOB_TABLES = frozenset({"generations"})
+_BLOB_KEY = "$journal_blob"
+
+
+def _encode(data: dict[str, Any]) -> tuple[str, list[bytes]]:
+    blobs: list[bytes] = []
+
+    def default(value: object) -> object:
+        if isinstance(value, bytes | bytearray | memoryview):
+            blobs.append(bytes(value))
+            return {_BLOB_KEY: len(blobs) - 1}
+        raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+    return json.dumps(data, default=default), blobs
+
+
+def _decode(text: str, blobs: Mapping[int, bytes]) -> dict[str, Any]:
+    if not blobs:
+        return dict(json.loads(text))
+
+    def hook(obj: dict[str, Any]) -> Any:
+        if len(obj) == 1 and _BLOB_KEY in obj:
+            return blobs[obj[_BLOB_KEY]]
+        return obj
+
+    return dict(json.loads(text, object_hook=hook))
+
+
 _KEY_COLUMNS = {"tickets": "ticket_id", "generations": "request_id"}
 
 
@@ -97,8 +133,12 @@ class Journal:
             raise
 
     def load(self) -> JournalContents:
+        blobs: dict[tuple[str, str], dict[int, bytes]] = {}
+        for tbl, key, idx, value in self._db.execute("SELECT tbl, key, idx, value FROM blobs"):
+            blobs.setdefault((tbl, key), {})[idx] = bytes(value)
+
         def table(name: str, key: str) -> dict[str, dict[str, Any]]:
-            return {k: json.loads(v) for k, v in self._db.execute(f"SELECT {key}, data FROM {name}")}
+            return {k: _decode(v, blobs.get((name, k), {})) for k, v in self._db.execute(f"SELECT {key}, data FROM {name}")}
 
         return JournalContents(
             replicas=table("replicas", "replica_id"),
@@ -165,10 +205,19 @@ class Journal:
     def _upsert(self, table: str, rows: Iterable[tuple[str, dict[str, Any] | None]]) -> None:
         key_column = _KEY_COLUMNS[table]
         for key, data in rows:
+            if table in _BLOB_TABLES:
+                self._db.execute("DELETE FROM blobs WHERE tbl = ? AND key = ?", (table, key))
             if data is None:
                 self._db.execute(f"DELETE FROM {table} WHERE {key_column} = ?", (key,))
-            else:
+                continue
+            if table not in _BLOB_TABLES:
                 self._db.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", (key, json.dumps(data)))
+                continue
+            text, blobs = _encode(data)
+            self._db.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", (key, text))
+            self._db.executemany(
+                "INSERT INTO blobs VALUES (?, ?, ?, ?)", [(table, key, i, b) for i, b in enumerate(blobs)]
+            )
 
     # Generations belong to the orchestrator (issue 8); it stores them here so one file and
     # one commit discipline cover the whole broker process.
