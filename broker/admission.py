@@ -322,6 +322,7 @@ class Admission:
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - self._clock()))
         rows = params.rows
+        check_rows_worth_tokenizing(rows, spec.max_tokens)
         try:
             reply = await ar_pb2_grpc.ArServiceStub(self.channels.get(endpoint)).Tokenize(
                 ar_pb2.TokenizeRequest(texts=list(rows)), timeout=timeout
@@ -350,6 +351,30 @@ class Admission:
         check_ever_fits(self.core, counts)
         check_image_fits(self.core, params.width, params.height)
         return counts
+
+
+# Bytes of prompt the AR is asked to tokenize per token it takes (English runs ~4 bytes a token,
+# CJK ~3; only long runs of whitespace or junk compress further). Tokenizing costs the AR seconds
+# per MiB (the demo's tokenizer: 1-4 s, and 1 MiB of random letters is 3 tokens to it, so such a
+# prompt was accepted): found black-box, 12 such requests at once made a 0.2 s generation take
+# 21-31 s and others fail AR_UNAVAILABLE. A row longer than max_tokens times this is refused here.
+MAX_PROMPT_BYTES_PER_TOKEN = 64
+
+
+def check_rows_worth_tokenizing(rows: Sequence[str], max_tokens: int) -> None:
+    """INVALID_ARGUMENT (PROMPT_TOO_LONG) naming a row of more than `max_tokens` x
+    MAX_PROMPT_BYTES_PER_TOKEN bytes, before the AR spends time tokenizing it (0: no bound)."""
+    limit = max_tokens * MAX_PROMPT_BYTES_PER_TOKEN
+    for name, text in zip(("prompt", "negative_prompt"), rows, strict=False):
+        size = len(text.encode())
+        if max_tokens and size > limit:
+            too_long = invalid_argument(
+                name,
+                f"{size} bytes; the AR model takes at most {max_tokens} tokens, so at most {limit} bytes "
+                f"({MAX_PROMPT_BYTES_PER_TOKEN} per token) are tokenized",
+            )
+            too_long.reason = "PROMPT_TOO_LONG"
+            raise too_long
 
 
 def check_rows_fit_the_ar(counts: Sequence[int], max_tokens: int) -> None:
