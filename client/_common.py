@@ -28,6 +28,11 @@ DEFAULT_RPC_TIMEOUT = 30.0
 DEFAULT_GENERATE_TIMEOUT = 600.0
 # Cancel is best effort on the way out (Ctrl-C): never hang the caller for long.
 CANCEL_TIMEOUT = 5.0
+# HTTP/2 keepalive while a call is open (a status stream may wait minutes for its next event):
+# a connection that stops answering pings ends its calls UNAVAILABLE within time + timeout, and
+# a Generate with a request_id re-attaches. The broker accepts pings every 5 s or less.
+KEEPALIVE_TIME = 15.0
+KEEPALIVE_TIMEOUT = 15.0
 
 # A monotonic clock in seconds (time.monotonic; tests pass a fake one).
 Clock = Callable[[], float]
@@ -141,11 +146,30 @@ def normalize_target(target: str, default_port: int = DEFAULT_PORT) -> str:
     return target  # host:port, or another scheme (unix:, ipv4:, vsock:...) said in full
 
 
-def channel_options() -> list[tuple[str, Any]]:
-    return [
+def channel_options(
+    keepalive_time: float | None = KEEPALIVE_TIME, keepalive_timeout: float = KEEPALIVE_TIMEOUT
+) -> list[tuple[str, Any]]:
+    """Message size limits, and keepalive unless `keepalive_time` is None."""
+    options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ]
+    if keepalive_time is not None:
+        if not (keepalive_time > 0 and keepalive_timeout > 0):
+            raise ValueError(f"keepalive_time and keepalive_timeout must be positive, got "
+                             f"{keepalive_time}, {keepalive_timeout}")
+        options += [
+            ("grpc.keepalive_time_ms", max(1, round(keepalive_time * 1000))),
+            ("grpc.keepalive_timeout_ms", max(1, round(keepalive_timeout * 1000))),
+            # The timeout gRPC applies to an unanswered ping (default 1 minute): without it, the
+            # keepalive timeout is forgotten as soon as any byte arrives from the peer.
+            ("grpc.http2.ping_timeout_ms", max(1, round(keepalive_timeout * 1000))),
+            # Pings only while a call is open: an idle client never pings a proxy that forbids it.
+            ("grpc.keepalive_permit_without_calls", 0),
+            # gRPC's default (2) stops pinging an idle stream after two pings.
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    return options
 
 
 def channel_credentials(

@@ -32,6 +32,8 @@ from ._common import (
     DEFAULT_GENERATE_TIMEOUT,
     DEFAULT_RPC_TIMEOUT,
     DEFAULT_TARGET,
+    KEEPALIVE_TIME,
+    KEEPALIVE_TIMEOUT,
     Clock,
     Deadline,
     Reattach,
@@ -98,6 +100,8 @@ class ClientSettings:
         retry: RetryPolicy | None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
+        keepalive_time: float | None = KEEPALIVE_TIME,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
     ) -> ClientSettings:
         return cls(
             target=target,
@@ -105,7 +109,7 @@ class ClientSettings:
             metadata=call_metadata(token),
             retry=retry or RetryPolicy(),
             credentials=channel_credentials(tls, root_certificates, certificate_chain, private_key),
-            options=channel_options(),
+            options=channel_options(keepalive_time, keepalive_timeout),
         )
 
     def attempts(self, call: UnaryCall[Any], timeout: float | None) -> UnaryAttempts:
@@ -128,12 +132,15 @@ class ClientBase:
         retry: RetryPolicy | None = None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
+        keepalive_time: float | None = KEEPALIVE_TIME,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
     ) -> None:
         # A target without a port would dial 443: the broker's default port is meant.
         target = normalize_target(target)
         self.target = target
         self._settings = ClientSettings.make(
-            target, token, tls, timeout, root_certificates, retry, certificate_chain, private_key
+            target, token, tls, timeout, root_certificates, retry, certificate_chain, private_key,
+            keepalive_time, keepalive_timeout,
         )
         self._channel = self._open_channel(self._settings)
         # Set by close(): a call after it is a KvRelayError, never grpc's ValueError/UsageError.

@@ -56,6 +56,9 @@ class KvRelayClient(_core.ClientBase):
         retry: backoff for retried idempotent calls.
         certificate_chain, private_key: PEM client certificate and key, for a broker that
             requires mutual TLS (``security.tls.require_client_cert``; implies ``tls``).
+        keepalive_time, keepalive_timeout: HTTP/2 keepalive while a call is open, in seconds
+            (15 s, 15 s): a connection that stops answering pings ends its calls UNAVAILABLE
+            within their sum instead of at their deadlines. ``keepalive_time=None``: off.
     """
 
     _channel: grpc.Channel

@@ -135,6 +135,12 @@ class SecurityConfig(_Strict):
     # Requests per second (and burst) one peer address may make to non-public RPCs; 0 = no limit.
     rate_limit_per_second: float = Field(2000.0, ge=0)
     rate_limit_burst: int = Field(4000, ge=1)
+    # HTTP/2 keepalive of every channel and listener (kvrelay.security.Keepalive): ping after this
+    # long without one, close the connection (its calls end UNAVAILABLE) when no ack comes within
+    # the timeout. Listeners accept pings every min(time / 2, 5 s). gRPC pings at most once a
+    # second while no data flows.
+    keepalive_time_seconds: float = Field(15.0, ge=1.0, le=7200)
+    keepalive_timeout_seconds: float = Field(15.0, ge=0.1, le=600)
 
 
 class ModelConfig(_Strict):

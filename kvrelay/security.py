@@ -49,6 +49,11 @@ MAX_ID_CHARS = 256
 # more is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Each held ~25 KB of the server for as long as the
 # peer kept it: 10000 anonymous Watch streams grew the broker by 256 MB, with no bound.
 MAX_OPEN_STREAMS = 256
+# Listeners accept a client's pings every min(keepalive time / 2, this) seconds: pings more often,
+# with no data to send, are "bad pings", and after two gRPC sends GOAWAY too_many_pings. Half the
+# interval for timer jitter; 5 s at most, so an SDK client on its defaults (15 s) is never cut
+# off by a broker configured for longer pings.
+PINGS_ALLOWED_EVERY_S = 5.0
 
 AUTHORIZATION_METADATA = "authorization"
 REPLICA_ID_METADATA = "kvrelay-replica-id"
@@ -136,6 +141,62 @@ class SecurityError(ValueError):
     """A security setting kvrelay refuses to start with; the message names the key or flag."""
 
 
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    """HTTP/2 keepalive of every kvrelay channel and listener (`security.keepalive_*_seconds`).
+
+    Without it a connection that silently stopped carrying packets (a host gone, a one-way
+    partition, a peer stopped with SIGSTOP) was never noticed: a call on it waited for its
+    deadline, a stream without one forever. With it, each side pings every `time_s` and closes
+    the connection when a ping has no ack within `timeout_s`: its calls end UNAVAILABLE within
+    `time_s + timeout_s`. A closed connection is only "I stopped waiting":
+    it never counts as proof that the peer's work is over (DESIGN.md section 6).
+    """
+
+    time_s: float = 15.0
+    timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not (self.time_s > 0 and self.timeout_s > 0):
+            raise SecurityError(f"keepalive: time and timeout must be positive, got {self.time_s}, {self.timeout_s}")
+
+    @property
+    def detect_within_s(self) -> float:
+        """The longest a call on a dead connection outlives it."""
+        return self.time_s + self.timeout_s
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.keepalive_time_ms", _ms(self.time_s)),
+            ("grpc.keepalive_timeout_ms", _ms(self.timeout_s)),
+            # What really bounds an unanswered ping (default 1 minute): gRPC drops the keepalive
+            # timeout as soon as any byte arrives, and a one-way partition still delivers bytes.
+            ("grpc.http2.ping_timeout_ms", _ms(self.timeout_s)),
+            # Idle connections too: a dead one is found before a call is sent into it.
+            ("grpc.keepalive_permit_without_calls", 1),
+            # gRPC's default (2) stops pinging after two pings without data: a long idle stream
+            # (a status watch, a Denoise waiting for its KV) would be unguarded after 2 x time_s.
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+
+    def server_options(self) -> list[tuple[str, Any]]:
+        return [
+            # The server pings its clients too: a handler whose caller vanished (a Denoise of a
+            # broker cut off) is cancelled, and its `finally` hands back what it holds.
+            *self.channel_options(),
+            # ... and lets clients ping this often, with or without calls (gRPC's default is
+            # every 5 minutes, no calls: our own channels would be sent GOAWAY too_many_pings).
+            ("grpc.http2.min_ping_interval_without_data_ms", _ms(min(self.time_s / 2, PINGS_ALLOWED_EVERY_S))),
+        ]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+DEFAULT_KEEPALIVE = Keepalive()
+
+
 # ---------------------------------------------------------------- credentials of a process
 
 
@@ -162,6 +223,7 @@ class Credentials:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     rate_limit_per_second: float = 0.0
     rate_limit_burst: int = 1
+    keepalive: Keepalive = DEFAULT_KEEPALIVE
 
     @property
     def authenticates_replicas(self) -> bool:
@@ -175,12 +237,16 @@ class Credentials:
             CallerClass.REPLICA: self.replica_token,
             CallerClass.OPERATOR: self.operator_token,
         }[caller_class]
-        return ChannelSecurity(token=token, replica_id=replica_id, tls=self.tls)
+        return ChannelSecurity(token=token, replica_id=replica_id, tls=self.tls, keepalive=self.keepalive)
 
     def client_options(self, caller_class: CallerClass = CallerClass.PUBLIC) -> dict[str, Any]:
         """Keyword arguments for kvrelay.client.KvRelayClient / AsyncKvRelayClient."""
         sec = self.channel(caller_class)
-        options: dict[str, Any] = {"token": sec.token}
+        options: dict[str, Any] = {
+            "token": sec.token,
+            "keepalive_time": self.keepalive.time_s,
+            "keepalive_timeout": self.keepalive.timeout_s,
+        }
         if self.tls is not None:
             options.update(
                 tls=True,
@@ -253,6 +319,7 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
         max_request_bytes=cfg.max_receive_message_bytes,
         rate_limit_per_second=cfg.rate_limit_per_second,
         rate_limit_burst=cfg.rate_limit_burst,
+        keepalive=Keepalive(cfg.keepalive_time_seconds, cfg.keepalive_timeout_seconds),
     )
     tokens = [t for t in (creds.api_token, creds.replica_token, creds.operator_token) if t]
     if len(set(tokens)) != len(tokens):
@@ -293,11 +360,13 @@ def check_bind(host: str, creds: Credentials, insecure_bind: bool, what: str) ->
 
 @dataclass(frozen=True, slots=True)
 class ChannelSecurity:
-    """How one channel authenticates: picklable, so rank workers get it from their spec."""
+    """How one channel authenticates, and how it notices a dead connection (its keepalive):
+    picklable, so rank workers get it from their spec."""
 
     token: str | None = None
     replica_id: str | None = None
     tls: TlsMaterial | None = None
+    keepalive: Keepalive = DEFAULT_KEEPALIVE
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         md: list[tuple[str, str]] = []
@@ -308,10 +377,13 @@ class ChannelSecurity:
         return tuple(md)
 
 
-def channel_options(max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> list[tuple[str, Any]]:
+def channel_options(
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, keepalive: Keepalive = DEFAULT_KEEPALIVE
+) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_request_bytes),
         ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
+        *keepalive.channel_options(),
     ]
 
 
@@ -413,9 +485,9 @@ def make_channel(
     options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `target`: TLS when `security.tls` is set, token and replica id on
-    every call, message size limits explicit."""
+    every call, message size limits explicit, HTTP/2 keepalive on (`Keepalive`)."""
     security = security or ChannelSecurity()
-    opts = [*channel_options(max_request_bytes), *_tls_options(security.tls), *options]
+    opts = [*channel_options(max_request_bytes, security.keepalive), *_tls_options(security.tls), *options]
     md = security.metadata()
     interceptors = _aio_interceptors(md) if md else None
     if security.tls is not None:
@@ -433,7 +505,7 @@ def make_sync_channel(
 ) -> grpc.Channel:
     """The blocking twin of `make_channel` (supervisor health checks, transport threads)."""
     security = security or ChannelSecurity()
-    opts = [*channel_options(max_request_bytes), *_tls_options(security.tls), *options]
+    opts = [*channel_options(max_request_bytes, security.keepalive), *_tls_options(security.tls), *options]
     if security.tls is not None:
         channel = grpc.secure_channel(target, _channel_credentials(security.tls), options=opts)
     else:
@@ -527,6 +599,7 @@ def server_options(creds: Credentials) -> list[tuple[str, Any]]:
         # Bound what idle sockets can hold: connections that never speak, and their number.
         ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
         ("grpc.max_allowed_incoming_connections", max_incoming_connections()),
+        *creds.keepalive.server_options(),
     ]
 
 
@@ -867,6 +940,8 @@ __all__ = [
     "ChannelCache",
     "ChannelSecurity",
     "Credentials",
+    "DEFAULT_KEEPALIVE",
+    "Keepalive",
     "REPLICA_ID_METADATA",
     "RPC_RULES",
     "RequestCheck",

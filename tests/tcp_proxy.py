@@ -1,7 +1,10 @@
 """A TCP proxy for tests that cut a client's connection mid-stream, as a network failure would.
 
 `cut()` aborts every connection open now (both sides see a reset); the proxy keeps listening, so
-the client's next attempt connects again. Runs on the caller's asyncio loop.
+the client's next attempt connects again. `blackhole()` drops one direction silently, as a one-way
+partition does (packets lost, no reset, no FIN: the side whose packets are lost learns nothing,
+its peer sees a connection that stopped answering), on open connections and new ones, until
+`heal()`. Runs on the caller's asyncio loop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ class TcpProxy:
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
         self.connections = 0
+        # Directions dropped: "to_target" (client -> target) and/or "to_client".
+        self._dropped: set[str] = set()
+        self.bytes_dropped = 0
 
     @property
     def address(self) -> str:
@@ -36,6 +42,15 @@ class TcpProxy:
         self._writers.clear()
         return len(writers)
 
+    def blackhole(self, direction: str = "to_target") -> None:
+        """Drop every byte (and the close) flowing in `direction` from now on."""
+        if direction not in ("to_target", "to_client"):
+            raise ValueError(f"direction: to_target or to_client, got {direction!r}")
+        self._dropped.add(direction)
+
+    def heal(self) -> None:
+        self._dropped.clear()
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -53,20 +68,25 @@ class TcpProxy:
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
-        for src, dst in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.get_running_loop().create_task(self._pipe(src, dst))
+        for src, dst, direction in ((reader, up_writer, "to_target"), (up_reader, writer, "to_client")):
+            task = asyncio.get_running_loop().create_task(self._pipe(src, dst, direction))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, direction: str) -> None:
         try:
             while data := await src.read(65536):
+                if direction in self._dropped:
+                    self.bytes_dropped += len(data)
+                    continue
                 dst.write(data)
                 await dst.drain()
         except (ConnectionError, OSError):
             pass
         finally:
-            # One side ended: end the other (a reset when the cut aborted it already).
-            self._writers.discard(dst)
-            with contextlib.suppress(Exception):
-                dst.transport.abort()
+            if direction not in self._dropped:
+                # One side ended: end the other (a reset when the cut aborted it already). Not
+                # across a blackhole: the close is lost with the bytes.
+                self._writers.discard(dst)
+                with contextlib.suppress(Exception):
+                    dst.transport.abort()

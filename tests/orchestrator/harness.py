@@ -34,6 +34,7 @@ from kvrelay.broker.service import BrokerServicer
 from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import parse_config
 from kvrelay.errors import KvRelayServerError, abort_with
+from kvrelay.security import Credentials
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
 from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.convert import geometry_to_proto, writes_from_proto
@@ -50,6 +51,7 @@ from kvrelay.v1 import (
     generation_pb2,
     generation_pb2_grpc,
 )
+from tests.tcp_proxy import TcpProxy
 
 GEOMETRY = KvGeometry(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", page_size=4)
 RPC_TIMEOUT = 10.0
@@ -289,6 +291,7 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         replica_id: str = "dit-0",
         transfer_timeout: float = 5.0,
         step_seconds: float = 0.0,
+        server_options: list[tuple[str, Any]] | None = None,
     ):
         self.replica_id = replica_id
         self.incarnation_id = uuid.uuid4().hex
@@ -306,6 +309,9 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         self.released: list[tuple[str, int]] = []
         self.deadlines: list[float | None] = []
         self.fail_denoise: KvRelayServerError | None = None
+        self.server_options = server_options if server_options is not None else GRPC_OPTIONS
+        # How the broker reaches this replica (set before start: e.g. through a TcpProxy).
+        self.advertise: Callable[[str], Any] | None = None
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
 
@@ -315,11 +321,13 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         return broker_pb2_grpc.BrokerServiceStub(self._channel)
 
     async def start(self) -> None:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=self.server_options)
         dit_pb2_grpc.add_DitServiceServicer_to_server(self, self._server)
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
         self.endpoint = f"127.0.0.1:{port}"
+        if self.advertise is not None:
+            self.endpoint = await self.advertise(self.endpoint)
         self._channel = grpc.aio.insecure_channel(self.broker_target, options=GRPC_OPTIONS)
         await self.register()
 
@@ -544,6 +552,8 @@ class Cluster:
     dit: DitReplica
     memory: DitMemory
     clock_offset: list[float]
+    # Between the broker and the DiT replica, when the cluster was made with `dit_proxy=True`.
+    dit_proxy: TcpProxy | None = None
 
     @property
     def api(self) -> generation_pb2_grpc.GenerationServiceStub:
@@ -585,6 +595,9 @@ async def cluster(
     step_seconds: float = 0.0,
     drain_quiet_seconds: float = 0.05,
     journal_path: str | None = None,
+    credentials: Credentials | None = None,
+    dit_proxy: bool = False,
+    dit_server_options: list[tuple[str, Any]] | None = None,
     **broker: Any,
 ) -> AsyncIterator[Cluster]:
     cfg = test_config(**broker)
@@ -593,7 +606,9 @@ async def cluster(
         journal_path, lease_seconds=60.0, drain_quiet_seconds=drain_quiet_seconds, journal_synchronous="OFF"
     )
     registry = CollectorRegistry()
-    orchestrator = Orchestrator(core, cfg, registry, clock=lambda: time.monotonic() + clock_offset[0])
+    orchestrator = Orchestrator(
+        core, cfg, registry, clock=lambda: time.monotonic() + clock_offset[0], credentials=credentials
+    )
     server = GrpcServer(
         name="broker",
         host="127.0.0.1",
@@ -610,6 +625,7 @@ async def cluster(
                 "kvrelay.v1.GenerationService",
             ),
         ],
+        credentials=credentials,
     )
     await server.start()
     await server.set_serving(True)
@@ -617,13 +633,28 @@ async def cluster(
     await orchestrator.start()
     memory = DitMemory(num_pages)
     ar = ArReplica(server.address, memory, max_tokens=max_tokens)
-    dit = DitReplica(server.address, memory, transfer_timeout=transfer_timeout, step_seconds=step_seconds)
+    dit = DitReplica(
+        server.address, memory, transfer_timeout=transfer_timeout, step_seconds=step_seconds,
+        server_options=dit_server_options,
+    )
+    proxy: TcpProxy | None = None
+    if dit_proxy:
+
+        async def through_proxy(endpoint: str) -> str:
+            nonlocal proxy
+            host, port = endpoint.rsplit(":", 1)
+            proxy = await TcpProxy(host, int(port)).start()
+            return proxy.address
+
+        dit.advertise = through_proxy
     channel = grpc.aio.insecure_channel(server.address, options=GRPC_OPTIONS)
     try:
         await ar.start()
         await dit.start()
-        yield Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset)
+        yield Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset, proxy)
     finally:
+        if proxy is not None:
+            await proxy.stop()
         await channel.close()
         await ar.stop()
         await dit.stop()
