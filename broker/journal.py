@@ -122,15 +122,51 @@ class Journal:
             self._lock_fd = _lock_exclusively(f"{self.path}.lock", self.path)
         # isolation_level=None: transactions are explicit (BEGIN/COMMIT) so one core
         # operation is one atomic commit, never split by sqlite3's implicit transactions.
+        self._synchronous = synchronous
         try:
-            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
+            self._db = self._connect()
         except BaseException:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
             raise
+        self._identity = _file_identity(self.path)
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={self._synchronous}")
+        db.executescript(_SCHEMA)
+        return db
+
+    def keep_on_disk(self) -> bool:
+        """Put the journal back at its path when the file there was deleted or replaced while open.
+
+        SQLite keeps writing into the open, unlinked file: nothing fails, and the next broker
+        start would find an empty journal and forget every reservation, DRAINING tickets'
+        included (pages freed while a write may still land). So the broker calls this every
+        maintenance pass; a deleted journal is copied back from the open one (SQLite's backup)
+        and written there from then on. Returns whether it did. A failure is a JournalWriteError.
+        """
+        if self._lock_fd is None or self.failure is not None or _file_identity(self.path) == self._identity:
+            return False
+        restoring = f"{self.path}.restoring"
+        try:
+            with contextlib.closing(sqlite3.connect(restoring)) as copy:
+                self._db.backup(copy)
+            self._db.close()
+            os.replace(restoring, self.path)
+            self._db = self._connect()
+            self._identity = _file_identity(self.path)
+            if _file_identity(f"{self.path}.lock") != _fd_identity(self._lock_fd):
+                # The lock file went too: take a new one, or another broker could take this path.
+                os.close(self._lock_fd)
+                self._lock_fd = _lock_exclusively(f"{self.path}.lock", self.path)
+        except (sqlite3.Error, OSError) as err:
+            self.failure = JournalWriteError(self.path, f"restoring the deleted journal: {err}")
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
+            raise self.failure from err
+        return True
 
     def load(self) -> JournalContents:
         blobs: dict[tuple[str, str], dict[int, bytes]] = {}
@@ -229,6 +265,19 @@ class Journal:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _fd_identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _lock_exclusively(lock_path: str, journal_path: str) -> int:

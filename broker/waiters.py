@@ -102,6 +102,9 @@ async def run_maintenance(core: BrokerCore, interval: float = 0.25) -> None:
     """
     while True:
         try:
+            if core.journal.keep_on_disk():
+                log.error("journal_restored", path=core.journal.path,
+                          detail="the journal file was deleted or replaced while the broker ran; written back")
             core.tick()
         except Exception:
             # A journal failure leaves memory ahead of disk: the process must stop and recover.

@@ -116,3 +116,22 @@ def test_a_second_broker_on_the_same_journal_is_refused(repo_root: Path, tmp_pat
     second = Journal(path, "NORMAL")  # the lock goes with its holder
     assert second.load().tickets == {"t0": {"state": "WRITING"}}
     second.close()
+
+
+def test_a_journal_deleted_while_the_broker_runs_is_written_back(tmp_path: Path) -> None:
+    """`rm journal.sqlite*` under a running broker: SQLite kept writing into the unlinked file
+    and the next start found an empty journal (every reservation forgotten, DRAINING ones too)."""
+    path = tmp_path / "journal.sqlite"
+    journal = Journal(path, "NORMAL")
+    journal.commit(tickets={"t0": {"state": "DRAINING"}}, meta={"sequence": "1"})
+    assert not journal.keep_on_disk()  # nothing to do while the file is there
+    for name in ("journal.sqlite", "journal.sqlite-wal", "journal.sqlite-shm", "journal.sqlite.lock"):
+        (tmp_path / name).unlink(missing_ok=True)
+    journal.commit(tickets={"t1": {"state": "WRITING"}})
+    assert journal.keep_on_disk()
+    journal.commit(tickets={"t2": {"state": "RESERVED"}})
+    with pytest.raises(JournalInUse):  # the lock came back with the file
+        Journal(path, "NORMAL")
+    journal.close()
+    restored = Journal(path, "NORMAL").load()
+    assert set(restored.tickets) == {"t0", "t1", "t2"} and restored.meta == {"sequence": "1"}
