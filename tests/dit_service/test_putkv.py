@@ -161,3 +161,71 @@ def test_bytes_landing_after_the_report_are_rechecked(tmp_path: Path) -> None:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+def test_a_late_chunk_of_an_ended_ticket_never_lands_in_the_next_tickets_pages(tmp_path: Path) -> None:
+    """The page fence: a PutKv stream of ticket A is still open (its sender gave up: a deadline,
+    keepalive, a stopped DiT) when A is released and its pages go to ticket B. Once B has claimed
+    them (its first chunk here; its load's verification otherwise), A's next chunk is refused
+    TICKET_NOT_WRITABLE and the bytes B wrote stay B's."""
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    a = await writer.create_ticket([20])
+                    armed_a = await writer.arm(a.ticket_id)
+                    page_bytes = armed_a.writes[0].segments[0].length // len(armed_a.ticket.rows[0].page_ids)
+                    pages_a = set(a.rows[0].page_ids)
+
+                    def chunk(ticket_id: str, page: int, fill: bytes) -> dit_pb2.PutKvRequest:
+                        return dit_pb2.PutKvRequest(ticket_id=ticket_id, row=0, dst_rank=0,
+                                                    dst_offset=page * page_bytes, data=fill * 64)
+
+                    queue: asyncio.Queue[dit_pb2.PutKvRequest | None] = asyncio.Queue()
+
+                    async def stale_stream():  # type: ignore[no-untyped-def]
+                        while (c := await queue.get()) is not None:
+                            yield c
+
+                    stale = stub.PutKv(stale_stream(), timeout=60.0)
+                    first = min(pages_a)
+                    await queue.put(chunk(a.ticket_id, first, b"\x0a"))
+                    # A ends: its (never sent) write is reported NOT_STARTED, the ticket is released.
+                    await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                        ticket_id=a.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED), timeout=5.0)
+                    await writer.report(a.ticket_id, not_started_outcomes(writes_from_proto(armed_a.writes), "test"))
+                    for _ in range(100):
+                        if (await writer.ticket(a.ticket_id)).state == broker_pb2.TICKET_STATE_RELEASED:
+                            break
+                        await asyncio.sleep(0.05)
+                    # The next tickets get A's pages; B is the first that holds A's first page.
+                    b = None
+                    for _ in range(64):
+                        t = await writer.create_ticket([20])
+                        await writer.arm(t.ticket_id)
+                        if first in t.rows[0].page_ids:
+                            b = t
+                            break
+                    assert b is not None, "no later ticket was given ticket A's pages"
+                    reply = await _put(stub, [chunk(b.ticket_id, first, b"\x0b")])
+                    assert reply.bytes_received == 64
+                    # A's stream sends on: refused, and B's bytes stay.
+                    await queue.put(chunk(a.ticket_id, first, b"\x0c"))
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await stale
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
+                    assert f"now belongs to ticket {b.ticket_id}" in (info.value.details() or "")
+                    # B still writes its pages (its claim stands).
+                    assert (await _put(stub, [chunk(b.ticket_id, first, b"\x0b")])).bytes_received == 64
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
