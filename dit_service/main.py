@@ -190,7 +190,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         )
         registration = Registration(
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
-            on_fenced=stopper.fail_stop, held_tickets=state.scheduler.held_tickets,
+            on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
         )
         await registration.register()
         registration.start_heartbeats()
@@ -231,6 +231,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         if servicer.inflight:
             # Cancelled handlers release their tickets (with the broker channel still open).
             await asyncio.wait(set(servicer.inflight), timeout=10.0)
+        # Releases the broker has not heard yet get a last chance while the channel is open; the
+        # next incarnation's registration frees what is left.
+        await servicer.releases.stop(grace_s=1.0 if failed else 5.0)
         servicer.attach(None)
         if group is not None:
             # Workers first: their transport registrations of the pools end with them.

@@ -39,6 +39,7 @@ from kvrelay.dit_service.engine import (
 )
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
+from kvrelay.dit_service.releases import OwedReleases
 from kvrelay.dit_service.scheduler import AdmissionQueue, Place, replica_queue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
@@ -224,6 +225,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # after.
         self._page_owner: dict[int, tuple[str, int]] = {}
         self._claims = 0
+        # Releases not yet heard by the broker, retried until it does (main stops it last).
+        self.releases = OwedReleases(self._send_release)
 
     def _ipc_pools(self) -> list[Any] | None:
         """Each rank's device pool mapped into this process (CUDA IPC), once; None if unavailable."""
@@ -307,20 +310,27 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                                      f"StartConsuming {ticket_id}: {err.code().name}: {err.details()}") from None
 
     async def _release(self, ticket_id: str, outcome: str, reason: str) -> None:
-        """ReleaseTicket, retried; never raises (the pages are the broker's to account)."""
-        try:
-            reply = await self._broker_call(
-                self.s.broker.ReleaseTicket,
-                broker_pb2.ReleaseTicketRequest(
-                    ticket_id=ticket_id, outcome=_OUTCOME_PB[outcome], reason=reason, replica_id=self.s.replica_id
-                ),
-                attempts=6,
-            )
-            log.info("ticket_released", ticket_id=ticket_id, outcome=outcome, reason=reason,
-                     state=broker_pb2.TicketState.Name(reply.ticket.state))
-        except grpc.aio.AioRpcError as err:
-            log.error("release_failed", ticket_id=ticket_id, outcome=outcome, code=err.code().name,
-                      details=err.details())
+        """ReleaseTicket; never raises. Returns once the broker heard it or after a few tries;
+        an undelivered release is retried in the background until the broker hears it
+        (dit_service/releases.py): the pages are the broker's to account."""
+        await self.releases.release(ticket_id, outcome, reason)
+
+    async def _send_release(self, ticket_id: str, outcome: str, reason: str) -> None:
+        """One ReleaseTicket try (OwedReleases retries)."""
+        reply = await self.s.broker.ReleaseTicket(
+            broker_pb2.ReleaseTicketRequest(
+                ticket_id=ticket_id, outcome=_OUTCOME_PB[outcome], reason=reason, replica_id=self.s.replica_id
+            ),
+            timeout=BROKER_RPC_TIMEOUT_S,
+        )
+        log.info("ticket_released", ticket_id=ticket_id, outcome=outcome, reason=reason,
+                 state=broker_pb2.TicketState.Name(reply.ticket.state))
+
+    def held_tickets(self) -> list[str]:
+        """What a re-registration lists as held (`AdmissionQueue.held_tickets`), less the tickets
+        whose release is owed: no call reads those any more, the broker may free them."""
+        owed = self.releases.owed
+        return [t for t in self.s.scheduler.held_tickets() if t not in owed]
 
     # ======================================================================= worker calls
 

@@ -94,3 +94,77 @@ def test_a_tickets_outcomes_go_in_one_report_acknowledged_together() -> None:
         assert ledger.pending_reports() == []
 
     asyncio.run(body())
+
+
+class _RestartedBroker:
+    """A broker that restarted: the first heartbeat is refused REPLICA_NOT_REGISTERED, and the
+    re-registration it causes is held until `go` is set. ReportWrite is refused UNAVAILABLE
+    while `dropped` is set."""
+
+    def __init__(self) -> None:
+        self.registering, self.go = asyncio.Event(), asyncio.Event()
+        self.registered = False
+        self.listed: list[list[tuple[str, int]]] = []
+        self.dropped = True
+        self.reports: list[broker_pb2.ReportWriteRequest] = []
+
+    async def Heartbeat(self, request: broker_pb2.HeartbeatRequest, timeout: float) -> broker_pb2.HeartbeatResponse:
+        if not self.registered:
+            from kvrelay.errors import KvRelayServerError, to_status
+
+            status = to_status(KvRelayServerError(grpc.StatusCode.NOT_FOUND, "REPLICA_NOT_REGISTERED", "register"))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(*status.trailing_metadata), status.details)
+        return broker_pb2.HeartbeatResponse()
+
+    async def RegisterReplica(self, request: broker_pb2.RegisterReplicaRequest, timeout: float) -> Any:
+        self.listed.append([(k.ticket_id, k.row) for k in request.unresolved_writes])
+        self.registering.set()
+        await self.go.wait()
+        self.registered = True
+        return broker_pb2.RegisterReplicaResponse(lease_seconds=10.0)
+
+    async def ReportWrite(self, request: broker_pb2.ReportWriteRequest, timeout: float) -> Any:
+        if self.dropped:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "dropped again"
+            )
+        self.reports.append(request)
+        return broker_pb2.ReportWriteResponse()
+
+
+def test_a_final_report_refused_while_a_reregistration_lists_it_in_flight_is_sent_again() -> None:
+    """The AR side of the DiT's lost-release race: a re-registration lists write t1 as in flight;
+    before it reaches the broker the write ends and its ReportWrite is refused (the broker
+    dropped again). The report stays pending and goes out once the broker answers."""
+
+    async def body() -> None:
+        broker = _RestartedBroker()
+        ledger = WriteLedger()
+        ledger.start("t1", [])  # an empty plan: then mark the one write in flight by hand
+        ledger.finish("t1", WriteOutcome(0, 0, 0, "IN_DOUBT", 64, 0, "still running"))
+        reporter = WriteReporter(broker, ledger, "ar-0", "inc-1", rpc_timeout_s=1.0)  # type: ignore[arg-type]
+        stopped: list[str] = []
+        registration = ArRegistration(
+            broker, _identity(), ledger, reporter,
+            heartbeat_interval_s=INTERVAL_S, token=None, on_fail_stop=stopped.append,
+        )  # fmt: skip
+        task = asyncio.create_task(registration.run())
+        await asyncio.wait_for(broker.registering.wait(), 5)
+        assert broker.listed == [[("t1", 0)]]
+        # The write's call returns now; its final report is refused for its whole budget.
+        assert not await reporter.report("t1", WriteOutcome(0, 0, 0, "OK", 64, 7), budget_s=0.2)
+        assert [(tid, o.status) for tid, o in ledger.pending_reports()] == [("t1", "OK")]
+        broker.go.set()
+        broker.dropped = False
+        for _ in range(100):
+            if broker.reports:
+                break
+            await asyncio.sleep(0.05)
+        assert [(r.ticket_id, r.status) for r in broker.reports][:1] == [("t1", common_pb2.WRITE_STATUS_OK)]
+        assert ledger.pending_reports() == [] and ledger.in_flight() == []
+        registration.stop()
+        await asyncio.wait_for(task, 5)
+        assert stopped == []
+
+    asyncio.run(body())

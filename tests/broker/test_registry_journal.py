@@ -289,6 +289,42 @@ def test_restart_keeps_a_ready_ticket_its_dit_lists_until_it_reads_and_releases_
     core.close()
 
 
+def test_a_release_retried_across_a_broker_kill_is_idempotent(tmp_path: Path) -> None:
+    """The DiT retries a ReleaseTicket it got no answer to until the broker hears it
+    (dit_service/releases.py). Killed after committing it: the restarted broker no longer knows
+    the ticket (NOT_FOUND, which ends the retries; nothing is held). Killed before: the ticket
+    comes back CONSUMING; the DiT's re-registration, which no longer lists it, releases it FAILED,
+    and the retry that follows changes nothing (one release, one outcome)."""
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(), dit_spec(num_pages=32)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    committed = core.create_ticket("committed", "ar-0", "dit-0", [16])
+    lost = core.create_ticket("lost", "ar-0", "dit-0", [16])
+    assert committed and lost
+    for t in (committed, lost):
+        core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+        load_all(core, write_all(core, t, ar), dit)
+        core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id)
+    core.release_ticket(committed.ticket_id, TicketOutcome.OK, replica_id="dit-0")
+    assert pages(core) == (31, 1, 0)
+    core.close()  # kill -9: the journal is all that survives
+
+    core = make_core(path, clock)
+    with pytest.raises(NotFound):
+        core.release_ticket(committed.ticket_id, TicketOutcome.OK, replica_id="dit-0")
+    assert core.get_ticket(lost.ticket_id).state is TicketState.CONSUMING
+    core.register_replica(dit, held_ticket_ids=[])
+    first = core.get_ticket(lost.ticket_id)
+    assert (first.state, first.outcome) == (TicketState.RELEASED, TicketOutcome.FAILED)
+    again = core.release_ticket(lost.ticket_id, TicketOutcome.OK, replica_id="dit-0")
+    assert (again.state, again.outcome) == (TicketState.RELEASED, TicketOutcome.FAILED)
+    assert pages(core) == (32, 0, 0)
+    core.close()
+
+
 def test_restart_then_new_ar_incarnation_resolves_as_writer_gone(tmp_path: Path) -> None:
     path = tmp_path / "broker.sqlite"
     clock = ManualClock()

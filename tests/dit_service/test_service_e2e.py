@@ -551,3 +551,102 @@ def test_a_cancel_while_the_ok_release_is_sent_still_releases(tmp_path: Path) ->
             core.close()
 
     asyncio.run(scenario())
+
+
+def test_a_release_that_fails_while_a_reregistration_lists_its_ticket_is_still_delivered(tmp_path: Path) -> None:
+    """The race of the sixth session's note, in a fixed order. The broker forgets the DiT while
+    ticket T is being read (the DiT's heartbeat is refused NOT_FOUND): the DiT re-registers,
+    listing T as held, and the broker holds that RegisterReplica. The call then ends and its
+    ReleaseTicket(OK) is refused UNAVAILABLE (the broker dropped again). Only then does the
+    held registration go through, keeping T; then the broker answers again. The release must
+    still reach it: before, the DiT gave up after six tries and T stayed CONSUMING, its pages
+    reserved, until the DiT's next re-registration (none ever came)."""
+    from kvrelay.broker.core import BrokerCore
+    from kvrelay.broker.service import BrokerServicer
+    from kvrelay.broker.tickets import TicketOutcome, TicketState
+    from kvrelay.broker.waiters import run_maintenance
+    from kvrelay.server import GrpcServer
+
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        forget = asyncio.Event()  # the broker no longer knows dit-0 (until it registers again)
+        registering, go_register, registered = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        listed: list[list[str]] = []
+        dropped = True  # ReleaseTicket from the DiT is refused UNAVAILABLE while set
+        refused_releases: list[str] = []
+
+        class Racing(BrokerServicer):
+            async def StartConsuming(self, request: Any, context: Any) -> Any:  # noqa: N802
+                # The call is admitted and reads its ticket now: have the broker forget the DiT
+                # and let the call go on only once the re-registration listing it is on its way.
+                forget.set()
+                await asyncio.wait_for(registering.wait(), 4.0)
+                return await super().StartConsuming(request, context)
+
+            async def Heartbeat(self, request: Any, context: Any) -> Any:  # noqa: N802
+                if request.replica_id == "dit-0" and forget.is_set() and not registered.is_set():
+                    await context.abort(grpc.StatusCode.NOT_FOUND, "the broker restarted; register again")
+                return await super().Heartbeat(request, context)
+
+            async def RegisterReplica(self, request: Any, context: Any) -> Any:  # noqa: N802
+                if request.replica.replica_id == "dit-0" and forget.is_set() and not registered.is_set():
+                    listed.append(list(request.held_ticket_ids))
+                    registering.set()
+                    await go_register.wait()
+                    reply = await super().RegisterReplica(request, context)
+                    registered.set()
+                    return reply
+                return await super().RegisterReplica(request, context)
+
+            async def ReleaseTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
+                if dropped:
+                    refused_releases.append(request.ticket_id)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker dropped again")
+                return await super().ReleaseTicket(request, context)
+
+        core = BrokerCore(None, lease_seconds=10.0, drain_quiet_seconds=0.2)
+        name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
+        broker = GrpcServer(name="broker", host="127.0.0.1", port=0,
+                            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
+                                            Racing(core), name)])  # fmt: skip
+        await broker.start()
+        maintenance = asyncio.get_running_loop().create_task(run_maintenance(core, 0.05))
+        dit = start_dit(config, broker.address, cwd=tmp_path)
+        try:
+            await wait_serving(dit)
+            writer = ArWriter(broker.address, "tiny", "mooncake")
+            await writer.register()
+            ticket = await writer.create_ticket([5])
+            tid = ticket.ticket_id
+            armed = await writer.arm(tid)
+            await writer.report(tid, await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
+            async with grpc.aio.insecure_channel(dit.address) as channel:
+                events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                    ticket_id=tid, width=64, height=64, num_inference_steps=2, guidance_scale=1.0, seed=0))
+            # The call is over and its release was refused: the DiT stopped waiting for it.
+            assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+            assert refused_releases and set(refused_releases) == {tid}
+            assert listed == [[tid]], listed
+            go_register.set()
+            await asyncio.wait_for(registered.wait(), 10.0)
+            assert core.get_ticket(tid).state is TicketState.CONSUMING, "the listing keeps the ticket"
+            dropped = False
+            released = await _wait_ticket(writer, tid, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+            assert released.state == broker_pb2.TICKET_STATE_RELEASED, (
+                f"the undelivered release was lost: ticket {broker_pb2.TicketState.Name(released.state)}")
+            assert core.get_ticket(tid).outcome is TicketOutcome.OK, "the call's own outcome reached the broker"
+            pool = await writer.pool()
+            assert pool.free_pages == pool.total_pages
+            await writer.close()
+        finally:
+            go_register.set()
+            registering.set()
+            assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+            maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await maintenance
+            await broker.stop(grace=0.5)
+            core.close()
+
+    asyncio.run(scenario())
