@@ -4,6 +4,7 @@ engine arguments, and a real vLLM start failure (exit 1, the reason on stderr)."
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,18 @@ from tests.ar_service.harness import write_config
 from tests.vllm.checkpoint import build_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _model_dir(path: Path) -> None:
+    """A config.json with the `small` DiT's KV geometry, no weights: config load checks a
+    checkpoint's geometry against the DiT first, and these tests are about what comes after."""
+    from kvrelay.models.presets import get_preset
+
+    ar = get_preset("small").ar
+    (path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": ar.num_layers, "num_attention_heads": ar.num_heads, "num_key_value_heads": ar.num_kv_heads,
+        "head_dim": ar.head_dim, "hidden_size": ar.hidden,
+    }))
 
 
 def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
@@ -37,14 +50,14 @@ def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> su
     [("enable_prefix_caching", True), ("speculative_config", {"method": "ngram"}), ("enable_sleep_mode", True)],
 )
 def test_refused_vllm_setting_is_named(tmp_path: Path, setting: str, value: Any) -> None:
-    (tmp_path / "config.json").write_text("{}")
+    _model_dir(tmp_path)
     done = _run_ar(tmp_path, {"engine": "vllm", "path": str(tmp_path), "vllm_args": {setting: value}})
     assert done.returncode == 2, done.stderr
     assert f"vllm_args.{setting}" in done.stderr
 
 
 def test_tensor_parallel_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{}")
+    _model_dir(tmp_path)
     config = write_config(tmp_path, preset="small", ar_tp=2)
     data = yaml.safe_load(config.read_text())
     data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path)}
