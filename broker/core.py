@@ -508,12 +508,14 @@ class BrokerCore:
                 if t.report_write(r.key, r.status, r.checksum, r.nbytes, r.message, now):
                     changed.append(r)
         except BrokenInvariant as err:
+            broken: BrokenInvariant | None = err
+        else:
+            broken = None
+        finally:
+            # What was applied is journaled before anyone learns of it, a refusal included.
             self._writes_reported(t, changed)
-            self._fence_and_raise(replica_id, err)
-        except BaseException:
-            self._writes_reported(t, changed)
-            raise
-        self._writes_reported(t, changed)
+        if broken is not None:
+            self._fence_and_raise(replica_id, broken)
         return self._snapshot(ticket_id)
 
     def _writes_reported(self, t: TicketRecord, changed: Sequence[ReportedWrite]) -> None:
@@ -575,12 +577,13 @@ class BrokerCore:
             for key, verified in loads:
                 changed = t.report_load(key, verified, self.verify_checksums, now) or changed
         except BrokenInvariant as err:
+            broken: BrokenInvariant | None = err
+        else:
+            broken = None
+        finally:
             self._loads_reported(t, changed)
-            self._fence_and_raise(replica_id, err)
-        except BaseException:
-            self._loads_reported(t, changed)
-            raise
-        self._loads_reported(t, changed)
+        if broken is not None:
+            self._fence_and_raise(replica_id, broken)
         return t.snapshot()
 
     def _loads_reported(self, t: TicketRecord, changed: bool) -> None:

@@ -818,10 +818,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         for page in range(first, last + 1):
             owner = self._page_owner.get(page)
             if owner is None or owner[0] != chunk.ticket_id:
-                raise KvRelayServerError(
-                    grpc.StatusCode.FAILED_PRECONDITION, "TICKET_NOT_WRITABLE",
-                    f"ticket {chunk.ticket_id}: page {page} now belongs to "
-                    f"{'no ticket' if owner is None else 'ticket ' + owner[0]}: no write of it may land")
+                raise _not_writable(f"ticket {chunk.ticket_id}: page {page} now belongs to "
+                                    f"{'no ticket' if owner is None else 'ticket ' + owner[0]}: no write of it may land")
 
     async def _allowed_ranges(
         self, ticket_id: str, row: int
@@ -837,9 +835,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
                                      f"ticket {ticket_id} is bound to {ticket.dit_replica_id}, not {self.s.replica_id}")
         if ticket.state == broker_pb2.TICKET_STATE_RELEASED or not ticket.armed:
-            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "TICKET_NOT_WRITABLE",
-                                     f"ticket {ticket_id} is {broker_pb2.TicketState.Name(ticket.state)}"
-                                     f"{'' if ticket.armed else ' and not armed'}: no write may land in its pages")
+            raise _not_writable(f"ticket {ticket_id} is {broker_pb2.TicketState.Name(ticket.state)}"
+                                f"{'' if ticket.armed else ' and not armed'}: no write may land in its pages")
         for r in ticket.rows:
             if r.row == row:
                 pairs = frozenset((w.src_rank, w.dst_rank) for w in ticket.writes if w.row == row)
@@ -847,13 +844,17 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 for page in r.page_ids:
                     owner = self._page_owner.get(int(page))
                     if owner is not None and owner[1] > asked and owner[0] != ticket_id:
-                        raise KvRelayServerError(
-                            grpc.StatusCode.FAILED_PRECONDITION, "TICKET_NOT_WRITABLE",
-                            f"ticket {ticket_id}: page {page} was claimed by ticket {owner[0]} while the "
-                            "broker answered: no write of it may land")
+                        raise _not_writable(f"ticket {ticket_id}: page {page} was claimed by ticket {owner[0]} "
+                                            "while the broker answered: no write of it may land")
                 self._claim_pages(ticket_id, r.page_ids)
                 return ranges, pairs
         raise invalid_argument("row", f"ticket {ticket_id} has no row {row}")
+
+
+def _not_writable(message: str) -> KvRelayServerError:
+    """A PutKv chunk that must not land (ticket not armed or released, or its pages claimed by
+    another ticket: the page fence)."""
+    return KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "TICKET_NOT_WRITABLE", message)
 
 
 def next_step_poll(poll_s: float, *, advanced: bool) -> float:
