@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# What has never run on a GPU, in one call on a lent H200 (.gpu/ from benchmarks/gpu/fetch.sh,
+# carried): every test marked `gpu`, the checksum kernel vs the eager torch ops
+# (benchmarks/gpu/checksum.py), `kvrelay verify --device cuda`, then the transfer-dominated
+# workload with the default (eager) device checksum and with KVRELAY_DEVICE_CHECKSUM=triton, one
+# after the other in this call. STEPS picks parts ("tests checksum verify transfer").
+# KVRELAY_COMMIT=<hash> names the commit (the copied .git may be stale). Results under $OUT.
+set -uo pipefail
+OUT="${OUT:-/tmp/kvrelay-gpu-out}"
+mkdir -p "$OUT" /tmp/debroot
+for f in .gpu/deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
+export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STEPS="${STEPS:-tests checksum verify transfer}"
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+{ echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+if want tests; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/ar_model tests/bagel \
+    tests/dit_model tests/dit_service/test_gpu_mirror.py tests/e2e/test_demo_prompts.py tests/transfer/test_cuda_ipc.py \
+    2>&1 | grep -v "^$" | tail -25 | tee "$OUT/gpu-tests.txt"
+fi
+if want checksum; then
+  timeout 120 python3 benchmarks/gpu/checksum.py 2>&1 | tail -8 | tee "$OUT/checksum.txt"
+fi
+if want verify; then
+  echo "\$ python3 -m kvrelay verify --device cuda" > "$OUT/verify-cuda.txt"
+  timeout "${VERIFY_TIMEOUT:-150}" python3 -m kvrelay verify --device cuda >> "$OUT/verify-cuda.txt" 2> /tmp/verify-cuda.err
+  echo "verify rc=$?" >> "$OUT/verify-cuda.txt"; tail -c 1500 /tmp/verify-cuda.err >> "$OUT/verify-cuda.txt"
+  grep -v "^\s*$" "$OUT/verify-cuda.txt" | tail -12
+fi
+if want transfer; then
+  for mode in ${CHECKSUM_MODES:-eager triton}; do
+    echo "\$ KVRELAY_DEVICE_CHECKSUM=$mode python3 -m kvrelay bench --config configs/h200-1gpu.yaml --scenario transfer" \
+      "--impls ${IMPLS_TR:-cuda_ipc,colocated} --max-num-seqs 1 --requests ${REQ_TR:-100} --runs ${RUNS_TR:-3} --concurrency 4 --warmup 2" \
+      > "$OUT/transfer-$mode.md"
+    KVRELAY_DEVICE_CHECKSUM=$mode timeout "${LIMIT_TR:-200}" python3 -m kvrelay bench --config configs/h200-1gpu.yaml \
+      --scenario transfer --impls "${IMPLS_TR:-cuda_ipc,colocated}" --max-num-seqs 1 --requests "${REQ_TR:-100}" \
+      --runs "${RUNS_TR:-3}" --concurrency 4 --warmup 2 --output "/tmp/tr-$mode" >> "$OUT/transfer-$mode.md" 2> "/tmp/tr-$mode.err"
+    echo "rc=$?" >> "$OUT/transfer-$mode.md"; tail -c 1500 "/tmp/tr-$mode.err" >> "$OUT/transfer-$mode.md"
+    grep -E "^\||rc=" "$OUT/transfer-$mode.md" | cut -c1-200
+  done
+fi
