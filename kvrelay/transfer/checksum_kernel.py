@@ -21,10 +21,12 @@ import torch
 import triton  # type: ignore[import-not-found,unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found,unused-ignore]
 
-# The definition's odd multipliers as signed int64 (see cuda_ipc.py).
-_M1: tl.constexpr = 0x9E3779B97F4A7C15 - (1 << 64)
-_M2: tl.constexpr = 0xBF58476D1CE4E5B9 - (1 << 64)
-_M3: tl.constexpr = 0x94D049BB133111EB - (1 << 64)
+# The definition's odd multipliers as signed int64 (see cuda_ipc.py). A jitted kernel may read a
+# global only when it is a `tl.constexpr` instance: an annotation alone passes Triton's CPU
+# interpreter but not the compiler (Triton 3.6 on the H200: "Cannot access global variable").
+_M1 = tl.constexpr(0x9E3779B97F4A7C15 - (1 << 64))
+_M2 = tl.constexpr(0xBF58476D1CE4E5B9 - (1 << 64))
+_M3 = tl.constexpr(0x94D049BB133111EB - (1 << 64))
 
 BLOCK_WORDS = 1 << 15  # 256 KiB of a segment per program
 _SUB = 1024  # words per inner iteration
