@@ -26,6 +26,15 @@ from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import MAX_CFG_ROWS
 
 DEFAULT_CONFIG = "configs/single-node.yaml"
+CONFIG_ENV = "KVRELAY_CONFIG"
+
+
+def default_config_path() -> str:
+    """The config a command without `--config` uses: $KVRELAY_CONFIG, else DEFAULT_CONFIG.
+
+    The one resolution every subcommand shares (an explicit `--config` always wins over it).
+    """
+    return os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG
 
 # Transfer connectors by config name (DESIGN.md section 5).
 NATIVE_CONNECTORS = ("MooncakeConnector", "CudaIpcConnector")
@@ -561,11 +570,20 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
             )
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's error on one line (its str() is several, with a caret drawing): where, then what."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    context = getattr(err, "context", None)
+    return f"{where}: {problem}" + (f" ({context})" if context else "")
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
     """Load and validate a YAML config; `None` = configs/single-node.yaml (or $KVRELAY_CONFIG)."""
     from kvrelay.resources import resolve, shipped_names
 
-    asked = path or os.environ.get("KVRELAY_CONFIG") or DEFAULT_CONFIG
+    asked = path or default_config_path()
     chosen = resolve(asked, "configs")
     if not chosen.is_file():
         shipped = ", ".join(shipped_names("configs"))
@@ -573,7 +591,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
     try:
         data = yaml.safe_load(chosen.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise ConfigError(f"invalid YAML in {chosen}: {err}") from None
+        raise ConfigError(f"invalid YAML in {chosen}{_yaml_problem(err)}") from None
     except UnicodeDecodeError as err:
         # A binary file, or a config saved in another encoding: YAML here is UTF-8.
         raise ConfigError(f"invalid config {chosen}: not UTF-8 text (byte {err.start}: {err.reason})") from None

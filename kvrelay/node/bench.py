@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from kvrelay.config import DEFAULT_CONFIG, KvRelayConfig, load_config, parse_config
+from kvrelay.config import ConfigError, KvRelayConfig, load_config, parse_config
 from kvrelay.resources import resolve
 from kvrelay.server import reserve_free_port
 
@@ -140,10 +140,28 @@ def summarize(
 
 
 def load_dataset(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"dataset {path} line {number}: not JSON ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f"dataset {path} line {number}: expected an object with a \"prompt\" string")
+        rows.append(row)
     if not rows:
         raise ValueError(f"dataset {path} is empty")
     return rows
+
+
+def _input_error(err: Exception) -> str:
+    if isinstance(err, FileNotFoundError):
+        return f"file not found: {err.filename}"
+    if isinstance(err, OSError):
+        return f"cannot read {err.filename}: {err.strerror or err}"
+    return str(err)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -738,12 +756,20 @@ def run(args: argparse.Namespace) -> int:
     if "colocated" in impls and getattr(args, "ar_model", None):
         print("kvrelay bench: --ar-model compares AR engines; the colocated baseline runs presets only", file=sys.stderr)
         return 2
-    base_cfg = load_config(args.config or DEFAULT_CONFIG)
-    base = base_cfg.model_dump(mode="json", exclude_none=True)
-    preset = args.preset or base_cfg.ar_stage.model.preset or "small"
-    dataset = load_dataset(resolve(args.dataset, "data"))
-    out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
+    from kvrelay.models.presets import get_preset
+
+    # Bad input is one line naming it and exit 2 before any node starts, never a traceback.
+    try:
+        base_cfg = load_config(args.config)
+        base = base_cfg.model_dump(mode="json", exclude_none=True)
+        preset = args.preset or base_cfg.ar_stage.model.preset or "small"
+        get_preset(preset)
+        dataset = load_dataset(resolve(args.dataset, "data"))
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"kvrelay bench: {_input_error(err)}", file=sys.stderr)
+        return 2
     scenarios = ["seed", "transfer"] if args.scenario == "both" else [args.scenario]
     report: dict[str, Any] = {"args": vars(args), "dataset_tokens": _token_stats(dataset), "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:
@@ -751,8 +777,6 @@ def run(args: argparse.Namespace) -> int:
             if name == "seed":
                 workload = seed_workload(args, preset, dataset)
             else:
-                from kvrelay.models.presets import get_preset
-
                 workload = transfer_workload(dataset, preset, get_preset(preset).ar.max_tokens)
             scenario = run_scenario(args, workload, impls, base, Path(tmp))
             # The processes' own logs (per-request lines such as the DiT's `denoised`) outlive the

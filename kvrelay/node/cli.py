@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvrelay import __version__
-from kvrelay.config import DEFAULT_CONFIG
+from kvrelay.config import DEFAULT_CONFIG, default_config_path
 
 # subcommand -> "module:function(args) -> int"
 HANDLERS = {
@@ -32,6 +32,7 @@ HANDLERS = {
 }
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+CONFIG_HELP = f"deployment YAML (default: $KVRELAY_CONFIG, else {DEFAULT_CONFIG})"
 INSECURE_BIND_HELP = (
     "listen on a non-loopback address although no replica token or mutual TLS is configured "
     "(any caller on that network may then call every RPC)"
@@ -78,7 +79,7 @@ def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="deployment YAML (default: %(default)s)")
+    p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--host", default=None, help="address to listen on (default: the config's host, 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gRPC port to listen on (0 = any free port)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free port)")
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("up", help="start the broker and every AR/DiT replica of a config; Ctrl-C stops all")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="deployment YAML (default: %(default)s)")
+    p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--host", default=None, help="address every process listens on (default: the config's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
     p.add_argument("--log-level", default=None, help="log level for every child")
@@ -169,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_tls_args(p)
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
-    p.add_argument("--config", default=None, help="base config (default: configs/single-node.yaml, the shipped CPU node)")
+    p.add_argument("--config", default=None, help=f"base config (default: $KVRELAY_CONFIG, else {DEFAULT_CONFIG}, the shipped CPU node)")
     p.add_argument("--preset", default=None, help="model preset for both stages (default: the config's AR "
                    "preset; small when it has none, as the default config's demo model)")
     p.add_argument("--requests", type=_positive_int, default=20, help="requests per run (default: %(default)s)")
@@ -225,6 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    if "config" in vars(args) and not args.config:
+        # Resolved once here, so that every handler (and every child `kvrelay up` starts) sees the
+        # same file: an explicit --config wins, then $KVRELAY_CONFIG, then the shipped default.
+        args.config = default_config_path()
     module_name, func_name = HANDLERS[args.command].split(":")
     try:
         module = importlib.import_module(module_name)

@@ -40,7 +40,7 @@ import grpc
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvrelay.config import ConfigError, KvRelayConfig, load_config
+from kvrelay.config import ConfigError, KvRelayConfig, default_config_path, load_config
 from kvrelay.logging import configure_logging, get_logger
 from kvrelay.metrics import NodeMetricsServer
 from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
@@ -832,7 +832,7 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     """`kvrelay up`: start the node of `args.config`, report where it is, supervise until a signal."""
     log_level = getattr(args, "log_level", None)
     configure_logging(log_level, process="up")
-    config_path = getattr(args, "config", None) or "configs/single-node.yaml"
+    config_path = getattr(args, "config", None) or default_config_path()
     try:
         cfg = load_config(config_path)
         creds = load_credentials(cfg.security)
