@@ -22,12 +22,12 @@ from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.journal import JournalInUse, JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
-from kvrelay.broker.service import BrokerServicer
+from kvrelay.broker.service import BrokerServicer, grpc_endpoint_probe
 from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.ports import PortInUse
-from kvrelay.security import Credentials, SecurityError, load_credentials
+from kvrelay.security import BROKER_CALLER_ID, CallerClass, Credentials, SecurityError, load_credentials
 from kvrelay.server import GrpcServer
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -73,7 +73,9 @@ async def serve(
     core.journal.on_failure = lambda _err: journal_failed.set()
     registry = CollectorRegistry()
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
-    broker_servicer = BrokerServicer(core, ticket_ttl)
+    # Registrations are checked by dialling the advertised endpoint as the orchestrator will.
+    endpoint_probe = grpc_endpoint_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
+    broker_servicer = BrokerServicer(core, ticket_ttl, endpoint_probe)
     register_broker_metrics(core, registry, broker_servicer.rpc_counts)
     orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
     server = GrpcServer(

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import timestamp_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.broker.core import Arming, BrokerCore, PoolStatus, ReportedWrite
 from kvrelay.broker.journal import JournalWriteError
@@ -35,7 +36,7 @@ from kvrelay.broker.tickets import (
 )
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with
-from kvrelay.security import is_loopback
+from kvrelay.security import ChannelSecurity, is_loopback, make_channel
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -284,6 +285,64 @@ def loopback_endpoint_problem(
     return ""
 
 
+# How long RegisterReplica waits for a replica's advertised endpoint to answer: well inside the
+# replicas' own RegisterReplica deadline (5 s), long enough for a connect across a LAN.
+ENDPOINT_PROBE_TIMEOUT_S = 3.0
+
+_NEVER_GOT_THROUGH = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN)
+# Probes an advertised gRPC endpoint from the broker: "" when it answered, else why not.
+EndpointProbe = Callable[[str], Awaitable[str]]
+
+
+def grpc_endpoint_probe(
+    security: ChannelSecurity | None = None, timeout_s: float = ENDPOINT_PROBE_TIMEOUT_S
+) -> EndpointProbe:
+    """A probe that dials an endpoint as the orchestrator will (same TLS, same credentials) and
+    asks grpc.health.v1 once. Any answer proves the address reaches a gRPC server, whatever it
+    says (a replica registers before it reports SERVING); only a call that never got through
+    is a problem: UNAVAILABLE, DEADLINE_EXCEEDED, or UNKNOWN (gRPC's answer for a target it
+    cannot even build a channel to, such as an empty one; the health service never raises)."""
+
+    async def probe(endpoint: str) -> str:
+        try:
+            channel = make_channel(endpoint, security, options=[("grpc.use_local_subchannel_pool", 1)])
+        except (ValueError, TypeError) as err:
+            return f"not a gRPC target: {err}"
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _NEVER_GOT_THROUGH:
+                return f"{err.code().name}: {err.details()}"
+        finally:
+            await channel.close()
+        return ""
+
+    return probe
+
+
+async def unreachable_endpoint_problem(spec: ReplicaSpec, peer: str, probe: EndpointProbe) -> str:
+    """Why the broker cannot reach `spec.endpoint`, where it will call the replica, or "".
+
+    A replica whose `advertise_host` no one reaches (a typo, another interface, a NAT's inside
+    address) registered, showed UP, and every request placed on it failed `REPLICA_UNAVAILABLE`:
+    each failure kept it out of placement only until its next heartbeat, so a share of all
+    requests failed for as long as it ran (found with network namespaces). A replica on this
+    host advertising loopback is not dialled (tests register endpoints nobody serves; `kvrelay
+    up` checks its own children)."""
+    host = spec.endpoint.rsplit(":", 1)[0] if ":" in spec.endpoint else spec.endpoint
+    ip = _peer_ip(peer)
+    if is_loopback(host) and (ip is None or is_local_address(ip)):
+        return ""
+    problem = await probe(spec.endpoint)
+    if not problem:
+        return ""
+    return (
+        f"replica.endpoint: {spec.replica_id} advertises {spec.endpoint}, which the broker cannot reach "
+        f"({problem}): set its stage's advertise_host to an address of its host that the broker and the "
+        "other replicas reach, and open the firewall to it (docs/operations.md, Running services by hand)"
+    )
+
+
 def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
     @functools.wraps(fn)
     async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
@@ -299,8 +358,12 @@ def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     """Every BrokerService RPC, each one call into BrokerCore."""
 
-    def __init__(self, core: BrokerCore, rpc_ticket_ttl_seconds: float = 600.0) -> None:
+    def __init__(
+        self, core: BrokerCore, rpc_ticket_ttl_seconds: float = 600.0, endpoint_probe: EndpointProbe | None = None
+    ) -> None:
         self.core = core
+        # Dials a registering replica's advertised endpoint (unreachable_endpoint_problem).
+        self.endpoint_probe = endpoint_probe or grpc_endpoint_probe()
         # Calls by method since start: broker round trips per request are read off these
         # (`kvrelay_broker_rpcs_total{method}`, exported by broker/metrics.py).
         self.rpc_counts: collections.Counter[str] = collections.Counter()
@@ -331,6 +394,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         problem = loopback_endpoint_problem(spec, context.peer())
         if problem:
             raise InvalidArgument("LOOPBACK_ENDPOINT", problem)
+        problem = await unreachable_endpoint_problem(spec, context.peer(), self.endpoint_probe)
+        if problem:
+            raise InvalidArgument("UNREACHABLE_ENDPOINT", problem)
         reply = self.core.register_replica(
             spec,
             token=request.token,
