@@ -29,6 +29,7 @@ from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec
 from kvrelay.broker.service import add_broker_servicer
 from kvrelay.broker.tickets import TicketOutcome, WriteStatus
 from kvrelay.broker.waiters import run_maintenance
+from kvrelay.security import Credentials, channel_options, server_options
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -96,17 +97,25 @@ def _key(w):  # noqa: ANN001, ANN202
     return WriteKey(w.row, w.src_rank, w.dst_rank)
 
 
+def grpc_server() -> grpc.aio.Server:
+    """A broker listener with every kvrelay server's options (kvrelay.security.server_options),
+    keepalive ping permits included: the bench's channel pings as the broker's clients do (every
+    15 s), and a plain server would tear a long run's idle connection down with GOAWAY
+    too_many_pings."""
+    return grpc.aio.server(options=server_options(Credentials()))
+
+
 async def over_grpc(n: int, concurrency: int, journal: Path, synchronous: str) -> float:
     core = BrokerCore(journal, lease_seconds=1e9, drain_quiet_seconds=0.0, journal_synchronous=synchronous)  # type: ignore[arg-type]
     ar, dit = specs()
     core.register_replica(ar)
     core.register_replica(dit)
-    server = grpc.aio.server()
+    server = grpc_server()
     add_broker_servicer(core, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     maintenance = asyncio.create_task(run_maintenance(core, 0.05))
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
     stub = broker_pb2_grpc.BrokerServiceStub(channel)
 
     async def lifecycle(i: int) -> None:

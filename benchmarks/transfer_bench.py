@@ -60,8 +60,19 @@ def _raw_server(region: Any, listener: socket.socket, stop: threading.Event) -> 
                 conn.sendall(b"\x01")
 
 
-def receiver_main(conn: Connection, region_bytes: int, protocol: str) -> None:
+def grpc_server() -> Any:
+    """The receiver's PutKv listener, with kvrelay's own server options (every kvrelay server's:
+    kvrelay.security.server_options), above all its keepalive ping permits: the sender's channel
+    pings every 15 s (kvrelay.security.Keepalive), and a plain server answers the second ping on a
+    stream idle between sizes with GOAWAY too_many_pings."""
     import grpc
+
+    from kvrelay.security import Credentials, server_options
+
+    return grpc.aio.server(options=server_options(Credentials()))
+
+
+def receiver_main(conn: Connection, region_bytes: int, protocol: str) -> None:
     import torch
 
     from kvrelay.transfer.grpc_stream import GrpcStreamReceiver
@@ -93,7 +104,7 @@ def receiver_main(conn: Connection, region_bytes: int, protocol: str) -> None:
 
     def serve() -> None:
         async def main() -> None:
-            server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 * MiB)])
+            server = grpc_server()
             dit_pb2_grpc.add_DitServiceServicer_to_server(Servicer(), server)
             port_box.append(server.add_insecure_port("127.0.0.1:0"))
             await server.start()
