@@ -1,0 +1,107 @@
+"""Every error reason the code can send to a caller is documented.
+
+A reason (google.rpc.ErrorInfo.reason, a generation's `error.reason`, the SDK's
+`KvRelayError.reason`) is part of the API: clients branch on it. The reasons are collected from
+the source (a string literal given as the reason where an error is built) and each must be named
+in backticks in README.md or docs/*.md, where its table says what it means, whether a retry can
+help and what to do (docs/api.md, Errors; docs/broker.md, gRPC status codes and reasons).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Where errors are built: the core and every service package (generated stubs left out).
+SOURCES = ["kvrelay", "broker", "ar_service", "dit_service", "client"]
+REASON = re.compile(r"^[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*$")
+# Built as (code, reason, message, ...): the reason is the second argument.
+CODE_FIRST = {"KvRelayServerError", "ErrorInfo", "KvRelayError", "ErrorStatus"}
+# The broker's errors (broker/tickets.py) and errors.failed_precondition: the reason comes first.
+REASON_FIRST = {
+    "BrokerError", "InvalidArgument", "NotFound", "AlreadyExists", "FailedPrecondition", "IllegalTransition",
+    "Unavailable", "ResourceExhausted", "Unauthenticated", "BrokenInvariant", "failed_precondition",
+}  # fmt: skip
+
+
+def _name(func: ast.expr) -> str:
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _literal(node: ast.expr | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def reasons_in(tree: ast.AST) -> set[str]:
+    found: list[str | None] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _name(node.func)
+            if name in CODE_FIRST and len(node.args) > 1:
+                found.append(_literal(node.args[1]))
+            if name in REASON_FIRST and node.args:
+                found.append(_literal(node.args[0]))
+            if name == "not_found" and node.args and (what := _literal(node.args[0])):
+                found.append(f"{what.upper()}_NOT_FOUND")  # kvrelay.errors.not_found
+            found.extend(_literal(kw.value) for kw in node.keywords if kw.arg == "reason")
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                # reason = "X"  /  code, reason, message = "C", "X", "..."
+                if isinstance(target, ast.Name) and target.id.endswith("reason"):
+                    found.append(_literal(node.value))
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    found.extend(
+                        _literal(v) for t, v in zip(target.elts, node.value.elts, strict=False)
+                        if isinstance(t, ast.Name) and t.id == "reason"
+                    )  # fmt: skip
+    return {r for r in found if r and REASON.match(r)}
+
+
+def code_reasons() -> dict[str, str]:
+    """reason -> the first file that sends it."""
+    out: dict[str, str] = {}
+    for root in SOURCES:
+        for path in sorted((REPO / root).rglob("*.py")):
+            if "v1" in path.relative_to(REPO).parts:
+                continue
+            for reason in reasons_in(ast.parse(path.read_text(), str(path))):
+                out.setdefault(reason, str(path.relative_to(REPO)))
+    return out
+
+
+def documented_names() -> set[str]:
+    text = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    return set(re.findall(r"`([A-Z][A-Z0-9_]*)`", text))
+
+
+def test_the_collector_sees_reasons_of_every_kind() -> None:
+    # One reason per way of building an error, so a refactor that hides reasons from the collector
+    # fails here rather than letting new reasons go unchecked.
+    reasons = code_reasons()
+    for reason in (
+        "QUEUE_FULL",  # KvRelayServerError (broker admission)
+        "UNKNOWN_TICKET",  # BrokerError subclass (broker core)
+        "CLIENT_DISCONNECTED",  # a generation's ErrorInfo
+        "GENERATION_NOT_FOUND",  # errors.not_found
+        "TICKET_NOT_WRITABLE",  # the DiT's PutKv
+        "STREAM_DROPPED",  # the SDK's own KvRelayError
+    ):
+        assert reason in reasons, reason
+    assert len(reasons) >= 60
+
+
+def test_every_reason_the_code_sends_is_documented() -> None:
+    documented = documented_names()
+    missing = {r: where for r, where in code_reasons().items() if r not in documented}
+    assert missing == {}, (
+        "error reasons sent by the code but named nowhere in README.md or docs/*.md (add each to a "
+        f"reasons table, docs/api.md 'Errors', with what it means, whether to retry, what to do): {missing}"
+    )
+
+
+def test_a_new_reason_is_collected_and_undocumented() -> None:
+    tree = ast.parse('raise KvRelayServerError(grpc.StatusCode.INTERNAL, "SOMETHING_NEW", "m")')
+    assert reasons_in(tree) == {"SOMETHING_NEW"}
+    assert "SOMETHING_NEW" not in documented_names()
