@@ -4,8 +4,9 @@ Owns the record of each generation (resolved parameters, state, step, image, tim
 idempotent submission (the same id and parameters attach; other parameters: ALREADY_EXISTS),
 the fan-out of state changes to every attached stream, and the retention of finished
 generations: kept `result_ttl_seconds` after they end, at most `max_results` of them (oldest
-evicted first). Must never talk to replicas or tickets: the orchestrator drives the states,
-this module only records them and tells subscribers.
+evicted first), in memory at once and in the journal in bounded batches (`compact_journal`).
+Must never talk to replicas or tickets: the orchestrator drives the states, this module only
+records them and tells subscribers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import enum
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -27,6 +29,10 @@ from kvrelay.logging import get_logger
 log = get_logger(__name__)
 
 RequestId = str
+
+# Rows of forgotten generations deleted from the journal per transaction (each may carry a PNG
+# BLOB of hundreds of KB): the event loop waits for one such commit, not for a whole backlog.
+JOURNAL_DELETE_BATCH = 32
 
 
 class GenState(enum.IntEnum):
@@ -255,8 +261,10 @@ class GenerationJournal(Protocol):
 class GenerationStore:
     """Every generation by request_id: the live ones and the finished ones still retained.
 
-    Single-threaded (the broker's event loop). Retention is checked lazily on every access, so
-    no timer task is needed: an expired generation is gone the next time anyone asks.
+    Single-threaded (the broker's event loop). Retention is checked on every access, so an
+    expired generation is gone from memory the next time anyone asks; its journal row goes in
+    the same pass when few are due, else in batches of `JOURNAL_DELETE_BATCH` (`compact_journal`,
+    which the journal compactor also calls when nobody asks).
     """
 
     def __init__(
@@ -276,6 +284,10 @@ class GenerationStore:
         self._live: dict[RequestId, GenerationRecord] = {}
         # Finished generations in the order they finished: eviction takes the oldest first.
         self._finished: OrderedDict[RequestId, GenerationRecord] = OrderedDict()
+        # Forgotten generations whose journal row is not deleted yet (insertion ordered).
+        self._unjournaled: dict[RequestId, None] = {}
+        # Journal rows deleted because their generation was forgotten (a metric).
+        self.journal_rows_deleted = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -384,8 +396,9 @@ class GenerationStore:
         return True
 
     def expire(self) -> None:
+        """Forget finished generations past retention; delete at most one batch of their rows."""
         now = self._clock()
-        forgotten: dict[str, dict[str, Any] | None] = {}
+        forgotten = False
         while self._finished:
             request_id, oldest = next(iter(self._finished.items()))
             assert oldest.finished_mono is not None, f"generation {request_id} finished without a finish time"
@@ -394,9 +407,28 @@ class GenerationStore:
                 break
             del self._finished[request_id]
             if oldest.persisted:
-                forgotten[request_id] = None
+                self._unjournaled[request_id] = None
+                forgotten = True
         if forgotten:
-            self._write(forgotten)
+            self._delete_unjournaled(JOURNAL_DELETE_BATCH)
+
+    def compact_journal(self, max_rows: int = JOURNAL_DELETE_BATCH) -> tuple[int, bool]:
+        """Expire, then delete up to `max_rows` rows of forgotten generations from the journal in
+        one transaction. Returns (rows deleted, whether more are due)."""
+        self.expire()
+        deleted = self._delete_unjournaled(max_rows)
+        return deleted, bool(self._unjournaled) and deleted > 0
+
+    def _delete_unjournaled(self, max_rows: int) -> int:
+        if self._journal is None or not self._unjournaled or max_rows <= 0:
+            return 0
+        batch = list(itertools.islice(self._unjournaled, max_rows))
+        if not self._write(dict.fromkeys(batch)):
+            return 0  # kept for the next pass
+        for request_id in batch:
+            del self._unjournaled[request_id]
+        self.journal_rows_deleted += len(batch)
+        return len(batch)
 
     # --------------------------------------------------------------- persistence
     # Only finished generations are journaled: one write when a generation ends, one delete
@@ -409,6 +441,9 @@ class GenerationStore:
             return
         if self._finished.get(record.request_id) is not record:
             return  # already forgotten (e.g. max_results 1 and a burst of endings)
+        # An earlier generation of this id may still wait for its row's delete: this write
+        # replaces that row, and a later batch must not delete the new one.
+        self._unjournaled.pop(record.request_id, None)
         if self._write({record.request_id: record_to_json(record)}):
             record.persisted = True
 
@@ -418,7 +453,6 @@ class GenerationStore:
             return 0
         rows = self._journal.load().generations
         now_wall, now = self._wall(), self._clock()
-        expired: dict[str, dict[str, Any] | None] = {}
         restored = 0
         for data in sorted(rows.values(), key=lambda d: d.get("finished_wall") or 0.0):
             age = now_wall - (data.get("finished_wall") or 0.0)
@@ -426,14 +460,15 @@ class GenerationStore:
                 data.get("state") not in ("SUCCEEDED", "FAILED", "CANCELLED")
                 or age >= self.result_ttl_seconds
             ):
-                expired[data["request_id"]] = None
+                # Deleted in batches like any forgotten generation (a long-stopped broker may
+                # find thousands), not in one transaction.
+                self._unjournaled[data["request_id"]] = None
                 continue
             record = record_from_json(data, now - max(0.0, age))
             self._finished[record.request_id] = record
             restored += 1
-        if expired:
-            self._write(expired)
         self.expire()
+        self._delete_unjournaled(JOURNAL_DELETE_BATCH)
         return restored
 
     def _write(self, rows: dict[str, dict[str, Any] | None]) -> bool:

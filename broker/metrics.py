@@ -6,7 +6,9 @@ Owns `kvrelay_pages{replica,state}`, `kvrelay_tickets{state}`,
 collector, so the lifecycle's hot path never updates a gauge and a scrape can never disagree
 with GetPool. Must never mutate the core. Also the generations' metrics (`GenerationMetrics`:
 `kvrelay_generations_total{outcome}`, `kvrelay_generation_seconds`, `kvrelay_phase_seconds{phase}`,
-`kvrelay_generations_queued`), which the orchestrator updates as each generation ends.
+`kvrelay_generations_queued`), which the orchestrator updates as each generation ends, and the
+journal's (`JournalCollector`: `kvrelay_journal_size_bytes`, `kvrelay_journal_compacted_rows_total`,
+`kvrelay_journal_reclaimed_bytes_total`), read at scrape time from the compactor.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvrelay.broker.compaction import JournalCompactor
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import PHASES, GenerationSnapshot, GenState
 from kvrelay.broker.tickets import TicketState
@@ -81,6 +84,30 @@ def register_broker_metrics(
     registry = registry if registry is not None else CollectorRegistry()
     registry.register(BrokerCollector(core, rpc_counts))
     return registry
+
+
+class JournalCollector(Collector):
+    """The journal's size and what compaction removed. Reads only counters and stat() results,
+    so a scrape (the metrics thread) never touches the SQLite connection the event loop writes."""
+
+    def __init__(self, compactor: JournalCompactor) -> None:
+        self.compactor = compactor
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.compactor
+        yield GaugeMetricFamily(
+            "kvrelay_journal_size_bytes", "The broker journal on disk: its file and WAL", value=c.journal.size_bytes()
+        )
+        yield CounterMetricFamily(
+            "kvrelay_journal_compacted_rows",
+            "Journal rows deleted because their generation passed retention (result_ttl_seconds, max_results)",
+            value=c.rows_deleted,
+        )
+        yield CounterMetricFamily(
+            "kvrelay_journal_reclaimed_bytes",
+            "Free journal pages given back to the filesystem by compaction",
+            value=c.bytes_reclaimed,
+        )
 
 
 class GenerationMetrics:

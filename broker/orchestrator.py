@@ -4,8 +4,9 @@ Wires the parts of the broker's request path on one event loop: admission and th
 (admission.py), placement of the queue's head (placement.py, through BrokerCore, which owns
 pages and tickets), one stage pipeline per placed generation (pipeline.py: AR Prefill and DiT
 Denoise), the broker's channels to its replicas (`ChannelCache`), the generation store
-(generations.py) and the generation metrics (metrics.py). It owns the public operations
-(submit, cancel, expire, get, list), the start and stop of the whole, and a generation's
+(generations.py), the journal's compaction (compaction.py) and the generation metrics
+(metrics.py). It owns the public operations (submit, cancel, expire, get, list), the start and
+stop of the whole, and a generation's
 progress and end: the record's state, its metric, its journal entry, and its departure from the
 queue. Must never touch pages or tickets except through BrokerCore, never block the event loop,
 and never import torch or a model service.
@@ -21,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kvrelay.broker.admission import Admission, GenerationJob, GenerationQueue
+from kvrelay.broker.compaction import JournalCompactor
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import (
     ErrorInfo,
@@ -31,7 +33,7 @@ from kvrelay.broker.generations import (
     GenState,
     ImageResult,
 )
-from kvrelay.broker.metrics import GenerationMetrics
+from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
 from kvrelay.broker.pipeline import StagePipeline
 from kvrelay.broker.placement import place
 from kvrelay.broker.tickets import Ticket
@@ -73,10 +75,11 @@ class Orchestrator:
             clock=clock,
             journal=core.journal,
         )
+        self.compactor = JournalCompactor(core.journal, self.store)
         self.queue = GenerationQueue(cfg.broker.max_queue)
-        self.metrics = GenerationMetrics(
-            registry if registry is not None else CollectorRegistry(), self.queue.depth
-        )
+        registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = GenerationMetrics(registry, self.queue.depth)
+        registry.register(JournalCollector(self.compactor))
         self.admission = Admission(
             core, self.store, self.queue, self.channels, self, self._start_pipeline, clock=clock
         )
@@ -99,6 +102,7 @@ class Orchestrator:
         self._tasks = [
             asyncio.create_task(self.queue.run_placement(self._place), name="orchestrator-placement"),
             asyncio.create_task(self._core_change_relay(), name="orchestrator-core-changes"),
+            asyncio.create_task(self.compactor.run(), name="orchestrator-journal-compaction"),
         ]
 
     async def stop(self) -> None:
