@@ -17,12 +17,15 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvrelay.broker.generations import JOURNAL_DELETE_BATCH, GenerationStore
 from kvrelay.broker.journal import Journal
 from kvrelay.logging import get_logger
 
 log = get_logger(__name__)
+
+_T = TypeVar("_T")
 
 # How often a pass runs. A pass with nothing due costs a few pragmas.
 COMPACTION_INTERVAL_SECONDS = 10.0
@@ -63,6 +66,8 @@ class JournalCompactor:
         self._timer = timer
         self.passes = 0
         self.bytes_reclaimed = 0
+        self._steps = 0
+        self._longest = 0.0
 
     @property
     def rows_deleted(self) -> int:
@@ -80,30 +85,28 @@ class JournalCompactor:
             await asyncio.sleep(self.interval_seconds)
 
     async def compact_once(self) -> CompactionPass:
-        """One pass: delete forgotten generations' rows, give free pages back, truncate the WAL."""
+        """One pass: delete forgotten generations' rows, give free pages back, truncate the WAL.
+        Each step is one transaction or checkpoint (about one fsync); the loop runs between."""
         start = self._timer()
         size_before = self.journal.size_bytes()
-        longest = 0.0
-        steps = rows = pages = 0
+        self._steps, self._longest = 0, 0.0
+        rows = pages = 0
         while True:
-            t0 = self._timer()
-            deleted, more = self.store.compact_journal(self.batch_rows)
-            longest, steps, rows = max(longest, self._timer() - t0), steps + 1, rows + deleted
+            deleted, more = await self._step(lambda: self.store.compact_journal(self.batch_rows))
+            rows += deleted
             if not more:
                 break
-            await asyncio.sleep(0)
         while True:
-            t0 = self._timer()
-            reclaimed = self.journal.reclaim(self.batch_pages)
-            longest, steps, pages = max(longest, self._timer() - t0), steps + 1, pages + reclaimed
+            reclaimed = await self._step(lambda: self.journal.reclaim(self.batch_pages))
+            pages += reclaimed
+            if reclaimed:
+                # Checkpoint each step's frames at once: SQLite's own checkpoint would wait for
+                # 1000 pages and copy them all inside one commit.
+                await self._step(self.journal.checkpoint)
             if reclaimed < self.batch_pages:
                 break
-            await asyncio.sleep(0)
         if rows or pages:
-            await asyncio.sleep(0)
-            t0 = self._timer()
-            self.journal.checkpoint()
-            longest, steps = max(longest, self._timer() - t0), steps + 1
+            await self._step(lambda: self.journal.checkpoint(truncate=True))
         page_size = self.journal.page_stats()[2] if pages else 0
         self.passes += 1
         self.bytes_reclaimed += pages * page_size
@@ -112,8 +115,8 @@ class JournalCompactor:
             pages_reclaimed=pages,
             size_before_bytes=size_before,
             size_bytes=self.journal.size_bytes(),
-            steps=steps,
-            longest_step_ms=round(longest * 1000, 3),
+            steps=self._steps,
+            longest_step_ms=round(self._longest * 1000, 3),
             duration_ms=round((self._timer() - start) * 1000, 3),
         )
         # Idle passes (nothing due) log at debug only: one line every interval is noise.
@@ -124,8 +127,18 @@ class JournalCompactor:
             reclaimed_bytes=pages * page_size,
             size_before_bytes=size_before,
             size_bytes=result.size_bytes,
-            steps=steps,
+            steps=result.steps,
             longest_step_ms=result.longest_step_ms,
             duration_ms=result.duration_ms,
         )
         return result
+
+    async def _step(self, step: Callable[[], _T]) -> _T:
+        """Run one step on the loop, time it, then let everything that waited for it run."""
+        t0 = self._timer()
+        try:
+            return step()
+        finally:
+            self._longest = max(self._longest, self._timer() - t0)
+            self._steps += 1
+            await asyncio.sleep(0)

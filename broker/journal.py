@@ -210,33 +210,33 @@ class Journal:
     # Called from the event loop by the compactor, between commits (never inside one).
 
     def reclaim(self, max_pages: int) -> int:
-        """Give up to `max_pages` free pages back to the filesystem: one short transaction
-        (SQLite moves pages from the end of the file into free slots, then truncates), then a
-        passive checkpoint so the file shrinks now and the WAL stays small. Returns how many pages
-        it gave back (0: none free, or the journal predates auto_vacuum). A failure is logged and
-        returns 0: no row changes, so memory and disk still agree."""
+        """Give up to `max_pages` free pages back: one short transaction in which SQLite moves
+        pages from the end of the file into free slots and cuts the end off (the file itself
+        shrinks at the next checkpoint). Returns how many pages it gave back (0: none free, or a
+        journal without auto_vacuum). A failure is logged and returns 0: no row changes, so
+        memory and disk still agree."""
         if self.failure is not None or max_pages <= 0:
             return 0
         try:
             free = int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
             if free == 0 or self._db.execute("PRAGMA auto_vacuum").fetchone()[0] != _AUTO_VACUUM_INCREMENTAL:
                 return 0
-            count = min(free, max_pages)
             # executescript, not execute: the sqlite3 module steps a row-less pragma once, and
             # one step of incremental_vacuum frees one page.
-            self._db.executescript(f"PRAGMA incremental_vacuum({count});")
-            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            self._db.executescript(f"PRAGMA incremental_vacuum({min(free, max_pages)});")
             return free - int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
         except sqlite3.Error as err:
             log.warning("journal_reclaim_failed", path=self.path, reason=str(err))
             return 0
 
-    def checkpoint(self) -> None:
-        """Copy the WAL into the file and truncate the WAL to zero bytes. A failure is logged."""
+    def checkpoint(self, truncate: bool = False) -> None:
+        """Copy the WAL's frames into the file (which shrinks to what `reclaim` left); with
+        `truncate`, also cut the WAL file to zero bytes. Costs one fsync plus the frames written
+        since the last one. A failure is logged (nothing is lost: the frames stay in the WAL)."""
         if self.failure is not None:
             return
         try:
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            self._db.execute(f"PRAGMA wal_checkpoint({'TRUNCATE' if truncate else 'PASSIVE'})").fetchone()
         except sqlite3.Error as err:
             log.warning("journal_checkpoint_failed", path=self.path, reason=str(err))
 
