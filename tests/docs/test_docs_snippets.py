@@ -44,6 +44,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("README.md", "# 1. kvrelay up: "):
         "a node on the default ports, and Docker: tests/supervisor/test_up_real_node.py runs `kvrelay up`, "
         "scripts/compose_smoke.sh (tests/compose/) runs the compose steps",
+    ("docs/operations.md", "python - .kvrelay/broker.sqlite "):
+        "reads a node's journal where the node was started (here the docs node's is elsewhere); "
+        "tests/broker/test_journal_compaction.py checks the same counts and pragmas",
     ("docs/operations.md", "cp compose/kvrelay.env.example "):
         "Docker or podman: scripts/compose_smoke.sh runs these steps end to end (tests/compose/)",
     ("docs/transfer.md", "# DiT rank (receiver): its page pool is a device tensor"):
