@@ -441,11 +441,12 @@ class GenerationStore:
             return
         if self._finished.get(record.request_id) is not record:
             return  # already forgotten (e.g. max_results 1 and a burst of endings)
-        # An earlier generation of this id may still wait for its row's delete: this write
-        # replaces that row, and a later batch must not delete the new one.
-        self._unjournaled.pop(record.request_id, None)
         if self._write({record.request_id: record_to_json(record)}):
             record.persisted = True
+            # An earlier generation of this id may still wait for its row's delete: this write
+            # replaced that row, and a later batch must not delete the new one. (A failed write
+            # leaves the old row, and its delete, due.)
+            self._unjournaled.pop(record.request_id, None)
 
     def restore(self) -> int:
         """Load the finished generations the journal holds that are still within retention."""

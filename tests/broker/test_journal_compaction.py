@@ -254,3 +254,27 @@ def test_compaction_under_rpc_load_fails_no_rpc_and_no_step_blocks_the_loop_long
             print(f"compaction of {seeded} rows under load: {result}")
 
     run(body(), timeout=120)
+
+
+def test_an_id_reused_while_its_old_row_waits_for_deletion_keeps_its_new_row(tmp_path: Path) -> None:
+    """A forgotten id is free for a new generation; a batch that deletes the old row later must
+    not take the new one with it."""
+    clock, wall = ManualClock(), [1_000_000.0]
+    journal = Journal(tmp_path / "j.sqlite", "OFF")
+    store = GenerationStore(result_ttl_seconds=TTL, max_results=1_000, clock=clock,
+                            wall_clock=lambda: wall[0], journal=journal)  # fmt: skip
+    try:
+        finish_generations(store, [f"old-{n}" for n in range(40)], png_bytes=100)
+        clock.advance(TTL + 1)
+        wall[0] += TTL + 1
+        assert store.counts() == (0, 0)  # forgotten; 32 rows deleted, 8 still due
+        assert len(journal.load().generations) == 8
+        record, created = store.create_or_attach("old-39", _params(7), True)
+        assert created
+        store.update(record, GenState.SUCCEEDED, image=ImageResult(b"new", 64, 64, 7))
+        store.persist(record)
+        assert asyncio.run(JournalCompactor(journal, store).compact_once()).rows_deleted == 7
+        rows = journal.load().generations
+        assert list(rows) == ["old-39"] and rows["old-39"]["image"]["png"] == b"new"
+    finally:
+        journal.close()
