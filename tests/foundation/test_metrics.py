@@ -32,13 +32,16 @@ def process_registries() -> dict[str, CollectorRegistry]:
     """The registries each kind of process serves, built by the processes' own code."""
     from kvrelay.ar_service.service import ArMetrics
     from kvrelay.broker.core import BrokerCore
-    from kvrelay.broker.metrics import GenerationMetrics, register_broker_metrics
+    from kvrelay.broker.compaction import JournalCompactor
+    from kvrelay.broker.generations import GenerationStore
+    from kvrelay.broker.metrics import GenerationMetrics, JournalCollector, register_broker_metrics
     from kvrelay.dit_service.service import DitMetrics
 
     broker = CollectorRegistry()
     core = BrokerCore(None, journal_synchronous="OFF")
     register_broker_metrics(core, broker)
     GenerationMetrics(broker, lambda: 0)
+    broker.register(JournalCollector(JournalCompactor(core.journal, GenerationStore(result_ttl_seconds=60, max_results=8, journal=core.journal))))
     ar = CollectorRegistry()
     ArMetrics.create(ar)
     dit = DitMetrics("dit-0").registry
