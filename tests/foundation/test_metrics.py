@@ -31,8 +31,8 @@ _SUFFIXES = {
 def process_registries() -> dict[str, CollectorRegistry]:
     """The registries each kind of process serves, built by the processes' own code."""
     from kvrelay.ar_service.service import ArMetrics
-    from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.compaction import JournalCompactor
+    from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.generations import GenerationStore
     from kvrelay.broker.metrics import GenerationMetrics, JournalCollector, register_broker_metrics
     from kvrelay.dit_service.service import DitMetrics
