@@ -2,8 +2,9 @@
 # What has never run on a GPU, in one call on a lent H200 (.gpu/ from benchmarks/gpu/fetch.sh,
 # carried): every test marked `gpu`, the checksum kernel vs the eager torch ops
 # (benchmarks/gpu/checksum.py), `kvrelay verify --device cuda`, then the transfer-dominated
-# workload with the default (eager) device checksum and with KVRELAY_DEVICE_CHECKSUM=triton, one
-# after the other in this call. STEPS picks parts ("tests checksum verify transfer").
+# workload with each device checksum in CHECKSUM_MODES (default "eager triton"), one after the
+# other, and the seed workload (bf16, max_num_seqs 1; CONFIG picks another config). STEPS picks
+# parts ("tests checksum verify transfer seed"; default all but seed).
 # KVRELAY_COMMIT=<hash> names the commit (the copied .git may be stale). Results under $OUT.
 set -uo pipefail
 OUT="${OUT:-/tmp/kvrelay-gpu-out}"
@@ -13,7 +14,7 @@ export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-STEPS="${STEPS:-tests checksum verify transfer}"
+STEPS="${STEPS:-tests checksum verify transfer}" CONFIG="${CONFIG:-configs/h200-1gpu.yaml}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 { echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -26,7 +27,7 @@ if want tests; then
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | tail -25
 fi
 if want checksum; then
-  timeout 120 python3 benchmarks/gpu/checksum.py 2>&1 | tail -8 | tee "$OUT/checksum.txt"
+  timeout 60 python3 benchmarks/gpu/checksum.py 2>&1 | tail -8 | tee "$OUT/checksum.txt"
 fi
 if want verify; then
   echo "\$ python3 -m kvrelay verify --device cuda" > "$OUT/verify-cuda.txt"
@@ -36,13 +37,22 @@ if want verify; then
 fi
 if want transfer; then
   for mode in ${CHECKSUM_MODES:-eager triton}; do
-    echo "\$ KVRELAY_DEVICE_CHECKSUM=$mode python3 -m kvrelay bench --config configs/h200-1gpu.yaml --scenario transfer" \
+    echo "\$ KVRELAY_DEVICE_CHECKSUM=$mode python3 -m kvrelay bench --config $CONFIG --scenario transfer" \
       "--impls ${IMPLS_TR:-cuda_ipc,colocated} --max-num-seqs 1 --requests ${REQ_TR:-100} --runs ${RUNS_TR:-3} --concurrency 4 --warmup 2" \
       > "$OUT/transfer-$mode.md"
-    KVRELAY_DEVICE_CHECKSUM=$mode timeout "${LIMIT_TR:-200}" python3 -m kvrelay bench --config configs/h200-1gpu.yaml \
+    KVRELAY_DEVICE_CHECKSUM=$mode timeout "${LIMIT_TR:-200}" python3 -m kvrelay bench --config "$CONFIG" \
       --scenario transfer --impls "${IMPLS_TR:-cuda_ipc,colocated}" --max-num-seqs 1 --requests "${REQ_TR:-100}" \
       --runs "${RUNS_TR:-3}" --concurrency 4 --warmup 2 --output "/tmp/tr-$mode" >> "$OUT/transfer-$mode.md" 2> "/tmp/tr-$mode.err"
     echo "rc=$?" >> "$OUT/transfer-$mode.md"; tail -c 1500 "/tmp/tr-$mode.err" >> "$OUT/transfer-$mode.md"
     grep -E "^\||rc=" "$OUT/transfer-$mode.md" | cut -c1-200
   done
+fi
+if want seed; then
+  args=(--scenario seed --impls "${IMPLS_SEED:-cuda_ipc,colocated}" --max-num-seqs 1 --requests "${REQ_SEED:-100}"
+        --runs "${RUNS_SEED:-3}" --concurrency 8 --warmup 2)
+  echo "\$ python3 -m kvrelay bench --config $CONFIG ${args[*]}" > "$OUT/seed.md"
+  timeout "${LIMIT_SEED:-240}" python3 -m kvrelay bench --config "$CONFIG" "${args[@]}" --output /tmp/seed \
+    >> "$OUT/seed.md" 2> /tmp/seed.err
+  echo "rc=$?" >> "$OUT/seed.md"; tail -c 1500 /tmp/seed.err >> "$OUT/seed.md"
+  grep -E "^\||rc=" "$OUT/seed.md" | cut -c1-200
 fi
