@@ -462,7 +462,17 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
             msg = "unknown key"
         # A whole-config check names its keys itself (`stages[1].model.preset: ...`).
         lines.append(f"{loc}: {msg}" if loc else msg)
-    return f"invalid config {source}:\n  " + "\n  ".join(lines)
+    return config_problems(source, lines)
+
+
+def config_problems(source: str, problems: list[str]) -> str:
+    """The message of a refused config: the file, then each problem (`key: what is wrong`).
+
+    One problem stays on one line (what a CLI prints as its one error line); several get a line each.
+    """
+    if len(problems) == 1:
+        return f"invalid config {source}: {problems[0]}"
+    return f"invalid config {source} ({len(problems)} problems):\n  " + "\n  ".join(problems)
 
 
 def parse_config(data: Any, source: str = "<config>") -> KvRelayConfig:
@@ -476,7 +486,7 @@ def parse_config(data: Any, source: str = "<config>") -> KvRelayConfig:
         check_model_geometry(cfg)
     except ConfigError as err:
         # The same shape as every other config error: which file, then the key and what is wrong.
-        raise ConfigError(f"invalid config {source}:\n  " + str(err).removeprefix("invalid config: ")) from None
+        raise ConfigError(config_problems(source, [str(err).removeprefix("invalid config: ")])) from None
     return cfg
 
 

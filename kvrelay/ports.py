@@ -40,7 +40,8 @@ def port_holder(port: int) -> str:
                 return "a process of another user"
             try:
                 proc = psutil.Process(conn.pid)
-                cmdline = " ".join(proc.cmdline()) or proc.name()
+                # One line, whatever the holder's arguments hold (`python -c` with newlines).
+                cmdline = " ".join(" ".join(proc.cmdline()).split()) or proc.name()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 return f"pid {conn.pid}"
             if len(cmdline) > 100:

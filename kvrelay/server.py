@@ -96,6 +96,14 @@ class GrpcServer:
         _enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         listen = f"{self.host}:{self.port}"
         tls = server_credentials(creds)
+        # Checked before gRPC tries (its own failed bind also logs a multi-line C-core error): a
+        # port in use names its holder, an address this host does not have says so.
+        try:
+            free = is_port_free(self.host, self.port)
+        except OSError as err:
+            raise PortInUse(f"{self.name}: cannot listen on {self.host}:{self.port} (gRPC): {err.strerror}") from None
+        if not free:
+            raise self._bind_error(self.port, "gRPC")
         try:
             if tls is not None:
                 self.bound_port = server.add_secure_port(listen, tls)
@@ -109,7 +117,14 @@ class GrpcServer:
         self._server = server
         await self.set_serving(False)
         if self.metrics_port is not None:
-            self._start_metrics()
+            try:
+                self._start_metrics()
+            except BaseException:
+                # A metrics port in use: the gRPC server already listens, and left running it
+                # kept the process from exiting after its one error line.
+                self._server = None
+                await server.stop(None)
+                raise
         log.info("grpc_listening", service=self.name, address=self.address, metrics_port=self.bound_metrics_port)
         return self.bound_port
 
@@ -133,8 +148,14 @@ class GrpcServer:
         self._metrics = httpd
         self.bound_metrics_port = httpd.server_port
 
+    def _taken(self, port: int) -> bool:
+        try:
+            return bool(port) and not is_port_free(self.host, port)
+        except OSError:  # e.g. an address this host does not have: the bind itself says so
+            return False
+
     def _bind_error(self, port: int, what: str) -> PortInUse:
-        if port and not is_port_free(self.host, port):
+        if self._taken(port):
             return PortInUse(f"{self.name}: " + in_use_message(port, f"{self.name} {what}", self.host))
         return PortInUse(f"{self.name}: cannot listen on {self.host}:{port} ({what})")
 

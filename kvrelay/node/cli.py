@@ -72,6 +72,23 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535] (0 = any free port), got {value}")
+    return value
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"unknown level {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return level
+
+
 def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM roots of a TLS broker (default: $KVRELAY_TLS_CA)")
     p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS (default: $KVRELAY_TLS_CERT)")
@@ -81,9 +98,10 @@ def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
 def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
     p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--host", default=None, help="address to listen on (default: the config's host, 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="gRPC port to listen on (0 = any free port)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0 = any free port)")
-    p.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: INFO or $KVRELAY_LOG_LEVEL)")
+    p.add_argument("--port", type=_port, default=None, help="gRPC port to listen on (0 = any free port)")
+    p.add_argument("--metrics-port", type=_port, default=None, help="Prometheus port (0 = any free port)")
+    p.add_argument("--log-level", type=_log_level, default=None,
+                   help="DEBUG, INFO, WARNING, ERROR (default: INFO or $KVRELAY_LOG_LEVEL)")
     p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
     if replica:
         p.add_argument("--replica", type=int, default=0, help="replica index within the stage (default: 0)")
@@ -102,11 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--host", default=None, help="address every process listens on (default: the config's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
-    p.add_argument("--log-level", default=None, help="log level for every child")
+    p.add_argument("--log-level", type=_log_level, default=None,
+                   help="log level for every child: DEBUG, INFO, WARNING, ERROR (default: INFO or $KVRELAY_LOG_LEVEL)")
     p.add_argument("--ready-timeout", type=_positive_float, default=300.0,
                    help="seconds to wait for every process to be SERVING (default: %(default)g)")
     p.add_argument(
-        "--metrics-port", type=int, default=9399,
+        "--metrics-port", type=_port, default=9399,
         help="the node's one Prometheus target: every process's metrics, label process (0 = any free port)",
     )  # fmt: skip
     p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
@@ -226,6 +245,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    env_level = os.environ.get("KVRELAY_LOG_LEVEL")
+    if env_level and env_level.upper() not in LOG_LEVELS:
+        print(f"kvrelay {args.command}: $KVRELAY_LOG_LEVEL: unknown level {env_level!r} (one of {', '.join(LOG_LEVELS)})",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if "config" in vars(args) and not args.config:
         # Resolved once here, so that every handler (and every child `kvrelay up` starts) sees the
         # same file: an explicit --config wins, then $KVRELAY_CONFIG, then the shipped default.
@@ -250,3 +274,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except OSError as err:
+        # A file named on the command line or in the environment (a TLS certificate, a prompt
+        # file) that cannot be read: one line naming it, as for every other bad input. Other
+        # OSErrors are not input errors and keep their traceback.
+        if err.filename is None or not isinstance(err, FileNotFoundError | PermissionError | IsADirectoryError):
+            raise
+        print(f"kvrelay {args.command}: {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2

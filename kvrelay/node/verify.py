@@ -365,14 +365,38 @@ def run_check(
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvrelay.models.presets import get_preset
+
     torch.set_num_threads(1)
     preset = args.preset or ("bagel-7b-shape" if args.device.startswith("cuda") else "tiny")
-    result = run_check(
-        preset, args.prompt, args.negative_prompt, args.ar_tp, args.dit_tp, args.dit_sp, args.seed,
-        device=args.device, dit_cfg=args.dit_cfg,
-    )
+    # Bad input is one line naming it and exit 2, before any model is built (never a traceback).
+    try:
+        get_preset(preset)
+        _check_device(torch, args.device)
+        result = run_check(
+            preset, args.prompt, args.negative_prompt, args.ar_tp, args.dit_tp, args.dit_sp, args.seed,
+            device=args.device, dit_cfg=args.dit_cfg,
+        )
+    except ValueError as err:  # the preset, the device, or a layout the planner refuses
+        print(f"kvrelay verify: {err}", file=sys.stderr)
+        return 2
     print(f"prefix_bits_equal {result['prefix_bits_equal']}")
     print(f"attention_bits_equal {result['attention_bits_equal']}")
     print(f"max_abs_diff {result['max_abs_diff']}")
     ok = result["prefix_bits_equal"] and result["attention_bits_equal"] and result["max_abs_diff"] == 0.0
     return 0 if ok else 1
+
+
+def _check_device(torch: Any, device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device}: not a device (cpu, cuda or cuda:N)") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise ValueError(f"--device {device}: only cpu and cuda are checked")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here (torch.cuda.is_available() is False)")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA device(s)")

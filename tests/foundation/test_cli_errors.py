@@ -5,8 +5,10 @@ the problem, a non-zero exit and no traceback. Real processes, as a shell runs t
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,12 +18,13 @@ CONFIG_COMMANDS = ["up", "broker", "ar", "dit", "bench"]
 
 
 def kvrelay(*argv: str, env: dict[str, str] | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run `kvrelay ARGV` to its end (a command that does not end within 60 s fails the test)."""
     base = {k: v for k, v in os.environ.items() if k != "KVRELAY_CONFIG"}
     # Console logs, as on a terminal: a service's error line is then the plain line a user reads.
     base.update(KVRELAY_LOG_FORMAT="console", KVRELAY_NATIVE_CAPTURE="0")
     return subprocess.run(
         [sys.executable, "-m", "kvrelay", *argv],
-        capture_output=True, text=True, timeout=120, cwd=cwd, env={**base, **(env or {})},
+        capture_output=True, text=True, timeout=60, cwd=cwd, env={**base, **(env or {})},
     )  # fmt: skip
 
 
@@ -68,3 +71,94 @@ def test_a_missing_or_broken_config_is_one_line(command: str, tmp_path: Path) ->
     bad.write_text("broker:\n  port: [50051\n")
     proc = kvrelay(command, "--config", str(bad))
     assert_one_clear_line(proc, command, f"invalid YAML in {bad} line 3 column 1")
+
+
+def test_a_config_with_one_problem_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    config = tmp_path / "preset.yaml"
+    config.write_text((REPO / "tests/configs/test-fast.yaml").read_text().replace("preset: tiny", "preset: huge"))
+    assert "preset: huge" in config.read_text()
+    for command in ("up", "broker", "ar", "dit"):
+        assert_one_clear_line(
+            kvrelay(command, "--config", str(config)), command,
+            f"invalid config {config}: stages[0].model.preset: unknown model preset 'huge'",
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["bench", "--preset", "huge"], ["unknown model preset 'huge'"]),
+        (["verify", "--preset", "huge"], ["unknown model preset 'huge'"]),
+        (["verify", "--device", "tpu"], ["--device tpu"]),
+        (["verify", "--ar-tp", "3"], ["num_kv_heads=4"]),
+        (["generate", "a fox", "--tls-ca", "/nonexistent/ca.pem"], ["/nonexistent/ca.pem", "No such file"]),
+    ],
+)
+def test_bad_input_of_a_command_is_one_line(argv: list[str], names: list[str]) -> None:
+    proc = kvrelay(*argv)
+    assert_one_clear_line(proc, argv[0], *names)
+    assert proc.returncode == 2
+
+
+def test_verify_on_a_host_without_cuda_says_so() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    assert_one_clear_line(kvrelay("verify", "--device", "cuda"), "verify", "--device cuda: no CUDA device")
+
+
+@pytest.mark.parametrize("command", ["up", "broker"])
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["--log-level", "LOUD"], "argument --log-level: unknown level 'LOUD'"),
+        (["--metrics-port", "70000"], "argument --metrics-port: must be a TCP port in [0, 65535]"),
+    ],
+)
+def test_a_bad_flag_value_is_a_usage_error(command: str, argv: list[str], name: str) -> None:
+    # --log-level LOUD was a ValueError traceback from logging; --port 99999 listened on a random port.
+    proc = kvrelay(command, *argv)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(f"kvrelay {command}: error: {name}"), proc.stderr
+
+
+def test_a_port_out_of_range_is_a_usage_error() -> None:
+    proc = kvrelay("broker", "--port", "99999")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "kvrelay broker: error: argument --port: must be a TCP port in [0, 65535] (0 = any free port), got 99999"
+    )
+
+
+def test_a_bad_kvrelay_log_level_is_one_line() -> None:
+    proc = kvrelay("broker", env={"KVRELAY_LOG_LEVEL": "chatty"})
+    assert_one_clear_line(proc, "broker", "$KVRELAY_LOG_LEVEL: unknown level 'chatty'")
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int) -> None:
+    config = str(REPO / "tests/configs/test-fast.yaml")
+    # gRPC's own failed bind printed a C-core error (two lines of absl) before ours.
+    proc = kvrelay("broker", "--config", config, "--port", str(busy_port), "--metrics-port", "0")
+    assert_one_clear_line(proc, "broker", f"port {busy_port} (broker gRPC, on 127.0.0.1) is already in use by pid")
+    # A metrics port in use left the gRPC server running: the broker printed its line, then hung.
+    proc = kvrelay("broker", "--config", config, "--port", "0", "--metrics-port", str(busy_port))
+    assert_one_clear_line(proc, "broker", f"port {busy_port} (broker metrics, on 127.0.0.1) is already in use")
+    proc = kvrelay("ar", "--config", config, "--port", str(busy_port), "--broker", "127.0.0.1:1")
+    assert_one_clear_line(proc, "ar", f"port {busy_port} (ar-0 gRPC, on 127.0.0.1) is already in use")
+    proc = kvrelay("up", "--config", config, "--metrics-port", str(busy_port))
+    assert_one_clear_line(proc, "up", f"port {busy_port} (node metrics, on 127.0.0.1) is already in use")
+
+
+def test_an_address_this_host_does_not_have_is_one_line() -> None:
+    config = str(REPO / "tests/configs/test-fast.yaml")
+    # 192.0.2.0/24 is TEST-NET-1: never a local address.
+    proc = kvrelay("broker", "--config", config, "--host", "192.0.2.1", "--insecure-bind", "--port", "0")
+    assert_one_clear_line(proc, "broker", "cannot listen on 192.0.2.1:0 (gRPC): Cannot assign requested address")

@@ -79,11 +79,21 @@ def test_rejects_sleep_mode_on_native_dit(base: dict[str, Any]) -> None:
 def test_rejects_tp_not_dividing_kv_heads(base: dict[str, Any]) -> None:
     data = copy.deepcopy(base)
     data["stages"][0]["tensor_parallel_size"] = 3
-    # Like every config error: the file first (a node reads several), then the key.
-    assert _reject(data, "stages[0].tensor_parallel_size", "num_kv_heads=4").startswith("invalid config test.yaml:\n  ")
+    # Like every config error: the file first (a node reads several), then the key, on one line.
+    message = _reject(data, "stages[0].tensor_parallel_size", "num_kv_heads=4")
+    assert message.startswith("invalid config test.yaml: stages[0].tensor_parallel_size: ") and "\n" not in message
     data = copy.deepcopy(base)
     data["stages"][1]["sequence_parallel_size"] = 8
     _reject(data, "stages[1].sequence_parallel_size", "num_kv_heads")
+
+
+def test_several_problems_get_a_line_each(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["broker"]["lease_secs"] = 3
+    data["broker"]["max_queue"] = "many"
+    message = _reject(data, "broker.lease_secs: unknown key", "broker.max_queue")
+    assert message.startswith("invalid config test.yaml (2 problems):\n  broker.")
+    assert len(message.splitlines()) == 3
 
 
 def test_rejects_geometry_that_cannot_match(base: dict[str, Any]) -> None:
@@ -312,7 +322,7 @@ def test_rejects_a_dit_without_a_preset(base: dict[str, Any]) -> None:
     for stage in data["stages"]:
         stage["model"] = {"path": "/nonexistent/checkpoint"}
     # A whole-config check names its key itself: no pydantic "<root>" in front of it.
-    assert "\n  stages[1].model.preset: required" in _reject(data, "stages[1].model.preset", "required")
+    assert ": stages[1].model.preset: required" in _reject(data, "stages[1].model.preset", "required")
 
 
 @pytest.mark.parametrize("fmt", [{"format": "demo"}, {"preset": "tiny"}])
