@@ -16,8 +16,9 @@ import math
 import re
 import secrets
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Final
+from typing import Any, Final
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -58,6 +59,14 @@ MAX_LIST_REPLY_BYTES: Final = 4 * 1024 * 1024
 # one more is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Attaching needs only the request_id and
 # parameters, and each stream held ~25 KB of the broker: one client could attach without bound.
 MAX_STREAMS_PER_GENERATION: Final = 16
+# PNG bytes that replies carrying an image (GetGeneration, a terminal Generate event) may hold at
+# once, from being built until their call ends. gRPC keeps a reply until the peer has read it, at
+# about 3x its PNG (the proto's copy, the serialized message, gRPC's buffer): unbounded, one
+# connection that asked for a finished 2048x2048 image (10 MB PNG) over and over and never read
+# pinned ~35 MB per call (50 calls: +1.7 GB), up to 1024 calls per connection.
+MAX_IMAGE_REPLY_BYTES: Final = 64 * 1024 * 1024
+# How long a reply waits for that budget (or less, the call's deadline) before RESOURCE_EXHAUSTED.
+IMAGE_REPLY_WAIT_SECONDS: Final = 10.0
 # A repeated message field's tag and length prefix (a length below 2**28 takes at most 4 bytes).
 _LIST_ITEM_OVERHEAD: Final = 5
 
@@ -184,6 +193,91 @@ def generation_to_proto(snap: GenerationSnapshot, with_image: bool = True) -> ge
     )
 
 
+# ---------------------------------------------------------------------- image replies
+
+
+class ImageReplyBudget:
+    """The PNG bytes of replies built but whose call has not ended, bounded by `limit_bytes`.
+
+    `reserve` is called before a reply with an image is built; the bytes come back when the
+    call ends (sent and read, cancelled, disconnected, past its deadline), so a reply its peer
+    never reads keeps its share until then instead of every such call pinning its own copy.
+    Waiters are served in arrival order; one that does not fit within its wait is refused
+    RESOURCE_EXHAUSTED IMAGE_REPLY_BUDGET_EXHAUSTED. A single image larger than the whole
+    budget is let through when nothing else is held.
+    """
+
+    def __init__(self, limit_bytes: int | None = None, wait_seconds: float | None = None) -> None:
+        self.limit_bytes = MAX_IMAGE_REPLY_BYTES if limit_bytes is None else limit_bytes
+        self.wait_seconds = IMAGE_REPLY_WAIT_SECONDS if wait_seconds is None else wait_seconds
+        self.held_bytes = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def reserve(self, nbytes: int, context: grpc.aio.ServicerContext) -> None:
+        """Hold `nbytes` until `context`'s call ends; waits at most `wait_seconds` (or the
+        call's remaining time) for them."""
+        if nbytes <= 0:
+            return
+        if not self._waiters and self._fits(nbytes):
+            self.held_bytes += nbytes
+        else:
+            await self._wait(nbytes, context)
+        released = False
+
+        def release(_: Any = None) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._release(nbytes)
+
+        context.add_done_callback(release)
+        # A call that ended before the callback was added never calls it.
+        if context.done():
+            release()
+
+    async def _wait(self, nbytes: int, context: grpc.aio.ServicerContext) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((nbytes, waiter))
+        remaining = context.time_remaining()
+        timeout = self.wait_seconds if remaining is None else min(self.wait_seconds, remaining)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except BaseException:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove((nbytes, waiter))
+            if waiter.done() and not waiter.cancelled():
+                self._release(nbytes)  # granted as the wait ended: give it to the next
+            waiter.cancel()
+            if _cancelling():
+                raise
+            raise KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "IMAGE_REPLY_BUDGET_EXHAUSTED",
+                f"the broker holds {self.held_bytes} bytes of images in replies not yet read "
+                f"(at most {self.limit_bytes}); retry later",
+            ) from None
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.held_bytes == 0 or self.held_bytes + nbytes <= self.limit_bytes
+
+    def _release(self, nbytes: int) -> None:
+        assert self.held_bytes >= nbytes, f"image reply budget: releasing {nbytes} of {self.held_bytes} held"
+        self.held_bytes -= nbytes
+        while self._waiters and self._fits(self._waiters[0][0]):
+            size, waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.held_bytes += size
+                waiter.set_result(None)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _image_bytes(snap: GenerationSnapshot) -> int:
+    return len(snap.image.png) if snap.image is not None else 0
+
+
 # ---------------------------------------------------------------------- servicer
 
 
@@ -194,8 +288,9 @@ def _server_error(err: BrokerError) -> KvRelayServerError:
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """Every GenerationService RPC over one Orchestrator."""
 
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    def __init__(self, orchestrator: Orchestrator, image_budget: ImageReplyBudget | None = None) -> None:
         self.orchestrator = orchestrator
+        self.image_budget = image_budget or ImageReplyBudget()
         # Generations whose last stream ended early, waiting for a re-attach: the timer cancels.
         self._detached: dict[str, asyncio.TimerHandle] = {}
 
@@ -227,6 +322,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             try:
                 while True:
                     snap = await queue.get()
+                    if snap.state.terminal:
+                        try:
+                            await self.image_budget.reserve(_image_bytes(snap), context)
+                        except KvRelayServerError as err:
+                            await abort_with(context, err)
                     yield event_to_proto(snap)
                     if snap.state.terminal:
                         finished = True
@@ -284,6 +384,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> generation_pb2.GetGenerationResponse:
         try:
             snap = self.orchestrator.get(request.request_id)
+            await self.image_budget.reserve(_image_bytes(snap), context)
         except KvRelayServerError as err:
             await abort_with(context, err)
         return generation_pb2.GetGenerationResponse(generation=generation_to_proto(snap))
