@@ -195,7 +195,7 @@ class AsyncGenerationHandle(_core.HandleBase):
                 error = self._core.cancel_failed(err)
         self._call.cancel()
         if error is not None:
-            raise error
+            raise _core.raisable(error)
 
     async def __aenter__(self) -> AsyncGenerationHandle:
         return self
@@ -249,7 +249,7 @@ class AsyncGenerationHandle(_core.HandleBase):
                 yield decision.event
                 return
             assert isinstance(decision, _core.Fail)
-            raise decision.error
+            raise _core.raisable(decision.error)
 
 
 def _task_is_cancelling() -> bool:

@@ -232,7 +232,7 @@ class GenerationHandle(_core.HandleBase):
                 finally:
                     self._iterating = False
             elif self._ended.wait(0.1) and not self._core.done and self._core.failure is not None:
-                raise self._core.failure
+                raise _core.raisable(self._core.failure)
         return self._core.result()
 
     def cancel(self) -> None:
@@ -254,7 +254,7 @@ class GenerationHandle(_core.HandleBase):
                 error = self._core.cancel_failed(err)
         self._call.cancel()
         if error is not None:
-            raise error
+            raise _core.raisable(error)
 
     def __enter__(self) -> GenerationHandle:
         return self
@@ -289,6 +289,9 @@ class GenerationHandle(_core.HandleBase):
                         return
             except grpc.RpcError as rpc_error:
                 error = error_from_rpc(rpc_error, request_id=core.request_id)
+                # grpc's streaming call raises itself: its traceback's frames hold the call (and
+                # this handle, which holds the call), a cycle only the cyclic GC would free.
+                rpc_error.__traceback__ = None
                 if self._client._closed and not core.cancel_requested:
                     error = _core.client_closed_error(core.request_id)
             decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
@@ -304,7 +307,7 @@ class GenerationHandle(_core.HandleBase):
                 yield decision.event
                 return
             assert isinstance(decision, _core.Fail)
-            raise decision.error
+            raise _core.raisable(decision.error)
 
 
 __all__ = ["GenerationHandle", "KvRelayClient"]
