@@ -160,7 +160,7 @@ def _input_error(err: Exception) -> str:
     if isinstance(err, FileNotFoundError):
         return f"file not found: {err.filename}"
     if isinstance(err, OSError):
-        return f"cannot read {err.filename}: {err.strerror or err}"
+        return f"{err.filename}: {err.strerror or err}"
     return str(err)
 
 

@@ -79,6 +79,9 @@ def _port(text: str) -> int:
     return value
 
 
+# OSErrors about a path (a file or folder named on the command line, in the environment or in
+# the config) that main() reports as one line: `kvrelay up --log-dir FILE/logs`, `--tls-ca MISSING`.
+PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -87,6 +90,15 @@ def _log_level(text: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"unknown level {text!r} (one of {', '.join(LOG_LEVELS)})")
     return level
+
+
+def _target(text: str) -> str:
+    """HOST[:PORT] of a kvrelay process; a port outside [1, 65535] was taken modulo 65536 by gRPC
+    (127.0.0.1:99999 dialled 127.0.0.1:34463)."""
+    _, sep, port = text.rpartition(":")
+    if sep and port.isdigit() and not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} of {text} is not a TCP port in [1, 65535]")
+    return text
 
 
 def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +117,8 @@ def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
     p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
     if replica:
         p.add_argument("--replica", type=int, default=0, help="replica index within the stage (default: 0)")
-        p.add_argument("--broker", default=None, help="broker address HOST:PORT (default: from the config)")
+        p.add_argument("--broker", type=_target, default=None,
+                       help="broker address HOST:PORT (default: from the config)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2, help="num_inference_steps (default: %(default)s)")
     p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale; 1.0 = no CFG (default: %(default)s)")
     p.add_argument("-o", "--output", default="out.png", help="PNG path (default: %(default)s)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--request-id", default=None, help="idempotency key; re-running attaches to it")
     p.add_argument("--timeout", type=_positive_float, default=None,
                    help="deadline of the whole generation in seconds (default: 600)")
@@ -158,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_tls_args(p)
 
     p = sub.add_parser("status", help="show replicas, page pools and tickets")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
@@ -166,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_tls_args(p)
 
     p = sub.add_parser("health", help="one gRPC health check; exit 0 only if SERVING (container healthchecks)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="HOST[:PORT] of any kvrelay process; no port means the broker's 50051 (default: %(default)s)")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="HOST[:PORT] of any kvrelay process; no port means the broker's 50051 (default: %(default)s)")
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
     p.add_argument("--timeout", type=_positive_float, default=3.0, help="seconds to wait for the answer")
     _add_client_tls_args(p)
@@ -175,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", action="append", default=None,
                    help="only this state (QUEUED, PREFILLING, ..., SUCCEEDED, FAILED, CANCELLED); repeatable")
     p.add_argument("--limit", type=_non_negative_int, default=0, help="at most this many (default: all the broker keeps)")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
@@ -184,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cancel", help="cancel generations by request id (idempotent)")
     p.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
-    p.add_argument("--target", default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
     _add_client_tls_args(p)
 
@@ -278,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A file named on the command line or in the environment (a TLS certificate, a prompt
         # file) that cannot be read: one line naming it, as for every other bad input. Other
         # OSErrors are not input errors and keep their traceback.
-        if err.filename is None or not isinstance(err, FileNotFoundError | PermissionError | IsADirectoryError):
+        if err.filename is None or not isinstance(err, PATH_ERRORS):
             raise
         print(f"kvrelay {args.command}: {err.filename}: {err.strerror}", file=sys.stderr)
         return 2

@@ -846,6 +846,14 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay up: {err}", file=sys.stderr)
         return 2
+    log_dir = getattr(args, "log_dir", None)
+    if log_dir:
+        # Made here, so that a folder that cannot be is one line before anything starts.
+        try:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            print(f"kvrelay up: --log-dir {log_dir}: {err.strerror or err}", file=sys.stderr)
+            return 2
     # The node metrics port is bound before the children's ports are chosen: a port 0 bound after
     # them could be given one of theirs (just probed free), and the node would refuse to start on
     # its own listener.

@@ -162,3 +162,24 @@ def test_an_address_this_host_does_not_have_is_one_line() -> None:
     # 192.0.2.0/24 is TEST-NET-1: never a local address.
     proc = kvrelay("broker", "--config", config, "--host", "192.0.2.1", "--insecure-bind", "--port", "0")
     assert_one_clear_line(proc, "broker", "cannot listen on 192.0.2.1:0 (gRPC): Cannot assign requested address")
+
+
+@pytest.mark.parametrize("command", ["generate", "status", "health", "list", "cancel"])
+def test_a_target_port_out_of_range_is_a_usage_error(command: str) -> None:
+    # gRPC took it modulo 65536: 127.0.0.1:99999 dialled 127.0.0.1:34463.
+    extra = {"generate": ["a fox"], "cancel": ["r1"]}.get(command, [])
+    proc = kvrelay(command, *extra, "--target", "127.0.0.1:99999")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"kvrelay {command}: error: argument --target: port 99999 of 127.0.0.1:99999 is not a TCP port in [1, 65535]"
+    )
+
+
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    config = str(REPO / "tests/configs/test-fast.yaml")
+    proc = kvrelay("up", "--config", config, "--metrics-port", "0", "--log-dir", str(afile / "logs"))
+    assert_one_clear_line(proc, "up", f"--log-dir {afile / 'logs'}: Not a directory")
+    proc = kvrelay("bench", "--config", config, "--output", str(afile / "out"))
+    assert_one_clear_line(proc, "bench", f"{afile / 'out'}: Not a directory")
