@@ -330,6 +330,8 @@ def run(args: argparse.Namespace) -> int:
     capture_native_output(f"ar-{replica}")
     try:
         cfg = load_config(args.config)
+        if getattr(args, "advertise_host", None) is not None:
+            cfg = cfg.with_advertise_host("ar", args.advertise_host)
     except ConfigError as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG

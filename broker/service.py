@@ -338,8 +338,9 @@ async def unreachable_endpoint_problem(spec: ReplicaSpec, peer: str, probe: Endp
         return ""
     return (
         f"replica.endpoint: {spec.replica_id} advertises {spec.endpoint}, which the broker cannot reach "
-        f"({problem}): set its stage's advertise_host to an address of its host that the broker and the "
-        "other replicas reach, and open the firewall to it (docs/operations.md, Running services by hand)"
+        f"({problem}): set its stage's advertise_host (or --advertise-host) to an address of its host that the "
+        "broker and the other replicas reach, listen on it (the stage's host or --host) and let them through "
+        "any firewall (docs/operations.md, Across hosts)"
     )
 
 

@@ -256,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
     capture_native_output(f"dit-{args.replica}")
     try:
         cfg = load_config(args.config)
+        if getattr(args, "advertise_host", None) is not None:
+            cfg = cfg.with_advertise_host("dit", args.advertise_host)
     except ConfigError as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         return 2

@@ -351,6 +351,17 @@ class KvRelayConfig(_Strict):
     def stage(self, kind: str) -> StageConfig:
         return self.ar_stage if kind == "ar" else self.dit_stage
 
+    def with_advertise_host(self, kind: str, host: str) -> KvRelayConfig:
+        """This config with stage `kind`'s `advertise_host` replaced (`kvrelay ar|dit
+        --advertise-host`): one config file serves every host of a deployment, each process
+        naming its own host's address instead of a per-host copy of the file."""
+        if not host or host != host.strip() or any(c in host for c in "/ "):
+            raise ConfigError(f"--advertise-host: an address or host name, got {host!r}")
+        if host.count(":") == 1 or (host.startswith("[") and "]:" in host):
+            raise ConfigError(f"--advertise-host: an address without a port, got {host!r} (the port is the stage's)")
+        stages = [s.model_copy(update={"advertise_host": host}) if s.kind == kind else s for s in self.stages]
+        return self.model_copy(update={"stages": stages})
+
     @property
     def rank_watch_interval(self) -> float:
         """How often a replica's watchdog checks its ranks (kvrelay.worker.watch_ranks)."""

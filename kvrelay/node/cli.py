@@ -119,6 +119,11 @@ def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
         p.add_argument("--replica", type=int, default=0, help="replica index within the stage (default: 0)")
         p.add_argument("--broker", type=_target, default=None,
                        help="broker address HOST:PORT (default: from the config)")
+        p.add_argument(
+            "--advertise-host", default=None,
+            help="the address the broker and the other replicas reach this replica at, its gRPC endpoint and "
+            "Mooncake session (default: the stage's advertise_host); across hosts, this host's address",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
