@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from kvrelay import __version__
 from kvrelay.config import DEFAULT_CONFIG, default_config_path
+from kvrelay.models.presets import PRESETS
 
 # subcommand -> "module:function(args) -> int"
 HANDLERS = {
@@ -32,6 +33,7 @@ HANDLERS = {
 }
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+PRESET_NAMES = ", ".join(PRESETS)
 CONFIG_HELP = f"deployment YAML (default: $KVRELAY_CONFIG, else {DEFAULT_CONFIG})"
 INSECURE_BIND_HELP = (
     "listen on a non-loopback address although no replica token or mutual TLS is configured "
@@ -144,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for every process to be SERVING (default: %(default)g)")
     p.add_argument(
         "--metrics-port", type=_port, default=9399,
-        help="the node's one Prometheus target: every process's metrics, label process (0 = any free port)",
+        help="the node's one Prometheus target: every process's metrics, label process "
+        "(default: %(default)s; 0 = any free port)",
     )  # fmt: skip
     p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
 
@@ -208,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
     p.add_argument("--config", default=None, help=f"base config (default: $KVRELAY_CONFIG, else {DEFAULT_CONFIG}, the shipped CPU node)")
-    p.add_argument("--preset", default=None, help="model preset for both stages (default: the config's AR "
-                   "preset; small when it has none, as the default config's demo model)")
+    p.add_argument("--preset", default=None, help=f"model preset for both stages: {PRESET_NAMES} (default: the "
+                   "config's AR preset; small when it has none, as the default config's demo model)")
     p.add_argument("--requests", type=_positive_int, default=20, help="requests per run (default: %(default)s)")
     p.add_argument("--runs", type=_positive_int, default=2,
                    help="independent runs per implementation (default: %(default)s)")
@@ -242,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
-    p.add_argument("--preset", default=None, help="model preset (default: tiny on cpu, bagel-7b-shape on cuda)")
+    p.add_argument("--preset", default=None,
+                   help=f"model preset: {PRESET_NAMES} (default: tiny on cpu, bagel-7b-shape on cuda)")
     p.add_argument("--device", default="cpu", help="cpu, or cuda: models on the GPU and CUDA IPC checked too")
     p.add_argument("--prompt", default="a red fox in the snow, watercolor", help="CFG row 0 (default: %(default)r)")
     p.add_argument("--negative-prompt", default="blurry", help="CFG row 1 (default: %(default)r)")

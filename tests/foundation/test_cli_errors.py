@@ -143,7 +143,7 @@ def busy_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int) -> None:
+def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int, tmp_path: Path) -> None:
     config = str(REPO / "tests/configs/test-fast.yaml")
     # gRPC's own failed bind printed a C-core error (two lines of absl) before ours.
     proc = kvrelay("broker", "--config", config, "--port", str(busy_port), "--metrics-port", "0")
@@ -151,7 +151,9 @@ def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int) -> None
     # A metrics port in use left the gRPC server running: the broker printed its line, then hung.
     proc = kvrelay("broker", "--config", config, "--port", "0", "--metrics-port", str(busy_port))
     assert_one_clear_line(proc, "broker", f"port {busy_port} (broker metrics, on 127.0.0.1) is already in use")
-    proc = kvrelay("ar", "--config", config, "--port", str(busy_port), "--broker", "127.0.0.1:1")
+    # Its own lock folder: another ar-0 of a "127.0.0.1:1" deployment on this host holds the shared one.
+    proc = kvrelay("ar", "--config", config, "--port", str(busy_port), "--broker", "127.0.0.1:1",
+                   env={"KVRELAY_LOCK_DIR": str(tmp_path / "locks")})  # fmt: skip
     assert_one_clear_line(proc, "ar", f"port {busy_port} (ar-0 gRPC, on 127.0.0.1) is already in use")
     proc = kvrelay("up", "--config", config, "--metrics-port", str(busy_port))
     assert_one_clear_line(proc, "up", f"port {busy_port} (node metrics, on 127.0.0.1) is already in use")
