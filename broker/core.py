@@ -892,6 +892,12 @@ class BrokerCore:
 
     def _restore(self) -> None:
         contents = self.journal.load()
+        if "sequence" not in contents.meta:
+            # A new journal (or one lost): number tickets from the clock (microseconds), above any
+            # sequence an earlier journal handed out. DiT replicas that outlive the journal keep
+            # page fences ordered by sequence (a page only goes to later tickets): numbering
+            # from 1 again would have them refuse every new ticket of a page an old one claimed.
+            self._sequence = int(self.clock() * 1_000_000)
         if not contents.replicas and not contents.tickets:
             return
         now = self.clock()
@@ -900,7 +906,7 @@ class BrokerCore:
             self.registry.restore(record)
             if record.spec.role is ReplicaRole.DIT:
                 self._pools[record.spec.replica_id] = _pages_of(record.spec)
-        self._sequence = int(contents.meta.get("sequence", "0"))
+        self._sequence = int(contents.meta.get("sequence", str(self._sequence)))
         restored: list[TicketRecord] = []
         for data in sorted(contents.tickets.values(), key=lambda d: d["sequence"]):
             t = ticket_from_json(data)

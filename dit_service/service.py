@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -37,6 +37,7 @@ from kvrelay.dit_service.engine import (
     RunDenoiseBatch,
     VerifyWrites,
 )
+from kvrelay.dit_service.fence import PageFence, Superseded
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
 from kvrelay.dit_service.releases import OwedReleases
@@ -216,15 +217,15 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         self._batcher: DenoiseBatcher | None = None
         self._ipc_mapped: list[Any] | Literal[False] | None = None
         self._ipc_endpoint: Any = None
-        # The page fence (docs/dit_service.md, "PutKv"): page id -> (the ticket that last claimed
-        # it here, the claim's number). A gRPC write's ticket claims its row's pages at its first
-        # chunk, a ticket being loaded claims them before they are verified; every PutKv chunk
-        # must find its pages still claimed by its own ticket. So a chunk of an ended ticket that
-        # was still in a socket (its sender gave up: deadline, keepalive, a stopped DiT) can land
-        # at most before the pages' next ticket is verified, whose checksums then see it, never
-        # after.
-        self._page_owner: dict[int, tuple[str, int]] = {}
-        self._claims = 0
+        # The page fence (dit_service/fence.py, docs/dit_service.md "The page fence"): every PutKv
+        # chunk must find its pages still claimed by its own ticket. A gRPC write's ticket claims
+        # its row's pages at its first chunk, a ticket being loaded claims them before they are
+        # verified, and a page only goes to tickets of a higher reservation sequence. So a chunk
+        # of an ended ticket still in a socket (its sender gave up: deadline, keepalive, a stopped
+        # DiT) lands at most before the pages' next ticket is verified, whose checksums see it,
+        # never after; and a stale claim (a load of a ticket released under it) never refuses the
+        # chunks of the ticket that holds the pages now.
+        self.fence = PageFence()
         # Releases not yet heard by the broker, retried until it does (main stops it last).
         self.releases = OwedReleases(self._send_release)
 
@@ -620,7 +621,13 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     # The page fence: from here no late chunk of an earlier ticket lands in these
                     # pages, so what is verified stays what the ranks read.
                     verifying = {row for row, _ in command.loads}
-                    self._claim_pages(ticket_id, (p for r in rows if r.row in verifying for p in r.page_ids))
+                    try:
+                        self.fence.claim(ticket_id, ticket.sequence,
+                                         (p for r in rows if r.row in verifying for p in r.page_ids))
+                    except Superseded as err:
+                        # A later ticket holds a page: ours was released (our watch lags).
+                        raise KvRelayServerError(grpc.StatusCode.ABORTED, "TICKET_ENDED",
+                                                 f"{err} (ticket ended while loading)") from None
                     verified = await self._verify(list(command.loads), planned, reported)
                     # Every verified (row, dst_rank) goes in one ReportLoad (one broker commit,
                     # one ticket change for the watchers), not one call per load.
@@ -802,11 +809,6 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             s.metrics.transfer_bytes.labels(str(rank), "grpc_received").inc(landed)
         return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
 
-    def _claim_pages(self, ticket_id: str, page_ids: Iterable[int]) -> None:
-        self._claims += 1
-        for page in page_ids:
-            self._page_owner[int(page)] = (ticket_id, self._claims)
-
     def _check_fence(self, chunk: dit_pb2.PutKvRequest, ranges: Sequence[tuple[int, int]]) -> None:
         """Refuse a chunk whose pages another ticket has claimed since its own ticket did (one
         outside its row's pages is apply_put_kv's to refuse)."""
@@ -814,12 +816,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         if start == stop or not any(lo <= start and stop <= hi for lo, hi in ranges):
             return
         page_bytes = self.s.memory.page_bytes
-        first, last = chunk.dst_offset // page_bytes, (chunk.dst_offset + len(chunk.data) - 1) // page_bytes
-        for page in range(first, last + 1):
-            owner = self._page_owner.get(page)
-            if owner is None or owner[0] != chunk.ticket_id:
-                raise _not_writable(f"ticket {chunk.ticket_id}: page {page} now belongs to "
-                                    f"{'no ticket' if owner is None else 'ticket ' + owner[0]}: no write of it may land")
+        try:
+            self.fence.check(chunk.ticket_id, range(start // page_bytes, (stop - 1) // page_bytes + 1))
+        except Superseded as err:
+            raise _not_writable(str(err)) from None
 
     async def _allowed_ranges(
         self, ticket_id: str, row: int
@@ -827,9 +827,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         """Byte ranges of the pages the broker reserved for (ticket, row), and the (source rank,
         destination rank) pairs of its plan's writes of that row; the ticket must be ours and
         armed, and not released (its pages may belong to another ticket by now). Claims the row's
-        pages for the ticket (the page fence), unless another ticket claimed one of them while
-        the broker answered: that answer may be stale."""
-        asked = self._claims
+        pages for the ticket (the page fence), unless a later ticket holds one of them: then the
+        broker's answer was stale (the ticket ended while it travelled)."""
         ticket = await self._get_ticket(ticket_id)
         if ticket.dit_replica_id != self.s.replica_id:
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
@@ -841,12 +840,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             if r.row == row:
                 pairs = frozenset((w.src_rank, w.dst_rank) for w in ticket.writes if w.row == row)
                 ranges = self.s.memory.page_ranges(tuple(r.page_ids))
-                for page in r.page_ids:
-                    owner = self._page_owner.get(int(page))
-                    if owner is not None and owner[1] > asked and owner[0] != ticket_id:
-                        raise _not_writable(f"ticket {ticket_id}: page {page} was claimed by ticket {owner[0]} "
-                                            "while the broker answered: no write of it may land")
-                self._claim_pages(ticket_id, r.page_ids)
+                try:
+                    self.fence.claim(ticket_id, ticket.sequence, r.page_ids)
+                except Superseded as err:
+                    raise _not_writable(str(err)) from None
                 return ranges, pairs
         raise invalid_argument("row", f"ticket {ticket_id} has no row {row}")
 

@@ -432,3 +432,28 @@ def test_a_full_registry_of_live_replicas_refuses_a_new_id_and_keeps_a_fence() -
     assert core.registry.get("ar-0").fenced
     # Re-registering a known id never needs room.
     core.register_replica(new_incarnation(ar))
+
+
+def test_a_lost_journal_numbers_tickets_above_the_old_ones(tmp_path: Path) -> None:
+    """DiT page fences order claims by ticket sequence (a page only goes to later tickets), and a
+    DiT may outlive the broker's journal: a broker on a new journal must not number from 1 again,
+    or the DiT would refuse every new ticket of a page that an old one claimed."""
+    clock = ManualClock()
+    old = make_core(tmp_path / "old.sqlite", clock)
+    old.register_replica(ar_spec())
+    old.register_replica(dit_spec())
+    firsts = [old.create_ticket(f"r{i}", "ar-0", "dit-0", [16]) for i in range(3)]
+    old.close()
+    clock.advance(1.0)
+    lost = make_core(tmp_path / "new.sqlite", clock)  # the journal is gone
+    lost.register_replica(ar_spec())
+    lost.register_replica(dit_spec())
+    t = lost.create_ticket("after", "ar-0", "dit-0", [16])
+    assert t and all(f and t.sequence > f.sequence for f in firsts)
+    lost.close()
+    again = make_core(tmp_path / "new.sqlite", clock)  # a kept journal numbers on
+    again.register_replica(ar_spec())
+    again.register_replica(dit_spec())
+    nxt = again.create_ticket("next", "ar-0", "dit-0", [16])
+    assert nxt and nxt.sequence == t.sequence + 1
+    again.close()

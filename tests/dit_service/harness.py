@@ -92,9 +92,10 @@ def write_config(
 
 @contextlib.asynccontextmanager
 async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: float = 10.0, *,
-                           journal_path: Path | None = None, port: int = 0) -> AsyncIterator[Any]:
+                           journal_path: Path | None = None, port: int = 0,
+                           servicer_class: type[Any] | None = None) -> AsyncIterator[Any]:
     """Journal-less by default; with `journal_path` and the first one's `port`, a second one is
-    that broker restarted."""
+    that broker restarted. `servicer_class`: a BrokerServicer subclass that injects a fault."""
     from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.service import BrokerServicer
     from kvrelay.broker.waiters import run_maintenance
@@ -103,7 +104,7 @@ async def inprocess_broker(drain_quiet_seconds: float = 0.2, lease_seconds: floa
     name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
     server = GrpcServer(name="broker", host="127.0.0.1", port=port,
                         registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
-                                        BrokerServicer(core), name)])
+                                        (servicer_class or BrokerServicer)(core), name)])
     await server.start()
     maintenance = asyncio.get_running_loop().create_task(run_maintenance(core, 0.05))
     try:

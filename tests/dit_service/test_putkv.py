@@ -4,7 +4,9 @@ check that keeps every chunk inside the pages the broker reserved for its ticket
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -224,6 +226,97 @@ def test_a_late_chunk_of_an_ended_ticket_never_lands_in_the_next_tickets_pages(t
                     assert f"now belongs to ticket {b.ticket_id}" in (info.value.details() or "")
                     # B still writes its pages (its claim stands).
                     assert (await _put(stub, [chunk(b.ticket_id, first, b"\x0b")])).bytes_received == 64
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_loads_claim_never_refuses_the_next_tickets_chunks(tmp_path: Path) -> None:
+    """A load that is itself stale: ticket A is being loaded (its writer's checksum does not match
+    the pages yet, so the load re-verifies, claiming A's pages before each look) when A is
+    cancelled and released, and its pages go at once to ticket B. The DiT's watch of A lags (held
+    here), so A's load goes on re-claiming. B's gRPC chunks must still land: a page only ever goes
+    to later tickets (higher reservation sequence), so A's claim cannot supersede B's (before, B's
+    second chunk was refused TICKET_NOT_WRITABLE "page N now belongs to ticket A"). The fence
+    holds the other way: A's late chunk is refused once B claimed the page, and A's load ends
+    TICKET_ENDED at its next look instead of waiting out its transfer_timeout."""
+    from kvrelay.broker.service import BrokerServicer
+
+    config = write_config(tmp_path, transport="grpc")
+    lagging: set[str] = set()
+
+    class LaggingWatch(BrokerServicer):
+        async def WatchTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
+            async for reply in super().WatchTicket(request, context):
+                yield reply
+                if request.ticket_id in lagging:
+                    await asyncio.Event().wait()  # what comes next never reaches the DiT
+
+    async def scenario() -> None:
+        async with inprocess_broker(servicer_class=LaggingWatch) as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    a = await writer.create_ticket([20])
+                    lagging.add(a.ticket_id)
+                    armed_a = await writer.arm(a.ticket_id)
+                    page_bytes = armed_a.writes[0].segments[0].length // len(armed_a.ticket.rows[0].page_ids)
+                    first = min(a.rows[0].page_ids)
+                    # Reported OK with a checksum the pages never match: A's load keeps re-checking.
+                    outcomes = await asyncio.to_thread(writer.write, armed_a, writer.rows_kv([20], seed=3))
+                    await writer.report(a.ticket_id, [dataclasses.replace(o, checksum=o.checksum ^ 1)
+                                                      for o in outcomes])
+                    denoise_a = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=a.ticket_id, width=64, height=64,
+                                                                    num_inference_steps=1, guidance_scale=1.0),
+                                             timeout=30.0)
+                    events_a = asyncio.ensure_future(_drain(denoise_a))
+                    await asyncio.sleep(0.5)  # A's load is re-verifying
+                    assert not events_a.done()
+                    await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                        ticket_id=a.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED), timeout=5.0)
+                    for _ in range(100):
+                        if (await writer.ticket(a.ticket_id)).state == broker_pb2.TICKET_STATE_RELEASED:
+                            break
+                        await asyncio.sleep(0.05)
+                    b = None
+                    for _ in range(64):
+                        t = await writer.create_ticket([20])
+                        await writer.arm(t.ticket_id)
+                        if first in t.rows[0].page_ids:
+                            b = t
+                            break
+                    assert b is not None, "no later ticket was given ticket A's pages"
+
+                    def chunk(ticket_id: str, fill: bytes) -> dit_pb2.PutKvRequest:
+                        return dit_pb2.PutKvRequest(ticket_id=ticket_id, row=0, dst_rank=0,
+                                                    dst_offset=first * page_bytes, data=fill * 64)
+
+                    queue: asyncio.Queue[dit_pb2.PutKvRequest | None] = asyncio.Queue()
+
+                    async def b_stream():  # type: ignore[no-untyped-def]
+                        while (c := await queue.get()) is not None:
+                            yield c
+
+                    b_call = stub.PutKv(b_stream(), timeout=30.0)
+                    for _ in range(4):
+                        await queue.put(chunk(b.ticket_id, b"\x0b"))
+                        await asyncio.sleep(0.3)  # A's stale load looks again meanwhile
+                    await queue.put(None)
+                    reply = await b_call
+                    assert (reply.chunks_received, reply.bytes_received) == (4, 256)
+                    # The fence still holds against A: its late chunk is refused, its load ended.
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _put(stub, [chunk(a.ticket_id, b"\x0a")])
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await asyncio.wait_for(events_a, 10.0)
+                    assert reason_of(info.value)[1] == "TICKET_ENDED", info.value.details()
                 await writer.close()
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])

@@ -1,0 +1,71 @@
+"""The page fence of one DiT replica: which ticket each page belongs to here, as far as any write
+into it is concerned.
+
+Owns one rule (docs/dit_service.md, "The page fence"): a page goes only forward, to tickets of a
+higher reservation sequence. The broker reserves a page for a ticket only after the page's
+previous ticket was released, and numbers tickets in the order it creates them, so the ticket
+holding a page now always has the highest sequence of every ticket that ever held it. A claim
+(a gRPC write's first chunk, a load before it verifies) therefore takes a page from a ticket of
+a lower sequence, and is refused by one of a higher: that one proves the claimant ended. Claims
+are never released: a page stays fenced against every earlier ticket until a later one claims it.
+
+Before, the claim order decided: a stale claim (a load of a ticket released under it, whose
+watch lagged) superseded the live next ticket's, and that ticket's chunks were refused.
+Pure: no gRPC, no clock; the servicer maps `Superseded` to TICKET_NOT_WRITABLE / TICKET_ENDED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PageId = int
+TicketId = str
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    ticket_id: TicketId
+    sequence: int
+
+
+class Superseded(Exception):
+    """A page of the ticket belongs to another one: to a later ticket (`claim` refused), or to no
+    ticket of its own any more (`check`). Nothing of the named ticket may land in it."""
+
+    def __init__(self, ticket_id: TicketId, page: PageId, owner: Claim | None) -> None:
+        self.ticket_id, self.page, self.owner = ticket_id, page, owner
+        held = "no ticket" if owner is None else f"ticket {owner.ticket_id} (sequence {owner.sequence})"
+        super().__init__(f"ticket {ticket_id}: page {page} now belongs to {held}: no write of it may land")
+
+
+class PageFence:
+    """page -> the claim that holds it. `claim` and `check` are all or nothing."""
+
+    def __init__(self) -> None:
+        self._owner: dict[PageId, Claim] = {}
+
+    def owner(self, page: PageId) -> Claim | None:
+        return self._owner.get(page)
+
+    def claim(self, ticket_id: TicketId, sequence: int, pages: Iterable[PageId]) -> None:
+        """Take `pages` for the ticket; raises Superseded (and takes none) when a ticket of a
+        higher sequence holds one of them: the claimant's own ticket has ended."""
+        pages = [int(p) for p in pages]
+        claim = Claim(ticket_id, int(sequence))
+        for page in pages:
+            owner = self._owner.get(page)
+            if owner is not None and owner.ticket_id != ticket_id and owner.sequence > claim.sequence:
+                raise Superseded(ticket_id, page, owner)
+        for page in pages:
+            self._owner[page] = claim
+
+    def check(self, ticket_id: TicketId, pages: Iterable[PageId]) -> None:
+        """Raises Superseded unless every page is held by `ticket_id` (a chunk may land)."""
+        for page in pages:
+            owner = self._owner.get(int(page))
+            if owner is None or owner.ticket_id != ticket_id:
+                raise Superseded(ticket_id, int(page), owner)
+
+
+__all__ = ["Claim", "PageFence", "Superseded"]
