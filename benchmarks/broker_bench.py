@@ -135,7 +135,8 @@ async def over_grpc(n: int, concurrency: int, journal: Path, synchronous: str) -
             for ld in t.loads))
         core.start_consuming(t.ticket_id)  # the orchestrator does this in-process
         done = await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
-            ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"), timeout=30)
+            ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
+            incarnation_id="dit-inc"), timeout=30)
         assert done.ticket.state == broker_pb2.TICKET_STATE_RELEASED
 
     next_id = 0

@@ -172,11 +172,13 @@ class BrokerCore:
         token: str | None = None,
         unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = (),
         held_ticket_ids: Iterable[TicketId] = (),
+        owed_releases: Mapping[TicketId, tuple[TicketOutcome, str]] | None = None,
     ) -> RegisterReply:
         """Register (or re-register) a replica. Idempotent for the same incarnation.
 
         A new incarnation proves the old process gone: its unresolved writes become
         WRITER_GONE (AR), or its tickets lose their memory and are released (DiT).
+        `owed_releases` (DiT): the releases it has not had acknowledged, with their outcomes.
         """
         if self.registration_token is not None and not hmac.compare_digest(
             (token or "").encode(), self.registration_token.encode()
@@ -206,7 +208,7 @@ class BrokerCore:
                 tickets_changed=len(changed),
             )
         elif kind is Registration.SAME_INCARNATION:
-            changed = self._reconcile(spec, unresolved_writes, held_ticket_ids)
+            changed = self._reconcile(spec, unresolved_writes, held_ticket_ids, owed_releases or {})
         if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:
             self._pools[spec.replica_id] = _pages_of(spec)
         self._commit(changed, [record])
@@ -614,8 +616,11 @@ class BrokerCore:
         outcome: TicketOutcome,
         reason: str = "",
         replica_id: ReplicaId = "",
+        incarnation_id: str = "",
     ) -> Ticket:
-        """The DiT is done with the ticket (any outcome). Idempotent."""
+        """The DiT is done with the ticket (any outcome). Idempotent. `incarnation_id`, when
+        given, must be the DiT incarnation the ticket was reserved on (the servicer requires it):
+        a release from another process of that replica id would free pages its ranks may read."""
         released = self._released.get(ticket_id)
         if released is not None:
             return released
@@ -623,6 +628,12 @@ class BrokerCore:
         if replica_id and replica_id != t.dit_replica_id:
             raise FailedPrecondition(
                 "WRONG_REPLICA", f"ticket {ticket_id} is bound to DiT {t.dit_replica_id}, not {replica_id}"
+            )
+        if incarnation_id and incarnation_id != t.dit_incarnation:
+            log.warning("stale_incarnation_report_ignored", rpc="ReleaseTicket", ticket_id=ticket_id,
+                        replica_id=replica_id, incarnation=incarnation_id)
+            raise FailedPrecondition(
+                "STALE_INCARNATION", f"ticket {ticket_id} belongs to another incarnation of DiT {t.dit_replica_id}"
             )
         old = t.state
         if t.release_by_consumer(outcome, reason, self.clock(), self.drain_quiet_seconds):
@@ -863,8 +874,11 @@ class BrokerCore:
         spec: ReplicaSpec,
         unresolved_writes: Iterable[tuple[TicketId, WriteKey]],
         held_ticket_ids: Iterable[TicketId],
+        owed_releases: Mapping[TicketId, tuple[TicketOutcome, str]],
     ) -> list[TicketRecord]:
-        """Same incarnation registering again (after a broker restart): compare what it holds."""
+        """Same incarnation registering again (after a broker restart): compare what it holds.
+        A DiT's owed release is applied as the ReleaseTicket it stands for (its outcome recorded;
+        the retried ReleaseTicket that follows finds the ticket released and changes nothing)."""
         now = self.clock()
         changed: list[TicketRecord] = []
         for ticket_id, key in unresolved_writes:
@@ -875,12 +889,23 @@ class BrokerCore:
             held = set(held_ticket_ids)
             for ticket_id in held - set(self._tickets):
                 log.warning("reconcile_unknown_held_ticket", replica_id=spec.replica_id, ticket_id=ticket_id)
+            for ticket_id, (outcome, reason) in owed_releases.items():
+                t = self._tickets.get(ticket_id)
+                if t is None or t.dit_replica_id != spec.replica_id or ticket_id in held:
+                    # Released already (or never ours): nothing to apply. Listed as held too: a
+                    # DiT never does that, so the listing (pages kept) wins.
+                    continue
+                old = t.state
+                if t.release_by_consumer(outcome, reason, now, self.drain_quiet_seconds):
+                    self._settle(t, old)
+                    changed.append(t)
             for t in list(self._tickets.values()):
                 if (
                     t.dit_replica_id == spec.replica_id
                     and t.request_over
                     and t.state in (TicketState.READY, TicketState.CONSUMING)
                     and t.ticket_id not in held
+                    and t.ticket_id not in owed_releases
                 ):
                     # Orphaned by the broker restart and the DiT does not read it: every write
                     # was verified before READY, so nothing can land any more.

@@ -403,6 +403,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             token=request.token,
             unresolved_writes=[_write_key(k) for k in request.unresolved_writes],
             held_ticket_ids=list(request.held_ticket_ids),
+            owed_releases={
+                o.ticket_id: (_OUTCOME_FROM_PB.get(o.outcome, TicketOutcome.FAILED), o.reason)
+                for o in request.owed_releases
+            },
         )
         return broker_pb2.RegisterReplicaResponse(lease_seconds=reply.lease_seconds, fenced=reply.fenced)
 
@@ -518,8 +522,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if not request.replica_id:
             # The owner check must not be skippable by leaving the id out.
             raise InvalidArgument("MISSING_FIELD", "replica_id: required (the releasing DiT replica)")
+        if not request.incarnation_id:
+            # So must the incarnation check: a release from another process of the replica id
+            # (an old incarnation, a replayed call) would free pages the live one's ranks read.
+            raise InvalidArgument("MISSING_FIELD", "incarnation_id: required (the releasing DiT's incarnation)")
         outcome = _OUTCOME_FROM_PB.get(request.outcome, TicketOutcome.OK)
-        ticket = self.core.release_ticket(request.ticket_id, outcome, request.reason, request.replica_id)
+        ticket = self.core.release_ticket(request.ticket_id, outcome, request.reason, request.replica_id,
+                                          request.incarnation_id)
         return broker_pb2.ReleaseTicketResponse(ticket=ticket_to_proto(ticket))
 
     @_maps_errors

@@ -243,7 +243,7 @@ class TicketRecord:
         "ticket_id", "request_id", "ar_replica_id", "dit_replica_id", "rows", "sequence",
         "src_shards", "dst_shards", "create_time", "update_time", "state", "outcome", "reason",
         "armed", "armed_incarnation", "dit_incarnation", "request_over", "writes", "loads",
-        "last_resolution_time", "drain_start_time", "version",
+        "last_resolution_time", "drain_start_time", "version", "orphaned",
     )  # fmt: skip
 
     def __init__(
@@ -286,6 +286,9 @@ class TicketRecord:
         self.last_resolution_time: float | None = None
         self.drain_start_time: float | None = None
         self.version = 0
+        # The request was ended by the broker's restart (`orphan`), not by anyone who saw it end:
+        # the DiT's release of a READY/CONSUMING ticket then records what really happened.
+        self.orphaned = False
 
     # ------------------------------------------------------------------ queries
 
@@ -387,7 +390,11 @@ class TicketRecord:
         return True
 
     def release_by_consumer(self, outcome: TicketOutcome, reason: str, now: float, quiet_seconds: float) -> bool:
-        """The DiT is done with the ticket (any outcome)."""
+        """The DiT is done with the ticket (any outcome). A ticket the broker's restart orphaned
+        while READY or CONSUMING takes the DiT's outcome: the DiT saw the request end (its image
+        made, its call cancelled, ...), the broker only lost track of it."""
+        if self.orphaned and self.state in (TicketState.READY, TicketState.CONSUMING):
+            self.outcome, self.reason, self.orphaned = outcome, reason, False
         if self.state is TicketState.CONSUMING:
             self._end(outcome, reason)
             self._apply(TicketEvent.END_RESOLVED, now)
@@ -420,6 +427,7 @@ class TicketRecord:
             if self.request_over:
                 return False
             self._end(TicketOutcome.FAILED, reason)
+            self.orphaned = True
             self._touch(now)
             return True
         return self.end_request(TicketOutcome.FAILED, reason, now, quiet_seconds)

@@ -191,6 +191,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         registration = Registration(
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
             on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
+            owed_releases=servicer.owed_releases,
         )
         await registration.register()
         registration.start_heartbeats()

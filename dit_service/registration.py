@@ -101,6 +101,7 @@ class Registration:
         token: str | None,
         on_fenced: Callable[[str], None],
         held_tickets: Callable[[], Sequence[str]] = lambda: (),
+        owed_releases: Callable[[], Sequence[broker_pb2.OwedRelease]] = lambda: (),
     ) -> None:
         self.stub = stub
         self.info = info
@@ -108,6 +109,7 @@ class Registration:
         self.token = token or ""
         self.on_fenced = on_fenced
         self.held_tickets = held_tickets
+        self.owed_releases = owed_releases
         self.lease_seconds = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -120,7 +122,8 @@ class Registration:
             try:
                 reply = await self.stub.RegisterReplica(
                     broker_pb2.RegisterReplicaRequest(
-                        replica=self.info.to_proto(), token=self.token, held_ticket_ids=list(self.held_tickets())
+                        replica=self.info.to_proto(), token=self.token, held_ticket_ids=list(self.held_tickets()),
+                        owed_releases=list(self.owed_releases()),
                     ),
                     timeout=RPC_TIMEOUT_S,
                     wait_for_ready=True,

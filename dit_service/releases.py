@@ -8,8 +8,10 @@ delivery goes on in the background with backoff, for as long as the process runs
 after a few tries lost the release for good when it raced a re-registration that still listed
 the ticket as held (the listing was built before the call ended and reached the broker after
 its release failed): the broker then kept the pages reserved until the next broker restart.
-An owed ticket is never listed as held (`owed`), and the first outcome owed for a ticket is the
-only one ever sent, so the broker never hears two different ones from this incarnation.
+An owed ticket is never listed as held (`owed`): a re-registration reports it with its outcome
+instead (`owed_outcomes`), which the broker's reconciliation applies as the release itself. The
+first outcome owed for a ticket is the only one ever sent, so the broker never hears two
+different ones from this incarnation.
 
 Stopping the process gives undelivered releases a short grace; what is left then is freed by
 the broker when the replica's next incarnation registers (proof that this memory is gone).
@@ -66,6 +68,11 @@ class OwedReleases:
     def owed(self) -> frozenset[str]:
         """Tickets whose release the broker has not acknowledged yet (in flight or retried)."""
         return frozenset(self._owed)
+
+    def owed_outcomes(self) -> dict[str, tuple[str, str]]:
+        """ticket -> (outcome, reason) of every owed release: what a re-registration reports,
+        so that the broker's reconciliation records the call's real outcome."""
+        return dict(self._owed)
 
     async def release(self, ticket_id: str, outcome: str, reason: str) -> None:
         """Owe the broker this release until it hears it. Never raises. A second release of a

@@ -320,7 +320,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         """One ReleaseTicket try (OwedReleases retries)."""
         reply = await self.s.broker.ReleaseTicket(
             broker_pb2.ReleaseTicketRequest(
-                ticket_id=ticket_id, outcome=_OUTCOME_PB[outcome], reason=reason, replica_id=self.s.replica_id
+                ticket_id=ticket_id, outcome=_OUTCOME_PB[outcome], reason=reason, replica_id=self.s.replica_id,
+                incarnation_id=self.s.incarnation_id,
             ),
             timeout=BROKER_RPC_TIMEOUT_S,
         )
@@ -332,6 +333,14 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         whose release is owed: no call reads those any more, the broker may free them."""
         owed = self.releases.owed
         return [t for t in self.s.scheduler.held_tickets() if t not in owed]
+
+    def owed_releases(self) -> list[broker_pb2.OwedRelease]:
+        """What a re-registration reports beside `held_tickets`: each release the broker has not
+        acknowledged, with the call's real outcome (the broker records it, not BROKER_RESTARTED)."""
+        return [
+            broker_pb2.OwedRelease(ticket_id=t, outcome=_OUTCOME_PB[outcome], reason=reason)
+            for t, (outcome, reason) in sorted(self.releases.owed_outcomes().items())
+        ]
 
     # ======================================================================= worker calls
 

@@ -111,7 +111,8 @@ def test_prefill_writes_two_rows_bit_for_bit_and_reports_every_write(tmp_path: P
                 assert (await receiver.ticket(ticket.ticket_id)).state == broker_pb2.TICKET_STATE_READY
                 await receiver.stub.ReleaseTicket(
                     broker_pb2.ReleaseTicketRequest(ticket_id=ticket.ticket_id,
-                                                    outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"),
+                                                    outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
+                                                    incarnation_id=receiver.incarnation_id),
                     timeout=5.0,
                 )  # fmt: skip
                 pool = await receiver.pool()

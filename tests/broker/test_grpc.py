@@ -14,6 +14,7 @@ from kvrelay import LAYOUT_VERSION
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.service import add_broker_servicer
+from kvrelay.broker.tickets import TicketState
 from kvrelay.broker.waiters import run_maintenance
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -136,12 +137,21 @@ def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
             assert 'kvrelay_tickets{state="CONSUMING"} 1.0' in metrics
             assert 'kvrelay_replica_up{replica="ar-0",role="ar"} 1.0' in metrics
 
+            # A release from another process of dit-0 (an old incarnation, a replayed call, a
+            # caller that only holds the replica token) must not free pages the ranks still read.
+            for incarnation, reason in (("", "MISSING_FIELD"), ("dit-0-inc-0", "STALE_INCARNATION")):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
+                        ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
+                        incarnation_id=incarnation), timeout=TIMEOUT)
+                assert reason_of(info.value)[1] == reason
+            assert core.get_ticket(ticket.ticket_id).state is TicketState.CONSUMING
             released = await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
-                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"),
-                timeout=TIMEOUT)
+                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
+                incarnation_id="dit-0-inc-1"), timeout=TIMEOUT)
             again = await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
-                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0"),
-                timeout=TIMEOUT)
+                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
+                incarnation_id="dit-0-inc-1"), timeout=TIMEOUT)
             assert released.ticket == again.ticket
             assert released.ticket.state == broker_pb2.TICKET_STATE_RELEASED
             await asyncio.wait_for(follower, TIMEOUT)

@@ -316,11 +316,96 @@ def test_a_release_retried_across_a_broker_kill_is_idempotent(tmp_path: Path) ->
     with pytest.raises(NotFound):
         core.release_ticket(committed.ticket_id, TicketOutcome.OK, replica_id="dit-0")
     assert core.get_ticket(lost.ticket_id).state is TicketState.CONSUMING
-    core.register_replica(dit, held_ticket_ids=[])
+    # The DiT's re-registration reports the release it still owes, with the call's outcome.
+    core.register_replica(dit, held_ticket_ids=[], owed_releases={lost.ticket_id: (TicketOutcome.OK, "")})
     first = core.get_ticket(lost.ticket_id)
-    assert (first.state, first.outcome) == (TicketState.RELEASED, TicketOutcome.FAILED)
+    assert (first.state, first.outcome, first.reason) == (TicketState.RELEASED, TicketOutcome.OK, "")
     again = core.release_ticket(lost.ticket_id, TicketOutcome.OK, replica_id="dit-0")
-    assert (again.state, again.outcome) == (TicketState.RELEASED, TicketOutcome.FAILED)
+    assert (again.state, again.outcome) == (TicketState.RELEASED, TicketOutcome.OK)
+    assert pages(core) == (32, 0, 0)
+    assert core.released_total == 1
+    core.close()
+
+
+@pytest.mark.parametrize("killed", ["before the reconciliation", "after the reconciliation", "twice before"])
+def test_a_release_the_dit_owes_across_a_broker_restart_records_the_dits_outcome(tmp_path: Path, killed: str) -> None:
+    """Tickets T1 (the call made its image, release OK owed) and T2 (the caller cancelled,
+    release CANCELLED owed) are CONSUMING when the broker is killed; T3 is READY and no call
+    holds it any more (not listed, not owed). The restarted broker orphans all three (FAILED
+    BROKER_RESTARTED: the requests died with it); then the DiT re-registers, reporting T1 and T2
+    as owed. T1 and T2 are recorded with the DiT's outcomes, T3 FAILED BROKER_RESTARTED (nobody
+    knows better). Each is released once: the owed ReleaseTickets that follow change nothing,
+    and after a kill -9 at any point the journal replays to the same end (before: T1 and T2 were
+    recorded FAILED BROKER_RESTARTED)."""
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(), dit_spec(num_pages=32)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    tickets = []
+    for name in ("t1", "t2", "t3"):
+        t = core.create_ticket(name, "ar-0", "dit-0", [16])
+        assert t
+        core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+        load_all(core, write_all(core, t, ar), dit)
+        if name != "t3":
+            core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id)
+        tickets.append(t.ticket_id)
+    t1, t2, t3 = tickets
+    core.close()  # kill -9
+    owed = {t1: (TicketOutcome.OK, ""), t2: (TicketOutcome.CANCELLED, "denoise cancelled by the caller")}
+    core = make_core(path, clock)
+    if killed == "twice before":
+        core.close()
+        core = make_core(path, clock)
+    assert core.get_ticket(t1).outcome is TicketOutcome.FAILED  # orphaned, for now
+    core.register_replica(dit, held_ticket_ids=[], owed_releases=owed)
+    if killed == "after the reconciliation":
+        core.close()
+        core = make_core(path, clock)
+        for t in tickets:  # committed: released tickets left the journal
+            with pytest.raises(NotFound):
+                core.release_ticket(t, TicketOutcome.OK, replica_id="dit-0", incarnation_id=dit.incarnation_id)
+        assert pages(core) == (32, 0, 0)
+        core.close()
+        return
+    got = {t: (core.get_ticket(t).state, core.get_ticket(t).outcome, core.get_ticket(t).reason) for t in tickets}
+    assert got == {
+        t1: (TicketState.RELEASED, TicketOutcome.OK, ""),
+        t2: (TicketState.RELEASED, TicketOutcome.CANCELLED, "denoise cancelled by the caller"),
+        t3: (TicketState.RELEASED, TicketOutcome.FAILED, "BROKER_RESTARTED"),
+    }
+    for t, (outcome, reason) in owed.items():  # the owed ReleaseTickets arrive: no change
+        again = core.release_ticket(t, outcome, reason, replica_id="dit-0", incarnation_id=dit.incarnation_id)
+        assert (again.state, again.outcome) == (TicketState.RELEASED, outcome)
+    assert core.released_total == 3
+    assert pages(core) == (32, 0, 0)
+    core.close()
+
+
+def test_an_owed_release_that_reaches_a_restarted_broker_first_records_the_dits_outcome(tmp_path: Path) -> None:
+    """The owed ReleaseTicket may reach the restarted broker before the DiT re-registers: the
+    orphaned CONSUMING ticket takes the DiT's outcome then too, and the registration that
+    follows (still reporting it owed: the answer was lost) changes nothing."""
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock)
+    ar, dit = ar_spec(), dit_spec(num_pages=32)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("t", "ar-0", "dit-0", [16])
+    assert t
+    core.arm_ticket(t.ticket_id, "ar-0", ar.incarnation_id)
+    load_all(core, write_all(core, t, ar), dit)
+    core.start_consuming(t.ticket_id, "dit-0", dit.incarnation_id)
+    core.close()
+    core = make_core(path, clock)
+    done = core.release_ticket(t.ticket_id, TicketOutcome.OK, replica_id="dit-0", incarnation_id=dit.incarnation_id)
+    assert (done.state, done.outcome, done.reason) == (TicketState.RELEASED, TicketOutcome.OK, "")
+    core.register_replica(dit, held_ticket_ids=[], owed_releases={t.ticket_id: (TicketOutcome.OK, "")})
+    assert core.get_ticket(t.ticket_id).outcome is TicketOutcome.OK
+    assert core.released_total == 1
     assert pages(core) == (32, 0, 0)
     core.close()
 

@@ -650,3 +650,80 @@ def test_a_release_that_fails_while_a_reregistration_lists_its_ticket_is_still_d
             core.close()
 
     asyncio.run(scenario())
+
+
+def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outcome(tmp_path: Path) -> None:
+    """Ticket T's call makes its image, but its ReleaseTicket(OK) is refused (the broker is going
+    down): owed. The broker restarts on its journal (same port) and still refuses releases; the
+    DiT re-registers (same incarnation), reporting T in `owed_releases` with OK. The broker's
+    reconciliation releases T recording OK (before: FAILED BROKER_RESTARTED, the orphaning's),
+    once: the owed ReleaseTicket that gets through later changes nothing."""
+    from kvrelay.broker.service import BrokerServicer
+    from kvrelay.broker.tickets import TicketOutcome, TicketState
+
+    config = write_config(tmp_path, transport="mooncake")
+    journal = tmp_path / "restarting-broker.sqlite"
+    registrations: list[broker_pb2.RegisterReplicaRequest] = []
+    refusing = True
+
+    class RefusingReleases(BrokerServicer):
+        async def RegisterReplica(self, request: Any, context: Any) -> Any:  # noqa: N802
+            if request.replica.replica_id == "dit-0":
+                registrations.append(request)
+            return await super().RegisterReplica(request, context)
+
+        async def ReleaseTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
+            if refusing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is going down")
+            return await super().ReleaseTicket(request, context)
+
+    async def scenario() -> None:
+        nonlocal refusing
+        first: Any = inprocess_broker(journal_path=journal, servicer_class=RefusingReleases)
+        restarted: Any = None
+        broker, core = await first.__aenter__()
+        dit = start_dit(config, broker.address, cwd=tmp_path)
+        try:
+            await wait_serving(dit)
+            writer = ArWriter(broker.address, "tiny", "mooncake")
+            await writer.register()
+            ticket = await writer.create_ticket([5])
+            tid = ticket.ticket_id
+            armed = await writer.arm(tid)
+            await writer.report(tid, await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
+            async with grpc.aio.insecure_channel(dit.address) as channel:
+                events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                    ticket_id=tid, width=64, height=64, num_inference_steps=1, guidance_scale=1.0, seed=0))
+            assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+            assert core.get_ticket(tid).state is TicketState.CONSUMING
+            registrations.clear()
+            await first.__aexit__(None, None, None)  # the journal is all that survives
+            first = None
+            restarted = inprocess_broker(journal_path=journal, port=broker.bound_port,
+                                         servicer_class=RefusingReleases)
+            _, core = await restarted.__aenter__()
+            for _ in range(200):
+                if registrations:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the DiT never registered with the restarted broker")
+            owed = [(o.ticket_id, o.outcome) for o in registrations[0].owed_releases]
+            assert owed == [(tid, broker_pb2.TICKET_OUTCOME_OK)]
+            assert tid not in registrations[0].held_ticket_ids
+            released = core.get_ticket(tid)
+            assert (released.state, released.outcome) == (TicketState.RELEASED, TicketOutcome.OK), released
+            assert core.released_total == 1
+            refusing = False
+            await asyncio.sleep(2.5)  # the owed release's next try (backoff up to 2 s) gets through
+            assert core.get_ticket(tid).outcome is TicketOutcome.OK and core.released_total == 1
+            pool = await writer.pool()
+            assert pool.free_pages == pool.total_pages
+            await writer.close()
+        finally:
+            assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+            for running in (restarted, first):
+                if running is not None:
+                    await running.__aexit__(None, None, None)
+
+    asyncio.run(scenario())

@@ -508,6 +508,7 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
                     outcome=outcome,  # type: ignore[arg-type]
                     reason=reason,
                     replica_id=self.replica_id,
+                    incarnation_id=self.incarnation_id,
                 ),
                 timeout=RPC_TIMEOUT,
             )
