@@ -322,10 +322,13 @@ class ReplicaRegistry:
     def check_incarnation(self, replica_id: ReplicaId, incarnation_id: str) -> ReplicaRecord:
         record = self.get(replica_id)
         if record.spec.incarnation_id != incarnation_id:
+            # Never names the registered incarnation: with a shared replica token, any holder can
+            # declare any replica id, and the incarnation id is then all that stands between it
+            # and reports in that replica's name (a write reported NOT_STARTED while it may land).
             raise FailedPrecondition(
                 "STALE_INCARNATION",
-                f"replica {replica_id}: incarnation {incarnation_id!r} is not the registered "
-                f"{record.spec.incarnation_id!r}; the report is ignored",
+                f"replica {replica_id}: incarnation {incarnation_id!r} is not the registered one; "
+                "the report is ignored",
             )
         return record
 

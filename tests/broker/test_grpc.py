@@ -102,10 +102,15 @@ def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
             assert all(w.segments for w in armed.writes)
             assert armed.dit_parallelism.tensor_parallel_size == 2 and armed.dit_num_pages == 16
 
-            await expect_error(stub.ReportWrite(broker_pb2.ReportWriteRequest(
-                ticket_id=ticket.ticket_id, row=0, src_rank=0, dst_rank=0, replica_id="ar-0",
-                incarnation_id="old", status=common_pb2.WRITE_STATUS_OK), timeout=TIMEOUT),
-                grpc.StatusCode.FAILED_PRECONDITION, "STALE_INCARNATION")
+            # A wrong incarnation is refused without learning the right one: with a shared replica
+            # token, anyone may name ar-0, and the incarnation is then all that keeps it from
+            # reporting ar-0's writes (NOT_STARTED while one may land). Before, the answer named it.
+            with pytest.raises(grpc.aio.AioRpcError) as stale:
+                await stub.ReportWrite(broker_pb2.ReportWriteRequest(
+                    ticket_id=ticket.ticket_id, row=0, src_rank=0, dst_rank=0, replica_id="ar-0",
+                    incarnation_id="old", status=common_pb2.WRITE_STATUS_NOT_STARTED), timeout=TIMEOUT)
+            assert reason_of(stale.value)[:2] == ("FAILED_PRECONDITION", "STALE_INCARNATION")
+            assert "ar-0-inc-1" not in (stale.value.details() or "") + str(stale.value.debug_error_string())
             for w in armed.writes:
                 req = broker_pb2.ReportWriteRequest(
                     ticket_id=ticket.ticket_id, row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank,
