@@ -298,6 +298,24 @@ def ar_model_config(impl: str, ar_model: str | None, data: dict[str, Any]) -> di
     return model
 
 
+def impl_config(impl: str, base: dict[str, Any], ar_model: str | None = None) -> dict[str, Any]:
+    """`base` (a config as data) as the node of `impl` runs it: its transport (none for the gRPC
+    fallback), its DiT layout, its AR model. Ports and the journal are the node's own (NodeUnderTest)."""
+    data: dict[str, Any] = json.loads(json.dumps(base))
+    for stage in data["stages"]:
+        if stage["kind"] == "ar" and (impl == "vllm" or ar_model):
+            stage["model"] = ar_model_config(impl, ar_model, data)
+        if stage["kind"] == "dit" and impl in DIT_LAYOUTS:
+            stage.update(DIT_LAYOUTS[impl][1])
+        if impl == "grpc":
+            stage.pop("kv_transfer_config", None)
+        elif impl == "cuda_ipc":
+            kv = stage.setdefault("kv_transfer_config", {})
+            kv["kv_connector"] = "CudaIpcConnector"
+            kv.setdefault("kv_role", "kv_producer" if stage["kind"] == "ar" else "kv_consumer")
+    return data
+
+
 class NodeUnderTest:
     """One `kvrelay up`-style node (broker + AR + DiT processes) for one implementation."""
 
@@ -305,23 +323,13 @@ class NodeUnderTest:
         from kvrelay.node.supervisor import start_node
 
         self.impl = impl
-        data = json.loads(json.dumps(base))
+        data = impl_config(impl, base, ar_model)
         data["broker"]["port"] = reserve_free_port()
         data["broker"]["metrics_port"] = reserve_free_port()
         data["broker"]["journal_path"] = str(workdir / f"{impl}-broker.sqlite")
         for stage in data["stages"]:
             stage["port"] = reserve_free_port()
             stage["metrics_port"] = reserve_free_port()
-            if stage["kind"] == "ar" and (impl == "vllm" or ar_model):
-                stage["model"] = ar_model_config(impl, ar_model, data)
-            if stage["kind"] == "dit" and impl in DIT_LAYOUTS:
-                stage.update(DIT_LAYOUTS[impl][1])
-            if impl == "grpc":
-                stage.pop("kv_transfer_config", None)
-            elif impl == "cuda_ipc":
-                kv = stage.setdefault("kv_transfer_config", {})
-                kv["kv_connector"] = "CudaIpcConnector"
-                kv.setdefault("kv_role", "kv_producer" if stage["kind"] == "ar" else "kv_consumer")
         self.config: KvRelayConfig = parse_config(data, f"bench-{impl}")
         self.config_path = workdir / f"{impl}.yaml"
         self.config_path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -764,6 +772,16 @@ def run(args: argparse.Namespace) -> int:
         base = base_cfg.model_dump(mode="json", exclude_none=True)
         preset = args.preset or base_cfg.ar_stage.model.preset or "small"
         get_preset(preset)
+        scenario_base = scenario_config(base, preset, getattr(args, "max_num_seqs", None))
+        for impl in impls:
+            if impl == "colocated":
+                continue
+            # Every node's config is checked before the first starts (cuda_ipc on a CPU config,
+            # vllm without --ar-model): not a traceback after minutes of the other nodes.
+            try:
+                parse_config(impl_config(impl, scenario_base, getattr(args, "ar_model", None)), f"bench-{impl}")
+            except (ConfigError, ValueError) as err:
+                raise ValueError(f"--impls {impl}: {err}") from None
         dataset = load_dataset(resolve(args.dataset, "data"))
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)

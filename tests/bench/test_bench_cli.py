@@ -64,6 +64,9 @@ def test_an_explicit_config_wins_over_kvrelay_config(
         ("none", ["--preset", "huge"], "unknown model preset 'huge'"),
         ("none", ["--dataset", "{tmp}/nope.jsonl"], "file not found: {tmp}/nope.jsonl"),
         ("bad-dataset", ["--dataset", "{tmp}/bad.jsonl"], "dataset {tmp}/bad.jsonl line 2: not JSON"),
+        # Each node's config is checked before any starts (these were tracebacks mid-run).
+        ("fast", ["--impls", "mooncake,cuda_ipc"], "--impls cuda_ipc: invalid config bench-cuda_ipc: stages[0].devices"),
+        ("fast", ["--impls", "vllm"], "--impls vllm: impl vllm needs --ar-model DIR"),
     ],
 )
 def test_bad_bench_input_is_one_line_and_exit_2(
@@ -78,6 +81,8 @@ def test_bad_bench_input_is_one_line_and_exit_2(
     monkeypatch.delenv("KVRELAY_CONFIG", raising=False)
     if setup == "env-missing":
         monkeypatch.setenv("KVRELAY_CONFIG", str(tmp_path / "missing.yaml"))
+    if setup == "fast":  # a CPU config
+        monkeypatch.setenv("KVRELAY_CONFIG", str(Path(__file__).resolve().parents[1] / "configs/test-fast.yaml"))
     (tmp_path / "bad.yaml").write_text("broker: [unclosed\n")
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a fox"}\n{not json\n')
     assert _bench(tmp_path, *[e.format(tmp=tmp_path) for e in extra]) == 2
