@@ -62,6 +62,10 @@ from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
 
 log = structlog.get_logger("kvrelay.broker")
 
+# How long placement avoids an AR/DiT pair after a failed transfer, doubling per failure.
+LINK_BACKOFF_INITIAL_S = 5.0
+LINK_BACKOFF_MAX_S = 120.0
+
 Clock = Callable[[], float]
 
 # Reasons the broker itself gives when it ends a request.
@@ -148,6 +152,8 @@ class BrokerCore:
         # proof, and for the DiT replica to be up: a stopped DiT rank may still hold the dead
         # sender's bytes in its socket buffer (KvRelayConfig.receiver_settle_seconds). 0: off.
         self.receiver_settle_seconds = receiver_settle_seconds
+        # (AR, DiT) pairs whose last transfer failed: (avoid until, backoff) (`note_transfer_failed`).
+        self._suspect_links: dict[tuple[ReplicaId, ReplicaId], tuple[float, float]] = {}
         self.registration_token = registration_token or None
         self.verify_checksums = verify_checksums
         self.registry = ReplicaRegistry(layout_version)
@@ -298,6 +304,35 @@ class BrokerCore:
         record.unreachable = True
         log.warning("replica_unreachable", replica_id=replica_id, incarnation=incarnation_id, message=message)
         return True
+
+    def note_transfer_failed(self, ar_replica_id: ReplicaId, dit_replica_id: ReplicaId) -> float:
+        """A request's KV did not get from this AR to this DiT (TRANSFER_TIMEOUT, TRANSFER_FAILED):
+        placement prefers other pairs for a while (`link_suspect`), doubling from
+        LINK_BACKOFF_INITIAL_S up to LINK_BACKOFF_MAX_S while the pair keeps failing. Returns the
+        backoff.
+
+        Each replica reaching the broker says nothing about the AR reaching the DiT's transfer
+        port (a firewall, a route, an interface the broker does not use): in a black-box run with
+        one DiT's Mooncake ports closed to the ARs, every request placed on it waited
+        `transfer_timeout` and failed, for as long as it lasted. Not a fence: the pair is tried
+        again once the backoff passes, and used at once when no other pair can take a request."""
+        key = (ar_replica_id, dit_replica_id)
+        _, last = self._suspect_links.get(key, (0.0, 0.0))
+        backoff = min(LINK_BACKOFF_MAX_S, max(LINK_BACKOFF_INITIAL_S, 2 * last))
+        self._suspect_links[key] = (self.clock() + backoff, backoff)
+        log.warning("transfer_link_suspect", ar_replica_id=ar_replica_id, dit_replica_id=dit_replica_id,
+                    avoid_seconds=backoff)
+        return backoff
+
+    def note_transfer_ok(self, ar_replica_id: ReplicaId, dit_replica_id: ReplicaId) -> None:
+        """A request's KV got from this AR to this DiT: the pair is no longer suspect."""
+        if self._suspect_links.pop((ar_replica_id, dit_replica_id), None) is not None:
+            log.info("transfer_link_ok", ar_replica_id=ar_replica_id, dit_replica_id=dit_replica_id)
+
+    def link_suspect(self, ar_replica_id: ReplicaId, dit_replica_id: ReplicaId) -> bool:
+        """Whether a transfer between this pair failed within its backoff (`note_transfer_failed`)."""
+        entry = self._suspect_links.get((ar_replica_id, dit_replica_id))
+        return entry is not None and self.clock() < entry[0]
 
     def fence_replica(self, replica_id: ReplicaId, reason: str) -> None:
         """A broken invariant for this replica: no new tickets; its heartbeats say fenced."""

@@ -43,6 +43,8 @@ WRITER_FAILURE_GRACE_SECONDS = 1.0
 # DiT failures that are usually the echo of the AR's: a failed write, or the ticket the AR rolled
 # back (CancelTicket before its PREFILL_FAILED reply) ending under the waiting DiT.
 _ECHOES_OF_THE_WRITER = frozenset({"TRANSFER_FAILED", "TICKET_ENDED"})
+# A request that ended so says its AR could not get the KV to its DiT (placement avoids the pair).
+_LINK_FAILURES = frozenset({"TRANSFER_TIMEOUT", "TRANSFER_FAILED"})
 
 
 class StagePipeline:
@@ -290,9 +292,10 @@ class StagePipeline:
             return
         job.ticket_ended = True
         state = job.record.state
+        error = job.record.error
+        self._note_link(job, state, error.reason if error is not None else "")
         if state is GenState.SUCCEEDED:
             return  # the DiT released it OK after decoding
-        error = job.record.error
         if state is GenState.CANCELLED:
             outcome = TicketOutcome.CANCELLED
         elif error is not None and error.code == "DEADLINE_EXCEEDED":
@@ -306,6 +309,20 @@ class StagePipeline:
             log.warning("ticket_end_failed", ticket_id=job.ticket_id, code=err.code, reason=err.reason)
             return
         log.info("ticket_end_requested", ticket_id=job.ticket_id, ticket_state=ticket.state.value)
+
+
+    def _note_link(self, job: GenerationJob, state: GenState, reason: str) -> None:
+        """What this request proved about its AR -> DiT transfer link, for placement."""
+        if state is not GenState.SUCCEEDED and reason not in _LINK_FAILURES:
+            return
+        try:
+            ticket = self.core.get_ticket(job.ticket_id)
+        except BrokerError:
+            return  # released and forgotten: nothing to learn
+        if state is GenState.SUCCEEDED:
+            self.core.note_transfer_ok(ticket.ar_replica_id, ticket.dit_replica_id)
+        else:
+            self.core.note_transfer_failed(ticket.ar_replica_id, ticket.dit_replica_id)
 
 
 def stage_error(err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str) -> ErrorInfo:

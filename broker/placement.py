@@ -2,7 +2,7 @@
 
 Owns the choice of replicas for a queued generation (the up, unfenced, reachable AR with the
 fewest live tickets; the up, unfenced, reachable DiT with the most free pages that fits every
-row now), the check that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that
+row now; a pair whose last transfer failed only when no other pair can take it), the check that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that
 choice into a ticket (`BrokerCore.create_ticket`, which reserves the pages and plans the transfer once).
 Reads replicas, pools and tickets only through BrokerCore; never reserves a page itself, never
 orders the queue (FIFO is the queue's rule, admission.py) and never talks to a replica.
@@ -22,15 +22,23 @@ from kvrelay.errors import KvRelayServerError, invalid_argument
 from kvrelay.transfer.planner import cfg_group
 
 
+def ar_candidates(core: BrokerCore) -> list[ReplicaId]:
+    """The up, unfenced, reachable AR replicas, fewest live tickets first."""
+    load = core.live_tickets_per_ar()
+    return [
+        rid
+        for _, rid in sorted(
+            (load.get(s.spec.replica_id, 0), s.spec.replica_id)
+            for s in core.list_replicas(ReplicaRole.AR)
+            if s.up and not s.fenced and s.reachable
+        )
+    ]
+
+
 def choose_ar_replica(core: BrokerCore) -> ReplicaId | None:
     """The up, unfenced, reachable AR replica with the fewest live tickets."""
-    load = core.live_tickets_per_ar()
-    candidates = [
-        (load.get(s.spec.replica_id, 0), s.spec.replica_id)
-        for s in core.list_replicas(ReplicaRole.AR)
-        if s.up and not s.fenced and s.reachable
-    ]
-    return min(candidates)[1] if candidates else None
+    candidates = ar_candidates(core)
+    return candidates[0] if candidates else None
 
 
 def takes_image(spec: ReplicaSpec, side: int) -> bool:
@@ -38,20 +46,40 @@ def takes_image(spec: ReplicaSpec, side: int) -> bool:
     return not spec.max_image_side or side <= spec.max_image_side
 
 
-def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0) -> ReplicaId | None:
-    """The up, unfenced, reachable DiT replica with the most free pages that fits the rows now
-    (and whose model generates an image `image_side` pixels wide or high)."""
-    best: tuple[int, str] | None = None
+def dit_candidates(core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0) -> list[ReplicaId]:
+    """The up, unfenced, reachable DiT replicas that fit the rows now (and whose model generates
+    an image `image_side` pixels wide or high), most free pages first."""
+    keyed = []
     for status in core.list_replicas(ReplicaRole.DIT):
         rid = status.spec.replica_id
         if not status.up or status.fenced or not status.reachable or not takes_image(status.spec, image_side):
             continue
         if not core.fits_now(rid, row_token_counts):
             continue
-        key = (-core.free_pages(rid), rid)
-        if best is None or key < best:
-            best = key
-    return None if best is None else best[1]
+        keyed.append((-core.free_pages(rid), rid))
+    return [rid for _, rid in sorted(keyed)]
+
+
+def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0) -> ReplicaId | None:
+    """The up, unfenced, reachable DiT replica with the most free pages that fits the rows now
+    (and whose model generates an image `image_side` pixels wide or high)."""
+    candidates = dit_candidates(core, row_token_counts, image_side)
+    return candidates[0] if candidates else None
+
+
+def choose_pair(
+    core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0
+) -> tuple[ReplicaId | None, ReplicaId | None]:
+    """The AR and DiT for one generation: the least-loaded AR and the DiT with the most free pages,
+    skipping pairs whose last transfer failed within its backoff (`BrokerCore.link_suspect`)
+    while another pair can take the request; when every pair is suspect, the plain choice."""
+    ars = ar_candidates(core)
+    dits = dit_candidates(core, row_token_counts, image_side)
+    for ar_id in ars:
+        for dit_id in dits:
+            if not core.link_suspect(ar_id, dit_id):
+                return ar_id, dit_id
+    return (ars[0] if ars else None), (dits[0] if dits else None)
 
 
 def check_image_fits(core: BrokerCore, width: int, height: int) -> None:
@@ -108,8 +136,7 @@ def place(core: BrokerCore, request_id: str, token_counts: Sequence[int], width:
         # An earlier generation with this id still drains its ticket; the core keys tickets
         # by request_id, so this one waits until that ticket is released.
         return None
-    ar_id = choose_ar_replica(core)
-    dit_id = choose_dit_replica(core, token_counts, max(width, height))
+    ar_id, dit_id = choose_pair(core, token_counts, max(width, height))
     if dit_id is None:
         try:
             # The DiT replicas may have changed since admission (one restarted smaller): a
