@@ -4,6 +4,7 @@ stream every 15 s (every kvrelay channel does) is not sent GOAWAY too_many_pings
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from pathlib import Path
 from types import ModuleType
@@ -35,7 +36,12 @@ def test_bench_listeners_carry_the_keepalive_ping_permits(script: str, monkeypat
         return real_server(*args, **kwargs)
 
     monkeypatch.setattr(grpc.aio, "server", recording_server)
-    load_script(script).grpc_server()
+    module = load_script(script)
+
+    async def build() -> None:  # a grpc.aio server is made on a running event loop, as the scripts do
+        module.grpc_server()
+
+    asyncio.run(build())
     assert len(built) == 1
     options = built[0]
     assert options == dict(server_options(Credentials()))
