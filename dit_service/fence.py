@@ -8,6 +8,9 @@ holding a page now always has the highest sequence of every ticket that ever hel
 (a gRPC write's first chunk, a load before it verifies) therefore takes a page from a ticket of
 a lower sequence, and is refused by one of a higher: that one proves the claimant ended. Claims
 are never released: a page stays fenced against every earlier ticket until a later one claims it.
+Once a ticket is loaded its pages are sealed: no chunk lands in pages the ranks read, not even
+one of that ticket (every write of a loaded ticket is final: only a replay or a hostile caller
+sends one then).
 
 Before, the claim order decided: a stale claim (a load of a ticket released under it, whose
 watch lagged) superseded the live next ticket's, and that ticket's chunks were refused.
@@ -27,6 +30,9 @@ TicketId = str
 class Claim:
     ticket_id: TicketId
     sequence: int
+    # Every load of the ticket is verified: no write of it may land any more (its own included:
+    # by READY every write is final, so a chunk now is a replay or a hostile caller's).
+    sealed: bool = False
 
 
 class Superseded(Exception):
@@ -35,8 +41,12 @@ class Superseded(Exception):
 
     def __init__(self, ticket_id: TicketId, page: PageId, owner: Claim | None) -> None:
         self.ticket_id, self.page, self.owner = ticket_id, page, owner
-        held = "no ticket" if owner is None else f"ticket {owner.ticket_id} (sequence {owner.sequence})"
-        super().__init__(f"ticket {ticket_id}: page {page} now belongs to {held}: no write of it may land")
+        if owner is not None and owner.ticket_id == ticket_id and owner.sealed:
+            why = f"page {page} is verified for it (the ticket is loaded)"
+        else:
+            held = "no ticket" if owner is None else f"ticket {owner.ticket_id} (sequence {owner.sequence})"
+            why = f"page {page} now belongs to {held}"
+        super().__init__(f"ticket {ticket_id}: {why}: no write of it may land")
 
 
 class PageFence:
@@ -57,14 +67,25 @@ class PageFence:
             owner = self._owner.get(page)
             if owner is not None and owner.ticket_id != ticket_id and owner.sequence > claim.sequence:
                 raise Superseded(ticket_id, page, owner)
+            if owner is not None and owner.ticket_id == ticket_id and owner.sealed:
+                raise Superseded(ticket_id, page, owner)
         for page in pages:
             self._owner[page] = claim
 
-    def check(self, ticket_id: TicketId, pages: Iterable[PageId]) -> None:
-        """Raises Superseded unless every page is held by `ticket_id` (a chunk may land)."""
+    def seal(self, ticket_id: TicketId, sequence: int, pages: Iterable[PageId]) -> None:
+        """The ticket is loaded (every write final and verified): its pages take no chunk any
+        more, its own included, until a later ticket claims them."""
+        sealed = Claim(ticket_id, int(sequence), sealed=True)
         for page in pages:
             owner = self._owner.get(int(page))
-            if owner is None or owner.ticket_id != ticket_id:
+            if owner is None or owner.ticket_id == ticket_id:
+                self._owner[int(page)] = sealed
+
+    def check(self, ticket_id: TicketId, pages: Iterable[PageId]) -> None:
+        """Raises Superseded unless every page is held by `ticket_id`, unsealed (a chunk may land)."""
+        for page in pages:
+            owner = self._owner.get(int(page))
+            if owner is None or owner.ticket_id != ticket_id or owner.sealed:
                 raise Superseded(ticket_id, int(page), owner)
 
 

@@ -618,6 +618,9 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     seen = t
                 command = protocol.next_command(time.monotonic())
                 if isinstance(command, Loaded):
+                    # Verified and final: from now on the ranks may read these pages, and no
+                    # chunk lands in them (a replayed or hostile one of this very ticket included).
+                    self.fence.seal(ticket_id, ticket.sequence, (p for r in rows for p in r.page_ids))
                     return total_bytes
                 if isinstance(command, Fail):
                     message = command.message
@@ -842,7 +845,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         if ticket.dit_replica_id != self.s.replica_id:
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
                                      f"ticket {ticket_id} is bound to {ticket.dit_replica_id}, not {self.s.replica_id}")
-        if ticket.state == broker_pb2.TICKET_STATE_RELEASED or not ticket.armed:
+        if ticket.state in _NOT_WRITABLE_STATES or not ticket.armed:
+            # READY and CONSUMING: every write is final and verified (the ranks may be reading).
             raise _not_writable(f"ticket {ticket_id} is {broker_pb2.TicketState.Name(ticket.state)}"
                                 f"{'' if ticket.armed else ' and not armed'}: no write may land in its pages")
         for r in ticket.rows:
@@ -855,6 +859,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     raise _not_writable(str(err)) from None
                 return ranges, pairs
         raise invalid_argument("row", f"ticket {ticket_id} has no row {row}")
+
+
+_NOT_WRITABLE_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING,
+                        broker_pb2.TICKET_STATE_RELEASED)
 
 
 def _not_writable(message: str) -> KvRelayServerError:

@@ -33,3 +33,17 @@ def test_a_stale_claim_never_supersedes_a_later_tickets() -> None:
     fence.claim("c", 9, [5])
     with pytest.raises(Superseded):
         fence.check("b", [5])
+
+
+def test_a_loaded_tickets_pages_take_no_chunk_until_a_later_ticket_claims_them() -> None:
+    fence = PageFence()
+    fence.claim("a", 1, [0, 1])
+    fence.seal("a", 1, [0, 1])
+    with pytest.raises(Superseded, match="verified for it"):
+        fence.check("a", [0])
+    with pytest.raises(Superseded):
+        fence.claim("a", 1, [1])  # a new stream of the loaded ticket: refused too
+    fence.claim("b", 2, [1])
+    fence.check("b", [1])
+    fence.seal("a", 1, [1])  # a late seal never takes a page back from a later ticket
+    fence.check("b", [1])

@@ -322,3 +322,66 @@ def test_a_stale_loads_claim_never_refuses_the_next_tickets_chunks(tmp_path: Pat
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+def test_no_chunk_lands_in_a_loaded_tickets_pages(tmp_path: Path) -> None:
+    """By READY every write is final and verified, and the ranks read the pages from CONSUMING on:
+    no chunk may land in them any more, not even one of that ticket (a replayed stream, a caller
+    that holds the replica token). A stream opened while the ticket was WRITING is refused at its
+    next chunk once the load is done, and a new stream of the ticket at its first; the image is
+    the one of the verified bytes. Before, both landed: the fence only asked whose pages they were."""
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    counts = [20]
+                    t = await writer.create_ticket(counts)
+                    armed = await writer.arm(t.ticket_id)
+                    page_bytes = armed.writes[0].segments[0].length // len(armed.ticket.rows[0].page_ids)
+                    first = min(t.rows[0].page_ids)
+                    junk = dit_pb2.PutKvRequest(ticket_id=t.ticket_id, row=0, dst_rank=0,
+                                                dst_offset=first * page_bytes, data=b"\x5a" * 64)
+                    queue: asyncio.Queue[dit_pb2.PutKvRequest | None] = asyncio.Queue()
+
+                    async def open_stream():  # type: ignore[no-untyped-def]
+                        while (c := await queue.get()) is not None:
+                            yield c
+
+                    lingering = stub.PutKv(open_stream(), timeout=60.0)
+                    await queue.put(junk)  # WRITING: lands (the real write below overwrites it)
+                    prefixes = writer.rows_kv(counts, seed=5)
+                    await writer.report(t.ticket_id, await asyncio.to_thread(writer.write, armed, prefixes))
+                    request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=256, height=256,
+                                                     num_inference_steps=60, guidance_scale=1.0, seed=2)
+                    events = asyncio.ensure_future(_drain(stub.Denoise(request, timeout=60.0)))
+                    for _ in range(400):
+                        if (await writer.ticket(t.ticket_id)).state == broker_pb2.TICKET_STATE_CONSUMING:
+                            break
+                        await asyncio.sleep(0.01)
+                    assert (await writer.ticket(t.ticket_id)).state == broker_pb2.TICKET_STATE_CONSUMING
+                    await queue.put(junk)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await lingering
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
+                    assert "verified" in (info.value.details() or "")
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _put(stub, [junk])
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_NOT_WRITABLE")
+                    done = await events
+                    assert done[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                    local = DitRunner("tiny").generate(prefixes, width=256, height=256, steps=60,
+                                                       guidance_scale=1.0, seed=2).numpy()
+                    image = decode_png(done[-1].image.png).astype(int)
+                    assert int(np.abs(image - local.astype(int)).max()) <= 1
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
