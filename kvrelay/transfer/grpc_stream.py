@@ -150,7 +150,8 @@ class _StreamProgress:
 
 
 class GrpcStreamSender:
-    """KvSender over DitService.PutKv. Channels are cached per endpoint until `close`."""
+    """KvSender over DitService.PutKv. Channels are cached per endpoint until `close`, or until
+    a call on one ends UNAVAILABLE (`_forget`)."""
 
     name = "grpc"
 
@@ -160,6 +161,9 @@ class GrpcStreamSender:
         self.max_chunk_bytes = max_chunk_bytes
         self.security = security
         self._channels: dict[str, grpc.Channel] = {}
+        # Calls running on each channel (by id), so a forgotten one closes only once idle.
+        self._calls: dict[int, int] = {}
+        self._forgotten: dict[int, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="putkv-stream")
         # Stream calls whose wait ended before they returned: (ticket, in-doubt writes, futures,
@@ -168,13 +172,41 @@ class GrpcStreamSender:
             tuple[str, list[tuple[int, PlannedWrite, str, int]], dict[str, Future[Any]], dict[str, int]]
         ] = []
 
-    def _stub(self, endpoint: str) -> dit_pb2_grpc.DitServiceStub:
+    def _acquire(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
-                channel = make_sync_channel(endpoint, self.security, max_request_bytes=_CHANNEL_MAX_BYTES)
+                # A local subchannel pool: channels to one target otherwise share gRPC's global
+                # subchannel, and a fresh channel would inherit a failed one's reconnect backoff.
+                channel = make_sync_channel(
+                    endpoint, self.security, max_request_bytes=_CHANNEL_MAX_BYTES,
+                    options=[("grpc.use_local_subchannel_pool", 1)],
+                )
                 self._channels[endpoint] = channel
-        return dit_pb2_grpc.DitServiceStub(channel)
+            self._calls[id(channel)] = self._calls.get(id(channel), 0) + 1
+        return channel
+
+    def _release(self, channel: grpc.Channel) -> None:
+        with self._lock:
+            left = self._calls[id(channel)] - 1
+            if left:
+                self._calls[id(channel)] = left
+                return
+            del self._calls[id(channel)]
+            forgotten = self._forgotten.pop(id(channel), None)
+        if forgotten is not None:
+            forgotten.close()
+
+    def _forget(self, endpoint: str, channel: grpc.Channel) -> None:
+        """Drop the channel a call to `endpoint` just failed on (UNAVAILABLE); the next write
+        dials afresh. A channel whose connection failed waits out gRPC's reconnect backoff
+        (growing to 2 minutes) and fails every call at once meanwhile: found across network
+        namespaces, where writes to a DiT kept failing `failed to connect to all addresses`
+        after the AR -> DiT link was back. It closes once its last call returns."""
+        with self._lock:
+            if self._channels.get(endpoint) is channel:
+                del self._channels[endpoint]
+                self._forgotten[id(channel)] = channel
 
     def _chunks(
         self, view: memoryview, ticket_id: str, items: list[tuple[int, PlannedWrite]], prog: _StreamProgress
@@ -195,11 +227,18 @@ class GrpcStreamSender:
         self, endpoint: str, view: memoryview, ticket_id: str, items: list[tuple[int, PlannedWrite]],
         prog: _StreamProgress, timeout_s: float,
     ) -> dit_pb2.PutKvResponse:
-        stub = self._stub(endpoint)
-        # Deadline on the call itself: on expiry gRPC cancels the stream at both ends.
-        response: dit_pb2.PutKvResponse = stub.PutKv(
-            self._chunks(view, ticket_id, items, prog), timeout=timeout_s, wait_for_ready=False
-        )
+        channel = self._acquire(endpoint)
+        try:
+            # Deadline on the call itself: on expiry gRPC cancels the stream at both ends.
+            response: dit_pb2.PutKvResponse = dit_pb2_grpc.DitServiceStub(channel).PutKv(
+                self._chunks(view, ticket_id, items, prog), timeout=timeout_s, wait_for_ready=False
+            )
+        except grpc.RpcError as err:
+            if isinstance(err, grpc.Call) and err.code() is grpc.StatusCode.UNAVAILABLE:
+                self._forget(endpoint, channel)
+            raise
+        finally:
+            self._release(channel)
         return response
 
     def write(
@@ -301,9 +340,11 @@ class GrpcStreamSender:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         with self._lock:
-            for channel in self._channels.values():
+            for channel in [*self._channels.values(), *self._forgotten.values()]:
                 channel.close()
             self._channels.clear()
+            self._forgotten.clear()
+            self._calls.clear()
 
 
 def make_sender(max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES, security: ChannelSecurity | None = None) -> GrpcStreamSender:
