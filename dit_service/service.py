@@ -214,6 +214,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # Denoise handlers running now: at stop, main waits for them to release their tickets
         # before the workers and the broker channel go away.
         self.inflight: set[asyncio.Task[Any]] = set()
+        # Tickets a Denoise call of this process holds now (queued, loading, denoising): a second
+        # call for one of them is refused before it owns anything, or its end would release the
+        # ticket while the first call's ranks read its pages.
+        self._calls: set[str] = set()
         self._batcher: DenoiseBatcher | None = None
         self._ipc_mapped: list[Any] | Literal[False] | None = None
         self._ipc_endpoint: Any = None
@@ -372,7 +376,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             deadline = min(deadline, start + request.deadline_time.ToNanoseconds() / 1e9 - time.time())
         outcome, reason = "CANCELLED", "denoise cancelled by the caller"
         ticket_id = request.ticket_id
-        release = False
+        release = holding = False
         finished: tuple[DenoiseResult, float, int] | None = None
         error: KvRelayServerError | None = None
         self.s.metrics.waiting.inc()
@@ -393,9 +397,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             if len(rows) != want_rows:
                 raise invalid_argument("guidance_scale", f"{request.guidance_scale} needs {want_rows} CFG row(s); "
                                        f"ticket {ticket_id} has {len(rows)}")
-            if ticket.state == broker_pb2.TICKET_STATE_RELEASED:
+            if ticket.state == broker_pb2.TICKET_STATE_RELEASED or ticket_id in self.releases.owed:
                 raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "TICKET_RELEASED",
                                          f"ticket {ticket_id} is already released")
+            if ticket_id in self._calls:
+                # One call per ticket (the broker sends one): a second one (a replay, a caller
+                # that holds the replica token) must not end, and so release, the first one's.
+                raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "TICKET_BUSY",
+                                         f"ticket {ticket_id} is being served by another Denoise call")
+            self._calls.add(ticket_id)
+            holding = True
             # From here on the ticket is ours to release, whatever happens.
             release = True
             async with self.s.scheduler.enter(ticket.sequence, ticket_id) as place:
@@ -494,6 +505,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             if release:
                 # Shielded: a cancelled caller must not leave the ticket unreleased.
                 await asyncio.shield(self._release(ticket_id, outcome, reason))
+            if holding:
+                self._calls.discard(ticket_id)
         if error is not None:
             await abort_with(context, error)
 
@@ -606,6 +619,9 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         changed = asyncio.Event()
         watcher = asyncio.ensure_future(self._watch(ticket_id, latest, changed, budget_end))
         seen: broker_pb2.Ticket | None = None
+        # A ticket from GetTicket is the broker's word; one from the caller's plan is checked
+        # against the broker's first snapshot before any page is claimed.
+        confirmed = broker_plan is None
         try:
             while True:
                 t = latest[0]
@@ -617,6 +633,22 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     )
                     seen = t
                 command = protocol.next_command(time.monotonic())
+                if isinstance(command, (Verify, Loaded)) and not confirmed:
+                    # The caller's plan names the pages and the sequence the fence claims them
+                    # with: take them only once the broker's own snapshot agrees (a forged or
+                    # mistaken plan would fence pages it does not own, with a sequence that shuts
+                    # every later ticket out of them).
+                    if latest[0] is ticket:
+                        if time.monotonic() >= budget_end:
+                            raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
+                                                  f"ticket {ticket_id}: no word from the broker in time")
+                        changed.clear()
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(max(0.0, budget_end - time.monotonic())):
+                                await changed.wait()
+                        continue
+                    _check_plan(ticket, latest[0])
+                    confirmed = True
                 if isinstance(command, Loaded):
                     # Verified and final: from now on the ranks may read these pages, and no
                     # chunk lands in them (a replayed or hostile one of this very ticket included).
@@ -863,6 +895,19 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
 
 _NOT_WRITABLE_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING,
                         broker_pb2.TICKET_STATE_RELEASED)
+
+
+def _check_plan(planned: broker_pb2.Ticket, broker: broker_pb2.Ticket) -> None:
+    """The plan's ticket must be the broker's: same replica, sequence and rows (pages)."""
+    if (planned.dit_replica_id, planned.sequence, _rows_of(planned)) != (
+        broker.dit_replica_id, broker.sequence, _rows_of(broker)
+    ):
+        raise KvRelayServerError(
+            grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH",
+            f"ticket {planned.ticket_id}: the plan's ticket (sequence {planned.sequence}, rows "
+            f"{[list(r.page_ids) for r in _rows_of(planned)]}) is not the broker's (sequence {broker.sequence}, "
+            f"rows {[list(r.page_ids) for r in _rows_of(broker)]})",
+        )
 
 
 def _not_writable(message: str) -> KvRelayServerError:

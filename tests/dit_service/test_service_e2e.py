@@ -727,3 +727,103 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
                     await running.__aexit__(None, None, None)
 
     asyncio.run(scenario())
+
+
+def test_a_second_denoise_of_a_ticket_never_releases_it_under_the_first(tmp_path: Path) -> None:
+    """The broker sends one Denoise per ticket. A second one for a ticket a call is reading (a
+    replay, a caller that holds the replica token) is refused FAILED_PRECONDITION TICKET_BUSY
+    before it owns anything: before, it queued behind the first, and its end (its deadline here)
+    released the ticket CANCELLED while the first call's ranks still read the pages."""
+    from kvrelay.broker.tickets import TicketOutcome, TicketState
+
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                t = await writer.create_ticket([5])
+                armed = await writer.arm(t.ticket_id)
+                await writer.report(t.ticket_id,
+                                    await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
+                request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=256, height=256,
+                                                 num_inference_steps=60, guidance_scale=1.0, seed=0)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    first = asyncio.ensure_future(_collect(stub, request))
+                    for _ in range(400):
+                        if core.get_ticket(t.ticket_id).state is TicketState.CONSUMING:
+                            break
+                        await asyncio.sleep(0.01)
+                    assert core.get_ticket(t.ticket_id).state is TicketState.CONSUMING
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _collect(stub, request, timeout=1.0)
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_BUSY"), info.value
+                    assert core.get_ticket(t.ticket_id).state is TicketState.CONSUMING
+                    events = await first
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                done = core.get_ticket(t.ticket_id)
+                assert (done.state, done.outcome) == (TicketState.RELEASED, TicketOutcome.OK)
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
+    """Denoise carries the broker's plan, and the load claims the plan's pages with its ticket's
+    sequence. A plan that is not the broker's (a forged sequence here: a caller that holds the
+    replica token) is refused FAILED_PRECONDITION PLAN_MISMATCH before any page is claimed:
+    before, it was served, and its claim, numbered above every real ticket, refused the next
+    ticket of those pages (TICKET_ENDED) for good. The next ticket on them is served."""
+    from kvrelay.broker.service import plan_to_proto
+
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+
+                    async def written() -> broker_pb2.Ticket:
+                        t = await writer.create_ticket([5])
+                        armed = await writer.arm(t.ticket_id)
+                        await writer.report(t.ticket_id, await asyncio.to_thread(
+                            writer.write, armed, writer.rows_kv([5], seed=6)))
+                        return t
+
+                    t = await written()
+                    forged = plan_to_proto(core.plan_for(t.ticket_id))
+                    forged.ticket.sequence += 10**12
+                    request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
+                                                     num_inference_steps=1, guidance_scale=1.0, seed=0, plan=forged)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _collect(stub, request, timeout=10.0)
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), info.value
+                    await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                    u = None
+                    for _ in range(64):
+                        candidate = await written()
+                        if set(candidate.rows[0].page_ids) & set(t.rows[0].page_ids):
+                            u = candidate
+                            break
+                    assert u is not None, "no later ticket got the pages"
+                    request = dit_pb2.DenoiseRequest(ticket_id=u.ticket_id, width=64, height=64,
+                                                     num_inference_steps=1, guidance_scale=1.0, seed=0,
+                                                     plan=plan_to_proto(core.plan_for(u.ticket_id)))
+                    events = await _collect(stub, request, timeout=20.0)
+                    assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
