@@ -7,6 +7,9 @@ register with the broker under a fresh incarnation id, then turn health SERVING.
 until SIGTERM (clean stop: NOT_SERVING, deregister so no new tickets come while heartbeats go on,
 let running requests finish their writes and reports, stop workers, exit 0) or a fail stop (fenced, superseded, a worker died: stop workers
 first, which unregisters their memory, then exit 3 so a supervisor restarts the replica).
+SIGTERM, SIGINT and SIGHUP are a clean stop in every phase: a wait at start-up (the replica lock,
+the model load, registration retries against a broker not yet up) ends at once (kvrelay/stopping.py)
+and the process stops what it started and exits 0.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConf
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.security import CallerClass, SecurityError, load_credentials, make_channel
 from kvrelay.server import GrpcServer
+from kvrelay.stopping import ProcessStop, StopRequested
 from kvrelay.v1 import ar_pb2_grpc
 
 log = get_logger(__name__)
@@ -81,6 +85,9 @@ def _rank_spec(
 
 
 async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
+    # First: a signal from here on is a clean stop, whatever the process is waiting for.
+    stop = ProcessStop("ar")
+    stop.install()
     from kvrelay.ar_service.engine import DescribeRank, RankDescription
     from kvrelay.ar_service.registration import ArIdentity, ArRegistration, Fenced, RegistrationRefused
     from kvrelay.ar_service.sender import broker_stub
@@ -118,9 +125,16 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     incarnation_id = uuid.uuid4().hex
 
     # Wait out a previous incarnation's workers (they die with their parent, within moments).
-    lock = await asyncio.to_thread(
-        ReplicaLock(replica_lock_path(replica_id, deployment=_broker_address(args, cfg))).acquire, timeout_s=max(10.0, 2 * cfg.broker.lease_seconds)
-    )
+    stop.phase = "waiting for the replica lock"
+    lock = ReplicaLock(replica_lock_path(replica_id, deployment=_broker_address(args, cfg)))
+    try:
+        await stop.until_stopped(
+            asyncio.to_thread(lock.acquire, timeout_s=max(10.0, 2 * cfg.broker.lease_seconds), cancel=stop.thread_event),
+            abort=stop.thread_event.set,
+        )
+    except StopRequested:
+        lock.release()
+        return EXIT_OK
 
     from prometheus_client import CollectorRegistry
 
@@ -155,15 +169,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         await channel.close()
         lock.release()
         return EXIT_CONFIG
-    server.install_signal_handlers()
     print(f"kvrelay ar listening on {server.address}", flush=True)
-    stop_requested = asyncio.Event()
-
-    async def watch_stop() -> None:
-        await server.wait_for_stop()
-        stop_requested.set()
-
-    stop_watcher = asyncio.ensure_future(watch_stop())
 
     if isinstance(rank_spec, VllmRankSpec):
         from kvrelay.ar_service.vllm_engine import engine_env
@@ -191,10 +197,13 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     code = EXIT_OK
     deregistered = False
     try:
-        # SIGTERM during model load lets the load finish (the harness cannot abort a spawn half
-        # way); the stop is honoured right after.
-        await asyncio.to_thread(group.start)
-        infos: list[RankDescription] = await asyncio.to_thread(group.call_all, DescribeRank())
+        # A stop during the model load kills the ranks (nothing of theirs is registered with the
+        # broker yet): the load cannot be interrupted otherwise, and may take minutes.
+        stop.phase = "loading the model"
+        await stop.until_stopped(asyncio.to_thread(group.start), abort=group.kill)
+        infos: list[RankDescription] = await stop.until_stopped(
+            asyncio.to_thread(group.call_all, DescribeRank()), abort=group.kill
+        )
         first = infos[0]
         if isinstance(rank_spec, VllmRankSpec):
             from kvrelay.ar_service.vllm_engine import VllmTokenizer
@@ -248,16 +257,17 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             token=creds.replica_token,
             on_fail_stop=on_fail_stop,
         )
-        if not stop_requested.is_set():
-            try:
-                await registration.register()
-            except Fenced as err:
-                on_fail_stop(str(err))
-            except RegistrationRefused as err:
-                log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
-                print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)
-                return EXIT_STARTUP
-        if not fail_stop.is_set() and not stop_requested.is_set():
+        stop.phase = f"registering with the broker at {_broker_address(args, cfg)}"
+        try:
+            await stop.until_stopped(registration.register())
+        except Fenced as err:
+            on_fail_stop(str(err))
+        except RegistrationRefused as err:
+            log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
+            print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)
+            return EXIT_STARTUP
+        if not fail_stop.is_set() and not stop.requested:
+            stop.phase = "serving"
             await server.set_serving(True)
             log.info(
                 "ar_serving",
@@ -274,15 +284,16 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
                 watch_ranks(group, on_fail_stop, interval_s=cfg.rank_watch_interval,
                             max_silence_s=cfg.rank_stall_seconds_for(stage))
             )
-            stop = asyncio.ensure_future(stop_requested.wait())
+            stopped = asyncio.ensure_future(stop.event.wait())
             failed = asyncio.ensure_future(fail_stop.wait())
-            await asyncio.wait([stop, failed], return_when=asyncio.FIRST_COMPLETED)
-            stop.cancel()
+            await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
             failed.cancel()
         if fail_stop.is_set():
             code = EXIT_FAIL_STOP
         else:
             # Clean stop: no new requests; running ones finish their writes and reports.
+            stop.phase = "draining"
             await server.set_serving(False)
             if registration is not None and heartbeats is not None:
                 # Deregistered first so the broker hands out no new tickets; heartbeats go on (the
@@ -290,12 +301,14 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
                 await registration.deregister()
                 deregistered = True
             await servicer.drain(STOP_GRACE_S)
+    except StopRequested:
+        # Stopped before serving: nothing was handed out; what started is stopped below.
+        code = EXIT_OK
     except Exception as err:  # noqa: BLE001 - any start-up failure ends the process with a message
         log.exception("ar_failed", replica_id=replica_id)
         print(f"kvrelay ar: {type(err).__name__}: {err}", file=sys.stderr)
         code = EXIT_STARTUP
     finally:
-        stop_watcher.cancel()
         if watchdog is not None:
             watchdog.cancel()
         if registration is not None:

@@ -4,8 +4,10 @@ Owns the order of start and stop. Start: take the replica lock (proof that no pr
 previous incarnation is alive), bind the gRPC port (and print `kvrelay dit listening on
 HOST:PORT`), allocate the page pools, start the rank workers (each builds its model and registers
 its pool with the transport), register with the broker, heartbeat, and only then turn health
-SERVING. Stop on SIGTERM/SIGINT: NOT_SERVING, drain the server, deregister, stop the workers,
-free the pools, exit 0. Fail stop (fenced, a rank died, a broken invariant): stop the workers
+SERVING. Stop on SIGTERM/SIGINT/SIGHUP: NOT_SERVING, drain the server, deregister, stop the
+workers, free the pools, exit 0; a signal during a start-up wait (the replica lock, the model load,
+registration retries against a broker not yet up) ends that wait at once (kvrelay/stopping.py) and
+the same stop follows. Fail stop (fenced, a rank died, a broken invariant): stop the workers
 before the memory is unregistered and freed, then exit 3 so the supervisor restarts the replica.
 """
 
@@ -20,6 +22,7 @@ import sys
 from kvrelay.config import ConfigError, KvRelayConfig, ModelConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.server import GrpcServer
+from kvrelay.stopping import ProcessStop, StopRequested
 from kvrelay.v1 import dit_pb2, dit_pb2_grpc
 
 log = get_logger(__name__)
@@ -30,7 +33,7 @@ LOCK_WAIT_S = 30.0
 
 
 class _Stopper:
-    """Why the process stops: a clean request (signal) or a fail stop with its reason."""
+    """Why the process stops: a clean request or a fail stop with its reason."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
@@ -40,9 +43,6 @@ class _Stopper:
         if self.fail_reason is None:
             self.fail_reason = reason
             log.error("fail_stop", reason=reason)
-        self.event.set()
-
-    def clean_stop(self) -> None:
         self.event.set()
 
 
@@ -63,6 +63,9 @@ def model_max_image_side(model: ModelConfig) -> int:
 
 
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
+    # First: a signal from here on is a clean stop, whatever the process is waiting for.
+    stop = ProcessStop("dit")
+    stop.install()
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
     from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
     from kvrelay.dit_service.registration import (
@@ -116,7 +119,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         return 2
     lock = ReplicaLock(replica_lock_path(replica_id, deployment=broker_address))
-    await asyncio.to_thread(lock.acquire, LOCK_WAIT_S)
+    stop.phase = "waiting for the replica lock"
+    try:
+        await stop.until_stopped(
+            asyncio.to_thread(lock.acquire, LOCK_WAIT_S, cancel=stop.thread_event), abort=stop.thread_event.set
+        )
+    except StopRequested:
+        lock.release()
+        return 0
     stopper = _Stopper()
     metrics = DitMetrics(replica_id)
     servicer = DitServicer()
@@ -134,11 +144,6 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     config_error = False
     try:
         await server.start()
-        loop = asyncio.get_running_loop()
-        for sig_name in ("SIGTERM", "SIGINT"):
-            import signal
-
-            loop.add_signal_handler(getattr(signal, sig_name), stopper.clean_stop)
         print(f"kvrelay dit listening on {server.address}", flush=True)
         endpoint = f"{stage.advertise_host}:{server.bound_port}"
 
@@ -157,8 +162,11 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             pools=tuple(memory.specs()), control=control_pool.spec, slots=admission_slots(stage.max_num_seqs),
         )
         group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
-        await asyncio.to_thread(group.start)
-        described = await asyncio.to_thread(group.call_all, DescribeRegion(), 120.0)
+        # A stop during the model load kills the ranks (nothing of theirs is registered with the
+        # broker yet): the load cannot be interrupted otherwise, and may take minutes.
+        stop.phase = "loading the model"
+        await stop.until_stopped(asyncio.to_thread(group.start), abort=group.kill)
+        described = await stop.until_stopped(asyncio.to_thread(group.call_all, DescribeRegion(), 120.0), abort=group.kill)
         if stage.transport == "grpc":
             # The fallback's regions are this service's: senders address them by offset through
             # PutKv at our advertised address. (Built here rather than with GrpcStreamReceiver,
@@ -193,7 +201,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
             owed_releases=servicer.owed_releases,
         )
-        await registration.register()
+        stop.phase = f"registering with the broker at {broker_address}"
+        await stop.until_stopped(registration.register())
         registration.start_heartbeats()
         # A missing or stopped rank is a broken invariant even between requests (its pool can no
         # longer be verified or read, its Mooncake engine neither receives nor drains) and in the
@@ -204,10 +213,18 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
                         max_silence_s=cfg.rank_stall_seconds_for(stage)),
             name="dit-rank-watchdog",
         )
-        if stopper.fail_reason is None:
+        if stopper.fail_reason is None and not stop.requested:
+            stop.phase = "serving"
             await server.set_serving(True)
             log.info("dit_serving", replica_id=replica_id, incarnation_id=incarnation_id, address=server.address)
-        await stopper.event.wait()
+        stopped = asyncio.ensure_future(stop.event.wait())
+        fail_stopped = asyncio.ensure_future(stopper.event.wait())
+        await asyncio.wait({stopped, fail_stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        fail_stopped.cancel()
+        stop.phase = "draining"
+    except StopRequested:
+        pass  # stopped before serving: a clean stop of what started, below
     except PortInUse as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         config_error = True

@@ -135,6 +135,7 @@ class Registration:
                     raise RegistrationRefused(
                         f"RegisterReplica {self.info.replica_id} failed: {err.code().name}: {err.details()}"
                     ) from err
+                log.info("broker_not_reachable_yet", code=err.code().name, retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
         if reply.fenced:

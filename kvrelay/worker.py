@@ -363,8 +363,11 @@ class ReplicaLock:
             raise RuntimeError(f"replica lock {self.path} is not held")
         return self._fd
 
-    def acquire(self, timeout_s: float = 0.0, poll_s: float = 0.05) -> ReplicaLock:
-        """Take the lock, waiting up to `timeout_s` for a previous incarnation's processes to go."""
+    def acquire(
+        self, timeout_s: float = 0.0, poll_s: float = 0.05, cancel: threading.Event | None = None
+    ) -> ReplicaLock:
+        """Take the lock, waiting up to `timeout_s` for a previous incarnation's processes to go.
+        Raises InterruptedError when `cancel` is set first (the process was asked to stop)."""
         if self._fd is not None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -378,6 +381,9 @@ class ReplicaLock:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     os.close(fd)
                     raise
+                if cancel is not None and cancel.is_set():
+                    os.close(fd)
+                    raise InterruptedError(f"waiting for the replica lock {self.path}") from None
                 if time.monotonic() >= deadline:
                     holder_pid = self._read_holder(fd)
                     os.close(fd)
@@ -713,6 +719,11 @@ class WorkerGroup:
         self._spawn_from_keeper_thread()
         for c in child_conns:
             c.close()
+        if self._stopped:
+            # kill() from another thread (a stop requested during start-up) came before the ranks
+            # had pids: it could not kill them, so they go here, before the wait for them.
+            self._kill_all()
+            raise WorkerGroupBroken("worker group killed while starting")
         try:
             replies = self._gather(range(self.world_size), "startup", self._start_timeout_s)
         except WorkerGroupError:

@@ -2,7 +2,9 @@
 
 Made for container healthchecks and scripts (compose runs it every few seconds in each service):
 it imports no torch, no config and no service package, waits at most `--timeout` seconds, and
-prints one line. Exit codes: 0 SERVING, 1 reachable but not serving, 2 unreachable or an error.
+prints one line: `HOST:PORT: SERVING` on stdout, or on stderr `kvrelay health: HOST:PORT: ...` (the
+prefix every subcommand's one-line error has). Exit codes: 0 SERVING, 1 reachable but not serving,
+2 unreachable or an error.
 """
 
 from __future__ import annotations
@@ -49,5 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay health: {err}", file=sys.stderr)
         return 2
     code, line = check(args.target, args.service, args.timeout, ChannelSecurity(tls=tls))
-    print(line, file=sys.stdout if code == 0 else sys.stderr)
+    if code == 0:
+        print(line)
+    else:
+        print(f"kvrelay health: {line}", file=sys.stderr)
     return code

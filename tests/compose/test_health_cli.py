@@ -41,7 +41,8 @@ def test_exit_code_follows_the_serving_status(health_server: tuple[str, health.H
     target, servicer = health_server
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     proc = _health("--target", target)
-    assert proc.returncode == 1 and "NOT_SERVING" in proc.stderr
+    # One line on stderr with the `kvrelay health: ` prefix of every subcommand's one-line error.
+    assert proc.returncode == 1 and proc.stderr == f"kvrelay health: {target}: NOT_SERVING\n"
 
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     proc = _health("--target", target)
@@ -49,13 +50,15 @@ def test_exit_code_follows_the_serving_status(health_server: tuple[str, health.H
 
     # A named service the process does not know: NOT_FOUND, not serving.
     proc = _health("--target", target, "--service", "kvrelay.v1.NoSuchService")
-    assert proc.returncode == 2 and "NOT_FOUND" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"kvrelay health: {target}: NOT_FOUND")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
 
 
 def test_nothing_listening_is_exit_2_within_the_timeout() -> None:
     target = f"127.0.0.1:{reserve_free_port()}"
     proc = _health("--target", target, "--timeout", "1")
-    assert proc.returncode == 2 and target in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(f"kvrelay health: {target}: "), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stdout == "", proc.stderr
 
 
 def test_a_target_without_a_port_dials_the_brokers_port_not_443() -> None:
