@@ -228,9 +228,12 @@ def test_compaction_under_rpc_load_fails_no_rpc_and_no_step_blocks_the_loop_long
                         failures.append(err)
                         return
 
+            # Every seeded generation is past retention now. The clock jumps before the clients
+            # start: a generation of theirs that finished before a jump would be gone when they
+            # read it back (NOT_FOUND), which is retention working, not a failed RPC.
+            c.clock_offset[0] += 6.0
             clients = [asyncio.create_task(client(n)) for n in range(3)]
             await asyncio.sleep(0.3)
-            c.clock_offset[0] += 6.0  # every seeded generation is past retention now
             started = time.perf_counter()
             result = await c.orchestrator.compactor.compact_once()
             elapsed = time.perf_counter() - started
