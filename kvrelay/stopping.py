@@ -84,7 +84,10 @@ class ProcessStop:
         A coroutine is cancelled. A wait that runs on a thread (asyncio.to_thread) cannot be:
         `abort` (run on a thread) must make it return, e.g. kill the ranks it waits for or set the
         event it polls; the thread is then waited for up to ABORT_WAIT_S, its outcome dropped."""
-        self.check()
+        if self.event.is_set():
+            if asyncio.iscoroutine(awaitable):
+                awaitable.close()  # never started (a to_thread call has not reached its thread)
+            self.check()
         task = asyncio.ensure_future(awaitable)
         stopped = asyncio.ensure_future(self.event.wait())
         try:
