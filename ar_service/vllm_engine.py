@@ -45,6 +45,7 @@ from kvrelay.ar_service.engine import (
 )
 from kvrelay.config import ConfigError, StageConfig
 from kvrelay.logging import get_logger
+from kvrelay.models.formats import ar_dtype
 from kvrelay.worker import RankContext
 
 log = get_logger(__name__)
@@ -188,7 +189,9 @@ def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
     return VllmRankSpec(
         path=model.path,
         tokenizer=model.tokenizer,
-        dtype=model.dtype,
+        # The built-in engine's default, not vLLM's `auto` (bfloat16 for a float32 checkpoint on
+        # CPUs that have it): the DiT's dtype is checked against this one when the config loads.
+        dtype=ar_dtype(model, on_cpu=stage.device_list() == ["cpu"]),
         tensor_parallel_size=stage.tensor_parallel_size,
         max_num_seqs=stage.max_num_seqs,
         transfer=kv_transfer_config(stage),

@@ -506,7 +506,7 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
 
     Preset geometry comes from kvrelay.models.presets, imported lazily (it imports no torch);
     a checkpoint directory from its JSON files when it is on this machine, else at registration,
-    where the broker names the field. A dtype of None (vLLM picks its own) is not compared.
+    where the broker names the field.
     """
     from kvrelay.models.formats import bagel_geometry, hf_geometry
     from kvrelay.models.presets import get_preset
@@ -585,9 +585,15 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                   if a != d and a is not None and d is not None]  # fmt: skip
         if differ:
             field = differ[0]
+            fix = (
+                "set the same model.dtype on both stages"
+                if field == "dtype"
+                else "the DiT attends over the AR's KV: give the DiT stage a model of the AR checkpoint's "
+                "num_layers, num_kv_heads and head_dim (or the AR one of the DiT's)"
+            )
             raise ConfigError(
                 f"invalid config: stages: AR and DiT KV geometry differ in {field} "
-                f"(AR {geometries['ar'][names.index(field)]}, DiT {geometries['dit'][names.index(field)]})"
+                f"(AR {geometries['ar'][names.index(field)]}, DiT {geometries['dit'][names.index(field)]}): {fix}"
             )
 
 

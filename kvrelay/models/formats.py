@@ -45,10 +45,8 @@ def bagel_geometry(model: Any) -> tuple[int, int, int, str] | None:
 
 def hf_geometry(model: Any, on_cpu: bool) -> tuple[int, int, int, str | None] | None:
     """(num_layers, num_kv_heads, head_dim, dtype) of an AR `{path: DIR}` checkpoint from its
-    config.json (the Llama/Qwen2 keys `read_hf_config` reads); dtype None for `engine: vllm`,
-    which picks its own. None when the directory or its config.json is not on this machine (the
-    AR says so at start). The built-in AR runs a checkpoint in `model.dtype`, else float32 on
-    the CPU and bfloat16 on GPUs (`build_ar_model`)."""
+    config.json (the Llama/Qwen2 keys `read_hf_config` reads), its dtype `ar_dtype`'s. None when
+    the directory or its config.json is not on this machine (the AR says so at start)."""
     if model.format != "kvrelay" or model.preset is not None or not model.path:
         return None
     path = Path(model.path) / "config.json"
@@ -61,8 +59,12 @@ def hf_geometry(model: Any, on_cpu: bool) -> tuple[int, int, int, str | None] | 
         layers, kv_heads = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads", heads))
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a Llama/Qwen2 config.json ({type(err).__name__}: {err})") from None
-    if model.engine == "vllm":
-        dtype = model.dtype
-    else:
-        dtype = model.dtype or ("float32" if on_cpu else "bfloat16")
-    return layers, kv_heads, head_dim, dtype
+    return layers, kv_heads, head_dim, ar_dtype(model, on_cpu)
+
+
+def ar_dtype(model: Any, on_cpu: bool) -> str:
+    """The dtype an AR `{path: DIR}` checkpoint runs in, on either engine: `model.dtype`, else
+    float32 on the CPU and bfloat16 on GPUs. `engine: vllm` is given it too: vLLM's own `auto`
+    picks bfloat16 for a float32 checkpoint on CPUs that have it, and the broker then refused the
+    AR's registration (GEOMETRY_MISMATCH) after the engine had started beside a float32 DiT."""
+    return str(model.dtype or ("float32" if on_cpu else "bfloat16"))

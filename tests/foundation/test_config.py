@@ -355,9 +355,8 @@ def test_dit_memory_of_exactly_one_page_loads(base: dict[str, Any]) -> None:
 
 def test_an_ar_checkpoint_of_another_shape_is_refused_at_load(base: dict[str, Any], tmp_path: Path) -> None:
     """`model: {path: DIR}` on the AR: its config.json's KV shape is checked against the DiT when
-    the config loads (the broker refused the AR's registration only after both models loaded);
-    vLLM picks its own dtype, so only its shape is compared; a directory not on this machine is
-    left to the AR's start."""
+    the config loads (the broker refused the AR's registration only after both models loaded),
+    on either engine; a directory not on this machine is left to the AR's start."""
     import json
 
     small = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 256,
@@ -366,7 +365,7 @@ def test_an_ar_checkpoint_of_another_shape_is_refused_at_load(base: dict[str, An
     data = copy.deepcopy(base)
     data["stages"][0]["model"] = {"path": str(tmp_path)}
     data["stages"][1]["model"] = {"preset": "small"}
-    _reject(data, "geometry differ in num_layers (AR 2, DiT 4)")
+    _reject(data, "geometry differ in num_layers (AR 2, DiT 4): the DiT attends over the AR's KV")
     data["stages"][0]["tensor_parallel_size"] = 3
     _reject(data, "stages[0].tensor_parallel_size", f"num_kv_heads=4 of checkpoint {tmp_path}")
     data["stages"][0]["tensor_parallel_size"] = 1
@@ -374,8 +373,13 @@ def test_an_ar_checkpoint_of_another_shape_is_refused_at_load(base: dict[str, An
     parse_config(data, "test.yaml")  # small's shape, float32 on the CPU like the preset
     data["stages"][0]["model"] = {"path": str(tmp_path), "dtype": "bfloat16"}
     _reject(data, "geometry differ in dtype")
+    # engine: vllm runs the checkpoint in the built-in engine's default dtype (vLLM's `auto` picked
+    # bfloat16 on CPUs that have it, refused at registration after the engine started): checked here.
     data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path)}
     parse_config(data, "test.yaml")
+    data["stages"][1]["model"] = {"preset": "small", "dtype": "bfloat16"}
+    _reject(data, "geometry differ in dtype (AR float32, DiT bfloat16): set the same model.dtype on both stages")
+    data["stages"][1]["model"] = {"preset": "small"}
     data["stages"][0]["model"] = {"path": str(tmp_path / "elsewhere")}
     parse_config(data, "test.yaml")
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256}))

@@ -84,3 +84,23 @@ def test_vllm_start_failure_is_reported(tmp_path: Path) -> None:
     done = _run_ar(tmp_path, {"engine": "vllm", "path": str(ckpt), "vllm_args": {"max_model_len": 100000}})
     assert done.returncode == 1, done.stderr
     assert "vLLM failed to start for" in done.stderr and "max_model_len" in done.stderr
+
+
+def test_vllm_runs_the_builtin_engines_dtype_unless_set(tmp_path: Path) -> None:
+    """Without model.dtype vLLM is given float32 on the CPU (what the config checks against the
+    DiT), not its own `auto`: that picked bfloat16 for a float32 checkpoint on a CPU with bf16, and
+    the broker refused the AR (GEOMETRY_MISMATCH) only after the engine had started."""
+    from kvrelay.ar_service.vllm_engine import vllm_rank_spec
+    from kvrelay.config import load_config
+
+    _model_dir(tmp_path)
+    config = write_config(tmp_path, preset="small")
+    data = yaml.safe_load(config.read_text())
+    data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path)}
+    config.write_text(yaml.safe_dump(data))
+    stage = load_config(config).stages[0]
+    assert vllm_rank_spec(stage).engine_kwargs()["dtype"] == "float32"
+    data["stages"][0]["model"]["dtype"] = "bfloat16"
+    data["stages"][1]["model"]["dtype"] = "bfloat16"
+    config.write_text(yaml.safe_dump(data))
+    assert vllm_rank_spec(load_config(config).stages[0]).engine_kwargs()["dtype"] == "bfloat16"

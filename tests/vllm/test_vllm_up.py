@@ -38,7 +38,9 @@ def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
     data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
     data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
     ar, dit = data["stages"]
-    ar["model"] = {"engine": "vllm", "path": str(checkpoint), "dtype": "float32", "vllm_args": {"max_model_len": 1024}}
+    # No model.dtype, as in docs/ar.md: vLLM gets float32 on the CPU like the DiT (its own `auto`
+    # picked bfloat16 on CPUs with bf16, and the broker refused the AR's registration).
+    ar["model"] = {"engine": "vllm", "path": str(checkpoint), "vllm_args": {"max_model_len": 1024}}
     ar["request_timeout_seconds"] = 120
     # Several tickets per prefill: the vLLM handler answers PrefillTickets.
     ar["max_num_seqs"] = 4
