@@ -140,6 +140,10 @@ class OnWorkers:
     args: tuple[Any, ...] = ()
 
 
+# A Hugging Face tokenizer in a model directory (fast, SentencePiece, BPE/WordPiece vocabularies).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
+
+
 @dataclass(frozen=True, slots=True)
 class VllmRankSpec:
     """The picklable factory WorkerGroup hands its one process: `spec(ctx) -> VllmRankHandler`."""
@@ -186,6 +190,12 @@ def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
         raise ConfigError(
             "stages[0].tensor_parallel_size: engine: vllm runs with tensor_parallel_size 1 in this build"
         )
+    if model.tokenizer is None and not any((Path(model.path) / name).is_file() for name in TOKENIZER_FILES):
+        # vLLM's own error comes after its ~20 s start, over several lines, without the fix.
+        raise ConfigError(
+            f"stages[0].model.path: {model.path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            "copy the checkpoint's tokenizer files there or set model.tokenizer"
+        )
     return VllmRankSpec(
         path=model.path,
         tokenizer=model.tokenizer,
@@ -212,6 +222,12 @@ def engine_env() -> dict[str, str]:
 
 class VllmStartError(RuntimeError):
     """vLLM could not start; the message says what and how to fix it."""
+
+
+def start_failure(path: str, exc: BaseException) -> str:
+    """vLLM's start failure on one line: the node prints the first line of a child's error, and
+    some of vLLM's (transformers' tokenizer error) put their reason on the following lines."""
+    return " ".join(f"vLLM failed to start for {path}: {type(exc).__name__}: {exc}".split())
 
 
 class VllmCacheFull(RuntimeError):
@@ -254,9 +270,7 @@ class VllmRankHandler:
         try:
             self.engine = LLMEngine.from_engine_args(args)
         except Exception as exc:
-            raise VllmStartError(
-                f"vLLM failed to start for {spec.path}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise VllmStartError(start_failure(spec.path, exc)) from exc
         model_config = self.engine.vllm_config.model_config
         # vLLM refuses a prompt of max_model_len tokens: the one sampled token must fit too.
         self.max_tokens = int(model_config.max_model_len) - 1

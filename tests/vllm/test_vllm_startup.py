@@ -76,6 +76,26 @@ def test_not_a_model_directory(tmp_path: Path) -> None:
     assert "stages[0].model.path" in done.stderr and "is not a model directory (no config.json)" in done.stderr
 
 
+def test_a_model_directory_without_a_tokenizer_is_refused(tmp_path: Path) -> None:
+    """Refused before vLLM starts (vLLM's own error came after ~20 s, its reason on lines the node
+    did not print: "Couldn't instantiate the backend tokenizer from one of: ")."""
+    _model_dir(tmp_path)
+    done = _run_ar(tmp_path, {"engine": "vllm", "path": str(tmp_path)})
+    assert done.returncode == 2, done.stderr
+    assert f"stages[0].model.path: {str(tmp_path)!r} has no tokenizer" in done.stderr
+    assert "set model.tokenizer" in done.stderr
+
+
+def test_a_start_failure_is_one_line() -> None:
+    from kvrelay.ar_service.vllm_engine import start_failure
+
+    exc = ValueError("Couldn't instantiate the backend tokenizer from one of: \n(1) a file, \n(2) a class.")
+    assert start_failure("/m", exc) == (
+        "vLLM failed to start for /m: ValueError: Couldn't instantiate the backend tokenizer from one of: "
+        "(1) a file, (2) a class."
+    )
+
+
 @pytest.mark.slow
 def test_vllm_start_failure_is_reported(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
@@ -94,6 +114,7 @@ def test_vllm_runs_the_builtin_engines_dtype_unless_set(tmp_path: Path) -> None:
     from kvrelay.config import load_config
 
     _model_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
     config = write_config(tmp_path, preset="small")
     data = yaml.safe_load(config.read_text())
     data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path)}
