@@ -3,7 +3,7 @@
 grpc.aio server with health (`grpc.health.v1`, NOT_SERVING until the process says it can serve),
 server reflection, a Prometheus endpoint, explicit message-size limits (a 2048x2048 PNG fits in a
 reply), kvrelay.security's interceptor (caller classes, tokens, mutual TLS) and TLS listener, the
-refusal of a non-loopback listener without credentials, and a graceful stop on SIGTERM/SIGINT. It
+refusal of a non-loopback listener without credentials, and a graceful stop on SIGTERM/SIGINT/SIGHUP. It
 owns no business logic.
 """
 
@@ -170,8 +170,10 @@ class GrpcServer:
         self._stop.set()
 
     def install_signal_handlers(self) -> None:
+        """SIGTERM, SIGINT and SIGHUP stop the server gracefully (SIGHUP's default action killed a
+        `kvrelay broker` outright, as a closed terminal would: no graceful stop, no journal close)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self.request_stop)
 
     async def wait_for_stop(self) -> None:

@@ -96,3 +96,29 @@ def test_a_signal_during_registration_retries_stops_the_replica_at_once(
         assert took < STOP_WITHIN_S
     finally:
         started.stop(timeout=5.0)
+
+
+@pytest.mark.parametrize("signame", ["SIGHUP", "SIGTERM"])
+def test_a_signal_stops_a_serving_broker_gracefully(signame: str, tmp_path: Path) -> None:
+    """`kvrelay broker` stops on SIGHUP as on SIGTERM: exit 0 after its graceful stop (before,
+    SIGHUP's default action killed it: exit -1, no grpc_stopped)."""
+    started = start_service(
+        ["broker", "--config", str(CONFIG), "--port", "0"],
+        cwd=tmp_path,
+        env={"KVRELAY_LOCK_DIR": str(tmp_path / "locks")},
+    )
+    proc = started.proc
+    try:
+        proc.send_signal(getattr(signal, signame))
+        try:
+            code = proc.wait(STOP_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"kvrelay broker still running {STOP_WITHIN_S:g}s after {signame}:\n"
+                                 + started.output()) from None
+        assert code == 0, f"exit {code} after {signame}:\n{started.output()}"
+        deadline = time.monotonic() + 5.0  # the reader thread drains the last lines
+        while not any('"grpc_stopped"' in line for line in list(started.lines)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any('"grpc_stopped"' in line for line in started.lines), started.output()
+    finally:
+        started.stop(timeout=5.0)
