@@ -509,7 +509,7 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
     where the broker names the field.
     """
     from kvrelay.models.formats import bagel_geometry, hf_geometry
-    from kvrelay.models.presets import get_preset
+    from kvrelay.models.presets import PRESETS, get_preset
 
     geometries: dict[str, tuple[int, int, int, str | None]] = {}
     for idx, stage in enumerate(cfg.stages):
@@ -585,12 +585,18 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
                   if a != d and a is not None and d is not None]  # fmt: skip
         if differ:
             field = differ[0]
-            fix = (
-                "set the same model.dtype on both stages"
-                if field == "dtype"
-                else "the DiT attends over the AR's KV: give the DiT stage a model of the AR checkpoint's "
-                "num_layers, num_kv_heads and head_dim (or the AR one of the DiT's)"
-            )
+            if field == "dtype":
+                fix = "set the same model.dtype on both stages"
+            else:
+                # The DiT presets built for the AR's shape (e.g. `small` for a 4-layer, 4 kv head,
+                # head_dim 32 checkpoint): a user bringing a checkpoint learns which DiT fits it.
+                fitting = [name for name, p in PRESETS.items()
+                           if (p.num_layers, p.num_kv_heads, p.head_dim) == geometries["ar"][:3]]  # fmt: skip
+                fits = f" (DiT presets of the AR's shape: {', '.join(fitting)})" if fitting else ""
+                fix = (
+                    "the DiT attends over the AR's KV: give the DiT stage a model of the AR's num_layers, "
+                    f"num_kv_heads and head_dim{fits}, or the AR one of the DiT's"
+                )
             raise ConfigError(
                 f"invalid config: stages: AR and DiT KV geometry differ in {field} "
                 f"(AR {geometries['ar'][names.index(field)]}, DiT {geometries['dit'][names.index(field)]}): {fix}"

@@ -366,6 +366,12 @@ def test_an_ar_checkpoint_of_another_shape_is_refused_at_load(base: dict[str, An
     data["stages"][0]["model"] = {"path": str(tmp_path)}
     data["stages"][1]["model"] = {"preset": "small"}
     _reject(data, "geometry differ in num_layers (AR 2, DiT 4): the DiT attends over the AR's KV")
+    # A checkpoint of a preset's shape is told which DiT preset fits it.
+    (tmp_path / "config.json").write_text(json.dumps(small))
+    data["stages"][1]["model"] = {"preset": "tiny"}
+    _reject(data, "geometry differ in num_layers (AR 4, DiT 2)", "(DiT presets of the AR's shape: small)")
+    data["stages"][1]["model"] = {"preset": "small"}
+    (tmp_path / "config.json").write_text(json.dumps({**small, "num_hidden_layers": 2}))
     data["stages"][0]["tensor_parallel_size"] = 3
     _reject(data, "stages[0].tensor_parallel_size", f"num_kv_heads=4 of checkpoint {tmp_path}")
     data["stages"][0]["tensor_parallel_size"] = 1
