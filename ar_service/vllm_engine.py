@@ -366,6 +366,11 @@ class VllmRankHandler:
     # -- prefill ---------------------------------------------------------------------------------
 
     def _prefill(self, cmd: PrefillTicket) -> PrefillDone:
+        # A ticket larger than the whole cache is named as such, with the fix (the free-block
+        # check below said "N free of N (the others hold tickets ...)" for it).
+        problem = self._cache_problem(cmd.rows)
+        if problem is not None:
+            raise VllmCacheFull(problem)
         (done,) = self._prefill_together([cmd])
         if isinstance(done, PrefillFailed):
             raise RuntimeError(done.message)
