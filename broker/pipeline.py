@@ -335,4 +335,8 @@ def stage_error(err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str)
     elif code == "CANCELLED" and reason == "CANCELLED":
         # The stage cancelled its side without us asking: its process is going away.
         code, reason = "UNAVAILABLE", "REPLICA_UNAVAILABLE"
+    if reason == "REPLICA_UNAVAILABLE":
+        # gRPC's own words ("recvmsg:Connection reset by peer") do not say what happened or what to do.
+        message = (f"{message} (the {role} replica stopped answering: it exited, restarted or is unreachable; "
+                   "the generation can be retried, other replicas take it)")
     return ErrorInfo(code, reason, f"{rpc} on {role} replica {replica_id}: {message}")
