@@ -5,13 +5,7 @@
 # carried. Results under $OUT. CONFIG picks another config (configs/h200-1gpu-fp8.yaml: the DiT's
 # linears in FP8) and TAG is appended to the result names.
 set -uo pipefail
-OUT="${OUT:-/tmp/kvrelay-gpu-out}"
-mkdir -p "$OUT" /tmp/debroot
-for f in .gpu/deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
-export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu/carried.sh  # $OUT, .gpu/ installed, the shared environment
 REQ="${REQ:-32}" RUNS="${RUNS:-3}" CONFIG="${CONFIG:-configs/h200-1gpu.yaml}" TAG="${TAG:-}"
 # As in steps.sh: KVRELAY_COMMIT=<hash> names the commit (the copied .git may be stale).
 echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}" \

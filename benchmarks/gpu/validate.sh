@@ -7,13 +7,7 @@
 # parts ("tests checksum verify transfer seed"; default all but seed).
 # KVRELAY_COMMIT=<hash> names the commit (the copied .git may be stale). Results under $OUT.
 set -uo pipefail
-OUT="${OUT:-/tmp/kvrelay-gpu-out}"
-mkdir -p "$OUT" /tmp/debroot
-for f in .gpu/deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
-export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 KVRELAY_LOG_FORMAT=json
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu/carried.sh  # $OUT, .gpu/ installed, the shared environment
 STEPS="${STEPS:-tests checksum verify transfer}" CONFIG="${CONFIG:-configs/h200-1gpu.yaml}"
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 { echo "commit ${KVRELAY_COMMIT:-$(git log --oneline -1 2>/dev/null || echo '?') (from the copied .git: may be stale)}"
