@@ -381,6 +381,10 @@ def check_rows_fit_the_ar(counts: Sequence[int], max_tokens: int) -> None:
     """INVALID_ARGUMENT (PROMPT_TOO_LONG) naming the row over the AR model's `max_tokens`."""
     for name, count in zip(("prompt", "negative_prompt"), counts, strict=False):
         if max_tokens and count > max_tokens:
-            too_long = invalid_argument(name, f"{count} tokens; the AR model takes at most {max_tokens}")
+            too_long = invalid_argument(
+                name,
+                f"{count} tokens; the AR model takes at most {max_tokens}: shorten it, or serve an AR with a "
+                "longer context (a vLLM AR: `model.vllm_args.max_model_len`, docs/ar.md)",
+            )
             too_long.reason = "PROMPT_TOO_LONG"
             raise too_long

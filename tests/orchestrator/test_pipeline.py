@@ -122,6 +122,7 @@ def test_prompt_too_long_for_the_ar_names_the_field() -> None:
                     "PROMPT_TOO_LONG",
                     field,
                 )
+                assert "shorten it" in exc.value.details() and "max_model_len" in exc.value.details()
             # With guidance 1.0 there is no negative row, so a long negative prompt is not used.
             ok = await collect(
                 c.api.Generate(
