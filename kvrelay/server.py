@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from kvrelay.security import (
     server_credentials,
     server_options,
 )
+from kvrelay.stopping import STOP_SIGNALS
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -173,7 +173,7 @@ class GrpcServer:
         """SIGTERM, SIGINT and SIGHUP stop the server gracefully (SIGHUP's default action killed a
         `kvrelay broker` outright, as a closed terminal would: no graceful stop, no journal close)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.request_stop)
 
     async def wait_for_stop(self) -> None:
