@@ -50,6 +50,10 @@ _MIN_NAP_S = 0.001
 _MIN_LEARN_BYTES = 4 << 20
 # A failed batch is sent once more after this pause (see `_send_session`).
 _RETRY_PAUSE_S = 0.02
+# Attempts of one batch while each fails fast (stale connections to a reused port), and how
+# fast a failure must be to count as one.
+_STALE_TRIES = 5
+_STALE_FAILURE_S = 1.0
 
 
 class MooncakeError(RuntimeError):
@@ -329,23 +333,34 @@ class MooncakeEndpoint:
                     return
                 prog.started |= batch_writes
             args = ([b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch])
+            t0 = time.monotonic()
             rc = self._transfer(session, *args)
             tries = 1
-            if rc != 0 and not cancel.is_set():
-                # Once more: the engine keeps a connection per peer port, and one left from a
-                # dead peer whose port a new one took fails the first batch only (measured:
-                # benchmarks/mooncake/port_reuse.py). The failed call has returned (nothing of it
-                # is in flight), the pages are still this ticket's and the bytes are the same:
-                # writing them again is safe.
+            # Again, while the failure is quick: the engine keeps connections per peer port, and
+            # those left from a dead peer whose port a new one took each fail one batch at once
+            # (end of file on the ack; measured: benchmarks/mooncake/port_reuse.py). A sender
+            # that wrote to the dead peer from several threads holds several of them: one retry
+            # was not always enough (seen on CI). A slow failure (an unreachable peer, a
+            # connect timeout) is not retried. The failed call has returned (nothing of it is
+            # in flight), the pages are still this ticket's and the bytes are the same: writing
+            # them again is safe.
+            while (
+                rc != 0
+                and tries < _STALE_TRIES
+                and time.monotonic() - t0 < _STALE_FAILURE_S
+                and not cancel.is_set()
+            ):
                 time.sleep(_RETRY_PAUSE_S)
-                if not cancel.is_set():
-                    rc = self._transfer(session, *args)
-                    tries = 2
+                if cancel.is_set():
+                    break
+                t0 = time.monotonic()
+                rc = self._transfer(session, *args)
+                tries += 1
             with self._lock:
                 if rc != 0:
                     msg = (
                         f"Mooncake batch write to {session} returned {rc} ({len(batch)} segments, "
-                        f"{'twice' if tries == 2 else 'once'}): peer unreachable, region not "
+                        f"{tries} {'try' if tries == 1 else 'tries'}): peer unreachable, region not "
                         "registered there, or queue limit exceeded"
                     )
                     for i in batch_writes:

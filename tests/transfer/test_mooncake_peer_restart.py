@@ -131,13 +131,18 @@ def test_a_region_the_peer_registers_after_the_first_write_is_writable(sender: A
         rx.close()
 
 
-def _flaky(ep: Any, failures: int) -> list[int]:
-    """The first `failures` engine calls of `ep` return -1; returns the list of call results."""
+def _flaky(ep: Any, failures: int, delay: float = 0.0) -> list[int]:
+    """The first `failures` engine calls of `ep` return -1 (each after `delay` seconds); returns
+    the list of call results."""
     real = ep._transfer
     calls: list[int] = []
 
     def transfer(*args: Any) -> int:
-        rc = -1 if len(calls) < failures else real(*args)
+        if len(calls) < failures:
+            time.sleep(delay)
+            rc = -1
+        else:
+            rc = real(*args)
         calls.append(rc)
         return rc
 
@@ -145,11 +150,13 @@ def _flaky(ep: Any, failures: int) -> list[int]:
     return calls
 
 
-def _write_with_failures(sender: Any, rx: _Receiver, failures: int, ticket_id: str) -> tuple[list[int], Any]:
+def _write_with_failures(
+    sender: Any, rx: _Receiver, failures: int, ticket_id: str, delay: float = 0.0
+) -> tuple[list[int], Any]:
     """One 4 KiB write into a fresh region of `rx` while the first `failures` engine calls fail:
     (every engine call's result, the write's outcome)."""
     region = rx.region(0, 1 << 16)
-    calls = _flaky(sender, failures)
+    calls = _flaky(sender, failures, delay)
     try:
         (out,) = sender.write(_SRC, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, ticket_id, 10.0)
     finally:
@@ -168,12 +175,39 @@ def test_a_batch_that_fails_once_is_sent_again_and_lands(sender: Any) -> None:
         rx.close()
 
 
-def test_a_batch_that_fails_twice_is_final_failed(sender: Any) -> None:
+def test_fast_failures_are_retried_until_a_stale_connection_pool_is_used_up(sender: Any) -> None:
+    """Seen on CI: a sender that wrote to a dead peer from several threads held two stale
+    connections to its port, and the one retry hit the second. Quick failures are tried again
+    (up to five tries in all)."""
     rx = _Receiver()
     try:
-        calls, out = _write_with_failures(sender, rx, 2, "t-twice")
-        assert calls == [-1, -1], "one retry, not more"
+        calls, out = _write_with_failures(sender, rx, 3, "t-thrice")
+        assert calls == [-1, -1, -1, 0]
+        assert out.status == "OK" and out.final, out.message
+        assert _sum_until(rx, 0, 3 * 4096) == 3 * 4096
+    finally:
+        rx.close()
+
+
+def test_a_batch_that_keeps_failing_is_final_failed_after_five_tries(sender: Any) -> None:
+    rx = _Receiver()
+    try:
+        calls, out = _write_with_failures(sender, rx, 9, "t-always")
+        assert calls == [-1] * 5, "five tries, not more"
         assert out.status == "FAILED" and out.final
-        assert "returned -1" in out.message and "twice" in out.message
+        assert "returned -1" in out.message and "5 tries" in out.message
+    finally:
+        rx.close()
+
+
+def test_a_slow_failure_is_not_retried(sender: Any) -> None:
+    """A failure that took a connect timeout's time is an unreachable peer, not a stale
+    connection: retrying would only wait it out again."""
+    rx = _Receiver()
+    try:
+        calls, out = _write_with_failures(sender, rx, 2, "t-slow", delay=1.2)
+        assert calls == [-1]
+        assert out.status == "FAILED" and out.final
+        assert "1 try)" in out.message
     finally:
         rx.close()
