@@ -15,10 +15,15 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 if want tests; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/ar_model tests/bagel \
+  rm -rf /tmp/gpu-pytest
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --basetemp /tmp/gpu-pytest -m gpu ${GPU_TESTS:-tests/ar_model tests/bagel \
     tests/dit_model tests/dit_service/test_gpu_mirror.py tests/e2e/test_demo_prompts.py tests/transfer/test_cuda_ipc.py} \
     > "$OUT/gpu-tests.txt" 2>&1
   grep -E "^(FAILED|ERROR|E  )|passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | tail -25
+  # The processes' own logs (a node test's broker, AR and DiT), the last 200 KB of each.
+  mkdir -p "$OUT/gpu-test-logs"
+  find /tmp/gpu-pytest -name "*.log" -size +0 2>/dev/null | while read -r f; do
+    tail -c 200000 "$f" > "$OUT/gpu-test-logs/$(echo "${f#/tmp/gpu-pytest/}" | tr '/' '_')"; done
 fi
 if want checksum; then
   timeout 60 python3 benchmarks/gpu/checksum.py 2>&1 | tail -8 | tee "$OUT/checksum.txt"
