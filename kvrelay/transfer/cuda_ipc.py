@@ -77,12 +77,11 @@ def device_checksums(memory: torch.Tensor, writes: Sequence[Sequence[Segment]], 
     ``mix(w) = w ^ (w >> 31)`` (w as a signed int64, arithmetic shift). Each term is a bijection of w_i, so any single changed word, and
     any changed length, changes h.
 
-    The sums come from torch ops, one segment at a time (about 25 passes over the bytes). With
-    ``KVRELAY_DEVICE_CHECKSUM=triton`` (opt-in until it is measured on a GPU, see
-    docs/transfer.md), on a GPU with Triton and when every segment is whole 8-byte words at
-    8-byte-aligned addresses (kvrelay's pages always are), they come from one kernel that reads
-    each word once (`kvrelay.transfer.checksum_kernel`), which `warm_up` checks against the torch
-    ops before it is used.
+    On a GPU with Triton, when every segment is whole 8-byte words at 8-byte-aligned addresses
+    (kvrelay's pages always are), the sums come from one kernel that reads each word once
+    (`kvrelay.transfer.checksum_kernel`), which `warm_up` checks against the torch ops before it
+    is used. Otherwise, or with ``KVRELAY_DEVICE_CHECKSUM=eager``, they come from torch ops, one
+    segment at a time (about 25 passes over the bytes; see docs/transfer.md).
     """
     if side not in ("src", "dst"):
         raise ValueError(f"side must be 'src' or 'dst', got {side!r}")
@@ -174,8 +173,9 @@ CHECKSUM_MODES = ("eager", "triton")
 
 
 def checksum_mode() -> str:
-    """``KVRELAY_DEVICE_CHECKSUM``: "eager" (torch ops, the default) or "triton" (one kernel)."""
-    mode = os.environ.get("KVRELAY_DEVICE_CHECKSUM", "") or "eager"
+    """``KVRELAY_DEVICE_CHECKSUM``: "triton" (one kernel where it applies, the default) or
+    "eager" (torch ops always)."""
+    mode = os.environ.get("KVRELAY_DEVICE_CHECKSUM", "") or "triton"
     if mode not in CHECKSUM_MODES:
         raise CudaIpcError(f"KVRELAY_DEVICE_CHECKSUM must be one of {', '.join(CHECKSUM_MODES)}, got {mode!r}")
     return mode

@@ -194,7 +194,9 @@ class _WrongKernel:
         return torch.ones(num_writes, dtype=torch.int64)
 
 
-def test_the_kernel_is_opt_in_and_a_wrong_one_is_disabled_at_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernel_is_the_default_eager_can_be_forced_and_a_wrong_one_is_disabled_at_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from kvrelay.transfer import cuda_ipc
 
     fake = _WrongKernel()
@@ -202,15 +204,16 @@ def test_the_kernel_is_opt_in_and_a_wrong_one_is_disabled_at_warm_up(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the kernel path run on CPU tensors
     memory = torch.arange(256, dtype=torch.int64).to(torch.uint8)
     writes = [[Segment(0, 0, 64)]]
+    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "eager")
+    assert cuda_ipc._kernel_sums(memory, writes, "src") is None  # forced off...
     monkeypatch.delenv("KVRELAY_DEVICE_CHECKSUM", raising=False)
-    assert cuda_ipc.checksum_mode() == "eager" and cuda_ipc._kernel_sums(memory, writes, "src") is None
-    monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "triton")
-    assert cuda_ipc._kernel_sums(memory, writes, "src") is not None  # used once opted in...
+    assert cuda_ipc.checksum_mode() == "triton"
+    assert cuda_ipc._kernel_sums(memory, writes, "src") is not None  # ...used by default...
     cuda_ipc.warm_up(torch.device("cpu"))
     assert cuda_ipc._KERNEL is False  # ...until the self-check sees other bits than the torch ops'
     assert device_checksums(memory, writes, side="src") == [reference_checksum(bytes(memory.tolist()), writes[0], "src")]
     monkeypatch.setenv("KVRELAY_DEVICE_CHECKSUM", "fast")
-    with pytest.raises(cuda_ipc.CudaIpcError, match="eager, triton"):
+    with pytest.raises(cuda_ipc.CudaIpcError, match="one of eager, triton"):
         cuda_ipc.warm_up(torch.device("cpu"))
 
 
