@@ -77,18 +77,28 @@ class OwedReleases:
     async def release(self, ticket_id: str, outcome: str, reason: str) -> None:
         """Owe the broker this release until it hears it. Never raises. A second release of a
         ticket still owed sends nothing new: the first outcome stands."""
+        await self.owe(ticket_id, outcome, reason)
+
+    def owe(self, ticket_id: str, outcome: str, reason: str) -> asyncio.Future[None]:
+        """`release`, owed at once: the delivery task exists (and `stop` waits for it) before
+        this returns, with no await in between. Returns a future that completes when `release`
+        would return. For a caller that may be cancelled again before a coroutine of its own
+        could run (a handler's `finally` while the server stops): a shielded `release()` there
+        had not started when the stop path looked for undelivered releases, and the process
+        exited with the ticket still CONSUMING at the broker."""
+        loop = asyncio.get_running_loop()
         if ticket_id in self._owed:
             log.warning("release_already_owed", ticket_id=ticket_id, outcome=outcome,
                         owed_outcome=self._owed[ticket_id][0])
-            return
+            done: asyncio.Future[None] = loop.create_future()
+            done.set_result(None)
+            return done
         self._owed[ticket_id] = (outcome, reason)
-        inline_done = asyncio.get_running_loop().create_future()
-        task = asyncio.get_running_loop().create_task(
-            self._deliver(ticket_id, outcome, reason, inline_done), name=f"release-{ticket_id}"
-        )
+        inline_done: asyncio.Future[None] = loop.create_future()
+        task = loop.create_task(self._deliver(ticket_id, outcome, reason, inline_done), name=f"release-{ticket_id}")
         self._tasks[ticket_id] = task
         # Waited on, not awaited: a caller cancelled now leaves the delivery running.
-        await asyncio.wait({task, inline_done}, return_when=asyncio.FIRST_COMPLETED)
+        return asyncio.ensure_future(_first_of(task, inline_done))
 
     async def _deliver(self, ticket_id: str, outcome: str, reason: str, inline_done: asyncio.Future[None]) -> None:
         delay = self.first_delay_s
@@ -141,3 +151,7 @@ class OwedReleases:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first_of(*futures: asyncio.Future[None]) -> None:
+    await asyncio.wait(set(futures), return_when=asyncio.FIRST_COMPLETED)

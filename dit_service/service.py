@@ -463,7 +463,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                         # is made) must not cut the ReleaseTicket off half-way, which left the ticket
                         # CONSUMING, its pages reserved for good.
                         outcome, reason = "OK", ""
-                        releasing = asyncio.ensure_future(self._release(ticket_id, "OK", ""))
+                        releasing = self.releases.owe(ticket_id, "OK", "")
                         self.inflight.add(releasing)
                         releasing.add_done_callback(self.inflight.discard)
                         release = False
@@ -504,7 +504,9 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             self.s.metrics.denoise_requests.labels(outcome if error is None else error.reason).inc()
             if release:
                 # Shielded: a cancelled caller must not leave the ticket unreleased.
-                await asyncio.shield(self._release(ticket_id, outcome, reason))
+                # Owed before any await: a second cancellation here (the server stopping) must not
+                # leave the release unstarted, unseen by the stop path's wait for releases.
+                await asyncio.shield(self.releases.owe(ticket_id, outcome, reason))
             if holding:
                 self._calls.discard(ticket_id)
         if error is not None:

@@ -131,3 +131,21 @@ def test_stop_gives_a_grace_then_stops_trying() -> None:
         assert len(broker.tries) == tries, "no try after stop"
 
     asyncio.run(body())
+
+
+def test_a_release_owed_just_before_the_stop_is_delivered_by_the_stop() -> None:
+    """Seen on CI: a Denoise handler cancelled twice while the DiT stopped began its shielded
+    release as a coroutine that had not run when the stop path looked for undelivered releases;
+    the process exited and the ticket stayed CONSUMING. `owe` creates the delivery at once, so
+    `stop` right after it (no await in between) still waits for it."""
+
+    async def scenario() -> None:
+        broker = _Broker(answer=None)
+        releases = _releases(broker)
+        waiter = releases.owe("t-late", "CANCELLED", "stopping")
+        assert releases.owed == {"t-late"}
+        await releases.stop(grace_s=2.0)
+        assert broker.released == {"t-late": "CANCELLED"}
+        assert waiter.done()
+
+    asyncio.run(scenario())
