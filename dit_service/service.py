@@ -213,7 +213,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         self._serials = itertools.count(1)
         # Denoise handlers running now: at stop, main waits for them to release their tickets
         # before the workers and the broker channel go away.
-        self.inflight: set[asyncio.Task[Any]] = set()
+        self.inflight: set[asyncio.Future[Any]] = set()
         # Tickets a Denoise call of this process holds now (queued, loading, denoising): a second
         # call for one of them is refused before it owns anything, or its end would release the
         # ticket while the first call's ranks read its pages.
