@@ -45,6 +45,7 @@ from kvrelay.dit_service.scheduler import AdmissionQueue, Place, replica_queue
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
 from kvrelay.logging import get_logger
 from kvrelay.models.image import encode_png
+from kvrelay.security import current_caller
 from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.convert import writes_from_proto
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
@@ -879,6 +880,13 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         if ticket.dit_replica_id != self.s.replica_id:
             raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
                                      f"ticket {ticket_id} is bound to {ticket.dit_replica_id}, not {self.s.replica_id}")
+        caller = current_caller()
+        if caller is not None and not caller.acts_as(ticket.ar_replica_id):
+            # Only the ticket's own AR writes its pages: another AR replica (its own certificate
+            # under mutual TLS) landed chunks in a ticket armed for ar-0 while ar-0's writes ran.
+            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "WRONG_REPLICA",
+                                     f"ticket {ticket_id} is written by AR {ticket.ar_replica_id}, not "
+                                     f"{caller.replica_id or 'an undeclared caller'}")
         if ticket.state in _NOT_WRITABLE_STATES or not ticket.armed:
             # READY and CONSUMING: every write is final and verified (the ranks may be reading).
             raise _not_writable(f"ticket {ticket_id} is {broker_pb2.TicketState.Name(ticket.state)}"

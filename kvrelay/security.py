@@ -133,7 +133,7 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _A + "Tokenize": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
     _A + "Prefill": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
     _D + "Denoise": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
-    _D + "PutKv": RpcRule(CallerClass.REPLICA, False, "caller is an AR replica; writes land only in armed tickets"),
+    _D + "PutKv": RpcRule(CallerClass.REPLICA, False, "caller is the ticket's AR replica; writes land only in armed tickets"),
 }
 
 

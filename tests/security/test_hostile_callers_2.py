@@ -1,0 +1,61 @@
+"""Hostile callers found black-box against a running node (docs/operations.md, Security).
+
+Each test replays one finding against real servers and fails without its fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvrelay.errors import reason_of
+from kvrelay.security import REPLICA_ID_METADATA
+from kvrelay.v1 import dit_pb2, dit_pb2_grpc
+from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
+
+pytestmark = pytest.mark.slow
+
+
+async def _put(stub: dit_pb2_grpc.DitServiceStub, chunk: dit_pb2.PutKvRequest, replica_id: str) -> dit_pb2.PutKvResponse:
+    async def one():  # type: ignore[no-untyped-def]
+        yield chunk
+
+    return await stub.PutKv(one(), metadata=((REPLICA_ID_METADATA, replica_id),), timeout=10.0)
+
+
+def test_putkv_from_another_ar_replica_lands_nothing(tmp_path: Path) -> None:
+    """PutKv checked only that its caller was *an* AR replica: `ar-1` wrote into the pages of a
+    ticket armed for `ar-0` while ar-0's writes ran (found black-box with the replica token and
+    `kvrelay-replica-id: ar-1`; under mutual TLS, ar-1's own certificate). Now the caller must be
+    the ticket's AR replica: FAILED_PRECONDITION WRONG_REPLICA, and nothing of it lands."""
+    config = write_config(tmp_path, transport="grpc")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                ticket = await writer.create_ticket([20])
+                armed = await writer.arm(ticket.ticket_id)
+                segment = armed.writes[0].segments[0]
+                chunk = dit_pb2.PutKvRequest(ticket_id=ticket.ticket_id, row=0, dst_rank=0,
+                                             dst_offset=segment.dst_offset, data=b"\x01" * 64)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _put(stub, chunk, "ar-1")
+                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "WRONG_REPLICA")
+                    assert "written by AR ar-0, not ar-1" in (info.value.details() or "")
+                    # The ticket's own AR still writes (the refusal claimed no page for it).
+                    reply = await _put(stub, chunk, "ar-0")
+                    assert (reply.bytes_received, reply.chunks_received) == (64, 1)
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
