@@ -45,6 +45,12 @@ WRITER_FAILURE_GRACE_SECONDS = 1.0
 _ECHOES_OF_THE_WRITER = frozenset({"TRANSFER_FAILED", "TICKET_ENDED"})
 # A request that ended so says its AR could not get the KV to its DiT (placement avoids the pair).
 _LINK_FAILURES = frozenset({"TRANSFER_TIMEOUT", "TRANSFER_FAILED"})
+# ... unless it failed this close to the client's deadline (the DiT ends its load wait 0.25 s
+# before it): then the client's deadline cut the transfer short, which says nothing of the link.
+# Found black-box: a public client sending requests with 0.3 s deadlines marked every pair it
+# was placed on suspect (TRANSFER_TIMEOUT after "waited 0.00s"), so placement stopped avoiding a
+# really broken pair (all suspect looks like none) and skewed load for every other client.
+LINK_DEADLINE_SLACK_SECONDS = 1.0
 
 
 class StagePipeline:
@@ -314,6 +320,10 @@ class StagePipeline:
     def _note_link(self, job: GenerationJob, state: GenState, reason: str) -> None:
         """What this request proved about its AR -> DiT transfer link, for placement."""
         if state is not GenState.SUCCEEDED and reason not in _LINK_FAILURES:
+            return
+        remaining = job.remaining(self._clock())
+        if state is not GenState.SUCCEEDED and remaining is not None and remaining <= LINK_DEADLINE_SLACK_SECONDS:
+            log.info("transfer_link_unjudged", reason=reason, deadline_left_s=round(remaining, 3))
             return
         try:
             ticket = self.core.get_ticket(job.ticket_id)

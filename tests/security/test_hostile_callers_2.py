@@ -11,12 +11,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvrelay.broker.pipeline import LINK_DEADLINE_SLACK_SECONDS
 from kvrelay.errors import reason_of
 from kvrelay.security import REPLICA_ID_METADATA
-from kvrelay.v1 import dit_pb2, dit_pb2_grpc
+from kvrelay.v1 import dit_pb2, dit_pb2_grpc, generation_pb2
 from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
-
-pytestmark = pytest.mark.slow
+from tests.orchestrator.harness import cluster, collect, request, run
 
 
 async def _put(stub: dit_pb2_grpc.DitServiceStub, chunk: dit_pb2.PutKvRequest, replica_id: str) -> dit_pb2.PutKvResponse:
@@ -26,6 +26,7 @@ async def _put(stub: dit_pb2_grpc.DitServiceStub, chunk: dit_pb2.PutKvRequest, r
     return await stub.PutKv(one(), metadata=((REPLICA_ID_METADATA, replica_id),), timeout=10.0)
 
 
+@pytest.mark.slow
 def test_putkv_from_another_ar_replica_lands_nothing(tmp_path: Path) -> None:
     """PutKv checked only that its caller was *an* AR replica: `ar-1` wrote into the pages of a
     ticket armed for `ar-0` while ar-0's writes ran (found black-box with the replica token and
@@ -59,3 +60,35 @@ def test_putkv_from_another_ar_replica_lands_nothing(tmp_path: Path) -> None:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+def test_a_client_deadline_that_cuts_a_transfer_short_does_not_make_the_link_suspect() -> None:
+    """A public client sending requests with 0.3 s deadlines had every AR/DiT pair they were placed
+    on marked suspect (the DiT's load wait, bounded by the deadline, ends TRANSFER_TIMEOUT), so
+    placement could no longer tell a broken link from a healthy one. A transfer that fails within
+    LINK_DEADLINE_SLACK_SECONDS of the client's deadline now judges nothing; one that fails with
+    time left still marks the pair (the control)."""
+
+    async def body() -> None:
+        async with cluster(transfer_timeout=0.3) as c:
+            c.ar.write_gate.clear()  # the KV never lands: the DiT's wait ends TRANSFER_TIMEOUT
+            # Control: 30 s left when the DiT gives up after its 0.3 s transfer_timeout.
+            events = await collect(c.api.Generate(request("a far deadline"), timeout=30))
+            assert events[-1].error.reason == "TRANSFER_TIMEOUT"
+            assert c.core.link_suspect("ar-0", "dit-0")
+            c.core.note_transfer_ok("ar-0", "dit-0")
+            # The client's deadline is about to pass as the DiT gives up: the orchestrator's clock
+            # jumps to leave 0.5 s once the DiT began waiting, so it fails with ~0.2 s left.
+            c.dit.denoise_started.clear()
+            call = c.api.Generate(request("a near deadline"), timeout=30)
+            events_task = asyncio.ensure_future(collect(call))
+            await c.dit.denoise_started.wait()
+            c.clock_offset[0] = 30 - 0.5
+            events = await events_task
+            final = events[-1]
+            assert final.state == generation_pb2.GENERATION_STATE_FAILED
+            assert final.error.reason == "TRANSFER_TIMEOUT"
+            assert 0.5 - 0.3 <= LINK_DEADLINE_SLACK_SECONDS
+            assert not c.core.link_suspect("ar-0", "dit-0")
+
+    run(body(), timeout=60)
