@@ -40,6 +40,13 @@ EXIT_FAIL_STOP = 3
 STOP_GRACE_S = 30.0
 
 
+def _unreachable_line(broker: str, waited_s: float, code: str, message: str) -> str:
+    return (
+        f"the broker at {broker} did not answer RegisterReplica for {waited_s:g} s (last: {code}: {message}): "
+        "is it running, and is --broker (or the config's broker.host and broker.port) right?"
+    )
+
+
 def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
     if getattr(args, "broker", None):
         return str(args.broker)
@@ -89,7 +96,13 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     stop = ProcessStop("ar")
     stop.install()
     from kvrelay.ar_service.engine import DescribeRank, RankDescription
-    from kvrelay.ar_service.registration import ArIdentity, ArRegistration, Fenced, RegistrationRefused
+    from kvrelay.ar_service.registration import (
+        ArIdentity,
+        ArRegistration,
+        BrokerUnreachable,
+        Fenced,
+        RegistrationRefused,
+    )
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
     from kvrelay.models.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -105,7 +118,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     stage = cfg.ar_stage
     replica = int(args.replica)
     if not 0 <= replica < stage.num_replicas:
-        print(f"kvrelay ar: --replica {replica} outside [0, {stage.num_replicas}) of stages[0].num_replicas")
+        print(f"kvrelay ar: --replica {replica} outside [0, {stage.num_replicas}) of stages[0].num_replicas",
+              file=sys.stderr)  # fmt: skip
         return EXIT_CONFIG
     replica_id = f"ar-{replica}"
     try:
@@ -262,6 +276,11 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             await stop.until_stopped(registration.register())
         except Fenced as err:
             on_fail_stop(str(err))
+        except BrokerUnreachable as err:
+            log.error("broker_unreachable", broker=_broker_address(args, cfg), code=err.code, message=err.message)
+            line = _unreachable_line(_broker_address(args, cfg), err.waited_s, err.code, err.message)
+            print(f"kvrelay ar: {line}", file=sys.stderr)
+            return EXIT_STARTUP
         except RegistrationRefused as err:
             log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
             print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)

@@ -124,6 +124,8 @@ class ArRegistration:
             except grpc.aio.AioRpcError as err:
                 if err.code() not in RETRYABLE or loop.time() + delay > end:
                     code, reason, message = reason_of(err)
+                    if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise BrokerUnreachable(code, reason, message, waited_s=give_up_s) from None
                     raise RegistrationRefused(code, reason, message) from None
                 log.info("broker_not_reachable_yet", code=err.code().name, retry_in_s=delay)
             await asyncio.sleep(delay)
@@ -263,3 +265,12 @@ class RegistrationRefused(Exception):
         self.code = code
         self.reason = reason
         self.message = message
+
+
+class BrokerUnreachable(RegistrationRefused):
+    """The broker did not answer RegisterReplica within `waited_s` of retries (not running, a wrong
+    `--broker`, a firewall): nothing was refused, so the replica says where it looked."""
+
+    def __init__(self, code: str, reason: str, message: str, *, waited_s: float) -> None:
+        super().__init__(code, reason, message)
+        self.waited_s = waited_s

@@ -196,6 +196,26 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
     return text
 
 
+def output_problem(output: str) -> str | None:
+    """Why the PNG could not be written to `output`, checked before generating (`None`: it can).
+    Creates its parent folders, as writing it would."""
+    if os.path.isdir(output):
+        return f"-o {output}: is a folder; name the PNG file, e.g. {os.path.join(output, 'out.png')}"
+    parent = os.path.dirname(output) or "."
+    existing = parent
+    while not os.path.lexists(existing) and os.path.dirname(existing) not in ("", existing):
+        existing = os.path.dirname(existing)
+    if os.path.lexists(existing) and not os.path.isdir(existing):
+        return f"-o {output}: {existing} is a file, not a folder"
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as err:
+        return f"-o {output}: cannot create its folder {parent}: {err.strerror or err}"
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(output) and not os.access(output, os.W_OK)):
+        return f"-o {output}: not writable"
+    return None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """`kvrelay generate PROMPT -o out.png`: one image, progress on stderr, Ctrl-C cancels."""
     stdout, stderr = sys.stdout, sys.stderr
@@ -206,6 +226,11 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     quiet = bool(getattr(args, "quiet", False))
     output = getattr(args, "output", None) or "out.png"
+    problem = output_problem(output)
+    if problem is not None:
+        # Before the generation, not after it: the image of a long run was lost to a typo in -o.
+        print(f"kvrelay generate: {problem}", file=stderr)
+        return 2
     progress = _Progress(stderr, enabled=not quiet)
     handle: GenerationHandle | None = None
     interrupted, cancelling = threading.Event(), threading.Event()

@@ -69,6 +69,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
     from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
     from kvrelay.dit_service.registration import (
+        BrokerUnreachable,
         DitReplicaInfo,
         Registration,
         new_incarnation_id,
@@ -95,10 +96,12 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     replica = args.replica
     replica_id = replica_id_for(replica)
     if not 0 <= replica < stage.num_replicas:
-        print(f"kvrelay dit: --replica {replica} out of range: the DiT stage has {stage.num_replicas} replica(s)")
+        print(f"kvrelay dit: --replica {replica} out of range: the DiT stage has {stage.num_replicas} replica(s)",
+              file=sys.stderr)  # fmt: skip
         return 2
     if stage.model.format == "kvrelay" and stage.model.preset is None:
-        print("kvrelay dit: stages[1].model.preset is required: it names the DiT's shape (path: DIR adds weights)")
+        print("kvrelay dit: stages[1].model.preset is required: it names the DiT's shape (path: DIR adds weights)",
+              file=sys.stderr)  # fmt: skip
         return 2
     incarnation_id = new_incarnation_id()
     host = args.host or stage.host
@@ -229,6 +232,13 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         config_error = True
         stopper.fail_stop(str(err))
+    except BrokerUnreachable as err:
+        # One line without a traceback: nothing is broken here, the broker is not where we looked.
+        log.error("broker_unreachable", broker=broker_address, code=err.code, message=err.message)
+        print(f"kvrelay dit: the broker at {broker_address} did not answer RegisterReplica for {err.waited_s:g} s "
+              f"(last: {err.code}: {err.message}): is it running, and is --broker (or the config's broker.host "
+              "and broker.port) right?", file=sys.stderr)  # fmt: skip
+        stopper.fail_stop(f"startup failed: {err}")
     except Exception as err:  # noqa: BLE001 - startup failure: stop what started, exit non-zero
         log.exception("dit_failed", error=str(err))
         # One line for `kvrelay up` and the terminal (the AR prints its own alike); the log has the rest.

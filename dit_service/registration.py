@@ -41,6 +41,17 @@ class RegistrationRefused(RuntimeError):
     """The broker refused the registration (fenced, incompatible geometry, bad token)."""
 
 
+class BrokerUnreachable(RegistrationRefused):
+    """The broker did not answer RegisterReplica within the retry window (not running, a wrong
+    `--broker`, a firewall): nothing was refused, so the replica says where it looked."""
+
+    def __init__(self, code: str, message: str, *, waited_s: float) -> None:
+        super().__init__(f"the broker did not answer RegisterReplica for {waited_s:g} s (last: {code}: {message})")
+        self.code = code
+        self.message = message
+        self.waited_s = waited_s
+
+
 def replica_id_for(replica: int) -> str:
     return f"dit-{replica}"
 
@@ -131,7 +142,9 @@ class Registration:
                 break
             except grpc.aio.AioRpcError as err:
                 retriable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                if not retriable or loop.time() + delay > give_up:
+                if retriable and loop.time() + delay > give_up:
+                    raise BrokerUnreachable(err.code().name, err.details() or "", waited_s=wait_s) from None
+                if not retriable:
                     raise RegistrationRefused(
                         f"RegisterReplica {self.info.replica_id} failed: {err.code().name}: {err.details()}"
                     ) from err

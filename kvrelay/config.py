@@ -603,6 +603,29 @@ def check_model_geometry(cfg: KvRelayConfig) -> None:
             )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types here
+    """yaml.SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last one
+    silently, so a second `port:` under `broker:` (an edit that forgot the first) won without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges: its keys may be overridden on purpose
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                continue  # an unhashable key: the base class says so
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
+
+
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """PyYAML's error on one line (its str() is several, with a caret drawing): where, then what."""
     mark = getattr(err, "problem_mark", None)
@@ -618,11 +641,13 @@ def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
 
     asked = path or default_config_path()
     chosen = resolve(asked, "configs")
+    if chosen.is_dir():
+        raise ConfigError(f"config {asked} is a folder, not a YAML file")
     if not chosen.is_file():
         shipped = ", ".join(shipped_names("configs"))
         raise ConfigError(f"config file not found: {asked}" + (f" (shipped configs: {shipped})" if shipped else ""))
     try:
-        data = yaml.safe_load(chosen.read_text(encoding="utf-8"))
+        data = yaml.load(chosen.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as err:
         raise ConfigError(f"invalid YAML in {chosen}{_yaml_problem(err)}") from None
     except UnicodeDecodeError as err:

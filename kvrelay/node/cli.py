@@ -112,8 +112,10 @@ def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
 def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
     p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--host", default=None, help="address to listen on (default: the config's host, 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=None, help="gRPC port to listen on (0 = any free port)")
-    p.add_argument("--metrics-port", type=_port, default=None, help="Prometheus port (0 = any free port)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="gRPC port to listen on (0 = any free port; default: the config's, + --replica for ar/dit)")
+    p.add_argument("--metrics-port", type=_port, default=None,
+                   help="Prometheus port (0 = any free port; default: the config's, + --replica for ar/dit)")
     p.add_argument("--log-level", type=_log_level, default=None,
                    help="DEBUG, INFO, WARNING, ERROR (default: INFO or $KVRELAY_LOG_LEVEL)")
     p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
@@ -163,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate one image and write it as PNG")
     p.add_argument("prompt", nargs="?", default=None, help="the text prompt (- reads it from stdin)")
     p.add_argument("--prompt-file", default=None, help="read the prompt from this file (- = stdin)")
-    p.add_argument("--negative-prompt", default="", help="negative prompt (CFG row 1)")
+    p.add_argument("--negative-prompt", default="", help="negative prompt (CFG row 1; default: none)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: assigned by the server)")
     p.add_argument("--width", type=int, default=512, help="pixels, a multiple of 16 in [64, 2048] (default: %(default)s)")
     p.add_argument("--height", type=int, default=512, help="pixels, like --width (default: %(default)s)")
@@ -171,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale; 1.0 = no CFG (default: %(default)s)")
     p.add_argument("-o", "--output", default="out.png", help="PNG path (default: %(default)s)")
     p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
-    p.add_argument("--request-id", default=None, help="idempotency key; re-running attaches to it")
+    p.add_argument("--request-id", default=None,
+                   help="idempotency key; re-running attaches to it (default: a fresh UUID)")
     p.add_argument("--timeout", type=_positive_float, default=None,
                    help="deadline of the whole generation in seconds (default: 600)")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
@@ -189,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="one gRPC health check; exit 0 only if SERVING (container healthchecks)")
     p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="HOST[:PORT] of any kvrelay process; no port means the broker's 50051 (default: %(default)s)")
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
-    p.add_argument("--timeout", type=_positive_float, default=3.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=_positive_float, default=3.0,
+                   help="seconds to wait for the answer (default: %(default)s)")
     _add_client_tls_args(p)
 
     p = sub.add_parser("list", help="list generations, newest first")
@@ -247,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="bit-for-bit check: Mooncake vs fallback vs local prefill")
     p.add_argument("--preset", default=None,
                    help=f"model preset: {PRESET_NAMES} (default: tiny on cpu, bagel-7b-shape on cuda)")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda: models on the GPU and CUDA IPC checked too")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda: models on the GPU and CUDA IPC checked too (default: %(default)s)")
     p.add_argument("--prompt", default="a red fox in the snow, watercolor", help="CFG row 0 (default: %(default)r)")
     p.add_argument("--negative-prompt", default="blurry", help="CFG row 1 (default: %(default)r)")
     p.add_argument("--ar-tp", type=_positive_int, default=1, help="the sender's TP ranks (default: %(default)s)")
@@ -255,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dit-sp", type=_positive_int, default=1, help="the receiver's SP ranks (default: %(default)s)")
     p.add_argument(
         "--dit-cfg", type=int, default=1, choices=(1, 2),
-        help="2: the receiver is a CFG-parallel DiT (cfg_parallel_size 2): each row only on its group's ranks",
+        help="2: the receiver is a CFG-parallel DiT (cfg_parallel_size 2): each row only on its group's ranks "
+        "(default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0, help="weight seed of the random models (default: %(default)s)")
     return parser
@@ -263,7 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # A flag the subcommand does not have: its own usage and prefix (`kvrelay generate: error:
+        # unrecognized arguments: --bogus`), not the top-level one, which lists only COMMAND.
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help()
         return 2

@@ -4,7 +4,7 @@ Made for container healthchecks and scripts (compose runs it every few seconds i
 it imports no torch, no config and no service package, waits at most `--timeout` seconds, and
 prints one line: `HOST:PORT: SERVING` on stdout, or on stderr `kvrelay health: HOST:PORT: ...` (the
 prefix every subcommand's one-line error has). Exit codes: 0 SERVING, 1 reachable but not serving,
-2 unreachable or an error.
+2 unreachable or an error (a `--service` the process does not know).
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def check(
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError as err:
             code = err.code() if isinstance(err, grpc.Call) else None
+            if code == grpc.StatusCode.NOT_FOUND:
+                # grpc.health.v1's answer for a name it has no status of, with no text: say which.
+                return 2, f"{target}: NOT_FOUND: no health status for service {service!r} (omit --service for the process)"
             name = code.name if code is not None else "ERROR"
             return 2, f"{target}: {name}: {err.details() if isinstance(err, grpc.Call) else err}"
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -1,0 +1,254 @@
+"""What a new user following README.md and docs/ met, black-box, and what it is now: each error a
+clear line with the documented exit code, checked before work that its cause would waste."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvrelay.config import ConfigError, load_config
+from kvrelay.node import health_probe
+from kvrelay.node.cli import main
+from kvrelay.v1 import broker_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = str(REPO / "tests/configs/test-fast.yaml")
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A loopback port where nothing listens (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def kvrelay(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != "KVRELAY_CONFIG"}
+    base.update(KVRELAY_LOG_FORMAT="console", KVRELAY_NATIVE_CAPTURE="0")
+    return subprocess.run(
+        [sys.executable, "-m", "kvrelay", *argv],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**base, **(env or {})},
+    )  # fmt: skip
+
+
+# --- a flag the subcommand does not have ------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["generate", "a fox", "--bogus"], ["status", "--nope"], ["generate", "a", "b"]])
+def test_an_unknown_flag_gets_the_subcommands_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the top-level usage (`usage: kvrelay [-h] [--version] COMMAND ...`, `kvrelay: error:`),
+    # which does not show the flags the command does have.
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kvrelay {argv[0]} "), err
+    assert err.splitlines()[-1] == f"kvrelay {argv[0]}: error: unrecognized arguments: {argv[-1]}"
+
+
+def test_help_gives_the_default_of_every_flag_that_has_one() -> None:
+    # docs/client.md: "--help of every command gives each flag's default"; `health --timeout` (3 s),
+    # `verify --device` and `--dit-cfg`, `generate --request-id`, the services' ports did not.
+    import argparse
+
+    from kvrelay.node.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            flags = action.option_strings
+            if not flags or isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+                continue
+            optional = action.default is None and flags[-1] not in ("--port", "--metrics-port", "--request-id")
+            if not optional and "default" not in (action.help or ""):
+                missing.append(f"{name} {flags[-1]}")
+    assert missing == []
+
+
+# --- kvrelay health --service ------------------------------------------------------------------
+
+
+@pytest.fixture
+def health_server() -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def test_health_of_a_service_the_process_does_not_know_names_it(health_server: str) -> None:
+    assert health_probe.check(health_server) == (0, f"{health_server}: SERVING")
+    # Before: "HOST:PORT: NOT_FOUND: ", gRPC's empty details.
+    code, line = health_probe.check(health_server, "bogus")
+    assert code == 2
+    assert line == f"{health_server}: NOT_FOUND: no health status for service 'bogus' (omit --service for the process)"
+
+
+def test_health_of_nothing_listening_is_still_2(closed_port: int) -> None:
+    code, line = health_probe.check(f"127.0.0.1:{closed_port}", "bogus", timeout_s=2)
+    assert code == 2 and "UNAVAILABLE" in line
+
+
+# --- kvrelay generate -o -----------------------------------------------------------------------
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_generating(
+    tmp_path: Path, closed_port: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Nothing listens at the target: a check made after the generation would answer UNAVAILABLE
+    # (exit 1) first. Before, -o was tried only once the image had come back, and was lost.
+    target = f"127.0.0.1:{closed_port}"
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for output, problem in (
+        (str(tmp_path), f"-o {tmp_path}: is a folder; name the PNG file, e.g. {tmp_path / 'out.png'}"),
+        (str(afile / "x.png"), f"-o {afile / 'x.png'}: {afile} is a file, not a folder"),
+        (str(afile / "a" / "b" / "x.png"), f"-o {afile / 'a' / 'b' / 'x.png'}: {afile} is a file, not a folder"),
+    ):
+        assert main(["generate", "a fox", "-q", "-o", output, "--target", target]) == 2
+        assert capsys.readouterr().err == f"kvrelay generate: {problem}\n"
+    # A path that can be written goes on to the broker (here: not there), its folders made.
+    fresh = tmp_path / "new" / "dir" / "fox.png"
+    assert main(["generate", "a fox", "-q", "-o", str(fresh), "--target", target]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    assert fresh.parent.is_dir() and not fresh.exists()
+
+
+# --- config files --------------------------------------------------------------------------------
+
+
+def test_a_key_given_twice_in_the_config_is_refused(tmp_path: Path) -> None:
+    text = (REPO / "configs/single-node.yaml").read_text()
+    assert "  port: 50051\n" in text
+    config = tmp_path / "dup.yaml"
+    # An edit that added a port and forgot the first: PyYAML kept the last one without a word.
+    config.write_text(text.replace("  port: 50051\n", "  port: 50051\n  port: 50052\n"))
+    line = text.splitlines().index("  port: 50051") + 1
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert str(err.value) == (
+        f"invalid YAML in {config} line {line + 1} column 3: duplicate key 'port' (first on line {line})"
+    )
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("broker: {port: 1, port: 2}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'port' \\(first on line 1\\)"):
+        load_config(flow)
+
+
+def test_every_shipped_config_has_no_duplicate_key() -> None:
+    for path in sorted((REPO / "configs").glob("*.yaml")) + sorted((REPO / "tests/configs").glob("*.yaml")):
+        load_config(path)
+
+
+def test_a_config_path_that_is_a_folder_says_so(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert str(err.value) == f"config {tmp_path} is a folder, not a YAML file"
+
+
+# --- ar / dit ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["ar", "dit"])
+def test_a_replica_out_of_range_is_one_line_on_stderr(command: str, tmp_path: Path) -> None:
+    # Before, both printed it on stdout (a supervisor or a shell reading stderr saw nothing).
+    proc = kvrelay(command, "--config", FAST, "--replica", "5", env={"KVRELAY_LOCK_DIR": str(tmp_path)})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "--replica 5" not in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"kvrelay {command}: --replica 5 "), proc.stderr
+
+
+class _SilentBroker:
+    """RegisterReplica answers `code` every time."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.code = code
+        self.calls = 0
+
+    async def RegisterReplica(self, request: broker_pb2.RegisterReplicaRequest, **kwargs: object) -> None:
+        self.calls += 1
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded")
+
+
+class _Info:
+    replica_id = "dit-0"
+
+    def to_proto(self) -> broker_pb2.ReplicaInfo:
+        return broker_pb2.ReplicaInfo(replica_id=self.replica_id)
+
+
+def test_dit_registration_gives_up_on_a_silent_broker_as_unreachable() -> None:
+    from kvrelay.dit_service.registration import BrokerUnreachable, Registration, RegistrationRefused
+
+    def register(code: grpc.StatusCode) -> BaseException:
+        stub = _SilentBroker(code)
+        registration = Registration(stub, _Info(), interval_s=1.0, token=None, on_fenced=lambda _: None)  # type: ignore[arg-type]
+        with pytest.raises(RegistrationRefused) as err:
+            asyncio.run(registration.register(wait_s=0.5))
+        return err.value
+
+    unreachable = register(grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert isinstance(unreachable, BrokerUnreachable)
+    assert (unreachable.code, unreachable.waited_s) == ("DEADLINE_EXCEEDED", 0.5)
+    assert unreachable.__cause__ is None  # no chained gRPC traceback to print
+    refused = register(grpc.StatusCode.PERMISSION_DENIED)
+    assert not isinstance(refused, BrokerUnreachable)
+
+
+def test_ar_registration_gives_up_on_a_silent_broker_as_unreachable() -> None:
+    from kvrelay.ar_service.registration import (
+        ArIdentity,
+        ArRegistration,
+        BrokerUnreachable,
+        RegistrationRefused,
+    )
+    from kvrelay.ar_service.sender import WriteLedger, WriteReporter
+
+    def register(code: grpc.StatusCode) -> BaseException:
+        stub = _SilentBroker(code)
+        ledger = WriteLedger()
+        identity = ArIdentity("ar-0", "inc-1", "127.0.0.1:1", 2, 2, 8, "float32", 4, 1, 64, "grpc", 0, 4)
+        reporter = WriteReporter(stub, ledger, "ar-0", "inc-1", rpc_timeout_s=1.0)  # type: ignore[arg-type]
+        registration = ArRegistration(stub, identity, ledger, reporter, heartbeat_interval_s=1.0, token=None,  # type: ignore[arg-type]
+                                      on_fail_stop=lambda _: None)  # fmt: skip
+        with pytest.raises(RegistrationRefused) as err:
+            asyncio.run(registration.register(give_up_s=0.5))
+        return err.value
+
+    unreachable = register(grpc.StatusCode.UNAVAILABLE)
+    assert isinstance(unreachable, BrokerUnreachable) and unreachable.waited_s == 0.5
+    assert not isinstance(register(grpc.StatusCode.INVALID_ARGUMENT), BrokerUnreachable)
+
+
+@pytest.mark.slow
+def test_a_dit_whose_broker_never_answers_says_where_it_looked(tmp_path: Path, closed_port: int) -> None:
+    # Before: `kvrelay dit: startup failed: RegisterReplica dit-0 failed: DEADLINE_EXCEEDED: Deadline
+    # Exceeded` after a logged traceback, naming neither the broker's address nor what to check.
+    broker = f"127.0.0.1:{closed_port}"
+    proc = kvrelay("dit", "--config", FAST, "--broker", broker, env={"KVRELAY_LOCK_DIR": str(tmp_path)}, timeout=150)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvrelay dit: ")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"kvrelay dit: the broker at {broker} did not answer RegisterReplica for 30 s (last: ")
+    assert lines[0].endswith("is it running, and is --broker (or the config's broker.host and broker.port) right?")
