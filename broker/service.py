@@ -526,7 +526,14 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             # So must the incarnation check: a release from another process of the replica id
             # (an old incarnation, a replayed call) would free pages the live one's ranks read.
             raise InvalidArgument("MISSING_FIELD", "incarnation_id: required (the releasing DiT's incarnation)")
-        outcome = _OUTCOME_FROM_PB.get(request.outcome, TicketOutcome.OK)
+        outcome = _OUTCOME_FROM_PB.get(request.outcome)
+        if outcome is None:
+            # Before, anything but a known outcome (UNSPECIFIED, 99) was recorded OK: a ticket
+            # never loaded was released "served".
+            raise InvalidArgument(
+                "INVALID_OUTCOME",
+                f"outcome: {request.outcome} is not OK, CANCELLED, TIMED_OUT or FAILED (how the DiT's call ended)",
+            )
         ticket = self.core.release_ticket(request.ticket_id, outcome, request.reason, request.replica_id,
                                           request.incarnation_id)
         return broker_pb2.ReleaseTicketResponse(ticket=ticket_to_proto(ticket))
@@ -535,7 +542,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def CancelTicket(
         self, request: broker_pb2.CancelTicketRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.CancelTicketResponse:
-        outcome = _OUTCOME_FROM_PB.get(request.outcome, TicketOutcome.CANCELLED)
+        # UNSPECIFIED (left out) means CANCELLED; a number that is no outcome is the caller's bug.
+        outcome = (TicketOutcome.CANCELLED if request.outcome == broker_pb2.TICKET_OUTCOME_UNSPECIFIED
+                   else _OUTCOME_FROM_PB.get(request.outcome))
+        if outcome is None:
+            raise InvalidArgument(
+                "INVALID_OUTCOME", f"outcome: {request.outcome} is not CANCELLED, TIMED_OUT or FAILED (or left out)"
+            )
         ticket = self.core.cancel_ticket(request.ticket_id, outcome, request.reason)
         return broker_pb2.CancelTicketResponse(ticket=ticket_to_proto(ticket))
 

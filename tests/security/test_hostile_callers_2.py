@@ -12,11 +12,13 @@ import grpc
 import pytest
 
 from kvrelay.broker.pipeline import LINK_DEADLINE_SLACK_SECONDS
+from kvrelay.broker.tickets import TicketState
 from kvrelay.errors import reason_of
-from kvrelay.security import REPLICA_ID_METADATA
-from kvrelay.v1 import dit_pb2, dit_pb2_grpc, generation_pb2
+from kvrelay.security import REPLICA_ID_METADATA, CallerClass
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, dit_pb2, dit_pb2_grpc, generation_pb2
 from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
 from tests.orchestrator.harness import cluster, collect, request, run
+from tests.security.harness import CREDENTIALS, secured_deployment
 
 
 async def _put(stub: dit_pb2_grpc.DitServiceStub, chunk: dit_pb2.PutKvRequest, replica_id: str) -> dit_pb2.PutKvResponse:
@@ -92,3 +94,31 @@ def test_a_client_deadline_that_cuts_a_transfer_short_does_not_make_the_link_sus
             assert not c.core.link_suspect("ar-0", "dit-0")
 
     run(body(), timeout=60)
+
+
+def test_a_release_or_cancel_with_no_real_outcome_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """ReleaseTicket with outcome UNSPECIFIED or 99 (found black-box with grpcurl as dit-0) released
+    the ticket recorded OK, although it was never even armed; CancelTicket took 99 as CANCELLED.
+    Both are now INVALID_ARGUMENT INVALID_OUTCOME, and the ticket keeps its pages."""
+    with secured_deployment(tmp_path) as d:
+        operator = d.operator()
+        incarnation = d.core.get_replica("dit-0").spec.incarnation_id
+        ticket = operator.CreateTicket(broker_pb2.CreateTicketRequest(
+            request_id="outcome-probe", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[3]),
+            timeout=10).ticket  # fmt: skip
+        with d.channel("broker", CREDENTIALS.channel(CallerClass.REPLICA, "dit-0")) as channel:
+            dit = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+            for outcome in (broker_pb2.TICKET_OUTCOME_UNSPECIFIED, 99):
+                with pytest.raises(grpc.RpcError) as info:
+                    dit.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
+                        ticket_id=ticket.ticket_id, outcome=outcome, replica_id="dit-0",  # type: ignore[arg-type]
+                        incarnation_id=incarnation), timeout=10)  # fmt: skip
+                assert reason_of(info.value)[:2] == ("INVALID_ARGUMENT", "INVALID_OUTCOME")  # type: ignore[arg-type]
+        with pytest.raises(grpc.RpcError) as info:
+            operator.CancelTicket(broker_pb2.CancelTicketRequest(ticket_id=ticket.ticket_id, outcome=99),  # type: ignore[arg-type]
+                                  timeout=10)  # fmt: skip
+        assert reason_of(info.value)[:2] == ("INVALID_ARGUMENT", "INVALID_OUTCOME")  # type: ignore[arg-type]
+        assert d.core.get_ticket(ticket.ticket_id).state is TicketState.RESERVED
+        # Left out, CancelTicket's outcome is still CANCELLED.
+        cancelled = operator.CancelTicket(broker_pb2.CancelTicketRequest(ticket_id=ticket.ticket_id), timeout=10)
+        assert cancelled.ticket.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
