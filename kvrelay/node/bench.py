@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config, parse_config
+from kvrelay.logging import configure_logging
 from kvrelay.resources import resolve
 from kvrelay.server import reserve_free_port
 
@@ -788,6 +789,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as err:
         print(f"kvrelay bench: {_input_error(err)}", file=sys.stderr)
         return 2
+    # The nodes' supervisor logs on stderr (as under `kvrelay up`), so that stdout holds the
+    # tables alone: unconfigured, structlog printed every child_started ... on stdout, among them.
+    configure_logging(process="bench")
     scenarios = ["seed", "transfer"] if args.scenario == "both" else [args.scenario]
     report: dict[str, Any] = {"args": vars(args), "dataset_tokens": _token_stats(dataset), "scenarios": {}}
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-") as tmp:

@@ -252,3 +252,35 @@ def test_a_dit_whose_broker_never_answers_says_where_it_looked(tmp_path: Path, c
     assert len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith(f"kvrelay dit: the broker at {broker} did not answer RegisterReplica for 30 s (last: ")
     assert lines[0].endswith("is it running, and is --broker (or the config's broker.host and broker.port) right?")
+
+
+# --- kvrelay bench's stdout ------------------------------------------------------------------------
+
+_BENCH_LOGS = """
+import sys
+from kvrelay.logging import get_logger
+from kvrelay.node import bench
+from kvrelay.node.cli import main
+
+def fake_scenario(*args, **kwargs):
+    # What the nodes' supervisor logs while a real scenario runs, then the end of this check.
+    get_logger("kvrelay.node.supervisor").info("child_started", child="broker")
+    print("TABLE")
+    raise SystemExit(7)
+
+bench.run_scenario = fake_scenario
+sys.exit(main(["bench", "--output", sys.argv[1], "--requests", "1", "--runs", "1"]))
+"""
+
+
+def test_bench_keeps_the_supervisors_logs_off_stdout(tmp_path: Path) -> None:
+    # `kvrelay bench > results.md` got every child_started/child_serving/node_stopped line of each
+    # node among the tables: structlog, never configured in bench, printed them on stdout.
+    env = {k: v for k, v in os.environ.items() if k not in ("KVRELAY_CONFIG", "KVRELAY_LOG_FORMAT")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _BENCH_LOGS, str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 7, proc.stderr[-2000:]
+    assert proc.stdout == "TABLE\n"
+    assert "child_started" in proc.stderr
