@@ -59,6 +59,31 @@ def _target(args: argparse.Namespace) -> str:
     return str(getattr(args, "target", None) or DEFAULT_TARGET)
 
 
+def tls_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with --tls-ca/--tls-cert/--tls-key (or $KVRELAY_TLS_*) before any call, or
+    None: a certificate without its key (or a key alone) was the SDK's ValueError traceback, and a
+    file that is not PEM failed only at the handshake, with a hint about the broker's TLS."""
+    given = {key: (getattr(args, key, None), f"--{key.replace('_', '-')}") for key in TLS_ENV}
+    for key, env in TLS_ENV.items():
+        if not given[key][0] and os.environ.get(env):
+            given[key] = (os.environ[env], f"${env}")
+    (cert, cert_flag), (key, key_flag) = given["tls_cert"], given["tls_key"]
+    if bool(cert) != bool(key):
+        have, lack = (cert_flag, "--tls-key") if cert else (key_flag, "--tls-cert")
+        return f"{have} needs {lack} too: a client certificate and its private key go together (mutual TLS)"
+    for path, flag in given.values():
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as f:
+                pem = f.read()
+        except OSError as err:
+            return f"{flag} {path}: {err.strerror or err}"
+        if b"-----BEGIN " not in pem:
+            return f"{flag} {path}: not a PEM file (no -----BEGIN line)"
+    return None
+
+
 def _tls(args: argparse.Namespace) -> dict[str, Any]:
     """KvRelayClient TLS keyword arguments from --tls-ca/--tls-cert/--tls-key or $KVRELAY_TLS_*."""
     files = {key: getattr(args, key, None) or os.environ.get(env) for key, env in TLS_ENV.items()}
@@ -219,6 +244,9 @@ def output_problem(output: str) -> str | None:
 def run_generate(args: argparse.Namespace) -> int:
     """`kvrelay generate PROMPT -o out.png`: one image, progress on stderr, Ctrl-C cancels."""
     stdout, stderr = sys.stdout, sys.stderr
+    if (problem := tls_problem(args)) is not None:
+        print(f"kvrelay generate: {problem}", file=stderr)
+        return 2
     try:
         prompt = read_prompt(args, sys.stdin)
     except ValueError as err:
@@ -489,6 +517,9 @@ def _jsonable(value: Any) -> Any:
 
 def run_status(args: argparse.Namespace) -> int:
     """`kvrelay status`: replicas, page pools and live tickets of a broker, as tables or JSON."""
+    if (problem := tls_problem(args)) is not None:
+        print(f"kvrelay status: {problem}", file=sys.stderr)
+        return 2
     target = getattr(args, "target", None) or DEFAULT_TARGET
     try:
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
@@ -548,6 +579,9 @@ def generations_table(generations: Sequence[Generation], now: _dt.datetime) -> s
 
 def run_list(args: argparse.Namespace) -> int:
     """`kvrelay list`: the broker's generations, newest first (`--state RUNNING...` to filter)."""
+    if (problem := tls_problem(args)) is not None:
+        print(f"kvrelay list: {problem}", file=sys.stderr)
+        return 2
     target = getattr(args, "target", None) or DEFAULT_TARGET
     names = [s.upper() for s in (getattr(args, "state", None) or [])]
     unknown = [n for n in names if n not in GenerationState.__members__ or n == "UNSPECIFIED"]
@@ -577,6 +611,9 @@ def run_list(args: argparse.Namespace) -> int:
 def run_cancel(args: argparse.Namespace) -> int:
     """`kvrelay cancel REQUEST_ID...`: cancel generations by id (idempotent); prints each one's
     state after the call. Exit 1 when one could not be cancelled (unknown, already finished)."""
+    if (problem := tls_problem(args)) is not None:
+        print(f"kvrelay cancel: {problem}", file=sys.stderr)
+        return 2
     target = getattr(args, "target", None) or DEFAULT_TARGET
     failed = 0
     with KvRelayClient(target, token=_token(args), timeout=10.0, **_tls(args)) as client:

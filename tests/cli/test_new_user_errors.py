@@ -284,3 +284,36 @@ def test_bench_keeps_the_supervisors_logs_off_stdout(tmp_path: Path) -> None:
     assert proc.returncode == 7, proc.stderr[-2000:]
     assert proc.stdout == "TABLE\n"
     assert "child_started" in proc.stderr
+
+
+# --- TLS files of the client commands ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [["generate", "a fox", "-q"], ["status"], ["list"], ["cancel", "r1"]])
+def test_tls_files_that_cannot_work_are_one_line_before_any_call(
+    command: list[str], tmp_path: Path, closed_port: int, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for env in ("KVRELAY_TLS_CA", "KVRELAY_TLS_CERT", "KVRELAY_TLS_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    pem = tmp_path / "c.pem"
+    pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    target = ["--target", f"127.0.0.1:{closed_port}", "-o", str(tmp_path / "o.png")][: 4 if "-q" in command else 2]
+    name = command[0]
+    cases = [
+        # Before: the SDK's `ValueError: certificate_chain and private_key go together` traceback.
+        (["--tls-cert", str(pem)], "--tls-cert needs --tls-key too: a client certificate and its private key go "
+         "together (mutual TLS)"),
+        (["--tls-key", str(pem)], "--tls-key needs --tls-cert too: a client certificate and its private key go "
+         "together (mutual TLS)"),
+        # Before: UNAVAILABLE at the handshake, with a hint to check the broker's TLS.
+        (["--tls-ca", str(text)], f"--tls-ca {text}: not a PEM file (no -----BEGIN line)"),
+    ]  # fmt: skip
+    for flags, line in cases:
+        assert main([*command, *target, *flags]) == 2
+        assert capsys.readouterr().err == f"kvrelay {name}: {line}\n"
+    monkeypatch.setenv("KVRELAY_TLS_CERT", str(pem))
+    assert main([*command, *target]) == 2
+    assert capsys.readouterr().err.startswith(f"kvrelay {name}: $KVRELAY_TLS_CERT needs --tls-key too")
