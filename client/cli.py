@@ -63,7 +63,9 @@ def tls_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with --tls-ca/--tls-cert/--tls-key (or $KVRELAY_TLS_*) before any call, or
     None: a certificate without its key (or a key alone) was the SDK's ValueError traceback, and a
     file that is not PEM failed only at the handshake, with a hint about the broker's TLS."""
-    given = {key: (getattr(args, key, None), f"--{key.replace('_', '-')}") for key in TLS_ENV}
+    given: dict[str, tuple[str | None, str]] = {
+        key: (getattr(args, key, None), f"--{key.replace('_', '-')}") for key in TLS_ENV
+    }
     for key, env in TLS_ENV.items():
         if not given[key][0] and os.environ.get(env):
             given[key] = (os.environ[env], f"${env}")
