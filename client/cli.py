@@ -66,9 +66,9 @@ def tls_problem(args: argparse.Namespace) -> str | None:
     given: dict[str, tuple[str | None, str]] = {
         key: (getattr(args, key, None), f"--{key.replace('_', '-')}") for key in TLS_ENV
     }
-    for key, env in TLS_ENV.items():
-        if not given[key][0] and os.environ.get(env):
-            given[key] = (os.environ[env], f"${env}")
+    for name, env in TLS_ENV.items():
+        if not given[name][0] and os.environ.get(env):
+            given[name] = (os.environ[env], f"${env}")
     (cert, cert_flag), (key, key_flag) = given["tls_cert"], given["tls_key"]
     if bool(cert) != bool(key):
         have, lack = (cert_flag, "--tls-key") if cert else (key_flag, "--tls-cert")
