@@ -291,8 +291,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, orchestrator: Orchestrator, image_budget: ImageReplyBudget | None = None) -> None:
         self.orchestrator = orchestrator
         self.image_budget = image_budget or ImageReplyBudget()
-        # Generations whose last stream ended early, waiting for a re-attach: the timer cancels.
-        self._detached: dict[str, asyncio.TimerHandle] = {}
+        # Generations whose last stream ended early, waiting for a re-attach: the task cancels
+        # them when none comes in time, and ends (holding nothing) as soon as they end anyway.
+        self._detached: dict[str, asyncio.Task[None]] = {}
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -356,23 +357,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             return
         log.info("generate_stream_detached", detach_timeout_seconds=seconds)
         self._reattached(record.request_id)
-        self._detached[record.request_id] = asyncio.get_running_loop().call_later(
-            seconds, self._detach_expired, record, seconds
+        self._detached[record.request_id] = asyncio.get_running_loop().create_task(
+            self._await_reattach(record, seconds), name=f"detached-{record.request_id}"
         )
 
     def _reattached(self, request_id: str) -> None:
-        timer = self._detached.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
+        waiting = self._detached.pop(request_id, None)
+        if waiting is not None:
+            waiting.cancel()
 
-    def _detach_expired(self, record: GenerationRecord, seconds: float) -> None:
-        self._detached.pop(record.request_id, None)
-        if record.subscribers:
-            return
-        with contextlib.suppress(KvRelayServerError):  # it ended meanwhile: nothing to cancel
-            self._disconnected(
-                record, f"no client re-attached within {seconds:g} s of the Generate stream ending"
-            )
+    async def _await_reattach(self, record: GenerationRecord, seconds: float) -> None:
+        """Cancel `record` unless a stream re-attaches within `seconds` or it ends first. Ends with
+        the generation: a timer kept the finished record (its image included) for the whole
+        detach timeout, past result_ttl_seconds and max_results (found black-box: generations
+        with detach_timeout_seconds 3600 whose streams dropped at once stayed in memory an hour)."""
+        try:
+            await asyncio.wait_for(record.done.wait(), seconds)
+        except TimeoutError:
+            if not record.subscribers:
+                with contextlib.suppress(KvRelayServerError):  # it ended meanwhile: nothing to cancel
+                    self._disconnected(
+                        record, f"no client re-attached within {seconds:g} s of the Generate stream ending"
+                    )
+        finally:
+            if self._detached.get(record.request_id) is asyncio.current_task():
+                del self._detached[record.request_id]
 
     def _disconnected(self, record: GenerationRecord, message: str) -> None:
         if record.state.terminal or self.orchestrator.store.find(record.request_id) is not record:

@@ -555,6 +555,8 @@ class Cluster:
     clock_offset: list[float]
     # Between the broker and the DiT replica, when the cluster was made with `dit_proxy=True`.
     dit_proxy: TcpProxy | None = None
+    # The broker's GenerationService servicer (its detached generations, its image budget).
+    generation: GenerationServicer | None = None
 
     @property
     def api(self) -> generation_pb2_grpc.GenerationServiceStub:
@@ -610,6 +612,7 @@ async def cluster(
     orchestrator = Orchestrator(
         core, cfg, registry, clock=lambda: time.monotonic() + clock_offset[0], credentials=credentials
     )
+    generation = GenerationServicer(orchestrator)
     server = GrpcServer(
         name="broker",
         host="127.0.0.1",
@@ -622,7 +625,7 @@ async def cluster(
             ),
             (
                 generation_pb2_grpc.add_GenerationServiceServicer_to_server,
-                GenerationServicer(orchestrator),
+                generation,
                 "kvrelay.v1.GenerationService",
             ),
         ],
@@ -652,7 +655,8 @@ async def cluster(
     try:
         await ar.start()
         await dit.start()
-        yield Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset, proxy)
+        yield Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset, proxy,
+                      generation)
     finally:
         if proxy is not None:
             await proxy.stop()

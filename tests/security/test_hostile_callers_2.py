@@ -122,3 +122,35 @@ def test_a_release_or_cancel_with_no_real_outcome_is_refused_and_changes_nothing
         # Left out, CancelTicket's outcome is still CANCELLED.
         cancelled = operator.CancelTicket(broker_pb2.CancelTicketRequest(ticket_id=ticket.ticket_id), timeout=10)
         assert cancelled.ticket.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+
+
+def test_a_detached_generation_that_ends_leaves_nothing_behind() -> None:
+    """A Generate stream that ended early with detach_timeout_seconds 3600 left a timer holding its
+    generation (the image included) for the whole hour, even after the generation finished and
+    result_ttl_seconds/max_results forgot it: a client could pin an hour of images in the broker
+    by dropping every stream at once. The wait now ends with the generation."""
+
+    async def body() -> None:
+        async with cluster(max_results=1, result_ttl_seconds=0) as c:
+            assert c.generation is not None
+            c.dit.step_gate.clear()  # hold the generation at DENOISING
+            call = c.api.Generate(request("dropped at once", detach_timeout_seconds=3600), timeout=30)
+            while (await call.read()).state != generation_pb2.GENERATION_STATE_DENOISING:
+                pass
+            call.cancel()
+            for _ in range(200):
+                if c.generation._detached:
+                    break
+                await asyncio.sleep(0.01)
+            (request_id,) = c.generation._detached
+            record = c.orchestrator.store.get(request_id)
+            c.dit.step_gate.set()
+            await asyncio.wait_for(record.done.wait(), 10)
+            assert record.state.name == "SUCCEEDED"  # detached, not cancelled
+            for _ in range(200):
+                if not c.generation._detached:
+                    break
+                await asyncio.sleep(0.01)
+            assert c.generation._detached == {}
+
+    run(body(), timeout=60)
