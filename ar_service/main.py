@@ -9,7 +9,10 @@ let running requests finish their writes and reports, stop workers, exit 0) or a
 first, which unregisters their memory, then exit 3 so a supervisor restarts the replica).
 SIGTERM, SIGINT and SIGHUP are a clean stop in every phase: a wait at start-up (the replica lock,
 the model load, registration retries against a broker not yet up) ends at once (kvrelay/stopping.py)
-and the process stops what it started and exits 0.
+and the process stops what it started and exits 0. A second signal is a fast stop: the ranks are
+killed at once (what a write of theirs still does is the broker's to settle, as after a crash:
+IN_DOUBT until a new incarnation proves them gone), the drain is cut, nothing is deregistered or
+reported, and the process exits 4 (EXIT_FAST_STOP).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConf
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.security import CallerClass, SecurityError, load_credentials, make_channel
 from kvrelay.server import GrpcServer
-from kvrelay.stopping import ProcessStop, StopRequested
+from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
 from kvrelay.v1 import ar_pb2_grpc
 
 log = get_logger(__name__)
@@ -205,6 +208,10 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             lock=lock,
             name=f"kvrelay-{replica_id}",
         )
+    # A fast stop kills the ranks at once: it ends any command in flight (a prefill, a write)
+    # and every wait on one, and their memory registrations die with them.
+    killing: list[asyncio.Future[None]] = []
+    stop.on_fast(lambda: killing.append(run_on_own_thread(group.kill, f"kvrelay-{replica_id}-fast-stop")))
     registration: ArRegistration | None = None
     heartbeats: asyncio.Task[None] | None = None
     watchdog: asyncio.Future[None] | None = None
@@ -317,9 +324,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             if registration is not None and heartbeats is not None:
                 # Deregistered first so the broker hands out no new tickets; heartbeats go on (the
                 # broker keeps polling a deregistered writer) until the running writes are reported.
-                await registration.deregister()
-                deregistered = True
-            await servicer.drain(STOP_GRACE_S)
+                deregistered = await stop.unless_fast(registration.deregister())
+            await stop.unless_fast(servicer.drain(STOP_GRACE_S))
     except StopRequested:
         # Stopped before serving: nothing was handed out; what started is stopped below.
         code = EXIT_OK
@@ -336,15 +342,25 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             heartbeats.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await heartbeats
-        if code == EXIT_FAIL_STOP:
+        if stop.fast_requested and code in (EXIT_OK, EXIT_FAIL_STOP):
+            code = EXIT_FAST_STOP
+        if code in (EXIT_FAIL_STOP, EXIT_FAST_STOP):
             # Workers first: their memory registrations die with them, and no write of ours can
-            # be in flight afterwards. Then nothing else is trusted: exit without deregistering.
-            await asyncio.to_thread(group.stop)
+            # be in flight afterwards. Then nothing else is trusted: exit without deregistering
+            # (a fast stop too: to the broker it is a crash, its in-doubt writes stay held).
+            if code == EXIT_FAST_STOP:
+                await (killing[0] if killing else run_on_own_thread(group.kill, f"kvrelay-{replica_id}-fast-stop"))
+            else:
+                await asyncio.to_thread(group.stop)
         else:
             if registration is not None and not deregistered:
-                await registration.deregister()
+                await stop.unless_fast(registration.deregister())
+            # A fast stop requested meanwhile kills the ranks, which ends this at once.
             await asyncio.to_thread(group.stop)
-        await server.stop(grace=1.0)
+            if stop.fast_requested:
+                code = EXIT_FAST_STOP
+                await killing[0]
+        await server.stop(grace=1.0, fast=stop)
         await channel.close()
         lock.release()
         log.info(
@@ -378,8 +394,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
     sys.stdout.flush()
-    if code == EXIT_FAIL_STOP:
-        # Fail stop: do not run interpreter teardown that could block on a wedged thread.
+    if code in (EXIT_FAIL_STOP, EXIT_FAST_STOP):
+        # Fail or fast stop: do not run interpreter teardown that could block on a wedged thread.
         flush_native_output()
-        os._exit(EXIT_FAIL_STOP)
+        os._exit(code)
     return code

@@ -3,6 +3,12 @@
 Serves BrokerService (registry, pages, tickets) and GenerationService (the public API) on one
 port, with health, reflection and metrics from kvrelay.server. Never imports torch or a model
 service: it talks to AR and DiT replicas over gRPC only.
+
+SIGTERM, SIGINT and SIGHUP stop it gracefully (live generations fail `BROKER_SHUTTING_DOWN`, RPCs
+get their grace, the journal is closed, exit 0); a second signal cuts the grace (exit
+EXIT_FAST_STOP, kvrelay/stopping.py) and still closes the journal. Nothing of the page accounting
+depends on which: every change is committed to the journal before it is revealed, so a cut stop,
+like a crash, restarts from what the disk holds.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.ports import PortInUse
 from kvrelay.security import BROKER_CALLER_ID, CallerClass, Credentials, SecurityError, load_credentials
 from kvrelay.server import GrpcServer
+from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -44,7 +51,9 @@ async def serve(
     metrics_port: int | None,
     credentials: Credentials | None = None,
     insecure_bind: bool = False,
-) -> None:
+) -> int:
+    """Serve until a stop signal; the exit code: 0, or EXIT_FAST_STOP when a second signal cut
+    the graceful stop. Raises what ends it otherwise (a journal failure, a port in use)."""
     b = cfg.broker
     creds = credentials if credentials is not None else load_credentials(cfg.security)
     try:
@@ -97,12 +106,15 @@ async def serve(
         insecure_bind=insecure_bind,
     )
     await server.start()
-    server.install_signal_handlers()
+    # SIGHUP too: its default action killed the broker outright, as a closed terminal would.
+    process_stop = ProcessStop("broker")
+    process_stop.install()
     maintenance = asyncio.create_task(run_maintenance(core), name="broker-maintenance")
     await orchestrator.start()
     await server.set_serving(True)
     print(f"kvrelay broker listening on {server.address}", flush=True)
-    stop = asyncio.create_task(server.wait_for_stop())
+    process_stop.phase = "serving"
+    stop = asyncio.create_task(process_stop.event.wait())
     failed = asyncio.create_task(journal_failed.wait())
     try:
         # A failed maintenance pass (journal error) stops the process: memory would run ahead of disk.
@@ -113,14 +125,22 @@ async def serve(
             log.error("broker_journal_failed", path=core.journal.path, reason=core.journal.failure.reason)
             raise core.journal.failure
     finally:
+        process_stop.phase = "draining"
         for task in (stop, failed):
             task.cancel()
-        await orchestrator.stop()
-        await server.stop(grace=2.0)
+        # A fast stop skips the wait for the cancelled pipelines and the RPCs' grace; each core
+        # change they made is committed already, and the journal is closed below either way.
+        if not await process_stop.unless_fast(orchestrator.stop()):
+            await orchestrator.stop(grace_s=0.0)  # still fail and cancel what runs; wait for none
+        await server.stop(grace=2.0, fast=process_stop)
         maintenance.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await maintenance
         core.close()
+    if process_stop.fast_requested:
+        log.warning("broker_stopped_fast", exit_code=EXIT_FAST_STOP)
+        return EXIT_FAST_STOP
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     port = cfg.broker.port if args.port is None else args.port
     metrics_port = cfg.broker.metrics_port if args.metrics_port is None else args.metrics_port
     try:
-        asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
+        return asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
     except PortInUse as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 1
@@ -147,4 +167,3 @@ def run(args: argparse.Namespace) -> int:
     except (SecurityError, ConfigError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2
-    return 0

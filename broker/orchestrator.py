@@ -105,8 +105,9 @@ class Orchestrator:
             asyncio.create_task(self.compactor.run(), name="orchestrator-journal-compaction"),
         ]
 
-    async def stop(self) -> None:
-        """Fail every live generation (UNAVAILABLE), end its ticket, close stage channels."""
+    async def stop(self, grace_s: float = STOP_GRACE_SECONDS) -> None:
+        """Fail every live generation (UNAVAILABLE), end its ticket, close stage channels.
+        Cancelled pipelines get `grace_s` to end (0: a fast stop, kvrelay/stopping.py)."""
         self.admission.stopping = True
         for task in self._tasks:
             task.cancel()
@@ -124,7 +125,7 @@ class Orchestrator:
             task.cancel()
         waiting = [*self._tasks, *pipelines]
         if waiting:
-            await asyncio.wait(waiting, timeout=STOP_GRACE_SECONDS)
+            await asyncio.wait(waiting, timeout=grace_s)
         await self.channels.close()
 
     # ================================================================= the API

@@ -9,6 +9,11 @@ workers, free the pools, exit 0; a signal during a start-up wait (the replica lo
 registration retries against a broker not yet up) ends that wait at once (kvrelay/stopping.py) and
 the same stop follows. Fail stop (fenced, a rank died, a broken invariant): stop the workers
 before the memory is unregistered and freed, then exit 3 so the supervisor restarts the replica.
+A second signal is a fast stop: the ranks are killed at once (a Denoise in flight ends and its
+ticket is released only after that, as a cancelled one is), the server's grace and the waits for
+handlers and owed releases are cut, nothing is deregistered, the pools are freed only after the
+ranks (whose transport endpoints receive into them) are gone, and the process exits 4
+(EXIT_FAST_STOP). To the broker it is a crash: what it did not hear, a new incarnation settles.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import asyncio
 import contextlib
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from kvrelay.config import ConfigError, KvRelayConfig, ModelConfig, load_config
-from kvrelay.logging import capture_native_output, configure_logging, get_logger
+from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.server import GrpcServer
-from kvrelay.stopping import ProcessStop, StopRequested
+from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
 from kvrelay.v1 import dit_pb2, dit_pb2_grpc
 
 log = get_logger(__name__)
@@ -60,6 +67,11 @@ def model_max_image_side(model: ModelConfig) -> int:
     assert directory is not None
     bagel = load_bagel_config(directory, dtype=model.dtype)
     return bagel.max_latent_size * bagel.latent_downsample
+
+
+def _killer(group: Any, killing: list[asyncio.Future[None]], name: str) -> Callable[[], None]:
+    """The fast stop's first act: kill the ranks on a thread of their own (kept in `killing`)."""
+    return lambda: killing.append(run_on_own_thread(group.kill, name))
 
 
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
@@ -144,6 +156,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     registration: Registration | None = None
     channel = None
     watchdog: asyncio.Task[None] | None = None
+    killing: list[asyncio.Future[None]] = []
     config_error = False
     try:
         await server.start()
@@ -165,6 +178,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             pools=tuple(memory.specs()), control=control_pool.spec, slots=admission_slots(stage.max_num_seqs),
         )
         group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
+        # A fast stop kills the ranks at once: a denoise or load in flight ends, and no rank reads
+        # or receives into the pages afterwards (the handlers release their tickets only then).
+        stop.on_fast(_killer(group, killing, f"kvrelay-{replica_id}-fast-stop"))
         # A stop during the model load kills the ranks (nothing of theirs is registered with the
         # broker yet): the load cannot be interrupted otherwise, and may take minutes.
         stop.phase = "loading the model"
@@ -253,19 +269,28 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         with contextlib.suppress(Exception):
             await server.set_serving(False)
         if registration is not None:
-            await registration.stop(deregister=not failed)
-        # In-flight Denoise calls finish (clean stop) or are cut (fail stop) before workers go.
-        await server.stop(grace=0.5 if failed else 5.0)
+            # Heartbeats stop in any case; deregistering is a clean stop's, and a fast stop cuts it.
+            if failed or stop.fast_requested or not await stop.unless_fast(registration.stop(deregister=True)):
+                await registration.stop(deregister=False)
+        # In-flight Denoise calls finish (clean stop) or are cut (fail or fast stop) before workers go.
+        await server.stop(grace=0.5 if failed else 5.0, fast=stop)
         if servicer.inflight:
-            # Cancelled handlers release their tickets (with the broker channel still open).
-            await asyncio.wait(set(servicer.inflight), timeout=10.0)
+            # Cancelled handlers release their tickets (with the broker channel still open); after
+            # a fast stop's kill their ranks are gone, so they end at once.
+            waiting = asyncio.wait(set(servicer.inflight), timeout=10.0)
+            if not await stop.unless_fast(waiting):
+                await asyncio.wait(set(servicer.inflight), timeout=1.0)
         # Releases the broker has not heard yet get a last chance while the channel is open; the
         # next incarnation's registration frees what is left.
-        await servicer.releases.stop(grace_s=1.0 if failed else 5.0)
+        if not await stop.unless_fast(servicer.releases.stop(grace_s=1.0 if failed else 5.0)):
+            await servicer.releases.stop(grace_s=0.0)
         servicer.attach(None)
         if group is not None:
-            # Workers first: their transport registrations of the pools end with them.
+            # Workers first: their transport registrations of the pools end with them. A fast
+            # stop's kill (requested before or during this) ends it at once.
             await asyncio.to_thread(group.stop)
+            if killing:
+                await killing[0]
         if memory is not None:
             memory.close()
         if control_pool is not None:
@@ -273,9 +298,12 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         if channel is not None:
             await channel.close()
         lock.release()
-        log.info("dit_stopped", replica_id=replica_id, fail_stop=failed, reason=stopper.fail_reason)
+        log.info("dit_stopped", replica_id=replica_id, fail_stop=failed, reason=stopper.fail_reason,
+                 fast=stop.fast_requested)
     if config_error:
         return 2
+    if stop.fast_requested:
+        return EXIT_FAST_STOP
     return EXIT_FAIL_STOP if stopper.fail_reason is not None else 0
 
 
@@ -292,7 +320,13 @@ def run(args: argparse.Namespace) -> int:
     from kvrelay.worker import LockTimeout
 
     try:
-        return asyncio.run(serve(cfg, args))
+        code = asyncio.run(serve(cfg, args))
     except LockTimeout as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         return 2
+    if code == EXIT_FAST_STOP:
+        # Everything that keeps the contract is done: no interpreter teardown to wait on.
+        sys.stdout.flush()
+        flush_native_output()
+        os._exit(code)
+    return code

@@ -3,13 +3,12 @@
 grpc.aio server with health (`grpc.health.v1`, NOT_SERVING until the process says it can serve),
 server reflection, a Prometheus endpoint, explicit message-size limits (a 2048x2048 PNG fits in a
 reply), kvrelay.security's interceptor (caller classes, tokens, mutual TLS) and TLS listener, the
-refusal of a non-loopback listener without credentials, and a graceful stop on SIGTERM/SIGINT/SIGHUP. It
-owns no business logic.
+refusal of a non-loopback listener without credentials, and a graceful stop that a fast stop
+(kvrelay/stopping.py: a second signal) cuts short. It owns no business logic.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from kvrelay.security import (
     server_credentials,
     server_options,
 )
-from kvrelay.stopping import STOP_SIGNALS
+from kvrelay.stopping import ProcessStop
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -70,7 +69,6 @@ class GrpcServer:
     _server: grpc.aio.Server | None = field(default=None, repr=False)
     _health: Any = field(default=None, repr=False)
     _metrics: Any = field(default=None, repr=False)
-    _stop: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def address(self) -> str:
@@ -166,24 +164,18 @@ class GrpcServer:
         for svc in names:
             await self._health.set(svc, status)
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
-    def install_signal_handlers(self) -> None:
-        """SIGTERM, SIGINT and SIGHUP stop the server gracefully (SIGHUP's default action killed a
-        `kvrelay broker` outright, as a closed terminal would: no graceful stop, no journal close)."""
-        loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, self.request_stop)
-
-    async def wait_for_stop(self) -> None:
-        await self._stop.wait()
-
-    async def stop(self, grace: float = 5.0) -> None:
-        if self._server is not None:
+    async def stop(self, grace: float = 5.0, *, fast: ProcessStop | None = None) -> None:
+        """Stop serving: running RPCs get `grace` seconds, then are cancelled. With `fast`, a fast
+        stop (requested before or during the grace) cancels them at once instead."""
+        server = self._server
+        if server is not None:
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
-            await self._server.stop(grace)
+            if fast is None:
+                await server.stop(grace)
+            elif not await fast.unless_fast(server.stop(grace)):
+                # A later stop with a smaller grace wins (grpc.aio.Server.stop): None cancels now.
+                await server.stop(None)
             self._server = None
         if self._metrics is not None:
             self._metrics.shutdown()

@@ -4,11 +4,15 @@ Owns child processes only: it starts the broker, waits for its gRPC health to sa
 starts every replica of the config and waits for each to be SERVING; prints where everything
 listens; restarts a child that exits (exponential backoff, capped, logged); and on Ctrl-C,
 SIGTERM or SIGHUP stops everything: SIGTERM to each child (replicas first, the broker last), a grace
-period, then SIGKILL to whatever of a child's process group or descendants is still alive.
+period, then SIGKILL to whatever of a child's process group or descendants is still alive. A second
+signal is a fast stop: each child still running gets its second SIGTERM (its own fast stop,
+kvrelay/stopping.py: ranks killed, drain cut, exit 4), the grace shrinks to FAST_GRACE_SECONDS,
+and `kvrelay up` exits EXIT_FAST_STOP.
 
 Every child runs in its own session (a terminal's Ctrl-C reaches only the supervisor, which
-orders the shutdown) and carries PR_SET_PDEATHSIG, so a supervisor killed with SIGKILL still
-takes its children down. PDEATHSIG fires when the *thread* that forked exits, so all children are
+orders the shutdown) and carries PR_SET_PDEATHSIG (SIGHUP: Linux may send it more than once, and
+a repeated SIGHUP, unlike a second SIGTERM, never makes a child's stop fast), so a supervisor
+killed with SIGKILL still takes its children down, each with its graceful stop. PDEATHSIG fires when the *thread* that forked exits, so all children are
 forked by the node's one monitor thread, which lives exactly as long as the node.
 
 It must never import a service package or torch: children are started as `python -m kvrelay`.
@@ -52,10 +56,17 @@ from kvrelay.security import (
     load_credentials,
     make_sync_channel,
 )
+from kvrelay.stopping import EXIT_FAST_STOP, FAST_STOP_SIGNALS
 
 log = get_logger(__name__)
 
 DEFAULT_GRACE_SECONDS = 10.0
+# After a fast stop is forwarded: how long a child gets for its own fast stop (kill its ranks, free
+# its pools, close its journal) before SIGKILL.
+FAST_GRACE_SECONDS = 5.0
+# A fast stop's SIGTERM goes again this often while a child runs: two signals sent moments apart
+# may reach a process as one (a pending signal is not queued twice), which would leave it draining.
+_FAST_RESEND_SECONDS = 1.0
 DEFAULT_READY_TIMEOUT = 300.0
 DEFAULT_BACKOFF_INITIAL = 1.0
 DEFAULT_BACKOFF_MAX = 30.0
@@ -349,8 +360,13 @@ class Node:
         log.info("node_stopped")
 
     def hurry(self) -> None:
-        """Cut the grace period of a stop in progress short (a second Ctrl-C)."""
+        """Make a stop (in progress or to come) a fast one (a second Ctrl-C): every child still
+        running gets a second SIGTERM, its own fast stop, and FAST_GRACE_SECONDS before SIGKILL."""
         self._hurry.set()
+
+    @property
+    def hurried(self) -> bool:
+        return self._hurry.is_set()
 
     def processes(self) -> list[ProcessInfo]:
         with self._lock:
@@ -628,18 +644,28 @@ class Node:
             if proc is None:
                 continue
             descendants = _descendants(proc.pid)
-            if proc.poll() is None:
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            self._signal(proc, signal.SIGTERM)
             live.append((child, proc, descendants))
-        deadline = time.monotonic() + grace
+        first_sent = time.monotonic()
+        deadline = first_sent + grace
+        forwarded_at: float | None = None
+        while any(proc.poll() is None for _, proc, _ in live) and time.monotonic() < deadline:
+            now = time.monotonic()
+            # The second SIGTERM no sooner than a moment after the first, so the two stay two.
+            if self._hurry.is_set() and now - first_sent >= 0.1 and (
+                forwarded_at is None or now - forwarded_at >= _FAST_RESEND_SECONDS
+            ):
+                if forwarded_at is None:
+                    deadline = min(deadline, now + FAST_GRACE_SECONDS)
+                    log.warning("fast_stop_forwarded", children=[c.spec.name for c, p, _ in live if p.poll() is None])
+                forwarded_at = now
+                for _, proc, _ in live:
+                    self._signal(proc, signal.SIGTERM)
+            time.sleep(0.05)
         for child, proc, descendants in live:
-            while proc.poll() is None and time.monotonic() < deadline and not self._hurry.is_set():
-                time.sleep(0.05)
             if proc.poll() is None:
-                log.warning("child_killed", child=child.spec.name, pid=proc.pid, grace_seconds=grace)
+                log.warning("child_killed", child=child.spec.name, pid=proc.pid,
+                            grace_seconds=FAST_GRACE_SECONDS if forwarded_at is not None else grace)
             else:
                 log.info("child_stopped", child=child.spec.name, pid=proc.pid, returncode=proc.returncode)
             self._kill_leftovers(proc.pid, descendants)
@@ -647,6 +673,14 @@ class Node:
             with self._lock:
                 child.proc = None
                 child.serving = False
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
 
     @staticmethod
     def _kill_leftovers(pid: int, descendants: Sequence[psutil.Process] = ()) -> None:
@@ -735,9 +769,10 @@ _PRCTL = _load_prctl()
 
 
 def _die_with_parent() -> None:
-    """In the forked child, before exec: SIGTERM when the supervisor's monitor thread dies."""
+    """In the forked child, before exec: SIGHUP when the supervisor's monitor thread dies (sent
+    again at each reparenting, so not SIGTERM: two of those are a fast stop, kvrelay/stopping.py)."""
     if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGHUP, 0, 0, 0)
 
 
 def build_node(
@@ -894,16 +929,40 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         if stopping:
-            log.warning("stop_hurried", signal=signal.Signals(signum).name)
-            node.hurry()
+            if signum in FAST_STOP_SIGNALS and not node.hurried:
+                name = signal.Signals(signum).name
+                log.warning("fast_stop_requested", signal=name)
+                print(f"kvrelay up: {name} again: fast stop: forwarding it to every process, "
+                      f"{FAST_GRACE_SECONDS:g} s each before SIGKILL, exit {EXIT_FAST_STOP}",
+                      file=sys.stderr, flush=True)
+                node.hurry()
             return
         stopping = True
         raise _StopRequested(signum)
+
+    def on_stopping() -> None:
+        # A signal from now on finds the node stopping: it makes the stop fast, nothing more.
+        nonlocal stopping
+        stopping = True
 
     metrics.start()
     # SIGHUP (the terminal or SSH session went away) stops the node in order too: by default it
     # would kill this process outright and leave the children to PDEATHSIG, all at once.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    code = _supervise_until_stopped(node, config_path, metrics, metrics_host, previous, on_stopping)
+    return EXIT_FAST_STOP if node.hurried else code
+
+
+def _supervise_until_stopped(
+    node: Node,
+    config_path: str | os.PathLike[str],
+    metrics: NodeMetricsServer,
+    metrics_host: str,
+    previous: dict[signal.Signals, Any],
+    on_stopping: Callable[[], None],
+) -> int:
+    """`kvrelay up` from the start of the node to its stop; the exit code of a stop that no second
+    signal made fast."""
     up = False
     try:
         try:
@@ -933,7 +992,7 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         # Stopped on request once up: a clean exit. Interrupted while starting: 130, like Ctrl-C.
         return 0 if up else 130
     finally:
-        stopping = True
+        on_stopping()
         node.stop()
         metrics.stop()
         for sig, handler in previous.items():

@@ -6,7 +6,9 @@ tests assert on what really ran. A replica checks the broker's health at `--brok
 refuses to start if it is not SERVING: that is how the supervisor's start order is checked.
 
 Behaviour keys (per child name, e.g. "ar-0", or per role): serving_delay (s), crash_after (s after
-SERVING, exit code crash_code, default 3), exit_at_start (exit code), ignore_sigterm (bool), grandchild (bool).
+SERVING, exit code crash_code, default 3), exit_at_start (exit code), ignore_sigterm (bool), grandchild (bool),
+drain_seconds (after the first SIGTERM: a graceful drain this long, recorded as `draining`; a second
+SIGTERM during it is a fast stop, as in kvrelay/stopping.py: exit 4 at once, recorded `fast`).
 """
 
 from __future__ import annotations
@@ -64,13 +66,18 @@ def main() -> int:
         grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         save(grandchild=grandchild.pid)
 
-    stop = {"requested": False}
+    stop = {"requested": False, "signals": 0}
 
     def on_term(signum: int, frame: object) -> None:
         stop["requested"] = True
+        stop["signals"] += 1
+
+    def on_hup(signum: int, frame: object) -> None:
+        stop["requested"] = True  # a hangup (the supervisor's PDEATHSIG) never counts twice
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if behaviour.get("ignore_sigterm") else on_term)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor, not a terminal, stops us
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if behaviour.get("ignore_sigterm") else on_hup)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
@@ -91,12 +98,19 @@ def main() -> int:
             save(exited=time.time(), exit_code=code)
             os._exit(code)  # a crash: no cleanup, the grandchild is left for the supervisor
         time.sleep(0.02)
+    drain_seconds = float(behaviour.get("drain_seconds", 0))
+    if drain_seconds:
+        save(draining=time.time())
+        drain_until = time.monotonic() + drain_seconds
+        while time.monotonic() < drain_until and stop["signals"] < 2:
+            time.sleep(0.02)
+    fast = stop["signals"] >= 2
     server.stop(0.2)
     if behaviour.get("grandchild", True):
         grandchild.terminate()
         grandchild.wait()
-    save(exited=time.time(), exit_code=0)
-    return 0
+    save(exited=time.time(), exit_code=4 if fast else 0, fast=fast, signals=stop["signals"])
+    return 4 if fast else 0
 
 
 def _serving(address: str) -> bool:
