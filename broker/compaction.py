@@ -96,6 +96,8 @@ class JournalCompactor:
             rows += deleted
             if not more:
                 break
+        # With group commit the deletes are queued: on disk first, or their pages are not free yet.
+        await self.journal.durable()
         while True:
             reclaimed = await self._step(lambda: self.journal.reclaim(self.batch_pages))
             pages += reclaimed

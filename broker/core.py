@@ -3,8 +3,11 @@
 Composes the replica registry, the page pools of each DiT replica (one per CFG group), the ticket records and the
 journal, and enforces the lifecycle of DESIGN.md section 6 across them: reservation, arming,
 reports, draining, fencing, and recovery after a restart. Every change is committed to the
-journal before the method that makes it returns (so before any RPC reveals it), and only then
-are its waiters woken (`self.waiters`, waiters.py). The stored format of a ticket is codec.py's.
+journal before the method that makes it returns, and only then are its waiters woken
+(`self.waiters`, waiters.py). With `journal_group_commit` a commit is queued to the journal's
+writer thread rather than written in place, so whoever reveals the core's state outside the
+process (the servicers' replies, the orchestrator's calls to replicas) first awaits
+`journal.durable()`: nothing leaves the process before the journal record behind it is on disk. The stored format of a ticket is codec.py's.
 Must never do I/O other than the journal, never import gRPC or torch, and never block: it is
 called from one asyncio event loop (the gRPC servicer and the orchestrator) and takes its
 clock as a parameter so tests drive time by hand.
@@ -142,9 +145,13 @@ class BrokerCore:
         layout_version: int = LAYOUT_VERSION,
         journal_synchronous: Synchronous = "FULL",
         released_history: int = 4096,
+        journal_group_commit: bool = False,
     ) -> None:
         # journal_path None = an in-memory SQLite journal: same code path, nothing survives.
-        self.journal = Journal(":memory:" if journal_path is None else journal_path, journal_synchronous)
+        self.journal = Journal(
+            ":memory:" if journal_path is None else journal_path, journal_synchronous,
+            group_commit=journal_group_commit,
+        )  # fmt: skip
         self.clock = clock
         self.lease_seconds = lease_seconds
         self.drain_quiet_seconds = drain_quiet_seconds

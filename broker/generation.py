@@ -25,6 +25,7 @@ from google.protobuf import timestamp_pb2
 
 from kvrelay.broker.generations import GenerationParams, GenerationRecord, GenerationSnapshot, GenState
 from kvrelay.broker.orchestrator import Orchestrator
+from kvrelay.broker.service import revealable
 from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
@@ -328,6 +329,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             await self.image_budget.reserve(_image_bytes(snap), context)
                         except KvRelayServerError as err:
                             await abort_with(context, err)
+                    await revealable(self.orchestrator.core, context)
                     yield event_to_proto(snap)
                     if snap.state.terminal:
                         finished = True
@@ -396,6 +398,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await self.image_budget.reserve(_image_bytes(snap), context)
         except KvRelayServerError as err:
             await abort_with(context, err)
+        await revealable(self.orchestrator.core, context)
         return generation_pb2.GetGenerationResponse(generation=generation_to_proto(snap))
 
     async def CancelGeneration(
@@ -405,6 +408,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             snap = self.orchestrator.cancel(request.request_id)
         except KvRelayServerError as err:
             await abort_with(context, err)
+        await revealable(self.orchestrator.core, context)
         return generation_pb2.CancelGenerationResponse(generation=generation_to_proto(snap))
 
     async def ListGenerations(
@@ -434,6 +438,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if size > MAX_LIST_REPLY_BYTES:
                 break  # the newest that fit; one always does (two prompts of at most 1 MiB each)
             reply.generations.append(generation)
+        await revealable(self.orchestrator.core, context)
         return reply
 
 

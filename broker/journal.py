@@ -1,9 +1,12 @@
 """The broker's write-ahead journal: SQLite in WAL mode (stdlib sqlite3).
 
 Owns the on-disk record of replicas (incarnations, fences), live tickets (reservations,
-write and load state) and generations. `commit` writes one transaction; BrokerCore calls it
+write and load state) and generations. `commit` records one atomic change; BrokerCore calls it
 before any RPC that reveals the change returns, so a broker restart never forgets a page
-that a remote writer may still target. Also keeps the file the size of what it holds: deleted
+that a remote writer may still target. With `group_commit` (the broker process), `commit` only
+queues the change: one writer thread applies queued commits in order, many per transaction and
+fsync, and `await durable()` returns once everything committed so far is on disk; whoever
+reveals state outside the process (an RPC reply, a call to a replica) awaits it first. Also keeps the file the size of what it holds: deleted
 rows' pages go back to the filesystem in bounded steps (`reclaim`, incremental auto_vacuum) and
 the WAL is cut back after checkpoints; what to delete is its callers' decision (compaction.py).
 Must never interpret what it stores: replaying the records into pools and tickets is
@@ -12,14 +15,17 @@ BrokerCore's job.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
 import json
 import os
 import sqlite3
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,6 +86,33 @@ def _decode(text: str, blobs: Mapping[int, bytes]) -> dict[str, Any]:
 
 
 _KEY_COLUMNS = {"tickets": "ticket_id", "generations": "request_id"}
+# At most this many queued commits go into one group transaction (bounds its size and the time
+# the connection is held; a longer queue simply takes several transactions, in order).
+GROUP_COMMIT_MAX = 256
+
+# One statement of a commit, its parameters bound on the caller's thread: (sql, rows) runs
+# `executemany(sql, rows)`. Encoding (JSON) happens when the change is made, so the writer thread
+# never reads a dict the event loop may change afterwards.
+_Statement = tuple[str, list[tuple[Any, ...]]]
+
+
+@dataclass(slots=True)
+class JournalStats:
+    """What the journal did since it opened (benchmarks/broker_journal.py reads these)."""
+
+    commits: int = 0  # commit() calls: changes recorded
+    transactions: int = 0  # SQLite transactions that wrote them (one WAL fsync each at FULL)
+    caller_seconds: float = 0.0  # time callers (the event loop) spent inside commit()
+    writer_seconds: float = 0.0  # time the writer thread spent in transactions (group commit)
+    largest_group: int = 0  # most commits one transaction carried
+
+
+@dataclass(slots=True)
+class _Queued:
+    seq: int
+    statements: list[_Statement]
+    state: bool  # replicas, tickets or meta: a failure fails the journal (generations alone do not)
+    failure: list[JournalWriteError] = field(default_factory=list)
 
 
 class JournalWriteError(Exception):
@@ -114,11 +147,18 @@ class JournalContents:
 
 
 class Journal:
-    """One SQLite file. Single-threaded: the broker's event loop is its only caller.
+    """One SQLite file. The broker's event loop is its only caller; with `group_commit` a writer
+    thread of its own applies the commits, and `_db_lock` keeps the two off the connection at once.
 
-    `synchronous="FULL"` (the default) fsyncs every commit: a broker host that loses power
+    `synchronous="FULL"` (the default) fsyncs every transaction: a broker host that loses power
     must not come back having forgotten pages a remote AR may still write. Tests and
     benchmarks may pass "NORMAL" (durable across a broker crash, not a power cut).
+
+    `group_commit=False`: `commit` writes and fsyncs its transaction before it returns (on the
+    caller's thread: an fsync on the event loop per commit). `group_commit=True`: `commit`
+    encodes and queues the change and returns; the writer applies the queue in order, every
+    commit queued while the previous transaction was syncing in one transaction, so a crash at
+    any point leaves a prefix of the commits on disk. `durable()` waits for it in both modes.
     """
 
     def __init__(
@@ -126,8 +166,23 @@ class Journal:
         path: str | Path,
         synchronous: Synchronous = "FULL",
         on_failure: Callable[[JournalWriteError], None] | None = None,
+        group_commit: bool = False,
     ) -> None:
         self.path = str(path)
+        self.group_commit = group_commit
+        self.stats = JournalStats()
+        # The connection: the writer thread holds it for a transaction; the loop's own calls
+        # (load, reclaim, checkpoint, keep_on_disk, close) take it too.
+        self._db_lock = threading.Lock()
+        # Guards the queue, the sequence numbers and the waiters (never held across I/O).
+        self._cond = threading.Condition()
+        self._queue: list[_Queued] = []
+        self._submitted = 0  # sequence number of the last commit handed in
+        self._durable = 0  # every commit up to this one is on disk (or was generations only and failed)
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer: threading.Thread | None = None
+        self._closing = False
         # Set by the first failed commit of broker state; called once (the broker's fail stop).
         self.failure: JournalWriteError | None = None
         self.on_failure = on_failure
@@ -189,11 +244,13 @@ class Journal:
             return False
         restoring = f"{self.path}.restoring"
         try:
-            with contextlib.closing(sqlite3.connect(restoring)) as copy:
-                self._db.backup(copy)
-            self._db.close()
-            os.replace(restoring, self.path)
-            self._db = self._connect()
+            # Between two group transactions: commits still queued go to the restored file.
+            with self._db_lock:
+                with contextlib.closing(sqlite3.connect(restoring)) as copy:
+                    self._db.backup(copy)
+                self._db.close()
+                os.replace(restoring, self.path)
+                self._db = self._connect()
             self._identity = _file_identity(self.path)
             if _file_identity(f"{self.path}.lock") != _fd_identity(self._lock_fd):
                 # The lock file went too: take a new one, or another broker could take this path.
@@ -207,7 +264,8 @@ class Journal:
         return True
 
     # ------------------------------------------------------------------ file size
-    # Called from the event loop by the compactor, between commits (never inside one).
+    # Called from the event loop by the compactor, between commits (never inside one); with
+    # group commit they wait for the writer's transaction in progress (one fsync at most).
 
     def reclaim(self, max_pages: int) -> int:
         """Give up to `max_pages` free pages back: one short transaction in which SQLite moves
@@ -217,6 +275,10 @@ class Journal:
         memory and disk still agree."""
         if self.failure is not None or max_pages <= 0:
             return 0
+        with self._db_lock:
+            return self._reclaim(max_pages)
+
+    def _reclaim(self, max_pages: int) -> int:
         try:
             free = int(self._db.execute("PRAGMA freelist_count").fetchone()[0])
             if free == 0 or self._db.execute("PRAGMA auto_vacuum").fetchone()[0] != _AUTO_VACUUM_INCREMENTAL:
@@ -236,19 +298,21 @@ class Journal:
         if self.failure is not None:
             return
         try:
-            self._db.execute(f"PRAGMA wal_checkpoint({'TRUNCATE' if truncate else 'PASSIVE'})").fetchone()
+            with self._db_lock:
+                self._db.execute(f"PRAGMA wal_checkpoint({'TRUNCATE' if truncate else 'PASSIVE'})").fetchone()
         except sqlite3.Error as err:
             log.warning("journal_checkpoint_failed", path=self.path, reason=str(err))
 
     def page_stats(self) -> tuple[int, int, int]:
         """(page_count, freelist_count, page_size): the file's logical size is the first times
         the last once checkpointed."""
-        db = self._db
-        return (
-            int(db.execute("PRAGMA page_count").fetchone()[0]),
-            int(db.execute("PRAGMA freelist_count").fetchone()[0]),
-            int(db.execute("PRAGMA page_size").fetchone()[0]),
-        )
+        with self._db_lock:
+            db = self._db
+            return (
+                int(db.execute("PRAGMA page_count").fetchone()[0]),
+                int(db.execute("PRAGMA freelist_count").fetchone()[0]),
+                int(db.execute("PRAGMA page_size").fetchone()[0]),
+            )
 
     def size_bytes(self) -> int:
         """Bytes on disk: the file and its WAL. Only stat calls, so the metrics thread may call it
@@ -256,6 +320,12 @@ class Journal:
         return 0 if self._lock_fd is None else _size_on_disk(self.path)
 
     def load(self) -> JournalContents:
+        """Everything on disk. Waits for queued commits first (at startup: the replay's own)."""
+        self.flush()
+        with self._db_lock:
+            return self._load()
+
+    def _load(self) -> JournalContents:
         blobs: dict[tuple[str, str], dict[int, bytes]] = {}
         for tbl, key, idx, value in self._db.execute("SELECT tbl, key, idx, value FROM blobs"):
             blobs.setdefault((tbl, key), {})[idx] = bytes(value)
@@ -277,45 +347,146 @@ class Journal:
         tickets: Mapping[str, dict[str, Any] | None] | None = None,
         generations: Mapping[str, dict[str, Any] | None] | None = None,
         meta: Mapping[str, str] | None = None,
-    ) -> None:
-        """Write everything given in one transaction; a None value deletes that row.
+    ) -> int:
+        """Record everything given as one atomic change; a None value deletes that row. Returns
+        the commit's sequence number.
 
-        Raises JournalWriteError when the write fails (disk full, I/O error, file gone read-only).
-        A failed write of replicas, tickets or meta marks the journal failed: every later commit
-        raises at once. A failed write of generations alone does not (their retention across
-        restarts is best effort, and no page depends on it).
+        Without group commit the transaction is on disk when this returns. With it, the change is
+        queued (encoded now: later changes to the dicts given do not reach it) and on disk once
+        `durable()` returns; commits reach the disk in the order they were made.
+
+        Raises JournalWriteError when the write fails (disk full, I/O error, file gone read-only;
+        with group commit, the failure of an earlier queued commit). A failed write of replicas,
+        tickets or meta marks the journal failed: every later commit raises at once. A failed
+        write of generations alone does not (their retention across restarts is best effort, and
+        no page depends on it).
         """
-        if self.failure is not None:
-            raise JournalWriteError(self.path, self.failure.reason)
+        t0 = time.perf_counter()
         try:
-            self._commit(replicas, tickets, generations, meta)
-        except (sqlite3.Error, OSError) as err:
-            failure = JournalWriteError(self.path, str(err) or type(err).__name__)
-            if replicas or tickets or meta:
-                self.failure = failure
-                if self.on_failure is not None:
-                    self.on_failure(failure)
-            raise failure from err
+            if self.failure is not None:
+                raise JournalWriteError(self.path, self.failure.reason)
+            state = bool(replicas or tickets or meta)
+            statements = _statements(replicas, tickets, generations, meta)
+            if self.group_commit:
+                return self._enqueue(statements, state)
+            try:
+                with self._db_lock:
+                    self._transaction([statements])
+            except (sqlite3.Error, OSError) as err:
+                raise self._failed(err, state, on_loop=True) from err
+            with self._cond:
+                self._submitted += 1
+                self._durable = self._submitted
+                self.stats.transactions += 1
+                self.stats.largest_group = max(self.stats.largest_group, 1)
+                return self._submitted
+        finally:
+            self.stats.commits += 1
+            self.stats.caller_seconds += time.perf_counter() - t0
 
-    def _commit(
-        self,
-        replicas: Mapping[str, dict[str, Any] | None] | None,
-        tickets: Mapping[str, dict[str, Any] | None] | None,
-        generations: Mapping[str, dict[str, Any] | None] | None,
-        meta: Mapping[str, str] | None,
-    ) -> None:
+    async def durable(self) -> None:
+        """Return once every commit made before this call is on disk: await it before revealing
+        anything read from the broker's state (an RPC reply, a call to a replica). Raises
+        JournalWriteError when one of them failed (the broker then stops). Without group commit
+        it returns at once (every commit was on disk when it returned)."""
+        with self._cond:
+            target = self._submitted
+            if self._durable >= target:
+                return
+            if self.failure is not None:
+                raise JournalWriteError(self.path, self.failure.reason)
+            loop = asyncio.get_running_loop()
+            self._loop = loop
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((target, fut))
+        try:
+            await fut
+        finally:
+            if not fut.done():  # cancelled: leave no waiter behind
+                with self._cond:
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove((target, fut))
+
+    def flush(self) -> None:
+        """Block until every queued commit is on disk or the journal failed (startup, close and
+        tests; never on the serving path)."""
+        with self._cond:
+            target = self._submitted
+            while self._durable < target and self.failure is None and self._writer is not None:
+                self._cond.wait(0.05)
+
+    @property
+    def pending(self) -> int:
+        """Commits made and not yet on disk (0 without group commit)."""
+        return self._submitted - self._durable
+
+    # ------------------------------------------------------------------ writing
+
+    def _enqueue(self, statements: list[_Statement], state: bool) -> int:
+        if self._loop is None:
+            with contextlib.suppress(RuntimeError):
+                self._loop = asyncio.get_running_loop()
+        with self._cond:
+            self._submitted += 1
+            self._queue.append(_Queued(self._submitted, statements, state))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, name="journal-writer", daemon=True)
+                self._writer.start()
+            self._cond.notify_all()
+            return self._submitted
+
+    def _write_queued(self) -> None:
+        """The writer thread: every commit queued so far in one transaction (one fsync), in order,
+        until close() and the queue is empty. A failure of state stops all writing: nothing
+        queued after it may reach the disk before it (recovery must see a prefix)."""
+        while True:
+            with self._cond:
+                while not self._queue and not self._closing:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = self._queue[:GROUP_COMMIT_MAX]
+                del self._queue[:GROUP_COMMIT_MAX]
+            t0 = time.perf_counter()
+            failure = self._write_batch(batch)
+            with self._cond:
+                self.stats.writer_seconds += time.perf_counter() - t0
+                if failure is None:
+                    self._durable = batch[-1].seq
+                ready = [w for w in self._waiters if w[0] <= self._durable or failure is not None]
+                self._waiters = [w for w in self._waiters if w not in ready]
+                self._cond.notify_all()
+            self._resolve([fut for _, fut in ready], failure)
+
+    def _write_batch(self, batch: list[_Queued]) -> JournalWriteError | None:
+        """Apply one batch; returns the failure that fails the journal, if any. A batch whose
+        generations fail while its state would fit is written again without them (as a commit of
+        generations alone fails alone)."""
+        if self.failure is not None:
+            return self.failure
+        try:
+            with self._db_lock:
+                self._transaction([q.statements for q in batch])
+        except Exception as err:  # noqa: BLE001 - anything else too: a dead writer would hang every reply
+            state = [q for q in batch if q.state]
+            if len(state) == len(batch):
+                return self._failed(err, True, on_loop=False)
+            log.error("generation_journal_write_failed", path=self.path, reason=str(err),
+                      rows=len(batch) - len(state))  # fmt: skip
+            if not state:
+                return None
+            return self._write_batch(state)
+        self.stats.transactions += 1
+        self.stats.largest_group = max(self.stats.largest_group, len(batch))
+        return None
+
+    def _transaction(self, groups: list[list[_Statement]]) -> None:
         db = self._db
         db.execute("BEGIN IMMEDIATE")
         try:
-            for rid, data in (replicas or {}).items():
-                if data is None:
-                    db.execute("DELETE FROM replicas WHERE replica_id = ?", (rid,))
-                else:
-                    db.execute("INSERT OR REPLACE INTO replicas VALUES (?, ?)", (rid, json.dumps(data)))
-            self._upsert("tickets", (tickets or {}).items())
-            self._upsert("generations", (generations or {}).items())
-            for key, value in (meta or {}).items():
-                db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+            for statements in groups:
+                for sql, rows in statements:
+                    db.executemany(sql, rows)
             db.execute("COMMIT")
         except BaseException:
             # SQLite has already rolled back after SQLITE_FULL or an I/O error: a ROLLBACK then
@@ -325,22 +496,35 @@ class Journal:
                     db.execute("ROLLBACK")
             raise
 
-    def _upsert(self, table: str, rows: Iterable[tuple[str, dict[str, Any] | None]]) -> None:
-        key_column = _KEY_COLUMNS[table]
-        for key, data in rows:
-            if table in _BLOB_TABLES:
-                self._db.execute("DELETE FROM blobs WHERE tbl = ? AND key = ?", (table, key))
-            if data is None:
-                self._db.execute(f"DELETE FROM {table} WHERE {key_column} = ?", (key,))
-                continue
-            if table not in _BLOB_TABLES:
-                self._db.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", (key, json.dumps(data)))
-                continue
-            text, blobs = _encode(data)
-            self._db.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", (key, text))
-            self._db.executemany(
-                "INSERT INTO blobs VALUES (?, ?, ?, ?)", [(table, key, i, b) for i, b in enumerate(blobs)]
-            )
+    def _failed(self, err: BaseException, state: bool, *, on_loop: bool) -> JournalWriteError:
+        failure = JournalWriteError(self.path, str(err) or type(err).__name__)
+        if state and self.failure is None:
+            self.failure = failure
+            if self.on_failure is not None:
+                loop = self._loop
+                if on_loop or loop is None:
+                    self.on_failure(failure)
+                else:
+                    with contextlib.suppress(RuntimeError):  # the loop closed: nobody to tell
+                        loop.call_soon_threadsafe(self.on_failure, failure)
+        return failure
+
+    def _resolve(self, futures: list[asyncio.Future[None]], failure: JournalWriteError | None) -> None:
+        loop = self._loop
+        if not futures or loop is None:
+            return
+
+        def resolve() -> None:
+            for fut in futures:
+                if fut.done():
+                    continue
+                if failure is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(JournalWriteError(self.path, failure.reason))
+
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(resolve)
 
     # Generations belong to the orchestrator (issue 8); it stores them here so one file and
     # one commit discipline cover the whole broker process.
@@ -348,10 +532,55 @@ class Journal:
         self.commit(generations={request_id: data})
 
     def close(self) -> None:
-        self._db.close()
+        """Write what is queued, stop the writer, close the file."""
+        writer = self._writer
+        if writer is not None:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            writer.join()
+        with self._db_lock:
+            self._db.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _statements(
+    replicas: Mapping[str, dict[str, Any] | None] | None,
+    tickets: Mapping[str, dict[str, Any] | None] | None,
+    generations: Mapping[str, dict[str, Any] | None] | None,
+    meta: Mapping[str, str] | None,
+) -> list[_Statement]:
+    """One commit's statements, values encoded now."""
+    out: list[_Statement] = []
+    for rid, data in (replicas or {}).items():
+        if data is None:
+            out.append(("DELETE FROM replicas WHERE replica_id = ?", [(rid,)]))
+        else:
+            out.append(("INSERT OR REPLACE INTO replicas VALUES (?, ?)", [(rid, json.dumps(data))]))
+    _upsert(out, "tickets", (tickets or {}).items())
+    _upsert(out, "generations", (generations or {}).items())
+    for key, value in (meta or {}).items():
+        out.append(("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(key, value)]))
+    return out
+
+
+def _upsert(out: list[_Statement], table: str, rows: Iterable[tuple[str, dict[str, Any] | None]]) -> None:
+    key_column = _KEY_COLUMNS[table]
+    for key, data in rows:
+        if table in _BLOB_TABLES:
+            out.append(("DELETE FROM blobs WHERE tbl = ? AND key = ?", [(table, key)]))
+        if data is None:
+            out.append((f"DELETE FROM {table} WHERE {key_column} = ?", [(key,)]))
+            continue
+        if table not in _BLOB_TABLES:
+            out.append((f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", [(key, json.dumps(data))]))
+            continue
+        text, blobs = _encode(data)
+        out.append((f"INSERT OR REPLACE INTO {table} VALUES (?, ?)", [(key, text)]))
+        if blobs:
+            out.append(("INSERT INTO blobs VALUES (?, ?, ?, ?)", [(table, key, i, b) for i, b in enumerate(blobs)]))
 
 
 def _size_on_disk(path: str) -> int:

@@ -66,6 +66,9 @@ async def serve(
             receiver_settle_seconds=cfg.receiver_settle_seconds,
             registration_token=creds.replica_token,
             verify_checksums=cfg.dit_stage.verify_checksums,
+            # Commits are written by the journal's own thread, several per fsync, and every reply
+            # waits for its record (docs/broker.md, Journal and restart): no fsync on the loop.
+            journal_group_commit=True,
         )
     except JournalWriteError:
         raise  # the journal opened but its replay could not be written (disk full): not a setting

@@ -25,6 +25,7 @@ from google.protobuf import timestamp_pb2
 from kvrelay.broker.admission import GenerationJob, GenerationReporter, note_connection_failure
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import ErrorInfo, GenState, ImageResult, RequestEnded
+from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.registry import ReplicaSpec
 from kvrelay.broker.service import plan_to_proto
 from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
@@ -125,7 +126,13 @@ class StagePipeline:
         now = self._clock()
         remaining = job.remaining(now)
         metadata = (("request_id", job.request_id), ("ticket_id", ticket.ticket_id))
-        # Planned once, here: both replicas get the ticket, its rows, writes and destinations with
+        # The ticket (its pages, its sequence number) must be on disk before a replica hears of
+        # it: a broker restarted without it would hand the pages and the number out again.
+        try:
+            await self.core.journal.durable()
+        except JournalWriteError as err:
+            raise RequestEnded(ErrorInfo("UNAVAILABLE", "JOURNAL_FAILED", str(err))) from None
+        # Planned once, here (no await from here to the calls: the plan is what is durable): both replicas get the ticket, its rows, writes and destinations with
         # the call, so neither asks the broker for them nor runs the planner again.
         try:
             plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))

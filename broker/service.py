@@ -344,14 +344,33 @@ async def unreachable_endpoint_problem(spec: ReplicaSpec, peer: str, probe: Endp
     )
 
 
+async def revealable(core: BrokerCore, context: grpc.aio.ServicerContext) -> None:
+    """Wait until everything the core committed so far is durable, before a reply reveals any of
+    it (group commit: the core's commits are queued; docs/broker.md, Journal and restart). A failed
+    journal answers UNAVAILABLE JOURNAL_FAILED instead."""
+    try:
+        await core.journal.durable()
+    except JournalWriteError as err:
+        await abort_with(context, to_server_error(err))
+
+
 def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
     @functools.wraps(fn)
     async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
         self.rpc_counts[fn.__name__] += 1
         try:
-            return await fn(self, request, context)
+            reply = await fn(self, request, context)
         except (BrokerError, JournalWriteError) as err:
+            # A refusal reveals state too (a fence it committed, a ticket's state).
+            await revealable(self.core, context)
             await abort_with(context, to_server_error(err))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            await revealable(self.core, context)
+            raise
+        await revealable(self.core, context)
+        return reply
 
     return handler
 
@@ -447,6 +466,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 "NO_FREE_PAGES",
                 f"DiT replica {request.dit_replica_id} has not enough free pages now; retry later",
             )
+            await revealable(self.core, context)  # the pool it read may hold queued reservations
             await abort_with(context, no_room)
         self._expire_later(ticket.ticket_id)
         return broker_pb2.CreateTicketResponse(ticket=ticket_to_proto(ticket))
@@ -565,6 +585,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         # The core's waiter is removed in its own `finally` when this stream is cancelled.
         try:
             async for ticket in self.core.waiters.watch_ticket(request.ticket_id):
+                await revealable(self.core, context)
                 yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
         except (BrokerError, JournalWriteError) as err:
             await abort_with(context, to_server_error(err))

@@ -48,10 +48,11 @@ async def expect_error(call, code: grpc.StatusCode, reason: str) -> None:  # noq
     assert (got_code, got_reason) == (code.name, reason), err.value.details()
 
 
-def test_broker_service_end_to_end_over_loopback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group_commit", [False, True], ids=["per-commit", "group-commit"])
+def test_broker_service_end_to_end_over_loopback(tmp_path: Path, group_commit: bool) -> None:
     async def scenario() -> None:
         core = BrokerCore(tmp_path / "j.sqlite", lease_seconds=30.0, drain_quiet_seconds=0.05,
-                          journal_synchronous="NORMAL")
+                          journal_synchronous="NORMAL", journal_group_commit=group_commit)
         registry = register_broker_metrics(core)
         server = grpc.aio.server()
         add_broker_servicer(core, server)

@@ -605,8 +605,10 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     cfg = test_config(**broker)
     clock_offset = [0.0]
+    # Group commit, as `kvrelay broker` runs it: every reply and replica call waits for the journal.
     core = BrokerCore(
-        journal_path, lease_seconds=60.0, drain_quiet_seconds=drain_quiet_seconds, journal_synchronous="OFF"
+        journal_path, lease_seconds=60.0, drain_quiet_seconds=drain_quiet_seconds, journal_synchronous="OFF",
+        journal_group_commit=True,
     )
     registry = CollectorRegistry()
     orchestrator = Orchestrator(
