@@ -207,12 +207,22 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
                 await asyncio.sleep(self.rollback_before_failing_s)
             await abort_with(context, self.fail_prefill)
         prefill_seconds = time.monotonic() - started
-        armed = await self.broker.ReserveTicket(
+        arming = asyncio.ensure_future(self.broker.ReserveTicket(
             broker_pb2.ReserveTicketRequest(
                 ticket_id=request.ticket_id, ar_replica_id=self.replica_id, incarnation_id=self.incarnation_id
             ),
             timeout=RPC_TIMEOUT,
-        )
+        ))  # fmt: skip
+        try:
+            armed = await asyncio.shield(arming)
+        except asyncio.CancelledError:
+            # Cancelled while the broker may be arming (its reply waits for the journal): as the
+            # real AR does, every write the broker expects still gets a report, or its pages
+            # would drain for good.
+            settle = asyncio.create_task(self._settle_cancelled_arming(request.ticket_id, arming))
+            self._writers.add(settle)
+            settle.add_done_callback(self._writers.discard)
+            raise
         self.armed.set()
         writes = writes_from_proto(armed.writes)
         if self.fail_after_arming is not None:
@@ -261,6 +271,14 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
                 if i not in reported:
                     await self._report(ticket_id, w, common_pb2.WRITE_STATUS_NOT_STARTED, 0, 0)
         return total
+
+    async def _settle_cancelled_arming(self, ticket_id: str, arming: Any) -> None:
+        try:
+            armed = await arming
+        except grpc.aio.AioRpcError:
+            return  # refused: nothing armed
+        for w in writes_from_proto(armed.writes):
+            await self._report(ticket_id, w, common_pb2.WRITE_STATUS_NOT_STARTED, 0, 0)
 
     async def _report(self, ticket_id: str, w: PlannedWrite, status: int, checksum: int, nbytes: int) -> None:
         await self.broker.ReportWrite(
