@@ -106,6 +106,8 @@ def _print_error(
     reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
     print(f"kvrelay {command}: {err.code}{reason}: {err.message}", file=stream)
     for key, value in sorted(err.details.items()):
+        if key == "request_id" and value == err.request_id:
+            continue  # printed below (REQUEST_ID_REUSED carried it twice)
         print(f"  {key}: {value}", file=stream)
     if err.request_id:
         print(f"  request_id: {err.request_id}", file=stream)
@@ -311,6 +313,11 @@ def run_generate(args: argparse.Namespace) -> int:
         except KvRelayError as err:
             progress.close()
             _print_error("generate", err, stderr, tls=bool(_tls(args)), target=_target(args))
+            if err.code == "DEADLINE_EXCEEDED" and err.reason == "DEADLINE_EXCEEDED":
+                # The command's own deadline ("Deadline Exceeded" alone did not say whose).
+                timeout = getattr(args, "timeout", None)
+                print(f"  hint: the generation did not end within --timeout ({timeout or 600:g} s): "
+                      "pass a larger --timeout for many steps or large images", file=stderr)  # fmt: skip
             return 1
     try:
         result.save(output)

@@ -317,3 +317,37 @@ def test_tls_files_that_cannot_work_are_one_line_before_any_call(
     monkeypatch.setenv("KVRELAY_TLS_CERT", str(pem))
     assert main([*command, *target]) == 2
     assert capsys.readouterr().err.startswith(f"kvrelay {name}: $KVRELAY_TLS_CERT needs --tls-key too")
+
+
+# --- kvrelay generate's error lines --------------------------------------------------------------
+
+
+def test_an_error_names_its_request_id_once(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrelay.client import KvRelayError
+    from kvrelay.client.cli import _print_error
+
+    # The broker's REQUEST_ID_REUSED carries the id in its ErrorInfo too: it was printed twice.
+    err = KvRelayError("ALREADY_EXISTS", "REQUEST_ID_REUSED", "request_id 'same-1' names a generation with "
+                       "other parameters", {"request_id": "same-1", "field": "x"}, request_id="same-1")  # fmt: skip
+    _print_error("generate", err, sys.stderr)
+    assert capsys.readouterr().err.splitlines()[1:] == ["  field: x", "  request_id: same-1"]
+
+
+def test_the_commands_own_deadline_is_named_with_a_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.client.harness import Harness, ServerThread
+
+    server = ServerThread(Harness()).start()
+    try:
+        server.harness.step_delay = 0.1
+        argv = ["generate", "slow", "--steps", "50", "--width", "64", "--height", "64", "-q",
+                "--target", server.address, "-o", str(tmp_path / "x.png"), "--timeout", "0.5"]  # fmt: skip
+        assert main(argv) == 1
+    finally:
+        server.stop()
+    err = capsys.readouterr().err
+    # Before: "DEADLINE_EXCEEDED: Deadline Exceeded" and the request id, nothing about --timeout.
+    assert err.startswith("kvrelay generate: DEADLINE_EXCEEDED: "), err
+    assert err.splitlines()[-1] == (
+        "  hint: the generation did not end within --timeout (0.5 s): pass a larger --timeout for many steps "
+        "or large images"
+    )
