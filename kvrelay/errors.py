@@ -14,6 +14,12 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "kvrelay.dev"
+# Longest status message sent (the rest is cut, saying how much). The message travels twice in
+# the trailers (grpc-message, percent-encoded, and inside grpc-status-details-bin, base64), and
+# a peer refuses trailers over its metadata limit (gRPC: 8 KiB soft, 16 KiB hard): a message
+# echoing a long input (a 100 kB `replica.endpoint`) reached the caller as RESOURCE_EXHAUSTED
+# "received metadata size exceeds hard limit" instead of the error (found black-box).
+MAX_ERROR_MESSAGE_CHARS = 1024
 
 
 class KvRelayServerError(Exception):
@@ -42,11 +48,19 @@ def failed_precondition(reason: str, message: str) -> KvRelayServerError:
     return KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, reason, message)
 
 
+def bounded_message(message: str) -> str:
+    """`message`, cut to MAX_ERROR_MESSAGE_CHARS characters with a note of what was cut."""
+    if len(message) <= MAX_ERROR_MESSAGE_CHARS:
+        return message
+    cut = len(message) - MAX_ERROR_MESSAGE_CHARS
+    return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... ({cut} more characters)"
+
+
 def to_status(err: KvRelayServerError) -> Any:
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=err.code.value[0], message=err.message, details=[detail])
+    status = status_pb2.Status(code=err.code.value[0], message=bounded_message(err.message), details=[detail])
     return rpc_status.to_status(status)
 
 
@@ -77,7 +91,9 @@ def reason_of(error: grpc.RpcError) -> tuple[str, str, str]:
 __all__ = [
     "ERROR_DOMAIN",
     "KvRelayServerError",
+    "MAX_ERROR_MESSAGE_CHARS",
     "abort_with",
+    "bounded_message",
     "code_pb2",
     "failed_precondition",
     "invalid_argument",

@@ -13,9 +13,9 @@ import pytest
 
 from kvrelay.broker.pipeline import LINK_DEADLINE_SLACK_SECONDS
 from kvrelay.broker.tickets import TicketState
-from kvrelay.errors import reason_of
+from kvrelay.errors import MAX_ERROR_MESSAGE_CHARS, reason_of
 from kvrelay.security import REPLICA_ID_METADATA, CallerClass
-from kvrelay.v1 import broker_pb2, broker_pb2_grpc, dit_pb2, dit_pb2_grpc, generation_pb2
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, dit_pb2, dit_pb2_grpc, generation_pb2
 from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
 from tests.orchestrator.harness import cluster, collect, request, run
 from tests.security.harness import CREDENTIALS, secured_deployment
@@ -154,3 +154,25 @@ def test_a_detached_generation_that_ends_leaves_nothing_behind() -> None:
             assert c.generation._detached == {}
 
     run(body(), timeout=60)
+
+
+def test_an_error_that_echoes_a_huge_input_still_reaches_the_caller(tmp_path: Path) -> None:
+    """RegisterReplica with a 100 kB `replica.endpoint` (found black-box): the broker's answer
+    (UNREACHABLE_ENDPOINT, naming the endpoint) was bigger than the caller's metadata limit, so the
+    caller got RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead. Status
+    messages are now cut to MAX_ERROR_MESSAGE_CHARS, saying how much was cut."""
+    from tests.broker.test_grpc import replica
+
+    info = replica("ar-2", common_pb2.REPLICA_ROLE_AR, num_pages=0)
+    info.endpoint = "a" * 100_000 + ":1"
+    with secured_deployment(tmp_path) as d:
+        with d.channel("broker", CREDENTIALS.channel(CallerClass.REPLICA, "ar-2")) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info), timeout=30)
+        code, reason, message = reason_of(err.value)  # type: ignore[arg-type]
+        assert (code, reason) == ("INVALID_ARGUMENT", "UNREACHABLE_ENDPOINT"), message
+        assert message.startswith("replica.endpoint: ar-2 advertises aaaa")
+        assert len(message) <= MAX_ERROR_MESSAGE_CHARS + 40 and message.endswith(" more characters)")
+        assert "ar-2" not in {r.replica_id for r in d.operator().ListReplicas(
+            broker_pb2.ListReplicasRequest(), timeout=10).replicas}  # fmt: skip
