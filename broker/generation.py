@@ -28,6 +28,7 @@ from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import revealable
 from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
+from kvrelay.config import DEFAULT_IMAGE_REPLY_BUDGET_BYTES, DEFAULT_IMAGE_REPLY_WAIT_SECONDS, BrokerConfig
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.security import current_caller
@@ -65,9 +66,11 @@ MAX_STREAMS_PER_GENERATION: Final = 16
 # about 3x its PNG (the proto's copy, the serialized message, gRPC's buffer): unbounded, one
 # connection that asked for a finished 2048x2048 image (10 MB PNG) over and over and never read
 # pinned ~35 MB per call (50 calls: +1.7 GB), up to 1024 calls per connection.
-MAX_IMAGE_REPLY_BYTES: Final = 64 * 1024 * 1024
+# The defaults; a deployment sets them as broker.image_reply_budget_bytes and
+# broker.image_reply_wait_seconds (docs/configuration.md).
+MAX_IMAGE_REPLY_BYTES: Final = DEFAULT_IMAGE_REPLY_BUDGET_BYTES
 # How long a reply waits for that budget (or less, the call's deadline) before RESOURCE_EXHAUSTED.
-IMAGE_REPLY_WAIT_SECONDS: Final = 10.0
+IMAGE_REPLY_WAIT_SECONDS: Final = DEFAULT_IMAGE_REPLY_WAIT_SECONDS
 # A repeated message field's tag and length prefix (a length below 2**28 takes at most 4 bytes).
 _LIST_ITEM_OVERHEAD: Final = 5
 
@@ -214,6 +217,10 @@ class ImageReplyBudget:
         self.held_bytes = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
+    @classmethod
+    def from_config(cls, broker: BrokerConfig) -> ImageReplyBudget:
+        return cls(broker.image_reply_budget_bytes, broker.image_reply_wait_seconds)
+
     async def reserve(self, nbytes: int, context: grpc.aio.ServicerContext) -> None:
         """Hold `nbytes` until `context`'s call ends; waits at most `wait_seconds` (or the
         call's remaining time) for them."""
@@ -291,7 +298,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, orchestrator: Orchestrator, image_budget: ImageReplyBudget | None = None) -> None:
         self.orchestrator = orchestrator
-        self.image_budget = image_budget or ImageReplyBudget()
+        # The deployment's bounds (broker.image_reply_budget_bytes, image_reply_wait_seconds).
+        self.image_budget = image_budget or ImageReplyBudget.from_config(orchestrator.cfg.broker)
         # Generations whose last stream ended early, waiting for a re-attach: the task cancels
         # them when none comes in time, and ends (holding nothing) as soon as they end anyway.
         self._detached: dict[str, asyncio.Task[None]] = {}

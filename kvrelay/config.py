@@ -67,6 +67,12 @@ def _is_number(annotation: Any) -> bool:
     return len(args) == 1 and args[0] in (int, float)
 
 
+# The defaults of broker.image_reply_budget_bytes / image_reply_wait_seconds: 64 MiB is about six
+# 2048x2048 PNGs (~10 MB each) in replies not yet read, at ~3x their size in the broker each.
+DEFAULT_IMAGE_REPLY_BUDGET_BYTES = 64 * 1024 * 1024
+DEFAULT_IMAGE_REPLY_WAIT_SECONDS = 10.0
+
+
 class BrokerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(50051, ge=0, le=65535)
@@ -78,6 +84,12 @@ class BrokerConfig(_Strict):
     result_ttl_seconds: float = Field(300.0, ge=0)
     max_results: int = Field(1024, ge=1)
     drain_quiet_seconds: float = Field(2.0, ge=0)
+    # PNG bytes that replies carrying an image (GetGeneration, a terminal Generate event) may hold
+    # at once until their calls end (broker/generation.py, ImageReplyBudget): bounds what peers
+    # that never read their replies pin in the broker. A reply that does not fit waits up to
+    # `image_reply_wait_seconds`, then is RESOURCE_EXHAUSTED IMAGE_REPLY_BUDGET_EXHAUSTED.
+    image_reply_budget_bytes: int = Field(DEFAULT_IMAGE_REPLY_BUDGET_BYTES, ge=1)
+    image_reply_wait_seconds: float = Field(DEFAULT_IMAGE_REPLY_WAIT_SECONDS, gt=0, le=3600, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

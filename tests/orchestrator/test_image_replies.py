@@ -53,17 +53,11 @@ def _unread_calls(authority: str, method: str, message: bytes, calls: int) -> by
     return out
 
 
-def test_unread_image_replies_hold_a_bounded_budget_until_their_calls_end(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import kvrelay.broker.generation as generation
-
-    # One image is let through alone; every further image reply waits for it, then is refused.
-    monkeypatch.setattr(generation, "MAX_IMAGE_REPLY_BYTES", 1)
-    monkeypatch.setattr(generation, "IMAGE_REPLY_WAIT_SECONDS", 0.2)
-
+def test_unread_image_replies_hold_a_bounded_budget_until_their_calls_end() -> None:
     async def body() -> None:
-        async with cluster() as c:
+        # The deployment's bounds (broker.image_reply_*): one image is let through alone; every
+        # further image reply waits for it, then is refused.
+        async with cluster(image_reply_budget_bytes=1, image_reply_wait_seconds=0.2) as c:
             events = await collect(c.api.Generate(request(request_id="img", seed=1), timeout=10))
             png = events[-1].image.png
             get = S.GetGenerationRequest(request_id="img")
