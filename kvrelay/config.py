@@ -72,6 +72,9 @@ def _is_number(annotation: Any) -> bool:
 DEFAULT_IMAGE_REPLY_BUDGET_BYTES = 64 * 1024 * 1024
 DEFAULT_IMAGE_REPLY_WAIT_SECONDS = 10.0
 
+# The shortest replica lease a config may set: heartbeats (lease / 3) stay RPCs, not a busy loop.
+MIN_LEASE_SECONDS = 0.5
+
 
 class BrokerConfig(_Strict):
     host: str = "127.0.0.1"
@@ -100,6 +103,26 @@ class BrokerConfig(_Strict):
                 if key in data:
                     raise ValueError(f"broker.{key} moved to {new} (see docs/operations.md, Security)")
         return data
+
+    @field_validator("lease_seconds")
+    @classmethod
+    def _lease_floor(cls, value: float) -> float:
+        # 0.0001 was accepted: every replica heartbeat in a busy loop (a core each), none ever UP,
+        # and every request failed NO_AR_REPLICA while `kvrelay up` reported the node SERVING.
+        if value < MIN_LEASE_SECONDS:
+            raise ValueError(
+                f"must be at least {MIN_LEASE_SECONDS:g} s (replicas heartbeat every lease_seconds / 3), got {value:g}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self) -> BrokerConfig:
+        if self.heartbeat_seconds is not None and self.heartbeat_seconds >= self.lease_seconds:
+            raise ValueError(
+                f"heartbeat_seconds ({self.heartbeat_seconds:g}) must be below lease_seconds ({self.lease_seconds:g}): "
+                "a lease that lapses before the next heartbeat keeps every replica down"
+            )
+        return self
 
     @property
     def heartbeat_interval(self) -> float:

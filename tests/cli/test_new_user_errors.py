@@ -351,3 +351,32 @@ def test_the_commands_own_deadline_is_named_with_a_hint(tmp_path: Path, capsys: 
         "  hint: the generation did not end within --timeout (0.5 s): pass a larger --timeout for many steps "
         "or large images"
     )
+
+
+# --- leases that cannot hold ---------------------------------------------------------------------
+
+
+def _with_broker(tmp_path: Path, extra: str) -> Path:
+    text = (REPO / "configs/single-node.yaml").read_text()
+    assert "  lease_seconds: 10\n" in text
+    config = tmp_path / "lease.yaml"
+    config.write_text(text.replace("  lease_seconds: 10\n", extra))
+    return config
+
+
+def test_a_lease_too_short_to_heartbeat_is_refused(tmp_path: Path) -> None:
+    # 0.0001 s was accepted: `kvrelay up` reported SERVING, every replica heartbeat in a busy loop,
+    # none was ever UP, and every request failed NO_AR_REPLICA.
+    with pytest.raises(ConfigError) as err:
+        load_config(_with_broker(tmp_path, "  lease_seconds: 0.0001\n"))
+    assert "broker.lease_seconds: must be at least 0.5 s (replicas heartbeat every lease_seconds / 3), got 0.0001" in str(
+        err.value
+    )
+    assert load_config(_with_broker(tmp_path, "  lease_seconds: 0.6\n")).broker.heartbeat_interval == pytest.approx(0.2)
+
+
+def test_a_heartbeat_no_shorter_than_the_lease_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(_with_broker(tmp_path, "  lease_seconds: 10\n  heartbeat_seconds: 10\n"))
+    assert "heartbeat_seconds (10) must be below lease_seconds (10)" in str(err.value)
+    assert load_config(_with_broker(tmp_path, "  lease_seconds: 10\n  heartbeat_seconds: 9\n")).broker.heartbeat_interval == 9
