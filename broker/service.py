@@ -35,7 +35,7 @@ from kvrelay.broker.tickets import (
     WriteStatus,
 )
 from kvrelay.broker.wire import wire_enum
-from kvrelay.errors import KvRelayServerError, abort_with
+from kvrelay.errors import KvRelayServerError, abort_with, bounded_message
 from kvrelay.security import ChannelSecurity, is_loopback, make_channel
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -423,7 +423,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             unresolved_writes=[_write_key(k) for k in request.unresolved_writes],
             held_ticket_ids=list(request.held_ticket_ids),
             owed_releases={
-                o.ticket_id: (_OUTCOME_FROM_PB.get(o.outcome, TicketOutcome.FAILED), o.reason)
+                o.ticket_id: (_OUTCOME_FROM_PB.get(o.outcome, TicketOutcome.FAILED), bounded_message(o.reason))
                 for o in request.owed_releases
             },
         )
@@ -513,7 +513,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                     "INVALID_ARGUMENT", "status: a writer reports OK, FAILED, NOT_STARTED or IN_DOUBT"
                 )
             reports.append(ReportedWrite(WriteKey(item.row, item.src_rank, item.dst_rank), status,
-                                         item.checksum, item.bytes, item.message))  # fmt: skip
+                                         item.checksum, item.bytes, bounded_message(item.message)))  # fmt: skip
         ticket = self.core.report_writes(
             request.ticket_id, reports, replica_id=request.replica_id, incarnation_id=request.incarnation_id
         )
@@ -554,7 +554,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 "INVALID_OUTCOME",
                 f"outcome: {request.outcome} is not OK, CANCELLED, TIMED_OUT or FAILED (how the DiT's call ended)",
             )
-        ticket = self.core.release_ticket(request.ticket_id, outcome, request.reason, request.replica_id,
+        # Reasons and messages a replica sends are kept (the ticket, the journal, the released history)
+        # cut as status messages are: a 1 MB reason was kept whole, in every copy.
+        reason = bounded_message(request.reason)
+        ticket = self.core.release_ticket(request.ticket_id, outcome, reason, request.replica_id,
                                           request.incarnation_id)
         return broker_pb2.ReleaseTicketResponse(ticket=ticket_to_proto(ticket))
 
@@ -569,7 +572,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             raise InvalidArgument(
                 "INVALID_OUTCOME", f"outcome: {request.outcome} is not CANCELLED, TIMED_OUT or FAILED (or left out)"
             )
-        ticket = self.core.cancel_ticket(request.ticket_id, outcome, request.reason)
+        ticket = self.core.cancel_ticket(request.ticket_id, outcome, bounded_message(request.reason))
         return broker_pb2.CancelTicketResponse(ticket=ticket_to_proto(ticket))
 
     @_maps_errors

@@ -176,3 +176,24 @@ def test_an_error_that_echoes_a_huge_input_still_reaches_the_caller(tmp_path: Pa
         assert len(message) <= MAX_ERROR_MESSAGE_CHARS + 40 and message.endswith(" more characters)")
         assert "ar-2" not in {r.replica_id for r in d.operator().ListReplicas(
             broker_pb2.ListReplicasRequest(), timeout=10).replicas}  # fmt: skip
+
+
+def test_a_replicas_huge_reason_is_kept_cut(tmp_path: Path) -> None:
+    """ReleaseTicket with a 1 MB `reason` (found black-box as dit-0): the broker kept it whole in
+    the ticket, its journal row and its released history (4096 tickets), and sent it in every
+    GetTicket/ListTickets. Reasons and write messages are now kept cut as status messages are."""
+    with secured_deployment(tmp_path) as d:
+        operator = d.operator()
+        incarnation = d.core.get_replica("dit-0").spec.incarnation_id
+        ticket = operator.CreateTicket(broker_pb2.CreateTicketRequest(
+            request_id="reason-probe", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[3]),
+            timeout=10).ticket  # fmt: skip
+        with d.channel("broker", CREDENTIALS.channel(CallerClass.REPLICA, "dit-0")) as channel:
+            dit = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+            dit.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
+                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_FAILED, reason="r" * (1 << 20),
+                replica_id="dit-0", incarnation_id=incarnation), timeout=10)  # fmt: skip
+        kept = operator.GetTicket(broker_pb2.GetTicketRequest(ticket_id=ticket.ticket_id), timeout=10).ticket
+        assert kept.state == broker_pb2.TICKET_STATE_RELEASED
+        assert kept.reason.startswith("r" * 100) and kept.reason.endswith(" more characters)")
+        assert len(kept.reason) <= MAX_ERROR_MESSAGE_CHARS + 40
