@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -74,12 +75,16 @@ def _killer(group: Any, killing: list[asyncio.Future[None]], name: str) -> Calla
     return lambda: killing.append(run_on_own_thread(group.kill, name))
 
 
+class PageMemoryUnavailable(Exception):
+    """The host cannot map the configured page memory (kv_cache_memory_bytes)."""
+
+
 async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     # First: a signal from here on is a clean stop, whatever the process is waiting for.
     stop = ProcessStop("dit")
     stop.install()
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
-    from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry
+    from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry, remove_stale_pools
     from kvrelay.dit_service.registration import (
         BrokerUnreachable,
         DitReplicaInfo,
@@ -142,6 +147,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     except StopRequested:
         lock.release()
         return 0
+    stale = remove_stale_pools(replica_id)
+    if stale:
+        log.info("stale_pools_removed", replica_id=replica_id, files=[p.name for p in stale])
     stopper = _Stopper()
     metrics = DitMetrics(replica_id)
     servicer = DitServicer()
@@ -168,9 +176,18 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         world = stage.world_size
         # The pid in the names tells an operator (and tests) whose pools a /dev/shm file holds.
         tag = f"{replica_id}-{os.getpid()}"
-        memory = ReplicaMemory(
-            geometry, stage.head_shards, stage.kv_cache_memory_bytes, tag=tag, cfg_parallel=stage.cfg_parallel_size
-        )
+        try:
+            memory = ReplicaMemory(
+                geometry, stage.head_shards, stage.kv_cache_memory_bytes, tag=tag, cfg_parallel=stage.cfg_parallel_size
+            )
+        except OSError as err:
+            if err.errno not in (errno.ENOMEM, errno.ENOSPC, errno.EFBIG):
+                raise
+            # The same on every restart: a deployment error (exit 2), named by its key, not a traceback.
+            raise PageMemoryUnavailable(
+                f"stages[1].kv_cache_memory_bytes: cannot map {stage.kv_cache_memory_bytes} bytes of page memory "
+                f"per rank ({err.strerror}): lower it, or give the host (a container: shm_size) more memory"
+            ) from None
         control_pool = HostPool.create(0, control_bytes(admission_slots(stage.max_num_seqs)), f"{tag}-control")
         metrics.pages.labels(replica_id).set(memory.num_pages)
         spec = DitRankSpec.for_stage(
@@ -244,7 +261,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         stop.phase = "draining"
     except StopRequested:
         pass  # stopped before serving: a clean stop of what started, below
-    except PortInUse as err:
+    except (PortInUse, PageMemoryUnavailable) as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         config_error = True
         stopper.fail_stop(str(err))

@@ -14,8 +14,10 @@ pool while a worker may still read it or a remote writer may still write into it
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,42 @@ class PoolSpec:
     num_bytes: int
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
+
+
+def remove_stale_pools(replica_id: str, *, alive: Any = _pid_alive) -> list[Path]:
+    """Unlink the pool files of earlier incarnations of `replica_id` whose process is gone.
+
+    A DiT killed with SIGKILL (or any death that skips `close()`) left its pools in /dev/shm, and
+    tmpfs keeps every page its ranks ever wrote (up to kv_cache_memory_bytes per rank, each time)
+    until the host reboots. Called with the replica lock held, so no other process of this
+    replica runs. Unlinking never frees memory still mapped: a rank that outlived its service
+    keeps its mapping until it exits; only a file whose creator (the pid in its name) is dead goes.
+    """
+    pattern = re.compile(rf"kvrelay-{re.escape(replica_id)}-(\d+)-(?:control-)?rank\d+-[0-9a-f]{{8}}")
+    removed: list[Path] = []
+    for path in _SHM_DIR.glob(f"kvrelay-{replica_id}-*"):
+        match = pattern.fullmatch(path.name)
+        if match is None:
+            continue
+        pid = int(match.group(1))
+        try:
+            if pid == os.getpid() or alive(pid) or path.stat().st_uid != os.getuid():
+                continue
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
+
+
 class HostPool:
     """One rank's host pool: a shared mapping of a /dev/shm file, zero-filled on creation."""
 
@@ -80,6 +118,13 @@ class HostPool:
             elif os.fstat(fd).st_size < spec.num_bytes:
                 raise ValueError(f"pool file {spec.path} is smaller than {spec.num_bytes} bytes")
             self._mmap: mmap.mmap | None = mmap.mmap(fd, spec.num_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if create:
+                # Nothing maps it: a pool that could not be mapped (ENOMEM for a kv_cache_memory_bytes
+                # larger than the host) left its file in /dev/shm for good.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(spec.path)
+            raise
         finally:
             # The mapping keeps the memory; the descriptor is not needed (and must not leak into workers).
             os.close(fd)
