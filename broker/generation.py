@@ -69,6 +69,8 @@ MAX_STREAMS_PER_GENERATION: Final = 16
 # The defaults; a deployment sets them as broker.image_reply_budget_bytes and
 # broker.image_reply_wait_seconds (docs/configuration.md).
 MAX_IMAGE_REPLY_BYTES: Final = DEFAULT_IMAGE_REPLY_BUDGET_BYTES
+# One peer host holds at most this fraction (1/N) of that budget (ImageReplyBudget).
+PEER_SHARE_DIVISOR: Final = 4
 # How long a reply waits for that budget (or less, the call's deadline) before RESOURCE_EXHAUSTED.
 IMAGE_REPLY_WAIT_SECONDS: Final = DEFAULT_IMAGE_REPLY_WAIT_SECONDS
 # A repeated message field's tag and length prefix (a length below 2**28 takes at most 4 bytes).
@@ -209,13 +211,26 @@ class ImageReplyBudget:
     Waiters are served in arrival order; one that does not fit within its wait is refused
     RESOURCE_EXHAUSTED IMAGE_REPLY_BUDGET_EXHAUSTED. A single image larger than the whole
     budget is let through when nothing else is held.
+
+    One peer (client host) holds at most a quarter of the budget: its further replies wait for
+    its own to end, and neither take the rest nor hold up other peers' replies. Before, one api
+    client that left a few calls for a large image unread (a raw HTTP/2 peer that announces a
+    window of 0) took the whole budget for as long as it kept the connection, and every other
+    client's image (a terminal Generate event, GetGeneration) failed IMAGE_REPLY_BUDGET_EXHAUSTED
+    (found black-box). Peers behind one proxy count as one.
     """
 
     def __init__(self, limit_bytes: int | None = None, wait_seconds: float | None = None) -> None:
         self.limit_bytes = MAX_IMAGE_REPLY_BYTES if limit_bytes is None else limit_bytes
         self.wait_seconds = IMAGE_REPLY_WAIT_SECONDS if wait_seconds is None else wait_seconds
         self.held_bytes = 0
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        # Bytes held per peer host (calls whose context names no peer are not counted per peer).
+        self.held_by_peer: dict[str, int] = {}
+        self._waiters: deque[tuple[int, str | None, asyncio.Future[None]]] = deque()
+
+    @property
+    def peer_limit_bytes(self) -> int:
+        return max(1, self.limit_bytes // PEER_SHARE_DIVISOR)
 
     @classmethod
     def from_config(cls, broker: BrokerConfig) -> ImageReplyBudget:
@@ -226,35 +241,37 @@ class ImageReplyBudget:
         call's remaining time) for them."""
         if nbytes <= 0:
             return
-        if not self._waiters and self._fits(nbytes):
-            self.held_bytes += nbytes
+        peer = _peer_host_of(context)
+        # Arrival order: behind any waiter that waits for the budget (not for its own peer's share).
+        if self._fits(nbytes, peer) and not any(self._fits_peer(size, p) for size, p, _ in self._waiters):
+            self._take(nbytes, peer)
         else:
-            await self._wait(nbytes, context)
+            await self._wait(nbytes, peer, context)
         released = False
 
         def release(_: Any = None) -> None:
             nonlocal released
             if not released:
                 released = True
-                self._release(nbytes)
+                self._release(nbytes, peer)
 
         context.add_done_callback(release)
         # A call that ended before the callback was added never calls it.
         if context.done():
             release()
 
-    async def _wait(self, nbytes: int, context: grpc.aio.ServicerContext) -> None:
+    async def _wait(self, nbytes: int, peer: str | None, context: grpc.aio.ServicerContext) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((nbytes, waiter))
+        self._waiters.append((nbytes, peer, waiter))
         remaining = context.time_remaining()
         timeout = self.wait_seconds if remaining is None else min(self.wait_seconds, remaining)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout)
         except BaseException:
             with contextlib.suppress(ValueError):
-                self._waiters.remove((nbytes, waiter))
+                self._waiters.remove((nbytes, peer, waiter))
             if waiter.done() and not waiter.cancelled():
-                self._release(nbytes)  # granted as the wait ended: give it to the next
+                self._release(nbytes, peer)  # granted as the wait ended: give it to the next
             waiter.cancel()
             if _cancelling():
                 raise
@@ -264,17 +281,56 @@ class ImageReplyBudget:
                 f"(at most {self.limit_bytes}); retry later",
             ) from None
 
-    def _fits(self, nbytes: int) -> bool:
+    def _fits_total(self, nbytes: int) -> bool:
         return self.held_bytes == 0 or self.held_bytes + nbytes <= self.limit_bytes
 
-    def _release(self, nbytes: int) -> None:
+    def _fits_peer(self, nbytes: int, peer: str | None) -> bool:
+        held = 0 if peer is None else self.held_by_peer.get(peer, 0)
+        return held == 0 or held + nbytes <= self.peer_limit_bytes
+
+    def _fits(self, nbytes: int, peer: str | None) -> bool:
+        return self._fits_total(nbytes) and self._fits_peer(nbytes, peer)
+
+    def _take(self, nbytes: int, peer: str | None) -> None:
+        self.held_bytes += nbytes
+        if peer is not None:
+            self.held_by_peer[peer] = self.held_by_peer.get(peer, 0) + nbytes
+
+    def _release(self, nbytes: int, peer: str | None) -> None:
         assert self.held_bytes >= nbytes, f"image reply budget: releasing {nbytes} of {self.held_bytes} held"
         self.held_bytes -= nbytes
-        while self._waiters and self._fits(self._waiters[0][0]):
-            size, waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.held_bytes += size
-                waiter.set_result(None)
+        if peer is not None:
+            left = self.held_by_peer[peer] - nbytes
+            if left:
+                self.held_by_peer[peer] = left
+            else:
+                del self.held_by_peer[peer]
+        # In arrival order; a waiter over its peer's share waits for its peer without holding up
+        # the others, and the first that does not fit the whole budget stops the round.
+        for entry in list(self._waiters):
+            size, owner, waiter = entry
+            if waiter.done():
+                self._waiters.remove(entry)
+                continue
+            if not self._fits_peer(size, owner):
+                continue
+            if not self._fits_total(size):
+                break
+            self._waiters.remove(entry)
+            self._take(size, owner)
+            waiter.set_result(None)
+
+
+def _peer_host_of(context: Any) -> str | None:
+    """The peer's host ("ipv4:10.0.0.2:5000" -> "10.0.0.2"), or None when the call names none."""
+    peer = getattr(context, "peer", None)
+    if peer is None:
+        return None
+    text = str(peer() or "")
+    kind, _, rest = text.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return text or None
 
 
 def _cancelling() -> bool:

@@ -197,3 +197,50 @@ def test_a_replicas_huge_reason_is_kept_cut(tmp_path: Path) -> None:
         assert kept.state == broker_pb2.TICKET_STATE_RELEASED
         assert kept.reason.startswith("r" * 100) and kept.reason.endswith(" more characters)")
         assert len(kept.reason) <= MAX_ERROR_MESSAGE_CHARS + 40
+
+
+def test_a_peer_that_never_reads_its_images_cannot_starve_the_other_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One api client that left a few GetGeneration calls for a large image unread (a raw HTTP/2
+    peer announcing a window of 0, from 127.0.0.2) held the whole image reply budget for as long
+    as it kept its connection: every other client's image failed IMAGE_REPLY_BUDGET_EXHAUSTED.
+    Now one peer host holds at most a quarter of the budget; the others are served."""
+    import kvrelay.broker.generation as generation
+    from tests.orchestrator.test_image_replies import _unread_calls
+
+    monkeypatch.setattr(generation, "IMAGE_REPLY_WAIT_SECONDS", 0.2)
+
+    async def body() -> None:
+        async with cluster() as c:
+            assert c.generation is not None
+            events = await collect(c.api.Generate(request(request_id="img", seed=1), timeout=10))
+            png = events[-1].image.png
+            budget = c.generation.image_budget
+            budget.limit_bytes = 4 * len(png)  # four images; one peer's share: one
+            get = generation_pb2.GetGenerationRequest(request_id="img")
+            host, port = c.target.rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port), local_addr=("127.0.0.2", 0))
+            writer.write(_unread_calls(c.target, "/kvrelay.v1.GenerationService/GetGeneration",
+                                       get.SerializeToString(), 6))  # fmt: skip
+            await writer.drain()
+            for _ in range(200):
+                if budget.held_bytes:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the rest of its calls wait, then are refused
+            assert budget.held_bytes == len(png)
+            for _ in range(3):  # a client that reads gets its image, again and again
+                got = await c.api.GetGeneration(get, timeout=5)
+                assert got.generation.image.png == png
+            final = (await collect(c.api.Generate(request(request_id="img", seed=1), timeout=5)))[-1]
+            assert final.image.png == png
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(200):
+                if not budget.held_bytes:
+                    break
+                await asyncio.sleep(0.01)
+            assert budget.held_bytes == 0 and budget.held_by_peer == {}
+
+    run(body(), timeout=60)
