@@ -175,6 +175,11 @@ class BrokerCore:
         # Who waits for a ticket's next version or for freed pages (WatchTicket, the queue).
         self.waiters = ChangeWaiters(self._snapshot)
         self._restore()
+        # With group commit the replay's own commit is queued: on disk before anyone is served,
+        # and a failure to write it raised here, as without (`kvrelay broker` then exits 1).
+        self.journal.flush()
+        if self.journal.failure is not None:
+            raise self.journal.failure
 
     # ================================================================== replicas
 

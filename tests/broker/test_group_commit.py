@@ -28,6 +28,7 @@ from kvrelay.broker.journal import Journal, JournalWriteError
 from kvrelay.broker.service import add_broker_servicer
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from tests.broker.helpers import ar_spec
 from tests.broker.test_grpc import replica
 
 TIMEOUT = 10.0
@@ -324,3 +325,20 @@ def test_a_broker_killed_mid_load_loses_no_acknowledged_change(repo_root: Path, 
         assert pool.reserved + pool.draining == sum(len(t.page_ids) for t in core.list_tickets())
     finally:
         core.close()
+
+
+def test_a_replay_that_cannot_be_written_fails_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart's own commit (replicas back, tickets orphaned) is on disk before the broker
+    serves; when it cannot be written the constructor raises, as without group commit, and
+    `kvrelay broker` exits 1 instead of serving on a journal that failed."""
+    path = tmp_path / "j.sqlite"
+    core = BrokerCore(path, journal_synchronous="NORMAL")
+    core.register_replica(ar_spec())
+    core.close()
+
+    def disk_error(self: Journal, groups: list[Any]) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(Journal, "_transaction", disk_error)
+    with pytest.raises(JournalWriteError, match="disk I/O error"):
+        BrokerCore(path, journal_synchronous="NORMAL", journal_group_commit=True)
