@@ -283,7 +283,9 @@ def test_a_broker_killed_mid_load_loses_no_acknowledged_change(repo_root: Path, 
         workers = [asyncio.ensure_future(_lifecycles(stub, w, acked, release_sent, released)) for w in range(8)]
         try:
             # Kill once enough went through and lifecycles are under way (not between two).
+            give_up = asyncio.get_running_loop().time() + 60
             while len(released) < 40 or sum(t not in release_sent for t in acked) < 3:
+                assert asyncio.get_running_loop().time() < give_up, f"only {len(released)} lifecycles in 60 s"
                 await asyncio.sleep(0.003)
                 for w in workers:
                     if w.done():
