@@ -258,7 +258,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     quiet = bool(getattr(args, "quiet", False))
     output = getattr(args, "output", None) or "out.png"
-    problem = output_problem(output)
+    problem = None if output == "-" else output_problem(output)
     if problem is not None:
         # Before the generation, not after it: the image of a long run was lost to a typo in -o.
         print(f"kvrelay generate: {problem}", file=stderr)
@@ -319,11 +319,24 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"  hint: the generation did not end within --timeout ({timeout or 600:g} s): "
                       "pass a larger --timeout for many steps or large images", file=stderr)  # fmt: skip
             return 1
-    try:
-        result.save(output)
-    except OSError as err:
-        print(f"kvrelay generate: cannot write {output}: {err}", file=stderr)
-        return 1
+    if output == "-":
+        # The PNG on stdout (`-o - > fox.png`, `-o - | display`), as `-` reads the prompt from
+        # stdin; the lines about it go to stderr. Before, `-o -` wrote a file named "-".
+        stdout.flush()
+        binary = getattr(stdout, "buffer", None)
+        if binary is None:
+            print("kvrelay generate: -o -: stdout takes no bytes here", file=stderr)
+            return 1
+        binary.write(result.png)
+        binary.flush()
+        stdout = stderr
+        output = "stdout"
+    else:
+        try:
+            result.save(output)
+        except OSError as err:
+            print(f"kvrelay generate: cannot write {output}: {err}", file=stderr)
+            return 1
     print(
         f"wrote {output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})",
         file=stdout,

@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, default=512, help="pixels, like --width (default: %(default)s)")
     p.add_argument("--steps", type=int, default=2, help="num_inference_steps (default: %(default)s)")
     p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale; 1.0 = no CFG (default: %(default)s)")
-    p.add_argument("-o", "--output", default="out.png", help="PNG path (default: %(default)s)")
+    p.add_argument("-o", "--output", default="out.png", help="PNG path; - writes the PNG to stdout (default: %(default)s)")
     p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--request-id", default=None,
                    help="idempotency key; re-running attaches to it (default: a fresh UUID)")

@@ -380,3 +380,24 @@ def test_a_heartbeat_no_shorter_than_the_lease_is_refused(tmp_path: Path) -> Non
         load_config(_with_broker(tmp_path, "  lease_seconds: 10\n  heartbeat_seconds: 10\n"))
     assert "heartbeat_seconds (10) must be below lease_seconds (10)" in str(err.value)
     assert load_config(_with_broker(tmp_path, "  lease_seconds: 10\n  heartbeat_seconds: 9\n")).broker.heartbeat_interval == 9
+
+
+def test_output_dash_writes_the_png_on_stdout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.client.harness import Harness, ServerThread
+
+    monkeypatch.chdir(tmp_path)
+    server = ServerThread(Harness()).start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvrelay", "generate", "a fox", "--width", "64", "--height", "64",
+             "--target", server.address, "-o", "-"],
+            capture_output=True, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
+    finally:
+        server.stop()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # Before: a file named "-" in the working folder, and "wrote - (...)" on stdout.
+    assert proc.stdout.startswith(b"\x89PNG\r\n\x1a\n")
+    assert not (tmp_path / "-").exists()
+    err = proc.stderr.decode()
+    assert "wrote stdout (64x64, seed " in err and "timings: " in err
