@@ -18,6 +18,7 @@ this long, open the stream again, call CancelGeneration). So the rules are teste
 from __future__ import annotations
 
 import copy
+import math
 import random
 import weakref
 from collections.abc import Callable, Iterable
@@ -106,7 +107,7 @@ class ClientSettings:
     ) -> ClientSettings:
         return cls(
             target=target,
-            timeout=timeout if timeout is not None else DEFAULT_RPC_TIMEOUT,
+            timeout=checked_timeout(timeout) or DEFAULT_RPC_TIMEOUT,
             metadata=call_metadata(token),
             retry=retry or RetryPolicy(),
             credentials=channel_credentials(tls, root_certificates, certificate_chain, private_key),
@@ -115,7 +116,7 @@ class ClientSettings:
 
     def attempts(self, call: UnaryCall[Any], timeout: float | None) -> UnaryAttempts:
         """The attempts of `call` within `timeout` (the client's default when None)."""
-        deadline = Deadline(timeout if timeout is not None else self.timeout)
+        deadline = Deadline(checked_timeout(timeout) or self.timeout)
         return UnaryAttempts(self.retry, deadline, call.idempotent)
 
 
@@ -196,6 +197,23 @@ def cancel_generation(request_id: str) -> UnaryCall[Generation]:
         lambda r: generation_from_pb(r.generation),
         request_id=request_id,
     )
+
+
+def checked_timeout(value: float | None) -> float | None:
+    """A `timeout=` (seconds): None, or a positive finite number. Zero, a negative number or NaN
+    can never be met, and came back as DEADLINE_EXCEEDED "Deadline Exceeded" from every call, as if
+    the server had been slow; refused here like a value the wire cannot carry."""
+    if value is None:
+        return None
+    seconds = float(value)
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise KvRelayError(
+            "INVALID_ARGUMENT",
+            "INVALID_ARGUMENT",
+            f"timeout: must be a positive number of seconds (None: the default), got {value}",
+            {"field": "timeout"},
+        )
+    return seconds
 
 
 def wire_unsigned(field: str, value: int, bits: int) -> int:
@@ -587,7 +605,7 @@ def new_generation(
     if request_id:
         # The broker keeps the generation this long after a broken stream, for the re-attach.
         request.detach_timeout_seconds = min(max(0.0, policy.reattach_seconds), MAX_DETACH_SECONDS)
-    deadline = Deadline(timeout if timeout is not None else DEFAULT_GENERATE_TIMEOUT)
+    deadline = Deadline(checked_timeout(timeout) or DEFAULT_GENERATE_TIMEOUT)
     return GenerationCore(request, deadline, policy)
 
 
