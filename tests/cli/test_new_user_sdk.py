@@ -20,7 +20,7 @@ def _assert_timeout_refused(err: KvRelayError, value: float) -> None:
     assert err.message == f"timeout: must be a positive number of seconds (None: the default), got {value}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def server() -> Iterator[ServerThread]:
     thread = ServerThread(Harness()).start()
     try:
