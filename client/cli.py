@@ -111,13 +111,20 @@ def _print_error(
         print(f"  {key}: {value}", file=stream)
     if err.request_id:
         print(f"  request_id: {err.request_id}", file=stream)
+    where = target or "the target"
+    if err.code == "UNIMPLEMENTED" and tls is not None:
+        # An AR or DiT replica (or another gRPC server) answers there, not the broker.
+        print(f"  hint: {where} does not serve this kvrelay API (an AR or DiT replica's port?): --target is the "
+              "broker's HOST:PORT (kvrelay up prints it; 127.0.0.1:50051 by default)", file=stream)  # fmt: skip
     if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE" and tls is not None:
-        if "DNS resolution failed" in err.message:
+        if "Failed parsing HTTP/2" in err.message:
+            # Not gRPC at all: a metrics port (HTTP/1.1) or another service. No TLS setting helps.
+            hint = f"{where} does not speak gRPC (a metrics port?): --target is the broker's gRPC HOST:PORT"
+        elif "DNS resolution failed" in err.message:
             # The name does not resolve: no TLS setting would help either.
-            hint = f"cannot resolve the host of {target or 'the target'}: is --target HOST:PORT right?"
+            hint = f"cannot resolve the host of {where}: is --target HOST:PORT right?"
         elif "Connection refused" in err.message:
             # Nothing listens there: no TLS setting would help.
-            where = target or "the target"
             hint = f"nothing listens at {where}: is the node up (kvrelay up), and is --target right?"
         else:
             # The transport never answered: a plaintext client of a TLS node (or the reverse)

@@ -401,3 +401,42 @@ def test_output_dash_writes_the_png_on_stdout(tmp_path: Path, monkeypatch: pytes
     assert not (tmp_path / "-").exists()
     err = proc.stderr.decode()
     assert "wrote stdout (64x64, seed " in err and "timings: " in err
+
+
+# --- --target at something that is not the broker ------------------------------------------------
+
+
+@pytest.fixture
+def http_server() -> Iterator[str]:
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_target_that_is_a_metrics_port_says_so(http_server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: "hint: is the broker serving TLS? pass --tls-ca": no TLS setting helps an HTTP/1 server.
+    assert main(["status", "--target", http_server]) == 1
+    err = capsys.readouterr().err
+    assert "Failed parsing HTTP/2" in err
+    assert err.splitlines()[-1] == (
+        f"  hint: {http_server} does not speak gRPC (a metrics port?): --target is the broker's gRPC HOST:PORT"
+    )
+
+
+def test_a_target_that_is_a_replica_says_so(health_server: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # An AR or DiT port answers gRPC, but not the broker's services: UNIMPLEMENTED alone, before.
+    assert main(["status", "--target", health_server]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvrelay status: UNIMPLEMENTED: ")
+    assert err.splitlines()[-1] == (
+        f"  hint: {health_server} does not serve this kvrelay API (an AR or DiT replica's port?): --target is the "
+        "broker's HOST:PORT (kvrelay up prints it; 127.0.0.1:50051 by default)"
+    )
