@@ -383,7 +383,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    from kvrelay.ports import PortInUse
+    from kvrelay.ports import PortInUse, unresolvable_host
+
+    where = "--advertise-host" if getattr(args, "advertise_host", None) is not None else "stages[0].advertise_host"
+    problem = unresolvable_host(cfg.ar_stage.advertise_host, where)
+    if problem is not None:
+        print(f"kvrelay ar: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
     from kvrelay.worker import LockTimeout
 
     try:

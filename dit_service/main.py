@@ -334,6 +334,15 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         return 2
+    from kvrelay.ports import unresolvable_host
+
+    # Before the ranks start: a name that does not resolve here (a compose config outside compose)
+    # failed later as `DescribeRegion failed on rank(s) [0]: gaierror: ...`, exit 3, naming nothing.
+    where = "--advertise-host" if getattr(args, "advertise_host", None) is not None else "stages[1].advertise_host"
+    problem = unresolvable_host(cfg.dit_stage.advertise_host, where)
+    if problem is not None:
+        print(f"kvrelay dit: {problem}", file=sys.stderr)
+        return 2
     from kvrelay.worker import LockTimeout
 
     try:

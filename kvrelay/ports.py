@@ -88,3 +88,19 @@ def check_ports_free(listens: Iterable[Listen]) -> None:
             raise PortInUse(f"port {listen.port} ({listen.what}) cannot be bound: {err.strerror}") from None
         if not free:
             raise PortInUse(in_use_message(listen.port, listen.what, listen.host))
+
+
+def unresolvable_host(host: str, what: str) -> str | None:
+    """Why `host` (an advertise_host: what peers dial, and the Mooncake session this process
+    publishes) cannot be used on this host, or None. Only a definite "no such name" counts: a
+    temporary resolver failure is left to the start-up it would delay."""
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as err:
+        if err.errno not in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return None
+        return (
+            f"{what} {host!r} does not resolve on this host ({err.strerror}): set it (or --advertise-host) to an "
+            "address of this host that the broker and the other replicas can reach"
+        )
+    return None

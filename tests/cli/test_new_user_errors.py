@@ -440,3 +440,32 @@ def test_a_target_that_is_a_replica_says_so(health_server: str, capsys: pytest.C
         f"  hint: {health_server} does not serve this kvrelay API (an AR or DiT replica's port?): --target is the "
         "broker's HOST:PORT (kvrelay up prints it; 127.0.0.1:50051 by default)"
     )
+
+
+# --- an advertise_host that does not resolve here ------------------------------------------------
+
+
+def test_unresolvable_host_names_the_setting() -> None:
+    from kvrelay.ports import unresolvable_host
+
+    assert unresolvable_host("127.0.0.1", "stages[0].advertise_host") is None
+    assert unresolvable_host("localhost", "stages[0].advertise_host") is None
+    problem = unresolvable_host("kvrelay-ar.invalid", "stages[0].advertise_host")
+    assert problem is not None and problem.startswith("stages[0].advertise_host 'kvrelay-ar.invalid' does not resolve")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("command", "index"), [("ar", 0), ("dit", 1)])
+def test_a_replica_whose_advertise_host_does_not_resolve_is_one_line_exit_2(
+    command: str, index: int, tmp_path: Path
+) -> None:
+    # configs/compose-node*.yaml outside compose: before, the DiT failed after starting its ranks,
+    # `startup failed: DescribeRegion failed on rank(s) [0]: gaierror: [Errno -2] Name or service
+    # not known`, exit 3 (naming no setting), and the AR only at registration.
+    proc = kvrelay(command, "--config", FAST, "--advertise-host", "kvrelay-x.invalid", "--broker", "127.0.0.1:9",
+                   env={"KVRELAY_LOCK_DIR": str(tmp_path)})  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"kvrelay {command}: --advertise-host 'kvrelay-x.invalid' does not resolve on this host ("
+    ), proc.stderr

@@ -130,8 +130,9 @@ def test_an_advertised_endpoint_the_broker_cannot_reach_fails_up_instead_of_repo
     data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
     for stage in data["stages"]:
         stage.pop("kv_transfer_config")  # the gRPC fallback: no Mooncake needed for this
-    # Like configs/compose-node.yaml outside compose: a name only another network resolves.
-    data["stages"][0]["advertise_host"] = "kvrelay-ar.invalid"
+    # An address no host here has (TEST-NET-1). A name that does not resolve at all (like
+    # configs/compose-node.yaml outside compose) is refused before the AR starts: tests/cli.
+    data["stages"][0]["advertise_host"] = "192.0.2.1"
     path = tmp_path / "node.yaml"
     path.write_text(yaml.safe_dump(data))
     args = argparse.Namespace(
@@ -143,7 +144,7 @@ def test_an_advertised_endpoint_the_broker_cannot_reach_fails_up_instead_of_repo
     assert len(err) == 1, captured.err
     # The broker dials what a replica advertises when it registers (UNREACHABLE_ENDPOINT), so the
     # AR exits before `up`'s own check of the SERVING replicas can run; either names the address.
-    assert "ar-0 advertises kvrelay-ar.invalid:" in err[0], err[0]
+    assert "ar-0 advertises 192.0.2.1:" in err[0], err[0]
     assert "UNREACHABLE_ENDPOINT" in err[0] or "does not answer from this host" in err[0], err[0]
     assert "every process is SERVING" not in captured.out
 
