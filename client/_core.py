@@ -144,18 +144,28 @@ class ClientBase:
             target, token, tls, timeout, root_certificates, retry, certificate_chain, private_key,
             keepalive_time, keepalive_timeout,
         )
-        self._channel = self._open_channel(self._settings)
         # Set by close(): a call after it is a KvRelayError, never grpc's ValueError/UsageError.
         self._closed = False
         # Open Generate streams (the asyncio face cancels them itself on close()).
         self._open_calls: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._stubs: dict[Service, Any] = {
-            "generation": generation_pb2_grpc.GenerationServiceStub(self._channel),
-            "broker": broker_pb2_grpc.BrokerServiceStub(self._channel),
-        }
+        self._channel: Any = None
+        self._stubs: dict[Service, Any] = {}
+        if self._channel_at_construction:
+            self._attach_channel(self._open_channel(self._settings))
+
+    # The blocking face opens its channel here; the asyncio face on first use, in the running
+    # loop (a grpc.aio channel belongs to the loop it was created on).
+    _channel_at_construction = True
 
     def _open_channel(self, settings: ClientSettings) -> Any:
         raise NotImplementedError
+
+    def _attach_channel(self, channel: Any) -> None:
+        self._channel = channel
+        self._stubs = {
+            "generation": generation_pb2_grpc.GenerationServiceStub(channel),
+            "broker": broker_pb2_grpc.BrokerServiceStub(channel),
+        }
 
     def _check_open(self, request_id: str | None = None) -> None:
         if self._closed:

@@ -3,8 +3,10 @@ face over `_core`.
 
 Owns the asyncio I/O (awaited calls, stream reads, sleeps); every rule is `_core`'s, shared with
 the blocking face, so both behave the same (deadline on every call, retries only where safe, only
-`KvRelayError` escapes). A channel belongs to the event loop it was created on: create the client
-inside the loop that uses it.
+`KvRelayError` escapes). A grpc.aio channel belongs to the event loop it was created on, so the
+client opens its channel on first use, in the running loop: it may be constructed anywhere (module
+level, sync code) and used in the loop that calls it. Once that loop is closed, the next loop to
+use it gets a fresh channel; two live loops at once is `FAILED_PRECONDITION`/`WRONG_EVENT_LOOP`.
 """
 
 from __future__ import annotations
@@ -52,23 +54,50 @@ class AsyncKvRelayClient(_core.ClientBase):
         asyncio.run(main())
     """
 
-    _channel: grpc.aio.Channel
+    _channel: grpc.aio.Channel | None
+    _channel_at_construction = False
+    # The loop the channel was opened on (None until first use).
+    _loop: asyncio.AbstractEventLoop | None = None
 
     def _open_channel(self, settings: _core.ClientSettings) -> grpc.aio.Channel:
         if settings.credentials is None:
             return grpc.aio.insecure_channel(settings.target, options=settings.options)
         return grpc.aio.secure_channel(settings.target, settings.credentials, options=settings.options)
 
+    def _stubs_in_loop(self, request_id: str | None = None) -> dict[_core.Service, Any]:
+        """The stubs of this loop's channel, opening it on first use in the running loop.
+
+        A client made at module level or in sync code and used inside `asyncio.run(...)` failed
+        with grpc's raw "attached to a different loop" RuntimeError: grpc.aio had bound its
+        channel to whatever loop was current at construction. A loop that has closed since can
+        never run the old channel's calls again, so the next loop gets a fresh channel; a loop
+        that is still open may have calls in flight on it, and is never taken over silently.
+        """
+        self._check_open(request_id)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise _wrong_loop_error(request_id)
+            self._loop = loop
+            self._open_calls.clear()
+            self._attach_channel(self._open_channel(self._settings))
+        return self._stubs
+
     async def close(self) -> None:
         """Close the channel, dropping open streams: the broker cancels their generations (at once,
         or after the re-attach window for a generation with a `request_id`)."""
         self._closed = True
+        channel, loop = self._channel, self._loop
+        if channel is None or loop is None or loop.is_closed():
+            return  # never used, or its loop is gone (and its calls with it): nothing to close
+        if loop is not asyncio.get_running_loop():
+            raise _wrong_loop_error(None)
         # grpc.aio's Channel.close() does not cancel a stream that no task is awaiting inside
         # grpc (ours are read between events): the generation ran on, and its handle still
         # received SUCCEEDED. Cancel them here, as the blocking client's close() does.
         for call in list(self._open_calls):
             call.cancel()
-        await self._channel.close()
+        await channel.close()
 
     async def __aenter__(self) -> AsyncKvRelayClient:
         return self
@@ -135,8 +164,7 @@ class AsyncKvRelayClient(_core.ClientBase):
     # -- plumbing -------------------------------------------------------------------------------
 
     async def _unary(self, call: _core.UnaryCall[_T], timeout: float | None) -> _T:
-        self._check_open(call.request_id)
-        method = getattr(self._stubs[call.service], call.method)
+        method = getattr(self._stubs_in_loop(call.request_id)[call.service], call.method)
         attempts = self._settings.attempts(call, timeout)
         while True:
             try:
@@ -150,8 +178,7 @@ class AsyncKvRelayClient(_core.ClientBase):
             await asyncio.sleep(delay)
 
     def _open_generate(self, core: _core.GenerationCore) -> Any:
-        self._check_open(core.request_id)
-        call = self._stubs["generation"].Generate(
+        call = self._stubs_in_loop(core.request_id)["generation"].Generate(
             core.request, timeout=core.deadline.remaining(), metadata=self._settings.metadata
         )
         self._open_calls.add(call)
@@ -250,6 +277,17 @@ class AsyncGenerationHandle(_core.HandleBase):
                 return
             assert isinstance(decision, _core.Fail)
             raise _core.raisable(decision.error)
+
+
+def _wrong_loop_error(request_id: str | None) -> KvRelayError:
+    return KvRelayError(
+        "FAILED_PRECONDITION",
+        "WRONG_EVENT_LOOP",
+        "this AsyncKvRelayClient's channel belongs to another event loop that is still open "
+        "(grpc.aio channels cannot cross loops): create one client per event loop, or close() "
+        "it in its loop first",
+        request_id=request_id,
+    )
 
 
 def _task_is_cancelling() -> bool:

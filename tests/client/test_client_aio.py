@@ -209,3 +209,48 @@ def test_async_events_of_an_ended_generation_repeat_only_its_terminal_event(serv
 
     first, second = run(server.address, body)
     assert first[-1].state == S.SUCCEEDED and second == [first[-1]]
+
+
+def test_async_client_made_outside_the_loop_works_in_each_loop_that_uses_it(server: ServerThread) -> None:
+    # Found black-box: a client made at module level / in sync code and used inside asyncio.run()
+    # failed with grpc's raw "attached to a different loop" RuntimeError.
+    client = AsyncKvRelayClient(server.address, retry=FAST_RETRY)
+
+    async def body() -> tuple[int, GenerationState]:
+        replicas = await client.list_replicas()
+        handle = await client.generate("a fox", seed=3, width=64, height=64)
+        result = await asyncio.wait_for(handle.result(), 30)
+        return len(replicas), (await client.get_generation(result.request_id)).state
+
+    first = asyncio.run(body())
+    # The first loop is closed now; a later asyncio.run() gets a fresh channel.
+    assert asyncio.run(body()) == first
+    assert first[1] is S.SUCCEEDED
+    asyncio.run(client.close())
+    with pytest.raises(KvRelayError) as closed:
+        asyncio.run(client.list_replicas())
+    assert closed.value.reason == "CLIENT_CLOSED"
+
+
+def test_async_client_in_use_by_an_open_loop_refuses_a_second_loop_clearly(server: ServerThread) -> None:
+    client = AsyncKvRelayClient(server.address, retry=FAST_RETRY)
+    first_loop = asyncio.new_event_loop()
+    try:
+        first_loop.run_until_complete(client.list_replicas())
+        with pytest.raises(KvRelayError) as wrong:
+            asyncio.run(client.list_replicas())
+        assert (wrong.value.code, wrong.value.reason) == ("FAILED_PRECONDITION", "WRONG_EVENT_LOOP")
+        assert "one client per event loop" in wrong.value.message
+        first_loop.run_until_complete(client.list_replicas())  # still fine in its own loop
+        first_loop.run_until_complete(client.close())
+    finally:
+        first_loop.close()
+
+
+def test_async_client_closed_before_any_use_opens_no_channel() -> None:
+    client = AsyncKvRelayClient("127.0.0.1:1")
+    asyncio.run(client.close())
+    with pytest.raises(KvRelayError) as closed:
+        asyncio.run(client.get_generation("x"))
+    assert closed.value.reason == "CLIENT_CLOSED"
+    assert client._channel is None
