@@ -31,6 +31,8 @@ from kvrelay.broker.codec import ticket_from_json, ticket_to_json
 from kvrelay.broker.journal import Journal, Synchronous
 from kvrelay.broker.pool import NeverFits, PageState, ReplicaPages
 from kvrelay.broker.registry import (
+    MAX_REPLICAS,
+    MAX_TOTAL_PAGES,
     MemoryRegionSpec,
     Registration,
     ReplicaRecord,
@@ -146,6 +148,8 @@ class BrokerCore:
         journal_synchronous: Synchronous = "FULL",
         released_history: int = 4096,
         journal_group_commit: bool = False,
+        max_replicas: int = MAX_REPLICAS,
+        max_total_pages: int = MAX_TOTAL_PAGES,
     ) -> None:
         # journal_path None = an in-memory SQLite journal: same code path, nothing survives.
         self.journal = Journal(
@@ -163,7 +167,8 @@ class BrokerCore:
         self._suspect_links: dict[tuple[ReplicaId, ReplicaId], tuple[float, float]] = {}
         self.registration_token = registration_token or None
         self.verify_checksums = verify_checksums
-        self.registry = ReplicaRegistry(layout_version)
+        # Bounds on what registrations (any holder of the replica token) make the broker hold.
+        self.registry = ReplicaRegistry(layout_version, max_replicas, max_total_pages)
         self._pools: dict[ReplicaId, ReplicaPages] = {}
         self._tickets: dict[TicketId, TicketRecord] = {}
         self._by_request: dict[str, TicketId] = {}
@@ -205,8 +210,10 @@ class BrokerCore:
         now = self.clock()
         old = self.registry.find(spec.replica_id)
         old_was_up = old is not None and old.up(now)
-        if old is None and len(self.registry) >= self.registry.max_replicas:
-            self._forget_idle_replicas(now)
+        if (old is None and len(self.registry) >= self.registry.max_replicas) or self.registry.exceeds_page_budget(
+            spec
+        ):
+            self._forget_idle_replicas(now, keep=spec.replica_id)
         kind, record = self.registry.register(spec, now, self.lease_seconds)
         changed: list[TicketRecord] = []
         if kind is Registration.NEW_INCARNATION:
@@ -272,18 +279,19 @@ class BrokerCore:
                     poll.extend((t.ticket_id, k) for k in t.unresolved())
         return HeartbeatReply(record.fenced, record.fence_reason, self.lease_seconds, tuple(poll))
 
-    def _forget_idle_replicas(self, now: float) -> None:
+    def _forget_idle_replicas(self, now: float, keep: ReplicaId) -> None:
         """Make room in a full registry: forget every replica that is not up (deregistered,
         lapsed, or restored and not registered again), not fenced, and that no live ticket names.
         Nothing needs such a record: no write of its can be unresolved, no page of it held, and
-        its next registration is simply NEW (a fence is kept: its process must fail stop)."""
+        its next registration is simply NEW (a fence is kept: its process must fail stop). `keep`,
+        the replica registering, is never forgotten: its registration decides its record."""
         named: set[ReplicaId] = set()
         for t in self._tickets.values():
             named.update((t.ar_replica_id, t.dit_replica_id))
         idle = [
             r.spec.replica_id
             for r in self.registry
-            if not r.up(now) and not r.fenced and r.spec.replica_id not in named
+            if not r.up(now) and not r.fenced and r.spec.replica_id not in named and r.spec.replica_id != keep
         ]
         if not idle:
             return

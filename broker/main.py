@@ -69,6 +69,8 @@ async def serve(
             # Commits are written by the journal's own thread, several per fsync, and every reply
             # waits for its record (docs/broker.md, Journal and restart): no fsync on the loop.
             journal_group_commit=True,
+            max_replicas=b.max_replicas,
+            max_total_pages=b.max_total_pages,
         )
     except JournalWriteError:
         raise  # the journal opened but its replay could not be written (disk full): not a setting

@@ -28,6 +28,11 @@ MAX_PAGES_PER_REPLICA = 1 << 22
 # without bound by registering made-up ids. Room is made by forgetting idle ones first
 # (BrokerCore.register_replica).
 MAX_REPLICAS = 256
+# Page states the broker holds across every DiT replica it keeps (num_pages x CFG groups, a byte
+# each, registered, lapsed and restored ones alike): MAX_REPLICAS made-up DiT replicas at
+# MAX_PAGES_PER_REPLICA with two CFG groups grew it by 2 GiB. 64Mi page states (64 MiB) is 256
+# replicas of 256Ki pages per rank, ~57 GiB of BAGEL-7B KV each at page_size 16 (broker.max_total_pages).
+MAX_TOTAL_PAGES = 1 << 26
 
 
 class ReplicaRole(enum.Enum):
@@ -220,6 +225,11 @@ def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
             )
 
 
+def page_states(spec: ReplicaSpec) -> int:
+    """The page states (bytes) the broker keeps for a replica: `num_pages` per CFG group, DiT only."""
+    return spec.num_pages * spec.cfg_parallel_size if spec.role is ReplicaRole.DIT else 0
+
+
 def geometry_mismatch(a: KvGeometry, b: KvGeometry) -> str | None:
     for name in SHARED_GEOMETRY_FIELDS:
         if getattr(a, name) != getattr(b, name):
@@ -228,9 +238,12 @@ def geometry_mismatch(a: KvGeometry, b: KvGeometry) -> str | None:
 
 
 class ReplicaRegistry:
-    def __init__(self, layout_version: int, max_replicas: int = MAX_REPLICAS) -> None:
+    def __init__(
+        self, layout_version: int, max_replicas: int = MAX_REPLICAS, max_total_pages: int = MAX_TOTAL_PAGES
+    ) -> None:
         self.layout_version = layout_version
         self.max_replicas = max_replicas
+        self.max_total_pages = max_total_pages
         self._replicas: dict[ReplicaId, ReplicaRecord] = {}
 
     def __len__(self) -> int:
@@ -258,6 +271,19 @@ class ReplicaRegistry:
     def forget(self, replica_id: ReplicaId) -> None:
         """Drop a replica's record for good (BrokerCore decides that nothing needs it)."""
         del self._replicas[replica_id]
+
+    def total_pages(self) -> int:
+        """Page states held for every DiT replica the registry keeps (`page_states`)."""
+        return sum(page_states(r.spec) for r in self._replicas.values())
+
+    def exceeds_page_budget(self, spec: ReplicaSpec) -> bool:
+        """Whether registering `spec` would grow the page states held beyond `max_total_pages`.
+        Never for a registration that does not grow them (a same-incarnation re-registration, a
+        restart with as many pages): a replica that may own journaled pages can always return."""
+        old = self._replicas.get(spec.replica_id)
+        held = page_states(old.spec) if old is not None else 0
+        wanted = page_states(spec)
+        return wanted > held and self.total_pages() - held + wanted > self.max_total_pages
 
     def check_compatible(self, spec: ReplicaSpec) -> None:
         for other in self._replicas.values():
@@ -291,6 +317,15 @@ class ReplicaRegistry:
             raise InvalidArgument(
                 "ROLE_MISMATCH",
                 f"replica.role: {spec.replica_id} registered as {old.spec.role.value}, now {spec.role.value}",
+            )
+        if self.exceeds_page_budget(spec):
+            raise ResourceExhausted(
+                "PAGE_BUDGET_EXHAUSTED",
+                f"replica.num_pages: {spec.replica_id} would add {page_states(spec)} page states "
+                f"({spec.num_pages} pages x {spec.cfg_parallel_size} CFG groups) to the {self.total_pages()} the broker "
+                f"holds, above broker.max_total_pages {self.max_total_pages}; deregister DiT replicas that are gone "
+                "(an idle deregistered or lapsed one is forgotten to make room), raise the DiT stage's page_size, "
+                "or raise broker.max_total_pages",
             )
         if old is None:
             kind = Registration.NEW

@@ -93,6 +93,12 @@ class BrokerConfig(_Strict):
     # `image_reply_wait_seconds`, then is RESOURCE_EXHAUSTED IMAGE_REPLY_BUDGET_EXHAUSTED.
     image_reply_budget_bytes: int = Field(DEFAULT_IMAGE_REPLY_BUDGET_BYTES, ge=1)
     image_reply_wait_seconds: float = Field(DEFAULT_IMAGE_REPLY_WAIT_SECONDS, gt=0, le=3600, allow_inf_nan=False)
+    # What registrations (any holder of the replica token) may make the broker hold: replica ids
+    # (live, lapsed, deregistered and journaled ones; kvrelay.broker.registry.MAX_REPLICAS) and page
+    # states across every DiT replica (num_pages x CFG groups, a byte each; MAX_TOTAL_PAGES). One
+    # beyond either is RESOURCE_EXHAUSTED once no idle replica can be forgotten to make room.
+    max_replicas: int = Field(256, ge=1, le=65536)
+    max_total_pages: int = Field(1 << 26, ge=1, le=1 << 34)
 
     @model_validator(mode="before")
     @classmethod
