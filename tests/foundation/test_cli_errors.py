@@ -38,6 +38,21 @@ def assert_one_clear_line(proc: subprocess.CompletedProcess[str], command: str, 
         assert name in lines[0], err
 
 
+@pytest.fixture
+def fast_config(tmp_path: Path) -> str:
+    """tests/configs/test-fast.yaml with the broker's journal in this test's tmp_path. The shipped
+    one names `.kvrelay/test-broker.sqlite`, relative to where the command runs (the checkout,
+    here): a journal another run left there (docs/operations.md's `start_node` example) was
+    replayed, and its `broker_restored` line came before the error line under test."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
+    path = tmp_path / "test-fast.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def subcommands() -> list[str]:
     import argparse
@@ -143,8 +158,8 @@ def busy_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
-def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int, tmp_path: Path) -> None:
-    config = str(REPO / "tests/configs/test-fast.yaml")
+def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int, tmp_path: Path, fast_config: str) -> None:
+    config = fast_config
     # gRPC's own failed bind printed a C-core error (two lines of absl) before ours.
     proc = kvrelay("broker", "--config", config, "--port", str(busy_port), "--metrics-port", "0")
     assert_one_clear_line(proc, "broker", f"port {busy_port} (broker gRPC, on 127.0.0.1) is already in use by pid")
@@ -159,8 +174,8 @@ def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int, tmp_pat
     assert_one_clear_line(proc, "up", f"port {busy_port} (node metrics, on 127.0.0.1) is already in use")
 
 
-def test_an_address_this_host_does_not_have_is_one_line() -> None:
-    config = str(REPO / "tests/configs/test-fast.yaml")
+def test_an_address_this_host_does_not_have_is_one_line(fast_config: str) -> None:
+    config = fast_config
     # 192.0.2.0/24 is TEST-NET-1: never a local address.
     proc = kvrelay("broker", "--config", config, "--host", "192.0.2.1", "--insecure-bind", "--port", "0")
     assert_one_clear_line(proc, "broker", "cannot listen on 192.0.2.1:0 (gRPC): Cannot assign requested address")
@@ -177,10 +192,10 @@ def test_a_target_port_out_of_range_is_a_usage_error(command: str) -> None:
     )
 
 
-def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path: Path, fast_config: str) -> None:
     afile = tmp_path / "afile"
     afile.write_text("")
-    config = str(REPO / "tests/configs/test-fast.yaml")
+    config = fast_config
     proc = kvrelay("up", "--config", config, "--metrics-port", "0", "--log-dir", str(afile / "logs"))
     assert_one_clear_line(proc, "up", f"--log-dir {afile / 'logs'}: Not a directory")
     proc = kvrelay("bench", "--config", config, "--output", str(afile / "out"))
