@@ -89,7 +89,10 @@ async def serve(
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     # Registrations are checked by dialling the advertised endpoint as the orchestrator will.
     endpoint_probe = grpc_endpoint_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
-    broker_servicer = BrokerServicer(core, ticket_ttl, endpoint_probe)
+    broker_servicer = BrokerServicer(
+        core, ticket_ttl, endpoint_probe,
+        max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,
+    )  # fmt: skip
     register_broker_metrics(core, registry, broker_servicer.rpc_counts)
     orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
     server = GrpcServer(

@@ -28,6 +28,7 @@ from kvrelay.broker.tickets import (
     BrokerError,
     InvalidArgument,
     LoadKey,
+    ResourceExhausted,
     Ticket,
     TicketOutcome,
     TicketState,
@@ -36,7 +37,7 @@ from kvrelay.broker.tickets import (
 )
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with, bounded_message
-from kvrelay.security import ChannelSecurity, is_loopback, make_channel
+from kvrelay.security import ChannelSecurity, current_caller, is_loopback, make_channel
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -375,13 +376,65 @@ def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
     return handler
 
 
+# WatchTicket streams the broker holds at once, per calling replica and in all. Each held ~25 KB of
+# the broker and a waiter in the core for as long as its caller kept it, with no bound: a holder of
+# the replica token could open them by the thousand. A DiT opens one per request it serves (the
+# AR none), so the bound per replica stays well above any stage's max_num_seqs (broker.max_watch_streams*).
+MAX_WATCH_STREAMS = 2048
+MAX_WATCH_STREAMS_PER_REPLICA = 256
+
+
+class WatchStreamLimits:
+    """Counts the open WatchTicket streams by the caller's replica id (None: an operator, or an
+    undeclared caller of a development deployment, counted together) and refuses one beyond either
+    bound with RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Every `open` that returned is paired with one
+    `close` (the handler's `finally`)."""
+
+    def __init__(self, total: int = MAX_WATCH_STREAMS, per_replica: int = MAX_WATCH_STREAMS_PER_REPLICA) -> None:
+        self.total = total
+        self.per_replica = per_replica
+        self._open: collections.Counter[str | None] = collections.Counter()
+
+    def open_streams(self, replica_id: str | None = None) -> int:
+        return self._open[replica_id]
+
+    def open(self, replica_id: str | None) -> None:
+        held = sum(self._open.values())
+        if held >= self.total:
+            raise ResourceExhausted(
+                "TOO_MANY_STREAMS",
+                f"WatchTicket: the broker already holds {held} WatchTicket streams (at most {self.total}, "
+                "broker.max_watch_streams); retry later, or poll with GetTicket",
+            )
+        if self._open[replica_id] >= self.per_replica:
+            raise ResourceExhausted(
+                "TOO_MANY_STREAMS",
+                f"WatchTicket: {replica_id or 'this caller'} already holds {self._open[replica_id]} WatchTicket streams "
+                f"(at most {self.per_replica} per replica, broker.max_watch_streams_per_replica); end one, or poll "
+                "with GetTicket",
+            )
+        self._open[replica_id] += 1
+
+    def close(self, replica_id: str | None) -> None:
+        self._open[replica_id] -= 1
+        if self._open[replica_id] <= 0:
+            del self._open[replica_id]
+
+
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     """Every BrokerService RPC, each one call into BrokerCore."""
 
     def __init__(
-        self, core: BrokerCore, rpc_ticket_ttl_seconds: float = 600.0, endpoint_probe: EndpointProbe | None = None
+        self,
+        core: BrokerCore,
+        rpc_ticket_ttl_seconds: float = 600.0,
+        endpoint_probe: EndpointProbe | None = None,
+        *,
+        max_watch_streams: int = MAX_WATCH_STREAMS,
+        max_watch_streams_per_replica: int = MAX_WATCH_STREAMS_PER_REPLICA,
     ) -> None:
         self.core = core
+        self.watch_streams = WatchStreamLimits(max_watch_streams, max_watch_streams_per_replica)
         # Dials a registering replica's advertised endpoint (unreachable_endpoint_problem).
         self.endpoint_probe = endpoint_probe or grpc_endpoint_probe()
         # Calls by method since start: broker round trips per request are read off these
@@ -585,6 +638,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.WatchTicketRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[broker_pb2.WatchTicketResponse]:
         self.rpc_counts["WatchTicket"] += 1
+        caller = current_caller()
+        holder = caller.replica_id if caller is not None else None
+        try:
+            self.watch_streams.open(holder)
+        except BrokerError as err:
+            await abort_with(context, to_server_error(err))
         # The core's waiter is removed in its own `finally` when this stream is cancelled.
         try:
             async for ticket in self.core.waiters.watch_ticket(request.ticket_id):
@@ -592,6 +651,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
         except (BrokerError, JournalWriteError) as err:
             await abort_with(context, to_server_error(err))
+        finally:
+            self.watch_streams.close(holder)
 
     @_maps_errors
     async def ListTickets(

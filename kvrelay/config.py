@@ -99,6 +99,11 @@ class BrokerConfig(_Strict):
     # beyond either is RESOURCE_EXHAUSTED once no idle replica can be forgotten to make room.
     max_replicas: int = Field(256, ge=1, le=65536)
     max_total_pages: int = Field(1 << 26, ge=1, le=1 << 34)
+    # WatchTicket streams open at once, in all and per calling replica (kvrelay.broker.service,
+    # MAX_WATCH_STREAMS*): one beyond is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. A DiT holds one per
+    # request it serves, so keep the per-replica bound above every DiT stage's max_num_seqs.
+    max_watch_streams: int = Field(2048, ge=1, le=1 << 20)
+    max_watch_streams_per_replica: int = Field(256, ge=1, le=1 << 20)
 
     @model_validator(mode="before")
     @classmethod

@@ -5,15 +5,24 @@ exhausting the broker. Each test fails without its bound.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 
+from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import MAX_PAGES_PER_REPLICA, MAX_REPLICAS, MAX_TOTAL_PAGES
+from kvrelay.broker.service import MAX_WATCH_STREAMS, MAX_WATCH_STREAMS_PER_REPLICA, BrokerServicer
 from kvrelay.broker.tickets import ResourceExhausted
 from kvrelay.config import BrokerConfig
+from kvrelay.errors import reason_of
+from kvrelay.security import ChannelSecurity, make_channel
+from kvrelay.server import GrpcServer
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc
 from tests.broker.helpers import ManualClock, ar_spec, dit_spec, new_incarnation
+from tests.security.harness import CREDENTIALS
 
 
 def _core(path: Path | None, clock: ManualClock, **kw: int) -> BrokerCore:
@@ -91,3 +100,80 @@ def test_a_journaled_replica_registers_again_under_a_lowered_budget(tmp_path: Pa
     restored.register_replica(ar)
     restored.register_replica(new_incarnation(dit))
     assert restored.registry.get("dit-0").up(clock())
+
+
+# ------------------------------------------------------------------ WatchTicket streams
+
+
+async def _watching_broker(tmp_path: Path, **limits: int) -> tuple[GrpcServer, BrokerServicer, str]:
+    core = BrokerCore(tmp_path / "j.sqlite", lease_seconds=600.0, journal_synchronous="NORMAL")
+    core.register_replica(ar_spec("ar-0"))
+    core.register_replica(dit_spec("dit-0"))
+    ticket = core.create_ticket("req-1", "ar-0", "dit-0", [20])
+    assert ticket is not None
+    servicer = BrokerServicer(core, 60.0, **limits)
+    server = GrpcServer(
+        name="broker", host="127.0.0.1", port=0, credentials=CREDENTIALS, checks=broker_checks(core),
+        registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, servicer, "kvrelay.v1.BrokerService")],
+    )  # fmt: skip
+    await server.start()
+    return server, servicer, ticket.ticket_id
+
+
+def test_watch_ticket_streams_are_bounded_per_replica_and_in_all(tmp_path: Path) -> None:
+    # Found by audit: a holder of the replica token could open WatchTicket streams without bound,
+    # each holding broker memory and a waiter in the core for as long as it liked.
+    async def scenario() -> None:
+        server, servicer, ticket_id = await _watching_broker(
+            tmp_path, max_watch_streams=3, max_watch_streams_per_replica=2
+        )
+        channels = {
+            rid: make_channel(server.address, ChannelSecurity(token=CREDENTIALS.replica_token, replica_id=rid))
+            for rid in ("dit-0", "ar-0")
+        }
+        calls: list[grpc.aio.UnaryStreamCall] = []
+
+        async def watch(rid: str) -> grpc.aio.UnaryStreamCall:
+            call = broker_pb2_grpc.BrokerServiceStub(channels[rid]).WatchTicket(
+                broker_pb2.WatchTicketRequest(ticket_id=ticket_id), timeout=30.0
+            )
+            calls.append(call)
+            reply = await call.read()  # the ticket now: the stream is held
+            assert reply.ticket.ticket_id == ticket_id
+            return call
+
+        async def refused(rid: str, limit: str) -> None:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await watch(rid)
+            assert reason_of(err.value)[:2] == ("RESOURCE_EXHAUSTED", "TOO_MANY_STREAMS")
+            assert limit in (err.value.details() or "")
+
+        try:
+            first = await watch("dit-0")
+            await watch("dit-0")
+            await refused("dit-0", "at most 2 per replica")
+            await watch("ar-0")  # another replica has streams of its own
+            await refused("ar-0", "at most 3, broker.max_watch_streams)")  # but not beyond the broker's bound
+            assert servicer.watch_streams.open_streams("dit-0") == 2
+            first.cancel()  # an ended stream makes room
+            for _ in range(200):
+                if servicer.watch_streams.open_streams("dit-0") == 1:
+                    break
+                await asyncio.sleep(0.01)
+            await watch("dit-0")
+        finally:
+            for call in calls:
+                call.cancel()
+            for channel in channels.values():
+                await channel.close()
+            await server.stop(0.5)
+        assert servicer.watch_streams.open_streams("dit-0") == servicer.watch_streams.open_streams("ar-0") == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_watch_stream_config_defaults_are_the_servicer_bounds() -> None:
+    cfg = BrokerConfig()  # type: ignore[call-arg]
+    assert (cfg.max_watch_streams, cfg.max_watch_streams_per_replica) == (
+        MAX_WATCH_STREAMS, MAX_WATCH_STREAMS_PER_REPLICA
+    )
