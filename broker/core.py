@@ -179,6 +179,9 @@ class BrokerCore:
         self.released_total = 0
         # Who waits for a ticket's next version or for freed pages (WatchTicket, the queue).
         self.waiters = ChangeWaiters(self._snapshot)
+        # Set by the orchestrator: told when a `CancelTicket` from outside the request's own
+        # pipeline (an operator) ended a ticket's request, so that it ends the generation too.
+        self.on_request_cancelled: Callable[[Ticket], None] | None = None
         self._restore()
         # With group commit the replay's own commit is queued: on disk before anyone is served,
         # and a failure to write it raised here, as without (`kvrelay broker` then exits 1).

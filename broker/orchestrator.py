@@ -36,7 +36,7 @@ from kvrelay.broker.generations import (
 from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
 from kvrelay.broker.pipeline import StagePipeline
 from kvrelay.broker.placement import place
-from kvrelay.broker.tickets import Ticket
+from kvrelay.broker.tickets import Ticket, TicketOutcome
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import failed_precondition
 from kvrelay.logging import get_logger
@@ -92,6 +92,7 @@ class Orchestrator:
             clock=clock,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        core.on_request_cancelled = self.ticket_cancelled
 
     # ================================================================ lifecycle
 
@@ -157,6 +158,25 @@ class Orchestrator:
             ErrorInfo("CANCELLED", reason, message or "the generation was cancelled"),
         )
         return record.snapshot()
+
+    def ticket_cancelled(self, ticket: Ticket) -> None:
+        """An operator's `CancelTicket` ended the request that owns `ticket`: end its generation
+        (CANCELLED; TIMED_OUT and FAILED outcomes end it FAILED), which cancels its stage calls.
+
+        A generation that already ended (its image made) keeps its end. The pages are not freed
+        here: the ticket rolled back, drains, or (CONSUMING) waits for the DiT to release it.
+        """
+        record = self.store.find(ticket.request_id)
+        if record is None or record.state.terminal:
+            return
+        said = f": {ticket.reason}" if ticket.reason else ""
+        message = f"ticket {ticket.ticket_id} was cancelled by an operator (CancelTicket){said}"
+        if ticket.outcome is TicketOutcome.TIMED_OUT:
+            self.end(record, GenState.FAILED, ErrorInfo("DEADLINE_EXCEEDED", "TICKET_CANCELLED", message))
+        elif ticket.outcome is TicketOutcome.FAILED:
+            self.end(record, GenState.FAILED, ErrorInfo("ABORTED", "TICKET_CANCELLED", message))
+        else:
+            self.end(record, GenState.CANCELLED, ErrorInfo("CANCELLED", "TICKET_CANCELLED", message))
 
     def expire(self, request_id: str) -> None:
         """The client's deadline passed (its stream ended with it): FAILED, DEADLINE_EXCEEDED."""

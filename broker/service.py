@@ -625,7 +625,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             raise InvalidArgument(
                 "INVALID_OUTCOME", f"outcome: {request.outcome} is not CANCELLED, TIMED_OUT or FAILED (or left out)"
             )
+        was_over = self.core.get_ticket(request.ticket_id).request_over
         ticket = self.core.cancel_ticket(request.ticket_id, outcome, bounded_message(request.reason))
+        # The request's own AR rolling back an unarmed ticket reports its failure in its Prefill
+        # reply; anyone else (an operator) ends the generation here. Found black-box: an
+        # operator's cancel of a CONSUMING ticket only marked it, the DiT read on, and the
+        # generation ended SUCCEEDED. Ending it cancels the Denoise call: the DiT stops within a
+        # step and releases the pages, which stay held until then.
+        caller = current_caller()
+        own_replica = caller is not None and caller.replica_id in (ticket.ar_replica_id, ticket.dit_replica_id)
+        if not was_over and ticket.request_over and not own_replica and self.core.on_request_cancelled:
+            self.core.on_request_cancelled(ticket)
         return broker_pb2.CancelTicketResponse(ticket=ticket_to_proto(ticket))
 
     @_maps_errors

@@ -34,7 +34,7 @@ from kvrelay.broker.service import BrokerServicer
 from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import parse_config
 from kvrelay.errors import KvRelayServerError, abort_with
-from kvrelay.security import Credentials
+from kvrelay.security import ChannelSecurity, Credentials, make_channel
 from kvrelay.server import GRPC_OPTIONS, GrpcServer
 from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.convert import geometry_to_proto, writes_from_proto
@@ -152,7 +152,8 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
         self.endpoint = f"127.0.0.1:{port}"
-        self._channel = grpc.aio.insecure_channel(self.broker_target, options=GRPC_OPTIONS)
+        # As a real replica dials its broker: its replica id on every call (kvrelay-replica-id).
+        self._channel = make_channel(self.broker_target, ChannelSecurity(replica_id=self.replica_id))
         info = broker_pb2.ReplicaInfo(
             replica_id=self.replica_id,
             role=common_pb2.REPLICA_ROLE_AR,
@@ -346,7 +347,8 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         self.endpoint = f"127.0.0.1:{port}"
         if self.advertise is not None:
             self.endpoint = await self.advertise(self.endpoint)
-        self._channel = grpc.aio.insecure_channel(self.broker_target, options=GRPC_OPTIONS)
+        # As a real replica dials its broker: its replica id on every call (kvrelay-replica-id).
+        self._channel = make_channel(self.broker_target, ChannelSecurity(replica_id=self.replica_id))
         await self.register()
 
     async def restart_with(self, num_pages: int) -> None:

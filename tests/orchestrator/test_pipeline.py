@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.broker.tickets import TicketOutcome, TicketState
 from kvrelay.errors import KvRelayServerError
-from kvrelay.v1 import generation_pb2
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2
 
 from .harness import Cluster, cluster, collect, error_info, pages_of, png_size, request, run, wait_until
 
@@ -398,6 +398,42 @@ def test_cancel_while_denoising_stops_the_dit() -> None:
             assert c.dit.released == [(final.ticket_id, 2)]  # TICKET_OUTCOME_CANCELLED
             ticket = c.core.get_ticket(final.ticket_id)
             assert (ticket.state, ticket.outcome) == (TicketState.RELEASED, TicketOutcome.CANCELLED)
+
+    run(body())
+
+
+@pytest.mark.parametrize("stage", ["transferring", "denoising"])
+def test_operator_cancel_ticket_ends_the_generation_cancelled(stage: str) -> None:
+    # Found black-box: an operator's CancelTicket on a ticket the DiT was reading (CONSUMING) only
+    # marked the ticket; the DiT read on and the generation ended SUCCEEDED.
+    async def body() -> None:
+        async with cluster() as c:
+            if stage == "transferring":
+                c.ar.write_gate.clear()
+            else:
+                c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="op", seed=1), timeout=20)
+            events = await read_until(call, TRANSFERRING if stage == "transferring" else DENOISING)
+            ticket_id = c.orchestrator.get("op").ticket_id
+            broker = broker_pb2_grpc.BrokerServiceStub(c.channel)
+            reply = await broker.CancelTicket(
+                broker_pb2.CancelTicketRequest(ticket_id=ticket_id, reason="operator says stop"), timeout=5
+            )
+            # The cancel frees nothing the DiT may read or a write may still land in.
+            held = TicketState.DRAINING if stage == "transferring" else TicketState.CONSUMING
+            assert reply.ticket.state == broker_pb2.TicketState.Value(f"TICKET_STATE_{held.name}")
+            final = (events + await collect(call))[-1]
+            assert final.state == CANCELLED
+            assert (final.error.code, final.error.reason) == ("CANCELLED", "TICKET_CANCELLED")
+            assert "operator says stop" in final.error.message
+            c.ar.write_gate.set()
+            c.dit.step_gate.set()
+            await c.wait_pool_free()
+            ticket = c.core.get_ticket(ticket_id)
+            assert (ticket.state, ticket.outcome) == (TicketState.RELEASED, TicketOutcome.CANCELLED)
+            if stage == "denoising":
+                assert c.dit.released == [(ticket_id, broker_pb2.TICKET_OUTCOME_CANCELLED)]
+            assert c.metric("kvrelay_generations_total", {"outcome": "cancelled"}) == 1
 
     run(body())
 
