@@ -35,6 +35,18 @@ MAX_REPLICAS = 256
 MAX_TOTAL_PAGES = 1 << 26
 
 
+# Longest strings and most regions a registration may carry (ids are bounded by the interceptor,
+# kvrelay.security.MAX_ID_CHARS). Each is kept for as long as the replica id is: in memory, in the
+# journal, in ListReplicas and ReserveTicket replies. Bounded only by the request size (8 MiB), one
+# registration with an 8 MB endpoint made every one of those copies 8 MB, and the broker dialled
+# it. An endpoint is `host:port` (a DNS name is at most 253 characters) or a CUDA IPC descriptor
+# (`cudaipc:<hostname>/<boot id>:<GPU uuid>`); a CUDA IPC handle is 64 bytes.
+MAX_ENDPOINT_CHARS = 512
+MAX_VERSION_CHARS = 256
+MAX_IPC_HANDLE_BYTES = 1024
+MAX_REGIONS = 1024
+
+
 class ReplicaRole(enum.Enum):
     AR = "AR"
     DIT = "DIT"

@@ -23,7 +23,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.broker.core import Arming, BrokerCore, PoolStatus, ReportedWrite
 from kvrelay.broker.journal import JournalWriteError
-from kvrelay.broker.registry import MemoryRegionSpec, ReplicaRole, ReplicaSpec, ReplicaStatus
+from kvrelay.broker.registry import (
+    MAX_ENDPOINT_CHARS,
+    MAX_IPC_HANDLE_BYTES,
+    MAX_REGIONS,
+    MAX_VERSION_CHARS,
+    MemoryRegionSpec,
+    ReplicaRole,
+    ReplicaSpec,
+    ReplicaStatus,
+)
 from kvrelay.broker.tickets import (
     BrokerError,
     InvalidArgument,
@@ -126,7 +135,28 @@ def ticket_to_proto(t: Ticket) -> broker_pb2.Ticket:
     )
 
 
+def _too_long(field: str, size: int, limit: int, unit: str = "characters") -> InvalidArgument:
+    return InvalidArgument("FIELD_TOO_LONG", f"{field}: {size} {unit}, at most {limit}")
+
+
+def check_replica_lengths(pb: broker_pb2.ReplicaInfo) -> None:
+    """The strings and regions a registration carries are bounded (registry.MAX_*), before anything
+    is kept or dialled: INVALID_ARGUMENT FIELD_TOO_LONG naming the field."""
+    if len(pb.version) > MAX_VERSION_CHARS:
+        raise _too_long("replica.version", len(pb.version), MAX_VERSION_CHARS)
+    if len(pb.endpoint) > MAX_ENDPOINT_CHARS:
+        raise _too_long("replica.endpoint", len(pb.endpoint), MAX_ENDPOINT_CHARS)
+    if len(pb.regions) > MAX_REGIONS:
+        raise _too_long("replica.regions", len(pb.regions), MAX_REGIONS, "regions")
+    for i, r in enumerate(pb.regions):
+        if len(r.endpoint) > MAX_ENDPOINT_CHARS:
+            raise _too_long(f"replica.regions[{i}].endpoint", len(r.endpoint), MAX_ENDPOINT_CHARS)
+        if len(r.ipc_handle) > MAX_IPC_HANDLE_BYTES:
+            raise _too_long(f"replica.regions[{i}].ipc_handle", len(r.ipc_handle), MAX_IPC_HANDLE_BYTES, "bytes")
+
+
 def spec_from_proto(pb: broker_pb2.ReplicaInfo) -> ReplicaSpec:
+    check_replica_lengths(pb)
     role = _ROLE_FROM_PB.get(pb.role)
     if role is None:
         raise InvalidArgument("INVALID_ARGUMENT", "replica.role: must be REPLICA_ROLE_AR or REPLICA_ROLE_DIT")

@@ -14,14 +14,20 @@ import pytest
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import MAX_PAGES_PER_REPLICA, MAX_REPLICAS, MAX_TOTAL_PAGES
-from kvrelay.broker.service import MAX_WATCH_STREAMS, MAX_WATCH_STREAMS_PER_REPLICA, BrokerServicer
+from kvrelay.broker.service import (
+    MAX_WATCH_STREAMS,
+    MAX_WATCH_STREAMS_PER_REPLICA,
+    BrokerServicer,
+    EndpointProbe,
+)
 from kvrelay.broker.tickets import ResourceExhausted
 from kvrelay.config import BrokerConfig
 from kvrelay.errors import reason_of
 from kvrelay.security import ChannelSecurity, make_channel
 from kvrelay.server import GrpcServer
-from kvrelay.v1 import broker_pb2, broker_pb2_grpc
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 from tests.broker.helpers import ManualClock, ar_spec, dit_spec, new_incarnation
+from tests.broker.test_grpc import replica
 from tests.security.harness import CREDENTIALS
 
 
@@ -105,13 +111,16 @@ def test_a_journaled_replica_registers_again_under_a_lowered_budget(tmp_path: Pa
 # ------------------------------------------------------------------ WatchTicket streams
 
 
-async def _watching_broker(tmp_path: Path, **limits: int) -> tuple[GrpcServer, BrokerServicer, str]:
+async def _watching_broker(
+    tmp_path: Path, probe: EndpointProbe | None = None, **limits: int
+) -> tuple[GrpcServer, BrokerServicer, str]:
+    """A broker behind the real interceptor and ownership checks, with ar-0, dit-0 and one ticket."""
     core = BrokerCore(tmp_path / "j.sqlite", lease_seconds=600.0, journal_synchronous="NORMAL")
     core.register_replica(ar_spec("ar-0"))
     core.register_replica(dit_spec("dit-0"))
     ticket = core.create_ticket("req-1", "ar-0", "dit-0", [20])
     assert ticket is not None
-    servicer = BrokerServicer(core, 60.0, **limits)
+    servicer = BrokerServicer(core, 60.0, probe, **limits)
     server = GrpcServer(
         name="broker", host="127.0.0.1", port=0, credentials=CREDENTIALS, checks=broker_checks(core),
         registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, servicer, "kvrelay.v1.BrokerService")],
@@ -177,3 +186,60 @@ def test_the_watch_stream_config_defaults_are_the_servicer_bounds() -> None:
     assert (cfg.max_watch_streams, cfg.max_watch_streams_per_replica) == (
         MAX_WATCH_STREAMS, MAX_WATCH_STREAMS_PER_REPLICA
     )
+
+
+# ------------------------------------------------------------------ string fields of a registration
+
+
+def _long_fields() -> list[tuple[str, broker_pb2.ReplicaInfo]]:
+    """(the field named, a DiT registration with only that field too long)."""
+    cases: list[tuple[str, broker_pb2.ReplicaInfo]] = []
+
+    def case(field: str) -> broker_pb2.ReplicaInfo:
+        info = replica("dit-9", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+        cases.append((field, info))
+        return info
+
+    case("replica.endpoint").endpoint = "10.1.2.3:" + "9" * 1_000_000  # not loopback: the broker would dial it
+    case("replica.version").version = "v" * 100_000
+    case("replica.regions[0].endpoint").regions[0].endpoint = "10.1.2.3:" + "7" * 100_000
+    case("replica.regions[0].ipc_handle").regions[0].ipc_handle = b"\x01" * 100_000
+    many = case("replica.regions")
+    many.regions.extend(common_pb2.MemoryRegion(rank=r, transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
+                                                endpoint="127.0.0.1:7000") for r in range(1, 5000))  # fmt: skip
+    return cases
+
+
+def test_long_strings_in_a_registration_are_refused_naming_the_field(tmp_path: Path) -> None:
+    # Found by audit: a registration's strings other than ids (endpoint, version, region endpoints
+    # and handles) and its region count were bounded only by the request size: each is kept for as
+    # long as the replica id is (memory, journal, every ListReplicas and ReserveTicket reply), and
+    # the advertised endpoint was dialled before anything else was checked.
+    dialled: list[int] = []
+
+    async def probe(endpoint: str) -> str:
+        dialled.append(len(endpoint))
+        return ""
+
+    async def scenario() -> None:
+        server, servicer, _ = await _watching_broker(tmp_path, probe)
+        channel = make_channel(server.address, ChannelSecurity(token=CREDENTIALS.replica_token, replica_id="dit-9"))
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        try:
+            for field, info in _long_fields():
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info), timeout=10.0)
+                assert reason_of(err.value)[:2] == ("INVALID_ARGUMENT", "FIELD_TOO_LONG"), field
+                assert (err.value.details() or "").startswith(f"{field}: "), err.value.details()
+            assert "dit-9" not in servicer.core.registry and dialled == []
+            # The bounds leave room for any real endpoint: a 253-character DNS name and a port.
+            ok = replica("dit-9", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+            ok.endpoint = "a" * 253 + ":50061"
+            ok.regions[0].endpoint = "b" * 253 + ":7000"
+            await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=ok), timeout=10.0)
+            assert servicer.core.registry.get("dit-9").spec.endpoint == ok.endpoint and dialled == [len(ok.endpoint)]
+        finally:
+            await channel.close()
+            await server.stop(0.5)
+
+    asyncio.run(scenario())
