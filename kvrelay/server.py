@@ -99,7 +99,7 @@ class GrpcServer:
         try:
             free = is_port_free(self.host, self.port)
         except OSError as err:
-            raise PortInUse(f"{self.name}: cannot listen on {self.host}:{self.port} (gRPC): {err.strerror}") from None
+            raise PortInUse(f"cannot listen on {self.host}:{self.port} ({self.name} gRPC): {err.strerror}") from None
         if not free:
             raise self._bind_error(self.port, "gRPC")
         try:
@@ -153,9 +153,11 @@ class GrpcServer:
             return False
 
     def _bind_error(self, port: int, what: str) -> PortInUse:
+        # The server's name is in the parentheses ("broker gRPC"), never a prefix: the process
+        # prints these after its own "kvrelay broker: " (it read "kvrelay broker: broker: port ...").
         if self._taken(port):
-            return PortInUse(f"{self.name}: " + in_use_message(port, f"{self.name} {what}", self.host))
-        return PortInUse(f"{self.name}: cannot listen on {self.host}:{port} ({what})")
+            return PortInUse(in_use_message(port, f"{self.name} {what}", self.host))
+        return PortInUse(f"cannot listen on {self.host}:{port} ({self.name} {what})")
 
     async def set_serving(self, serving: bool = True) -> None:
         """Health turns SERVING only when the process can really serve (models loaded, memory registered)."""

@@ -34,6 +34,8 @@ def assert_one_clear_line(proc: subprocess.CompletedProcess[str], command: str, 
     assert "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"kvrelay {command}: "), err
+    # One prefix: a port in use read "kvrelay broker: broker: port ...".
+    assert not lines[0].startswith(f"kvrelay {command}: {command}: "), err
     for name in names:
         assert name in lines[0], err
 
@@ -162,14 +164,14 @@ def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int, tmp_pat
     config = fast_config
     # gRPC's own failed bind printed a C-core error (two lines of absl) before ours.
     proc = kvrelay("broker", "--config", config, "--port", str(busy_port), "--metrics-port", "0")
-    assert_one_clear_line(proc, "broker", f"port {busy_port} (broker gRPC, on 127.0.0.1) is already in use by pid")
+    assert_one_clear_line(proc, "broker", f"kvrelay broker: port {busy_port} (broker gRPC, on 127.0.0.1) is already in use by pid")
     # A metrics port in use left the gRPC server running: the broker printed its line, then hung.
     proc = kvrelay("broker", "--config", config, "--port", "0", "--metrics-port", str(busy_port))
-    assert_one_clear_line(proc, "broker", f"port {busy_port} (broker metrics, on 127.0.0.1) is already in use")
+    assert_one_clear_line(proc, "broker", f"kvrelay broker: port {busy_port} (broker metrics, on 127.0.0.1) is already in use")
     # Its own lock folder: another ar-0 of a "127.0.0.1:1" deployment on this host holds the shared one.
     proc = kvrelay("ar", "--config", config, "--port", str(busy_port), "--broker", "127.0.0.1:1",
                    env={"KVRELAY_LOCK_DIR": str(tmp_path / "locks")})  # fmt: skip
-    assert_one_clear_line(proc, "ar", f"port {busy_port} (ar-0 gRPC, on 127.0.0.1) is already in use")
+    assert_one_clear_line(proc, "ar", f"kvrelay ar: port {busy_port} (ar-0 gRPC, on 127.0.0.1) is already in use")
     proc = kvrelay("up", "--config", config, "--metrics-port", str(busy_port))
     assert_one_clear_line(proc, "up", f"port {busy_port} (node metrics, on 127.0.0.1) is already in use")
 
@@ -178,7 +180,7 @@ def test_an_address_this_host_does_not_have_is_one_line(fast_config: str) -> Non
     config = fast_config
     # 192.0.2.0/24 is TEST-NET-1: never a local address.
     proc = kvrelay("broker", "--config", config, "--host", "192.0.2.1", "--insecure-bind", "--port", "0")
-    assert_one_clear_line(proc, "broker", "cannot listen on 192.0.2.1:0 (gRPC): Cannot assign requested address")
+    assert_one_clear_line(proc, "broker", "kvrelay broker: cannot listen on 192.0.2.1:0 (broker gRPC): Cannot assign requested address")
 
 
 @pytest.mark.parametrize("command", ["generate", "status", "health", "list", "cancel"])
