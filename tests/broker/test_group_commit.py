@@ -183,10 +183,13 @@ def test_a_failed_group_write_answers_the_rpc_journal_failed(tmp_path: Path) -> 
                 replica=replica("ar-0", common_pb2.REPLICA_ROLE_AR)), timeout=TIMEOUT)
             core.journal.flush()
             core.journal._db.execute("PRAGMA max_page_count=1")  # noqa: SLF001 - a full disk
-            dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
-            dit.version = "x" * 50_000  # a record that needs new pages
+            # A record that needs new pages (~80 KB: strings are bounded, FIELD_TOO_LONG, so many regions).
+            big = replica("ar-1", common_pb2.REPLICA_ROLE_AR)
+            big.regions.extend(common_pb2.MemoryRegion(rank=r, transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
+                                                       endpoint="127.0.0.1:7000", ipc_handle=b"\x01" * 1024)
+                               for r in range(40))  # fmt: skip
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=dit), timeout=TIMEOUT)
+                await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=big), timeout=TIMEOUT)
             assert reason_of(err.value)[:2] == ("UNAVAILABLE", "JOURNAL_FAILED")
             assert core.journal.failure is not None
         finally:
