@@ -138,6 +138,17 @@ class JournalInUse(Exception):
         self.path = path
 
 
+class JournalOpenError(Exception):
+    """The journal cannot be opened at its path: a directory, a parent that is a file, a file that
+    is not an SQLite journal, no permission. The operator's setting, not a fault of the broker:
+    `kvrelay broker` names broker.journal_path in one line and exits 2 before it listens."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"cannot open the journal {path!r}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class JournalContents:
     replicas: dict[str, dict[str, Any]]
@@ -188,16 +199,28 @@ class Journal:
         self.on_failure = on_failure
         self._lock_fd: int | None = None
         if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self._lock_fd = _lock_exclusively(f"{self.path}.lock", self.path)
+            # Checked first: SQLite says only "unable to open database file" for a directory (and
+            # the lock would be made beside it), mkdir only "File exists" under a regular file.
+            unusable = _unusable_path(self.path)
+            if unusable is not None:
+                raise JournalOpenError(self.path, unusable)
+            try:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                self._lock_fd = _lock_exclusively(f"{self.path}.lock", self.path)
+            except OSError as err:
+                raise JournalOpenError(self.path, err.strerror or str(err)) from None
         # isolation_level=None: transactions are explicit (BEGIN/COMMIT) so one core
         # operation is one atomic commit, never split by sqlite3's implicit transactions.
         self._synchronous = synchronous
         try:
             self._db = self._connect()
-        except BaseException:
+        except BaseException as err:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
+            if isinstance(err, (OSError, sqlite3.Error)):
+                # A file that is not an SQLite journal, a read-only place.
+                reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+                raise JournalOpenError(self.path, reason) from None
             raise
         self._identity = _file_identity(self.path)
 
@@ -589,6 +612,18 @@ def _size_on_disk(path: str) -> int:
         with contextlib.suppress(FileNotFoundError):
             total += os.stat(name).st_size
     return total
+
+
+def _unusable_path(path: str) -> str | None:
+    """Why no journal file can be at `path` (a directory is there, or a parent is a file); None
+    when nothing on the way says so (the open itself may still fail, with SQLite's reason)."""
+    target = Path(path)
+    if target.is_dir():
+        return f"it is a directory; journal_path names the journal's file (e.g. {str(target / 'broker.sqlite')!r})"
+    for parent in target.parents:  # the nearest first: the first that exists decides
+        if parent.exists():
+            return None if parent.is_dir() else f"{str(parent)!r} is a file, not a directory"
+    return None
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:

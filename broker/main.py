@@ -18,14 +18,13 @@ import asyncio
 import contextlib
 import sqlite3
 import sys
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generation import GenerationServicer
-from kvrelay.broker.journal import JournalInUse, JournalWriteError
+from kvrelay.broker.journal import JournalInUse, JournalOpenError, JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import BrokerServicer, grpc_endpoint_probe
@@ -57,8 +56,6 @@ async def serve(
     b = cfg.broker
     creds = credentials if credentials is not None else load_credentials(cfg.security)
     try:
-        if b.journal_path:
-            Path(b.journal_path).parent.mkdir(parents=True, exist_ok=True)
         core = BrokerCore(
             b.journal_path,
             lease_seconds=b.lease_seconds,
@@ -74,11 +71,12 @@ async def serve(
         )
     except JournalWriteError:
         raise  # the journal opened but its replay could not be written (disk full): not a setting
-    except JournalInUse as err:
+    except (JournalInUse, JournalOpenError) as err:
+        # A directory, a parent that is a file, a file that is not a journal, another broker's.
         raise ConfigError(f"broker.journal_path: {err}") from None
     except (OSError, sqlite3.Error) as err:
-        # A directory, a read-only place, a file that is not a journal: the operator's setting,
-        # named, not a traceback (nothing is listening yet).
+        # Anything else of the open (the journal reports its own as JournalOpenError): the
+        # operator's setting, named, not a traceback (nothing is listening yet).
         reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
         raise ConfigError(f"broker.journal_path: cannot open the journal {b.journal_path!r}: {reason}") from None
     # Fail stop: a failed journal write leaves memory ahead of disk, so the process exits and

@@ -183,6 +183,24 @@ def test_an_address_this_host_does_not_have_is_one_line(fast_config: str) -> Non
     assert_one_clear_line(proc, "broker", "kvrelay broker: cannot listen on 192.0.2.1:0 (broker gRPC): Cannot assign requested address")
 
 
+def test_a_journal_path_the_broker_cannot_use_is_one_line_exit_2(tmp_path: Path, fast_config: str) -> None:
+    import yaml
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for journal, reason in [
+        (tmp_path, "it is a directory; journal_path names the journal's file"),
+        (afile / "broker.sqlite", f"{str(afile)!r} is a file, not a directory"),
+    ]:
+        data = yaml.safe_load(Path(fast_config).read_text())
+        data["broker"]["journal_path"] = str(journal)
+        config = tmp_path / "journal.yaml"
+        config.write_text(yaml.safe_dump(data))
+        proc = kvrelay("broker", "--config", str(config), "--port", "0", "--metrics-port", "0")
+        assert proc.returncode == 2, proc.stderr
+        assert_one_clear_line(proc, "broker", f"kvrelay broker: broker.journal_path: cannot open the journal {str(journal)!r}: {reason}")
+
+
 @pytest.mark.parametrize("command", ["generate", "status", "health", "list", "cancel"])
 def test_a_target_port_out_of_range_is_a_usage_error(command: str) -> None:
     # gRPC took it modulo 65536: 127.0.0.1:99999 dialled 127.0.0.1:34463.
