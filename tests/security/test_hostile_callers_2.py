@@ -160,14 +160,22 @@ def test_an_error_that_echoes_a_huge_input_still_reaches_the_caller(tmp_path: Pa
     """RegisterReplica with a 100 kB `replica.endpoint` (found black-box): the broker's answer
     (UNREACHABLE_ENDPOINT, naming the endpoint) was bigger than the caller's metadata limit, so the
     caller got RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" instead. Status
-    messages are now cut to MAX_ERROR_MESSAGE_CHARS, saying how much was cut."""
+    messages are now cut to MAX_ERROR_MESSAGE_CHARS, saying how much was cut. The endpoint itself is
+    now bounded too (512 characters, FIELD_TOO_LONG before it is dialled); an endpoint within the
+    bound still makes an answer longer than the cut."""
     from tests.broker.test_grpc import replica
 
     info = replica("ar-2", common_pb2.REPLICA_ROLE_AR, num_pages=0)
-    info.endpoint = "a" * 100_000 + ":1"
     with secured_deployment(tmp_path) as d:
         with d.channel("broker", CREDENTIALS.channel(CallerClass.REPLICA, "ar-2")) as channel:
             stub = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+            info.endpoint = "a" * 100_000 + ":1"
+            with pytest.raises(grpc.RpcError) as err:
+                stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info), timeout=30)
+            code, reason, message = reason_of(err.value)  # type: ignore[arg-type]
+            assert (code, reason) == ("INVALID_ARGUMENT", "FIELD_TOO_LONG"), message
+            assert message == "replica.endpoint: 100002 characters, at most 512"
+            info.endpoint = "a" * 500 + ":1"
             with pytest.raises(grpc.RpcError) as err:
                 stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info), timeout=30)
         code, reason, message = reason_of(err.value)  # type: ignore[arg-type]
