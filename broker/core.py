@@ -129,6 +129,15 @@ class PoolStatus:
     reserved: int
     draining: int
     fenced: bool
+    # Live (registered since this broker started, lease current, not deregistered). A replica the
+    # journal kept but that is not live keeps its accounting (in-doubt pages stay held) and is
+    # reported, but its free pages are no capacity: placement skips it (placement.py).
+    up: bool = True
+
+    @property
+    def available(self) -> int:
+        """Pages a request could be given now: the free ones of a live, unfenced replica."""
+        return self.free if self.up and not self.fenced else 0
 
 
 class BrokerCore:
@@ -745,12 +754,13 @@ class BrokerCore:
                 raise InvalidArgument("NOT_A_DIT", f"replica {replica_id} is not a DiT replica; it has no pool")
         out = []
         # list(): the metrics endpoint reads from its own thread while a registration may forget one.
+        now = self.clock()
         for rid, pool in sorted(list(self._pools.items())):
             record = self.registry.find(rid)
             if record is None or (replica_id and rid != replica_id):
                 continue
             c = pool.counts()
-            out.append(PoolStatus(rid, c.total, c.free, c.reserved, c.draining, record.fenced))
+            out.append(PoolStatus(rid, c.total, c.free, c.reserved, c.draining, record.fenced, record.up(now)))
         return out
 
     def draining_oldest_seconds(self) -> float:

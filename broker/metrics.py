@@ -44,6 +44,17 @@ class BrokerCollector(Collector):
             pages.add_metric([pool.replica_id, "reserved"], pool.reserved)
             pages.add_metric([pool.replica_id, "draining"], pool.draining)
         yield pages
+        # Free pages a request could get: 0 for a replica the journal kept that is not live (an
+        # earlier config's, or one whose lease lapsed) or that is fenced. kvrelay_pages stays
+        # the exact accounting (free + reserved + draining = total) of every replica kept.
+        available = GaugeMetricFamily(
+            "kvrelay_pages_available",
+            "DiT pages a request could get now (free pages of a live, unfenced replica; else 0)",
+            labels=["replica"],
+        )
+        for pool in core.pool_status():
+            available.add_metric([pool.replica_id], pool.available)
+        yield available
 
         tickets = GaugeMetricFamily(
             "kvrelay_tickets", "Tickets by state (RELEASED: released since the broker started)", labels=["state"]

@@ -246,6 +246,8 @@ def pool_to_proto(p: PoolStatus) -> broker_pb2.PoolStatus:
         reserved_pages=p.reserved,
         draining_pages=p.draining,
         fenced=p.fenced,
+        up=p.up,
+        available_pages=p.available,
     )
 
 

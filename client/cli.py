@@ -437,7 +437,7 @@ def replicas_table(replicas: Sequence[Replica], now: _dt.datetime) -> str:
             + (f" sp{r.sequence_parallel_size}" if r.sequence_parallel_size > 1 else "")
             + (f" cfg{r.cfg_parallel_size}" if r.cfg_parallel_size > 1 else ""),
             r.transport.name.lower(),
-            "yes" if r.up else "no",
+            _liveness(r, now),
             "FENCED" if r.fenced else "",
             _until(r.lease_expire_time, now),
             r.incarnation_id[:8],
@@ -449,19 +449,45 @@ def replicas_table(replicas: Sequence[Replica], now: _dt.datetime) -> str:
     )
 
 
+def _liveness(r: Replica, now: _dt.datetime) -> str:
+    """UP: yes, or why not with when it was last heard of. A replica the broker's journal kept
+    (an earlier config's, or one that stopped) is listed, but no request goes to it."""
+    if r.up:
+        return "yes"
+    if r.lease_expire_time is None:
+        return "no (not seen since the broker started)"
+    return f"no (lease expired {_age(r.lease_expire_time, now)} ago)"
+
+
 def pools_table(pools: Sequence[PoolStatus]) -> str:
+    """One line per DiT pool, then the capacity of the live ones. FREE of a pool whose replica is
+    not live is '-': its pages stay accounted (in-doubt ones held) but no request can get them.
+    Found black-box: an earlier config's replicas, kept in a shared journal, showed 4096 FREE."""
     rows = [
         (
             p.replica_id,
+            "up" if p.up else "DOWN",
             p.total_pages,
-            p.free_pages,
+            p.free_pages if p.up else "-",
             p.reserved_pages,
             p.draining_pages,
             "FENCED" if p.fenced else "",
         )
         for p in sorted(pools, key=lambda p: p.replica_id)
     ]
-    return format_table(("POOL", "TOTAL", "FREE", "RESERVED", "DRAINING", "FENCED"), rows)
+    table = format_table(("POOL", "STATE", "TOTAL", "FREE", "RESERVED", "DRAINING", "FENCED"), rows)
+    live = [p for p in pools if p.up]
+    down = [p for p in pools if not p.up]
+    summary = (
+        f"live: {len(live)} pool(s), {sum(p.total_pages for p in live)} pages, "
+        f"{sum(p.available_pages for p in live)} available"
+    )
+    if down:
+        summary += (
+            f"; not live (not counted): {len(down)} pool(s), "
+            f"{sum(p.reserved_pages + p.draining_pages for p in down)} pages still held"
+        )
+    return f"{table}\n{summary}"
 
 
 def tickets_table(tickets: Sequence[Ticket], now: _dt.datetime) -> str:

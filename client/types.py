@@ -260,7 +260,13 @@ class Replica:
 
 @dataclass(frozen=True, slots=True)
 class PoolStatus:
-    """Page accounting of one DiT replica: free + reserved + draining == total."""
+    """Page accounting of one DiT replica: free + reserved + draining == total.
+
+    `up` False: the broker keeps this replica from its journal (an earlier config's, or one that
+    stopped or lost its lease) but it is not live; its pages are still accounted, in-doubt ones
+    held, and none is capacity a request could get. `available_pages` is what a request could be
+    given now: `free_pages` of a live, unfenced replica, else 0. Sum that for capacity.
+    """
 
     replica_id: str
     total_pages: int
@@ -268,6 +274,8 @@ class PoolStatus:
     reserved_pages: int
     draining_pages: int
     fenced: bool
+    up: bool = True
+    available_pages: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,6 +459,8 @@ def pool_from_pb(msg: broker_pb2.PoolStatus) -> PoolStatus:
         reserved_pages=msg.reserved_pages,
         draining_pages=msg.draining_pages,
         fenced=msg.fenced,
+        up=msg.up,
+        available_pages=msg.available_pages,
     )
 
 

@@ -443,20 +443,24 @@ class ListTicketsResponse(_message.Message):
     def __init__(self, tickets: _Optional[_Iterable[_Union[Ticket, _Mapping]]] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
-    __slots__ = ("replica_id", "total_pages", "free_pages", "reserved_pages", "draining_pages", "fenced")
+    __slots__ = ("replica_id", "total_pages", "free_pages", "reserved_pages", "draining_pages", "fenced", "up", "available_pages")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_PAGES_FIELD_NUMBER: _ClassVar[int]
     FENCED_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_PAGES_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     total_pages: int
     free_pages: int
     reserved_pages: int
     draining_pages: int
     fenced: bool
-    def __init__(self, replica_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., draining_pages: _Optional[int] = ..., fenced: bool = ...) -> None: ...
+    up: bool
+    available_pages: int
+    def __init__(self, replica_id: _Optional[str] = ..., total_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., draining_pages: _Optional[int] = ..., fenced: bool = ..., up: bool = ..., available_pages: _Optional[int] = ...) -> None: ...
 
 class GetPoolRequest(_message.Message):
     __slots__ = ("replica_id",)

@@ -8,8 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.metrics import BrokerCollector
 from kvrelay.broker.placement import choose_ar_replica, choose_dit_replica
 from kvrelay.broker.registry import MAX_PAGES_PER_REPLICA, Registration
 from kvrelay.broker.tickets import (
@@ -541,4 +543,45 @@ def test_a_lost_journal_numbers_tickets_above_the_old_ones(tmp_path: Path) -> No
     again.register_replica(dit_spec())
     nxt = again.create_ticket("next", "ar-0", "dit-0", [16])
     assert nxt and nxt.sequence == t.sequence + 1
+    again.close()
+
+
+def test_pools_of_journaled_replicas_that_are_not_live_are_no_capacity(tmp_path: Path) -> None:
+    # Found black-box: `kvrelay status` listed the DiT replicas of an earlier config that shared
+    # the journal, their pools 4096 FREE. They are kept (an in-doubt ticket's pages stay held
+    # until the replica comes back or is proven gone) but no request can get their pages.
+    path = tmp_path / "broker.sqlite"
+    clock = ManualClock()
+    core = make_core(path, clock, lease_seconds=10.0)
+    old_ar, old_dit = ar_spec("old-ar"), dit_spec("old-dit", num_pages=32)
+    core.register_replica(old_ar)
+    core.register_replica(old_dit)
+    held = core.create_ticket("held", "old-ar", "old-dit", [16])
+    assert held is not None
+    core.arm_ticket(held.ticket_id, "old-ar", old_ar.incarnation_id)
+    core.close()
+
+    clock.advance(60.0)
+    again = make_core(path, clock, lease_seconds=10.0)
+    again.register_replica(ar_spec("ar-0"))
+    again.register_replica(dit_spec("dit-0", num_pages=64))
+    by_id = {p.replica_id: p for p in again.pool_status()}
+    old, new = by_id["old-dit"], by_id["dit-0"]
+    # Accounting stays exact and the armed ticket's pages stay held ...
+    assert (old.total, old.free + old.reserved + old.draining) == (32, 32)
+    assert old.draining == len(held.page_ids) > 0
+    # ... but the pool is reported not live, with nothing available.
+    assert (old.up, old.available) == (False, 0)
+    assert (new.up, new.available) == (True, 64)
+    assert choose_dit_replica(again, [16]) == "dit-0"
+    registry = CollectorRegistry()
+    registry.register(BrokerCollector(again))
+    assert registry.get_sample_value("kvrelay_pages_available", {"replica": "old-dit"}) == 0
+    assert registry.get_sample_value("kvrelay_pages_available", {"replica": "dit-0"}) == 64
+    assert registry.get_sample_value("kvrelay_pages", {"replica": "old-dit", "state": "free"}) == old.free
+
+    # A live replica whose lease lapses is reported down the same way.
+    clock.advance(11.0)
+    (lapsed,) = again.pool_status("dit-0")
+    assert (lapsed.up, lapsed.available, lapsed.free) == (False, 0, 64)
     again.close()

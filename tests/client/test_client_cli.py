@@ -184,7 +184,8 @@ def _fill_status(harness: Harness) -> None:
     ]
     harness.pools = [
         broker_pb2.PoolStatus(
-            replica_id="dit-0", total_pages=64, free_pages=60, reserved_pages=3, draining_pages=1
+            replica_id="dit-0", total_pages=64, free_pages=60, reserved_pages=3, draining_pages=1, up=True,
+            available_pages=60,
         )
     ]
     harness.tickets = [
@@ -239,7 +240,7 @@ def test_status_prints_replicas_pools_and_tickets_as_tables(
     dit_row = next(line for line in lines if line.startswith("dit-0 "))
     assert dit_row.split()[:7] == ["dit-0", "dit", "127.0.0.1:50071", "tp2", "mooncake", "yes", "FENCED"]
     pool_row = next(line for line in lines if line.startswith("dit-0") and "64" in line)
-    assert pool_row.split()[:5] == ["dit-0", "64", "60", "3", "1"]
+    assert pool_row.split()[:6] == ["dit-0", "up", "64", "60", "3", "1"]
     ticket_row = next(line for line in lines if line.startswith("tk-1"))
     assert ticket_row.split()[:10] == ["tk-1", "req-1", "WRITING", "-", "ar-0", "dit-0", "3", "1/2", "0", "0/0"]
     # An in-doubt write is not counted as written, and is listed with the pages it holds.
@@ -247,6 +248,34 @@ def test_status_prints_replicas_pools_and_tickets_as_tables(
     assert drain_row.split()[:10] == ["tk-2", "req-2", "DRAINING", "-", "ar-0", "dit-0", "4", "0/1", "1", "0/0"]
     doubt_row = next(line for line in lines if line.startswith("tk-2") and "5-7,9" in line)
     assert doubt_row.split()[:8] == ["tk-2", "DRAINING", "dit-0", "0", "1", "0", "ar-0", "5-7,9"]
+
+
+def test_status_shows_journaled_replicas_that_are_not_live_as_down_and_not_capacity(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found black-box: an earlier config's DiT replicas, kept in a shared journal, were listed
+    # with their pools 4096 FREE as if a request could get them.
+    _fill_status(harness)
+    harness.replicas.append(
+        broker_pb2.ReplicaInfo(replica_id="old-dit", role=common_pb2.REPLICA_ROLE_DIT, endpoint="10.0.0.9:50071",
+                               incarnation_id="cccc3333", up=False)
+    )
+    harness.pools.append(
+        broker_pb2.PoolStatus(replica_id="old-dit", total_pages=4096, free_pages=4094, draining_pages=2, up=False)
+    )
+    assert run_status(argparse.Namespace(target=server.address, json=False, token=None)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    replica_row = next(line for line in lines if line.startswith("old-dit ") and "10.0.0.9" in line)
+    assert "no (not seen since the broker started)" in replica_row
+    pool_row = next(line for line in lines if line.startswith("old-dit ") and "4096" in line)
+    assert pool_row.split()[:6] == ["old-dit", "DOWN", "4096", "-", "0", "2"]
+    assert "4094" not in "\n".join(lines)
+    summary = next(line for line in lines if line.startswith("live:"))
+    assert summary == "live: 1 pool(s), 64 pages, 60 available; not live (not counted): 1 pool(s), 2 pages still held"
+    assert run_status(argparse.Namespace(target=server.address, json=True, token=None)) == 0
+    pools = {p["replica_id"]: p for p in json.loads(capsys.readouterr().out)["pools"]}
+    assert (pools["old-dit"]["up"], pools["old-dit"]["available_pages"]) == (False, 0)
+    assert (pools["dit-0"]["up"], pools["dit-0"]["available_pages"]) == (True, 60)
 
 
 def test_status_json_and_empty_broker(

@@ -420,7 +420,8 @@ def test_status_reads_decode_into_dataclasses(client: KvRelayClient, harness: Ha
     ]
     harness.pools = [
         broker_pb2.PoolStatus(
-            replica_id="dit-0", total_pages=100, free_pages=90, reserved_pages=6, draining_pages=4
+            replica_id="dit-0", total_pages=100, free_pages=90, reserved_pages=6, draining_pages=4, up=True,
+            available_pages=90,
         )
     ]
     harness.tickets = [
@@ -444,7 +445,7 @@ def test_status_reads_decode_into_dataclasses(client: KvRelayClient, harness: Ha
     )
     assert replica.geometry is not None and replica.geometry.dtype == "bfloat16"
     assert replica.max_image_side == 1024
-    assert client.get_pools() == [PoolStatus("dit-0", 100, 90, 6, 4, False)]
+    assert client.get_pools() == [PoolStatus("dit-0", 100, 90, 6, 4, False, up=True, available_pages=90)]
     with pytest.raises(KvRelayError) as info:
         client.get_pools("dit-9")
     assert info.value.code == "NOT_FOUND"
