@@ -657,7 +657,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             raise InvalidArgument(
                 "INVALID_OUTCOME", f"outcome: {request.outcome} is not CANCELLED, TIMED_OUT or FAILED (or left out)"
             )
-        was_over = self.core.get_ticket(request.ticket_id).request_over
+        try:
+            was_over = self.core.get_ticket(request.ticket_id).request_over
+        except BrokerError:
+            was_over = True  # unknown: cancel_ticket below raises what it always did
         ticket = self.core.cancel_ticket(request.ticket_id, outcome, bounded_message(request.reason))
         # The request's own AR rolling back an unarmed ticket reports its failure in its Prefill
         # reply; anyone else (an operator) ends the generation here. Found black-box: an

@@ -438,6 +438,22 @@ def test_operator_cancel_ticket_ends_the_generation_cancelled(stage: str) -> Non
     run(body())
 
 
+def test_cancel_ticket_errors_are_unchanged_by_the_generation_hook() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            broker = broker_pb2_grpc.BrokerServiceStub(c.channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await broker.CancelTicket(
+                    broker_pb2.CancelTicketRequest(ticket_id="nope", outcome=broker_pb2.TICKET_OUTCOME_OK), timeout=5
+                )
+            assert error_info(info.value)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_OUTCOME")
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await broker.CancelTicket(broker_pb2.CancelTicketRequest(ticket_id="nope"), timeout=5)
+            assert error_info(info.value)[:2] == (grpc.StatusCode.NOT_FOUND, "UNKNOWN_TICKET")
+
+    run(body())
+
+
 @pytest.mark.parametrize("stage", ["queued", "prefilling", "transferring", "denoising"])
 def test_dropped_stream_cancels_the_generation(stage: str) -> None:
     async def body() -> None:
