@@ -16,7 +16,7 @@ import re
 import select
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -43,6 +43,30 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
+# gRPC core (absl) logs at INFO unless told otherwise: every stop of a node printed absl's
+# "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR" and
+# "I0000 ... chttp2_transport.cc:1183] ipv4:...: Got goaway [2] ... Cancelling all calls" (a
+# channel to a process that stopped: routine). ERROR keeps gRPC's real errors (a failed bind);
+# a GRPC_VERBOSITY the user set wins, and a GRPC_TRACE (its lines are INFO) leaves it unset. gRPC
+# reads it when it first starts (the first channel or server of the process), so processes set it
+# before that, and children inherit it.
+GRPC_CORE_LOG_DEFAULTS: dict[str, str] = {"GRPC_VERBOSITY": "ERROR"}
+
+
+def with_quiet_grpc_core(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` plus GRPC_CORE_LOG_DEFAULTS for what it does not set itself (nothing when it
+    asks for gRPC traces)."""
+    if environ.get("GRPC_TRACE"):
+        return dict(environ)
+    return {**GRPC_CORE_LOG_DEFAULTS, **environ}
+
+
+def quiet_grpc_core() -> None:
+    """Apply GRPC_CORE_LOG_DEFAULTS to this process's environment (and so to its children's)."""
+    for key, value in with_quiet_grpc_core(os.environ).items():
+        os.environ.setdefault(key, value)
+
+
 def configure_logging(level: str | None = None, *, process: str | None = None, json: bool | None = None) -> None:
     """Set up structlog and stdlib logging once per process.
 
@@ -50,6 +74,7 @@ def configure_logging(level: str | None = None, *, process: str | None = None, j
     (console|json) override.
     """
     global _configured, _json_logging
+    quiet_grpc_core()
     level_name = (level or os.environ.get("KVRELAY_LOG_LEVEL") or "INFO").upper()
     fmt = os.environ.get("KVRELAY_LOG_FORMAT")
     use_json = json if json is not None else (fmt == "json" if fmt else not sys.stderr.isatty())

@@ -287,6 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Resolved once here, so that every handler (and every child `kvrelay up` starts) sees the
         # same file: an explicit --config wins, then $KVRELAY_CONFIG, then the shipped default.
         args.config = default_config_path()
+    # Before any handler imports gRPC: its core's INFO lines ("Got goaway" when a peer stops) are
+    # noise on a terminal. kvrelay/logging.py (GRPC_CORE_LOG_DEFAULTS) says why; not imported
+    # here, so that client commands need no structlog. A user's GRPC_VERBOSITY or GRPC_TRACE wins.
+    if not os.environ.get("GRPC_TRACE"):
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     module_name, func_name = HANDLERS[args.command].split(":")
     try:
         module = importlib.import_module(module_name)

@@ -45,7 +45,7 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, KvRelayConfig, default_config_path, load_config
-from kvrelay.logging import configure_logging, get_logger
+from kvrelay.logging import configure_logging, get_logger, quiet_grpc_core, with_quiet_grpc_core
 from kvrelay.metrics import NodeMetricsServer
 from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
 from kvrelay.security import (
@@ -312,6 +312,9 @@ class Node:
         """
         if self._thread is not None:
             raise RuntimeError("node already started")
+        # Before this process's first gRPC channel (its health checks of the children): a channel
+        # to a child that stopped printed gRPC core's "Got goaway" line at every stop.
+        quiet_grpc_core()
         try:
             check_ports_free(listen for child in self._children for listen in child.spec.listens)
         except PortInUse as err:
@@ -590,7 +593,7 @@ class Node:
     # -- process handling -----------------------------------------------------------------------
 
     def _spawn(self, child: _Child) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self._env, **child.spec.env}
+        env = {**with_quiet_grpc_core(os.environ), "PYTHONUNBUFFERED": "1", **self._env, **child.spec.env}
         stdout: Any = None
         if self.log_dir is not None:
             if child.log_file is None:

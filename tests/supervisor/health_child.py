@@ -43,7 +43,8 @@ def main() -> int:
     behaviours = json.loads(os.environ.get("CHILD_BEHAVIOUR", "{}"))
     behaviour = {**behaviours.get(args.role, {}), **behaviours.get(name, {})}
     state_dir = Path(os.environ["CHILD_STATE_DIR"])
-    record: dict[str, object] = {"name": name, "pid": os.getpid(), "argv": sys.argv[1:], "started": started}
+    record: dict[str, object] = {"name": name, "pid": os.getpid(), "argv": sys.argv[1:], "started": started,
+                                 "grpc_verbosity": os.environ.get("GRPC_VERBOSITY")}  # fmt: skip
     record_path = state_dir / f"{name}.{os.getpid()}.json"
 
     def save(**more: object) -> None:

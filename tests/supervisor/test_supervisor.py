@@ -186,6 +186,25 @@ def test_node_starts_the_broker_first_then_every_replica_and_says_where(
     assert wait_dead(pids) == []
 
 
+def test_children_get_grpc_core_logs_at_error_unless_the_user_chose(
+    tmp_path: Path, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # gRPC core's INFO lines ("Got goaway" from a channel to a child that stopped) were printed at
+    # every stop of a node; kvrelay/logging.py GRPC_CORE_LOG_DEFAULTS.
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    monkeypatch.delenv("GRPC_TRACE", raising=False)
+    path = write_config(tmp_path, ar_replicas=1, dit_replicas=1)
+    for chosen in (None, "INFO"):
+        if chosen is not None:
+            monkeypatch.setenv("GRPC_VERBOSITY", chosen)
+        with start_node(path, command=COMMAND, roles=("broker",), log_dir=tmp_path / "logs",
+                        env=node_env(state_dir)) as node:  # fmt: skip
+            pid = node.processes()[0].pid
+        [broker] = [r for r in by_name(state_dir, "broker") if r["pid"] == pid]
+        assert broker["grpc_verbosity"] == (chosen or "ERROR")
+        assert wait_dead([pid]) == []
+
+
 def test_a_replica_that_exits_is_restarted_on_the_same_address(tmp_path: Path, state_dir: Path) -> None:
     path = write_config(tmp_path, ar_replicas=1, dit_replicas=1)
     with start_node(path, command=COMMAND, env=node_env(state_dir), backoff_initial=0.2) as node:
