@@ -594,7 +594,10 @@ class Node:
 
     def _spawn(self, child: _Child) -> None:
         env = {**with_quiet_grpc_core(os.environ), "PYTHONUNBUFFERED": "1", **self._env, **child.spec.env}
-        stdout: Any = None
+        # Without a log folder, both of a child's streams go to this process's stderr: its stdout
+        # is the node's report (`kvrelay up`'s table), which a child's "listening on" line (or
+        # its whole JSON log) interleaved with, and `kvrelay up > node.txt` got it all.
+        stdout: Any = sys.__stderr__.fileno() if sys.__stderr__ is not None else None
         if self.log_dir is not None:
             if child.log_file is None:
                 child.log_file = open(self.log_dir / f"{child.spec.name}.log", "ab")  # noqa: SIM115
@@ -608,7 +611,7 @@ class Node:
             child.spec.argv,
             stdin=subprocess.DEVNULL,
             stdout=stdout,
-            stderr=subprocess.STDOUT if stdout is not None else None,
+            stderr=subprocess.STDOUT if self.log_dir is not None else None,
             env=env,
             cwd=self._cwd,
             start_new_session=True,

@@ -284,12 +284,12 @@ def test_a_child_never_serving_times_out_and_nothing_is_left(tmp_path: Path, sta
 
 
 def _up_process(
-    tmp_path: Path, state_dir: Path, path: Path, behaviour: dict[str, Any] | None = None
+    tmp_path: Path, state_dir: Path, path: Path, behaviour: dict[str, Any] | None = None, log_dir: bool = True
 ) -> subprocess.Popen[str]:
     code = (
         "import argparse, sys\n"
         "from kvrelay.node.supervisor import run_up\n"
-        f"args = argparse.Namespace(config={str(path)!r}, host=None, log_dir={str(tmp_path / 'logs')!r},"
+        f"args = argparse.Namespace(config={str(path)!r}, host=None, log_dir={str(tmp_path / 'logs') if log_dir else None!r},"
         " log_level=None, ready_timeout=60)\n"
         f"sys.exit(run_up(args, command=[sys.executable, {CHILD!r}]))\n"
     )
@@ -319,6 +319,31 @@ def _wait_up(proc: subprocess.Popen[str]) -> list[str]:
     raise AssertionError(
         "kvrelay up did not come up:\n" + "".join(lines) + (proc.stderr.read() if proc.stderr else "")
     )
+
+
+def test_without_a_log_dir_stdout_is_the_node_report_and_the_childrens_output_is_on_stderr(
+    tmp_path: Path, state_dir: Path
+) -> None:
+    # The children shared kvrelay up's stdout: their "listening on" lines (a JSON log, when not on
+    # a terminal) came among the table's, and `kvrelay up > node.txt` got them all.
+    path = write_config(tmp_path, ar_replicas=1, dit_replicas=1)
+    proc = _up_process(tmp_path, state_dir, path, log_dir=False)
+    try:
+        report = _wait_up(proc)
+        pids = all_pids(state_dir)
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and wait_dead(pids) == []
+    lines = [line.rstrip("\n") for line in report] + rest.splitlines()
+    assert lines[0].startswith("kvrelay up: every process is SERVING"), lines
+    assert lines[1].split()[0] == "PROCESS" and [row.split()[0] for row in lines[2:5]] == ["broker", "ar-0", "dit-0"]
+    assert lines[5].startswith("node metrics") and lines[6].startswith("try: kvrelay generate") and len(lines) == 7
+    for name in ("broker", "ar-0", "dit-0"):
+        assert f"{name} listening on" in err
 
 
 # SIGHUP: the terminal or SSH session of `kvrelay up` went away. It used to kill the supervisor

@@ -1,7 +1,7 @@
 """`kvrelay up` of a tiny real node as a new user runs it in a terminal (no --log-dir, console
 logs): a clean start, one image and Ctrl-C leave none of gRPC core's routine lines on stderr
 (absl's "All log messages before absl::InitializeLog()" and "chttp2_transport.cc ... Got goaway"
-were printed at every stop)."""
+were printed at every stop), and stdout is the node's report alone."""
 
 from __future__ import annotations
 
@@ -53,6 +53,8 @@ def test_a_clean_start_and_stop_of_a_real_node_prints_no_grpc_core_noise(tmp_pat
                 break
         match = re.search(r"--target (\S+)", "".join(out))
         assert match, "".join(out) + "".join(err[-40:])
+        # stdout is the node's report alone: the children's "listening on" lines go to stderr.
+        assert out[0].startswith("kvrelay up: every process is SERVING") and len(out) == 7, out
         with KvRelayClient(match.group(1)) as client:
             client.generate("a red fox", seed=1, width=64, height=64, timeout=120).result()
         up.send_signal(signal.SIGINT)
