@@ -20,8 +20,10 @@ mkdir -p .gpu/whl .gpu/deb
   charset-normalizer==3.5.3 hf-xet==1.8.0 httpx2==2.17.0 httpcore2==2.17.0 h11==0.16.0 anyio==4.16.0 \
   click==8.5.1 tqdm==4.70.1 pyyaml==6.0.4 packaging==26.4 lazy-importer==0.1.0 truststore==0.10.5
 # The Mooncake wheel without the executables kvrelay never runs (transfer_engine_bench alone is
-# 42 MB): the carried paths must stay under the device tool's 64 MiB.
+# 42 MB, the master's own copy of libetcd_wrapper 10 MB): the tracked tree plus .gpu/ must stay
+# under the device tool's 64 MiB (about 10 + 49 MiB).
 .venv/bin/python benchmarks/gpu/slim_wheel.py .gpu/whl/mooncake_transfer_engine_non_cuda-*.whl \
-  mooncake/transfer_engine_bench mooncake/mooncake_master mooncake/mooncake_client
+  mooncake/transfer_engine_bench mooncake/mooncake_master mooncake/mooncake_client \
+  mooncake_transfer_engine_non_cuda.libs/libetcd_wrapper-0b032a94.so
 (cd .gpu/deb && apt-get download libibverbs1 libnl-3-200 libnl-route-3-200)
 du -sh .gpu
