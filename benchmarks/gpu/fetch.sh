@@ -11,11 +11,12 @@ mkdir -p .gpu/whl .gpu/deb
   grpcio-health-checking==1.66.2 grpcio-reflection==1.66.2 grpcio-status==1.66.2 googleapis-common-protos==1.75.0 \
   structlog pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection
 # diffusers for the demo / BAGEL DiT (its scheduler and the FLUX VAE) and what it imports, less
-# numpy, filelock, fsspec and typing-extensions: the image has them for torch, and carried.sh's
+# numpy, filelock, fsspec, typing-extensions and huggingface-hub: the image has them (torch; its
+# transformers needs huggingface-hub < 2, which a carried 2.x shadowed), and carried.sh's
 # --target install would shadow torch's own.
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
-  -d .gpu/whl diffusers==0.42.1 huggingface-hub==2.4.0 importlib-metadata==10.2.0 zipp==4.1.2 regex==2026.12.2 \
+  -d .gpu/whl diffusers==0.42.1 importlib-metadata==10.2.0 zipp==4.1.2 regex==2026.12.2 \
   safetensors==0.8.0 pillow==13.0.0 requests==2.34.2 urllib3==2.8.0 idna==3.21 certifi==2026.10.19.post1 \
   charset-normalizer==3.5.3 hf-xet==1.8.0 httpx2==2.17.0 httpcore2==2.17.0 h11==0.16.0 anyio==4.16.0 \
   click==8.5.1 tqdm==4.70.1 pyyaml==6.0.4 packaging==26.4 lazy-importer==0.1.0 truststore==0.10.5
