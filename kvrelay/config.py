@@ -101,7 +101,7 @@ class BrokerConfig(_Strict):
     max_total_pages: int = Field(1 << 26, ge=1, le=1 << 34)
     # WatchTicket streams open at once, in all and per calling replica (kvrelay.broker.service,
     # MAX_WATCH_STREAMS*): one beyond is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. A DiT holds one per
-    # request it serves, so keep the per-replica bound above every DiT stage's max_num_seqs.
+    # request it serves: a per-replica bound below the DiT stage's max_num_seqs is refused at load.
     max_watch_streams: int = Field(2048, ge=1, le=1 << 20)
     max_watch_streams_per_replica: int = Field(256, ge=1, le=1 << 20)
 
@@ -506,6 +506,13 @@ class KvRelayConfig(_Strict):
             raise ValueError(
                 f"stages[0].model.quantization: {ar.model.quantization} is for the DiT stage (stages[1]); "
                 "the AR runs unquantized"
+            )
+        # A DiT replica watches one ticket per request it serves: a bound below its max_num_seqs
+        # would refuse its own watches (it then polls GetTicket and warns on every request).
+        if dit.max_num_seqs > self.broker.max_watch_streams_per_replica:
+            raise ValueError(
+                f"broker.max_watch_streams_per_replica: {self.broker.max_watch_streams_per_replica} is below "
+                f"stages[1].max_num_seqs ({dit.max_num_seqs}); a DiT replica watches one ticket per request"
             )
         return self
 

@@ -391,3 +391,13 @@ def test_an_ar_checkpoint_of_another_shape_is_refused_at_load(base: dict[str, An
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256}))
     data["stages"][0]["model"] = {"path": str(tmp_path)}
     _reject(data, "stages[0].model.path", "not a Llama/Qwen2 config.json")
+
+
+def test_dit_max_num_seqs_must_fit_the_per_replica_watch_bound(base: dict[str, Any]) -> None:
+    cfg = copy.deepcopy(base)
+    cfg["stages"][1]["max_num_seqs"] = 8
+    cfg.setdefault("broker", {})["max_watch_streams_per_replica"] = 8
+    parse_config(cfg)  # equal is enough: one watch per request
+    cfg["broker"]["max_watch_streams_per_replica"] = 7
+    with pytest.raises(ConfigError, match=r"broker.max_watch_streams_per_replica: 7 is below stages\[1\].max_num_seqs \(8\)"):
+        parse_config(cfg)
