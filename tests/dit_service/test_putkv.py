@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -361,11 +362,13 @@ def test_no_chunk_lands_in_a_loaded_tickets_pages(tmp_path: Path) -> None:
                     request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=256, height=256,
                                                      num_inference_steps=60, guidance_scale=1.0, seed=2)
                     events = asyncio.ensure_future(_drain(stub.Denoise(request, timeout=60.0)))
-                    for _ in range(400):
-                        if (await writer.ticket(t.ticket_id)).state == broker_pb2.TICKET_STATE_CONSUMING:
-                            break
+                    # A deadline, not a count of polls: each GetTicket is slower on a loaded 2-core
+                    # host (CI once saw WRITING after 400 polls; the DiT's last lines say why).
+                    deadline = time.monotonic() + 20.0
+                    while (state := (await writer.ticket(t.ticket_id)).state) != broker_pb2.TICKET_STATE_CONSUMING:
+                        assert time.monotonic() < deadline, (
+                            f"ticket {broker_pb2.TicketState.Name(state)}, not CONSUMING:\n" + "".join(dit.lines[-30:]))
                         await asyncio.sleep(0.01)
-                    assert (await writer.ticket(t.ticket_id)).state == broker_pb2.TICKET_STATE_CONSUMING
                     await queue.put(junk)
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await lingering
