@@ -27,6 +27,7 @@ import uuid
 from kvrelay.ar_service.engine import ArRankSpec
 from kvrelay.ar_service.vllm_engine import VllmRankSpec
 from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConfig, load_config
+from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.security import CallerClass, SecurityError, load_credentials, make_channel
 from kvrelay.server import GrpcServer
@@ -41,13 +42,6 @@ EXIT_CONFIG = 2
 EXIT_FAIL_STOP = 3
 # How long a clean stop lets running Prefills finish their writes and reports.
 STOP_GRACE_S = 30.0
-
-
-def _unreachable_line(broker: str, waited_s: float, code: str, message: str) -> str:
-    return (
-        f"the broker at {broker} did not answer RegisterReplica for {waited_s:g} s (last: {code}: {message}): "
-        "is it running, and is --broker (or the config's broker.host and broker.port) right?"
-    )
 
 
 def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
@@ -285,7 +279,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             on_fail_stop(str(err))
         except BrokerUnreachable as err:
             log.error("broker_unreachable", broker=_broker_address(args, cfg), code=err.code, message=err.message)
-            line = _unreachable_line(_broker_address(args, cfg), err.waited_s, err.code, err.message)
+            line = broker_unreachable_line(_broker_address(args, cfg), err.waited_s, err.code, err.message)
             print(f"kvrelay ar: {line}", file=sys.stderr)
             return EXIT_STARTUP
         except RegistrationRefused as err:

@@ -551,8 +551,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 "NO_FREE_PAGES",
                 f"DiT replica {request.dit_replica_id} has not enough free pages now; retry later",
             )
-            await revealable(self.core, context)  # the pool it read may hold queued reservations
-            await abort_with(context, no_room)
+            await abort_with(context, no_room)  # _maps_errors waits for the journal before it leaves
         self._expire_later(ticket.ticket_id)
         return broker_pb2.CreateTicketResponse(ticket=ticket_to_proto(ticket))
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrelay.config import ConfigError, KvRelayConfig, ModelConfig, load_config
+from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.server import GrpcServer
 from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
@@ -268,9 +269,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     except BrokerUnreachable as err:
         # One line without a traceback: nothing is broken here, the broker is not where we looked.
         log.error("broker_unreachable", broker=broker_address, code=err.code, message=err.message)
-        print(f"kvrelay dit: the broker at {broker_address} did not answer RegisterReplica for {err.waited_s:g} s "
-              f"(last: {err.code}: {err.message}): is it running, and is --broker (or the config's broker.host "
-              "and broker.port) right?", file=sys.stderr)  # fmt: skip
+        line = broker_unreachable_line(broker_address, err.waited_s, err.code, err.message)
+        print(f"kvrelay dit: {line}", file=sys.stderr)
         stopper.fail_stop(f"startup failed: {err}")
     except Exception as err:  # noqa: BLE001 - startup failure: stop what started, exit non-zero
         log.exception("dit_failed", error=str(err))

@@ -56,6 +56,15 @@ def bounded_message(message: str) -> str:
     return f"{message[:MAX_ERROR_MESSAGE_CHARS]}... ({cut} more characters)"
 
 
+def broker_unreachable_line(broker: str, waited_s: float, code: str, message: str) -> str:
+    """What an AR or DiT replica prints when the broker never answered its RegisterReplica: nothing
+    was refused, so it says where it looked (one line, no traceback)."""
+    return (
+        f"the broker at {broker} did not answer RegisterReplica for {waited_s:g} s (last: {code}: {message}): "
+        "is it running, and is --broker (or the config's broker.host and broker.port) right?"
+    )
+
+
 def to_status(err: KvRelayServerError) -> Any:
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
