@@ -56,6 +56,15 @@ _STALE_TRIES = 5
 _STALE_FAILURE_S = 1.0
 
 
+def quiet_engine_info_log() -> None:
+    """Default ``MC_LOG_LEVEL`` to WARNING; call before the first ``import mooncake.engine``.
+
+    Mooncake reads it when its module loads; its INFO lines (eight on every engine start, more
+    per peer) drowned a console log. Warnings and errors still print (e.g. "No RDMA devices
+    found" where RDMA was expected). An explicit ``MC_LOG_LEVEL`` wins."""
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+
+
 class MooncakeError(RuntimeError):
     """The Mooncake engine could not be started or could not register memory."""
 
@@ -97,6 +106,7 @@ class MooncakeEndpoint:
     def __init__(
         self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "", sleep_fraction: float = 0.75
     ) -> None:
+        quiet_engine_info_log()
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # pragma: no cover - exercised where Mooncake is absent

@@ -169,12 +169,13 @@ def transport_for_connector(kv_connector: str | None) -> TransportName:
 
 def _load(name: str) -> Any:
     if name == "mooncake":
+        from kvrelay.transfer import mooncake as mooncake_module
+
+        mooncake_module.quiet_engine_info_log()
         try:
             import mooncake.engine  # noqa: F401
         except ImportError as e:
             raise ImportError(f"the mooncake transport needs Mooncake: {_INSTALL_HINT['mooncake']}") from e
-        from kvrelay.transfer import mooncake as mooncake_module
-
         return mooncake_module
     if name == "grpc":
         try:
