@@ -70,8 +70,10 @@ def _cli_generate_list_and_cancel(target: str, tmp_path: Path, expected_png: byt
     assert finished.returncode == 1 and "ALREADY_FINISHED" in finished.stderr
 
     long = subprocess.Popen(
+        # 1,000 steps at 64x64 ended before `kvrelay cancel` had started on a loaded host (CI-like,
+        # helpers' tests beside it): 256x256 has 16x the image tokens per step.
         [sys.executable, "-m", "kvrelay", "generate", "a slow fox", "--steps", "1000", "--request-id", "to-cancel",
-         "-o", str(tmp_path / "never.png"), *common],
+         "-o", str(tmp_path / "never.png"), *common, "--width", "256", "--height", "256"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
