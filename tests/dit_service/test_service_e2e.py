@@ -18,7 +18,7 @@ import pytest
 from kvrelay.errors import reason_of
 from kvrelay.models.dit import DitRunner
 from kvrelay.models.image import decode_png
-from kvrelay.v1 import broker_pb2, broker_pb2_grpc, dit_pb2, dit_pb2_grpc
+from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
 from tests.dit_service.harness import (
     ArWriter,
     broker_process,
@@ -496,10 +496,7 @@ def test_a_cancel_while_the_ok_release_is_sent_still_releases(tmp_path: Path) ->
     as the DiT, done denoising, sent ReleaseTicket(OK); the cancel cut that RPC off and nothing
     released the ticket again, so it stayed CONSUMING with its pages reserved for good. Here the
     broker holds the first OK release until the test has cancelled the call."""
-    from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.service import BrokerServicer
-    from kvrelay.broker.waiters import run_maintenance
-    from kvrelay.server import GrpcServer
 
     config = write_config(tmp_path, transport="mooncake")
 
@@ -513,42 +510,31 @@ def test_a_cancel_while_the_ok_release_is_sent_still_releases(tmp_path: Path) ->
                     await go.wait()
                 return await super().ReleaseTicket(request, context)
 
-        core = BrokerCore(None, lease_seconds=10.0, drain_quiet_seconds=0.2)
-        name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
-        broker = GrpcServer(name="broker", host="127.0.0.1", port=0,
-                            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
-                                            HeldRelease(core), name)])  # fmt: skip
-        await broker.start()
-        maintenance = asyncio.get_running_loop().create_task(run_maintenance(core, 0.05))
-        dit = start_dit(config, broker.address, cwd=tmp_path)
-        try:
-            await wait_serving(dit)
-            writer = ArWriter(broker.address, "tiny", "mooncake")
-            await writer.register()
-            ticket = await writer.create_ticket([5])
-            armed = await writer.arm(ticket.ticket_id)
-            await writer.report(ticket.ticket_id, await asyncio.to_thread(
-                writer.write, armed, writer.rows_kv([5], seed=6)))
-            async with grpc.aio.insecure_channel(dit.address) as channel:
-                call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
-                    ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
-                    guidance_scale=1.0, seed=0), timeout=60.0)
-                await asyncio.wait_for(arrived.wait(), 30.0)
-                call.cancel()
-                await asyncio.sleep(0.5)  # the DiT sees the cancel while its release is held
-            go.set()
-            released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
-            assert released.state == broker_pb2.TICKET_STATE_RELEASED
-            pool = await writer.pool()
-            assert pool.free_pages == pool.total_pages
-            await writer.close()
-        finally:
-            assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
-            maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await maintenance
-            await broker.stop(grace=0.5)
-            core.close()
+        async with inprocess_broker(servicer_class=HeldRelease) as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.create_ticket([5])
+                armed = await writer.arm(ticket.ticket_id)
+                await writer.report(ticket.ticket_id, await asyncio.to_thread(
+                    writer.write, armed, writer.rows_kv([5], seed=6)))
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                        guidance_scale=1.0, seed=0), timeout=60.0)
+                    await asyncio.wait_for(arrived.wait(), 30.0)
+                    call.cancel()
+                    await asyncio.sleep(0.5)  # the DiT sees the cancel while its release is held
+                go.set()
+                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 
@@ -561,11 +547,8 @@ def test_a_release_that_fails_while_a_reregistration_lists_its_ticket_is_still_d
     held registration go through, keeping T; then the broker answers again. The release must
     still reach it: before, the DiT gave up after six tries and T stayed CONSUMING, its pages
     reserved, until the DiT's next re-registration (none ever came)."""
-    from kvrelay.broker.core import BrokerCore
     from kvrelay.broker.service import BrokerServicer
     from kvrelay.broker.tickets import TicketOutcome, TicketState
-    from kvrelay.broker.waiters import run_maintenance
-    from kvrelay.server import GrpcServer
 
     config = write_config(tmp_path, transport="mooncake")
 
@@ -605,49 +588,38 @@ def test_a_release_that_fails_while_a_reregistration_lists_its_ticket_is_still_d
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker dropped again")
                 return await super().ReleaseTicket(request, context)
 
-        core = BrokerCore(None, lease_seconds=10.0, drain_quiet_seconds=0.2)
-        name = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
-        broker = GrpcServer(name="broker", host="127.0.0.1", port=0,
-                            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
-                                            Racing(core), name)])  # fmt: skip
-        await broker.start()
-        maintenance = asyncio.get_running_loop().create_task(run_maintenance(core, 0.05))
-        dit = start_dit(config, broker.address, cwd=tmp_path)
-        try:
-            await wait_serving(dit)
-            writer = ArWriter(broker.address, "tiny", "mooncake")
-            await writer.register()
-            ticket = await writer.create_ticket([5])
-            tid = ticket.ticket_id
-            armed = await writer.arm(tid)
-            await writer.report(tid, await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
-            async with grpc.aio.insecure_channel(dit.address) as channel:
-                events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
-                    ticket_id=tid, width=64, height=64, num_inference_steps=2, guidance_scale=1.0, seed=0))
-            # The call is over and its release was refused: the DiT stopped waiting for it.
-            assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
-            assert refused_releases and set(refused_releases) == {tid}
-            assert listed == [[tid]], listed
-            go_register.set()
-            await asyncio.wait_for(registered.wait(), 10.0)
-            assert core.get_ticket(tid).state is TicketState.CONSUMING, "the listing keeps the ticket"
-            dropped = False
-            released = await _wait_ticket(writer, tid, broker_pb2.TICKET_STATE_RELEASED, 10.0)
-            assert released.state == broker_pb2.TICKET_STATE_RELEASED, (
-                f"the undelivered release was lost: ticket {broker_pb2.TicketState.Name(released.state)}")
-            assert core.get_ticket(tid).outcome is TicketOutcome.OK, "the call's own outcome reached the broker"
-            pool = await writer.pool()
-            assert pool.free_pages == pool.total_pages
-            await writer.close()
-        finally:
-            go_register.set()
-            registering.set()
-            assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
-            maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await maintenance
-            await broker.stop(grace=0.5)
-            core.close()
+        async with inprocess_broker(servicer_class=Racing) as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.create_ticket([5])
+                tid = ticket.ticket_id
+                armed = await writer.arm(tid)
+                await writer.report(tid, await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                        ticket_id=tid, width=64, height=64, num_inference_steps=2, guidance_scale=1.0, seed=0))
+                # The call is over and its release was refused: the DiT stopped waiting for it.
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                assert refused_releases and set(refused_releases) == {tid}
+                assert listed == [[tid]], listed
+                go_register.set()
+                await asyncio.wait_for(registered.wait(), 10.0)
+                assert core.get_ticket(tid).state is TicketState.CONSUMING, "the listing keeps the ticket"
+                dropped = False
+                released = await _wait_ticket(writer, tid, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED, (
+                    f"the undelivered release was lost: ticket {broker_pb2.TicketState.Name(released.state)}")
+                assert core.get_ticket(tid).outcome is TicketOutcome.OK, "the call's own outcome reached the broker"
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages
+                await writer.close()
+            finally:
+                go_register.set()
+                registering.set()
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
 
