@@ -155,6 +155,16 @@ class DitProcess:
     def metrics_port(self) -> int | None:
         return metrics_port_of(self.lines)
 
+    def pool_bytes(self, rank: int, offset: int, length: int, replica_id: str = "dit-0") -> bytes:
+        """What the DiT's host pool of `rank` holds at `offset` now (read from its /dev/shm file,
+        dit_service/memory.py): where a PutKv chunk lands, seen from outside the process."""
+        from kvrelay.dit_service import memory
+
+        (path,) = memory._SHM_DIR.glob(f"kvrelay-{replica_id}-{self.proc.pid}-rank{rank}-*")
+        with path.open("rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
 
 def start_dit(config: Path, broker_address: str, *, cwd: Path, timeout: float = 60.0) -> DitProcess:
     """`python -m kvrelay dit` with this config; returns once it printed its listening line. Every

@@ -357,13 +357,19 @@ def test_no_chunk_lands_in_a_loaded_tickets_pages(tmp_path: Path) -> None:
 
                     lingering = stub.PutKv(open_stream(), timeout=60.0)
                     await queue.put(junk)  # WRITING: lands (the real write below overwrites it)
+                    # ... but only once the DiT has it (after its GetTicket): wait until the pages
+                    # hold it. The queue only hands the chunk to gRPC; written beside it, the real
+                    # write could land first, the junk after it, and the load would re-verify
+                    # mismatching pages (WRITING) until its transfer_timeout.
+                    deadline = time.monotonic() + 20.0
+                    while await asyncio.to_thread(dit.pool_bytes, 0, junk.dst_offset, len(junk.data)) != junk.data:
+                        assert time.monotonic() < deadline, "the WRITING ticket's chunk never landed"
+                        await asyncio.sleep(0.01)
                     prefixes = writer.rows_kv(counts, seed=5)
                     await writer.report(t.ticket_id, await asyncio.to_thread(writer.write, armed, prefixes))
                     request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=256, height=256,
                                                      num_inference_steps=60, guidance_scale=1.0, seed=2)
                     events = asyncio.ensure_future(_drain(stub.Denoise(request, timeout=60.0)))
-                    # A deadline, not a count of polls: each GetTicket is slower on a loaded 2-core
-                    # host (CI once saw WRITING after 400 polls; the DiT's last lines say why).
                     deadline = time.monotonic() + 20.0
                     while (state := (await writer.ticket(t.ticket_id)).state) != broker_pb2.TICKET_STATE_CONSUMING:
                         assert time.monotonic() < deadline, (
