@@ -49,7 +49,7 @@ from kvrelay.ar_service.sender import (
     after_arming,
     after_prefill,
 )
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, time_remaining
 from kvrelay.logging import get_logger
 from kvrelay.models.tokenizer import Tokenizer
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
@@ -276,7 +276,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         self, request: ar_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> ar_pb2.PrefillResponse:
         state = await self._ready(context)
-        remaining = context.time_remaining()
+        remaining = time_remaining(context)
         budget = state.request_timeout_s if remaining is None else remaining
         if request.HasField("deadline_time"):
             budget = min(budget, request.deadline_time.ToNanoseconds() / 1e9 - time.time())

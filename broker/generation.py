@@ -29,7 +29,7 @@ from kvrelay.broker.service import revealable
 from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
 from kvrelay.config import DEFAULT_IMAGE_REPLY_BUDGET_BYTES, DEFAULT_IMAGE_REPLY_WAIT_SECONDS, BrokerConfig
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, time_remaining
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.security import current_caller
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -367,7 +367,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             request_id, params, seed_given = resolve_request(request)
             detach_seconds = resolve_detach_timeout(request)
             # The client's deadline bounds the whole generation, queueing included.
-            timeout = context.time_remaining()
+            timeout = time_remaining(context)
             record = await self.orchestrator.submit(
                 request_id, params, seed_given=seed_given, timeout=timeout
             )

@@ -70,6 +70,10 @@ _T = TypeVar("_T")
 # The broker's bound on GenerateRequest.detach_timeout_seconds.
 MAX_DETACH_SECONDS = 3600.0
 
+# The longest `timeout=` (seconds, ~31.7 years; the servers hold longer deadlines to the same,
+# kvrelay.errors.MAX_DEADLINE_SECONDS): gRPC keeps a deadline as int64 nanoseconds since the epoch.
+MAX_TIMEOUT_SECONDS = 1e9
+
 # Codes of a CancelGeneration that found nothing left to cancel (unknown id, or already ended).
 NOTHING_TO_CANCEL = frozenset({"NOT_FOUND", "FAILED_PRECONDITION"})
 
@@ -210,17 +214,19 @@ def cancel_generation(request_id: str) -> UnaryCall[Generation]:
 
 
 def checked_timeout(value: float | None) -> float | None:
-    """A `timeout=` (seconds): None, or a positive finite number. Zero, a negative number or NaN
-    can never be met, and came back as DEADLINE_EXCEEDED "Deadline Exceeded" from every call, as if
-    the server had been slow; refused here like a value the wire cannot carry."""
+    """A `timeout=` (seconds): None, or a positive number up to MAX_TIMEOUT_SECONDS. Zero, a
+    negative number or NaN can never be met, and one over the bound (1e10) cannot be held by gRPC
+    (a deadline past 2262): each came back as DEADLINE_EXCEEDED "Deadline Exceeded" from every
+    call, as if the server had been slow; refused here like a value the wire cannot carry."""
     if value is None:
         return None
     seconds = float(value)
-    if not (seconds > 0 and math.isfinite(seconds)):
+    if not (seconds > 0 and math.isfinite(seconds) and seconds <= MAX_TIMEOUT_SECONDS):
         raise KvRelayError(
             "INVALID_ARGUMENT",
             "INVALID_ARGUMENT",
-            f"timeout: must be a positive number of seconds (None: the default), got {value}",
+            f"timeout: must be a positive number of seconds, at most {MAX_TIMEOUT_SECONDS:g} "
+            f"(None: the default), got {value}",
             {"field": "timeout"},
         )
     return seconds

@@ -42,7 +42,7 @@ from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
 from kvrelay.dit_service.releases import OwedReleases
 from kvrelay.dit_service.scheduler import AdmissionQueue, Place, replica_queue
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, time_remaining
 from kvrelay.logging import get_logger
 from kvrelay.models.image import encode_png
 from kvrelay.security import current_caller
@@ -371,7 +371,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             self.inflight.add(task)
             task.add_done_callback(self.inflight.discard)
         start = time.monotonic()
-        remaining = context.time_remaining()
+        remaining = time_remaining(context)
         deadline = start + (remaining if remaining is not None else self.s.stage.request_timeout_seconds)
         if request.HasField("deadline_time"):
             deadline = min(deadline, start + request.deadline_time.ToNanoseconds() / 1e9 - time.time())

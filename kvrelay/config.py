@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import MAX_CFG_ROWS
 
@@ -74,6 +75,9 @@ DEFAULT_IMAGE_REPLY_WAIT_SECONDS = 10.0
 
 # The shortest replica lease a config may set: heartbeats (lease / 3) stay RPCs, not a busy loop.
 MIN_LEASE_SECONDS = 0.5
+# The shortest rank_stall_seconds a config may set: four liveness beats (kvrelay.worker beats
+# every 0.5 s), so a beat a loaded host schedules late is not taken for a stopped rank.
+MIN_RANK_STALL_SECONDS = 2.0
 
 
 class BrokerConfig(_Strict):
@@ -297,11 +301,15 @@ class StageConfig(_Strict):
     # CFG-parallel (DiT only): the replica runs `cfg_parallel_size` groups of tp * sp ranks and group
     # g receives and computes CFG row g alone (row 0 prompt, row 1 negative), combined once per step.
     cfg_parallel_size: int = Field(1, ge=1)
-    # Per-request deadline the broker gives a stage call when the client set none.
-    request_timeout_seconds: float = Field(600.0, gt=0)
+    # Per-request deadline the broker gives a stage call when the client set none. At most
+    # MAX_DEADLINE_SECONDS: 1e12 was accepted and every request without a client deadline failed
+    # DEADLINE_EXCEEDED at once (gRPC cannot hold a deadline that far).
+    request_timeout_seconds: float = Field(600.0, gt=0, le=MAX_DEADLINE_SECONDS)
     # A rank whose liveness beat is silent this long (stopped, frozen, hung past its own threads)
-    # fail-stops its replica; None: KvRelayConfig.rank_stall_seconds_for's default.
-    rank_stall_seconds: float | None = Field(None, gt=0)
+    # fail-stops its replica; None: KvRelayConfig.rank_stall_seconds_for's default. At least
+    # MIN_RANK_STALL_SECONDS: 0.1 was accepted, below the beat's own 0.5 s period, and the DiT
+    # fail-stopped within a second of every start (each request REPLICA_FAILED, found black-box).
+    rank_stall_seconds: float | None = Field(None, ge=MIN_RANK_STALL_SECONDS, allow_inf_nan=False)
 
     @field_validator("devices")
     @classmethod

@@ -22,6 +22,21 @@ ERROR_DOMAIN = "kvrelay.dev"
 MAX_ERROR_MESSAGE_CHARS = 1024
 
 
+# The longest deadline a kvrelay process passes on to its own calls, in seconds (~31.7 years).
+# gRPC keeps a call's deadline as int64 nanoseconds since the epoch: one past April 2262 (now +
+# ~7.4e9 s) made the broker's Prefill call end DEADLINE_EXCEEDED at once, so a client whose
+# deadline was that far (grpcurl -max-time 8e9, a Go client's "no deadline") saw every generation
+# FAILED in PREFILLING (found black-box). Longer deadlines are held to this one.
+MAX_DEADLINE_SECONDS = 1e9
+
+
+def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
+    """The caller's time left (None: it set no deadline), at most MAX_DEADLINE_SECONDS: what a
+    handler may pass on as the timeout of its own calls."""
+    remaining = context.time_remaining()
+    return None if remaining is None else min(remaining, MAX_DEADLINE_SECONDS)
+
+
 class KvRelayServerError(Exception):
     """An error to return to a gRPC caller: status code, UPPER_SNAKE reason, human message."""
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from kvrelay import __version__
 from kvrelay.config import DEFAULT_CONFIG, default_config_path
+from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.models.presets import PRESETS
 
 # subcommand -> "module:function(args) -> int"
@@ -70,8 +71,12 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    if not 0 < value <= MAX_DEADLINE_SECONDS:
+        # 1e10 passed, and `generate --timeout 1e10` ended DEADLINE_EXCEEDED at once, before
+        # sending anything (gRPC cannot hold a deadline past 2262).
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds, at most {MAX_DEADLINE_SECONDS:g}, got {text}"
+        )
     return value
 
 def _port(text: str) -> int:

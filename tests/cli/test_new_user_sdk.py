@@ -1,5 +1,6 @@
 """The SDK as a new user met it, black-box: a timeout that can never be met (zero, negative, NaN)
-came back from every call as DEADLINE_EXCEEDED "Deadline Exceeded", as if the broker were slow."""
+or that gRPC cannot hold (1e10 s: a deadline past 2262) came back from every call as
+DEADLINE_EXCEEDED "Deadline Exceeded", as if the broker were slow."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import pytest
 from kvrelay.client import AsyncKvRelayClient, KvRelayClient, KvRelayError
 from tests.client.harness import Harness, ServerThread
 
-BAD = [0, -1, -0.5, math.nan, math.inf]
+BAD = [0, -1, -0.5, math.nan, math.inf, 1e10]
 
 
 def _assert_timeout_refused(err: KvRelayError, value: float) -> None:
     assert (err.code, err.reason, err.details) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT", {"field": "timeout"})
-    assert err.message == f"timeout: must be a positive number of seconds (None: the default), got {value}"
+    assert err.message == (
+        f"timeout: must be a positive number of seconds, at most 1e+09 (None: the default), got {value}"
+    )
 
 
 @pytest.fixture
@@ -41,12 +44,13 @@ def test_a_timeout_that_can_never_be_met_is_refused_by_the_blocking_client(serve
         with pytest.raises(KvRelayError) as err:
             client.list_generations(timeout=value)
         _assert_timeout_refused(err.value, value)
-        # None is the default, and a positive timeout still works.
+        # None is the default, and a positive timeout still works, the longest one included.
         assert client.generate("a fox", width=64, height=64, timeout=None).result().width == 64
+        assert client.generate("a fox", width=64, height=64, timeout=1e9).result().width == 64
         assert client.list_generations(timeout=5) is not None
 
 
-@pytest.mark.parametrize("value", [0, -1, math.nan])
+@pytest.mark.parametrize("value", [0, -1, math.nan, 1e10])
 def test_a_timeout_that_can_never_be_met_is_refused_by_the_asyncio_client(server: ServerThread, value: float) -> None:
     async def body() -> None:
         async with AsyncKvRelayClient(server.address) as client:

@@ -360,6 +360,8 @@ def test_unresolvable_target_hints_at_the_target_not_tls(capsys: pytest.CaptureF
         (["generate", "x", "--timeout", "0"], "argument --timeout: must be a positive number of seconds"),
         (["generate", "x", "--timeout", "-5"], "argument --timeout: must be a positive number of seconds"),
         (["health", "--timeout", "nan"], "argument --timeout: must be a positive number of seconds"),
+        # 1e10 s is a deadline past 2262: it ended DEADLINE_EXCEEDED at once, nothing sent.
+        (["generate", "x", "--timeout", "1e10"], "argument --timeout: must be a positive number of seconds, at most 1e+09"),
         (["bench", "--runs", "0"], "argument --runs: must be at least 1, got 0"),
         (["bench", "--requests", "0"], "argument --requests: must be at least 1, got 0"),
         (["bench", "--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),

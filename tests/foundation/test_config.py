@@ -401,3 +401,30 @@ def test_dit_max_num_seqs_must_fit_the_per_replica_watch_bound(base: dict[str, A
     cfg["broker"]["max_watch_streams_per_replica"] = 7
     with pytest.raises(ConfigError, match=r"broker.max_watch_streams_per_replica: 7 is below stages\[1\].max_num_seqs \(8\)"):
         parse_config(cfg)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("seconds", [1e12, float("inf")])
+def test_rejects_a_request_timeout_grpc_cannot_hold(base: dict[str, Any], stage: int, seconds: float) -> None:
+    # 1e12 was accepted: every request without a client deadline got a stage call whose deadline
+    # lay past 2262, and failed DEADLINE_EXCEEDED at once (found black-box).
+    data = copy.deepcopy(base)
+    data["stages"][stage]["request_timeout_seconds"] = seconds
+    _reject(data, f"stages.{stage}.request_timeout_seconds", "less than or equal to 1000000000")
+    data["stages"][stage]["request_timeout_seconds"] = 1e9
+    parse_config(data)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("seconds", [0.1, 0.5, 1.9, float("inf"), float("nan")])
+def test_rejects_a_rank_stall_limit_the_liveness_beat_cannot_meet(
+    base: dict[str, Any], stage: int, seconds: float
+) -> None:
+    # 0.1 was accepted, below the beat's own 0.5 s period: the DiT fail-stopped within a second of
+    # every start and each request failed REPLICA_FAILED "worker rank 0 silent 0.5s" (found
+    # black-box); inf would never notice a stopped rank.
+    data = copy.deepcopy(base)
+    data["stages"][stage]["rank_stall_seconds"] = seconds
+    _reject(data, f"stages.{stage}.rank_stall_seconds")
+    data["stages"][stage]["rank_stall_seconds"] = 2.0
+    parse_config(data)
