@@ -6,8 +6,11 @@ reports, draining, fencing, and recovery after a restart. Every change is commit
 journal before the method that makes it returns, and only then are its waiters woken
 (`self.waiters`, waiters.py). With `journal_group_commit` a commit is queued to the journal's
 writer thread rather than written in place, so whoever reveals the core's state outside the
-process (the servicers' replies, the orchestrator's calls to replicas) first awaits
-`journal.durable()`: nothing leaves the process before the journal record behind it is on disk. The stored format of a ticket is codec.py's.
+process (the servicers' replies, the orchestrator's calls to replicas) first awaits the journal:
+nothing leaves the process before the journal record behind it is on disk. The core remembers
+which commit made each ticket, replica and pool what it is now (`commit_behind`), so a reply that
+changed nothing awaits only the commits behind what it shows, not every commit queued before it.
+The stored format of a ticket is codec.py's.
 Must never do I/O other than the journal, never import gRPC or torch, and never block: it is
 called from one asyncio event loop (the gRPC servicer and the orchestrator) and takes its
 clock as a parameter so tests drive time by hand.
@@ -186,6 +189,16 @@ class BrokerCore:
         self._released_history = released_history
         self._sequence = 0
         self.released_total = 0
+        # The journal commit (Journal.commit's number) that last changed each object, for
+        # `commit_behind`: a ticket (released ones while they are kept), a replica's record, a DiT's
+        # pool (its pages and its existence), the tickets an AR writes (its heartbeat's polls), and
+        # which replicas exist (a forgotten one is gone from every listing). An object absent from
+        # these maps has not changed since the journal was loaded: on disk.
+        self._ticket_commit: dict[TicketId, int] = {}
+        self._replica_commit: dict[ReplicaId, int] = {}
+        self._pool_commit: dict[ReplicaId, int] = {}
+        self._ar_tickets_commit: dict[ReplicaId, int] = {}
+        self._membership_commit = 0
         # Who waits for a ticket's next version or for freed pages (WatchTicket, the queue).
         self.waiters = ChangeWaiters(self._snapshot)
         # Set by the orchestrator: told when a `CancelTicket` from outside the request's own
@@ -310,7 +323,9 @@ class BrokerCore:
         for replica_id in idle:
             self.registry.forget(replica_id)
             self._pools.pop(replica_id, None)
-        self.journal.commit(replicas=dict.fromkeys(idle))
+            for commits in (self._replica_commit, self._pool_commit, self._ar_tickets_commit):
+                commits.pop(replica_id, None)
+        self._membership_commit = self.journal.commit(replicas=dict.fromkeys(idle))
         log.info("replicas_forgotten", count=len(idle), replica_ids=idle[:16])
 
     def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
@@ -763,6 +778,32 @@ class BrokerCore:
             out.append(PoolStatus(rid, c.total, c.free, c.reserved, c.draining, record.fenced, record.up(now)))
         return out
 
+    def commit_behind(
+        self,
+        *,
+        tickets: Iterable[TicketId] = (),
+        replicas: Iterable[ReplicaId] = (),
+        pools: Iterable[ReplicaId] = (),
+        polls_of: ReplicaId | None = None,
+        membership: bool = False,
+    ) -> int:
+        """The newest journal commit behind what a reply shows of these objects, now: await
+        `journal.durable_through` of it before the reply leaves (0 when nothing named changed since
+        the journal was loaded). `tickets`: tickets shown (released ones too, while kept);
+        `replicas`: replica records (incarnation, fence, deregistration); `pools`: DiT pools' pages;
+        `polls_of`: the tickets an AR writes (Heartbeat's `poll_writes`, an absence included);
+        `membership`: which replicas exist (a listing of all of them).
+
+        Only for a reply that changed nothing: a change's own commit is newer than everything
+        before it, so a reply that made one awaits it (and so every earlier one) instead."""
+        commits = [self._membership_commit if membership else 0]
+        commits.extend(self._ticket_commit.get(t, 0) for t in tickets)
+        commits.extend(self._replica_commit.get(r, 0) for r in replicas)
+        commits.extend(self._pool_commit.get(r, 0) for r in pools)
+        if polls_of is not None:
+            commits.append(self._ar_tickets_commit.get(polls_of, 0))
+        return max(commits)
+
     def draining_oldest_seconds(self) -> float:
         # list(): the metrics endpoint scrapes from its own thread; copy in one C-level step.
         starts = [
@@ -879,7 +920,8 @@ class BrokerCore:
     def _commit(self, tickets: Iterable[TicketRecord], replicas: Iterable[ReplicaRecord] = ()) -> None:
         """Journal, then publish: callers learn of a change only after it is durable."""
         tickets = list({t.ticket_id: t for t in tickets}.values())
-        self.journal.commit(
+        replicas = list(replicas)
+        seq = self.journal.commit(
             replicas={r.spec.replica_id: r.to_json() for r in replicas},
             # Released tickets leave the journal: nothing can write their pages any more.
             tickets={
@@ -887,6 +929,15 @@ class BrokerCore:
             },
             meta={"sequence": str(self._sequence)},
         )
+        for r in replicas:
+            self._replica_commit[r.spec.replica_id] = seq
+            if r.spec.role is ReplicaRole.DIT:
+                self._pool_commit[r.spec.replica_id] = seq  # a new incarnation's pool is new
+        for t in tickets:
+            # Every change of a pool's pages is a change of one of its tickets, committed here.
+            self._ticket_commit[t.ticket_id] = seq
+            self._pool_commit[t.dit_replica_id] = seq
+            self._ar_tickets_commit[t.ar_replica_id] = seq
         freed = False
         for t in tickets:
             if t.state is TicketState.RELEASED and t.ticket_id in self._tickets:
@@ -904,7 +955,8 @@ class BrokerCore:
         self._released[t.ticket_id] = t.snapshot()
         self.released_total += 1
         while len(self._released) > self._released_history:
-            self._released.popitem(last=False)
+            forgotten, _ = self._released.popitem(last=False)
+            self._ticket_commit.pop(forgotten, None)
         log.info(
             "ticket_released",
             ticket_id=t.ticket_id,

@@ -5,8 +5,10 @@ write and load state) and generations. `commit` records one atomic change; Broke
 before any RPC that reveals the change returns, so a broker restart never forgets a page
 that a remote writer may still target. With `group_commit` (the broker process), `commit` only
 queues the change: one writer thread applies queued commits in order, many per transaction and
-fsync, and `await durable()` returns once everything committed so far is on disk; whoever
-reveals state outside the process (an RPC reply, a call to a replica) awaits it first. Also keeps the file the size of what it holds: deleted
+fsync; each commit has a sequence number, `await durable_through(n)` returns once commit n and
+those before it are on disk and `await durable()` once everything committed so far is; whoever
+reveals state outside the process (an RPC reply, a call to a replica) awaits the commits behind
+what it reveals first. Also keeps the file the size of what it holds: deleted
 rows' pages go back to the filesystem in bounded steps (`reclaim`, incremental auto_vacuum) and
 the WAL is cut back after checkpoints; what to delete is its callers' decision (compaction.py).
 Must never interpret what it stores: replaying the records into pools and tickets is
@@ -409,11 +411,18 @@ class Journal:
 
     async def durable(self) -> None:
         """Return once every commit made before this call is on disk: await it before revealing
-        anything read from the broker's state (an RPC reply, a call to a replica). Raises
-        JournalWriteError when one of them failed (the broker then stops). Without group commit
-        it returns at once (every commit was on disk when it returned)."""
+        anything read from the broker's state that no narrower bound covers (a call to a replica,
+        a refusal). Raises JournalWriteError when one of them failed (the broker then stops).
+        Without group commit it returns at once (every commit was on disk when it returned)."""
+        await self.durable_through(self._submitted)
+
+    async def durable_through(self, seq: int) -> None:
+        """Return once commit `seq` and every commit before it are on disk (commits reach the disk
+        in order, so a prefix is all there is). A reply awaits the newest commit behind anything it
+        reveals, and nothing later: 0 (or a commit already on disk) returns at once, without
+        suspending. Raises JournalWriteError when a commit up to `seq` failed."""
         with self._cond:
-            target = self._submitted
+            target = min(seq, self._submitted)
             if self._durable >= target:
                 return
             if self.failure is not None:
@@ -437,6 +446,11 @@ class Journal:
             target = self._submitted
             while self._durable < target and self.failure is None and self._writer is not None:
                 self._cond.wait(0.05)
+
+    @property
+    def submitted(self) -> int:
+        """Sequence number of the last commit made (0: none yet); the next one is this plus one."""
+        return self._submitted
 
     @property
     def pending(self) -> int:

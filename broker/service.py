@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import functools
 import ipaddress
 import math
@@ -377,20 +378,52 @@ async def unreachable_endpoint_problem(spec: ReplicaSpec, peer: str, probe: Endp
     )
 
 
-async def revealable(core: BrokerCore, context: grpc.aio.ServicerContext) -> None:
-    """Wait until everything the core committed so far is durable, before a reply reveals any of
-    it (group commit: the core's commits are queued; docs/broker.md, Journal and restart). A failed
-    journal answers UNAVAILABLE JOURNAL_FAILED instead."""
+async def revealable(core: BrokerCore, context: grpc.aio.ServicerContext, through: int | None = None) -> None:
+    """Wait until the journal commits a reply reveals are durable, before it leaves (group commit:
+    the core's commits are queued; docs/broker.md, Journal and restart): commit `through` and
+    those before it (`BrokerCore.commit_behind` of what the reply shows), or None, every commit
+    made so far. A failed journal answers UNAVAILABLE JOURNAL_FAILED instead."""
     try:
-        await core.journal.durable()
+        if through is None:
+            await core.journal.durable()
+        else:
+            await core.journal.durable_through(through)
     except JournalWriteError as err:
         await abort_with(context, to_server_error(err))
+
+
+class _Reveals:
+    """What one RPC's reply reveals of the journal: None (the default) is every commit made before
+    it leaves; a handler that changes nothing narrows it with `reveals_only`."""
+
+    __slots__ = ("through",)
+
+    def __init__(self) -> None:
+        self.through: int | None = None
+
+
+_REVEALS: contextvars.ContextVar[_Reveals | None] = contextvars.ContextVar("kvrelay_broker_reveals", default=None)
+
+
+def reveals_only(through: int) -> None:
+    """Called by a `_maps_errors` handler that changed nothing: its reply shows no state newer than
+    journal commit `through` (`BrokerCore.commit_behind` of the objects it read), so it waits for
+    that commit and not for unrelated ones queued before it (a Heartbeat behind other requests'
+    tickets). A handler that committed anything waits for everything regardless (its own commit
+    is the newest), and so does any refusal."""
+    reveals = _REVEALS.get()
+    assert reveals is not None, "reveals_only outside a _maps_errors handler"
+    reveals.through = through if reveals.through is None else max(reveals.through, through)
 
 
 def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
     @functools.wraps(fn)
     async def handler(self: Any, request: _Req, context: grpc.aio.ServicerContext) -> _Resp:
         self.rpc_counts[fn.__name__] += 1
+        journal = self.core.journal
+        before = journal.submitted
+        reveals = _Reveals()
+        token = _REVEALS.set(reveals)
         try:
             reply = await fn(self, request, context)
         except (BrokerError, JournalWriteError) as err:
@@ -402,7 +435,12 @@ def _maps_errors(fn: _Handler[_Req, _Resp]) -> _Handler[_Req, _Resp]:
         except Exception:
             await revealable(self.core, context)
             raise
-        await revealable(self.core, context)
+        finally:
+            _REVEALS.reset(token)
+        # A commit made meanwhile (the handler's own, or another task's while it awaited): wait for
+        # everything, as that commit is newer than whatever the reply read.
+        narrowed = reveals.through is not None and journal.submitted == before
+        await revealable(self.core, context, reveals.through if narrowed else None)
         return reply
 
     return handler
@@ -521,6 +559,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         reply = self.core.heartbeat(
             request.replica_id, request.incarnation_id, [_write_key(k) for k in request.unresolved_writes]
         )
+        # Its record (registered, fenced) and, for an AR, the tickets it writes (which it is polled
+        # about, and which not); the lease is never journaled.
+        reveals_only(self.core.commit_behind(replicas=[request.replica_id], polls_of=request.replica_id))
         return broker_pb2.HeartbeatResponse(
             fenced=reply.fenced,
             fence_reason=reply.fence_reason,
@@ -676,7 +717,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def GetTicket(
         self, request: broker_pb2.GetTicketRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.GetTicketResponse:
-        return broker_pb2.GetTicketResponse(ticket=ticket_to_proto(self.core.get_ticket(request.ticket_id)))
+        ticket = self.core.get_ticket(request.ticket_id)
+        reveals_only(self.core.commit_behind(tickets=[ticket.ticket_id]))
+        return broker_pb2.GetTicketResponse(ticket=ticket_to_proto(ticket))
 
     async def WatchTicket(
         self, request: broker_pb2.WatchTicketRequest, context: grpc.aio.ServicerContext
@@ -691,7 +734,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         # The core's waiter is removed in its own `finally` when this stream is cancelled.
         try:
             async for ticket in self.core.waiters.watch_ticket(request.ticket_id):
-                await revealable(self.core, context)
+                # Read now, after the snapshot: a later change only makes it newer (waits more).
+                await revealable(self.core, context, self.core.commit_behind(tickets=[ticket.ticket_id]))
                 yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
         except (BrokerError, JournalWriteError) as err:
             await abort_with(context, to_server_error(err))
@@ -706,6 +750,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if len(states) != len(request.states):
             raise InvalidArgument("INVALID_ARGUMENT", "states: TICKET_STATE_UNSPECIFIED is not a state")
         tickets = self.core.list_tickets(states or None, request.replica_id or None)
+        # Not narrowed: a filtered listing also shows which tickets are not in those states (one
+        # whose release is still queued), so it waits for every commit made before it.
         return broker_pb2.ListTicketsResponse(tickets=[ticket_to_proto(t) for t in tickets])
 
     @_maps_errors
@@ -713,13 +759,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.GetPoolRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.GetPoolResponse:
         pools = self.core.pool_status(request.replica_id or None)
+        shown = [p.replica_id for p in pools]
+        # Every pool: which DiTs exist too (a forgotten one is missing from the list).
+        reveals_only(self.core.commit_behind(pools=shown, replicas=shown, membership=not request.replica_id))
         return broker_pb2.GetPoolResponse(pools=[pool_to_proto(p) for p in pools])
 
     @_maps_errors
     async def ListReplicas(
         self, request: broker_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ListReplicasResponse:
-        return broker_pb2.ListReplicasResponse(replicas=[replica_to_proto(s) for s in self.core.list_replicas()])
+        replicas = self.core.list_replicas()
+        reveals_only(self.core.commit_behind(replicas=[s.spec.replica_id for s in replicas], membership=True))
+        return broker_pb2.ListReplicasResponse(replicas=[replica_to_proto(s) for s in replicas])
 
 
 def add_broker_servicer(core: BrokerCore, server: grpc.aio.Server) -> BrokerServicer:

@@ -3,7 +3,9 @@ reply leaves the broker before the record behind it is on disk.
 
 `kvrelay broker` runs its journal this way (`journal_group_commit=True`): the event loop only
 encodes and queues each commit, so heartbeats and streams no longer wait behind fsyncs, and every
-RPC reply (and every call to a replica) first awaits `Journal.durable()`.
+RPC reply (and every call to a replica) first awaits the journal: `Journal.durable()` (every commit
+so far), or, for a reply that changed nothing, `Journal.durable_through` the commit behind what it
+shows (`BrokerCore.commit_behind`).
 """
 
 from __future__ import annotations
@@ -150,18 +152,24 @@ def test_a_failed_group_write_fails_every_waiter_and_refuses_later_commits(tmp_p
         loop_thread = threading.get_ident()
         journal = Journal(path, "NORMAL", group_commit=True,
                           on_failure=lambda err: failures.append((err.reason, threading.get_ident() == loop_thread)))
-        journal.commit(tickets={"t0": {"state": "RESERVED"}})
+        on_disk = journal.commit(tickets={"t0": {"state": "RESERVED"}})
         await journal.durable()
         pages = journal._db.execute("PRAGMA page_count").fetchone()[0]  # noqa: SLF001
         journal._db.execute(f"PRAGMA max_page_count={pages}")  # noqa: SLF001 - a full disk
         gate = Gate(journal)
         gate.open.clear()
-        journal.commit(tickets={"t1": {"state": "RESERVED", "pad": "x" * 50_000}})
+        failing = journal.commit(tickets={"t1": {"state": "RESERVED", "pad": "x" * 50_000}})
         assert await asyncio.to_thread(gate.entered.wait, TIMEOUT)
-        journal.commit(tickets={"t2": {"state": "RESERVED"}})  # queued behind the one that fails
+        behind = journal.commit(tickets={"t2": {"state": "RESERVED"}})  # queued behind the one that fails
+        await journal.durable_through(on_disk)  # on disk already: no wait for the held transaction
+        waiting = [asyncio.ensure_future(journal.durable_through(seq)) for seq in (failing, behind)]
         gate.open.set()
+        for waiter in waiting:
+            with pytest.raises(JournalWriteError, match="database or disk is full"):
+                await waiter
         with pytest.raises(JournalWriteError, match="database or disk is full"):
             await journal.durable()
+        await journal.durable_through(on_disk)  # what was on disk before the failure still is
         await asyncio.sleep(0)  # the hook was scheduled onto the loop
         assert failures == [("database or disk is full", True)]
         with pytest.raises(JournalWriteError, match="database or disk is full"):
@@ -347,3 +355,119 @@ def test_a_replay_that_cannot_be_written_fails_the_start(tmp_path: Path, monkeyp
     monkeypatch.setattr(Journal, "_transaction", disk_error)
     with pytest.raises(JournalWriteError, match="disk I/O error"):
         BrokerCore(path, journal_synchronous="NORMAL", journal_group_commit=True)
+
+
+# ------------------------------------------------------------------ what a reply waits for
+
+
+def test_a_reply_that_changed_nothing_waits_only_for_the_commits_behind_what_it_shows(tmp_path: Path) -> None:
+    """The writer is held inside the transaction of a CreateTicket on ar-0/dit-0. Replies about
+    other replicas and about a ticket already on disk answer meanwhile (a Heartbeat, GetPool,
+    GetTicket, a WatchTicket's first event): before, every reply waited for the whole queue. Replies
+    that show the queued ticket (GetTicket, its WatchTicket, its DiT's pool, every pool) wait for
+    its record: a kill then would take back what they showed."""
+    path = tmp_path / "j.sqlite"
+
+    async def scenario() -> None:
+        core = BrokerCore(path, lease_seconds=30.0, journal_synchronous="NORMAL", journal_group_commit=True)
+        gate = Gate(core.journal)
+        server, channel = await start_broker(core)
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        parked_replies = 1  # CreateTicket's own wait on the journal
+
+        async def parked(call: Any) -> None:
+            """Until the reply waits for the journal (or, wrongly, answered): then it must not have."""
+            nonlocal parked_replies
+            parked_replies += 1
+            while len(core.journal._waiters) < parked_replies and not call.done():  # noqa: SLF001
+                await asyncio.sleep(0.005)
+            assert not call.done(), "answered before the record it shows was on disk"
+        try:
+            for r in (replica("ar-0", common_pb2.REPLICA_ROLE_AR), replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16),
+                      replica("ar-1", common_pb2.REPLICA_ROLE_AR), replica("dit-1", common_pb2.REPLICA_ROLE_DIT, num_pages=16)):
+                await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=r), timeout=TIMEOUT)
+            old = (await stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="r0", ar_replica_id="ar-1", dit_replica_id="dit-1", row_token_counts=[20]),
+                timeout=TIMEOUT)).ticket
+            gate.open.clear()
+            gate.entered.clear()
+            create = asyncio.ensure_future(stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="r1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]), timeout=TIMEOUT))
+            assert await asyncio.to_thread(gate.entered.wait, TIMEOUT)
+            (queued,) = [t for t in core.list_tickets() if t.request_id == "r1"]
+            assert core.journal.pending == 1 and queued.ticket_id not in on_disk_tickets(path)
+
+            # Unrelated: answered while the commit is held.
+            for hb in (("ar-1", "ar-1-inc-1"), ("dit-1", "dit-1-inc-1")):
+                reply = await stub.Heartbeat(broker_pb2.HeartbeatRequest(replica_id=hb[0], incarnation_id=hb[1]),
+                                             timeout=TIMEOUT)
+                assert not reply.fenced
+            (pool,) = (await stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-1"), timeout=TIMEOUT)).pools
+            assert pool.reserved_pages == 2
+            got = await stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=old.ticket_id), timeout=TIMEOUT)
+            assert got.ticket.state == broker_pb2.TICKET_STATE_RESERVED
+            old_watch = stub.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id=old.ticket_id), timeout=TIMEOUT)
+            assert (await old_watch.read()).ticket.ticket_id == old.ticket_id
+            old_watch.cancel()
+            assert not create.done() and core.journal.pending == 1
+
+            # Showing the queued ticket: held until its record is on disk.
+            held_ticket = asyncio.ensure_future(
+                stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=queued.ticket_id), timeout=TIMEOUT))
+            await parked(held_ticket)
+            held_pool = asyncio.ensure_future(stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-0"), timeout=TIMEOUT))
+            await parked(held_pool)
+            held_pools = asyncio.ensure_future(stub.GetPool(broker_pb2.GetPoolRequest(), timeout=TIMEOUT))
+            await parked(held_pools)
+            watch = stub.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id=queued.ticket_id), timeout=TIMEOUT)
+            first_event = asyncio.ensure_future(watch.read())
+            await parked(first_event)
+            assert queued.ticket_id not in on_disk_tickets(path)
+
+            gate.open.set()
+            assert (await create).ticket.ticket_id == queued.ticket_id
+            assert (await held_ticket).ticket.state == broker_pb2.TICKET_STATE_RESERVED
+            assert (await held_pool).pools[0].reserved_pages == 2
+            assert sorted(p.replica_id for p in (await held_pools).pools) == ["dit-0", "dit-1"]
+            assert (await first_event).ticket.ticket_id == queued.ticket_id
+            watch.cancel()
+            assert queued.ticket_id in on_disk_tickets(path)
+        finally:
+            gate.open.set()
+            await channel.close()
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
+
+
+def test_commit_behind_names_the_commit_that_last_changed_each_object(tmp_path: Path) -> None:
+    """The core's bookkeeping behind the narrowed waits: a release (a queued commit) is behind the
+    released ticket, its DiT's pool and its AR's polls, not behind another replica's record; a
+    ticket dropped from the released history and an object unchanged since the load need nothing."""
+    from tests.broker.helpers import dit_spec
+
+    core = BrokerCore(tmp_path / "j.sqlite", journal_synchronous="NORMAL", journal_group_commit=True,
+                      released_history=1)  # fmt: skip
+    try:
+        core.register_replica(ar_spec("ar-0"))
+        core.register_replica(dit_spec("dit-0"))
+        other = core.journal.submitted
+        core.register_replica(ar_spec("ar-1"))
+        assert core.commit_behind(replicas=["ar-1"]) == core.journal.submitted
+        t = core.create_ticket("r1", "ar-0", "dit-0", [20])
+        assert t is not None
+        created = core.journal.submitted
+        assert core.commit_behind(tickets=[t.ticket_id]) == created
+        released = core.cancel_ticket(t.ticket_id)  # never armed: RELEASED at once
+        assert released.state.value == "RELEASED" and core.journal.submitted == created + 1
+        for behind in ({"tickets": [t.ticket_id]}, {"pools": ["dit-0"]}, {"polls_of": "ar-0"}):
+            assert core.commit_behind(**behind) == created + 1, behind  # type: ignore[arg-type]
+        assert core.commit_behind(replicas=["dit-0"]) == other
+        assert core.commit_behind(replicas=["never-registered"], tickets=["unknown"]) == 0
+        t2 = core.create_ticket("r2", "ar-0", "dit-0", [20])
+        assert t2 is not None
+        core.cancel_ticket(t2.ticket_id)  # pushes the first out of a history of one
+        assert core.commit_behind(tickets=[t.ticket_id]) == 0
+    finally:
+        core.close()
