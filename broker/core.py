@@ -76,6 +76,9 @@ LINK_BACKOFF_MAX_S = 120.0
 
 Clock = Callable[[], float]
 
+# How many ids of an unknown listing one log line names (the count is always logged).
+_LOGGED_IDS = 8
+
 # Reasons the broker itself gives when it ends a request.
 BROKER_RESTARTED = "BROKER_RESTARTED"
 DIT_REPLICA_RESTARTED = "DIT_REPLICA_RESTARTED"
@@ -213,6 +216,46 @@ class BrokerCore:
 
     # ================================================================== replicas
 
+    def listing_bounds(self, spec: ReplicaSpec) -> tuple[int, int]:
+        """(writes, tickets): the most `unresolved_writes` and the most `held_ticket_ids` (and,
+        separately, `owed_releases`) a replica with this spec can list, derived from what it
+        could hold, never a fixed number (docs/broker.md, Bounds on what a replica lists).
+
+        A DiT lists tickets it holds or owes a release for: every such ticket holds a page of its
+        pool, so at most `num_pages` x `cfg_parallel_size` of each; it sends no writes. An AR
+        lists writes in flight: each lands in a page of some DiT rank the broker accounts (a rank
+        holds each page for one row of one ticket, written by each AR rank at most once), so at
+        most `tensor_parallel_size` x the sum over the DiT replicas the broker keeps (journaled
+        ones too) of `num_pages` x their rank count; it lists no tickets."""
+        if spec.role is ReplicaRole.DIT:
+            return 0, spec.num_pages * spec.cfg_parallel_size
+        dit_writes = sum(
+            r.spec.num_pages * r.spec.world_size for r in list(self.registry) if r.spec.role is ReplicaRole.DIT
+        )
+        return spec.tensor_parallel_size * dit_writes, 0
+
+    def check_listing(self, spec: ReplicaSpec, *, writes: int = 0, held: int = 0, owed: int = 0) -> None:
+        """Refuse (INVALID_ARGUMENT TOO_MANY_ENTRIES, naming the field and its bound) a listing
+        longer than `listing_bounds(spec)`: bounded only by the 8 MiB request before, one
+        RegisterReplica could list ~190k made-up writes, each looked up and logged."""
+        max_writes, max_tickets = self.listing_bounds(spec)
+        why = (
+            f"{spec.replica_id} is a DiT with {spec.num_pages} pages x {spec.cfg_parallel_size} CFG groups"
+            if spec.role is ReplicaRole.DIT
+            else f"{spec.replica_id} is an AR with {spec.tensor_parallel_size} ranks writing into the DiT pages "
+            "the broker keeps"
+        )
+        for field_name, listed, bound in (
+            ("unresolved_writes", writes, max_writes),
+            ("held_ticket_ids", held, max_tickets),
+            ("owed_releases", owed, max_tickets),
+        ):
+            if listed > bound:
+                raise InvalidArgument(
+                    "TOO_MANY_ENTRIES",
+                    f"{field_name}: {listed} entries, at most {bound} ({why}: it cannot hold more)",
+                )
+
     def register_replica(
         self,
         spec: ReplicaSpec,
@@ -232,6 +275,10 @@ class BrokerCore:
             (token or "").encode(), self.registration_token.encode()
         ):
             raise Unauthenticated("BAD_REGISTRATION_TOKEN", "RegisterReplica: the registration token is wrong")
+        unresolved_writes = list(unresolved_writes)
+        held_ticket_ids = list(held_ticket_ids)
+        owed_releases = owed_releases or {}
+        self.check_listing(spec, writes=len(unresolved_writes), held=len(held_ticket_ids), owed=len(owed_releases))
         now = self.clock()
         old = self.registry.find(spec.replica_id)
         old_was_up = old is not None and old.up(now)
@@ -258,7 +305,7 @@ class BrokerCore:
                 tickets_changed=len(changed),
             )
         elif kind is Registration.SAME_INCARNATION:
-            changed = self._reconcile(spec, unresolved_writes, held_ticket_ids, owed_releases or {})
+            changed = self._reconcile(spec, unresolved_writes, held_ticket_ids, owed_releases)
         if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:
             self._pools[spec.replica_id] = _pages_of(spec)
         self._commit(changed, [record])
@@ -289,6 +336,7 @@ class BrokerCore:
             log.info("replica_reachable", replica_id=replica_id, incarnation=incarnation_id)
             self.waiters.notify_change()
         listed = list(unresolved_writes)
+        self.check_listing(record.spec, writes=len(listed))
         if listed:
             # Informational only: absence from this list is no proof (a ReserveTicket answer may
             # still be in flight to the writer), so only explicit reports resolve writes.
@@ -576,14 +624,28 @@ class BrokerCore:
         t = self._live(ticket_id)
         self._current(replica_id, incarnation_id, "ReportWrite")
         if replica_id != t.ar_replica_id:
-            self._fence_and_raise(
-                replica_id,
-                BrokenInvariant("WRONG_REPLICA", f"ticket {ticket_id}: write report from {replica_id}, not its AR"),
+            # Not a fence: the report changes nothing, and the id in it is only the caller's word
+            # (without credentials anyone may name any replica): fencing it let one caller stop
+            # another replica (found by audit). The same answer as the ownership check's.
+            raise FailedPrecondition(
+                "WRONG_REPLICA", f"ticket {ticket_id} is bound to AR {t.ar_replica_id}, not {replica_id}"
             )
         if t.armed and incarnation_id != t.armed_incarnation:
             log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
             raise FailedPrecondition(
                 "STALE_INCARNATION", f"ticket {ticket_id} was armed by another incarnation of {replica_id}"
+            )
+        if len(reports) > len(t.writes):
+            raise InvalidArgument(
+                "TOO_MANY_ENTRIES",
+                f"writes: {len(reports)} reports, at most {len(t.writes)} (the writes ticket {ticket_id} plans)",
+            )
+        if not t.armed and all(r.status is WriteStatus.NOT_STARTED for r in reports):
+            # Says nothing was written, which is true of an unarmed ticket: refused, recorded
+            # nowhere, fences nobody. A report claiming a write (OK, FAILED, IN_DOUBT) before arming
+            # still fences the writer below (WRITE_BEFORE_ARM): its write could land after a rollback.
+            raise FailedPrecondition(
+                "NOT_ARMED", f"ticket {ticket_id} is not armed: report its writes after ReserveTicket answers"
             )
         now = self.clock()
         changed: list[ReportedWrite] = []
@@ -648,9 +710,15 @@ class BrokerCore:
         t = self._live(ticket_id)
         self._current(replica_id, incarnation_id, "ReportLoad")
         if replica_id != t.dit_replica_id:
-            self._fence_and_raise(
-                replica_id,
-                BrokenInvariant("WRONG_REPLICA", f"ticket {ticket_id}: load report from {replica_id}, not its DiT"),
+            # Not a fence, as for ReportWrite: a report about another replica's ticket changes nothing.
+            raise FailedPrecondition(
+                "WRONG_REPLICA", f"ticket {ticket_id} is bound to DiT {t.dit_replica_id}, not {replica_id}"
+            )
+        if len(loads) > len(t.loads) or any(len(verified) > len(t.writes) for _, verified in loads):
+            raise InvalidArgument(
+                "TOO_MANY_ENTRIES",
+                f"loads: {len(loads)} loads (at most {len(t.loads)}), each verifying at most {len(t.writes)} "
+                f"writes (what ticket {ticket_id} plans)",
             )
         if incarnation_id != t.dit_incarnation:
             log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
@@ -1001,14 +1069,25 @@ class BrokerCore:
         the retried ReleaseTicket that follows finds the ticket released and changes nothing)."""
         now = self.clock()
         changed: list[TicketRecord] = []
-        for ticket_id, key in unresolved_writes:
-            t = self._tickets.get(ticket_id)
-            if t is None or key not in t.writes:
-                log.warning("reconcile_unknown_write", replica_id=spec.replica_id, ticket_id=ticket_id, write=str(key))
+        # What names no write of a live ticket of this replica (unknown, released, another
+        # replica's) changes nothing: one line with a count and a few of them, not a line each.
+        unknown = [
+            f"{ticket_id}/{key}"
+            for ticket_id, key in unresolved_writes
+            if (t := self._tickets.get(ticket_id)) is None or t.ar_replica_id != spec.replica_id or key not in t.writes
+        ]
+        if unknown:
+            log.warning("reconcile_unknown_writes", replica_id=spec.replica_id, count=len(unknown),
+                        writes=unknown[:_LOGGED_IDS])  # fmt: skip
         if spec.role is ReplicaRole.DIT:
             held = set(held_ticket_ids)
-            for ticket_id in held - set(self._tickets):
-                log.warning("reconcile_unknown_held_ticket", replica_id=spec.replica_id, ticket_id=ticket_id)
+            unknown = sorted(
+                ticket_id for ticket_id in held
+                if (t := self._tickets.get(ticket_id)) is None or t.dit_replica_id != spec.replica_id
+            )  # fmt: skip
+            if unknown:
+                log.warning("reconcile_unknown_held_tickets", replica_id=spec.replica_id, count=len(unknown),
+                            ticket_ids=unknown[:_LOGGED_IDS])  # fmt: skip
             for ticket_id, (outcome, reason) in owed_releases.items():
                 t = self._tickets.get(ticket_id)
                 if t is None or t.dit_replica_id != spec.replica_id or ticket_id in held:

@@ -47,7 +47,7 @@ from kvrelay.broker.tickets import (
 )
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with, bounded_message
-from kvrelay.security import ChannelSecurity, current_caller, is_loopback, make_channel
+from kvrelay.security import MAX_ID_CHARS, ChannelSecurity, current_caller, is_loopback, make_channel
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -154,6 +154,29 @@ def check_replica_lengths(pb: broker_pb2.ReplicaInfo) -> None:
             raise _too_long(f"replica.regions[{i}].endpoint", len(r.endpoint), MAX_ENDPOINT_CHARS)
         if len(r.ipc_handle) > MAX_IPC_HANDLE_BYTES:
             raise _too_long(f"replica.regions[{i}].ipc_handle", len(r.ipc_handle), MAX_IPC_HANDLE_BYTES, "bytes")
+
+
+def check_listed_ids(request: broker_pb2.RegisterReplicaRequest | broker_pb2.HeartbeatRequest) -> None:
+    """Every ticket id a replica lists is an id (at most MAX_ID_CHARS; the interceptor looks at
+    the first 64 entries of a repeated message only), and a DiT owes one release per ticket: two
+    with one id leave which outcome to record to chance (INVALID_ARGUMENT DUPLICATE_ENTRY)."""
+    for i, key in enumerate(request.unresolved_writes):
+        if len(key.ticket_id) > MAX_ID_CHARS:
+            raise _too_long(f"unresolved_writes[{i}].ticket_id", len(key.ticket_id), MAX_ID_CHARS)
+    if not isinstance(request, broker_pb2.RegisterReplicaRequest):
+        return
+    for i, ticket_id in enumerate(request.held_ticket_ids):
+        if len(ticket_id) > MAX_ID_CHARS:
+            raise _too_long(f"held_ticket_ids[{i}]", len(ticket_id), MAX_ID_CHARS)
+    owed: set[str] = set()
+    for i, o in enumerate(request.owed_releases):
+        if len(o.ticket_id) > MAX_ID_CHARS:
+            raise _too_long(f"owed_releases[{i}].ticket_id", len(o.ticket_id), MAX_ID_CHARS)
+        if o.ticket_id in owed:
+            raise InvalidArgument(
+                "DUPLICATE_ENTRY", f"owed_releases[{i}].ticket_id: {o.ticket_id!r} is listed twice (one release a ticket)"
+            )
+        owed.add(o.ticket_id)
 
 
 def spec_from_proto(pb: broker_pb2.ReplicaInfo) -> ReplicaSpec:
@@ -534,6 +557,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.RegisterReplicaResponse:
         spec = spec_from_proto(request.replica)
+        # Bounded before anything is looked at, kept or dialled (docs/broker.md).
+        self.core.check_listing(spec, writes=len(request.unresolved_writes), held=len(request.held_ticket_ids),
+                                owed=len(request.owed_releases))  # fmt: skip
+        check_listed_ids(request)
         problem = loopback_endpoint_problem(spec, context.peer())
         if problem:
             raise InvalidArgument("LOOPBACK_ENDPOINT", problem)
@@ -556,6 +583,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def Heartbeat(
         self, request: broker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.HeartbeatResponse:
+        if request.unresolved_writes:
+            record = self.core.registry.find(request.replica_id)
+            if record is not None:  # unknown: the core answers NOT_FOUND as to any heartbeat
+                self.core.check_listing(record.spec, writes=len(request.unresolved_writes))
+            check_listed_ids(request)
         reply = self.core.heartbeat(
             request.replica_id, request.incarnation_id, [_write_key(k) for k in request.unresolved_writes]
         )

@@ -715,15 +715,21 @@ def _peer_host(peer: str) -> str:
     return peer
 
 
+# Repeated ids whose count the servicer bounds itself, from what the caller could hold: a DiT's
+# RegisterReplicaRequest.held_ticket_ids, at most its pages (kvrelay.broker.core.listing_bounds).
+_IDS_COUNTED_BY_SERVICER = frozenset({"held_ticket_ids"})
+
+
 def check_id_lengths(message: Any, path: str = "", depth: int = 0) -> None:
-    """Ids (fields named *_id / *_ids, at any depth) are at most MAX_ID_CHARS characters."""
+    """Ids (fields named *_id / *_ids, at any depth) are at most MAX_ID_CHARS characters; at most
+    1024 in one repeated field unless its servicer bounds the count (_IDS_COUNTED_BY_SERVICER)."""
     if depth > 4:
         return
     for fd, value in message.ListFields():
         name = f"{path}{fd.name}"
         if fd.type == fd.TYPE_STRING and (fd.name.endswith("_id") or fd.name.endswith("_ids")):
             values = value if fd.label == fd.LABEL_REPEATED else [value]
-            if len(values) > 1024:
+            if len(values) > 1024 and fd.name not in _IDS_COUNTED_BY_SERVICER:
                 raise KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
                                          f"{name}: at most 1024 ids", field=name)
             for v in values:
