@@ -222,13 +222,15 @@ class BrokerCore:
         could hold, never a fixed number (docs/broker.md, Bounds on what a replica lists).
 
         A DiT lists tickets it holds or owes a release for: every such ticket holds a page of its
-        pool, so at most `num_pages` x `cfg_parallel_size` of each; it sends no writes. An AR
+        pool, except those of calls it still runs (at most `max_num_seqs`) whose ticket the broker
+        released before the call noticed, so at most `num_pages` x `cfg_parallel_size` +
+        `max_num_seqs` of each; it sends no writes. An AR
         lists writes in flight: each lands in a page of some DiT rank the broker accounts (a rank
         holds each page for one row of one ticket, written by each AR rank at most once), so at
         most `tensor_parallel_size` x the sum over the DiT replicas the broker keeps (journaled
         ones too) of `num_pages` x their rank count; it lists no tickets."""
         if spec.role is ReplicaRole.DIT:
-            return 0, spec.num_pages * spec.cfg_parallel_size
+            return 0, spec.num_pages * spec.cfg_parallel_size + spec.max_num_seqs
         dit_writes = sum(
             r.spec.num_pages * r.spec.world_size for r in list(self.registry) if r.spec.role is ReplicaRole.DIT
         )
@@ -240,7 +242,8 @@ class BrokerCore:
         RegisterReplica could list ~190k made-up writes, each looked up and logged."""
         max_writes, max_tickets = self.listing_bounds(spec)
         why = (
-            f"{spec.replica_id} is a DiT with {spec.num_pages} pages x {spec.cfg_parallel_size} CFG groups"
+            f"{spec.replica_id} is a DiT with {spec.num_pages} pages x {spec.cfg_parallel_size} CFG groups "
+            f"and max_num_seqs {spec.max_num_seqs}"
             if spec.role is ReplicaRole.DIT
             else f"{spec.replica_id} is an AR with {spec.tensor_parallel_size} ranks writing into the DiT pages "
             "the broker keeps"

@@ -583,14 +583,14 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def Heartbeat(
         self, request: broker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.HeartbeatResponse:
-        if request.unresolved_writes:
-            record = self.core.registry.find(request.replica_id)
-            if record is not None:  # unknown: the core answers NOT_FOUND as to any heartbeat
-                self.core.check_listing(record.spec, writes=len(request.unresolved_writes))
+        record = self.core.registry.find(request.replica_id)
+        if request.unresolved_writes and record is not None:  # unknown: the core answers NOT_FOUND
+            self.core.check_listing(record.spec, writes=len(request.unresolved_writes))
             check_listed_ids(request)
         reply = self.core.heartbeat(
-            request.replica_id, request.incarnation_id, [_write_key(k) for k in request.unresolved_writes]
-        )
+            request.replica_id, request.incarnation_id,
+            [_write_key(k) for k in request.unresolved_writes] if record is not None else [],
+        )  # fmt: skip
         # Its record (registered, fenced) and, for an AR, the tickets it writes (which it is polled
         # about, and which not); the lease is never journaled.
         reveals_only(self.core.commit_behind(replicas=[request.replica_id], polls_of=request.replica_id))

@@ -17,6 +17,7 @@ from kvrelay.broker.tickets import (
     FailedPrecondition,
     InvalidArgument,
     LoadKey,
+    TicketOutcome,
     TicketState,
     WriteKey,
     WriteStatus,
@@ -82,7 +83,8 @@ def test_the_ar_bound_grows_with_the_dit_pages_the_broker_keeps() -> None:
     core.register_replica(dit_spec("dit-1", tp=1, num_pages=7, cfg_parallel_size=2))
     # AR ranks x (pages per rank x ranks) of every DiT replica.
     assert core.listing_bounds(ar) == (2 * (10 * 2 + 7 * 2), 0)
-    assert core.listing_bounds(dit_spec("dit-1", tp=1, num_pages=7, cfg_parallel_size=2)) == (0, 14)
+    # A DiT: its pages (x CFG groups), and the calls it runs whose ticket may be released already.
+    assert core.listing_bounds(dit_spec("dit-1", tp=1, num_pages=7, cfg_parallel_size=2, max_num_seqs=3)) == (0, 17)
 
 
 def test_a_report_about_another_replicas_ticket_is_refused_and_fences_no_one() -> None:
@@ -178,3 +180,27 @@ def test_unknown_entries_of_a_listing_are_logged_once_with_a_count() -> None:
     unknown = [e for e in logs if e["event"].startswith("reconcile_unknown")]
     assert [(e["event"], e["count"], len(e.get("writes", e.get("ticket_ids", [])))) for e in unknown] == [
         ("reconcile_unknown_writes", 40, 8), ("reconcile_unknown_held_tickets", 30, 8)]
+
+
+def test_a_dit_running_a_call_on_a_ticket_released_under_it_lists_one_more_than_its_pages() -> None:
+    """A call reads a READY ticket that an operator's cancel released; its page went to a new ticket
+    the DiT queued. The DiT holds every ticket of its full pool and that one: never refused."""
+    core = _core()
+    ar, dit = ar_spec(), dit_spec(num_pages=8, max_num_seqs=1)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    tickets = []
+    while (t := core.create_ticket(f"req-{len(tickets)}", "ar-0", "dit-0", [3])) is not None:
+        tickets.append(t.ticket_id)
+    first = core.get_ticket(tickets[0])
+    core.arm_ticket(first.ticket_id, "ar-0", ar.incarnation_id)
+    key = first.writes[0].key
+    core.report_write(first.ticket_id, key, replica_id="ar-0", incarnation_id=ar.incarnation_id,
+                      status=WriteStatus.OK, checksum=1)  # fmt: skip
+    core.report_load(first.ticket_id, 0, 0, replica_id="dit-0", incarnation_id=dit.incarnation_id, verified={key: 1})
+    assert core.cancel_ticket(first.ticket_id).state is TicketState.RELEASED  # READY never drains
+    again = core.create_ticket("req-again", "ar-0", "dit-0", [3])
+    assert again is not None and core.free_pages("dit-0") == 0
+    held = [*tickets, again.ticket_id]
+    assert len(held) == 8 + 1
+    core.register_replica(dit, held_ticket_ids=held, owed_releases={t: (TicketOutcome.FAILED, "") for t in held})

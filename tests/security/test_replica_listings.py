@@ -127,17 +127,20 @@ def test_listings_are_bounded_by_what_the_replica_can_hold_and_a_full_one_is_kep
         assert ar.refused("Heartbeat", beat)[:2] == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES")
         del beat.unresolved_writes[-1]
         assert not ar("Heartbeat", beat).fenced  # type: ignore[attr-defined]
-        # The DiT: as many tickets as it has pages, held or owed; not one more, and one release a ticket.
+        # The DiT: as many tickets as it has pages, plus its max_num_seqs (1) calls whose ticket may
+        # be released already, held or owed; not one more, and one release a ticket.
+        made_up = ["made-up-0", "made-up-1"]
         assert dit.refused("RegisterReplica", broker_pb2.RegisterReplicaRequest(
-            replica=dit_info, held_ticket_ids=[*tickets, "made-up"]))[:2] == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES")  # fmt: skip
+            replica=dit_info, held_ticket_ids=[*tickets, *made_up]))[:2] == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES")  # fmt: skip
         owed = [broker_pb2.OwedRelease(ticket_id=t, outcome=broker_pb2.TICKET_OUTCOME_FAILED) for t in tickets]
         code, reason, message = dit.refused("RegisterReplica", broker_pb2.RegisterReplicaRequest(
-            replica=dit_info, owed_releases=[*owed, broker_pb2.OwedRelease(ticket_id="made-up")]))  # fmt: skip
+            replica=dit_info, owed_releases=[*owed, *(broker_pb2.OwedRelease(ticket_id=t) for t in made_up)]))  # fmt: skip
         assert (code, reason) == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES") and "owed_releases" in message
+        assert f"at most {PAGES + 1}" in message
         code, reason, message = dit.refused("RegisterReplica", broker_pb2.RegisterReplicaRequest(
             replica=dit_info, owed_releases=[owed[0], broker_pb2.OwedRelease(ticket_id=tickets[0])]))  # fmt: skip
         assert (code, reason) == ("INVALID_ARGUMENT", "DUPLICATE_ENTRY") and "owed_releases[1].ticket_id" in message
-        dit("RegisterReplica", broker_pb2.RegisterReplicaRequest(replica=dit_info, held_ticket_ids=tickets))
+        dit("RegisterReplica", broker_pb2.RegisterReplicaRequest(replica=dit_info, held_ticket_ids=[*tickets, "gone"]))
         # Nothing was lost to the refusals: every page is still held for the writes in flight ...
         pool = _pool(operator)
         assert (pool.free_pages, pool.reserved_pages + pool.draining_pages) == (0, PAGES)
@@ -157,11 +160,11 @@ def test_listings_are_bounded_by_what_the_replica_can_hold_and_a_full_one_is_kep
         big = _Caller(channel, REPLICA_TOKEN, "dit-big")
         big_info = replica("dit-big", common_pb2.REPLICA_ROLE_DIT, num_pages=2048)
         big("RegisterReplica", broker_pb2.RegisterReplicaRequest(replica=big_info))
-        held = [f"ticket-{i}" for i in range(2049)]
+        held = [f"ticket-{i}" for i in range(2050)]
         big("RegisterReplica", broker_pb2.RegisterReplicaRequest(replica=big_info, held_ticket_ids=held[:1500]))
         code, reason, message = big.refused("RegisterReplica", broker_pb2.RegisterReplicaRequest(
             replica=big_info, held_ticket_ids=held))  # fmt: skip
-        assert (code, reason) == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES") and "at most 2048" in message
+        assert (code, reason) == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES") and "at most 2049" in message
 
 
 def test_a_report_about_a_ticket_the_caller_is_not_armed_for_fences_no_one_and_frees_nothing(
