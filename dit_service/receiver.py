@@ -95,6 +95,9 @@ class LoadProtocol:
         self._reports: dict[WriteId, WriteReport] = {}
         self._mismatched = False
         self._verifying: frozenset[LoadId] = frozenset()
+        # When each load's bytes first failed their checksums (cleared when they match): what the
+        # timeout's message and the service's "still mismatching" warning tell an operator.
+        self.mismatching_since: dict[LoadId, float] = {}
 
     # -- events ----------------------------------------------------------------------------------
 
@@ -104,14 +107,17 @@ class LoadProtocol:
         self._reports = dict(writes)
         self.pending.difference_update(loaded)
 
-    def on_verified(self, load: LoadId, matched: bool) -> None:
-        """The ranks checked `load`'s bytes (and, when they matched, the broker took the report)."""
+    def on_verified(self, load: LoadId, matched: bool, now: float = 0.0) -> None:
+        """The ranks checked `load`'s bytes at `now` (and, when they matched, the broker took the
+        report)."""
         if matched:
             self.pending.discard(load)
+            self.mismatching_since.pop(load, None)
             self._recheck = self.recheck_first_s
         else:
             # Bytes may still be landing (a sender's OK is no proof): look again soon.
             self._mismatched = True
+            self.mismatching_since.setdefault(load, now)
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -142,8 +148,13 @@ class LoadProtocol:
             self._mismatched = False
             return Verify(ready)
         if now >= self.budget_end:
-            return Fail("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT",
-                        f"ticket {self.ticket_id}: rows/ranks {sorted(self.pending)} not loaded in time")
+            message = f"ticket {self.ticket_id}: rows/ranks {sorted(self.pending)} not loaded in time"
+            mismatching = sorted(set(self.mismatching_since) & self.pending)
+            if mismatching:
+                # Not a slow sender: its bytes were reported written and are not what it reported.
+                message += (f"; the bytes of rows/ranks {mismatching} were reported written but never matched "
+                            f"their checksums (since {now - min(self.mismatching_since[m] for m in mismatching):.2f}s)")
+            return Fail("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT", message)
         wait = self.budget_end - now
         if self._mismatched:
             wait = min(wait, self._recheck)

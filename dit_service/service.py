@@ -64,6 +64,9 @@ DEADLINE_MARGIN_S = 0.25
 # Checksum re-check backoff while bytes may still be landing (Mooncake TCP may report early).
 RECHECK_FIRST_S = 0.01
 RECHECK_MAX_S = 0.2
+# A load whose reported bytes still fail their checksums this long after the first check is
+# logged once (load_checksums_mismatching): the load keeps re-checking silently otherwise.
+MISMATCH_WARN_S = 2.0
 # The service reads a running denoise's step counter (shared memory) STEP_POLL_S after each step,
 # then ever less often (doubling up to STEP_POLL_MAX_S) until the next: at 10 ms flat, the
 # polls of the requests in a batch cost ~20 ms of the service's CPU per request on a 2-core host
@@ -625,6 +628,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # A ticket from GetTicket is the broker's word; one from the caller's plan is checked
         # against the broker's first snapshot before any page is claimed.
         confirmed = broker_plan is None
+        mismatch_warned = False
         try:
             while True:
                 t = latest[0]
@@ -685,8 +689,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                         for load, checks in to_report:
                             s.metrics.transfer_bytes.labels(str(load[1]), s.stage.transport).inc(
                                 sum(c.bytes for c in checks))
+                    now = time.monotonic()
                     for load in verified:
-                        protocol.on_verified(load, reply_ticket is not None and verified[load] is not None)
+                        protocol.on_verified(load, reply_ticket is not None and verified[load] is not None, now)
+                    stuck = sorted(load for load, since in protocol.mismatching_since.items()
+                                   if now - since >= MISMATCH_WARN_S)
+                    if stuck and not mismatch_warned:
+                        mismatch_warned = True
+                        log.warning("load_checksums_mismatching", ticket_id=ticket_id, loads=stuck,
+                                    seconds=round(now - min(protocol.mismatching_since[ld] for ld in stuck), 2),
+                                    transfer_timeout=s.stage.transfer_timeout)
                     if reply_ticket is not None:
                         latest[0] = reply_ticket
                     continue

@@ -51,6 +51,31 @@ def test_a_checksum_mismatch_is_rechecked_with_backoff_until_the_budget() -> Non
     assert isinstance(fail, Fail) and (fail.code, fail.reason) == ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT")
 
 
+def test_a_timeout_names_the_loads_whose_reported_bytes_never_matched() -> None:
+    p = _protocol(budget_end=5.0)
+    p.on_ticket(WRITING, {k: WriteReport(OK, 1) for k in PLANNED}, [])
+    assert p.next_command(0.0) == Verify(((0, 0), (0, 1), (1, 0), (1, 1)))
+    p.on_verified((0, 0), True, 0.5)
+    p.on_verified((0, 1), True, 0.5)
+    p.on_verified((1, 0), False, 0.5)
+    p.on_verified((1, 1), False, 0.5)
+    assert p.mismatching_since == {(1, 0): 0.5, (1, 1): 0.5}
+    assert p.next_command(1.0) == Verify(((1, 0), (1, 1)))
+    p.on_verified((1, 0), True, 1.0)  # landed late: no longer mismatching
+    p.on_verified((1, 1), False, 1.0)  # the first mismatch's time is kept
+    assert p.mismatching_since == {(1, 1): 0.5}
+    assert p.next_command(5.0) == Verify(((1, 1),))
+    p.on_verified((1, 1), False, 5.0)
+    fail = p.next_command(5.0)
+    assert isinstance(fail, Fail) and fail.reason == "TRANSFER_TIMEOUT"
+    assert "rows/ranks [(1, 1)] were reported written but never matched their checksums (since 4.50s)" in fail.message
+    # A load that timed out without a mismatch (never reported) is not called mismatching.
+    q = _protocol(budget_end=1.0)
+    q.on_ticket(WRITING, {}, [])
+    other = q.next_command(1.0)
+    assert isinstance(other, Fail) and "never matched" not in other.message
+
+
 def test_an_in_doubt_write_fails_the_wait_as_a_timeout_and_a_failed_one_as_transfer_failed() -> None:
     p = _protocol()
     p.on_ticket(WRITING, {(0, 0, 0): WriteReport(OK, 1), (1, 0, 0): WriteReport(IN_DOUBT, 0)}, [])

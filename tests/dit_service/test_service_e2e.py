@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -155,6 +156,46 @@ def test_transfer_timeout_keeps_pages_until_late_completion(tmp_path: Path) -> N
                 assert released.state == broker_pb2.TICKET_STATE_RELEASED
                 pool = await writer.pool()
                 assert (pool.free_pages, pool.reserved_pages, pool.draining_pages) == (pool.total_pages, 0, 0)
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
+def test_reported_bytes_that_never_match_their_checksum_are_named_in_the_timeout(tmp_path: Path) -> None:
+    """A writer reports OK with a checksum its bytes do not have (a buggy sender, or a late
+    foreign write over them): the DiT never reads those pages, warns once while it keeps
+    re-checking, and its TRANSFER_TIMEOUT says the bytes never matched (not "not loaded")."""
+    config = write_config(tmp_path, transport="mooncake", transfer_timeout=3.0)
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.create_ticket([5])
+                armed = await writer.arm(ticket.ticket_id)
+                outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6))
+                await writer.report(ticket.ticket_id, [dataclasses.replace(o, checksum=o.checksum ^ 1)
+                                                       for o in outcomes])
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                            ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                            guidance_scale=1.0, seed=0), timeout=30.0)
+                code, reason, message = reason_of(info.value)
+                assert (code, reason) == ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT"), info.value
+                assert "were reported written but never matched their checksums" in message, message
+                warned = [line for line in dit.lines if "load_checksums_mismatching" in line]
+                assert len(warned) == 1, "".join(dit.lines[-30:])
+                assert ticket.ticket_id in warned[0]
+                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages
                 await writer.close()
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
