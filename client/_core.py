@@ -196,7 +196,7 @@ def get_generation(request_id: str) -> UnaryCall[Generation]:
     return UnaryCall(
         "generation",
         "GetGeneration",
-        generation_pb2.GetGenerationRequest(request_id=request_id),
+        generation_pb2.GetGenerationRequest(request_id=wire_text("request_id", request_id)),
         lambda r: generation_from_pb(r.generation),
         request_id=request_id,
     )
@@ -207,7 +207,7 @@ def cancel_generation(request_id: str) -> UnaryCall[Generation]:
     return UnaryCall(
         "generation",
         "CancelGeneration",
-        generation_pb2.CancelGenerationRequest(request_id=request_id),
+        generation_pb2.CancelGenerationRequest(request_id=wire_text("request_id", request_id)),
         lambda r: generation_from_pb(r.generation),
         request_id=request_id,
     )
@@ -230,6 +230,28 @@ def checked_timeout(value: float | None) -> float | None:
             {"field": "timeout"},
         )
     return seconds
+
+
+def wire_text(field: str, value: str) -> str:
+    """`value` for a proto string field: text that is not Unicode scalar values (a lone surrogate,
+    which is how Python decodes bytes that are not UTF-8 from a command line, a file read with
+    surrogateescape or a pipe) is refused here, like a value the wire cannot carry
+    (INVALID_ARGUMENT naming the field), never protobuf's UnicodeEncodeError traceback. A value
+    that is not a str is left to protobuf's TypeError (the caller's bug)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(value[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise KvRelayError(
+            "INVALID_ARGUMENT",
+            "INVALID_ARGUMENT",
+            f"{field}: not UTF-8 text ({what} at character {err.start})",
+            {"field": field},
+        ) from None
+    return value
 
 
 def wire_unsigned(field: str, value: int, bits: int) -> int:
@@ -269,7 +291,7 @@ def get_pools(replica_id: str) -> UnaryCall[list[PoolStatus]]:
     return UnaryCall(
         "broker",
         "GetPool",
-        broker_pb2.GetPoolRequest(replica_id=replica_id),
+        broker_pb2.GetPoolRequest(replica_id=wire_text("replica_id", replica_id)),
         lambda r: [pool_from_pb(p) for p in r.pools],
     )
 
@@ -278,7 +300,7 @@ def list_tickets(states: Iterable[TicketState] | None, replica_id: str) -> Unary
     return UnaryCall(
         "broker",
         "ListTickets",
-        broker_pb2.ListTicketsRequest(states=enum_values(states), replica_id=replica_id),
+        broker_pb2.ListTicketsRequest(states=enum_values(states), replica_id=wire_text("replica_id", replica_id)),
         lambda r: [ticket_from_pb(t) for t in r.tickets],
     )
 
@@ -604,7 +626,9 @@ def new_generation(
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be str, not {type(prompt).__name__}")
     request = generation_pb2.GenerateRequest(
-        request_id=request_id or "", prompt=prompt, negative_prompt=negative_prompt or ""
+        request_id=wire_text("request_id", request_id or ""),
+        prompt=wire_text("prompt", prompt),
+        negative_prompt=wire_text("negative_prompt", negative_prompt or ""),
     )
     unsigned = (
         ("seed", seed, 64),

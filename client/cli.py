@@ -217,7 +217,12 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
     if source == "-":
         if stdin.isatty():
             raise ValueError("reading the prompt from stdin, but stdin is a terminal (pipe it in)")
-        text = stdin.read()
+        try:
+            text = stdin.read()
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"the prompt from stdin: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})"
+            ) from None
         where = "stdin"
     else:
         try:
@@ -225,6 +230,11 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
                 text = f.read()
         except OSError as err:
             raise ValueError(f"cannot read --prompt-file {source}: {err.strerror}") from None
+        except UnicodeDecodeError as err:
+            # Was "'utf-8' codec can't decode byte 0xff in position 2: invalid start byte".
+            raise ValueError(
+                f"--prompt-file {source}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})"
+            ) from None
         where = source
     text = text.rstrip("\r\n")
     if not text.strip():

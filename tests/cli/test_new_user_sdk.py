@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,69 @@ def test_a_timeout_that_can_never_be_met_is_refused_by_the_asyncio_client(server
             _assert_timeout_refused(err.value, value)
 
     asyncio.run(body())
+
+
+# --- text that is not UTF-8 ----------------------------------------------------------------------
+# Bytes that are not UTF-8 on the command line (or piped in) reach Python as lone surrogates
+# ("\udcff"): `kvrelay generate $'\xff\xfe'` printed a UnicodeEncodeError traceback from protobuf,
+# and so did the SDK's generate/get/cancel with such a string (found black-box).
+
+
+def _assert_not_utf8(err: KvRelayError, field: str) -> None:
+    assert (err.code, err.reason, err.details) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT", {"field": field})
+    assert err.message == f"{field}: not UTF-8 text (byte 0xff at character 1)"
+
+
+def test_text_that_is_not_utf8_is_refused_naming_the_field(server: ServerThread) -> None:
+    bad = "a\udcff"
+    with KvRelayClient(server.address) as client:
+        for kwargs, field in (({"prompt": bad}, "prompt"), ({"prompt": "a fox", "negative_prompt": bad}, "negative_prompt"),
+                              ({"prompt": "a fox", "request_id": bad}, "request_id")):
+            with pytest.raises(KvRelayError) as err:
+                client.generate(width=64, height=64, **kwargs)  # type: ignore[arg-type]
+            _assert_not_utf8(err.value, field)
+        for call, field in ((client.get_generation, "request_id"), (client.cancel_generation, "request_id"),
+                            (client.get_pools, "replica_id"), (lambda v: client.list_tickets(replica_id=v), "replica_id")):
+            with pytest.raises(KvRelayError) as err:
+                call(bad)
+            _assert_not_utf8(err.value, field)
+        # Any Unicode text still goes (and a non-str stays the caller's TypeError).
+        assert client.generate("un renard \u00e9 \U0001f98a", width=64, height=64).result().width == 64
+        with pytest.raises(TypeError):
+            client.get_generation(7)  # type: ignore[arg-type]
+
+    async def body() -> None:
+        async with AsyncKvRelayClient(server.address) as client:
+            with pytest.raises(KvRelayError) as err:
+                await client.generate(bad, width=64, height=64)
+            _assert_not_utf8(err.value, "prompt")
+
+    asyncio.run(body())
+
+
+def test_the_cli_says_a_prompt_is_not_utf8_in_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVRELAY_LOG_FORMAT": "console", "KVRELAY_NATIVE_CAPTURE": "0"}
+    env.pop("KVRELAY_CONFIG", None)
+    # Refused before any call: nothing needs to listen at the target.
+    argv = [sys.executable, "-m", "kvrelay", "generate", "--target", "127.0.0.1:1", "-o", str(tmp_path / "x.png")]
+    done = subprocess.run([*argv, b"a\xff"], capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[0] == "kvrelay generate: INVALID_ARGUMENT: prompt: not UTF-8 text (byte 0xff at character 1)"
+    # A strict stdin (a UTF-8 locale) fails to decode; a C locale's surrogateescape one reaches
+    # the SDK's check (the argument's case above).
+    piped = subprocess.run([*argv, "-"], input=b"a\xff", capture_output=True, timeout=60,
+                           env={**env, "PYTHONIOENCODING": "utf-8:strict"})
+    assert piped.returncode == 2, piped.stderr
+    assert piped.stderr.decode().strip() == (
+        "kvrelay generate: the prompt from stdin: not UTF-8 text (byte 0xff at offset 1)"
+    )
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_bytes(b"ab\xffcd")
+    done = subprocess.run([*argv, "--prompt-file", str(prompt)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"kvrelay generate: --prompt-file {prompt}: not UTF-8 text (byte 0xff at offset 2)"
