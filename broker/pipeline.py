@@ -126,18 +126,24 @@ class StagePipeline:
         now = self._clock()
         remaining = job.remaining(now)
         metadata = (("request_id", job.request_id), ("ticket_id", ticket.ticket_id))
-        # The ticket (its pages, its sequence number) must be on disk before a replica hears of
-        # it: a broker restarted without it would hand the pages and the number out again.
-        try:
-            await self.core.journal.durable()
-        except JournalWriteError as err:
-            raise RequestEnded(ErrorInfo("UNAVAILABLE", "JOURNAL_FAILED", str(err))) from None
-        # Planned once, here (no await from here to the calls: the plan is what is durable): both replicas get the ticket, its rows, writes and destinations with
+        # Planned once, here: both replicas get the ticket, its rows, writes and destinations with
         # the call, so neither asks the broker for them nor runs the planner again.
         try:
             plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))
         except BrokerError as err:
             # Ended since it was placed (cancelled, its DiT restarted): nothing was sent yet.
+            raise RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
+        # Everything the plan shows (the ticket, its pages and sequence number, the DiT's regions)
+        # must be on disk before a replica hears of it: a broker restarted without it would hand
+        # the pages and the number out again. The plan is taken first and the wait covers every
+        # commit queued by then, so no commit made during the wait can reach the plan undurable.
+        try:
+            await self.core.journal.durable()
+        except JournalWriteError as err:
+            raise RequestEnded(ErrorInfo("UNAVAILABLE", "JOURNAL_FAILED", str(err))) from None
+        try:
+            self.core.plan_for(ticket.ticket_id)  # still live after the wait (no await from here on)
+        except BrokerError as err:
             raise RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
         deadline_time = None
         if remaining is not None:
