@@ -217,6 +217,13 @@ def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
             f"replica.parallelism: {spec.head_shards} head shards (tp x sp) do not divide "
             f"num_kv_heads={spec.geometry.num_kv_heads}",
         )
+    if spec.role is ReplicaRole.AR and spec.regions:
+        # An AR receives nothing: its regions were kept (memory, journal, ListReplicas) and used by
+        # nothing, up to MAX_REGIONS of them (1.5 MB a registration, 256 replica ids).
+        raise InvalidArgument(
+            "UNEXPECTED_REGIONS",
+            f"replica.regions: {len(spec.regions)} regions, but an AR replica receives nothing (regions are a DiT's)",
+        )
     if spec.role is ReplicaRole.DIT:
         if spec.num_pages <= 0:
             raise InvalidArgument("MISSING_FIELD", "replica.num_pages: a DiT replica needs pages")

@@ -188,14 +188,14 @@ def test_a_failed_group_write_answers_the_rpc_journal_failed(tmp_path: Path) -> 
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         try:
             await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(
-                replica=replica("ar-0", common_pb2.REPLICA_ROLE_AR)), timeout=TIMEOUT)
+                replica=replica("dit-0", common_pb2.REPLICA_ROLE_DIT, heads=40, num_pages=16)), timeout=TIMEOUT)
             core.journal.flush()
             core.journal._db.execute("PRAGMA max_page_count=1")  # noqa: SLF001 - a full disk
-            # A record that needs new pages (~80 KB: strings are bounded, FIELD_TOO_LONG, so many regions).
-            big = replica("ar-1", common_pb2.REPLICA_ROLE_AR)
-            big.regions.extend(common_pb2.MemoryRegion(rank=r, transport=common_pb2.TRANSPORT_KIND_MOONCAKE,
-                                                       endpoint="127.0.0.1:7000", ipc_handle=b"\x01" * 1024)
-                               for r in range(40))  # fmt: skip
+            # A record that needs new pages (~40 KB: strings are bounded, FIELD_TOO_LONG, and a DiT has
+            # one region a rank, so many ranks with long handles).
+            big = replica("dit-1", common_pb2.REPLICA_ROLE_DIT, tp=40, heads=40, num_pages=16)
+            for region in big.regions:
+                region.ipc_handle = b"\x01" * 1024
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=big), timeout=TIMEOUT)
             assert reason_of(err.value)[:2] == ("UNAVAILABLE", "JOURNAL_FAILED")

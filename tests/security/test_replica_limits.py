@@ -13,14 +13,14 @@ import pytest
 
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
-from kvrelay.broker.registry import MAX_PAGES_PER_REPLICA, MAX_REPLICAS, MAX_TOTAL_PAGES
+from kvrelay.broker.registry import MAX_PAGES_PER_REPLICA, MAX_REPLICAS, MAX_TOTAL_PAGES, MemoryRegionSpec
 from kvrelay.broker.service import (
     MAX_WATCH_STREAMS,
     MAX_WATCH_STREAMS_PER_REPLICA,
     BrokerServicer,
     EndpointProbe,
 )
-from kvrelay.broker.tickets import ResourceExhausted
+from kvrelay.broker.tickets import InvalidArgument, ResourceExhausted
 from kvrelay.config import BrokerConfig
 from kvrelay.errors import reason_of
 from kvrelay.security import ChannelSecurity, make_channel
@@ -243,3 +243,16 @@ def test_long_strings_in_a_registration_are_refused_naming_the_field(tmp_path: P
             await server.stop(0.5)
 
     asyncio.run(scenario())
+
+
+def test_an_ar_registering_regions_is_refused_and_nothing_is_kept() -> None:
+    # Found by audit: an AR's regions were never validated (they are a DiT's receive memory), so a
+    # holder of the replica token kept up to MAX_REGIONS regions of 1.5 KB per AR replica id in the
+    # broker's memory, journal and ListReplicas replies, read by nothing.
+    core = _core(None, ManualClock())
+    regions = tuple(MemoryRegionSpec(r, "mooncake", "127.0.0.1:7000", 0, 1 << 20, b"\x01" * 1024) for r in range(40))
+    with pytest.raises(InvalidArgument) as err:
+        core.register_replica(ar_spec("ar-9", regions=regions))
+    assert (err.value.reason, "ar-9" in core.registry) == ("UNEXPECTED_REGIONS", False)
+    assert "replica.regions: 40 regions" in err.value.message
+    core.register_replica(ar_spec("ar-9"))  # as a real AR registers: no regions
