@@ -780,7 +780,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> broker_pb2.ListTicketsResponse:
         states = [_STATE_FROM_PB[s] for s in request.states if s in _STATE_FROM_PB]
         if len(states) != len(request.states):
-            raise InvalidArgument("INVALID_ARGUMENT", "states: TICKET_STATE_UNSPECIFIED is not a state")
+            # Named the number sent: `states: [42]` was called TICKET_STATE_UNSPECIFIED (black-box).
+            bad = next(s for s in request.states if s not in _STATE_FROM_PB)
+            raise InvalidArgument("INVALID_ARGUMENT", f"states: {bad} is not a ticket state (0 = unspecified)")
         tickets = self.core.list_tickets(states or None, request.replica_id or None)
         # Not narrowed: a filtered listing also shows which tickets are not in those states (one
         # whose release is still queued), so it waits for every commit made before it.

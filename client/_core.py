@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
+import operator
 import random
 import weakref
 from collections.abc import Callable, Iterable
@@ -256,15 +258,21 @@ def wire_text(field: str, value: str) -> str:
 
 def wire_unsigned(field: str, value: int, bits: int) -> int:
     """`value` for an unsigned proto field; one it cannot carry is refused here, like the server
-    would (INVALID_ARGUMENT naming the field), never protobuf's ValueError."""
-    if not 0 <= int(value) < 1 << bits:
+    would (INVALID_ARGUMENT naming the field), never protobuf's ValueError. Not an integer (a
+    float, a str) is the caller's TypeError naming the field: `num_inference_steps=2.7` ran 2
+    steps and `seed=1.5` seed 1 without a word (found black-box)."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{field} must be an integer, not {type(value).__name__} {value!r}") from None
+    if not 0 <= number < 1 << bits:
         raise KvRelayError(
             "INVALID_ARGUMENT",
             "INVALID_ARGUMENT",
             f"{field}: must be in [0, 2**{bits}), got {value}",
             {"field": field},
         )
-    return int(value)
+    return number
 
 
 def list_generations(states: Iterable[GenerationState] | None, page_size: int) -> UnaryCall[list[Generation]]:
@@ -641,6 +649,9 @@ def new_generation(
             continue
         setattr(request, field, wire_unsigned(field, value, bits))
     if guidance_scale is not None:
+        if not isinstance(guidance_scale, numbers.Real):
+            # float("2") took a str as 2.0.
+            raise TypeError(f"guidance_scale must be a number, not {type(guidance_scale).__name__} {guidance_scale!r}")
         request.guidance_scale = float(guidance_scale)
     if request_id:
         # The broker keeps the generation this long after a broken stream, for the re-attach.

@@ -260,6 +260,11 @@ def test_unknown_ids_and_filters_over_loopback() -> None:
             await expect_error(stub.ListTickets(broker_pb2.ListTicketsRequest(
                 states=[broker_pb2.TICKET_STATE_UNSPECIFIED]), timeout=TIMEOUT),
                 grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+            # A state this build does not know is named as sent (it was called UNSPECIFIED).
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await stub.ListTickets(broker_pb2.ListTicketsRequest(
+                    states=[broker_pb2.TICKET_STATE_RELEASED, 42]), timeout=TIMEOUT)
+            assert unknown.value.details() == "states: 42 is not a ticket state (0 = unspecified)"
             await expect_error(stub.ReserveTicket(broker_pb2.ReserveTicketRequest(
                 ticket_id=first.ticket_id, ar_replica_id="ar-0", incarnation_id="ar-0-inc-1"), timeout=TIMEOUT),
                 grpc.StatusCode.FAILED_PRECONDITION, "TICKET_RELEASED")

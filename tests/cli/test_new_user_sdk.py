@@ -129,3 +129,26 @@ def test_the_cli_says_a_prompt_is_not_utf8_in_one_line(tmp_path: Path) -> None:
     done = subprocess.run([*argv, "--prompt-file", str(prompt)], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"kvrelay generate: --prompt-file {prompt}: not UTF-8 text (byte 0xff at offset 2)"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_inference_steps": 2.7}, "num_inference_steps must be an integer, not float 2.7"),
+        ({"seed": 1.5}, "seed must be an integer, not float 1.5"),
+        ({"width": "512"}, "width must be an integer, not str '512'"),
+        ({"guidance_scale": "2"}, "guidance_scale must be a number, not str '2'"),
+    ],
+)
+def test_a_number_of_the_wrong_kind_is_the_callers_type_error(
+    server: ServerThread, kwargs: dict[str, object], message: str
+) -> None:
+    # They were taken as int(2.7) = 2 steps, seed 1, width 512 and guidance 2.0 without a word.
+    with KvRelayClient(server.address) as client:
+        with pytest.raises(TypeError) as err:
+            client.generate("a fox", **{"width": 64, "height": 64, **kwargs})  # type: ignore[arg-type]
+        assert str(err.value) == message
+        with pytest.raises(TypeError, match="page_size must be an integer"):
+            client.list_generations(page_size=1.0)  # type: ignore[arg-type]
+        # Integers of any kind (bool is one to Python) and floats for the scale still go.
+        assert client.generate("a fox", width=64, height=64, seed=7, guidance_scale=2).result().seed == 7
