@@ -660,6 +660,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ReportWrite(
         self, request: broker_pb2.ReportWriteRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ReportWriteResponse:
+        # Bounded by the ticket's plan before the batch is converted (the core checks it again).
+        self.core.check_report_counts(request.ticket_id, writes=len(request.writes))
         # `writes` (several writes, one commit) or the single write's own fields.
         items: list[broker_pb2.WriteReport | broker_pb2.ReportWriteRequest] = [*request.writes] or [request]
         reports = []
@@ -680,6 +682,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def ReportLoad(
         self, request: broker_pb2.ReportLoadRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ReportLoadResponse:
+        self.core.check_report_counts(
+            request.ticket_id, loads=len(request.loads),
+            verified=max([len(request.verified), *(len(item.verified) for item in request.loads)]),
+        )  # fmt: skip
         # `loads` (several loads, one commit) or the single load's own fields.
         items: list[broker_pb2.LoadReport | broker_pb2.ReportLoadRequest] = [*request.loads] or [request]
         loads = [

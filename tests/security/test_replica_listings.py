@@ -231,6 +231,11 @@ def test_a_report_about_a_ticket_the_caller_is_not_armed_for_fences_no_one_and_f
         pool = operator("GetPool", broker_pb2.GetPoolRequest(replica_id="dit-0")).pools[0]  # type: ignore[attr-defined]
         assert (pool.reserved_pages, pool.draining_pages) == (1, 1)
         assert not any(fenced(rid) for rid in infos)
+        # A batch longer than the ticket's plan (one write) is refused before any of it applies.
+        twice = report("ar-0", armed, common_pb2.WRITE_STATUS_NOT_STARTED)
+        twice.writes.append(twice.writes[0])
+        assert callers["ar-0"].refused("ReportWrite", twice)[:2] == ("INVALID_ARGUMENT", "TOO_MANY_ENTRIES")
+        assert ticket(armed).writes[0].status == common_pb2.WRITE_STATUS_UNSPECIFIED
         # The real writer's word resolves it.
         callers["ar-0"]("ReportWrite", report("ar-0", armed, common_pb2.WRITE_STATUS_NOT_STARTED))
         deadline = time.monotonic() + 20
