@@ -785,7 +785,11 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError(f"--impls {impl}: {err}") from None
         dataset = load_dataset(resolve(args.dataset, "data"))
         out = Path(args.output)
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            # Was "file not found: /proc/nope", as if --output were an input.
+            raise ValueError(f"--output {args.output}: cannot create the folder: {err.strerror or err}") from None
     except (ConfigError, ValueError, OSError) as err:
         print(f"kvrelay bench: {_input_error(err)}", file=sys.stderr)
         return 2

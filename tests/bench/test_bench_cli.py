@@ -64,6 +64,9 @@ def test_an_explicit_config_wins_over_kvrelay_config(
         ("none", ["--preset", "huge"], "unknown model preset 'huge'"),
         ("none", ["--dataset", "{tmp}/nope.jsonl"], "file not found: {tmp}/nope.jsonl"),
         ("bad-dataset", ["--dataset", "{tmp}/bad.jsonl"], "dataset {tmp}/bad.jsonl line 2: not JSON"),
+        # An output folder that cannot be made (under a file) was "file not found: ...", as if an input.
+        ("bad-dataset", ["--output", "{tmp}/bad.jsonl/out"],
+         "--output {tmp}/bad.jsonl/out: cannot create the folder: Not a directory"),
         # Each node's config is checked before any starts (these were tracebacks mid-run).
         ("fast", ["--impls", "mooncake,cuda_ipc"], "--impls cuda_ipc: invalid config bench-cuda_ipc: stages[0].devices"),
         ("fast", ["--impls", "vllm"], "--impls vllm: impl vllm needs --ar-model DIR"),
