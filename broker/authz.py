@@ -83,6 +83,12 @@ def broker_checks(core: BrokerCore) -> Mapping[str, RequestCheck]:
         if not caller.operator:
             _own_id(caller, request.replica_id, "replica_id")
 
+    def operator_only(request: Any, caller: Caller) -> None:
+        # With credentials the interceptor admits only operators; in a development deployment it
+        # trusts everyone, and a caller declaring a replica id acts as that replica, not an operator.
+        if not caller.operator:
+            raise permission_denied(f"declared replica {caller.replica_id!r} is not an operator")
+
     return {
         _B + "RegisterReplica": register,
         _B + "Heartbeat": heartbeat,
@@ -95,6 +101,7 @@ def broker_checks(core: BrokerCore) -> Mapping[str, RequestCheck]:
         _B + "CancelTicket": either_side,
         _B + "GetTicket": either_side,
         _B + "WatchTicket": either_side,
+        _B + "ForgetReplica": operator_only,
     }
 
 

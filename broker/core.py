@@ -356,28 +356,88 @@ class BrokerCore:
         return HeartbeatReply(record.fenced, record.fence_reason, self.lease_seconds, tuple(poll))
 
     def _forget_idle_replicas(self, now: float, keep: ReplicaId) -> None:
-        """Make room in a full registry: forget every replica that is not up (deregistered,
-        lapsed, or restored and not registered again), not fenced, and that no live ticket names.
-        Nothing needs such a record: no write of its can be unresolved, no page of it held, and
-        its next registration is simply NEW (a fence is kept: its process must fail stop). `keep`,
-        the replica registering, is never forgotten: its registration decides its record."""
-        named: set[ReplicaId] = set()
-        for t in self._tickets.values():
-            named.update((t.ar_replica_id, t.dit_replica_id))
+        """Make room in a full registry: forget every replica `forget_refusal` allows (not up, not
+        fenced, named by no live ticket, no page held). `keep`, the replica registering, is never
+        forgotten: its registration decides its record."""
+        named = self._named_replicas()
         idle = [
             r.spec.replica_id
             for r in self.registry
-            if not r.up(now) and not r.fenced and r.spec.replica_id not in named and r.spec.replica_id != keep
+            if r.spec.replica_id != keep and self.forget_refusal(r, now, named) is None
         ]
-        if not idle:
-            return
-        for replica_id in idle:
+        if idle:
+            self._forget(idle)
+
+    def forget_replica(self, replica_id: ReplicaId) -> None:
+        """Operator (ForgetReplica): forget a replica gone for good (an earlier config's, a retired
+        host's), by the rule that makes room in a full registry (`forget_refusal`): its record,
+        pool, journal row and metric labels. NOT_FOUND UNKNOWN_REPLICA for an id the broker does
+        not hold (one already forgotten too); FAILED_PRECONDITION naming why for one it must keep."""
+        record = self.registry.find(replica_id)
+        if record is None:
+            raise NotFound(
+                "UNKNOWN_REPLICA", f"replica {replica_id!r}: the broker holds no such replica (never registered, or forgotten)"
+            )
+        refusal = self.forget_refusal(record, self.clock(), self._named_replicas())
+        if refusal is not None:
+            raise refusal
+        self._forget([replica_id])
+
+    def forget_refusal(
+        self, record: ReplicaRecord, now: float, named: Mapping[ReplicaId, list[TicketId]] | None = None
+    ) -> FailedPrecondition | None:
+        """Why `record` must be kept, or None when nothing needs it: it is not up (deregistered,
+        lapsed, or restored and not registered again), not fenced (its process must fail stop: the
+        fence is kept until a new incarnation registers), no live ticket names it (no write of its
+        can be unresolved) and no page of its pool is held. Its next registration is simply NEW.
+        `named`: `_named_replicas()`, when many records are asked about at once."""
+        replica_id = record.spec.replica_id
+        if record.up(now):
+            return FailedPrecondition(
+                "REPLICA_UP",
+                f"replica {replica_id} is up (its lease is current): stop it (or deregister it) and let its "
+                "lease lapse first",
+            )
+        if record.fenced:
+            return FailedPrecondition(
+                "REPLICA_FENCED",
+                f"replica {replica_id} is fenced ({record.fence_reason}): kept until a new incarnation of it "
+                "registers, as its process must fail stop",
+            )
+        tickets = (self._named_replicas() if named is None else named).get(replica_id, [])
+        if tickets:
+            return FailedPrecondition(
+                "REPLICA_HOLDS_TICKETS",
+                f"replica {replica_id} is named by {len(tickets)} live tickets ({', '.join(tickets[:_LOGGED_IDS])}): "
+                "writes of theirs may still land; retry once they are released (kvrelay status lists them)",
+            )
+        pool = self._pools.get(replica_id)
+        if pool is not None and (c := pool.counts()).free != c.total:
+            return FailedPrecondition(
+                "REPLICA_HOLDS_PAGES",
+                f"replica {replica_id} holds {c.total - c.free} pages ({c.reserved} reserved, {c.draining} draining)",
+            )
+        return None
+
+    def _named_replicas(self) -> dict[ReplicaId, list[TicketId]]:
+        """The live tickets naming each replica (as AR or DiT)."""
+        named: dict[ReplicaId, list[TicketId]] = {}
+        for t in self._tickets.values():
+            for replica_id in {t.ar_replica_id, t.dit_replica_id}:
+                named.setdefault(replica_id, []).append(t.ticket_id)
+        return named
+
+    def _forget(self, replica_ids: Sequence[ReplicaId]) -> None:
+        """Drop these replicas for good, memory and journal (`forget_refusal` allowed each)."""
+        for replica_id in replica_ids:
             self.registry.forget(replica_id)
             self._pools.pop(replica_id, None)
             for commits in (self._replica_commit, self._pool_commit, self._ar_tickets_commit):
                 commits.pop(replica_id, None)
-        self._membership_commit = self.journal.commit(replicas=dict.fromkeys(idle))
-        log.info("replicas_forgotten", count=len(idle), replica_ids=idle[:16])
+            for link in [k for k in self._suspect_links if replica_id in k]:
+                del self._suspect_links[link]
+        self._membership_commit = self.journal.commit(replicas=dict.fromkeys(replica_ids))
+        log.info("replicas_forgotten", count=len(replica_ids), replica_ids=list(replica_ids[:16]))
 
     def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
         """The replica is leaving: no new tickets. Not proof that its writes are over."""

@@ -812,6 +812,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         reveals_only(self.core.commit_behind(replicas=[s.spec.replica_id for s in replicas], membership=True))
         return broker_pb2.ListReplicasResponse(replicas=[replica_to_proto(s) for s in replicas])
 
+    @_maps_errors
+    async def ForgetReplica(
+        self, request: broker_pb2.ForgetReplicaRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ForgetReplicaResponse:
+        if not request.replica_id:
+            raise InvalidArgument("MISSING_FIELD", "replica_id: required (the replica to forget)")
+        self.core.forget_replica(request.replica_id)
+        return broker_pb2.ForgetReplicaResponse()
+
 
 def add_broker_servicer(core: BrokerCore, server: grpc.aio.Server) -> BrokerServicer:
     servicer = BrokerServicer(core)

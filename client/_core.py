@@ -304,6 +304,17 @@ def get_pools(replica_id: str) -> UnaryCall[list[PoolStatus]]:
     )
 
 
+def forget_replica(replica_id: str) -> UnaryCall[None]:
+    # Not retried: a retry after a reply that was lost finds the replica forgotten (NOT_FOUND).
+    return UnaryCall(
+        "broker",
+        "ForgetReplica",
+        broker_pb2.ForgetReplicaRequest(replica_id=wire_text("replica_id", replica_id)),
+        lambda r: None,
+        idempotent=False,
+    )
+
+
 def list_tickets(states: Iterable[TicketState] | None, replica_id: str) -> UnaryCall[list[Ticket]]:
     return UnaryCall(
         "broker",
@@ -679,6 +690,7 @@ __all__ = [
     "get_generation",
     "get_pools",
     "list_generations",
+    "forget_replica",
     "list_replicas",
     "list_tickets",
     "new_generation",

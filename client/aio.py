@@ -161,6 +161,13 @@ class AsyncKvRelayClient(_core.ClientBase):
     ) -> list[Ticket]:
         return await self._unary(_core.list_tickets(states, replica_id), timeout)
 
+    async def forget_replica(self, replica_id: str, *, timeout: float | None = None) -> None:
+        """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica).
+        ``FAILED_PRECONDITION`` (reason ``REPLICA_UP``, ``REPLICA_FENCED``,
+        ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``) for one the broker must keep,
+        ``NOT_FOUND`` for an id it does not hold (one already forgotten too). Not retried."""
+        await self._unary(_core.forget_replica(replica_id), timeout)
+
     # -- plumbing -------------------------------------------------------------------------------
 
     async def _unary(self, call: _core.UnaryCall[_T], timeout: float | None) -> _T:

@@ -1,4 +1,4 @@
-"""`kvrelay generate`, `status`, `list` and `cancel`: thin command-line front ends over the SDK.
+"""`kvrelay generate`, `status`, `list`, `cancel` and `forget`: thin command-line front ends over the SDK.
 
 Owns presentation only (progress on stderr, tables and paths on stdout, exit codes). Talks to the
 broker only through `KvRelayClient`; never imports torch, the config or a service package, so a
@@ -693,7 +693,58 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# ---------------------------------------------------------------------------------------------
+# kvrelay forget
+# ---------------------------------------------------------------------------------------------
+
+# Answers about one replica id; any other error (credentials, the broker unreachable) is about
+# every id, so the command stops at the first.
+_PER_REPLICA_CODES = frozenset({"FAILED_PRECONDITION", "NOT_FOUND", "INVALID_ARGUMENT"})
+
+
+def run_forget(args: argparse.Namespace) -> int:
+    """`kvrelay forget REPLICA_ID...`: forget replicas gone for good (docs/operations.md, Retiring
+    a replica); one line per id, `ID forgotten` on stdout or `ID not forgotten: CODE (REASON): why`
+    on stderr. Exit 0 only if every id was forgotten. `--all-down`: every replica that is not up,
+    except those the broker must keep (they are listed with the reason, and do not fail the command)."""
+    if (problem := tls_problem(args)) is not None:
+        print(f"kvrelay forget: {problem}", file=sys.stderr)
+        return 2
+    ids: list[str] = list(getattr(args, "replica_ids", None) or [])
+    all_down = bool(getattr(args, "all_down", False))
+    if bool(ids) == all_down:
+        print("kvrelay forget: name REPLICA_ID... or --all-down (one of the two)", file=sys.stderr)
+        return 2
+    target = _target(args)
+    failed = 0
+    try:
+        token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
+        with KvRelayClient(target, token=token, timeout=10.0, **_tls(args)) as client:
+            if all_down:
+                ids = [r.replica_id for r in client.list_replicas() if not r.up]
+                if not ids:
+                    print("no replica is down")
+                    return 0
+            for replica_id in ids:
+                try:
+                    client.forget_replica(replica_id)
+                except KvRelayError as err:
+                    if err.code not in _PER_REPLICA_CODES:
+                        raise
+                    reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
+                    print(f"{_printable(replica_id)} not forgotten: {err.code}{reason}: {_printable(err.message)}",
+                          file=sys.stderr)
+                    # --all-down forgets what is safe to forget; what must be kept is no failure.
+                    failed += 0 if all_down and err.code == "FAILED_PRECONDITION" else 1
+                    continue
+                print(f"{_printable(replica_id)} forgotten")
+    except KvRelayError as err:
+        _print_error("forget", err, sys.stderr, tls=bool(_tls(args)), target=target)
+        return 1
+    return 1 if failed else 0
+
+
 __all__ = [
     "format_table", "format_timings", "generations_table", "read_prompt",
-    "run_cancel", "run_generate", "run_list", "run_status",
+    "run_cancel", "run_forget", "run_generate", "run_list", "run_status",
 ]  # fmt: skip

@@ -129,6 +129,9 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _B + "ListTickets": RpcRule(CallerClass.OPERATOR, True, "none"),
     _B + "GetPool": RpcRule(CallerClass.OPERATOR, True, "none"),
     _B + "ListReplicas": RpcRule(CallerClass.OPERATOR, True, "none"),
+    _B + "ForgetReplica": RpcRule(
+        CallerClass.OPERATOR, True, "an operator (development: an undeclared caller); only a replica safe to forget"
+    ),
     # -- broker -> replicas, AR -> DiT ---------------------------------------------------------
     _A + "Tokenize": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
     _A + "Prefill": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),

@@ -29,6 +29,7 @@ HANDLERS = {
     "health": "kvrelay.node.health_probe:run",
     "list": "kvrelay.client.cli:run_list",
     "cancel": "kvrelay.client.cli:run_cancel",
+    "forget": "kvrelay.client.cli:run_forget",
     "bench": "kvrelay.node.bench:run",
     "verify": "kvrelay.node.verify:run",
 }
@@ -216,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
     p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
+    _add_client_tls_args(p)
+
+    p = sub.add_parser("forget", help="forget replicas gone for good (not up, no live ticket) from the broker")
+    p.add_argument("replica_ids", nargs="*", metavar="REPLICA_ID")
+    p.add_argument("--all-down", action="store_true",
+                   help="every replica that is not up, except those the broker must keep (listed with why)")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument(
+        "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
+    )
     _add_client_tls_args(p)
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")

@@ -483,3 +483,13 @@ class ListReplicasResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+
+class ForgetReplicaRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class ForgetReplicaResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -109,6 +109,11 @@ class BrokerServiceStub(object):
                 request_serializer=kvrelay_dot_v1_dot_broker__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_broker__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.ForgetReplica = channel.unary_unary(
+                '/kvrelay.v1.BrokerService/ForgetReplica',
+                request_serializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServiceServicer(object):
@@ -214,6 +219,17 @@ class BrokerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetReplica(self, request, context):
+        """Operator: forget a replica gone for good (record, pool, journal row,
+        metrics). Only one that is not up, not fenced, and that no live ticket
+        names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
+        REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
+        does not hold, one already forgotten included, is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +307,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=kvrelay_dot_v1_dot_broker__pb2.ListReplicasRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_broker__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'ForgetReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetReplica,
+                    request_deserializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -698,6 +719,33 @@ class BrokerService(object):
             '/kvrelay.v1.BrokerService/ListReplicas',
             kvrelay_dot_v1_dot_broker__pb2.ListReplicasRequest.SerializeToString,
             kvrelay_dot_v1_dot_broker__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.BrokerService/ForgetReplica',
+            kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaRequest.SerializeToString,
+            kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaResponse.FromString,
             options,
             channel_credentials,
             insecure,

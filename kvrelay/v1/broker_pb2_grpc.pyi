@@ -108,6 +108,17 @@ class BrokerServiceStub:
         kvrelay.v1.broker_pb2.ListReplicasResponse,
     ]
 
+    ForgetReplica: grpc.UnaryUnaryMultiCallable[
+        kvrelay.v1.broker_pb2.ForgetReplicaRequest,
+        kvrelay.v1.broker_pb2.ForgetReplicaResponse,
+    ]
+    """Operator: forget a replica gone for good (record, pool, journal row,
+    metrics). Only one that is not up, not fenced, and that no live ticket
+    names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
+    REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
+    does not hold, one already forgotten included, is NOT_FOUND.
+    """
+
 class BrokerServiceAsyncStub:
     RegisterReplica: grpc.aio.UnaryUnaryMultiCallable[
         kvrelay.v1.broker_pb2.RegisterReplicaRequest,
@@ -195,6 +206,17 @@ class BrokerServiceAsyncStub:
         kvrelay.v1.broker_pb2.ListReplicasRequest,
         kvrelay.v1.broker_pb2.ListReplicasResponse,
     ]
+
+    ForgetReplica: grpc.aio.UnaryUnaryMultiCallable[
+        kvrelay.v1.broker_pb2.ForgetReplicaRequest,
+        kvrelay.v1.broker_pb2.ForgetReplicaResponse,
+    ]
+    """Operator: forget a replica gone for good (record, pool, journal row,
+    metrics). Only one that is not up, not fenced, and that no live ticket
+    names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
+    REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
+    does not hold, one already forgotten included, is NOT_FOUND.
+    """
 
 class BrokerServiceServicer(metaclass=abc.ABCMeta):
     @abc.abstractmethod
@@ -313,5 +335,18 @@ class BrokerServiceServicer(metaclass=abc.ABCMeta):
         request: kvrelay.v1.broker_pb2.ListReplicasRequest,
         context: _ServicerContext,
     ) -> typing.Union[kvrelay.v1.broker_pb2.ListReplicasResponse, collections.abc.Awaitable[kvrelay.v1.broker_pb2.ListReplicasResponse]]: ...
+
+    @abc.abstractmethod
+    def ForgetReplica(
+        self,
+        request: kvrelay.v1.broker_pb2.ForgetReplicaRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[kvrelay.v1.broker_pb2.ForgetReplicaResponse, collections.abc.Awaitable[kvrelay.v1.broker_pb2.ForgetReplicaResponse]]:
+        """Operator: forget a replica gone for good (record, pool, journal row,
+        metrics). Only one that is not up, not fenced, and that no live ticket
+        names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
+        REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
+        does not hold, one already forgotten included, is NOT_FOUND.
+        """
 
 def add_BrokerServiceServicer_to_server(servicer: BrokerServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -49,6 +49,9 @@ NOT_RUN: dict[tuple[str, str], str] = {
         "tests/broker/test_journal_compaction.py checks the same counts and pragmas",
     ("docs/operations.md", "cp compose/kvrelay.env.example "):
         "Docker or podman: scripts/compose_smoke.sh runs these steps end to end (tests/compose/)",
+    ("docs/operations.md", "kvrelay status                    # dit-1: UP no"):
+        "needs a replica that is down for good (the docs node's are up); tests/broker/test_forget_replica.py "
+        "runs `kvrelay forget ID...` and `--all-down` against a real broker",
     ("docs/transfer.md", "# DiT rank (receiver): its page pool is a device tensor"):
         "two CUDA devices' worth of API (CUDA IPC); " + _REFERENCE,
     ("docs/bagel.md", "kvrelay up --config my-bagel.yaml"):
@@ -189,7 +192,7 @@ def point_at(text: str, address: str, lang: str) -> str:
             lines.append(f": skipped: {command}")
             continue
         if "--target" not in line:
-            line = re.sub(r"\bkvrelay (generate|status|list|cancel)\b", rf"kvrelay \1 --target {address}", line)
+            line = re.sub(r"\bkvrelay (generate|status|list|cancel|forget)\b", rf"kvrelay \1 --target {address}", line)
         lines.append(line)
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,204 @@
+"""`kvrelay forget` / BrokerService.ForgetReplica against a real `kvrelay broker` process: a replica
+gone for good is forgotten (memory and journal: a restart on the same journal does not bring it
+back); one that is up, or that a live ticket names, is refused naming why; only an operator may
+call it (docs/operations.md, Retiring a replica). Replicas are raw RegisterReplica calls."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from kvrelay.errors import reason_of
+from kvrelay.node.cli import main
+from kvrelay.security import AUTHORIZATION_METADATA, REPLICA_ID_METADATA
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from tests.broker.test_grpc import replica
+from tests.procs import ServiceProcess, start_service
+
+REPLICA_TOKEN, OPERATOR_TOKEN = "replica-token-forget-1", "operator-token-forget-2"
+
+
+@pytest.fixture(autouse=True)
+def _no_ambient_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    for env in ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_REPLICA_TOKEN"):
+        monkeypatch.delenv(env, raising=False)
+
+
+def _start_broker(repo_root: Path, tmp_path: Path, env: dict[str, str] | None = None) -> ServiceProcess:
+    cfg = yaml.safe_load((repo_root / "tests" / "configs" / "test-fast.yaml").read_text())
+    # A lease that outlasts a loaded runner's pauses: "up" stays up until the test deregisters it.
+    cfg["broker"].update(journal_path=str(tmp_path / "journal.sqlite"), lease_seconds=60)
+    config = tmp_path / "broker.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return start_service(["broker", "--config", str(config), "--port", "0", "--metrics-port", "0"],
+                         cwd=repo_root, env=env)  # fmt: skip
+
+
+def _md(token: str | None = None, replica_id: str | None = None) -> list[tuple[str, str]]:
+    md = [(AUTHORIZATION_METADATA, f"Bearer {token}")] if token else []
+    return md + ([(REPLICA_ID_METADATA, replica_id)] if replica_id else [])
+
+
+def _register(stub: Any, info: broker_pb2.ReplicaInfo, token: str | None = None) -> None:
+    stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=info, token=token or ""), timeout=10,
+                         metadata=_md(token, info.replica_id))  # fmt: skip
+
+
+def _deregister(stub: Any, info: broker_pb2.ReplicaInfo, token: str | None = None) -> None:
+    stub.DeregisterReplica(
+        broker_pb2.DeregisterReplicaRequest(replica_id=info.replica_id, incarnation_id=info.incarnation_id),
+        timeout=10, metadata=_md(token, info.replica_id),
+    )  # fmt: skip
+
+
+def _listed(stub: Any, token: str | None = None) -> dict[str, bool]:
+    reply = stub.ListReplicas(broker_pb2.ListReplicasRequest(), timeout=10, metadata=_md(token))
+    return {r.replica_id: r.up for r in reply.replicas}
+
+
+def _forget_cli(capsys: pytest.CaptureFixture[str], address: str, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["forget", "--target", address, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _status_ids(capsys: pytest.CaptureFixture[str], address: str) -> list[str]:
+    capsys.readouterr()
+    assert main(["status", "--target", address, "--json"]) == 0
+    return [r["replica_id"] for r in json.loads(capsys.readouterr().out)["replicas"]]
+
+
+def test_forget_a_down_replica_refuse_an_up_or_ticketed_one_and_the_journal_forgets_it_too(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ar = replica("ar-0", common_pb2.REPLICA_ROLE_AR)
+    dit0 = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    dit1 = replica("dit-1", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            for info in (ar, dit0, dit1):
+                _register(stub, info)
+            ticket = stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="req-1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]),
+                timeout=10).ticket  # fmt: skip
+            _deregister(stub, dit1)  # the scaled-down replica: down, named by no ticket
+
+            # Up: refused, naming why.
+            code, out, err = _forget_cli(capsys, broker.address, "ar-0")
+            assert code == 1 and out == "", (out, err)
+            assert err.startswith("ar-0 not forgotten: FAILED_PRECONDITION (REPLICA_UP):"), err
+
+            # Down but named by a live ticket (its pages may still be written): refused.
+            _deregister(stub, dit0)
+            code, out, err = _forget_cli(capsys, broker.address, "dit-0", "dit-1", "no-such-replica")
+            assert code == 1, (out, err)
+            assert out.splitlines() == ["dit-1 forgotten"], out
+            lines = err.splitlines()
+            assert len(lines) == 2, err
+            assert lines[0].startswith("dit-0 not forgotten: FAILED_PRECONDITION (REPLICA_HOLDS_TICKETS):"), err
+            assert ticket.ticket_id in lines[0]
+            assert lines[1].startswith("no-such-replica not forgotten: NOT_FOUND (UNKNOWN_REPLICA):"), err
+            assert _listed(stub) == {"ar-0": True, "dit-0": False}
+            assert _status_ids(capsys, broker.address) == ["ar-0", "dit-0"]
+
+            # Again: NOT_FOUND, as for any id the broker does not hold (raw stub: the reason code).
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ForgetReplica(broker_pb2.ForgetReplicaRequest(replica_id="dit-1"), timeout=10)
+            assert reason_of(refused.value)[:2] == ("NOT_FOUND", "UNKNOWN_REPLICA")  # type: ignore[arg-type]
+
+            # In a development deployment an undeclared caller is the operator, a declared replica is not.
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ForgetReplica(broker_pb2.ForgetReplicaRequest(replica_id="dit-0"), timeout=10,
+                                   metadata=_md(replica_id="ar-0"))  # fmt: skip
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+
+            # The ticket ends (never armed: its pages are free at once): dit-0 may go now.
+            stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                ticket_id=ticket.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED, reason="test"), timeout=10)
+            assert _forget_cli(capsys, broker.address, "dit-0")[:2] == (0, "dit-0 forgotten\n")
+            assert _listed(stub) == {"ar-0": True}
+    finally:
+        assert broker.stop() == 0, broker.output()
+
+    # Restarted on the same journal: the forgotten replicas stay forgotten; ar-0 is restored (down
+    # until it registers again), and --all-down forgets it, for good too.
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        assert _status_ids(capsys, broker.address) == ["ar-0"]
+        code, out, err = _forget_cli(capsys, broker.address, "--all-down")
+        assert (code, out, err) == (0, "ar-0 forgotten\n", "")
+        assert _forget_cli(capsys, broker.address, "--all-down")[:2] == (0, "no replica is down\n")
+    finally:
+        assert broker.stop() == 0, broker.output()
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        assert _status_ids(capsys, broker.address) == []
+    finally:
+        assert broker.stop() == 0, broker.output()
+
+
+def test_all_down_keeps_what_must_be_kept_and_says_why(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ar = replica("ar-0", common_pb2.REPLICA_ROLE_AR)
+    dit0 = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    dit1 = replica("dit-1", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            for info in (ar, dit0, dit1):
+                _register(stub, info)
+            stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="req-1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]), timeout=10)
+            _deregister(stub, dit0)
+            _deregister(stub, dit1)
+            code, out, err = _forget_cli(capsys, broker.address, "--all-down")
+            # dit-0 is kept (a live ticket names it) without failing the command; ar-0 is up: untouched.
+            assert code == 0, (out, err)
+            assert out == "dit-1 forgotten\n"
+            assert err.startswith("dit-0 not forgotten: FAILED_PRECONDITION (REPLICA_HOLDS_TICKETS):"), err
+            assert _listed(stub) == {"ar-0": True, "dit-0": False}
+            # Neither ids nor --all-down, or both: a usage error before any call.
+            assert _forget_cli(capsys, broker.address)[0] == 2
+            assert _forget_cli(capsys, broker.address, "--all-down", "dit-0")[0] == 2
+    finally:
+        assert broker.stop() == 0, broker.output()
+
+
+def test_only_an_operator_may_forget_when_tokens_are_configured(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dit = replica("dit-1", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    env = {"KVRELAY_REPLICA_TOKEN": REPLICA_TOKEN, "KVRELAY_OPERATOR_TOKEN": OPERATOR_TOKEN}
+    broker = _start_broker(repo_root, tmp_path, env)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            _register(stub, dit, REPLICA_TOKEN)
+            _deregister(stub, dit, REPLICA_TOKEN)
+            request = broker_pb2.ForgetReplicaRequest(replica_id="dit-1")
+            for metadata, expected in (
+                (_md(), grpc.StatusCode.UNAUTHENTICATED),
+                (_md(REPLICA_TOKEN, "dit-1"), grpc.StatusCode.PERMISSION_DENIED),  # even naming itself
+                (_md("not-a-token"), grpc.StatusCode.UNAUTHENTICATED),
+            ):
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.ForgetReplica(request, timeout=10, metadata=metadata)
+                assert refused.value.code() == expected, metadata  # type: ignore[attr-defined]
+            code, out, err = _forget_cli(capsys, broker.address, "dit-1")  # no token: refused, stops
+            assert code == 1 and out == "" and "UNAUTHENTICATED" in err, (out, err)
+            assert _listed(stub, OPERATOR_TOKEN) == {"dit-1": False}
+            code, out, err = _forget_cli(capsys, broker.address, "--token", OPERATOR_TOKEN, "dit-1")
+            assert (code, out) == (0, "dit-1 forgotten\n"), err
+            assert _listed(stub, OPERATOR_TOKEN) == {}
+    finally:
+        assert broker.stop() == 0, broker.output()
