@@ -41,6 +41,8 @@ def default_config_path() -> str:
 NATIVE_CONNECTORS = ("MooncakeConnector", "CudaIpcConnector")
 # vLLM-engine AR stages route through kvrelay's own connector (never vLLM's MooncakeConnector).
 VLLM_CONNECTOR = "KvRelayConnector"
+# The keys kv_connector_extra_config accepts (docs/configuration.md lists each).
+KV_CONNECTOR_EXTRA_KEYS = ("mooncake_protocol", "transfer_timeout", "verify_checksums", "device_name")
 
 
 class ConfigError(ValueError):
@@ -262,7 +264,7 @@ class KvTransferConfig(_Strict):
     @field_validator("kv_connector_extra_config")
     @classmethod
     def _check_extra(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        allowed = {"mooncake_protocol", "transfer_timeout", "verify_checksums", "device_name"}
+        allowed = set(KV_CONNECTOR_EXTRA_KEYS)
         unknown = sorted(set(extra) - allowed)
         if unknown:
             raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
