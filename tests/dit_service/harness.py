@@ -289,6 +289,14 @@ class ArWriter:
         assert ticket is not None
         return ticket
 
+    async def written_ticket(self, token_counts: Sequence[int], *, seed: int) -> broker_pb2.Ticket:
+        """A new ticket armed, written (`rows_kv(token_counts, seed)`) and every write reported: what
+        an AR leaves behind before its DiT's Denoise call. Returns the ticket as created."""
+        ticket = await self.create_ticket(token_counts)
+        armed = await self.arm(ticket.ticket_id)
+        await self.report(ticket.ticket_id, await asyncio.to_thread(self.write, armed, self.rows_kv(token_counts, seed)))
+        return ticket
+
     async def pool(self) -> broker_pb2.PoolStatus:
         reply = await self.stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-0"), timeout=5.0)
         return reply.pools[0]

@@ -33,10 +33,7 @@ async def measure(preset: str, size: int, steps: int, tp: int, sp: int, guidance
                 writer = ArWriter(broker.address, preset, "mooncake")
                 await writer.register()
                 counts = [24, 1] if guidance > 1.0 else [24]
-                ticket = await writer.create_ticket(counts)
-                armed = await writer.arm(ticket.ticket_id)
-                outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv(counts, seed=0))
-                await writer.report(ticket.ticket_id, outcomes)
+                ticket = await writer.written_ticket(counts, seed=0)
                 stamps: list[float] = []
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(

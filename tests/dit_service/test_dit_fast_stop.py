@@ -49,10 +49,7 @@ def test_a_second_sigterm_kills_the_denoise_and_leaves_the_pages_to_the_broker(t
                 await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
-                a = await writer.create_ticket([10])
-                armed_a = await writer.arm(a.ticket_id)
-                await writer.report(a.ticket_id, await asyncio.to_thread(
-                    writer.write, armed_a, writer.rows_kv([10], seed=0)))
+                a = await writer.written_ticket([10], seed=0)
                 b = await writer.create_ticket([12])
                 armed_b = await writer.arm(b.ticket_id)
                 b_pages = sum(len(r.page_ids) for r in armed_b.ticket.rows)

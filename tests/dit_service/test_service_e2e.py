@@ -220,10 +220,7 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path, tp: int) -> No
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
                 counts = [12, 4]
-                ticket = await writer.create_ticket(counts)
-                armed = await writer.arm(ticket.ticket_id)
-                outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv(counts, seed=5))
-                await writer.report(ticket.ticket_id, outcomes)
+                ticket = await writer.written_ticket(counts, seed=5)
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     stub = dit_pb2_grpc.DitServiceStub(channel)
                     # 1024x1024 (4096 tokens): a step takes far longer than the service's 10 ms step
@@ -252,10 +249,7 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path, tp: int) -> No
                 pool = await writer.pool()
                 assert pool.free_pages == pool.total_pages
                 # The ranks are in step again: the next request runs to the end.
-                ticket = await writer.create_ticket([5])
-                armed = await writer.arm(ticket.ticket_id)
-                await writer.report(ticket.ticket_id, await asyncio.to_thread(
-                    writer.write, armed, writer.rows_kv([5], seed=6)))
+                ticket = await writer.written_ticket([5], seed=6)
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
                         ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
@@ -450,10 +444,7 @@ def test_sigterm_during_denoise_releases_and_exits_cleanly(tmp_path: Path) -> No
                 await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
-                ticket = await writer.create_ticket([10])
-                armed = await writer.arm(ticket.ticket_id)
-                await writer.report(ticket.ticket_id, await asyncio.to_thread(
-                    writer.write, armed, writer.rows_kv([10], seed=0)))
+                ticket = await writer.written_ticket([10], seed=0)
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
                         ticket_id=ticket.ticket_id, width=512, height=512, num_inference_steps=1000,
@@ -557,10 +548,7 @@ def test_a_cancel_while_the_ok_release_is_sent_still_releases(tmp_path: Path) ->
                 await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
-                ticket = await writer.create_ticket([5])
-                armed = await writer.arm(ticket.ticket_id)
-                await writer.report(ticket.ticket_id, await asyncio.to_thread(
-                    writer.write, armed, writer.rows_kv([5], seed=6)))
+                ticket = await writer.written_ticket([5], seed=6)
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     call = dit_pb2_grpc.DitServiceStub(channel).Denoise(dit_pb2.DenoiseRequest(
                         ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
@@ -635,10 +623,8 @@ def test_a_release_that_fails_while_a_reregistration_lists_its_ticket_is_still_d
                 await wait_serving(dit)
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
-                ticket = await writer.create_ticket([5])
+                ticket = await writer.written_ticket([5], seed=6)
                 tid = ticket.ticket_id
-                armed = await writer.arm(tid)
-                await writer.report(tid, await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
                         ticket_id=tid, width=64, height=64, num_inference_steps=2, guidance_scale=1.0, seed=0))
@@ -700,10 +686,8 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
             await wait_serving(dit)
             writer = ArWriter(broker.address, "tiny", "mooncake")
             await writer.register()
-            ticket = await writer.create_ticket([5])
+            ticket = await writer.written_ticket([5], seed=6)
             tid = ticket.ticket_id
-            armed = await writer.arm(tid)
-            await writer.report(tid, await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
             async with grpc.aio.insecure_channel(dit.address) as channel:
                 events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
                     ticket_id=tid, width=64, height=64, num_inference_steps=1, guidance_scale=1.0, seed=0))
@@ -806,15 +790,7 @@ def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
                 await writer.register()
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     stub = dit_pb2_grpc.DitServiceStub(channel)
-
-                    async def written() -> broker_pb2.Ticket:
-                        t = await writer.create_ticket([5])
-                        armed = await writer.arm(t.ticket_id)
-                        await writer.report(t.ticket_id, await asyncio.to_thread(
-                            writer.write, armed, writer.rows_kv([5], seed=6)))
-                        return t
-
-                    t = await written()
+                    t = await writer.written_ticket([5], seed=6)
                     forged = plan_to_proto(core.plan_for(t.ticket_id))
                     forged.ticket.sequence += 10**12
                     request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
@@ -825,7 +801,7 @@ def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
                     await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
                     u = None
                     for _ in range(64):
-                        candidate = await written()
+                        candidate = await writer.written_ticket([5], seed=6)
                         if set(candidate.rows[0].page_ids) & set(t.rows[0].page_ids):
                             u = candidate
                             break
