@@ -64,7 +64,9 @@ def config_keys(path: tuple[str, ...]) -> dict[str, Any]:
     left to that section, and so is the top level's `broker`, `security`, `stages`.
     """
     model = section_model(path)
-    nested_sections = {p[len(path)] for p in SECTIONS.values() if len(p) == len(path) + 1 and p[: len(path)] == path}
+    nested_sections = {
+        p[len(path)] for p in SECTIONS.values() if len(p) == len(path) + 1 and p[: len(path)] == path
+    }
     keys: dict[str, Any] = {}
     for name, field in model.model_fields.items():
         inner = _model_of(field.annotation)
@@ -166,10 +168,18 @@ def env_reads(tree: ast.AST) -> set[str]:
                 arg = node.args[0]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     found.add(arg.value)
-        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+        elif (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "environ"
+        ):
             if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
                 found.add(node.slice.value)
-        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        elif (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
             for target in node.targets:
                 if isinstance(target, ast.Name) and target.id.endswith("_ENV"):
                     found.add(node.value.value)
@@ -177,7 +187,9 @@ def env_reads(tree: ast.AST) -> set[str]:
             # {"tls_ca": "KVRELAY_TLS_CA", ...} under a *_ENV name, and GRPC_CORE_LOG_DEFAULTS-like
             # mappings of variables to the values kvrelay defaults them to.
             for target in node.targets:
-                if isinstance(target, ast.Name) and (target.id.endswith("_ENV") or target.id.endswith("_DEFAULTS")):
+                if isinstance(target, ast.Name) and (
+                    target.id.endswith("_ENV") or target.id.endswith("_DEFAULTS")
+                ):
                     for k, v in zip(node.value.keys, node.value.values, strict=True):
                         lit = v if target.id.endswith("_ENV") else k
                         if isinstance(lit, ast.Constant) and isinstance(lit.value, str):
@@ -205,7 +217,13 @@ def environment_table(text: str | None = None) -> set[str]:
 
 def test_every_environment_variable_the_code_reads_is_in_the_environment_table() -> None:
     env = code_env()
-    for name in ("KVRELAY_CONFIG", "KVRELAY_LOCK_DIR", "KVRELAY_TLS_CA", "MC_TCP_BIND_ADDRESS", "GRPC_VERBOSITY"):
+    for name in (
+        "KVRELAY_CONFIG",
+        "KVRELAY_LOCK_DIR",
+        "KVRELAY_TLS_CA",
+        "MC_TCP_BIND_ADDRESS",
+        "GRPC_VERBOSITY",
+    ):
         assert name in env, name  # each way of reading one is seen
     missing = {name: where for name, where in env.items() if name not in environment_table()}
     assert missing == {}, f"read by the code, not in docs/configuration.md, Environment: {missing}"

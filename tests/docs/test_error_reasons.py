@@ -55,6 +55,9 @@ def reasons_in(tree: ast.AST) -> set[str]:
                 # reason = "X"  /  code, reason, message = "C", "X", "..."
                 if isinstance(target, ast.Name) and target.id.endswith("reason"):
                     found.append(_literal(node.value))
+                # error.reason = "X" (an ErrorInfo filled in field by field)
+                if isinstance(target, ast.Attribute) and target.attr == "reason":
+                    found.append(_literal(node.value))
                 if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
                     found.extend(
                         _literal(v) for t, v in zip(target.elts, node.value.elts, strict=False)
@@ -102,6 +105,7 @@ def test_the_collector_sees_reasons_of_every_kind() -> None:
         "GENERATION_NOT_FOUND",  # errors.not_found
         "TICKET_NOT_WRITABLE",  # the DiT's PutKv
         "STREAM_DROPPED",  # the SDK's own KvRelayError
+        "PROMPT_TOO_LONG",  # an error's `.reason` set as an attribute (broker admission)
     ):
         assert reason in reasons, reason
     assert len(reasons) >= 60
@@ -119,7 +123,65 @@ def test_every_reason_the_code_sends_is_documented() -> None:
 def test_a_new_reason_is_collected_and_undocumented() -> None:
     tree = ast.parse('raise KvRelayServerError(grpc.StatusCode.INTERNAL, "SOMETHING_NEW", "m")')
     assert reasons_in(tree) == {"SOMETHING_NEW"}
+    assert reasons_in(ast.parse('err = make()\nerr.reason = "SOMETHING_NEW"')) == {"SOMETHING_NEW"}
     assert "SOMETHING_NEW" not in documented_names()
+
+
+def table_reasons(texts: dict[str, str]) -> dict[str, str]:
+    """reason -> where: the names in backticks in the `reason` column of the docs' tables, what
+    is in parentheses left out (prose: `NOT_SERVING` is a health status, `NOT_STARTED` a write's)."""
+    out: dict[str, str] = {}
+    for name, text in texts.items():
+        lines = text.splitlines()
+        column: int | None = None
+        for i, line in enumerate(lines):
+            if not line.startswith("|"):
+                column = None
+                continue
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if column is None:
+                is_header = i + 1 < len(lines) and lines[i + 1].startswith("| ---")
+                column = next((j for j, c in enumerate(cells) if c.lower() == "reason"), -1) if is_header else -1
+                continue
+            if 0 <= column < len(cells):
+                cell = cells[column]
+                while (bare := re.sub(r"\([^()]*\)", "", cell)) != cell:
+                    cell = bare
+                for reason in re.findall(r"`([A-Z][A-Z0-9_]+)`", cell):
+                    out.setdefault(reason, f"{name}:{i + 1}")
+    return out
+
+
+def _doc_texts() -> dict[str, str]:
+    return {str(p.relative_to(REPO)): p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+
+
+def test_every_reason_a_docs_table_lists_is_one_the_code_sends() -> None:
+    """A row for a reason nothing sends any more (renamed, removed) tells users to branch on a
+    value that never comes. A status code name counts: an error without an ErrorInfo has its
+    code as its reason (kvrelay.client.errors)."""
+    import grpc
+
+    known = set(code_reasons()) | {c.name for c in grpc.StatusCode}
+    stale = {r: where for r, where in table_reasons(_doc_texts()).items() if r not in known}
+    assert stale == {}, f"reasons documented in a table that no code sends (remove the row or fix the name): {stale}"
+
+
+def test_every_reason_the_code_sends_has_a_table_row() -> None:
+    """Named in prose is not enough: a user looks a reason up in a table with a `reason` column
+    (docs/api.md, Errors; docs/broker.md). A status code name used as the reason is the code's."""
+    import grpc
+
+    codes = {c.name for c in grpc.StatusCode}
+    tables = table_reasons(_doc_texts())
+    missing = {r: where for r, where in code_reasons().items() if r not in tables and r not in codes}
+    assert missing == {}, f"reasons sent by the code with no row in a reasons table (docs/api.md, Errors): {missing}"
+
+
+def test_the_table_check_sees_a_reason_column() -> None:
+    table = "| code | reason | when |\n| --- | --- | --- |\n| `X` | `GONE_NOW` (not `NOT_ME`) | w |\n"
+    assert table_reasons({"t.md": table}) == {"GONE_NOW": "t.md:3"}
+    assert len(table_reasons(_doc_texts())) >= 60
 
 
 if __name__ == "__main__":
