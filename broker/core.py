@@ -165,6 +165,7 @@ class BrokerCore:
         journal_group_commit: bool = False,
         max_replicas: int = MAX_REPLICAS,
         max_total_pages: int = MAX_TOTAL_PAGES,
+        forget_down_after_seconds: float | None = None,
     ) -> None:
         # journal_path None = an in-memory SQLite journal: same code path, nothing survives.
         self.journal = Journal(
@@ -184,6 +185,11 @@ class BrokerCore:
         self.verify_checksums = verify_checksums
         # Bounds on what registrations (any holder of the replica token) make the broker hold.
         self.registry = ReplicaRegistry(layout_version, max_replicas, max_total_pages)
+        # broker.forget_down_replicas_after_seconds (None: off): `tick` forgets a replica safe to
+        # forget once it has been down this long; one restored from the journal that never
+        # registers again counts as down from this broker's start (`down_since`).
+        self.forget_down_after_seconds = forget_down_after_seconds
+        self.start_time = clock()
         self._pools: dict[ReplicaId, ReplicaPages] = {}
         self._tickets: dict[TicketId, TicketRecord] = {}
         self._by_request: dict[str, TicketId] = {}
@@ -366,7 +372,33 @@ class BrokerCore:
             if r.spec.replica_id != keep and self.forget_refusal(r, now, named) is None
         ]
         if idle:
-            self._forget(idle)
+            self._forget(idle, why="registry_full")
+
+    def down_since(self, record: ReplicaRecord) -> float:
+        """Since when `record` has been down, as this broker knows (meaningful only while it is not
+        up): a record restored from the journal since the broker's start (whatever its lease was
+        before the restart), a deregistered one since its deregistration, else since its lease
+        expired."""
+        if record.needs_registration:
+            return self.start_time
+        if record.deregistered and record.deregister_time is not None:
+            return record.deregister_time
+        return record.lease_expire_time
+
+    def forget_down_replicas(self, now: float) -> list[ReplicaId]:
+        """broker.forget_down_replicas_after_seconds: forget every replica that has been down that
+        long and that `forget_refusal` allows (called by `tick`). Returns the ids forgotten."""
+        after = self.forget_down_after_seconds
+        if after is None:
+            return []
+        down = [r for r in self.registry if not r.up(now) and now - self.down_since(r) >= after]
+        if not down:
+            return []
+        named = self._named_replicas()
+        gone = [r.spec.replica_id for r in down if self.forget_refusal(r, now, named) is None]
+        if gone:
+            self._forget(gone, why="down_too_long")
+        return gone
 
     def forget_replica(self, replica_id: ReplicaId) -> None:
         """Operator (ForgetReplica): forget a replica gone for good (an earlier config's, a retired
@@ -381,7 +413,7 @@ class BrokerCore:
         refusal = self.forget_refusal(record, self.clock(), self._named_replicas())
         if refusal is not None:
             raise refusal
-        self._forget([replica_id])
+        self._forget([replica_id], why="operator")
 
     def forget_refusal(
         self, record: ReplicaRecord, now: float, named: Mapping[ReplicaId, list[TicketId]] | None = None
@@ -427,7 +459,7 @@ class BrokerCore:
                 named.setdefault(replica_id, []).append(t.ticket_id)
         return named
 
-    def _forget(self, replica_ids: Sequence[ReplicaId]) -> None:
+    def _forget(self, replica_ids: Sequence[ReplicaId], why: str) -> None:
         """Drop these replicas for good, memory and journal (`forget_refusal` allowed each)."""
         for replica_id in replica_ids:
             self.registry.forget(replica_id)
@@ -437,7 +469,7 @@ class BrokerCore:
             for link in [k for k in self._suspect_links if replica_id in k]:
                 del self._suspect_links[link]
         self._membership_commit = self.journal.commit(replicas=dict.fromkeys(replica_ids))
-        log.info("replicas_forgotten", count=len(replica_ids), replica_ids=list(replica_ids[:16]))
+        log.info("replicas_forgotten", why=why, count=len(replica_ids), replica_ids=list(replica_ids[:16]))
 
     def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
         """The replica is leaving: no new tickets. Not proof that its writes are over."""
@@ -445,6 +477,7 @@ class BrokerCore:
         if record.deregistered:
             return
         record.deregistered = True
+        record.deregister_time = self.clock()
         self._commit((), [record])
         log.info("replica_deregistered", replica_id=replica_id, incarnation=incarnation_id)
 
@@ -965,7 +998,8 @@ class BrokerCore:
         return counts
 
     def tick(self) -> int:
-        """Free DRAINING tickets whose writes are resolved and whose quiet period passed.
+        """Free DRAINING tickets whose writes are resolved and whose quiet period passed, then
+        forget replicas down for longer than `forget_down_after_seconds` (when set).
 
         Called periodically by `run_maintenance`; returns how many tickets were released.
         """
@@ -974,6 +1008,7 @@ class BrokerCore:
         changed = [t for t in done if self._try_drain(t, now)]
         if changed:
             self._commit(changed)
+        self.forget_down_replicas(now)
         return len(changed)
 
     def close(self) -> None:

@@ -68,6 +68,7 @@ async def serve(
             journal_group_commit=True,
             max_replicas=b.max_replicas,
             max_total_pages=b.max_total_pages,
+            forget_down_after_seconds=b.forget_down_replicas_after_seconds,
         )
     except JournalWriteError:
         raise  # the journal opened but its replay could not be written (disk full): not a setting

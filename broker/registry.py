@@ -138,6 +138,9 @@ class ReplicaRecord:
     fenced: bool = False
     fence_reason: str = ""
     deregistered: bool = False
+    # When this broker saw it deregister (never journaled: a restored record is down from the
+    # broker's start), for broker.forget_down_replicas_after_seconds.
+    deregister_time: float | None = None
     # Restored from the journal after a broker restart: the replica must register again
     # (same incarnation: reconcile; new one: the old process is proven gone).
     needs_registration: bool = False

@@ -105,6 +105,10 @@ class BrokerConfig(_Strict):
     # beyond either is RESOURCE_EXHAUSTED once no idle replica can be forgotten to make room.
     max_replicas: int = Field(256, ge=1, le=65536)
     max_total_pages: int = Field(1 << 26, ge=1, le=1 << 34)
+    # Forget a replica that has been down this long and is safe to forget (not fenced, no live
+    # ticket names it: BrokerCore.forget_refusal), as `kvrelay forget` would. None: never (the
+    # operator forgets them). One restored from the journal counts as down from the broker's start.
+    forget_down_replicas_after_seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
     # WatchTicket streams open at once, in all and per calling replica (kvrelay.broker.service,
     # MAX_WATCH_STREAMS*): one beyond is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. A DiT holds one per
     # request it serves: a per-replica bound below the DiT stage's max_num_seqs is refused at load.

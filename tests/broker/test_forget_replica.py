@@ -6,6 +6,7 @@ call it (docs/operations.md, Retiring a replica). Replicas are raw RegisterRepli
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,13 @@ import grpc
 import pytest
 import yaml
 
+from kvrelay.broker.core import BrokerCore
+from kvrelay.config import BrokerConfig
 from kvrelay.errors import reason_of
 from kvrelay.node.cli import main
 from kvrelay.security import AUTHORIZATION_METADATA, REPLICA_ID_METADATA
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from tests.broker.helpers import ManualClock, ar_spec, dit_spec
 from tests.broker.test_grpc import replica
 from tests.procs import ServiceProcess, start_service
 
@@ -29,10 +33,13 @@ def _no_ambient_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(env, raising=False)
 
 
-def _start_broker(repo_root: Path, tmp_path: Path, env: dict[str, str] | None = None) -> ServiceProcess:
+def _start_broker(
+    repo_root: Path, tmp_path: Path, env: dict[str, str] | None = None, forget_after: float | None = None
+) -> ServiceProcess:
     cfg = yaml.safe_load((repo_root / "tests" / "configs" / "test-fast.yaml").read_text())
     # A lease that outlasts a loaded runner's pauses: "up" stays up until the test deregisters it.
-    cfg["broker"].update(journal_path=str(tmp_path / "journal.sqlite"), lease_seconds=60)
+    cfg["broker"].update(journal_path=str(tmp_path / "journal.sqlite"), lease_seconds=60,
+                         forget_down_replicas_after_seconds=forget_after)  # fmt: skip
     config = tmp_path / "broker.yaml"
     config.write_text(yaml.safe_dump(cfg))
     return start_service(["broker", "--config", str(config), "--port", "0", "--metrics-port", "0"],
@@ -200,5 +207,102 @@ def test_only_an_operator_may_forget_when_tokens_are_configured(
             code, out, err = _forget_cli(capsys, broker.address, "--token", OPERATOR_TOKEN, "dit-1")
             assert (code, out) == (0, "dit-1 forgotten\n"), err
             assert _listed(stub, OPERATOR_TOKEN) == {}
+    finally:
+        assert broker.stop() == 0, broker.output()
+
+
+# ------------------------------------------------------------------ broker.forget_down_replicas_after_seconds
+
+
+def _core(path: Path, clock: ManualClock, after: float | None = 30.0) -> BrokerCore:
+    return BrokerCore(path, clock=clock, lease_seconds=10.0, journal_synchronous="NORMAL",
+                      forget_down_after_seconds=after)  # fmt: skip
+
+
+def _ids(core: BrokerCore) -> list[str]:
+    return sorted(r.spec.replica_id for r in core.registry)
+
+
+def test_the_config_knob_is_off_by_default() -> None:
+    assert BrokerConfig().forget_down_replicas_after_seconds is None  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        BrokerConfig(forget_down_replicas_after_seconds=0)  # type: ignore[call-arg]
+
+
+def test_off_a_down_replica_is_kept_forever(tmp_path: Path) -> None:
+    clock = ManualClock()
+    core = _core(tmp_path / "j.sqlite", clock, after=None)
+    core.register_replica(dit_spec("dit-1"))
+    clock.advance(1e6)
+    core.tick()
+    assert _ids(core) == ["dit-1"]
+
+
+def test_a_replica_down_that_long_is_forgotten_unless_a_ticket_names_it_or_it_is_fenced(tmp_path: Path) -> None:
+    clock = ManualClock()
+    core = _core(tmp_path / "j.sqlite", clock)
+    ar, dit0, dit1, dit2 = ar_spec("ar-0"), dit_spec("dit-0"), dit_spec("dit-1"), dit_spec("dit-2")
+    for spec in (ar, dit0, dit1, dit2):
+        core.register_replica(spec)
+    ticket = core.create_ticket("req-1", "ar-0", "dit-0", [20])
+    assert ticket is not None
+    core.fence_replica("dit-2", "test")
+    core.deregister_replica("dit-1", dit1.incarnation_id)  # down from now, its lease notwithstanding
+    clock.advance(29)
+    core.tick()
+    assert _ids(core) == ["ar-0", "dit-0", "dit-1", "dit-2"]
+    clock.advance(1)
+    core.tick()
+    assert _ids(core) == ["ar-0", "dit-0", "dit-2"]  # lapsed at 10 s, 20 s down, and a ticket names them
+    clock.advance(10)
+    core.tick()
+    assert _ids(core) == ["ar-0", "dit-0", "dit-2"]  # down long enough, but the ticket still names them
+    core.cancel_ticket(ticket.ticket_id)
+    core.tick()
+    assert _ids(core) == ["dit-2"]  # fenced: kept until a new incarnation registers
+    core.close()
+    assert _ids(_core(tmp_path / "j.sqlite", clock, after=None)) == ["dit-2"]  # forgotten in the journal too
+
+
+def test_a_restored_replica_that_never_registers_is_down_from_the_brokers_start(tmp_path: Path) -> None:
+    clock = ManualClock()
+    core = _core(tmp_path / "j.sqlite", clock, after=None)
+    dit2 = dit_spec("dit-2")
+    core.register_replica(dit_spec("dit-1"))
+    core.register_replica(dit2)
+    core.close()
+    clock.advance(1e6)  # its lease lapsed long before the restart: that does not count
+    core = _core(tmp_path / "j.sqlite", clock)
+    clock.advance(20)
+    core.register_replica(dit2)  # came back (same incarnation): up again
+    clock.advance(9.5)
+    core.tick()
+    assert _ids(core) == ["dit-1", "dit-2"]
+    clock.advance(0.5)
+    core.tick()
+    assert _ids(core) == ["dit-2"]
+    clock.advance(29)  # dit-2's lease (renewed at +20) lapsed at +30: 29 s down
+    core.tick()
+    assert _ids(core) == ["dit-2"]
+    clock.advance(1)
+    core.tick()
+    assert _ids(core) == []
+
+
+def test_a_real_broker_forgets_a_deregistered_replica_after_the_configured_time(
+    repo_root: Path, tmp_path: Path
+) -> None:
+    dit = replica("dit-1", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    broker = _start_broker(repo_root, tmp_path, forget_after=0.5)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            _register(stub, dit)
+            _register(stub, replica("ar-0", common_pb2.REPLICA_ROLE_AR))
+            _deregister(stub, dit)
+            deadline = time.monotonic() + 20
+            while _listed(stub) != {"ar-0": True} and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _listed(stub) == {"ar-0": True}, broker.output()
     finally:
         assert broker.stop() == 0, broker.output()
