@@ -5,6 +5,7 @@ call it (docs/operations.md, Retiring a replica). Replicas are raw RegisterRepli
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 import yaml
 
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.tickets import FailedPrecondition
+from kvrelay.client import AsyncKvRelayClient, KvRelayError
 from kvrelay.config import BrokerConfig
 from kvrelay.errors import reason_of
 from kvrelay.node.cli import main
@@ -181,6 +184,18 @@ def test_all_down_keeps_what_must_be_kept_and_says_why(
         assert broker.stop() == 0, broker.output()
 
 
+async def _async_sdk_forgets(address: str, replica_id: str) -> None:
+    """The asyncio SDK's forget_replica: refusals are KvRelayError with the broker's code and reason."""
+    async with AsyncKvRelayClient(address, token=REPLICA_TOKEN) as client:
+        with pytest.raises(KvRelayError) as refused:
+            await client.forget_replica(replica_id)
+        assert refused.value.code == "PERMISSION_DENIED"
+    async with AsyncKvRelayClient(address, token=OPERATOR_TOKEN) as client:
+        with pytest.raises(KvRelayError) as refused:
+            await client.forget_replica("no-such-replica")
+        assert (refused.value.code, refused.value.reason) == ("NOT_FOUND", "UNKNOWN_REPLICA")
+
+
 def test_only_an_operator_may_forget_when_tokens_are_configured(
     repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -203,6 +218,8 @@ def test_only_an_operator_may_forget_when_tokens_are_configured(
                 assert refused.value.code() == expected, metadata  # type: ignore[attr-defined]
             code, out, err = _forget_cli(capsys, broker.address, "dit-1")  # no token: refused, stops
             assert code == 1 and out == "" and "UNAUTHENTICATED" in err, (out, err)
+            assert _listed(stub, OPERATOR_TOKEN) == {"dit-1": False}
+            asyncio.run(_async_sdk_forgets(broker.address, "dit-1"))
             assert _listed(stub, OPERATOR_TOKEN) == {"dit-1": False}
             code, out, err = _forget_cli(capsys, broker.address, "--token", OPERATOR_TOKEN, "dit-1")
             assert (code, out) == (0, "dit-1 forgotten\n"), err
@@ -260,6 +277,9 @@ def test_a_replica_down_that_long_is_forgotten_unless_a_ticket_names_it_or_it_is
     core.cancel_ticket(ticket.ticket_id)
     core.tick()
     assert _ids(core) == ["dit-2"]  # fenced: kept until a new incarnation registers
+    with pytest.raises(FailedPrecondition) as refused:
+        core.forget_replica("dit-2")  # the operator's call keeps it too, saying why
+    assert refused.value.reason == "REPLICA_FENCED" and "test" in refused.value.message
     core.close()
     assert _ids(_core(tmp_path / "j.sqlite", clock, after=None)) == ["dit-2"]  # forgotten in the journal too
 
