@@ -126,6 +126,13 @@ def _print_error(
         elif "Connection refused" in err.message:
             # Nothing listens there: no TLS setting would help.
             hint = f"nothing listens at {where}: is the node up (kvrelay up), and is --target right?"
+        elif "before receiving SETTINGS frame" in err.message:
+            # The port accepted the connection and said nothing for gRPC's 20 s connect timeout: a
+            # stopped (SIGSTOP, a debugger) or wedged broker, or a server that waits for its client
+            # to speak first. A TLS/plaintext mismatch fails at once instead ("Socket closed", an
+            # SSL error); this was hinted as one (found black-box with the broker stopped).
+            hint = (f"{where} accepted the connection but never answered: is the broker stopped or hung "
+                    "(check it, or kvrelay up's log), or is --target another service?")  # fmt: skip
         else:
             # The transport never answered: a plaintext client of a TLS node (or the reverse)
             # looks exactly like a node that is down.

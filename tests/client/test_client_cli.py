@@ -342,6 +342,32 @@ def test_the_prompt_comes_from_the_argument_a_file_or_stdin(tmp_path: Path) -> N
             read_prompt(bad, _Pipe("  \n"))
 
 
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_target_that_accepts_but_never_answers_is_not_hinted_as_tls(tls: bool) -> None:
+    # A stopped broker (SIGSTOP) still accepts connections (the kernel's backlog) and says
+    # nothing: `kvrelay generate` ended after gRPC's 20 s connect timeout with "connection attempt
+    # timed out before receiving SETTINGS frame" and the hint "is the broker serving TLS?" (found
+    # black-box). A TLS mismatch fails at once with another message. The message is the one gRPC
+    # gave; waiting out the 20 s here would make a slow test of gRPC's timer.
+    import io
+
+    from kvrelay.client import KvRelayError
+    from kvrelay.client.cli import _print_error
+
+    target = "127.0.0.1:47051"
+    err = KvRelayError(
+        "UNAVAILABLE", "UNAVAILABLE",
+        f"failed to connect to all addresses; last error: UNKNOWN: ipv4:{target}: connection attempt timed out "
+        "before receiving SETTINGS frame",
+    )  # fmt: skip
+    out = io.StringIO()
+    _print_error("generate", err, out, tls=tls, target=target)
+    hint = out.getvalue().splitlines()[-1]
+    assert hint == (f"  hint: {target} accepted the connection but never answered: is the broker stopped or hung "
+                    "(check it, or kvrelay up's log), or is --target another service?")  # fmt: skip
+    assert "TLS" not in hint
+
+
 def test_unresolvable_target_hints_at_the_target_not_tls(capsys: pytest.CaptureFixture[str]) -> None:
     os.environ.pop("KVRELAY_API_TOKEN", None)
     target = "kvrelay-no-such-host.invalid:50051"
