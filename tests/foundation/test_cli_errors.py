@@ -219,4 +219,4 @@ def test_an_output_folder_that_cannot_be_made_is_one_line(tmp_path: Path, fast_c
     proc = kvrelay("up", "--config", config, "--metrics-port", "0", "--log-dir", str(afile / "logs"))
     assert_one_clear_line(proc, "up", f"--log-dir {afile / 'logs'}: Not a directory")
     proc = kvrelay("bench", "--config", config, "--output", str(afile / "out"))
-    assert_one_clear_line(proc, "bench", f"{afile / 'out'}: Not a directory")
+    assert_one_clear_line(proc, "bench", f"--output {afile / 'out'}: cannot create the folder: Not a directory")
