@@ -350,6 +350,19 @@ class StageConfig(_Strict):
         base = self.metrics_port if self.metrics_port is not None else (9410 if self.kind == "ar" else 9420)
         return 0 if base == 0 else base + replica
 
+    @model_validator(mode="after")
+    def _replica_ports_fit(self) -> StageConfig:
+        # Replica N listens on base + N: `port: 65535` with 2 replicas was accepted and `kvrelay up`
+        # died in an OverflowError traceback binding 65536 (found black-box).
+        last = self.num_replicas - 1
+        for key, port in (("port", self.port_for(last)), ("metrics_port", self.metrics_port_for(last))):
+            if port > 65535:
+                raise ValueError(
+                    f"{key}: replica {last} of num_replicas {self.num_replicas} would listen on {port} (the stage's "
+                    f"{key} + the replica index), above 65535; lower {key} or num_replicas, or set {key}: 0 (free ports)"
+                )
+        return self
+
     @property
     def transport(self) -> str:
         """`mooncake`, `cuda_ipc` or `grpc` (the fallback when kv_transfer_config is absent)."""

@@ -428,3 +428,24 @@ def test_rejects_a_rank_stall_limit_the_liveness_beat_cannot_meet(
     _reject(data, f"stages.{stage}.rank_stall_seconds")
     data["stages"][stage]["rank_stall_seconds"] = 2.0
     parse_config(data)
+
+
+@pytest.mark.parametrize(
+    ("stage", "fields", "needle"),
+    [
+        (0, {"port": 65535, "num_replicas": 2}, "stages.0: port: replica 1 of num_replicas 2 would listen on 65536"),
+        (1, {"metrics_port": 65534, "num_replicas": 3}, "stages.1: metrics_port: replica 2 of num_replicas 3 would listen on 65536"),
+        (1, {"num_replicas": 20000}, "stages.1: port: replica 19999 of num_replicas 20000 would listen on 70070"),
+    ],
+)
+def test_rejects_replica_ports_beyond_65535(base: dict[str, Any], stage: int, fields: dict[str, int], needle: str) -> None:
+    # Replica N listens on the stage's base + N: `port: 65535` with 2 replicas loaded, and
+    # `kvrelay up` died in an OverflowError traceback binding port 65536 (found black-box).
+    data = copy.deepcopy(base)
+    data["stages"][stage].update(fields)
+    _reject(data, needle)
+    # The last port that fits, and port 0 (free ports) with any count, load.
+    data["stages"][stage].update({key: 65536 - data["stages"][stage]["num_replicas"] for key in fields if key != "num_replicas"})
+    if "num_replicas" in fields and len(fields) == 1:
+        data["stages"][stage].update(port=0, metrics_port=0)
+    parse_config(data)
