@@ -233,3 +233,43 @@ def test_the_environment_check_sees_a_new_variable() -> None:
     tree = ast.parse('import os\nx = os.environ.get("KVRELAY_SOMETHING_NEW", "1")')
     assert env_reads(tree) == {"KVRELAY_SOMETHING_NEW"}
     assert "KVRELAY_SOMETHING_NEW" not in environment_table()
+
+
+# ------------------------------------------------------------------------ keys named elsewhere
+
+
+def stale_key_references(texts: dict[str, str]) -> list[str]:
+    """`broker.X`, `security.X`, `security.tls.X` named in backticks anywhere in the docs must be
+    keys (a property such as `broker.heartbeat_interval` is not something a user can set). Only
+    names with an underscore are checked: `broker.log` is a file, `broker.service` a module."""
+    from kvrelay.config import _MOVED_BROKER_KEYS, BrokerConfig, SecurityConfig, TlsConfig
+
+    known = {
+        "broker": set(BrokerConfig.model_fields) | set(_MOVED_BROKER_KEYS),
+        "security": set(SecurityConfig.model_fields),
+    }
+    wrong = []
+    for name, text in texts.items():
+        for m in re.finditer(r"`(broker|security)\.([a-z][a-z_]*)(?:\.([a-z][a-z_]*))?", text):
+            section, key, sub = m.groups()
+            line = text[: m.start()].count("\n") + 1
+            if (
+                "_" in key.strip("_") and not key.endswith("_") and key not in known[section]
+            ):  # `api_token_*`: a family
+                wrong.append(f"{name}:{line}: {section}.{key} is not a config key")
+            if section == "security" and key == "tls" and sub and sub not in TlsConfig.model_fields:
+                wrong.append(f"{name}:{line}: security.tls.{sub} is not a config key")
+    return wrong
+
+
+def test_every_config_key_the_docs_name_exists() -> None:
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert stale_key_references({str(p.relative_to(REPO)): p.read_text() for p in docs}) == []
+
+
+def test_the_key_reference_check_sees_a_property_and_a_wrong_tls_key() -> None:
+    text = "every `broker.heartbeat_interval`; `security.tls.cert_path`; `broker.log`; `broker.lease_seconds`"
+    assert stale_key_references({"t.md": text}) == [
+        "t.md:1: broker.heartbeat_interval is not a config key",
+        "t.md:1: security.tls.cert_path is not a config key",
+    ]
