@@ -262,7 +262,7 @@ class KvTransferConfig(_Strict):
     @classmethod
     def _known_connector(cls, value: str) -> str:
         if value not in NATIVE_CONNECTORS + (VLLM_CONNECTOR,):
-            raise ValueError(f"unknown kv_connector {value!r}; expected one of {NATIVE_CONNECTORS}")
+            raise ValueError(f"unknown kv_connector {value!r}; expected one of {NATIVE_CONNECTORS + (VLLM_CONNECTOR,)}")
         return value
 
     @field_validator("kv_connector_extra_config")

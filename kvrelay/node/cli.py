@@ -123,7 +123,7 @@ def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
     p.add_argument("--metrics-port", type=_port, default=None,
                    help="Prometheus port (0 = any free port; default: the config's, + --replica for ar/dit)")
     p.add_argument("--log-level", type=_log_level, default=None,
-                   help="DEBUG, INFO, WARNING, ERROR (default: INFO or $KVRELAY_LOG_LEVEL)")
+                   help=f"{', '.join(LOG_LEVELS)} (default: INFO or $KVRELAY_LOG_LEVEL)")
     p.add_argument("--insecure-bind", action="store_true", help=INSECURE_BIND_HELP)
     if replica:
         p.add_argument("--replica", type=int, default=0, help="replica index within the stage (default: 0)")
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=None, help="address every process listens on (default: the config's)")
     p.add_argument("--log-dir", default=None, help="write each child's log here instead of the terminal")
     p.add_argument("--log-level", type=_log_level, default=None,
-                   help="log level for every child: DEBUG, INFO, WARNING, ERROR (default: INFO or $KVRELAY_LOG_LEVEL)")
+                   help=f"log level for every child: {', '.join(LOG_LEVELS)} (default: INFO or $KVRELAY_LOG_LEVEL)")
     p.add_argument("--ready-timeout", type=_positive_float, default=300.0,
                    help="seconds to wait for every process to be SERVING (default: %(default)g)")
     p.add_argument(

@@ -449,3 +449,9 @@ def test_rejects_replica_ports_beyond_65535(base: dict[str, Any], stage: int, fi
     if "num_replicas" in fields and len(fields) == 1:
         data["stages"][stage].update(port=0, metrics_port=0)
     parse_config(data)
+
+
+def test_an_unknown_kv_connector_names_every_accepted_one(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][0]["kv_transfer_config"]["kv_connector"] = "NixlConnector"
+    _reject(data, "NixlConnector", "MooncakeConnector", "CudaIpcConnector", "KvRelayConnector")
