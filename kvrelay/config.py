@@ -87,12 +87,15 @@ class BrokerConfig(_Strict):
     port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9400, ge=0, le=65535)
     journal_path: str = ".kvrelay/broker.sqlite"
-    lease_seconds: float = Field(10.0, gt=0)
-    heartbeat_seconds: float | None = Field(None, gt=0)
+    # Finite, as drain_quiet_seconds: `.inf` loaded, and a lease that never lapses keeps a replica
+    # that is gone UP (requests still placed on it); a drain that never ends keeps every cancelled
+    # ticket's pages until the pool is empty.
+    lease_seconds: float = Field(10.0, gt=0, allow_inf_nan=False)
+    heartbeat_seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_queue: int = Field(256, ge=1)
     result_ttl_seconds: float = Field(300.0, ge=0)
     max_results: int = Field(1024, ge=1)
-    drain_quiet_seconds: float = Field(2.0, ge=0)
+    drain_quiet_seconds: float = Field(2.0, ge=0, allow_inf_nan=False)
     # PNG bytes that replies carrying an image (GetGeneration, a terminal Generate event) may hold
     # at once until their calls end (broker/generation.py, ImageReplyBudget): bounds what peers
     # that never read their replies pin in the broker. A reply that does not fit waits up to

@@ -455,3 +455,13 @@ def test_an_unknown_kv_connector_names_every_accepted_one(base: dict[str, Any]) 
     data = copy.deepcopy(base)
     data["stages"][0]["kv_transfer_config"]["kv_connector"] = "NixlConnector"
     _reject(data, "NixlConnector", "MooncakeConnector", "CudaIpcConnector", "KvRelayConnector")
+
+
+@pytest.mark.parametrize("key", ["lease_seconds", "heartbeat_seconds", "drain_quiet_seconds"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_rejects_broker_periods_that_never_end(base: dict[str, Any], key: str, value: float) -> None:
+    # `.inf` loaded: a lease that never lapses would keep a replica that is gone UP, and a drain that
+    # never ends each cancelled ticket's pages until the pool is empty.
+    data = copy.deepcopy(base)
+    data["broker"][key] = value
+    _reject(data, f"broker.{key}", "finite")
