@@ -412,21 +412,25 @@ class Journal:
     async def durable(self) -> None:
         """Return once every commit made before this call is on disk: await it before revealing
         anything read from the broker's state that no narrower bound covers (a call to a replica,
-        a refusal). Raises JournalWriteError when one of them failed (the broker then stops).
-        Without group commit it returns at once (every commit was on disk when it returned)."""
+        a refusal). Raises JournalWriteError once a write failed (the broker then stops).
+        Without group commit it returns at once (every commit was on disk when it returned)
+        unless a write failed."""
         await self.durable_through(self._submitted)
 
     async def durable_through(self, seq: int) -> None:
         """Return once commit `seq` and every commit before it are on disk (commits reach the disk
         in order, so a prefix is all there is). A reply awaits the newest commit behind anything it
         reveals, and nothing later: 0 (or a commit already on disk) returns at once, without
-        suspending. Raises JournalWriteError when a commit up to `seq` failed."""
+        suspending. Raises JournalWriteError once any write of state failed, whatever `seq`: from
+        then on the core changes memory and its commit raises (is never numbered), so a commit
+        already on disk no longer bounds what memory shows (a ticket armed after the failure,
+        with `seq` its creation's)."""
         with self._cond:
+            if self.failure is not None:
+                raise JournalWriteError(self.path, self.failure.reason)
             target = min(seq, self._submitted)
             if self._durable >= target:
                 return
-            if self.failure is not None:
-                raise JournalWriteError(self.path, self.failure.reason)
             loop = asyncio.get_running_loop()
             self._loop = loop
             fut: asyncio.Future[None] = loop.create_future()

@@ -776,6 +776,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 await revealable(self.core, context, self.core.commit_behind(tickets=[ticket.ticket_id]))
                 yield broker_pb2.WatchTicketResponse(ticket=ticket_to_proto(ticket))
         except (BrokerError, JournalWriteError) as err:
+            # A refusal shows state too, as `_maps_errors` says: UNKNOWN_TICKET of a ticket whose
+            # queued release pushed it out of the released history (a kill brings it back live).
+            await revealable(self.core, context)
             await abort_with(context, to_server_error(err))
         finally:
             self.watch_streams.close(holder)

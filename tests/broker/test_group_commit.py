@@ -169,7 +169,9 @@ def test_a_failed_group_write_fails_every_waiter_and_refuses_later_commits(tmp_p
                 await waiter
         with pytest.raises(JournalWriteError, match="database or disk is full"):
             await journal.durable()
-        await journal.durable_through(on_disk)  # what was on disk before the failure still is
+        with pytest.raises(JournalWriteError, match="database or disk is full"):
+            # Even a commit on disk before it: memory may since hold changes whose commit raised.
+            await journal.durable_through(on_disk)
         await asyncio.sleep(0)  # the hook was scheduled onto the loop
         assert failures == [("database or disk is full", True)]
         with pytest.raises(JournalWriteError, match="database or disk is full"):
@@ -471,3 +473,103 @@ def test_commit_behind_names_the_commit_that_last_changed_each_object(tmp_path: 
         assert core.commit_behind(tickets=[t.ticket_id]) == 0
     finally:
         core.close()
+
+
+def test_after_a_failed_write_no_narrowed_reply_shows_memory_ahead_of_the_disk(tmp_path: Path) -> None:
+    """Once a write failed, the core still changes memory and only then finds its commit refused
+    (never numbered): here a ticket armed and another cancelled after the failure. GetTicket and
+    GetPool, whose records were on disk long before, must answer UNAVAILABLE JOURNAL_FAILED, not
+    show the armed ticket or the freed pages (before, `durable_through` of a commit on disk
+    returned: a kill then took back what they showed, as the journal below says)."""
+    path = tmp_path / "j.sqlite"
+
+    async def scenario() -> None:
+        core = BrokerCore(path, lease_seconds=30.0, journal_synchronous="NORMAL", journal_group_commit=True)
+        server, channel = await start_broker(core)
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        try:
+            for r in (replica("ar-0", common_pb2.REPLICA_ROLE_AR), replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)):
+                await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=r), timeout=TIMEOUT)
+            armed, freed = [(await stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id=f"r{n}", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]),
+                timeout=TIMEOUT)).ticket for n in range(2)]
+
+            def disk_error(groups: list[Any]) -> None:
+                raise sqlite3.OperationalError("disk I/O error")
+
+            core.journal._transaction = disk_error  # type: ignore[method-assign]  # noqa: SLF001
+            core.register_replica(ar_spec("ar-1"))  # queued; the writer fails it
+            while core.journal.failure is None:
+                await asyncio.sleep(0.005)
+            with pytest.raises(JournalWriteError):
+                core.arm_ticket(armed.ticket_id, "ar-0", "ar-0-inc-1")
+            with pytest.raises(JournalWriteError):
+                core.cancel_ticket(freed.ticket_id)
+            assert core.get_ticket(armed.ticket_id).armed and core.pool_status("dit-0")[0].reserved == 2
+
+            for call in (stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=armed.ticket_id), timeout=TIMEOUT),
+                         stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=freed.ticket_id), timeout=TIMEOUT),
+                         stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-0"), timeout=TIMEOUT)):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert reason_of(err.value)[:2] == ("UNAVAILABLE", "JOURNAL_FAILED")
+            watch = stub.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id=armed.ticket_id), timeout=TIMEOUT)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await watch.read()
+            assert reason_of(err.value)[:2] == ("UNAVAILABLE", "JOURNAL_FAILED")
+        finally:
+            await channel.close()
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
+    tickets = Journal(path).load().tickets
+    assert sorted(t["state"] for t in tickets.values()) == ["RESERVED", "RESERVED"]
+    assert not any(t["armed"] for t in tickets.values())
+
+
+def test_a_watch_of_a_ticket_pushed_out_of_the_history_waits_for_its_release(tmp_path: Path) -> None:
+    """With a history of one, a release still queued is pushed out by the next one: WatchTicket
+    then finds no such ticket. That NOT_FOUND shows the release (a kill before its commit brings the
+    ticket back, live), so it waits for the journal like every other refusal; before, the stream
+    ended at once."""
+    path = tmp_path / "j.sqlite"
+
+    async def scenario() -> None:
+        core = BrokerCore(path, lease_seconds=30.0, journal_synchronous="NORMAL", journal_group_commit=True,
+                          released_history=1)  # fmt: skip
+        gate = Gate(core.journal)
+        server, channel = await start_broker(core)
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        try:
+            for r in (replica("ar-0", common_pb2.REPLICA_ROLE_AR), replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)):
+                await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=r), timeout=TIMEOUT)
+            gone = (await stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="r0", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]),
+                timeout=TIMEOUT)).ticket.ticket_id
+            gate.open.clear()
+            gate.entered.clear()
+            core.cancel_ticket(gone)  # never armed: RELEASED, its commit held by the writer
+            assert await asyncio.to_thread(gate.entered.wait, TIMEOUT)
+            later = core.create_ticket("r1", "ar-0", "dit-0", [20])
+            assert later is not None
+            core.cancel_ticket(later.ticket_id)  # pushes `gone` out of the history
+            assert gone in on_disk_tickets(path)
+
+            watch = stub.WatchTicket(broker_pb2.WatchTicketRequest(ticket_id=gone), timeout=TIMEOUT)
+            first = asyncio.ensure_future(watch.read())
+            while not core.journal._waiters and not first.done():  # noqa: SLF001
+                await asyncio.sleep(0.005)
+            assert not first.done(), "NOT_FOUND answered before the release it shows was on disk"
+            gate.open.set()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await first
+            assert reason_of(err.value)[:2] == ("NOT_FOUND", "UNKNOWN_TICKET")
+            assert gone not in on_disk_tickets(path)
+        finally:
+            gate.open.set()
+            await channel.close()
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
