@@ -44,6 +44,8 @@ TOKEN_ENV = "KVRELAY_API_TOKEN"
 OPERATOR_TOKEN_ENV = "KVRELAY_OPERATOR_TOKEN"
 TLS_ENV = {"tls_ca": "KVRELAY_TLS_CA", "tls_cert": "KVRELAY_TLS_CERT", "tls_key": "KVRELAY_TLS_KEY"}
 _PHASES = ("queue", "prefill", "transfer", "load", "denoise", "decode")
+# The deadline of each call of status, list, cancel and forget (seconds).
+UNARY_TIMEOUT_S = 10.0
 
 
 def _token(args: argparse.Namespace, *envs: str) -> str | None:
@@ -116,6 +118,11 @@ def _print_error(
         # An AR or DiT replica (or another gRPC server) answers there, not the broker.
         print(f"  hint: {where} does not serve this kvrelay API (an AR or DiT replica's port?): --target is the "
               "broker's HOST:PORT (kvrelay up prints it; 127.0.0.1:50051 by default)", file=stream)  # fmt: skip
+    if err.code == "DEADLINE_EXCEEDED" and err.reason == "DEADLINE_EXCEEDED" and tls is not None and command != "generate":
+        # `kvrelay status` against a stopped (SIGSTOP) or wedged broker printed only "DEADLINE_EXCEEDED:
+        # Deadline Exceeded" after its 10 s (found black-box). generate has its own --timeout hint.
+        print(f"  hint: {where} did not answer within {UNARY_TIMEOUT_S:g} s: is the broker stopped, hung or "
+              "overloaded (check it, or kvrelay up's log)?", file=stream)  # fmt: skip
     if err.code == "UNAVAILABLE" and err.reason == "UNAVAILABLE" and tls is not None:
         if "Failed parsing HTTP/2" in err.message:
             # Not gRPC at all: a metrics port (HTTP/1.1) or another service. No TLS setting helps.
@@ -595,7 +602,7 @@ def run_status(args: argparse.Namespace) -> int:
     target = getattr(args, "target", None) or DEFAULT_TARGET
     try:
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
-        with KvRelayClient(target, token=token, timeout=10.0, **_tls(args)) as client:
+        with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
             replicas = client.list_replicas()
             pools = client.get_pools()
             tickets = client.list_tickets()
@@ -665,7 +672,7 @@ def run_list(args: argparse.Namespace) -> int:
     try:
         # Every client's generations: an operator RPC (the api token serves a development node).
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
-        with KvRelayClient(target, token=token, timeout=10.0, **_tls(args)) as client:
+        with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
             generations = client.list_generations(states, page_size=int(getattr(args, "limit", 0) or 0))
     except KvRelayError as err:
         _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
@@ -688,7 +695,7 @@ def run_cancel(args: argparse.Namespace) -> int:
         return 2
     target = getattr(args, "target", None) or DEFAULT_TARGET
     failed = 0
-    with KvRelayClient(target, token=_token(args), timeout=10.0, **_tls(args)) as client:
+    with KvRelayClient(target, token=_token(args), timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
         for request_id in args.request_ids:
             try:
                 generation = client.cancel_generation(request_id)
@@ -726,7 +733,7 @@ def run_forget(args: argparse.Namespace) -> int:
     failed = 0
     try:
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
-        with KvRelayClient(target, token=token, timeout=10.0, **_tls(args)) as client:
+        with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
             if all_down:
                 ids = [r.replica_id for r in client.list_replicas() if not r.up]
                 if not ids:

@@ -368,6 +368,25 @@ def test_a_target_that_accepts_but_never_answers_is_not_hinted_as_tls(tls: bool)
     assert "TLS" not in hint
 
 
+@pytest.mark.parametrize("command", ["status", "list", "cancel"])
+def test_a_broker_that_never_answers_a_read_is_hinted(command: str) -> None:
+    # `kvrelay status` against a stopped (SIGSTOP) broker printed only "DEADLINE_EXCEEDED:
+    # Deadline Exceeded" after its 10 s (found black-box; the error is built here, as gRPC gave it).
+    import io
+
+    from kvrelay.client import KvRelayError
+    from kvrelay.client.cli import _print_error
+
+    out = io.StringIO()
+    _print_error(command, KvRelayError("DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "Deadline Exceeded"), out,
+                 tls=False, target="127.0.0.1:47051")  # fmt: skip
+    assert out.getvalue().splitlines() == [
+        f"kvrelay {command}: DEADLINE_EXCEEDED: Deadline Exceeded",
+        "  hint: 127.0.0.1:47051 did not answer within 10 s: is the broker stopped, hung or overloaded (check it, "
+        "or kvrelay up's log)?",
+    ]
+
+
 def test_unresolvable_target_hints_at_the_target_not_tls(capsys: pytest.CaptureFixture[str]) -> None:
     os.environ.pop("KVRELAY_API_TOKEN", None)
     target = "kvrelay-no-such-host.invalid:50051"
