@@ -233,6 +233,16 @@ class ArRegistration:
                         return
                     except grpc.aio.AioRpcError as again:
                         log.warning("reregistration_failed", code=again.code().name, details=again.details())
+                elif reason == "TOO_MANY_ENTRIES" and self._asked:
+                    # The writes the broker polled last time, still in flight, may since have
+                    # outgrown its bound (their DiT restarted with fewer pages and their tickets
+                    # were released under them). Kept, every heartbeat was refused until those
+                    # calls returned and the lease lapsed. The listing is only informational: drop
+                    # it and beat again now; the next poll asks about what is still live.
+                    log.warning("heartbeat_listing_refused", replica_id=self.identity.replica_id,
+                                listed=len(self._asked), details=message)  # fmt: skip
+                    self._asked = set()
+                    continue
                 else:
                     log.warning("heartbeat_failed", code=err.code().name, reason=reason, details=message)
             try:

@@ -168,3 +168,62 @@ def test_a_final_report_refused_while_a_reregistration_lists_it_in_flight_is_sen
         assert stopped == []
 
     asyncio.run(body())
+
+
+class _ShrunkBroker:
+    """Polls about two writes at the first heartbeat; then (their DiT restarted with fewer pages,
+    the tickets released) its bound is one write: a heartbeat listing more is refused
+    TOO_MANY_ENTRIES, as BrokerCore.check_listing does."""
+
+    def __init__(self) -> None:
+        self.listed: list[int] = []  # writes listed, per heartbeat
+        self.refused = 0
+
+    async def Heartbeat(self, request: broker_pb2.HeartbeatRequest, timeout: float) -> broker_pb2.HeartbeatResponse:
+        from kvrelay.errors import KvRelayServerError, to_status
+
+        self.listed.append(len(request.unresolved_writes))
+        if len(self.listed) == 1:
+            return broker_pb2.HeartbeatResponse(poll_writes=[
+                common_pb2.WriteKey(ticket_id="t1", row=row, src_rank=0, dst_rank=0) for row in (0, 1)])
+        if len(request.unresolved_writes) > 1:
+            self.refused += 1
+            status = to_status(KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "TOO_MANY_ENTRIES", "at most 1"))
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(*status.trailing_metadata), status.details)
+        return broker_pb2.HeartbeatResponse()
+
+    async def ReportWrite(self, request: broker_pb2.ReportWriteRequest, timeout: float) -> Any:
+        return broker_pb2.ReportWriteResponse()
+
+
+def test_a_heartbeat_whose_polled_writes_outgrew_the_bound_beats_again_without_them() -> None:
+    """An honest AR lists the writes the broker polled at its last heartbeat while their calls
+    run. When those outgrow the broker's bound meanwhile (a DiT restarted smaller), the refused
+    heartbeat is sent again at once without the listing; before, every heartbeat listed them again
+    and was refused until the calls returned, and the AR's lease lapsed."""
+
+    async def body() -> None:
+        broker = _ShrunkBroker()
+        ledger = WriteLedger()
+        ledger.start("t1", [])
+        for row in (0, 1):  # two writes whose calls still run
+            ledger.finish("t1", WriteOutcome(row, 0, 0, "IN_DOUBT", 64, 0, "still running"))
+        reporter = WriteReporter(broker, ledger, "ar-0", "inc-1", rpc_timeout_s=1.0)  # type: ignore[arg-type]
+        stopped: list[str] = []
+        registration = ArRegistration(
+            broker, _identity(), ledger, reporter,
+            heartbeat_interval_s=INTERVAL_S, token=None, on_fail_stop=stopped.append,
+        )  # fmt: skip
+        task = asyncio.create_task(registration.run())
+        for _ in range(200):
+            if len(broker.listed) >= 5:
+                break
+            await asyncio.sleep(0.02)
+        registration.stop()
+        await asyncio.wait_for(task, 5)
+        # Polled, listed once (refused), then beats without it, each accepted.
+        assert broker.listed[:4] == [0, 2, 0, 0] and broker.refused == 1, broker.listed
+        assert stopped == [] and len(ledger.in_flight()) == 2
+
+    asyncio.run(body())

@@ -204,3 +204,70 @@ def test_a_dit_running_a_call_on_a_ticket_released_under_it_lists_one_more_than_
     held = [*tickets, again.ticket_id]
     assert len(held) == 8 + 1
     core.register_replica(dit, held_ticket_ids=held, owed_releases={t: (TicketOutcome.FAILED, "") for t in held})
+
+
+def test_an_ar_refused_after_its_dit_restarted_smaller_converges_without_lost_or_leaked_pages(tmp_path) -> None:  # noqa: ANN001
+    """An honest AR outgrows its bound: eight writes still in flight into a DiT incarnation that is
+    gone (its tickets released DIT_REPLICA_RESTARTED) and four into the new one, of four pages.
+    Its heartbeat listing the eight it was polled about is refused (the AR then beats again without
+    them: tests/ar_service/test_ar_heartbeat.py), and so, after a broker restart, is its
+    re-registration listing all twelve. Once the old calls return it registers, reports, and every
+    page comes back: nothing lost (the live tickets drained, not freed under their writes), nothing
+    leaked."""
+    from dataclasses import replace
+
+    from tests.broker.helpers import new_incarnation
+
+    path, clock = tmp_path / "j.sqlite", ManualClock()
+    core = BrokerCore(path, clock=clock, drain_quiet_seconds=0.0, journal_synchronous="OFF", lease_seconds=30.0)
+    ar, dit = ar_spec(), dit_spec(num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    old: list[tuple[str, WriteKey]] = []
+    for n in range(8):
+        t = core.create_ticket(f"old-{n}", ar.replica_id, dit.replica_id, [16])
+        assert t is not None
+        core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+        core.cancel_ticket(t.ticket_id)  # ended mid-write: DRAINING, its write polled
+        old.extend((t.ticket_id, w.key) for w in t.writes)
+    polled = list(core.heartbeat(ar.replica_id, ar.incarnation_id).poll_writes)
+    assert sorted(polled) == sorted(old)
+    dit = replace(new_incarnation(dit), num_pages=4)
+    core.register_replica(dit)
+    assert core.list_tickets() == [] and core.free_pages(dit.replica_id) == 4
+    new: list[tuple[str, WriteKey]] = []
+    live = []
+    for n in range(4):
+        t = core.create_ticket(f"new-{n}", ar.replica_id, dit.replica_id, [16])
+        assert t is not None
+        core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+        new.extend((t.ticket_id, w.key) for w in t.writes)
+        live.append(t)
+    with pytest.raises(InvalidArgument) as err:
+        core.heartbeat(ar.replica_id, ar.incarnation_id, polled)
+    assert err.value.reason == "TOO_MANY_ENTRIES"
+    core.heartbeat(ar.replica_id, ar.incarnation_id, [])  # what the AR sends next: accepted
+    core.close()
+
+    core = BrokerCore(path, clock=clock, drain_quiet_seconds=0.0, journal_synchronous="OFF", lease_seconds=30.0)
+    try:
+        with pytest.raises(InvalidArgument) as err:
+            core.register_replica(ar, unresolved_writes=[*old, *new])
+        assert err.value.reason == "TOO_MANY_ENTRIES"
+        core.register_replica(dit)
+        # Restored WRITING with the writes unresolved: drained, its pages held, never freed.
+        assert {t.state for t in core.list_tickets()} == {TicketState.DRAINING}
+        assert core.pool_status(dit.replica_id)[0].draining == 4
+        # The old calls returned (into a process that is gone): the AR registers with the rest.
+        core.register_replica(ar, unresolved_writes=new)
+        poll = core.heartbeat(ar.replica_id, ar.incarnation_id, []).poll_writes
+        assert sorted(poll) == sorted(new)
+        for t in live:
+            core.report_writes(t.ticket_id, [ReportedWrite(w.key, WriteStatus.FAILED, message="cancelled")
+                                             for w in t.writes], replica_id=ar.replica_id, incarnation_id=ar.incarnation_id)  # fmt: skip
+        core.tick()
+        (pool,) = core.pool_status(dit.replica_id)
+        assert core.list_tickets() == [] and (pool.free, pool.total) == (4, 4)
+        assert not core.get_replica(ar.replica_id).fenced
+    finally:
+        core.close()
