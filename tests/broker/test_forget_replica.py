@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from kvrelay.broker.core import BrokerCore
-from kvrelay.broker.tickets import FailedPrecondition
+from kvrelay.broker.tickets import FailedPrecondition, TicketState
 from kvrelay.client import AsyncKvRelayClient, KvRelayError
 from kvrelay.config import BrokerConfig
 from kvrelay.errors import reason_of
@@ -326,3 +326,69 @@ def test_a_real_broker_forgets_a_deregistered_replica_after_the_configured_time(
             assert _listed(stub) == {"ar-0": True}, broker.output()
     finally:
         assert broker.stop() == 0, broker.output()
+
+
+def test_a_forget_while_a_registration_dials_its_endpoint_leaves_a_whole_new_registration(tmp_path: Path) -> None:
+    """RegisterReplica dials the advertised endpoint before the core sees the registration: the one
+    await in which a forget (the maintenance loop's here, or an operator's) can come between a
+    replica's registration and the core, which is otherwise one step. A DiT restored from the
+    journal, down and holding nothing, is forgotten meanwhile: its registration then lands as NEW,
+    listed, with a whole pool, journaled, and a ticket can be made on it (no ticket names a
+    replica that is gone, no page is left behind)."""
+    from kvrelay.broker.service import BrokerServicer, spec_from_proto
+
+    path, clock = tmp_path / "j.sqlite", ManualClock()
+    dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=8)
+    dit.endpoint = "10.255.0.1:1"  # not loopback: the broker dials it
+    ar = replica("ar-0", common_pb2.REPLICA_ROLE_AR)
+    first = _core(path, clock)
+    first.register_replica(spec_from_proto(dit))
+    first.close()
+
+    async def scenario() -> None:
+        core = _core(path, clock, after=30.0)
+        dialling, answer = asyncio.Event(), asyncio.Event()
+
+        async def probe(endpoint: str) -> str:
+            dialling.set()
+            await answer.wait()
+            return ""
+
+        server = grpc.aio.server()
+        broker_pb2_grpc.add_BrokerServiceServicer_to_server(BrokerServicer(core, endpoint_probe=probe), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = broker_pb2_grpc.BrokerServiceStub(channel)
+                registering = asyncio.ensure_future(
+                    stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=dit), timeout=10))
+                await asyncio.wait_for(dialling.wait(), 10)
+                clock.advance(31)
+                core.tick()  # down since the broker's start, nothing held: forgotten
+                assert _ids(core) == []
+                answer.set()
+                await registering
+                (listed,) = (await stub.ListReplicas(broker_pb2.ListReplicasRequest(), timeout=10)).replicas
+                assert (listed.replica_id, listed.up, listed.incarnation_id) == ("dit-0", True, dit.incarnation_id)
+                (pool,) = (await stub.GetPool(broker_pb2.GetPoolRequest(replica_id="dit-0"), timeout=10)).pools
+                assert (pool.free_pages, pool.total_pages) == (8, 8)
+                await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=ar), timeout=10)
+                made = await stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                    request_id="r1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]), timeout=10)
+                assert made.ticket.dit_replica_id == "dit-0"
+                assert core.pool_status("dit-0")[0].reserved == 2
+        finally:
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
+    again = _core(path, clock)
+    try:
+        assert _ids(again) == ["ar-0", "dit-0"]
+        # The RESERVED ticket was journaled on it and rolled back by the restart: every page back.
+        assert [t.reason for t in again.list_tickets({TicketState.RELEASED})] == ["BROKER_RESTARTED"]
+        (pool,) = again.pool_status("dit-0")
+        assert (pool.free, pool.total) == (8, 8)
+    finally:
+        again.close()
