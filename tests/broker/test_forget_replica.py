@@ -392,3 +392,50 @@ def test_a_forget_while_a_registration_dials_its_endpoint_leaves_a_whole_new_reg
         assert (pool.free, pool.total) == (8, 8)
     finally:
         again.close()
+
+
+def test_a_consuming_ticket_a_restart_orphaned_on_a_dit_that_never_returns_holds_it_until_a_dit_registers(
+    tmp_path: Path,
+) -> None:
+    """The broker is killed while a DiT reads a ticket; the DiT is retired meanwhile. Restored
+    CONSUMING (its request over: BROKER_RESTARTED), the ticket waits for that DiT to say whether it
+    still reads the pages, so nothing else releases it: CancelTicket changes nothing, the
+    maintenance loop neither, and ForgetReplica refuses the DiT and the AR (REPLICA_HOLDS_TICKETS).
+    A DiT registering under that id once does (a new incarnation: DIT_REPLICA_RESTARTED); then
+    both can be forgotten (docs/operations.md, Retiring a replica)."""
+    from tests.broker.helpers import checksum_of, new_incarnation, write_all
+
+    path, clock = tmp_path / "j.sqlite", ManualClock()
+    core = _core(path, clock, after=None)
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0", num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r1", ar.replica_id, dit.replica_id, [16])
+    assert t is not None
+    core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+    t = write_all(core, core.get_ticket(t.ticket_id), ar)
+    core.report_load(t.ticket_id, 0, 0, replica_id=dit.replica_id, incarnation_id=dit.incarnation_id,
+                     verified={w.key: checksum_of(t.ticket_id, w.key) for w in t.writes})  # fmt: skip
+    core.start_consuming(t.ticket_id, dit.replica_id, dit.incarnation_id)
+    core.close()
+
+    core = _core(path, clock, after=None)
+    try:
+        clock.advance(3600)
+        assert core.cancel_ticket(t.ticket_id).state is TicketState.CONSUMING
+        core.tick()
+        for replica_id in (dit.replica_id, ar.replica_id):
+            with pytest.raises(FailedPrecondition) as err:
+                core.forget_replica(replica_id)
+            assert err.value.reason == "REPLICA_HOLDS_TICKETS"
+        assert core.pool_status(dit.replica_id)[0].reserved == 1
+        once = new_incarnation(dit)
+        core.register_replica(once)
+        released = core.get_ticket(t.ticket_id)
+        assert (released.state, released.reason) == (TicketState.RELEASED, "DIT_REPLICA_RESTARTED")
+        core.deregister_replica(once.replica_id, once.incarnation_id)
+        core.forget_replica(dit.replica_id)
+        core.forget_replica(ar.replica_id)
+        assert _ids(core) == []
+    finally:
+        core.close()
