@@ -27,10 +27,12 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -869,13 +871,56 @@ class _StopRequested(BaseException):
         self.signum = signum
 
 
+def config_snapshot(config_path: str | os.PathLike[str]) -> Path:
+    """A private copy of the config file `config_path` names (shipped names resolved as
+    load_config does), in a new temporary folder: what every child of `kvrelay up` is started and
+    restarted with. The children read the file the command line named before: one restarted after
+    an edit (a crash, a fail-stop) ran the edited file beside a broker and replicas still on the old
+    one, and an invalid edit made it exit 2, which stopped the whole serving node (found
+    black-box). Relative paths inside a config are taken from the working directory, not the
+    config's folder, so the copy means the same."""
+    from kvrelay.resources import resolve
+
+    source = resolve(config_path, "configs")
+    folder = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
+    copy = folder / (source.name or "config.yaml")
+    try:
+        copy.write_bytes(source.read_bytes())
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return copy
+
+
 def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) -> int:
     """`kvrelay up`: start the node of `args.config`, report where it is, supervise until a signal."""
     log_level = getattr(args, "log_level", None)
     configure_logging(log_level, process="up")
     config_path = getattr(args, "config", None) or default_config_path()
     try:
-        cfg = load_config(config_path)
+        load_config(config_path)  # its errors name the file as given
+        snapshot = config_snapshot(config_path)
+    except ConfigError as err:
+        print(f"kvrelay up: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"kvrelay up: cannot copy the config {config_path}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    try:
+        return _run_up(args, command, log_level, config_path, snapshot)
+    finally:
+        shutil.rmtree(snapshot.parent, ignore_errors=True)
+
+
+def _run_up(
+    args: argparse.Namespace,
+    command: Sequence[str] | None,
+    log_level: str | None,
+    config_path: str | os.PathLike[str],
+    snapshot: Path,
+) -> int:
+    try:
+        cfg = load_config(snapshot)
         creds = load_credentials(cfg.security)
         # Refused here once rather than by every child in a restart loop.
         listens = {"broker.host": cfg.broker.host, "stages[0].host": cfg.ar_stage.host, "stages[1].host": cfg.dit_stage.host}
@@ -915,7 +960,7 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         return 1
     try:
         node = build_node(
-            config_path,
+            snapshot,
             cfg=cfg,
             host=getattr(args, "host", None),
             log_dir=getattr(args, "log_dir", None),

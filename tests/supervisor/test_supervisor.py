@@ -455,3 +455,35 @@ def _load(tmp_path: Path) -> Any:
     from kvrelay.config import load_config
 
     return load_config(tmp_path / "node.yaml")
+
+
+def test_a_restarted_child_runs_the_config_kvrelay_up_started_with_not_an_edit(
+    tmp_path: Path, state_dir: Path
+) -> None:
+    # The children read the file named on the command line: a replica restarted after the file
+    # was edited ran the edit beside processes still on the old config, and an invalid edit made it
+    # exit 2, which stopped the whole serving node (found black-box: page_size: 0 written into the
+    # config of a running node, then a DiT crash). Every child now runs kvrelay up's own copy.
+    path = write_config(tmp_path, ar_replicas=1, dit_replicas=1)
+    original = path.read_bytes()
+    proc = _up_process(tmp_path, state_dir, path, {"dit-0": {"crash_after": 1.0, "grandchild": False}})
+    try:
+        _wait_up(proc)
+        path.write_text(path.read_text().replace("page_size:", "page_size: 0\n  bogus:"))
+        deadline = time.monotonic() + 30
+        while len(by_name(state_dir, "dit-0")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        runs = by_name(state_dir, "dit-0")
+        assert len(runs) >= 2, runs
+        used = [Path(r["argv"][r["argv"].index("--config") + 1]) for r in runs + by_name(state_dir, "broker")]
+        assert len(set(used)) == 1 and used[0] != path, used
+        assert used[0].read_bytes() == original  # the restart got the config the node started with
+        pids = all_pids(state_dir)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and wait_dead(pids) == []
+    assert not used[0].parent.exists()  # the copy goes with the node
