@@ -358,8 +358,18 @@ def run_generate(args: argparse.Namespace) -> int:
         if binary is None:
             print("kvrelay generate: -o -: stdout takes no bytes here", file=stderr)
             return 1
-        binary.write(result.png)
-        binary.flush()
+        try:
+            binary.write(result.png)
+            binary.flush()
+        except BrokenPipeError:
+            raise  # the reader left: kvrelay.node.cli ends quietly, as a shell tool would
+        except OSError as err:
+            # A full disk behind `> fox.png` was a traceback. Nothing more can go to stdout: it
+            # points at /dev/null from here, so the interpreter's last flush does not fail again.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())
+            print(f"kvrelay generate: cannot write the PNG to stdout: {err.strerror or err}", file=stderr)
+            return 1
         stdout = stderr
         output = "stdout"
     else:

@@ -469,3 +469,24 @@ def test_a_replica_whose_advertise_host_does_not_resolve_is_one_line_exit_2(
     assert len(lines) == 1 and lines[0].startswith(
         f"kvrelay {command}: --advertise-host 'kvrelay-x.invalid' does not resolve on this host ("
     ), proc.stderr
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_output_dash_onto_a_full_disk_is_one_line(tmp_path: Path) -> None:
+    # `kvrelay generate ... -o - > fox.png` on a full disk printed an OSError traceback (found
+    # black-box with stdout on /dev/full).
+    from tests.client.harness import Harness, ServerThread
+
+    server = ServerThread(Harness()).start()
+    try:
+        with open("/dev/full", "wb") as full:
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvrelay", "generate", "a fox", "--width", "64", "--height", "64", "-q",
+                 "--target", server.address, "-o", "-"],
+                stdout=full, stderr=subprocess.PIPE, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            )  # fmt: skip
+    finally:
+        server.stop()
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert err.strip() == "kvrelay generate: cannot write the PNG to stdout: No space left on device", err
