@@ -7,6 +7,8 @@ It parses arguments and imports a service package only inside the subcommand tha
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import os
 import signal
@@ -89,6 +91,10 @@ def _port(text: str) -> int:
 
 # OSErrors about a path (a file or folder named on the command line, in the environment or in
 # the config) that main() reports as one line: `kvrelay up --log-dir FILE/logs`, `--tls-ca MISSING`.
+# A write to stdout that fails (a full disk or quota, a file too large, an I/O error) ends the
+# client commands with one line, exit 1: they print nothing else without a file name.
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
+OUTPUT_COMMANDS = frozenset({"generate", "status", "health", "list", "cancel", "forget"})
 PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -332,6 +338,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A file named on the command line or in the environment (a TLS certificate, a prompt
         # file) that cannot be read: one line naming it, as for every other bad input. Other
         # OSErrors are not input errors and keep their traceback.
+        if err.filename is None and err.errno in OUTPUT_ERRNOS and args.command in OUTPUT_COMMANDS:
+            # `kvrelay status > report.txt` on a full disk was an OSError traceback from print():
+            # these commands write nothing else without a file name. stdout then points at
+            # /dev/null, so that the interpreter's final flush does not fail again.
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"kvrelay {args.command}: cannot write its output: {err.strerror or err}", file=sys.stderr)
+            return 1
         if err.filename is None or not isinstance(err, PATH_ERRORS):
             raise
         print(f"kvrelay {args.command}: {err.filename}: {err.strerror}", file=sys.stderr)

@@ -490,3 +490,27 @@ def test_output_dash_onto_a_full_disk_is_one_line(tmp_path: Path) -> None:
     err = proc.stderr.decode()
     assert proc.returncode == 1, err
     assert err.strip() == "kvrelay generate: cannot write the PNG to stdout: No space left on device", err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+@pytest.mark.parametrize("command", ["status", "list --json", "generate a-fox --width 64 --height 64 -q"])
+def test_a_command_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path: Path, command: str) -> None:
+    # `kvrelay status > report.txt` on a full disk was an OSError traceback from print() (found
+    # black-box with stdout on /dev/full), as was every client command's output.
+    from tests.client.harness import Harness, ServerThread
+
+    argv = command.split()
+    if argv[0] == "generate":
+        argv += ["-o", str(tmp_path / "fox.png")]
+    server = ServerThread(Harness()).start()
+    try:
+        with open("/dev/full", "wb") as full:
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvrelay", *argv, "--target", server.address],
+                stdout=full, stderr=subprocess.PIPE, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+            )  # fmt: skip
+    finally:
+        server.stop()
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert err.strip() == f"kvrelay {argv[0]}: cannot write its output: No space left on device", err
