@@ -188,7 +188,23 @@ def channel_credentials(
 
 
 def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("authorization", f"Bearer {token}"),) if token else None
+    """The `authorization` metadata of a bearer token. Surrounding whitespace is dropped, as the
+    servers drop it from their own token files and variables (a token read from a file keeps its
+    newline); a token that still is not printable ASCII is INVALID_ARGUMENT naming `token`: gRPC
+    raised ValueError "metadata was invalid" from every call, a traceback in the CLI (found
+    black-box with KVRELAY_API_TOKEN=$'abc\\n' and a non-ASCII token)."""
+    token = token.strip() if token else token
+    if not token:
+        return None
+    for at, char in enumerate(token):
+        if not " " <= char <= "~":
+            raise KvRelayError(
+                "INVALID_ARGUMENT",
+                "INVALID_ARGUMENT",
+                f"token: {ascii(char)} at character {at} is not printable ASCII, which a bearer token is",
+                {"field": "token"},
+            )
+    return (("authorization", f"Bearer {token}"),)
 
 
 class Deadline:

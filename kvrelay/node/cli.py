@@ -350,3 +350,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kvrelay {args.command}: {err.filename}: {err.strerror}", file=sys.stderr)
         return 2
+    except Exception as err:
+        # An SDK error a client command did not catch where it builds its client (a --token or
+        # $KVRELAY_API_TOKEN that is not printable ASCII was a traceback from generate and
+        # cancel): one line, as the commands print the errors they do catch.
+        from kvrelay.client.errors import KvRelayError
+
+        if not isinstance(err, KvRelayError):
+            raise
+        print(f"kvrelay {args.command}: {err.code}: {err.message}", file=sys.stderr)
+        for key, value in sorted(err.details.items()):
+            print(f"  {key}: {value}", file=sys.stderr)
+        return 1

@@ -152,3 +152,47 @@ def test_a_number_of_the_wrong_kind_is_the_callers_type_error(
             client.list_generations(page_size=1.0)  # type: ignore[arg-type]
         # Integers of any kind (bool is one to Python) and floats for the scale still go.
         assert client.generate("a fox", width=64, height=64, seed=7, guidance_scale=2).result().seed == 7
+
+
+# --- tokens ----------------------------------------------------------------------------------------
+# A token with a trailing newline (read from a file) or a non-ASCII character made gRPC raise
+# ValueError "metadata was invalid" from every call: a traceback from `kvrelay generate` and
+# `kvrelay cancel` (found black-box with KVRELAY_API_TOKEN=$'abc\n' and --token tøken).
+
+
+def test_a_token_keeps_no_surrounding_whitespace_and_must_be_printable_ascii() -> None:
+    harness = Harness()
+    harness.token = "tok"
+    server = ServerThread(harness).start()
+    try:
+        # The servers strip their own token files and variables; the SDK strips what it sends.
+        with KvRelayClient(server.address, token="tok\r\n") as client:
+            assert client.generate("a fox", width=64, height=64).result().width == 64
+        for bad, shown in (("t\u00f8ken", "'\\xf8' at character 1"), ("a\x01b", "'\\x01' at character 1")):
+            with pytest.raises(KvRelayError) as err:
+                KvRelayClient(server.address, token=bad)
+            assert (err.value.code, err.value.details) == ("INVALID_ARGUMENT", {"field": "token"})
+            assert err.value.message == f"token: {shown} is not printable ASCII, which a bearer token is"
+            with pytest.raises(KvRelayError):
+                AsyncKvRelayClient(server.address, token=bad)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("argv", [["generate", "a fox", "-q"], ["cancel", "some-id"]])
+def test_the_cli_says_a_bad_token_in_one_line(tmp_path: Path, argv: list[str]) -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVRELAY_API_TOKEN": "t\u00f8ken", "KVRELAY_LOG_FORMAT": "console"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay", *argv, "--target", "127.0.0.1:1"], capture_output=True, text=True,
+        timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"kvrelay {argv[0]}: INVALID_ARGUMENT: token: '\\xf8' at character 1 is not printable ASCII, which a bearer token is",
+        "  field: token",
+    ]
