@@ -134,6 +134,17 @@ def normalize_target(target: str, default_port: int = DEFAULT_PORT) -> str:
         return prefix + normalize_target(rest, default_port)
     if target.startswith(_OTHER_SCHEMES):
         return target
+    if "://" in target:
+        # `--target http://127.0.0.1:50051` (the metrics URLs `kvrelay up` prints look so) was
+        # dialed as the IPv6 host "[http://127.0.0.1:50051]:50051" and failed DNS resolution.
+        scheme, _, rest = target.partition("://")
+        raise KvRelayError(
+            "INVALID_ARGUMENT",
+            "INVALID_ARGUMENT",
+            f"target: {target!r} is a URL; a kvrelay target is HOST:PORT (here {rest.rstrip('/')!r}; "
+            f"{scheme}:// is not a gRPC scheme, TLS is the tls= / --tls-ca setting)",
+            {"field": "target"},
+        )
     if target.startswith("["):
         return target if "]:" in target else f"{target}:{default_port}"
     if target.count(":") > 1:

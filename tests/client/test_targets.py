@@ -34,3 +34,16 @@ def test_default_port_is_filled_in(given: str, dialed: str) -> None:
 def test_clients_dial_the_normalized_target() -> None:
     with KvRelayClient("localhost") as client:
         assert client.target == "localhost:50051"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:50051", "https://broker.example.com:443/", "grpc://localhost:7000"])
+def test_a_url_is_refused_naming_the_host_port_it_holds(url: str) -> None:
+    # `--target http://127.0.0.1:50051` (kvrelay up prints its metrics endpoints as URLs) was
+    # dialed as the IPv6 host "[http://127.0.0.1:50051]:50051": a DNS failure naming neither.
+    from kvrelay.client import KvRelayError
+
+    with pytest.raises(KvRelayError) as err:
+        KvRelayClient(url)
+    assert (err.value.code, err.value.details) == ("INVALID_ARGUMENT", {"field": "target"})
+    rest = url.split("://", 1)[1].rstrip("/")
+    assert err.value.message.startswith(f"target: {url!r} is a URL; a kvrelay target is HOST:PORT (here {rest!r}; ")
