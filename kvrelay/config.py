@@ -83,7 +83,9 @@ MIN_RANK_STALL_SECONDS = 2.0
 
 
 class BrokerConfig(_Strict):
-    host: str = "127.0.0.1"
+    # Not empty, as a stage's: `host: ''` loaded, and `kvrelay up` then said "refusing to listen on
+    # without credentials" (an empty name) instead of naming the key (found black-box).
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(50051, ge=0, le=65535)
     metrics_port: int = Field(9400, ge=0, le=65535)
     journal_path: str = ".kvrelay/broker.sqlite"

@@ -314,6 +314,9 @@ def test_rejects_empty_hosts(base: dict[str, Any]) -> None:
     data = copy.deepcopy(base)
     data["stages"][1]["advertise_host"] = ""
     _reject(data, "stages.1.advertise_host")
+    data = copy.deepcopy(base)
+    data["broker"]["host"] = ""
+    _reject(data, "broker.host")
 
 
 def test_rejects_a_dit_without_a_preset(base: dict[str, Any]) -> None:
