@@ -293,7 +293,8 @@ def _up_process(
         " log_level=None, ready_timeout=60)\n"
         f"sys.exit(run_up(args, command=[sys.executable, {CHILD!r}]))\n"
     )
-    env = {**os.environ, **node_env(state_dir, behaviour), "PYTHONUNBUFFERED": "1"}
+    # TMPDIR: kvrelay up's copy of the config goes under the test's folder (a SIGKILLed one leaves it).
+    env = {**os.environ, **node_env(state_dir, behaviour), "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
     return subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=REPO,
