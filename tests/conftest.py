@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -34,6 +35,27 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# Mooncake receivers (DiT ranks, test receivers) draw their RPC and data ports at random from
+# MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (15000-17000). A long-lived sender (this pytest process's own
+# engine, which writes to receivers of many tests) cannot write to a receiver on a port that an
+# earlier, dead one had: every try fails (docs/transfer.md, "Peers that restart on a dead one's
+# port"; seen twice in one CI run). Each test's processes get their own window of the range, in
+# order, so no receiver of a run takes a port an earlier one of the run had.
+_MC_PORT_RANGE = (15000, 32000)  # below Linux's ephemeral ports (32768-60999)
+_MC_PORT_WINDOW = 40
+_mc_windows = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _own_mooncake_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "MC_MIN_RPC_PORT" in os.environ:
+        return  # the caller chose a range: leave it
+    span = _MC_PORT_RANGE[1] - _MC_PORT_RANGE[0]
+    lo = _MC_PORT_RANGE[0] + (next(_mc_windows) * _MC_PORT_WINDOW) % span
+    monkeypatch.setenv("MC_MIN_RPC_PORT", str(lo))
+    monkeypatch.setenv("MC_MAX_RPC_PORT", str(lo + _MC_PORT_WINDOW - 1))
 
 
 @pytest.fixture(scope="session")
