@@ -34,6 +34,8 @@ def test_every_design_rpc_exists() -> None:
             "ListReplicas",
             # DESIGN.md section 7: "the DiT marks its ticket CONSUMING itself" (issue 13).
             "StartConsuming",
+            # Operator: retire replicas gone for good (docs/broker.md, ForgetReplica).
+            "ForgetReplica",
         },
         (ar_pb2, "ArService"): {"Prefill", "Tokenize"},
         (dit_pb2, "DitService"): {"Denoise", "PutKv"},
