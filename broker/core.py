@@ -246,6 +246,8 @@ class BrokerCore:
         """Refuse (INVALID_ARGUMENT TOO_MANY_ENTRIES, naming the field and its bound) a listing
         longer than `listing_bounds(spec)`: bounded only by the 8 MiB request before, one
         RegisterReplica could list ~190k made-up writes, each looked up and logged."""
+        if not (writes or held or owed):
+            return  # the common heartbeat: no bound to look up (an AR's sums every DiT pool)
         max_writes, max_tickets = self.listing_bounds(spec)
         why = (
             f"{spec.replica_id} is a DiT with {spec.num_pages} pages x {spec.cfg_parallel_size} CFG groups "

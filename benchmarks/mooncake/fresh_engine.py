@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +24,8 @@ os.environ.setdefault("MC_DISABLE_METACACHE", "1")
 
 from mooncake.engine import TransferEngine  # noqa: E402
 
-_PORT_REUSE = (Path(__file__).parent / "port_reuse.py").read_text()
-RECEIVER = _PORT_REUSE.split('_RECEIVER = """')[1].split('"""')[0]
+sys.path.insert(0, str(Path(__file__).parent))
+from port_reuse import start_receiver  # noqa: E402
 
 
 def _engine() -> tuple[Any, Any]:
@@ -51,18 +49,8 @@ def main() -> int:
     seen: set[int] = set()
     reused = old_ok = fresh_ok = 0
     for i in range(args.receivers):
-        for _ in range(120):
-            proc = subprocess.Popen([sys.executable, "-c", RECEIVER, str(i % 7)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-            assert proc.stdin is not None and proc.stdout is not None
-            line = proc.stdout.readline().split()
-            if line:
-                break
-            proc.wait()
-            time.sleep(1.0)  # no free port in the range yet (TIME_WAIT)
-        else:
-            raise SystemExit("no receiver could start")
-        port, addr = int(line[0]), int(line[1])
+        proc, port, addr = start_receiver(i, env)
+        assert proc.stdin is not None
         session = f"127.0.0.1:{port}"
         rc = sender.batch_transfer_sync_write(session, [ctypes.addressof(src)], [addr], [4096])
         if port in seen:

@@ -42,6 +42,22 @@ for line in sys.stdin:
 """
 
 
+def start_receiver(i: int, env: dict[str, str]) -> tuple[subprocess.Popen[str], int, int]:
+    """Receiver `i` (a process with one registered 64 KiB buffer): (process, RPC port, buffer
+    address). Waits for a free port when the range is full (a closed port stays in TIME_WAIT for
+    a minute). Write a line to its stdin to read back the sum of the buffer's first 4 KiB."""
+    for _attempt in range(120):
+        proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(i % 7)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        assert proc.stdin is not None and proc.stdout is not None
+        line = proc.stdout.readline().split()
+        if line:
+            return proc, int(line[0]), int(line[1])
+        proc.wait()
+        time.sleep(1.0)
+    raise SystemExit("no receiver could start: the port range stayed full for two minutes")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--receivers", type=int, default=150)
@@ -73,19 +89,8 @@ def main() -> int:
     reused = reused_ok = fresh_failed = retries = 0
     t0 = time.monotonic()
     for i in range(args.receivers):
-        for _attempt in range(120):
-            proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(i % 7)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-            assert proc.stdin is not None and proc.stdout is not None
-            line = proc.stdout.readline().split()
-            if line:
-                break
-            # No free port in a narrow range: a closed port stays in TIME_WAIT for a minute.
-            proc.wait()
-            time.sleep(1.0)
-        else:
-            raise SystemExit("no receiver could start: the port range stayed full for two minutes")
-        port, addr = int(line[0]), int(line[1])
+        proc, port, addr = start_receiver(i, env)
+        assert proc.stdin is not None and proc.stdout is not None
         region = RegionDescriptor(0, "mooncake", f"127.0.0.1:{port}", addr, 1 << 16)
         (out,) = sender.write(src, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, f"t{i}", 10.0)
         landed = 0
