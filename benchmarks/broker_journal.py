@@ -119,11 +119,39 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def lifecycle(stub: Any, i: int) -> None:
+    """One request's broker RPCs, as the AR and the DiT make them: six journaled transitions."""
+    from kvrelay.v1 import broker_pb2, common_pb2
+
+    t = (await stub.CreateTicket(broker_pb2.CreateTicketRequest(
+        request_id=f"r{i}", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[300, 12]),
+        timeout=60)).ticket
+    armed = await stub.ReserveTicket(broker_pb2.ReserveTicketRequest(
+        ticket_id=t.ticket_id, ar_replica_id="ar-0", incarnation_id="ar-0-inc"), timeout=60)
+    await stub.ReportWrite(broker_pb2.ReportWriteRequest(
+        ticket_id=t.ticket_id, replica_id="ar-0", incarnation_id="ar-0-inc",
+        writes=[broker_pb2.WriteReport(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank,
+                                       status=common_pb2.WRITE_STATUS_OK, checksum=i) for w in armed.writes]),
+        timeout=60)
+    await stub.ReportLoad(broker_pb2.ReportLoadRequest(
+        ticket_id=t.ticket_id, replica_id="dit-0", incarnation_id="dit-0-inc",
+        loads=[broker_pb2.LoadReport(row=ld.row, dst_rank=ld.dst_rank, verified=[
+            broker_pb2.WriteProgress(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, checksum=i)
+            for w in armed.writes if w.row == ld.row and w.dst_rank == ld.dst_rank]) for ld in t.loads]),
+        timeout=60)
+    await stub.StartConsuming(broker_pb2.StartConsumingRequest(
+        ticket_id=t.ticket_id, replica_id="dit-0", incarnation_id="dit-0-inc"), timeout=60)
+    done = await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
+        ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
+        incarnation_id="dit-0-inc"), timeout=60)
+    assert done.ticket.state == broker_pb2.TICKET_STATE_RELEASED
+
+
 async def drive(port: int, requests: int, concurrency: int, probe_interval: float) -> dict[str, Any]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from kvrelay.security import channel_options
-    from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+    from kvrelay.v1 import broker_pb2, broker_pb2_grpc
 
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
     probe_channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
@@ -133,30 +161,6 @@ async def drive(port: int, requests: int, concurrency: int, probe_interval: floa
     for rid, dit in (("ar-0", False), ("dit-0", True), ("ar-probe", False)):
         await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=_replica(rid, dit)), timeout=30)
 
-    async def lifecycle(i: int) -> None:
-        t = (await stub.CreateTicket(broker_pb2.CreateTicketRequest(
-            request_id=f"r{i}", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[300, 12]),
-            timeout=60)).ticket
-        armed = await stub.ReserveTicket(broker_pb2.ReserveTicketRequest(
-            ticket_id=t.ticket_id, ar_replica_id="ar-0", incarnation_id="ar-0-inc"), timeout=60)
-        await stub.ReportWrite(broker_pb2.ReportWriteRequest(
-            ticket_id=t.ticket_id, replica_id="ar-0", incarnation_id="ar-0-inc",
-            writes=[broker_pb2.WriteReport(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank,
-                                           status=common_pb2.WRITE_STATUS_OK, checksum=i) for w in armed.writes]),
-            timeout=60)
-        await stub.ReportLoad(broker_pb2.ReportLoadRequest(
-            ticket_id=t.ticket_id, replica_id="dit-0", incarnation_id="dit-0-inc",
-            loads=[broker_pb2.LoadReport(row=ld.row, dst_rank=ld.dst_rank, verified=[
-                broker_pb2.WriteProgress(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, checksum=i)
-                for w in armed.writes if w.row == ld.row and w.dst_rank == ld.dst_rank]) for ld in t.loads]),
-            timeout=60)
-        await stub.StartConsuming(broker_pb2.StartConsumingRequest(
-            ticket_id=t.ticket_id, replica_id="dit-0", incarnation_id="dit-0-inc"), timeout=60)
-        done = await stub.ReleaseTicket(broker_pb2.ReleaseTicketRequest(
-            ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_OK, replica_id="dit-0",
-            incarnation_id="dit-0-inc"), timeout=60)
-        assert done.ticket.state == broker_pb2.TICKET_STATE_RELEASED
-
     next_id = 0
 
     async def worker() -> None:
@@ -164,7 +168,7 @@ async def drive(port: int, requests: int, concurrency: int, probe_interval: floa
         while next_id < requests:
             i = next_id
             next_id += 1
-            await lifecycle(i)
+            await lifecycle(stub, i)
 
     heartbeat_ms: list[float] = []
     health_ms: list[float] = []

@@ -15,7 +15,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -192,38 +191,40 @@ def test_a_journal_written_back_after_deletion_keeps_incremental_vacuum(tmp_path
     assert Journal(path, "NORMAL").load().tickets == {"t0": {"state": "DRAINING"}}
 
 
-def test_compaction_under_rpc_load_fails_no_rpc_and_no_step_blocks_the_loop_long(tmp_path: Path) -> None:
-    """Thousands of rows past retention compacted while clients generate, get and list: every
-    RPC succeeds, and the event loop is never held by one step for more than a few ms."""
+def test_compaction_under_rpc_load_fails_no_rpc_and_keeps_what_is_retained(tmp_path: Path) -> None:
+    """Thousands of rows past retention compacted in many short steps while clients generate, get
+    and list: every RPC succeeds, the expired rows and their pages leave, and every generation the
+    clients made is still served and journaled. (How long a step holds the event loop, against the
+    same load without compaction: benchmarks/journal_compaction.py; no timing is asserted here.)"""
     journal_path = tmp_path / "broker.sqlite"
-    seeded = 2_000
+    seeded, ttl = 2_000, 60.0
     journal = Journal(journal_path, "OFF")
     finish_generations(
-        GenerationStore(result_ttl_seconds=5.0, max_results=100_000, journal=journal),
+        GenerationStore(result_ttl_seconds=ttl, max_results=100_000, journal=journal),
         [f"seed-{n}" for n in range(seeded)],
         png_bytes=10_000,
     )
     journal.close()
 
     async def body() -> None:
-        async with cluster(journal_path=str(journal_path), result_ttl_seconds=5.0, max_results=100_000) as c:
+        async with cluster(journal_path=str(journal_path), result_ttl_seconds=ttl, max_results=100_000) as c:
             assert c.orchestrator.store.counts() == (0, seeded)
             c.core.journal.checkpoint()
             size_before = c.core.journal.size_bytes()
             stop = asyncio.Event()
             failures: list[BaseException] = []
-            done = [0]
+            made: list[str] = []
 
             async def client(n: int) -> None:
                 while not stop.is_set():
                     try:
-                        rid = f"load-{n}-{done[0]}"
+                        rid = f"load-{n}-{len(made)}"
                         events = await collect(c.api.Generate(request(request_id=rid, seed=n), timeout=20))
                         assert events[-1].state == G.GENERATION_STATE_SUCCEEDED, events[-1]
                         got = await c.api.GetGeneration(G.GetGenerationRequest(request_id=rid), timeout=5)
                         assert got.generation.state == G.GENERATION_STATE_SUCCEEDED
                         await c.api.ListGenerations(G.ListGenerationsRequest(), timeout=5)
-                        done[0] += 1
+                        made.append(rid)
                     except (grpc.aio.AioRpcError, AssertionError) as err:
                         failures.append(err)
                         return
@@ -231,25 +232,27 @@ def test_compaction_under_rpc_load_fails_no_rpc_and_no_step_blocks_the_loop_long
             # Every seeded generation is past retention now. The clock jumps before the clients
             # start: a generation of theirs that finished before a jump would be gone when they
             # read it back (NOT_FOUND), which is retention working, not a failed RPC.
-            c.clock_offset[0] += 6.0
+            c.clock_offset[0] += ttl + 1
             clients = [asyncio.create_task(client(n)) for n in range(3)]
-            await asyncio.sleep(0.3)
-            started = time.perf_counter()
+            while not made and not failures:  # the load is running before the pass starts
+                await asyncio.sleep(0.01)
             result = await c.orchestrator.compactor.compact_once()
-            elapsed = time.perf_counter() - started
             await asyncio.sleep(0.3)
             stop.set()
             await asyncio.gather(*clients)
 
             assert failures == []
-            assert done[0] > 0
+            assert made
+            await c.core.journal.durable()
             rows = journal_rows(journal_path)
             assert not any(r.startswith("seed-") for r in rows["generations"] | rows["blobs"])
+            assert set(made) <= rows["generations"]
+            for rid in made:
+                got = await c.api.GetGeneration(G.GetGenerationRequest(request_id=rid), timeout=5)
+                assert got.generation.state == G.GENERATION_STATE_SUCCEEDED, rid
             assert c.orchestrator.compactor.rows_deleted >= seeded
+            # One step is one short transaction: a pass of thousands of rows is many of them.
             assert result.steps > seeded // 32
-            # One step is one short transaction; a pass of thousands of rows is many of them.
-            assert result.longest_step_ms < 50, result
-            assert elapsed * 1000 > 2 * result.longest_step_ms
             assert c.core.journal.size_bytes() < size_before / 4, (size_before, result)
             assert c.metric("kvrelay_journal_compacted_rows_total") >= seeded
             assert 0 < c.metric("kvrelay_journal_size_bytes") < size_before / 4
