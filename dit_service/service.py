@@ -314,6 +314,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 ),
             )
         except grpc.aio.AioRpcError as err:
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # Unanswered on every try (a stopped or restarting broker): nothing ended the ticket.
+                raise KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "BROKER_UNAVAILABLE",
+                                         f"StartConsuming {ticket_id}: {err.code().name}: {err.details()}") from None
             # The ticket ended under us (cancelled, replica restarted): the request cannot go on.
             raise KvRelayServerError(grpc.StatusCode.ABORTED, "TICKET_ENDED",
                                      f"StartConsuming {ticket_id}: {err.code().name}: {err.details()}") from None

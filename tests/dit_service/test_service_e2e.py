@@ -816,3 +816,46 @@ def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+def test_a_broker_that_does_not_answer_start_consuming_is_broker_unavailable(tmp_path: Path) -> None:
+    """StartConsuming refused UNAVAILABLE on every try (the broker stopped or restarting) ends
+    Denoise UNAVAILABLE / BROKER_UNAVAILABLE naming the call, as every other broker call the DiT
+    makes: before, it was ABORTED / TICKET_ENDED ("the ticket ended elsewhere"), which a
+    generation then carried although nothing had ended it (found black-box: a SIGSTOPped broker
+    failed 2 of 6 generations so)."""
+    from kvrelay.broker.service import BrokerServicer
+    from kvrelay.broker.tickets import TicketState
+
+    config = write_config(tmp_path, transport="mooncake")
+    refused: list[str] = []
+
+    class Unanswering(BrokerServicer):
+        async def StartConsuming(self, request: Any, context: Any) -> Any:  # noqa: N802
+            refused.append(request.ticket_id)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is restarting")
+
+    async def scenario() -> None:
+        async with inprocess_broker(servicer_class=Unanswering) as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.written_ticket([5], seed=6)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                            ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                            guidance_scale=1.0, seed=0))
+                assert refused and set(refused) == {ticket.ticket_id}
+                assert reason_of(info.value)[:2] == ("UNAVAILABLE", "BROKER_UNAVAILABLE"), info.value
+                assert "StartConsuming" in (info.value.details() or "")
+                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                assert core.get_ticket(ticket.ticket_id).state is TicketState.RELEASED
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
