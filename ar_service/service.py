@@ -49,7 +49,7 @@ from kvrelay.ar_service.sender import (
     after_arming,
     after_prefill,
 )
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, time_remaining
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, request_budget
 from kvrelay.logging import get_logger
 from kvrelay.models.tokenizer import Tokenizer
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
@@ -276,10 +276,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         self, request: ar_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> ar_pb2.PrefillResponse:
         state = await self._ready(context)
-        remaining = time_remaining(context)
-        budget = state.request_timeout_s if remaining is None else remaining
-        if request.HasField("deadline_time"):
-            budget = min(budget, request.deadline_time.ToNanoseconds() / 1e9 - time.time())
+        deadline_time = request.deadline_time if request.HasField("deadline_time") else None
+        budget = request_budget(context, state.request_timeout_s, deadline_time)
         deadline = _Deadline(asyncio.get_running_loop().time() + budget)
         job = self._jobs.get(request.ticket_id)
         if job is None:

@@ -42,7 +42,7 @@ from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
 from kvrelay.dit_service.releases import OwedReleases
 from kvrelay.dit_service.scheduler import AdmissionQueue, Place, replica_queue
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, time_remaining
+from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, request_budget
 from kvrelay.logging import get_logger
 from kvrelay.models.image import encode_png
 from kvrelay.security import current_caller
@@ -378,10 +378,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             self.inflight.add(task)
             task.add_done_callback(self.inflight.discard)
         start = time.monotonic()
-        remaining = time_remaining(context)
-        deadline = start + (remaining if remaining is not None else self.s.stage.request_timeout_seconds)
-        if request.HasField("deadline_time"):
-            deadline = min(deadline, start + request.deadline_time.ToNanoseconds() / 1e9 - time.time())
+        deadline_time = request.deadline_time if request.HasField("deadline_time") else None
+        deadline = start + request_budget(context, self.s.stage.request_timeout_seconds, deadline_time)
         outcome, reason = "CANCELLED", "denoise cancelled by the caller"
         ticket_id = request.ticket_id
         release = holding = False

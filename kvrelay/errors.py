@@ -6,10 +6,12 @@ whose details carry a machine-readable reason, so SDK users get `code`, `reason`
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, timestamp_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -35,6 +37,23 @@ def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
     handler may pass on as the timeout of its own calls."""
     remaining = context.time_remaining()
     return None if remaining is None else min(remaining, MAX_DEADLINE_SECONDS)
+
+
+def request_budget(
+    context: grpc.aio.ServicerContext,
+    default_s: float,
+    deadline_time: timestamp_pb2.Timestamp | None,
+    wall_clock: Callable[[], float] = time.time,
+) -> float:
+    """Seconds a stage request (Prefill, Denoise) may take: the caller's gRPC deadline, else
+    `default_s` (the stage's request_timeout_seconds), and no later than the request's own
+    `deadline_time`; never more than MAX_DEADLINE_SECONDS, however far or infinite the deadline
+    asked (a replica passes this on to its own calls and waits). May be <= 0: already late."""
+    remaining = context.time_remaining()
+    budget = default_s if remaining is None else remaining
+    if deadline_time is not None:
+        budget = min(budget, deadline_time.ToNanoseconds() / 1e9 - wall_clock())
+    return min(budget, MAX_DEADLINE_SECONDS)
 
 
 class KvRelayServerError(Exception):

@@ -326,3 +326,62 @@ def test_sent_and_received_bytes_are_counted_per_rank(tmp_path: Path) -> None:
 
 async def _collect_events(stub: Any, request: Any) -> list[Any]:
     return [e async for e in stub.Denoise(request, timeout=60.0)]
+
+
+def test_prefill_and_denoise_under_a_deadline_past_2262_succeed(tmp_path: Path) -> None:
+    """The AR's Prefill and the DiT's Denoise called straight (not through the broker) with a gRPC
+    deadline gRPC cannot pass on (`grpcurl -max-time 8e9`, past 2262; a Go client's "no
+    deadline"): each holds it to MAX_DEADLINE_SECONDS (kvrelay.errors.request_budget) for its own
+    calls and waits, and both succeed; the broker's side: tests/orchestrator/test_far_deadline.py."""
+    import json
+    import subprocess
+
+    from tests.dit_service.harness import start_dit
+    from tests.orchestrator.test_far_deadline import _grpcurl, _messages
+
+    config = write_config(tmp_path, transport="mooncake")
+
+    def far(address: str, method: str, request: dict[str, Any]) -> list[dict[str, Any]]:
+        done = subprocess.run(
+            [_grpcurl(), "-plaintext", "-max-time", "8e9", "-d", json.dumps(request), address, method],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{method}: {done.stdout[-2000:]} {done.stderr[-2000:]}"
+        return [json.loads(m) for m in _messages(done.stdout)]
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=60.0) as (broker, core):
+            dit = await asyncio.to_thread(start_dit, config, broker.address, cwd=tmp_path)
+            ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit.address)
+                await wait_serving(ar.address)
+                tok = ByteTokenizer()
+                counts = [len(tok.encode(PROMPT)), len(tok.encode(NEGATIVE))]
+                ticket = core.create_ticket("req-far", "ar-0", "dit-0", counts)
+                assert ticket is not None
+                denoise = asyncio.ensure_future(asyncio.to_thread(
+                    far, dit.address, "kvrelay.v1.DitService/Denoise",
+                    {"ticket_id": ticket.ticket_id, "request_id": "req-far", "width": 64, "height": 64,
+                     "num_inference_steps": 1, "guidance_scale": 2.0, "seed": 3},
+                ))  # fmt: skip
+                (reply,) = await asyncio.to_thread(
+                    far, ar.address, "kvrelay.v1.ArService/Prefill",
+                    {"ticket_id": ticket.ticket_id, "request_id": "req-far", "rows": [PROMPT, NEGATIVE]},
+                )
+                events = await denoise
+                assert [int(c) for c in reply["token_counts"]] == counts and int(reply["bytes_written"]) > 0
+                assert events[-1]["phase"] == "DENOISE_PHASE_DECODED", events[-1].get("phase")
+                assert int(events[-1]["bytes_loaded"]) == int(reply["bytes_written"])
+                for _ in range(200):
+                    done = core.get_ticket(ticket.ticket_id)
+                    if done.state.value == "RELEASED":
+                        break
+                    await asyncio.sleep(0.05)
+                assert (done.state.value, done.outcome.value if done.outcome else None) == ("RELEASED", "OK")
+                assert ar.stop() == 0, ar.output()
+            finally:
+                ar.stop()
+                dit.stop()
+
+    asyncio.run(scenario())
