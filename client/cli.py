@@ -273,6 +273,17 @@ def output_problem(output: str) -> str | None:
         return f"-o {output}: cannot create its folder {parent}: {err.strerror or err}"
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(output) and not os.access(output, os.W_OK)):
         return f"-o {output}: not writable"
+    if not os.path.lexists(output):
+        # os.access answers yes to root whatever the folder is (/proc, an immutable folder): make
+        # the file, as the write will, and remove it again.
+        try:
+            os.close(os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            return None
+        except OSError as err:
+            return f"-o {output}: not writable: {err.strerror or err}"
+        with contextlib.suppress(OSError):
+            os.unlink(output)
     return None
 
 

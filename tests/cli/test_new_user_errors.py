@@ -125,6 +125,12 @@ def test_an_output_that_cannot_be_written_is_refused_before_generating(
     ):
         assert main(["generate", "a fox", "-q", "-o", output, "--target", target]) == 2
         assert capsys.readouterr().err == f"kvrelay generate: {problem}\n"
+    # A folder whose permission bits say writable but where no file can be made: /proc, to a
+    # root user (os.access answers yes to root for any mode bits). Before, found black-box:
+    # `-o /proc/x.png` generated the image, then lost it with exit 1.
+    if os.access("/proc", os.W_OK):
+        assert main(["generate", "a fox", "-q", "-o", "/proc/x.png", "--target", target]) == 2
+        assert capsys.readouterr().err.startswith("kvrelay generate: -o /proc/x.png: not writable")
     # A path that can be written goes on to the broker (here: not there), its folders made.
     fresh = tmp_path / "new" / "dir" / "fox.png"
     assert main(["generate", "a fox", "-q", "-o", str(fresh), "--target", target]) == 1
