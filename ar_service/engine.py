@@ -20,7 +20,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.logging import get_logger
@@ -113,6 +113,9 @@ class WriteTicket:
     plan: tuple[PlannedWrite, ...]
     destinations: tuple[RegionDescriptor, ...]
     timeout_s: float
+    # Bound replica tokens: this AR's PutKv credential at the ticket's DiT (the broker's, with
+    # Prefill); "" otherwise. Only the gRPC fallback sender presents it.
+    write_token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,7 +521,8 @@ def write_rank_share(
         outcomes = not_started_outcomes(mine, f"rank {rank} failed before sending: {exc!r}")
         return WriteDone(rank, tuple(outcomes), 0, time.perf_counter() - t0, 0.0)
     try:
-        outcomes = list(sender.write(view, mine, destinations, cmd.ticket_id, cmd.timeout_s))
+        token = {"write_token": cmd.write_token} if cmd.write_token else {}
+        outcomes = list(sender.write(view, mine, destinations, cmd.ticket_id, cmd.timeout_s, **token))
     except ValueError as exc:
         # The senders validate everything before the first byte leaves (their contract).
         outcomes = not_started_outcomes(mine, f"write refused before sending: {exc}")

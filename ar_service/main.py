@@ -29,7 +29,13 @@ from kvrelay.ar_service.vllm_engine import VllmRankSpec
 from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConfig, load_config
 from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
-from kvrelay.security import CallerClass, SecurityError, load_credentials, make_channel
+from kvrelay.security import (
+    CallerClass,
+    SecurityError,
+    load_credentials,
+    make_channel,
+    require_bound_credential,
+)
 from kvrelay.server import GrpcServer
 from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
 from kvrelay.v1 import ar_pb2_grpc
@@ -84,7 +90,7 @@ def _rank_spec(
         # The per-worker memory budget of the stage is this rank's staging buffer.
         staging_bytes=stage.kv_cache_memory_bytes,
         # PutKv (the fallback transport) dials DiT replicas as this replica.
-        channel_security=load_credentials(security, replica_id).channel(CallerClass.REPLICA, replica_id),
+        channel_security=load_credentials(security, replica_id).put_kv_channel(replica_id),
     )
 
 
@@ -121,6 +127,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     replica_id = f"ar-{replica}"
     try:
         creds = load_credentials(cfg.security, replica_id)
+        require_bound_credential(creds, replica_id)
         rank_spec = _rank_spec(stage, cfg.security, replica_id)
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)

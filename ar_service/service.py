@@ -695,6 +695,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 plan=tuple(writes),
                 destinations=tuple(region_from_proto(d) for d in source.destinations),
                 timeout_s=step.timeout_s,
+                write_token=request.write_token,
             )
             t0 = time.perf_counter()
             try:

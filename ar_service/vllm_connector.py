@@ -199,7 +199,7 @@ class KvRelayConnector(KVConnectorBase_V1):
             replica_id = str(self._extra.get("replica_id", "")) or None
             security_cfg = SecurityConfig.model_validate(self._extra.get("security") or {})
             creds = load_credentials(security_cfg, replica_id) if replica_id else load_credentials(security_cfg)
-            security = creds.channel(CallerClass.REPLICA, replica_id)
+            security = creds.put_kv_channel(replica_id) if replica_id else creds.channel(CallerClass.REPLICA)
             self._sender = make_sender("grpc", security=security)
         else:
             raise ValueError(f"KvRelayConnector: transport {transport!r} is not supported")

@@ -324,7 +324,7 @@ class Admission:
         rows = params.rows
         check_rows_worth_tokenizing(rows, spec.max_tokens)
         try:
-            reply = await ar_pb2_grpc.ArServiceStub(self.channels.get(endpoint)).Tokenize(
+            reply = await ar_pb2_grpc.ArServiceStub(self.channels.get(endpoint, spec.replica_id)).Tokenize(
                 ar_pb2.TokenizeRequest(texts=list(rows)), timeout=timeout
             )
         except grpc.aio.AioRpcError as err:

@@ -32,7 +32,14 @@ from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
 from kvrelay.ports import PortInUse
-from kvrelay.security import BROKER_CALLER_ID, CallerClass, Credentials, SecurityError, load_credentials
+from kvrelay.security import (
+    BROKER_CALLER_ID,
+    CallerClass,
+    Credentials,
+    SecurityError,
+    load_credentials,
+    require_bound_credential,
+)
 from kvrelay.server import GrpcServer
 from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
@@ -156,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config)
         creds = load_credentials(cfg.security)
+        require_bound_credential(creds, BROKER_CALLER_ID)
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2

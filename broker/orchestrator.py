@@ -67,8 +67,10 @@ class Orchestrator:
         self.core = core
         self.cfg = cfg
         self._clock = clock
-        # The broker dials AR and DiT replicas as a replica-class caller named "broker".
-        self.channels = ChannelCache((credentials or Credentials()).channel(CallerClass.REPLICA, BROKER_CALLER_ID))
+        # The broker dials AR and DiT replicas as a replica-class caller named "broker" (bound
+        # replica tokens: with each replica's own call token, Credentials.broker_channel).
+        creds = credentials or Credentials()
+        self.channels = ChannelCache(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID), creds.broker_channel)
         self.store = GenerationStore(
             result_ttl_seconds=cfg.broker.result_ttl_seconds,
             max_results=cfg.broker.max_results,
@@ -90,6 +92,7 @@ class Orchestrator:
             prefill_timeout=cfg.ar_stage.request_timeout_seconds,
             denoise_timeout=cfg.dit_stage.request_timeout_seconds,
             clock=clock,
+            write_token=creds.write_token,
         )
         self._tasks: list[asyncio.Task[None]] = []
         core.on_request_cancelled = self.ticket_cancelled

@@ -66,8 +66,12 @@ class StagePipeline:
         prefill_timeout: float,
         denoise_timeout: float,
         clock: Callable[[], float],
+        write_token: Callable[[str, str], str] = lambda _dit, _ar: "",
     ) -> None:
         self.core = core
+        # (DiT replica id, AR replica id) -> the AR's PutKv credential at that DiT (bound
+        # replica tokens, Credentials.write_token; "" otherwise).
+        self.write_token = write_token
         self.channels = channels
         self.reporter = reporter
         # Each stage call's gRPC timeout when the client gave no deadline.
@@ -149,7 +153,7 @@ class StagePipeline:
         if remaining is not None:
             deadline_time = timestamp_pb2.Timestamp()
             deadline_time.FromNanoseconds(int((time.time() + remaining) * 1e9))
-        prefill_call = ar_pb2_grpc.ArServiceStub(self.channels.get(ar.endpoint)).Prefill(
+        prefill_call = ar_pb2_grpc.ArServiceStub(self.channels.get(ar.endpoint, ar.replica_id)).Prefill(
             ar_pb2.PrefillRequest(
                 ticket_id=ticket.ticket_id,
                 request_id=job.request_id,
@@ -157,11 +161,12 @@ class StagePipeline:
                 seed=params.seed,
                 plan=plan,
                 deadline_time=deadline_time,
+                write_token=self.write_token(dit.replica_id, ar.replica_id),
             ),
             timeout=self.prefill_timeout if remaining is None else max(0.0, remaining),
             metadata=metadata,
         )
-        denoise_call = dit_pb2_grpc.DitServiceStub(self.channels.get(dit.endpoint)).Denoise(
+        denoise_call = dit_pb2_grpc.DitServiceStub(self.channels.get(dit.endpoint, dit.replica_id)).Denoise(
             dit_pb2.DenoiseRequest(
                 ticket_id=ticket.ticket_id,
                 request_id=job.request_id,

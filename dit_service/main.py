@@ -98,7 +98,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.models.bagel import stage_preset as model_preset
     from kvrelay.models.formats import model_dir
     from kvrelay.ports import PortInUse
-    from kvrelay.security import CallerClass, SecurityError, check_bind, load_credentials, make_channel
+    from kvrelay.security import (
+        CallerClass,
+        SecurityError,
+        check_bind,
+        load_credentials,
+        make_channel,
+        require_bound_credential,
+    )
     from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
     from kvrelay.worker import (
@@ -129,6 +136,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     insecure_bind = bool(getattr(args, "insecure_bind", False))
     try:
         creds = load_credentials(cfg.security, replica_id)
+        require_bound_credential(creds, replica_id)
         check_bind(host, creds, insecure_bind, f"kvrelay dit ({replica_id})")
     except SecurityError as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)

@@ -195,8 +195,17 @@ class SecurityConfig(_Strict):
 
     api_token_env: str | None = "KVRELAY_API_TOKEN"
     api_token_file: str | None = None
+    # `{name}` in replica_token_file is the process (`ar-0`, `dit-1`): each replica its own file.
     replica_token_env: str | None = "KVRELAY_REPLICA_TOKEN"
     replica_token_file: str | None = None
+    # shared: one replica token for every replica; whoever holds it may act as any replica id.
+    # bound: each replica has its own token, HMAC-SHA256 of its id under the broker's secret
+    # (`kvrelay token ID`); a replica acts only as its own id, the shared token is refused
+    # (docs/operations.md, Per-replica tokens). `kvrelay up` gives its children their tokens.
+    replica_tokens: Literal["shared", "bound"] = "shared"
+    # The secret bound replica tokens derive from: the broker's alone (never a replica's).
+    replica_secret_env: str | None = "KVRELAY_REPLICA_SECRET"
+    replica_secret_file: str | None = None
     operator_token_env: str | None = "KVRELAY_OPERATOR_TOKEN"
     operator_token_file: str | None = None
     tls: TlsConfig | None = None

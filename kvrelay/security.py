@@ -17,11 +17,13 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import hashlib
 import hmac
 import inspect
 import ipaddress
 import os
 import resource
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -200,6 +202,47 @@ def _ms(seconds: float) -> int:
 DEFAULT_KEEPALIVE = Keepalive()
 
 
+# ---------------------------------------------------------------- bound replica tokens
+#
+# `security.replica_tokens: bound` (docs/operations.md, Per-replica tokens). Every value is an
+# HMAC-SHA256 in hex, each of a distinct label, so that no value doubles as another:
+#   replica token of R     = HMAC(secret, "replica-token" | R)   held by R; the broker derives it
+#   broker's call token    = HMAC(replica token of R, "broker-call")      the broker -> R
+#   write token of A at D  = HMAC(replica token of D, "put-kv" | A)       A -> D's PutKv
+# A replica can check what is presented to it from its own token alone, and what it receives
+# works nowhere else: R's call token opens R only, a write token only PutKv of D as A.
+
+_TOKEN_LABEL = b"kvrelay.v1."
+
+
+def _mac(key: str, label: str, subject: str = "") -> str:
+    message = _TOKEN_LABEL + label.encode() + b"\x00" + subject.encode()
+    return hmac.new(key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def replica_token_for(secret: str, replica_id: str) -> str:
+    """The token of `replica_id` under the broker's secret (`kvrelay token REPLICA_ID`)."""
+    if not secret:
+        raise SecurityError("a bound replica token needs the broker's secret (security.replica_secret_env/_file)")
+    if not replica_id or replica_id == BROKER_CALLER_ID:
+        raise SecurityError(f"no replica token for {replica_id!r}: name a replica (ar-0, dit-1)")
+    return _mac(secret, "replica-token", replica_id)
+
+
+def broker_call_token(replica_token: str) -> str:
+    """What the broker presents when it calls the replica whose token this is."""
+    return _mac(replica_token, "broker-call")
+
+
+def put_kv_token(dit_replica_token: str, ar_replica_id: str) -> str:
+    """What `ar_replica_id` presents on PutKv to the DiT replica whose token this is."""
+    return _mac(dit_replica_token, "put-kv", ar_replica_id)
+
+
+def _same(presented: str, expected: str | None) -> bool:
+    return bool(expected) and hmac.compare_digest(presented.encode(), expected.encode())  # type: ignore[union-attr]
+
+
 # ---------------------------------------------------------------- credentials of a process
 
 
@@ -220,9 +263,15 @@ class Credentials:
     """Everything one process knows: the deployment's tokens and its TLS material."""
 
     api_token: str | None = None
+    # Shared mode: the deployment's replica token. Bound mode: this replica's own token
+    # (`replica_token_for(secret, its id)`); the broker holds none.
     replica_token: str | None = None
     operator_token: str | None = None
     tls: TlsMaterial | None = None
+    # `security.replica_tokens: bound`: a replica token is valid only for the id it was derived
+    # for; the broker holds the secret they derive from (`replica_secret`), replicas none.
+    bound_replica_tokens: bool = False
+    replica_secret: str | None = field(default=None, repr=False)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     rate_limit_per_second: float = 0.0
     rate_limit_burst: int = 1
@@ -231,7 +280,9 @@ class Credentials:
     @property
     def authenticates_replicas(self) -> bool:
         """False = a development deployment: replica and operator RPCs trust every caller."""
-        return bool(self.replica_token) or bool(self.tls and self.tls.require_client_cert)
+        return (
+            self.bound_replica_tokens or bool(self.replica_token) or bool(self.tls and self.tls.require_client_cert)
+        )
 
     def channel(self, caller_class: CallerClass, replica_id: str | None = None) -> ChannelSecurity:
         """How this process dials as `caller_class` (and, for a replica, as `replica_id`)."""
@@ -241,6 +292,33 @@ class Credentials:
             CallerClass.OPERATOR: self.operator_token,
         }[caller_class]
         return ChannelSecurity(token=token, replica_id=replica_id, tls=self.tls, keepalive=self.keepalive)
+
+    def put_kv_channel(self, replica_id: str) -> ChannelSecurity:
+        """How an AR replica dials DiT replicas' PutKv. Bound mode: the replica id alone; each
+        call carries the write token the broker gave for that DiT (its own token would let the
+        DiT act as this AR at the broker)."""
+        if self.bound_replica_tokens:
+            return ChannelSecurity(token=None, replica_id=replica_id, tls=self.tls, keepalive=self.keepalive)
+        return self.channel(CallerClass.REPLICA, replica_id)
+
+    def broker_channel(self, replica_id: str | None) -> ChannelSecurity:
+        """How the broker dials the replica `replica_id` (Tokenize, Prefill, Denoise). Bound
+        mode: with the call token of that replica alone (`broker_call_token`), which no other
+        replica can present, nor learn from the calls it receives itself."""
+        sec = self.channel(CallerClass.REPLICA, BROKER_CALLER_ID)
+        if not self.bound_replica_tokens:
+            return sec
+        token = None
+        if self.replica_secret and replica_id:
+            token = broker_call_token(replica_token_for(self.replica_secret, replica_id))
+        return ChannelSecurity(token=token, replica_id=BROKER_CALLER_ID, tls=self.tls, keepalive=self.keepalive)
+
+    def write_token(self, dit_replica_id: str, ar_replica_id: str) -> str:
+        """What the broker hands `ar_replica_id` (PrefillRequest.write_token) to write the KV of
+        its ticket into `dit_replica_id` over PutKv; "" unless bound mode."""
+        if not (self.bound_replica_tokens and self.replica_secret):
+            return ""
+        return put_kv_token(replica_token_for(self.replica_secret, dit_replica_id), ar_replica_id)
 
     def client_options(self, caller_class: CallerClass = CallerClass.PUBLIC) -> dict[str, Any]:
         """Keyword arguments for kvrelay.client.KvRelayClient / AsyncKvRelayClient."""
@@ -314,9 +392,20 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
             operator_names=tuple(cfg.tls.operator_names),
             replica_names=tuple(cfg.tls.replica_names),
         )
+    bound = cfg.replica_tokens == "bound"
+    replica_token = secret = None
+    if bound and name == BROKER_CALLER_ID:
+        # The broker (and `kvrelay up`, which starts it) holds the secret and no token of its own.
+        secret = _read_secret(cfg.replica_secret_env, cfg.replica_secret_file, "replica_secret")
+    else:
+        # `{name}` gives each replica its own file (bound mode: `kvrelay token NAME` > it).
+        token_file = cfg.replica_token_file.replace("{name}", name) if cfg.replica_token_file else None
+        replica_token = _read_secret(cfg.replica_token_env, token_file, "replica_token")
     creds = Credentials(
         api_token=_read_secret(cfg.api_token_env, cfg.api_token_file, "api_token"),
-        replica_token=_read_secret(cfg.replica_token_env, cfg.replica_token_file, "replica_token"),
+        replica_token=replica_token,
+        bound_replica_tokens=bound,
+        replica_secret=secret,
         operator_token=_read_secret(cfg.operator_token_env, cfg.operator_token_file, "operator_token"),
         tls=tls,
         max_request_bytes=cfg.max_receive_message_bytes,
@@ -324,9 +413,12 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
         rate_limit_burst=cfg.rate_limit_burst,
         keepalive=Keepalive(cfg.keepalive_time_seconds, cfg.keepalive_timeout_seconds),
     )
-    tokens = [t for t in (creds.api_token, creds.replica_token, creds.operator_token) if t]
+    tokens = [t for t in (creds.api_token, creds.replica_token, creds.operator_token, secret) if t]
     if len(set(tokens)) != len(tokens):
-        raise SecurityError("security: the api, replica and operator tokens must differ (each names a caller class)")
+        raise SecurityError(
+            "security: the api, replica and operator tokens (and the replica secret) must differ "
+            "(each names a caller class)"
+        )
     if tokens and not creds.authenticates_replicas:
         # An api or operator token alone would leave the replica RPCs (register, deregister,
         # report, release) open to anyone: refuse rather than protect the wrong half.
@@ -335,6 +427,60 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
             "no replica token (nor security.tls.require_client_cert); replica RPCs would be open to anyone"
         )
     return creds
+
+
+def read_replica_secret(cfg: SecurityConfig) -> str | None:
+    """The broker's secret of bound replica tokens, from its env var or file (None if unset)."""
+    return _read_secret(cfg.replica_secret_env, cfg.replica_secret_file, "replica_secret")
+
+
+def node_token_env(
+    cfg: SecurityConfig, names: Sequence[str], make_secret: Callable[[], str] | None = None
+) -> dict[str, dict[str, str]]:
+    """Bound replica tokens on one node (`kvrelay up`): the environment each child needs, by
+    name. The broker gets the secret (this process's, else one made for the node, which then
+    binds only its own children); each replica its own token (unless `replica_token_file` gives
+    it one: `{name}` in the path) and never the secret, though the node's environment has it."""
+    if cfg.replica_tokens != "bound":
+        return {}
+    secret = read_replica_secret(cfg)
+    broker_env: dict[str, str] = {}
+    if secret is None:
+        if not cfg.replica_secret_env:
+            raise SecurityError("security.replica_secret_env: bound replica tokens need the broker's secret "
+                                "(an environment variable or security.replica_secret_file)")
+        secret = (make_secret or (lambda: secrets.token_hex(32)))()
+        broker_env[cfg.replica_secret_env] = secret
+    if not cfg.replica_token_file and not cfg.replica_token_env:
+        raise SecurityError("security.replica_token_env: bound replica tokens: the replicas need a way to get "
+                            "their own (an environment variable, or security.replica_token_file with {name})")
+    out: dict[str, dict[str, str]] = {}
+    for name in names:
+        if name == BROKER_CALLER_ID:
+            out[name] = dict(broker_env)
+            continue
+        env = {cfg.replica_secret_env: ""} if cfg.replica_secret_env else {}
+        if not cfg.replica_token_file and cfg.replica_token_env:
+            env[cfg.replica_token_env] = replica_token_for(secret, name)
+        out[name] = env
+    return out
+
+
+def require_bound_credential(creds: Credentials, name: str) -> None:
+    """Bound replica tokens: refuse to start the broker without its secret, or a replica
+    without its own token (each names the setting and the fix)."""
+    if not creds.bound_replica_tokens:
+        return
+    if name == BROKER_CALLER_ID and not creds.replica_secret:
+        raise SecurityError(
+            "security.replica_secret_env / security.replica_secret_file: security.replica_tokens is bound but "
+            "the broker has no secret to check replica tokens with ($KVRELAY_REPLICA_SECRET)"
+        )
+    if name != BROKER_CALLER_ID and not creds.replica_token:
+        raise SecurityError(
+            f"security.replica_token_env / security.replica_token_file: security.replica_tokens is bound but "
+            f"{name} has no token of its own (`kvrelay token {name}` prints it, from the broker's secret)"
+        )
 
 
 def is_loopback(host: str) -> bool:
@@ -526,19 +672,29 @@ class ChannelCache:
     Single-threaded: one event loop is its only caller.
     """
 
-    def __init__(self, security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self, security: ChannelSecurity | None = None,
+        per_replica: Callable[[str | None], ChannelSecurity] | None = None,
+    ) -> None:
         self._security = security
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # The credential depends on the replica dialled (the broker's bound call tokens): one
+        # channel per (target, replica id), so a replica moved to another's address never gets
+        # the other's token.
+        self._per_replica = per_replica
+        self._channels: dict[tuple[str, str | None], grpc.aio.Channel] = {}
         # Forgotten channels still closing (their running calls get a grace period).
         self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
-    def get(self, target: str) -> grpc.aio.Channel:
-        channel = self._channels.get(target)
+    def get(self, target: str, replica_id: str | None = None) -> grpc.aio.Channel:
+        """The channel to `target`, where the replica `replica_id` serves."""
+        key = (target, replica_id if self._per_replica is not None else None)
+        channel = self._channels.get(key)
         if channel is None:
+            security = self._per_replica(replica_id) if self._per_replica is not None else self._security
             # A local subchannel pool: by default channels to one target share gRPC's global
             # subchannel, backoff included, and a fresh channel would inherit the failed one's.
-            channel = make_channel(target, self._security, options=[("grpc.use_local_subchannel_pool", 1)])
-            self._channels[target] = channel
+            channel = make_channel(target, security, options=[("grpc.use_local_subchannel_pool", 1)])
+            self._channels[key] = channel
         return channel
 
     def forget(self, target: str, grace_s: float = FORGOTTEN_CHANNEL_GRACE_S) -> None:
@@ -547,12 +703,11 @@ class ChannelCache:
         (growing to 2 minutes) and fails every call at once meanwhile, so a replica restarted
         at the same address stayed unreachable long after it was serving. Calls still running
         on the old channel get `grace_s` to finish before it closes."""
-        channel = self._channels.pop(target, None)
-        if channel is None:
-            return
-        task = asyncio.get_running_loop().create_task(channel.close(grace_s))
-        self._closing[task] = channel
-        task.add_done_callback(lambda t: self._closing.pop(t, None))
+        for key in [k for k in self._channels if k[0] == target]:
+            channel = self._channels.pop(key)
+            task = asyncio.get_running_loop().create_task(channel.close(grace_s))
+            self._closing[task] = channel
+            task.add_done_callback(lambda t: self._closing.pop(t, None))
 
     async def close(self) -> None:
         """Close every channel (their calls end CANCELLED); a later `get` dials again."""
@@ -633,6 +788,8 @@ class Caller:
     trusted: bool = False
     # A valid credential was presented (token or verified client certificate).
     authenticated: bool = False
+    # Bound replica tokens: why the bearer presented was not taken as a replica's ("" if it was).
+    refusal: str = ""
 
     @property
     def operator(self) -> bool:
@@ -775,16 +932,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             elif key == REPLICA_ID_METADATA and isinstance(value, str):
                 declared = value[:MAX_ID_CHARS]
         # Compare against every configured token, always, so timing tells nothing about which.
-        presented = bearer.encode()
         matches = {
-            cls: bool(token) and hmac.compare_digest(presented, token.encode())  # type: ignore[union-attr]
-            for cls, token in (
-                (CallerClass.PUBLIC, creds.api_token),
-                (CallerClass.REPLICA, creds.replica_token),
-                (CallerClass.OPERATOR, creds.operator_token),
-            )
+            CallerClass.PUBLIC: _same(bearer, creds.api_token),
+            CallerClass.OPERATOR: _same(bearer, creds.operator_token),
+            CallerClass.REPLICA: (
+                _same(bearer, self._bound_token(declared)) if creds.bound_replica_tokens
+                else _same(bearer, creds.replica_token)
+            ),
         }
         classes = {cls for cls, ok in matches.items() if ok}
+        refusal = ""
+        if creds.bound_replica_tokens and bearer and not classes:
+            refusal = self._bound_refusal(declared)
         replica_id = declared
         tls = creds.tls
         cn = _common_name(auth_context) if tls is not None and tls.require_client_cert else None
@@ -809,7 +968,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # client's, unless the deployment leaves the public API open.
         if not creds.api_token or CallerClass.OPERATOR in classes:
             classes.add(CallerClass.PUBLIC)
-        return Caller(frozenset(classes), replica_id, authenticated=authenticated)
+        return Caller(frozenset(classes), replica_id, authenticated=authenticated, refusal=refusal)
+
+    def _bound_token(self, declared: str | None) -> str | None:
+        """The one replica credential this server accepts from a caller declaring `declared`
+        (bound replica tokens): the broker derives the replica's token from its secret; a
+        replica accepts the broker's call token, or an AR's write token, derived from its own."""
+        creds = self.creds
+        if not declared:
+            return None
+        if creds.replica_secret:
+            return None if declared == BROKER_CALLER_ID else replica_token_for(creds.replica_secret, declared)
+        if not creds.replica_token:
+            return None
+        if declared == BROKER_CALLER_ID:
+            return broker_call_token(creds.replica_token)
+        return put_kv_token(creds.replica_token, declared)
+
+    def _bound_refusal(self, declared: str | None) -> str:
+        """Why a bearer that is no credential here was refused: one line, naming no secret."""
+        if not declared:
+            return (f"a replica token is bound to a replica id: declare it in {REPLICA_ID_METADATA} "
+                    "(security.replica_tokens: bound)")
+        if self.creds.replica_secret:
+            return (f"the token presented is not the replica token of {declared!r} (security.replica_tokens: "
+                    f"bound: a replica token acts only as its own id; `kvrelay token {declared}` prints it)")
+        if declared == BROKER_CALLER_ID:
+            return "the token presented is not the broker's call token for this replica (security.replica_tokens: bound)"
+        return (f"the token presented is not {declared!r}'s write token for this replica (security.replica_tokens: "
+                "bound: the broker hands it to the ticket's AR with Prefill)")
 
     # -- the interceptor -----------------------------------------------------------------------
 
@@ -848,6 +1035,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             article = "an" if needed[0] in "aeiou" else "a"
             if caller.authenticated:
                 raise permission_denied(f"{method} needs {article} {needed} credential; the one presented is not")
+            if caller.refusal and CallerClass.REPLICA in allowed:
+                raise KvRelayServerError(grpc.StatusCode.UNAUTHENTICATED, "REPLICA_TOKEN_MISMATCH",
+                                         f"{method}: {caller.refusal}")
             raise KvRelayServerError(
                 grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
                 f"{method} needs {article} {needed} credential (authorization: Bearer <token> or a client certificate)",
@@ -957,6 +1147,7 @@ __all__ = [
     "RpcRule",
     "SecurityError",
     "TlsMaterial",
+    "broker_call_token",
     "channel_options",
     "check_bind",
     "client_tls_from_files",
@@ -965,7 +1156,12 @@ __all__ = [
     "load_credentials",
     "make_channel",
     "make_sync_channel",
+    "node_token_env",
     "permission_denied",
+    "put_kv_token",
+    "read_replica_secret",
+    "replica_token_for",
+    "require_bound_credential",
     "server_credentials",
     "server_options",
 ]

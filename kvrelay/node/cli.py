@@ -34,6 +34,7 @@ HANDLERS = {
     "forget": "kvrelay.client.cli:run_forget",
     "bench": "kvrelay.node.bench:run",
     "verify": "kvrelay.node.verify:run",
+    "token": "kvrelay.node.tokens:run",
 }
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -234,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
     )
     _add_client_tls_args(p)
+
+    p = sub.add_parser("token", help="print a replica's own token (bound replica tokens), from the broker's secret")
+    p.add_argument("replica_ids", nargs="+", metavar="REPLICA_ID",
+                   help="ar-0, dit-1, ...; several: one 'ID TOKEN' line each")
+    p.add_argument("--config", default=None, help=CONFIG_HELP + "; its security section names the secret")
 
     p = sub.add_parser("bench", help="the seed's throughput experiment: Mooncake vs gRPC fallback vs colocated")
     p.add_argument("--config", default=None, help=f"base config (default: $KVRELAY_CONFIG, else {DEFAULT_CONFIG}, the shipped CPU node)")

@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -57,6 +57,7 @@ from kvrelay.security import (
     check_bind,
     load_credentials,
     make_sync_channel,
+    node_token_env,
 )
 from kvrelay.stopping import EXIT_FAST_STOP, FAST_STOP_SIGNALS
 
@@ -801,6 +802,10 @@ def build_node(
         config_path, cfg, host=host, command=command, roles=roles, log_level=log_level, insecure_bind=insecure_bind
     )
     node_options.setdefault("credentials", load_credentials(cfg.security))
+    # Bound replica tokens: each child gets its own credential (the broker the secret).
+    token_env = node_token_env(cfg.security, [c.name for phase in phases for c in phase])
+    if token_env:
+        phases = [[replace(c, env={**c.env, **token_env[c.name]}) for c in phase] for phase in phases]
     node_options["env"] = {**cpu_share_env(cfg, roles), **dict(node_options.get("env") or {})}
     # Our own services register with the broker; other commands (test doubles) may not.
     node_options.setdefault("verify_advertised", command is None)
@@ -969,6 +974,10 @@ def _run_up(
             insecure_bind=bool(getattr(args, "insecure_bind", False)),
             ready_timeout=float(getattr(args, "ready_timeout", None) or DEFAULT_READY_TIMEOUT),
         )
+    except SecurityError as err:
+        metrics.stop()
+        print(f"kvrelay up: {err}", file=sys.stderr)
+        return 2
     except OSError as err:
         metrics.stop()
         print(f"kvrelay up: {err}", file=sys.stderr)

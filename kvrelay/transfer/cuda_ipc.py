@@ -413,12 +413,15 @@ class CudaIpcEndpoint:
         destinations: Mapping[int, RegionDescriptor],
         ticket_id: str,
         timeout_s: float,
+        *,
+        write_token: str = "",
     ) -> list[WriteOutcome]:
         """Copy ``writes`` from ``staging`` (a flat uint8 device tensor) into their destination
         pools; one outcome per write, in order. Bad input raises ValueError before any copy; a
         failure while copying waits for every copy already queued, then reports the writes that
         began FAILED (final: they may have landed in part, but nothing more will; the receiver's
         checksum decides) and the others NOT_STARTED."""
+        del write_token  # a device-to-device copy on this host: no gRPC credential
         if self._closed:
             raise CudaIpcError("write on a closed CudaIpcEndpoint")
         if timeout_s <= 0:

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from kvrelay.security import ChannelSecurity, make_sync_channel
+from kvrelay.security import AUTHORIZATION_METADATA, ChannelSecurity, make_sync_channel
 from kvrelay.transfer.checksum import as_memoryview, write_checksum
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
@@ -225,13 +225,15 @@ class GrpcStreamSender:
 
     def _send_stream(
         self, endpoint: str, view: memoryview, ticket_id: str, items: list[tuple[int, PlannedWrite]],
-        prog: _StreamProgress, timeout_s: float,
+        prog: _StreamProgress, timeout_s: float, write_token: str = "",
     ) -> dit_pb2.PutKvResponse:
         channel = self._acquire(endpoint)
+        metadata = ((AUTHORIZATION_METADATA, f"Bearer {write_token}"),) if write_token else None
         try:
             # Deadline on the call itself: on expiry gRPC cancels the stream at both ends.
             response: dit_pb2.PutKvResponse = dit_pb2_grpc.DitServiceStub(channel).PutKv(
-                self._chunks(view, ticket_id, items, prog), timeout=timeout_s, wait_for_ready=False
+                self._chunks(view, ticket_id, items, prog), timeout=timeout_s, wait_for_ready=False,
+                metadata=metadata,
             )
         except grpc.RpcError as err:
             if isinstance(err, grpc.Call) and err.code() is grpc.StatusCode.UNAVAILABLE:
@@ -248,9 +250,12 @@ class GrpcStreamSender:
         destinations: Mapping[int, RegionDescriptor],
         ticket_id: str,
         timeout_s: float,
+        *,
+        write_token: str = "",
     ) -> list[WriteOutcome]:
         """Stream `writes` to their endpoints; one outcome per write, in order. A write is OK only
-        when its endpoint acknowledged every byte of its stream."""
+        when its endpoint acknowledged every byte of its stream. `write_token` (bound replica
+        tokens) is the bearer of these calls: the channel itself carries only the replica id."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         view = as_memoryview(staging)
@@ -263,7 +268,9 @@ class GrpcStreamSender:
             by_endpoint.setdefault(destinations[w.dst_rank].endpoint, []).append((i, w))
         progress = {ep: _StreamProgress() for ep in by_endpoint}
         futures = {
-            ep: self._executor.submit(self._send_stream, ep, view, ticket_id, items, progress[ep], timeout_s)
+            ep: self._executor.submit(
+                self._send_stream, ep, view, ticket_id, items, progress[ep], timeout_s, write_token
+            )
             for ep, items in by_endpoint.items()
         }
         # Hash while the streams send: the staging bytes do not change during a write.

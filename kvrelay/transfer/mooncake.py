@@ -202,6 +202,8 @@ class MooncakeEndpoint:
         destinations: Mapping[int, RegionDescriptor],
         ticket_id: str,
         timeout_s: float,
+        *,
+        write_token: str = "",
     ) -> list[WriteOutcome]:
         """Push `writes` from `staging` into their destination regions; one outcome per write.
 
@@ -209,6 +211,7 @@ class MooncakeEndpoint:
         before anything is sent; transport failures come back as FAILED outcomes. A write still
         in the engine when `timeout_s` passes is IN_DOUBT: `staging` stays in use by it until
         `collect_finished()` returns its final outcome."""
+        del write_token  # Mooncake has no authentication (docs/operations.md)
         if self._closed:
             raise MooncakeError("write on a closed MooncakeEndpoint")
         if timeout_s <= 0:

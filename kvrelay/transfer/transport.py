@@ -108,7 +108,9 @@ class KvSender(Protocol):
 
     An outcome is final (OK, FAILED, NOT_STARTED) or IN_DOUBT: the wait ended while the transport
     call still runs. `staging` stays in use until `collect_finished()` (polled by the caller,
-    like vLLM's `get_finished`) returns that call with the final outcome of each in-doubt write."""
+    like vLLM's `get_finished`) returns that call with the final outcome of each in-doubt write.
+    `write_token` (bound replica tokens): the AR's credential at the destination replica, from
+    the broker; the gRPC fallback presents it on PutKv, the others have no credential to give."""
 
     name: str
 
@@ -119,6 +121,8 @@ class KvSender(Protocol):
         destinations: Mapping[int, RegionDescriptor],
         ticket_id: str,
         timeout_s: float,
+        *,
+        write_token: str = "",
     ) -> list[WriteOutcome]: ...
 
     def collect_finished(self) -> list[FinishedCall]: ...

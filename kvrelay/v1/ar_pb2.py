@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvrelay.v1 import broker_pb2 as kvrelay_dot_v1_dot_broker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvrelay/v1/ar.proto\x12\nkvrelay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17kvrelay/v1/broker.proto\" \n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"<\n\x10TokenizeResponse\x12\x14\n\x0ctoken_counts\x18\x01 \x03(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\"\xac\x01\n\x0ePrefillRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04rows\x18\x03 \x03(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12$\n\x04plan\x18\x05 \x01(\x0b\x32\x16.kvrelay.v1.TicketPlan\x12\x31\n\rdeadline_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"q\n\x0fPrefillResponse\x12\x14\n\x0ctoken_counts\x18\x01 \x03(\r\x12\x15\n\rbytes_written\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x32\x96\x01\n\tArService\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13kvrelay/v1/ar.proto\x12\nkvrelay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17kvrelay/v1/broker.proto\" \n\x0fTokenizeRequest\x12\r\n\x05texts\x18\x01 \x03(\t\"<\n\x10TokenizeResponse\x12\x14\n\x0ctoken_counts\x18\x01 \x03(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\r\"\xc1\x01\n\x0ePrefillRequest\x12\x11\n\tticket_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04rows\x18\x03 \x03(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12$\n\x04plan\x18\x05 \x01(\x0b\x32\x16.kvrelay.v1.TicketPlan\x12\x31\n\rdeadline_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bwrite_token\x18\x07 \x01(\t\"q\n\x0fPrefillResponse\x12\x14\n\x0ctoken_counts\x18\x01 \x03(\r\x12\x15\n\rbytes_written\x18\x02 \x01(\x04\x12\x17\n\x0fprefill_seconds\x18\x03 \x01(\x01\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x32\x96\x01\n\tArService\x12\x45\n\x08Tokenize\x12\x1b.kvrelay.v1.TokenizeRequest\x1a\x1c.kvrelay.v1.TokenizeResponse\x12\x42\n\x07Prefill\x12\x1a.kvrelay.v1.PrefillRequest\x1a\x1b.kvrelay.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZERESPONSE']._serialized_start=127
   _globals['_TOKENIZERESPONSE']._serialized_end=187
   _globals['_PREFILLREQUEST']._serialized_start=190
-  _globals['_PREFILLREQUEST']._serialized_end=362
-  _globals['_PREFILLRESPONSE']._serialized_start=364
-  _globals['_PREFILLRESPONSE']._serialized_end=477
-  _globals['_ARSERVICE']._serialized_start=480
-  _globals['_ARSERVICE']._serialized_end=630
+  _globals['_PREFILLREQUEST']._serialized_end=383
+  _globals['_PREFILLRESPONSE']._serialized_start=385
+  _globals['_PREFILLRESPONSE']._serialized_end=498
+  _globals['_ARSERVICE']._serialized_start=501
+  _globals['_ARSERVICE']._serialized_end=651
 # @@protoc_insertion_point(module_scope)

@@ -22,20 +22,22 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_counts: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("ticket_id", "request_id", "rows", "seed", "plan", "deadline_time")
+    __slots__ = ("ticket_id", "request_id", "rows", "seed", "plan", "deadline_time", "write_token")
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_TIME_FIELD_NUMBER: _ClassVar[int]
+    WRITE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ticket_id: str
     request_id: str
     rows: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     plan: _broker_pb2.TicketPlan
     deadline_time: _timestamp_pb2.Timestamp
-    def __init__(self, ticket_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., plan: _Optional[_Union[_broker_pb2.TicketPlan, _Mapping]] = ..., deadline_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    write_token: str
+    def __init__(self, ticket_id: _Optional[str] = ..., request_id: _Optional[str] = ..., rows: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., plan: _Optional[_Union[_broker_pb2.TicketPlan, _Mapping]] = ..., deadline_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., write_token: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("token_counts", "bytes_written", "prefill_seconds", "transfer_seconds")
