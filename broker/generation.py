@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import secrets
 import uuid
 from collections import deque
@@ -30,6 +29,7 @@ from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
 from kvrelay.config import DEFAULT_IMAGE_REPLY_BUDGET_BYTES, DEFAULT_IMAGE_REPLY_WAIT_SECONDS, BrokerConfig
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, time_remaining
+from kvrelay.limits import request_id_problem
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.security import current_caller
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -46,8 +46,6 @@ MIN_STEPS, MAX_STEPS = 1, 1000
 # The AR's max tokens is the real bound (checked by Tokenize); this only keeps megabytes of text
 # from being shipped to a replica just to be refused.
 MAX_PROMPT_BYTES: Final = 1 << 20
-MAX_REQUEST_ID_LENGTH: Final = 128
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:~-]+")
 # Seeds are drawn below 2**63 so that every consumer (torch generators take int64) accepts them.
 _SEED_BITS: Final = 63
 # How long a generation may wait for a re-attach after its stream ended (the deadline bounds it too).
@@ -81,14 +79,17 @@ _STATE = wire_enum(GenState, generation_pb2.GenerationState, "GENERATION_STATE_"
 _STATE_FROM_PB, _STATE_TO_PB = _STATE.from_pb, _STATE.to_pb
 
 
+def check_request_id(request_id: str) -> None:
+    """INVALID_ARGUMENT for an id no generation can have (too long, other characters, empty):
+    Get/CancelGeneration refuse it as Generate does, not NOT_FOUND with the id quoted whole."""
+    if (problem := request_id_problem(request_id)) is not None:
+        raise invalid_argument("request_id", problem)
+
+
 def resolve_request(request: generation_pb2.GenerateRequest) -> tuple[str, GenerationParams, bool]:
     """(request_id, resolved params, whether the client chose the seed), or INVALID_ARGUMENT."""
     request_id = request.request_id or uuid.uuid4().hex
-    if len(request_id) > MAX_REQUEST_ID_LENGTH or not _REQUEST_ID.fullmatch(request_id):
-        raise invalid_argument(
-            "request_id",
-            f"at most {MAX_REQUEST_ID_LENGTH} characters of [A-Za-z0-9._:~-], got {request_id[:40]!r}",
-        )
+    check_request_id(request_id)
     if not request.prompt.strip():
         raise invalid_argument("prompt", "must not be empty")
     for name in ("prompt", "negative_prompt"):
@@ -458,6 +459,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.GetGenerationRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetGenerationResponse:
         try:
+            check_request_id(request.request_id)
             snap = self.orchestrator.get(request.request_id)
             await self.image_budget.reserve(_image_bytes(snap), context)
         except KvRelayServerError as err:
@@ -469,6 +471,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: generation_pb2.CancelGenerationRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.CancelGenerationResponse:
         try:
+            check_request_id(request.request_id)
             snap = self.orchestrator.cancel(request.request_id)
         except KvRelayServerError as err:
             await abort_with(context, err)

@@ -30,6 +30,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import grpc
 
+from kvrelay.limits import request_id_problem
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from ._common import (
@@ -198,7 +199,7 @@ def get_generation(request_id: str) -> UnaryCall[Generation]:
     return UnaryCall(
         "generation",
         "GetGeneration",
-        generation_pb2.GetGenerationRequest(request_id=wire_text("request_id", request_id)),
+        generation_pb2.GetGenerationRequest(request_id=wire_request_id(request_id)),
         lambda r: generation_from_pb(r.generation),
         request_id=request_id,
     )
@@ -209,7 +210,7 @@ def cancel_generation(request_id: str) -> UnaryCall[Generation]:
     return UnaryCall(
         "generation",
         "CancelGeneration",
-        generation_pb2.CancelGenerationRequest(request_id=wire_text("request_id", request_id)),
+        generation_pb2.CancelGenerationRequest(request_id=wire_request_id(request_id)),
         lambda r: generation_from_pb(r.generation),
         request_id=request_id,
     )
@@ -254,6 +255,15 @@ def wire_text(field: str, value: str) -> str:
             {"field": field},
         ) from None
     return value
+
+
+def wire_request_id(request_id: str) -> str:
+    """`request_id` for the wire; one no generation can have (longer than the broker takes, other
+    characters, empty) is refused here with the broker's own message (kvrelay.limits)."""
+    text = wire_text("request_id", request_id)
+    if isinstance(text, str) and (problem := request_id_problem(text)) is not None:
+        raise KvRelayError("INVALID_ARGUMENT", "INVALID_ARGUMENT", f"request_id: {problem}", {"field": "request_id"})
+    return text
 
 
 def wire_unsigned(field: str, value: int, bits: int) -> int:
@@ -645,7 +655,7 @@ def new_generation(
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be str, not {type(prompt).__name__}")
     request = generation_pb2.GenerateRequest(
-        request_id=wire_text("request_id", request_id or ""),
+        request_id=wire_request_id(request_id) if request_id else "",
         prompt=wire_text("prompt", prompt),
         negative_prompt=wire_text("negative_prompt", negative_prompt or ""),
     )

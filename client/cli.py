@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
+from kvrelay.limits import MAX_REQUEST_ID_LENGTH, QUOTED_ID_CHARS
+
 from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
@@ -102,6 +104,15 @@ def _tls(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def _shown_id(request_id: str) -> str:
+    """A request id as human output shows it: whole up to the broker's bound (what any real id
+    fits), else its first characters, an ellipsis and its length: a 5,000-character id typed by
+    mistake was echoed whole in every error. Terminal controls escaped. --json output is exact."""
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        request_id = f"{request_id[:QUOTED_ID_CHARS]}... ({len(request_id)} characters)"
+    return _printable(request_id)
+
+
 def _print_error(
     command: str, err: KvRelayError, stream: TextIO, tls: bool | None = None, target: str | None = None
 ) -> None:
@@ -110,9 +121,9 @@ def _print_error(
     for key, value in sorted(err.details.items()):
         if key == "request_id" and value == err.request_id:
             continue  # printed below (REQUEST_ID_REUSED carried it twice)
-        print(f"  {key}: {value}", file=stream)
+        print(f"  {key}: {_shown_id(value) if key == 'request_id' else value}", file=stream)
     if err.request_id:
-        print(f"  request_id: {err.request_id}", file=stream)
+        print(f"  request_id: {_shown_id(err.request_id)}", file=stream)
     where = target or "the target"
     if err.code == "UNIMPLEMENTED" and tls is not None:
         # An AR or DiT replica (or another gRPC server) answers there, not the broker.
@@ -390,7 +401,7 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"kvrelay generate: cannot write {output}: {err}", file=stderr)
             return 1
     print(
-        f"wrote {output} ({result.width}x{result.height}, seed {result.seed}, request {result.request_id})",
+        f"wrote {output} ({result.width}x{result.height}, seed {result.seed}, request {_shown_id(result.request_id)})",
         file=stdout,
     )
     if not quiet:
@@ -427,7 +438,7 @@ def _cancel_on_interrupt(handle: GenerationHandle | None, stderr: TextIO) -> int
     if handle is None:
         print("kvrelay generate: interrupted", file=stderr)
         return 130
-    request = handle.request_id or "(not yet assigned)"
+    request = _shown_id(handle.request_id) if handle.request_id else "(not yet assigned)"
     print(f"kvrelay generate: interrupted; cancelling request {request}", file=stderr, flush=True)
     try:
         handle.cancel()
@@ -724,7 +735,7 @@ def run_cancel(args: argparse.Namespace) -> int:
                 _print_error("cancel", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
                 failed += 1
                 continue
-            print(f"{generation.request_id} {generation.state.name}")
+            print(f"{_shown_id(generation.request_id)} {generation.state.name}")
     return 1 if failed else 0
 
 

@@ -463,3 +463,54 @@ def test_tables_escape_what_a_terminal_would_act_on() -> None:
         assert all(c.isprintable() or c == "\n" for c in out), repr(out)
         assert "\\x1b]52;c;" in out and "\\u202e" in out
     assert format_table(("PROMPT",), [("a red fox, ünïcode ✓",)]).endswith("a red fox, ünïcode ✓")
+
+
+@pytest.mark.parametrize("command", ["generate", "cancel"])
+def test_a_request_id_past_the_bound_is_refused_before_sending_and_not_echoed_whole(
+    command: str, server: ServerThread, harness: Harness, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found black-box: `kvrelay generate --request-id <5,000 characters>` echoed the id in full.
+    from kvrelay.node.cli import main
+
+    huge = "a" * 5000
+    argv = ["generate", "a fox", "--request-id", huge, "-q", "-o", str(tmp_path / "x.png")]
+    if command == "cancel":
+        argv = ["cancel", huge]
+    assert main([*argv, "--target", server.address]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"kvrelay {command}: INVALID_ARGUMENT: request_id: at most 128 characters of [A-Za-z0-9._:~-], "
+        f"got 5000 characters: '{'a' * 40}'...\n  field: request_id\n"
+    )
+    # Refused by the SDK with the broker's own bound (kvrelay.limits): nothing was sent.
+    assert harness.calls["Generate"] == harness.calls["CancelGeneration"] == 0
+    assert not harness.generate_requests
+
+
+def test_errors_show_a_long_request_id_cut_with_its_length() -> None:
+    import io
+
+    from kvrelay.client.cli import _print_error
+    from kvrelay.client.errors import KvRelayError
+
+    def shown(request_id: str) -> str:
+        stream = io.StringIO()
+        err = KvRelayError("NOT_FOUND", "GENERATION_NOT_FOUND", "unknown generation", {"request_id": request_id},
+                           request_id=request_id)  # fmt: skip
+        _print_error("cancel", err, stream)
+        return stream.getvalue()
+
+    longest = "k" * 128
+    assert shown(longest) == f"kvrelay cancel: NOT_FOUND (GENERATION_NOT_FOUND): unknown generation\n  request_id: {longest}\n"
+    twice = "x" * 300
+    assert shown(twice) == (
+        "kvrelay cancel: NOT_FOUND (GENERATION_NOT_FOUND): unknown generation\n"
+        f"  request_id: {'x' * 40}... (300 characters)\n"
+    )
+    other = shown("a\x1b[2Kb")
+    assert "a\\x1b[2Kb" in other and "\x1b" not in other
+    # Details that carry another id than the error's own are cut the same way.
+    stream = io.StringIO()
+    _print_error("generate", KvRelayError("ALREADY_EXISTS", "REQUEST_ID_REUSED", "reused", {"request_id": twice}), stream)
+    assert stream.getvalue().endswith(f"  request_id: {'x' * 40}... (300 characters)\n")

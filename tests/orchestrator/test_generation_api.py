@@ -465,3 +465,49 @@ def test_finished_generations_survive_a_broker_restart(tmp_path: Path) -> None:
             core.close()
 
     run(body())
+
+
+def test_request_ids_no_generation_can_have_are_refused_naming_the_field_on_every_rpc() -> None:
+    """128 characters of [A-Za-z0-9._:~-] is the bound (kvrelay.limits). A longer id is refused by
+    Generate, GetGeneration and CancelGeneration alike with INVALID_ARGUMENT naming request_id and
+    its length, quoting only its first characters (Get/Cancel answered NOT_FOUND quoting the id)."""
+    S = generation_pb2
+
+    async def body() -> None:
+        async with cluster() as c:
+            longest = "k" * 128
+            events = await collect(c.api.Generate(request(request_id=longest, seed=1), timeout=10))
+            assert events[-1].state == S.GENERATION_STATE_SUCCEEDED and events[-1].request_id == longest
+            got = await c.api.GetGeneration(S.GetGenerationRequest(request_id=longest), timeout=5)
+            assert got.generation.request_id == longest
+            huge = "a" * 5000
+            calls = {
+                "Generate": lambda rid: collect(c.api.Generate(request(request_id=rid), timeout=10)),
+                "GetGeneration": lambda rid: c.api.GetGeneration(S.GetGenerationRequest(request_id=rid), timeout=5),
+                "CancelGeneration": lambda rid: c.api.CancelGeneration(
+                    S.CancelGenerationRequest(request_id=rid), timeout=5
+                ),
+            }
+            bound = "request_id: at most 128 characters of [A-Za-z0-9._:~-], got "
+            cases = (
+                ("k" * 129, bound + "129 characters: '" + "k" * 40 + "'..."),
+                ("a b", bound + "'a b'"),
+                # Past every id field's bound (256, kvrelay/security.py) the interceptor refuses first.
+                (huge, "request_id: longer than 256 characters"),
+            )
+            for name, call in calls.items():
+                for rid, message in cases:
+                    with pytest.raises(grpc.aio.AioRpcError) as exc:
+                        await call(rid)
+                    code, reason, metadata = error_info(exc.value)
+                    assert (code, reason, metadata.get("field")) == (
+                        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT", "request_id"
+                    ), name
+                    assert exc.value.details() == message, name
+            # An empty id: Generate assigns one; Get/Cancel have nothing to look up.
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await c.api.GetGeneration(S.GetGenerationRequest(request_id=""), timeout=5)
+            assert error_info(exc.value)[:2] == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT")
+            await c.wait_pool_free()
+
+    run(body())
