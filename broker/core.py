@@ -19,6 +19,7 @@ clock as a parameter so tests drive time by hand.
 from __future__ import annotations
 
 import hmac
+import json
 import time
 import uuid
 from collections import OrderedDict
@@ -82,6 +83,11 @@ _LOGGED_IDS = 8
 # Reasons the broker itself gives when it ends a request.
 BROKER_RESTARTED = "BROKER_RESTARTED"
 DIT_REPLICA_RESTARTED = "DIT_REPLICA_RESTARTED"
+# An operator forgot the ticket's DiT (or its unarmed or resolved AR) by force (`forget_replica`).
+REPLICA_FORGOTTEN = "REPLICA_FORGOTTEN"
+
+# The journal's meta key of the incarnations forgotten by force: {replica_id: incarnation_id}.
+_FORGOTTEN_META = "forgotten_incarnations"
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +219,14 @@ class BrokerCore:
         # Set by the orchestrator: told when a `CancelTicket` from outside the request's own
         # pipeline (an operator) ended a ticket's request, so that it ends the generation too.
         self.on_request_cancelled: Callable[[Ticket], None] | None = None
+        # Set by the orchestrator: told which tickets a forced `forget_replica` ended, so that it
+        # fails their generations at once (their stage calls may wait on a replica that is gone).
+        self.on_replica_forgotten: Callable[[ReplicaId, Sequence[Ticket]], None] | None = None
+        # Incarnations forgotten by force, one per replica id, journaled (meta): a registration of
+        # one is answered fenced and kept nowhere (its process fails stop), so a process that was
+        # only cut off never gets a pool again in the memory that old writers may still target.
+        # Dropped when a new incarnation of the id registers (its lock proves the old one gone).
+        self._forgotten: dict[ReplicaId, str] = {}
         self._restore()
         # With group commit the replay's own commit is queued: on disk before anyone is served,
         # and a failure to write it raised here, as without (`kvrelay broker` then exits 1).
@@ -290,6 +304,12 @@ class BrokerCore:
         held_ticket_ids = list(held_ticket_ids)
         owed_releases = owed_releases or {}
         self.check_listing(spec, writes=len(unresolved_writes), held=len(held_ticket_ids), owed=len(owed_releases))
+        if self._forgotten.get(spec.replica_id) == spec.incarnation_id:
+            # Forgotten by force while it may have been alive behind a partition: its tickets were
+            # ended and its pool dropped, and writes into its memory may still land. Fenced, it
+            # fails stop; a new incarnation (new memory, fresh transport ports) may register.
+            log.warning("forgotten_incarnation_refused", replica_id=spec.replica_id, incarnation=spec.incarnation_id)
+            return RegisterReply(self.lease_seconds, True, Registration.FORGOTTEN)
         now = self.clock()
         old = self.registry.find(spec.replica_id)
         old_was_up = old is not None and old.up(now)
@@ -319,7 +339,9 @@ class BrokerCore:
             changed = self._reconcile(spec, unresolved_writes, held_ticket_ids, owed_releases)
         if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:
             self._pools[spec.replica_id] = _pages_of(spec)
-        self._commit(changed, [record])
+        # Another incarnation of a replica id forgotten by force: its lock proves the forgotten one gone.
+        lifted = kind is not Registration.SAME_INCARNATION and self._forgotten.pop(spec.replica_id, None) is not None
+        self._commit(changed, [record], tombstones=lifted)
         log.info(
             "replica_registered",
             replica_id=spec.replica_id,
@@ -402,56 +424,132 @@ class BrokerCore:
             self._forget(gone, why="down_too_long")
         return gone
 
-    def forget_replica(self, replica_id: ReplicaId) -> None:
+    def forget_replica(self, replica_id: ReplicaId, *, force: bool = False) -> list[Ticket]:
         """Operator (ForgetReplica): forget a replica gone for good (an earlier config's, a retired
         host's), by the rule that makes room in a full registry (`forget_refusal`): its record,
         pool, journal row and metric labels. NOT_FOUND UNKNOWN_REPLICA for an id the broker does
-        not hold (one already forgotten too); FAILED_PRECONDITION naming why for one it must keep."""
+        not hold (one already forgotten too); FAILED_PRECONDITION naming why for one it must keep.
+
+        `force` (the operator says it is gone for good) forgets one that is fenced or that live
+        tickets name too, wherever that is safe while its process may still be alive behind a
+        partition: its incarnation is refused for good (a registration of it is answered fenced,
+        `_forgotten`), so its page ids are only ever handed out again in a new incarnation's
+        memory, which no old writer reaches (fresh transport ports: the proof a DiT restart gives).
+        A DiT's tickets are released (FAILED, REPLICA_FORGOTTEN: their memory is as good as gone);
+        an AR's unarmed tickets roll back and its armed ones whose writes are all final end. Still
+        refused: one that is up (REPLICA_UP), and an AR with unresolved writes
+        (REPLICA_WRITES_IN_DOUBT: they may land in a live DiT's pages). Returns the tickets it
+        ended; `on_replica_forgotten` is told of them once the change is journaled."""
         record = self.registry.find(replica_id)
         if record is None:
             raise NotFound(
                 "UNKNOWN_REPLICA", f"replica {replica_id!r}: the broker holds no such replica (never registered, or forgotten)"
             )
-        refusal = self.forget_refusal(record, self.clock(), self._named_replicas())
+        now = self.clock()
+        named = self._named_replicas()
+        refusal = self.forget_refusal(record, now, named, force=force)
         if refusal is not None:
             raise refusal
-        self._forget([replica_id], why="operator")
+        forced = record.fenced or bool(named.get(replica_id))
+        ended: list[TicketRecord] = []
+        if forced:
+            ended = self._end_tickets_of(record, now)
+            self._forgotten[replica_id] = record.spec.incarnation_id
+            log.warning("replica_forgotten_by_force", replica_id=replica_id, incarnation=record.spec.incarnation_id,
+                        fenced=record.fenced, tickets_ended=len(ended),
+                        ticket_ids=[t.ticket_id for t in ended[:_LOGGED_IDS]])  # fmt: skip
+        self._forget([replica_id], why="operator_force" if forced else "operator", tickets=ended, tombstones=forced)
+        snapshots = [t.snapshot() for t in ended]
+        if snapshots and self.on_replica_forgotten is not None:
+            self.on_replica_forgotten(replica_id, snapshots)
+        return snapshots
 
     def forget_refusal(
-        self, record: ReplicaRecord, now: float, named: Mapping[ReplicaId, list[TicketId]] | None = None
+        self,
+        record: ReplicaRecord,
+        now: float,
+        named: Mapping[ReplicaId, list[TicketId]] | None = None,
+        *,
+        force: bool = False,
     ) -> FailedPrecondition | None:
         """Why `record` must be kept, or None when nothing needs it: it is not up (deregistered,
         lapsed, or restored and not registered again), not fenced (its process must fail stop: the
         fence is kept until a new incarnation registers), no live ticket names it (no write of its
         can be unresolved) and no page of its pool is held. Its next registration is simply NEW.
-        `named`: `_named_replicas()`, when many records are asked about at once."""
+        `named`: `_named_replicas()`, when many records are asked about at once.
+
+        `force` (`forget_replica`) lets a fenced one go and one that live tickets name, except an
+        AR whose armed tickets have unresolved writes: never one that is up."""
         replica_id = record.spec.replica_id
         if record.up(now):
             return FailedPrecondition(
                 "REPLICA_UP",
                 f"replica {replica_id} is up (its lease is current): stop it (or deregister it) and let its "
-                "lease lapse first",
+                "lease lapse first" + (" (--force does not forget a live replica)" if force else ""),
             )
-        if record.fenced:
+        if record.fenced and not force:
             return FailedPrecondition(
                 "REPLICA_FENCED",
                 f"replica {replica_id} is fenced ({record.fence_reason}): kept until a new incarnation of it "
-                "registers, as its process must fail stop",
+                "registers, as its process must fail stop; if it is gone for good, forget it with --force "
+                "(that incarnation is then refused for good)",
             )
         tickets = (self._named_replicas() if named is None else named).get(replica_id, [])
-        if tickets:
+        if tickets and not force:
             return FailedPrecondition(
                 "REPLICA_HOLDS_TICKETS",
                 f"replica {replica_id} is named by {len(tickets)} live tickets ({', '.join(tickets[:_LOGGED_IDS])}): "
-                "writes of theirs may still land; retry once they are released (kvrelay status lists them)",
+                "writes of theirs may still land; retry once they are released (kvrelay status lists them), or, "
+                "if it is gone for good, forget it with --force (ends them where that is safe)",
             )
+        if force and record.spec.role is ReplicaRole.AR and tickets:
+            in_doubt = [
+                t for t in self._tickets.values() if t.ar_replica_id == replica_id and t.armed and t.unresolved()
+            ]
+            if in_doubt:
+                dits = sorted({t.dit_replica_id for t in in_doubt})
+                return FailedPrecondition(
+                    "REPLICA_WRITES_IN_DOUBT",
+                    f"AR {replica_id} has unresolved writes in {len(in_doubt)} tickets "
+                    f"({', '.join(t.ticket_id for t in in_doubt[:_LOGGED_IDS])}) into DiT {', '.join(dits)}: "
+                    "its process may be alive behind a partition and still write into those pages. They resolve "
+                    f"when it reports them, when a new incarnation of {replica_id} registers, or when their DiT "
+                    "restarts or is itself forgotten with --force (it if is gone too); then retry",
+                )
         pool = self._pools.get(replica_id)
-        if pool is not None and (c := pool.counts()).free != c.total:
+        if not force and pool is not None and (c := pool.counts()).free != c.total:
             return FailedPrecondition(
                 "REPLICA_HOLDS_PAGES",
                 f"replica {replica_id} holds {c.total - c.free} pages ({c.reserved} reserved, {c.draining} draining)",
             )
         return None
+
+    def _end_tickets_of(self, record: ReplicaRecord, now: float) -> list[TicketRecord]:
+        """A forced forget (`forget_replica`, after `forget_refusal(force=True)` allowed it): end
+        what the forgotten replica held. A DiT's tickets lose their memory, as when a new
+        incarnation registers (DESTINATION_GONE, REPLICA_FORGOTTEN), and its pool must then hold
+        nothing. An AR's unarmed tickets roll back (it never had their map; forgotten, it can no
+        longer arm them) and its WRITING ones end (every write of theirs is final: the refusal
+        saw to it), draining their quiet period; READY, CONSUMING and DRAINING ones no longer
+        need it and follow their DiT."""
+        replica_id = record.spec.replica_id
+        changed: list[TicketRecord] = []
+        for t in list(self._tickets.values()):
+            old = t.state
+            if t.dit_replica_id == replica_id:
+                t.destination_gone(REPLICA_FORGOTTEN, now)
+            elif t.ar_replica_id == replica_id and old in (TicketState.RESERVED, TicketState.WRITING):
+                assert not (t.armed and t.unresolved()), f"ticket {t.ticket_id}: unresolved writes of a forgotten AR"
+                t.end_request(TicketOutcome.FAILED, REPLICA_FORGOTTEN, now, self.drain_quiet_seconds)
+            else:
+                continue
+            self._settle(t, old)
+            changed.append(t)
+        pool = self._pools.get(replica_id)
+        if pool is not None:
+            c = pool.counts()
+            assert c.free == c.total, f"pool {replica_id}: pages held after its tickets were released: {c}"
+        return changed
 
     def _named_replicas(self) -> dict[ReplicaId, list[TicketId]]:
         """The live tickets naming each replica (as AR or DiT)."""
@@ -461,16 +559,18 @@ class BrokerCore:
                 named.setdefault(replica_id, []).append(t.ticket_id)
         return named
 
-    def _forget(self, replica_ids: Sequence[ReplicaId], why: str) -> None:
-        """Drop these replicas for good, memory and journal (`forget_refusal` allowed each)."""
+    def _forget(
+        self, replica_ids: Sequence[ReplicaId], why: str, *, tickets: Sequence[TicketRecord] = (),
+        tombstones: bool = False,
+    ) -> None:
+        """Drop these replicas for good, memory and journal (`forget_refusal` allowed each), in one
+        commit with the `tickets` a forced forget ended and the forgotten incarnations."""
         for replica_id in replica_ids:
             self.registry.forget(replica_id)
             self._pools.pop(replica_id, None)
-            for commits in (self._replica_commit, self._pool_commit, self._ar_tickets_commit):
-                commits.pop(replica_id, None)
             for link in [k for k in self._suspect_links if replica_id in k]:
                 del self._suspect_links[link]
-        self._membership_commit = self.journal.commit(replicas=dict.fromkeys(replica_ids))
+        self._commit(tickets, forgotten=replica_ids, tombstones=tombstones)
         log.info("replicas_forgotten", why=why, count=len(replica_ids), replica_ids=list(replica_ids[:16]))
 
     def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
@@ -1099,17 +1199,30 @@ class BrokerCore:
         self._plans[t.ticket_id] = plan
         return plan
 
-    def _commit(self, tickets: Iterable[TicketRecord], replicas: Iterable[ReplicaRecord] = ()) -> None:
-        """Journal, then publish: callers learn of a change only after it is durable."""
+    def _commit(
+        self,
+        tickets: Iterable[TicketRecord],
+        replicas: Iterable[ReplicaRecord] = (),
+        *,
+        forgotten: Sequence[ReplicaId] = (),
+        tombstones: bool = False,
+    ) -> None:
+        """Journal, then publish: callers learn of a change only after it is durable.
+        `forgotten`: replica rows to delete; `tombstones`: `_forgotten` changed (rewritten whole)."""
         tickets = list({t.ticket_id: t for t in tickets}.values())
         replicas = list(replicas)
+        rows: dict[str, dict[str, object] | None] = {r.spec.replica_id: r.to_json() for r in replicas}
+        rows.update(dict.fromkeys(forgotten))
+        meta = {"sequence": str(self._sequence)}
+        if tombstones:
+            meta[_FORGOTTEN_META] = json.dumps(self._forgotten, sort_keys=True)
         seq = self.journal.commit(
-            replicas={r.spec.replica_id: r.to_json() for r in replicas},
+            replicas=rows,
             # Released tickets leave the journal: nothing can write their pages any more.
             tickets={
                 t.ticket_id: None if t.state is TicketState.RELEASED else ticket_to_json(t) for t in tickets
             },
-            meta={"sequence": str(self._sequence)},
+            meta=meta,
         )
         for r in replicas:
             self._replica_commit[r.spec.replica_id] = seq
@@ -1120,6 +1233,11 @@ class BrokerCore:
             self._ticket_commit[t.ticket_id] = seq
             self._pool_commit[t.dit_replica_id] = seq
             self._ar_tickets_commit[t.ar_replica_id] = seq
+        for replica_id in forgotten:
+            for commits in (self._replica_commit, self._pool_commit, self._ar_tickets_commit):
+                commits.pop(replica_id, None)
+        if forgotten:
+            self._membership_commit = seq
         freed = False
         for t in tickets:
             if t.state is TicketState.RELEASED and t.ticket_id in self._tickets:
@@ -1236,6 +1354,8 @@ class BrokerCore:
             # page fences ordered by sequence (a page only goes to later tickets): numbering
             # from 1 again would have them refuse every new ticket of a page an old one claimed.
             self._sequence = int(self.clock() * 1_000_000)
+        # Before the early return: every replica may be forgotten while the incarnations stay refused.
+        self._forgotten = dict(json.loads(contents.meta.get(_FORGOTTEN_META, "{}")))
         if not contents.replicas and not contents.tickets:
             return
         now = self.clock()

@@ -96,6 +96,7 @@ class Orchestrator:
         )
         self._tasks: list[asyncio.Task[None]] = []
         core.on_request_cancelled = self.ticket_cancelled
+        core.on_replica_forgotten = self.replica_forgotten
 
     # ================================================================ lifecycle
 
@@ -180,6 +181,21 @@ class Orchestrator:
             self.end(record, GenState.FAILED, ErrorInfo("ABORTED", "TICKET_CANCELLED", message))
         else:
             self.end(record, GenState.CANCELLED, ErrorInfo("CANCELLED", "TICKET_CANCELLED", message))
+
+    def replica_forgotten(self, replica_id: str, tickets: Sequence[Ticket]) -> None:
+        """An operator forgot `replica_id` by force (`kvrelay forget --force`) and that ended these
+        tickets: fail their generations now (UNAVAILABLE, REPLICA_FORGOTTEN), which cancels their
+        stage calls; a call to a replica that is gone would otherwise wait out its timeout.
+        A generation that already ended keeps its end."""
+        for ticket in tickets:
+            record = self.store.find(ticket.request_id)
+            if record is None or record.state.terminal:
+                continue
+            self.end(record, GenState.FAILED, ErrorInfo(
+                "UNAVAILABLE", "REPLICA_FORGOTTEN",
+                f"replica {replica_id} was forgotten by an operator (kvrelay forget --force) while ticket "
+                f"{ticket.ticket_id} of this generation needed it",
+            ))  # fmt: skip
 
     def expire(self, request_id: str) -> None:
         """The client's deadline passed (its stream ended with it): FAILED, DEADLINE_EXCEEDED."""

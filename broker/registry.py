@@ -190,6 +190,9 @@ class Registration(enum.Enum):
     NEW = "NEW"  # never seen this replica id
     SAME_INCARNATION = "SAME_INCARNATION"  # re-registration of the same process (e.g. broker restart)
     NEW_INCARNATION = "NEW_INCARNATION"  # the process restarted: the old one is proven gone
+    # An incarnation an operator forgot by force (BrokerCore.forget_replica): answered fenced and
+    # kept nowhere, so that process fails stop and only a new incarnation (new memory) returns.
+    FORGOTTEN = "FORGOTTEN"
 
 
 def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:

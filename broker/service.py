@@ -821,8 +821,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     ) -> broker_pb2.ForgetReplicaResponse:
         if not request.replica_id:
             raise InvalidArgument("MISSING_FIELD", "replica_id: required (the replica to forget)")
-        self.core.forget_replica(request.replica_id)
-        return broker_pb2.ForgetReplicaResponse()
+        ended = self.core.forget_replica(request.replica_id, force=request.force)
+        return broker_pb2.ForgetReplicaResponse(ended_ticket_ids=[t.ticket_id for t in ended])
 
 
 def add_broker_servicer(core: BrokerCore, server: grpc.aio.Server) -> BrokerServicer:

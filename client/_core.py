@@ -314,13 +314,13 @@ def get_pools(replica_id: str) -> UnaryCall[list[PoolStatus]]:
     )
 
 
-def forget_replica(replica_id: str) -> UnaryCall[None]:
+def forget_replica(replica_id: str, force: bool) -> UnaryCall[list[str]]:
     # Not retried: a retry after a reply that was lost finds the replica forgotten (NOT_FOUND).
     return UnaryCall(
         "broker",
         "ForgetReplica",
-        broker_pb2.ForgetReplicaRequest(replica_id=wire_text("replica_id", replica_id)),
-        lambda r: None,
+        broker_pb2.ForgetReplicaRequest(replica_id=wire_text("replica_id", replica_id), force=force),
+        lambda r: list(r.ended_ticket_ids),
         idempotent=False,
     )
 

@@ -161,12 +161,16 @@ class AsyncKvRelayClient(_core.ClientBase):
     ) -> list[Ticket]:
         return await self._unary(_core.list_tickets(states, replica_id), timeout)
 
-    async def forget_replica(self, replica_id: str, *, timeout: float | None = None) -> None:
-        """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica).
+    async def forget_replica(
+        self, replica_id: str, *, force: bool = False, timeout: float | None = None
+    ) -> list[str]:
+        """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica);
+        returns the ids of the tickets that ended with it (only ``force`` ends any).
         ``FAILED_PRECONDITION`` (reason ``REPLICA_UP``, ``REPLICA_FENCED``,
-        ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``) for one the broker must keep,
-        ``NOT_FOUND`` for an id it does not hold (one already forgotten too). Not retried."""
-        await self._unary(_core.forget_replica(replica_id), timeout)
+        ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``; with ``force``, ``REPLICA_UP`` and
+        ``REPLICA_WRITES_IN_DOUBT``) for one the broker must keep, ``NOT_FOUND`` for an id it
+        does not hold (one already forgotten too). Not retried."""
+        return await self._unary(_core.forget_replica(replica_id, force), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
 

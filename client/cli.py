@@ -38,6 +38,7 @@ from .types import (
     PhaseTimings,
     PoolStatus,
     Replica,
+    ReplicaRole,
     Ticket,
     WriteStatus,
 )
@@ -752,12 +753,16 @@ def run_forget(args: argparse.Namespace) -> int:
     """`kvrelay forget REPLICA_ID...`: forget replicas gone for good (docs/operations.md, Retiring
     a replica); one line per id, `ID forgotten` on stdout or `ID not forgotten: CODE (REASON): why`
     on stderr. Exit 0 only if every id was forgotten. `--all-down`: every replica that is not up,
-    except those the broker must keep (they are listed with the reason, and do not fail the command)."""
+    except those the broker must keep (they are listed with the reason, and do not fail the command).
+    `--force`: the operator says they are gone for good: fenced ones and ones that live tickets name
+    are forgotten too, ending those tickets (listed after the id); DiTs first with --all-down, since
+    forgetting a DiT ends the tickets that keep an AR's in-doubt writes unresolved."""
     if (problem := tls_problem(args)) is not None:
         print(f"kvrelay forget: {problem}", file=sys.stderr)
         return 2
     ids: list[str] = list(getattr(args, "replica_ids", None) or [])
     all_down = bool(getattr(args, "all_down", False))
+    force = bool(getattr(args, "force", False))
     if bool(ids) == all_down:
         print("kvrelay forget: name REPLICA_ID... or --all-down (one of the two)", file=sys.stderr)
         return 2
@@ -767,13 +772,14 @@ def run_forget(args: argparse.Namespace) -> int:
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
         with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
             if all_down:
-                ids = [r.replica_id for r in client.list_replicas() if not r.up]
+                down = [r for r in client.list_replicas() if not r.up]
+                ids = [r.replica_id for r in sorted(down, key=lambda r: r.role is not ReplicaRole.DIT)]
                 if not ids:
                     print("no replica is down")
                     return 0
             for replica_id in ids:
                 try:
-                    client.forget_replica(replica_id)
+                    ended = client.forget_replica(replica_id, force=force)
                 except KvRelayError as err:
                     if err.code not in _PER_REPLICA_CODES:
                         raise
@@ -783,7 +789,8 @@ def run_forget(args: argparse.Namespace) -> int:
                     # --all-down forgets what is safe to forget; what must be kept is no failure.
                     failed += 0 if all_down and err.code == "FAILED_PRECONDITION" else 1
                     continue
-                print(f"{_printable(replica_id)} forgotten")
+                shown = ", ".join(_printable(t) for t in ended[:8]) + (", ..." if len(ended) > 8 else "")
+                print(f"{_printable(replica_id)} forgotten" + (f" (ended {len(ended)} tickets: {shown})" if ended else ""))
     except KvRelayError as err:
         _print_error("forget", err, sys.stderr, tls=bool(_tls(args)), target=target)
         return 1

@@ -149,12 +149,14 @@ class KvRelayClient(_core.ClientBase):
         """Tickets in ``states`` (default: every ticket not RELEASED)."""
         return self._unary(_core.list_tickets(states, replica_id), timeout)
 
-    def forget_replica(self, replica_id: str, *, timeout: float | None = None) -> None:
-        """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica).
+    def forget_replica(self, replica_id: str, *, force: bool = False, timeout: float | None = None) -> list[str]:
+        """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica);
+        returns the ids of the tickets that ended with it (only ``force`` ends any).
         ``FAILED_PRECONDITION`` (reason ``REPLICA_UP``, ``REPLICA_FENCED``,
-        ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``) for one the broker must keep,
-        ``NOT_FOUND`` for an id it does not hold (one already forgotten too). Not retried."""
-        self._unary(_core.forget_replica(replica_id), timeout)
+        ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``; with ``force``, ``REPLICA_UP`` and
+        ``REPLICA_WRITES_IN_DOUBT``) for one the broker must keep, ``NOT_FOUND`` for an id it
+        does not hold (one already forgotten too). Not retried."""
+        return self._unary(_core.forget_replica(replica_id, force), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
 

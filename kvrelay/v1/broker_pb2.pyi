@@ -485,11 +485,15 @@ class ListReplicasResponse(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
 
 class ForgetReplicaRequest(_message.Message):
-    __slots__ = ("replica_id",)
+    __slots__ = ("replica_id", "force")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
-    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+    force: bool
+    def __init__(self, replica_id: _Optional[str] = ..., force: bool = ...) -> None: ...
 
 class ForgetReplicaResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("ended_ticket_ids",)
+    ENDED_TICKET_IDS_FIELD_NUMBER: _ClassVar[int]
+    ended_ticket_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ended_ticket_ids: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -224,7 +224,11 @@ class BrokerServiceServicer(object):
         metrics). Only one that is not up, not fenced, and that no live ticket
         names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
         REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
-        does not hold, one already forgotten included, is NOT_FOUND.
+        does not hold, one already forgotten included, is NOT_FOUND. With
+        `force`, a fenced one and one that live tickets name are forgotten too
+        (its tickets end REPLICA_FORGOTTEN, its incarnation is refused for
+        good), except one that is up and an AR whose writes are unresolved
+        (REPLICA_WRITES_IN_DOUBT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -116,7 +116,11 @@ class BrokerServiceStub:
     metrics). Only one that is not up, not fenced, and that no live ticket
     names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
     REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
-    does not hold, one already forgotten included, is NOT_FOUND.
+    does not hold, one already forgotten included, is NOT_FOUND. With
+    `force`, a fenced one and one that live tickets name are forgotten too
+    (its tickets end REPLICA_FORGOTTEN, its incarnation is refused for
+    good), except one that is up and an AR whose writes are unresolved
+    (REPLICA_WRITES_IN_DOUBT).
     """
 
 class BrokerServiceAsyncStub:
@@ -215,7 +219,11 @@ class BrokerServiceAsyncStub:
     metrics). Only one that is not up, not fenced, and that no live ticket
     names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
     REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
-    does not hold, one already forgotten included, is NOT_FOUND.
+    does not hold, one already forgotten included, is NOT_FOUND. With
+    `force`, a fenced one and one that live tickets name are forgotten too
+    (its tickets end REPLICA_FORGOTTEN, its incarnation is refused for
+    good), except one that is up and an AR whose writes are unresolved
+    (REPLICA_WRITES_IN_DOUBT).
     """
 
 class BrokerServiceServicer(metaclass=abc.ABCMeta):
@@ -346,7 +354,11 @@ class BrokerServiceServicer(metaclass=abc.ABCMeta):
         metrics). Only one that is not up, not fenced, and that no live ticket
         names (FAILED_PRECONDITION REPLICA_UP, REPLICA_FENCED,
         REPLICA_HOLDS_TICKETS, REPLICA_HOLDS_PAGES otherwise); an id the broker
-        does not hold, one already forgotten included, is NOT_FOUND.
+        does not hold, one already forgotten included, is NOT_FOUND. With
+        `force`, a fenced one and one that live tickets name are forgotten too
+        (its tickets end REPLICA_FORGOTTEN, its incarnation is refused for
+        good), except one that is up and an AR whose writes are unresolved
+        (REPLICA_WRITES_IN_DOUBT).
         """
 
 def add_BrokerServiceServicer_to_server(servicer: BrokerServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

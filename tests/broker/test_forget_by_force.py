@@ -1,0 +1,346 @@
+"""`ForgetReplica(force=True)` / `kvrelay forget --force`: forgetting a replica gone for good that a
+plain forget must keep (fenced, or named by live tickets), without ever handing a page to another
+ticket while a write may still land in it (docs/operations.md, Retiring a replica).
+
+The rule under test: a forced forget ends the forgotten DiT's tickets (REPLICA_FORGOTTEN) and drops
+its pool, and refuses that incarnation for good (a registration of it is answered fenced and kept
+nowhere, across broker restarts), so its page ids only come back in a new incarnation's memory; an
+AR whose writes may still land is refused (REPLICA_WRITES_IN_DOUBT), as is anything up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.registry import Registration
+from kvrelay.broker.tickets import FailedPrecondition, NotFound, TicketOutcome, TicketState, WriteStatus
+from kvrelay.errors import reason_of
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, generation_pb2
+from tests.broker.helpers import (
+    ManualClock,
+    ar_spec,
+    checksum_of,
+    dit_spec,
+    load_all,
+    new_incarnation,
+    write_all,
+)
+from tests.broker.test_forget_replica import _forget_cli, _listed, _register, _start_broker
+from tests.broker.test_grpc import replica
+
+
+def _core(path: Path, clock: ManualClock) -> BrokerCore:
+    return BrokerCore(path, clock=clock, lease_seconds=10.0, drain_quiet_seconds=2.0, journal_synchronous="NORMAL")
+
+
+def _ids(core: BrokerCore) -> list[str]:
+    return sorted(r.spec.replica_id for r in core.registry)
+
+
+def _refusal(core: BrokerCore, replica_id: str, *, force: bool) -> str:
+    with pytest.raises(FailedPrecondition) as refused:
+        core.forget_replica(replica_id, force=force)
+    return refused.value.reason
+
+
+def _forgotten_meta(core: BrokerCore) -> dict[str, str]:
+    return dict(json.loads(core.journal.load().meta.get("forgotten_incarnations", "{}")))
+
+
+def test_a_consuming_ticket_a_restart_orphaned_on_a_dit_gone_for_good_ends_with_a_forced_forget(
+    tmp_path: Path,
+) -> None:
+    """The dead end of before: the broker is killed while a DiT reads a ticket, and that DiT never
+    comes back. The ticket is restored CONSUMING and holds the DiT and its AR against a plain
+    forget. Forced, the DiT goes with its ticket (RELEASED, FAILED, REPLICA_FORGOTTEN) and its
+    pool; the AR then goes plainly; all of it journaled."""
+    path, clock = tmp_path / "j.sqlite", ManualClock()
+    core = _core(path, clock)
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0", num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r1", ar.replica_id, dit.replica_id, [16, 16])
+    assert t is not None
+    core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+    load_all(core, write_all(core, core.get_ticket(t.ticket_id), ar), dit)
+    core.start_consuming(t.ticket_id, dit.replica_id, dit.incarnation_id)
+    core.close()  # killed: nothing after the journal
+
+    core = _core(path, clock)
+    try:
+        clock.advance(3600)
+        for replica_id in (dit.replica_id, ar.replica_id):
+            assert _refusal(core, replica_id, force=False) == "REPLICA_HOLDS_TICKETS"
+        ended = core.forget_replica(dit.replica_id, force=True)
+        assert [e.ticket_id for e in ended] == [t.ticket_id]
+        released = core.get_ticket(t.ticket_id)
+        assert (released.state, released.outcome, released.reason) == (
+            TicketState.RELEASED, TicketOutcome.FAILED, "REPLICA_FORGOTTEN")  # fmt: skip
+        assert core.pool_status() == [] and core.list_tickets() == []
+        core.forget_replica(ar.replica_id)  # nothing names it any more: a plain forget
+        assert _ids(core) == []
+        assert _forgotten_meta(core) == {dit.replica_id: dit.incarnation_id}
+    finally:
+        core.close()
+    core = _core(path, clock)
+    try:
+        assert _ids(core) == [] and core.list_tickets() == [] and core.pool_status() == []
+    finally:
+        core.close()
+
+
+def test_a_forgotten_dit_incarnation_never_gets_its_pages_back_while_an_in_doubt_write_may_land(
+    tmp_path: Path,
+) -> None:
+    """The DiT was only cut off (alive behind a partition) when the operator forced it out, and an
+    AR's write into its pages is in doubt. That incarnation registering again (its heartbeat got
+    UNKNOWN_REPLICA) is answered fenced and kept nowhere, before and after a broker restart: no
+    pool, no ticket on it, so the in-doubt write can land in no page another ticket was given. A
+    new incarnation (new memory, fresh transport ports) gets a whole pool, and lifts the refusal."""
+    path, clock = tmp_path / "j.sqlite", ManualClock()
+    core = _core(path, clock)
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0", num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r1", ar.replica_id, dit.replica_id, [32])
+    assert t is not None
+    core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+    (write,) = t.writes
+    core.report_write(t.ticket_id, write.key, replica_id=ar.replica_id, incarnation_id=ar.incarnation_id,
+                      status=WriteStatus.IN_DOUBT)  # fmt: skip
+    core.cancel_ticket(t.ticket_id, TicketOutcome.TIMED_OUT, "TRANSFER_TIMEOUT")
+    assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+    clock.advance(11)  # the DiT's lease lapses; the AR keeps beating
+    core.heartbeat(ar.replica_id, ar.incarnation_id)
+    assert _refusal(core, dit.replica_id, force=False) == "REPLICA_HOLDS_TICKETS"
+    assert core.pool_status(dit.replica_id)[0].draining == 2
+
+    assert [e.ticket_id for e in core.forget_replica(dit.replica_id, force=True)] == [t.ticket_id]
+    gone = core.get_ticket(t.ticket_id)
+    assert (gone.state, gone.outcome, gone.reason) == (TicketState.RELEASED, TicketOutcome.TIMED_OUT, "REPLICA_FORGOTTEN")
+    # The writer's late word changes nothing.
+    late = core.report_write(t.ticket_id, write.key, replica_id=ar.replica_id, incarnation_id=ar.incarnation_id,
+                             status=WriteStatus.OK, checksum=checksum_of(t.ticket_id, write.key), nbytes=100)  # fmt: skip
+    assert late.state is TicketState.RELEASED
+
+    for restart in (False, True):
+        if restart:
+            core.close()
+            core = _core(path, clock)
+            core.register_replica(ar)
+        reply = core.register_replica(dit)  # the cut-off process, back with its old memory
+        assert (reply.fenced, reply.registration) == (True, Registration.FORGOTTEN)
+        assert dit.replica_id not in _ids(core) and core.pool_status() == []
+        with pytest.raises(NotFound):
+            core.create_ticket("r2", ar.replica_id, dit.replica_id, [16])
+        with pytest.raises(NotFound):  # its heartbeat: UNKNOWN_REPLICA, so it registers (fenced) again
+            core.heartbeat(dit.replica_id, dit.incarnation_id)
+
+    fresh = new_incarnation(dit)
+    reply = core.register_replica(fresh)
+    assert (reply.fenced, reply.registration) == (False, Registration.NEW)
+    (pool,) = core.pool_status(dit.replica_id)
+    assert (pool.free, pool.total) == (8, 8)
+    assert core.create_ticket("r2", ar.replica_id, dit.replica_id, [16]) is not None
+    assert _forgotten_meta(core) == {}  # the new incarnation's lock proves the forgotten one gone
+    core.close()
+
+
+def test_an_ar_whose_writes_may_still_land_is_refused_even_by_force(tmp_path: Path) -> None:
+    """An AR down with an in-doubt write into a live DiT may be alive behind a partition and still
+    writing: no forget may free those pages (REPLICA_WRITES_IN_DOUBT, nothing changed). Forced, an
+    AR without one goes: its unarmed ticket rolls back, its armed one with every write final ends
+    (drains its quiet period), one its DiT reads is left to the DiT."""
+    clock = ManualClock()
+    core = _core(tmp_path / "j.sqlite", clock)
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0", num_pages=16)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    doubt = core.create_ticket("doubt", ar.replica_id, dit.replica_id, [16])
+    unarmed = core.create_ticket("unarmed", ar.replica_id, dit.replica_id, [16])
+    written = core.create_ticket("written", ar.replica_id, dit.replica_id, [16])
+    read = core.create_ticket("read", ar.replica_id, dit.replica_id, [16])
+    assert doubt and unarmed and written and read
+    for t in (doubt, written, read):
+        core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+    (write,) = doubt.writes
+    core.report_write(doubt.ticket_id, write.key, replica_id=ar.replica_id, incarnation_id=ar.incarnation_id,
+                      status=WriteStatus.IN_DOUBT)  # fmt: skip
+    write_all(core, core.get_ticket(written.ticket_id), ar)
+    load_all(core, write_all(core, core.get_ticket(read.ticket_id), ar), dit)
+    core.start_consuming(read.ticket_id, dit.replica_id, dit.incarnation_id)
+    core.deregister_replica(ar.replica_id, ar.incarnation_id)
+
+    before = [core.get_ticket(t.ticket_id) for t in (doubt, unarmed, written, read)]
+    refused = core.forget_refusal(core.registry.get(ar.replica_id), clock(), force=True)
+    assert refused is not None and refused.reason == "REPLICA_WRITES_IN_DOUBT"
+    assert doubt.ticket_id in refused.message and dit.replica_id in refused.message
+    assert _refusal(core, ar.replica_id, force=True) == "REPLICA_WRITES_IN_DOUBT"
+    assert [core.get_ticket(t.ticket_id) for t in (doubt, unarmed, written, read)] == before
+    assert _ids(core) == [ar.replica_id, dit.replica_id]
+    # The DiT is up: never forgotten, forced or not.
+    assert _refusal(core, dit.replica_id, force=True) == "REPLICA_UP"
+
+    # The in-doubt write resolves (the call returned): now the AR may go, by force.
+    core.report_write(doubt.ticket_id, write.key, replica_id=ar.replica_id, incarnation_id=ar.incarnation_id,
+                      status=WriteStatus.FAILED)  # fmt: skip
+    ended = {e.ticket_id: e for e in core.forget_replica(ar.replica_id, force=True)}
+    assert sorted(ended) == sorted([doubt.ticket_id, unarmed.ticket_id, written.ticket_id])
+    assert (ended[unarmed.ticket_id].state, ended[unarmed.ticket_id].reason) == (TicketState.RELEASED, "REPLICA_FORGOTTEN")
+    for armed in (doubt, written):
+        assert (ended[armed.ticket_id].state, ended[armed.ticket_id].reason) == (TicketState.DRAINING, "REPLICA_FORGOTTEN")
+    assert core.get_ticket(read.ticket_id).state is TicketState.CONSUMING
+    assert _ids(core) == [dit.replica_id]
+    clock.advance(2)
+    core.tick()
+    assert [t.ticket_id for t in core.list_tickets()] == [read.ticket_id]
+    core.release_ticket(read.ticket_id, TicketOutcome.OK, "", dit.replica_id, dit.incarnation_id)
+    (pool,) = core.pool_status(dit.replica_id)
+    assert (pool.free, pool.total) == (16, 16)
+    assert core.register_replica(ar).fenced  # that AR incarnation is refused for good
+    core.close()
+
+
+def test_a_fenced_replica_gone_for_good_is_forgotten_by_force_and_its_incarnation_stays_fenced(
+    tmp_path: Path,
+) -> None:
+    clock = ManualClock()
+    core = _core(tmp_path / "j.sqlite", clock)
+    dit = dit_spec("dit-0", num_pages=8)
+    core.register_replica(dit)
+    core.fence_replica(dit.replica_id, "LOAD_NOT_IN_PLAN: test")
+    assert _refusal(core, dit.replica_id, force=True) == "REPLICA_UP"
+    clock.advance(11)
+    assert _refusal(core, dit.replica_id, force=False) == "REPLICA_FENCED"
+    assert core.forget_replica(dit.replica_id, force=True) == []
+    assert _ids(core) == []
+    # The fenced process must still fail stop if it ever comes back: answered fenced.
+    assert core.register_replica(dit).fenced and _ids(core) == []
+    fresh = new_incarnation(dit)
+    assert not core.register_replica(fresh).fenced
+    assert core.get_replica(dit.replica_id).up
+    core.close()
+
+
+def test_force_changes_nothing_for_a_replica_a_plain_forget_allows(tmp_path: Path) -> None:
+    """Nothing to override: forgotten as before, its incarnation not refused (it may register again)."""
+    clock = ManualClock()
+    core = _core(tmp_path / "j.sqlite", clock)
+    dit = dit_spec("dit-0", num_pages=8)
+    core.register_replica(dit)
+    clock.advance(11)
+    assert core.forget_replica(dit.replica_id, force=True) == []
+    assert _forgotten_meta(core) == {}
+    assert core.register_replica(dit).registration is Registration.NEW
+    core.close()
+
+
+# ------------------------------------------------------------- the generation of a ticket it ends
+
+
+def test_a_forced_forget_fails_the_generation_of_the_ticket_it_ends_at_once() -> None:
+    """A generation whose DiT is forgotten while it reads (the DiT cut off: it neither steps nor
+    ends) ends FAILED UNAVAILABLE REPLICA_FORGOTTEN at once, not after a stage timeout."""
+    from tests.orchestrator.harness import cluster, collect, request, run
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="f", seed=1), timeout=30)
+            while (await call.read()).state != generation_pb2.GENERATION_STATE_DENOISING:  # type: ignore[attr-defined]
+                pass
+            ticket_id = c.orchestrator.get("f").ticket_id
+            c.core.deregister_replica(c.dit.replica_id, c.dit.incarnation_id)
+            broker = broker_pb2_grpc.BrokerServiceStub(c.channel)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await broker.ForgetReplica(broker_pb2.ForgetReplicaRequest(replica_id=c.dit.replica_id), timeout=5)
+            assert reason_of(refused.value)[:2] == ("FAILED_PRECONDITION", "REPLICA_HOLDS_TICKETS")  # type: ignore[arg-type]
+            reply = await broker.ForgetReplica(
+                broker_pb2.ForgetReplicaRequest(replica_id=c.dit.replica_id, force=True), timeout=5)
+            assert list(reply.ended_ticket_ids) == [ticket_id]
+            final = (await asyncio.wait_for(collect(call), 10))[-1]
+            assert final.state == generation_pb2.GENERATION_STATE_FAILED
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_FORGOTTEN")
+            assert c.dit.replica_id in final.error.message and ticket_id in final.error.message
+            ticket = c.core.get_ticket(ticket_id)
+            assert (ticket.state, ticket.reason) == (TicketState.RELEASED, "REPLICA_FORGOTTEN")
+            assert c.metric("kvrelay_generations_total", {"outcome": "failed"}) == 1
+
+    run(body())
+
+
+# ------------------------------------------------------------------------- a real broker process
+
+
+def test_a_real_broker_killed_while_a_dit_reads_then_the_dit_is_forgotten_by_force(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kill -9 of `kvrelay broker` while a DiT reads a ticket; the DiT host is gone for good. After the
+    restart `kvrelay forget` refuses it, `kvrelay forget --force` forgets it and ends the ticket,
+    the AR then goes plainly, a second restart brings none of it back, and the DiT's old
+    incarnation registering (a process that was only cut off) is answered fenced."""
+    ar = replica("ar-0", common_pb2.REPLICA_ROLE_AR)
+    dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            _register(stub, ar)
+            _register(stub, dit)
+            ticket = stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="req-1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]),
+                timeout=10).ticket  # fmt: skip
+            armed = stub.ReserveTicket(broker_pb2.ReserveTicketRequest(
+                ticket_id=ticket.ticket_id, ar_replica_id="ar-0", incarnation_id=ar.incarnation_id), timeout=10)  # fmt: skip
+            writes = [broker_pb2.WriteReport(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank,
+                                             status=common_pb2.WRITE_STATUS_OK, checksum=7, bytes=10)
+                      for w in armed.writes]  # fmt: skip
+            stub.ReportWrite(broker_pb2.ReportWriteRequest(ticket_id=ticket.ticket_id, replica_id="ar-0",
+                                                           incarnation_id=ar.incarnation_id, writes=writes), timeout=10)  # fmt: skip
+            for row, dst in sorted({(w.row, w.dst_rank) for w in armed.writes}):
+                verified = [broker_pb2.WriteProgress(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, checksum=7)
+                            for w in armed.writes if (w.row, w.dst_rank) == (row, dst)]  # fmt: skip
+                stub.ReportLoad(broker_pb2.ReportLoadRequest(
+                    ticket_id=ticket.ticket_id, row=row, dst_rank=dst, replica_id="dit-0",
+                    incarnation_id=dit.incarnation_id, verified=verified), timeout=10)  # fmt: skip
+            stub.StartConsuming(broker_pb2.StartConsumingRequest(
+                ticket_id=ticket.ticket_id, replica_id="dit-0", incarnation_id=dit.incarnation_id), timeout=10)  # fmt: skip
+        broker.proc.kill()
+        broker.proc.wait(timeout=10)
+    finally:
+        broker.stop()
+
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        code, out, err = _forget_cli(capsys, broker.address, "dit-0")
+        assert code == 1 and err.startswith("dit-0 not forgotten: FAILED_PRECONDITION (REPLICA_HOLDS_TICKETS):"), err
+        code, out, err = _forget_cli(capsys, broker.address, "--force", "--all-down")
+        # The DiT first (it ends the ticket), then the AR, named by nothing any more.
+        assert (code, err) == (0, ""), (out, err)
+        assert out.splitlines() == [f"dit-0 forgotten (ended 1 tickets: {ticket.ticket_id})", "ar-0 forgotten"], out
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            got = stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=ticket.ticket_id), timeout=10).ticket
+            assert (got.state, got.reason) == (broker_pb2.TICKET_STATE_RELEASED, "REPLICA_FORGOTTEN")
+            assert _listed(stub) == {}
+    finally:
+        assert broker.stop() == 0, broker.output()
+
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            assert _listed(stub) == {}
+            assert stub.ListTickets(broker_pb2.ListTicketsRequest(), timeout=10).tickets == []
+            reply = stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=dit), timeout=10)
+            assert reply.fenced
+            assert _listed(stub) == {}
+            _register(stub, ar)  # the AR was forgotten plainly: it may simply come back
+            assert _listed(stub) == {"ar-0": True}
+    finally:
+        assert broker.stop() == 0, broker.output()
