@@ -957,7 +957,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 classes.add(CallerClass.REPLICA)
                 replica_id = cn
             elif cn in tls.replica_names:
-                classes.add(CallerClass.REPLICA)  # a node certificate shared by the node's processes
+                # A node certificate shared by the node's processes binds no id: with bound replica
+                # tokens the token must (else its holder could declare any id, as with the shared token).
+                if not creds.bound_replica_tokens:
+                    classes.add(CallerClass.REPLICA)
             else:
                 classes.add(CallerClass.PUBLIC)  # any other certificate of the CA: a client
         if not creds.authenticates_replicas:

@@ -171,8 +171,16 @@ fi
 ENV_FILE="$WORK/kvrelay.env"
 "$PY" - > "$ENV_FILE" <<'EOF'
 import secrets
-for name in ("KVRELAY_API_TOKEN", "KVRELAY_REPLICA_TOKEN", "KVRELAY_OPERATOR_TOKEN"):
+
+from kvrelay.security import replica_token_for
+
+for name in ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN"):
     print(f"{name}={secrets.token_hex(32)}")
+# Bound replica tokens: the broker's secret, and each replica's own token derived from it.
+secret = secrets.token_hex(32)
+print(f"KVRELAY_REPLICA_SECRET={secret}")
+print(f"KVRELAY_AR0_TOKEN={replica_token_for(secret, 'ar-0')}")
+print(f"KVRELAY_DIT0_TOKEN={replica_token_for(secret, 'dit-0')}")
 EOF
 chmod 600 "$ENV_FILE"
 # Free host ports for what is published, so the run never collides with a `kvrelay up` on the

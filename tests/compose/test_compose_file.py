@@ -18,7 +18,10 @@ import yaml
 from kvrelay.config import load_config
 
 COMPOSE_FILE = Path("compose") / "docker-compose.yml"
-TOKENS = {"KVRELAY_API_TOKEN": "t-api", "KVRELAY_REPLICA_TOKEN": "t-replica", "KVRELAY_OPERATOR_TOKEN": "t-op"}
+# Bound replica tokens: the broker's api and operator tokens and replica secret, each replica's own.
+TOKENS = {"KVRELAY_API_TOKEN": "t-api", "KVRELAY_OPERATOR_TOKEN": "t-op", "KVRELAY_REPLICA_SECRET": "t-secret",
+          "KVRELAY_AR0_TOKEN": "t-ar0", "KVRELAY_DIT0_TOKEN": "t-dit0"}  # fmt: skip
+BROKER_SECRETS = ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_REPLICA_SECRET")
 PROFILES = {
     "cpu": ("configs/compose-node-cpu.yaml", "localhost/kvrelay:cpu"),
     "gpu": ("configs/compose-node.yaml", "localhost/kvrelay:gpu"),
@@ -55,6 +58,7 @@ def test_each_profile_is_broker_ar_dit_from_one_built_image(repo_root: Path, tmp
     assert set(services) == {f"broker-{profile}", f"ar-{profile}", f"dit-{profile}"}
     cfg = load_config(repo_root / config_path)
     assert cfg.ar_stage.advertise_host == "ar" and cfg.dit_stage.advertise_host == "dit"
+    assert cfg.security.replica_tokens == "bound"
     for role in ("broker", "ar", "dit"):
         svc = services[f"{role}-{profile}"]
         assert svc["image"] == image and svc["build"]["dockerfile"] == "compose/Dockerfile"
@@ -73,13 +77,15 @@ def test_each_profile_is_broker_ar_dit_from_one_built_image(repo_root: Path, tmp
         assert metrics in published, f"{role}: metrics port {metrics} not published"
         if role != "broker":
             assert "--broker" in svc["command"] and svc["depends_on"][f"broker-{profile}"]["condition"] == "service_healthy"
-            # A replica holds its own token only.
-            assert set(svc["environment"]) & set(TOKENS) == {"KVRELAY_REPLICA_TOKEN"}
+            # A replica holds its own token only (as $KVRELAY_REPLICA_TOKEN), never the secret.
+            held = {k: v for k, v in svc["environment"].items() if v in TOKENS.values()}
+            assert held == {"KVRELAY_REPLICA_TOKEN": TOKENS[f"KVRELAY_{role.upper()}0_TOKEN"]}
         else:
             assert cfg.broker.port in published
             assert any(v.startswith("kvrelay-journal:/opt/kvrelay/.kvrelay") for v in map(str, svc["volumes"])) or any(
                 isinstance(v, dict) and v.get("source") == "kvrelay-journal" for v in svc["volumes"])
-            assert {k: svc["environment"][k] for k in TOKENS} == TOKENS
+            held = {k: v for k, v in svc["environment"].items() if v in TOKENS.values()}
+            assert held == {k: TOKENS[k] for k in BROKER_SECRETS}
     if profile == "gpu":
         for role in ("ar", "dit"):
             devices = services[f"{role}-gpu"]["deploy"]["resources"]["reservations"]["devices"]

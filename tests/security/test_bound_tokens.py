@@ -10,6 +10,7 @@ write token derived from its own, and the shared token opens nothing.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ from kvrelay.security import (
     ChannelSecurity,
     Credentials,
     SecurityError,
+    TlsMaterial,
     broker_call_token,
     load_credentials,
     make_channel,
@@ -106,6 +108,25 @@ def test_a_replica_takes_the_brokers_call_token_and_its_ars_write_token_only() -
         caller = authenticate(dit, token, declared)
         assert CallerClass.REPLICA not in caller.classes and caller.refusal, (token, declared)
         assert DIT0 not in caller.refusal
+
+
+def test_a_shared_node_certificate_binds_no_id_but_a_replicas_own_certificate_does() -> None:
+    tls = TlsMaterial(cert_chain=None, private_key=None, root_certificates=b"", require_client_cert=True)
+    broker = replace(BROKER, tls=tls)
+    node_cert = {"x509_common_name": [b"kvrelay-node"]}
+    interceptor = AuthInterceptor(broker)
+    # The node certificate with no token, or with another replica's: not a replica credential.
+    for token in ("", AR0):
+        caller = interceptor.authenticate([(AUTHORIZATION_METADATA, f"Bearer {token}"),
+                                           (REPLICA_ID_METADATA, "dit-0")], node_cert)  # fmt: skip
+        assert CallerClass.REPLICA not in caller.classes, token
+    # With dit-0's own token it is dit-0.
+    caller = interceptor.authenticate([(AUTHORIZATION_METADATA, f"Bearer {DIT0}"), (REPLICA_ID_METADATA, "dit-0")],
+                                      node_cert)  # fmt: skip
+    assert CallerClass.REPLICA in caller.classes and caller.replica_id == "dit-0"
+    # A certificate per replica binds its id by itself, as without bound tokens.
+    own = interceptor.authenticate([], {"x509_common_name": [b"dit-0"]})
+    assert CallerClass.REPLICA in own.classes and own.replica_id == "dit-0"
 
 
 def test_credentials_present_bound_tokens_to_each_peer() -> None:
