@@ -1,11 +1,14 @@
 """Does a fresh TransferEngine write where a long-lived one fails (a receiver on a reused port)?
 
-The candidate fix of docs/transfer.md's "not fixed" item: a long-lived sender engine cannot write
-to a receiver that took a port an earlier receiver had. This starts receivers one after another in
-a 12-port range (so ports come round), writes 4 KiB into each from one long-lived bare engine,
-and when that fails, from a fresh engine created in the same process, which then becomes the
-long-lived one (the old one is kept alive, not closed). Prints one line per reused port and the
-counts. Ports come round only after TIME_WAIT (a minute), so 40 receivers take ~5 minutes.
+The evidence for the fix of docs/transfer.md's reused-port failure (`MooncakeEndpoint` now writes
+through a fresh engine, `_replace_sender`): a long-lived sender engine cannot write to a receiver
+that took a port an earlier receiver had. This starts receivers one after another in a 12-port
+range (so ports come round), writes 4 KiB into each from one long-lived bare engine, and when that
+fails, from a fresh engine created in the same process, which then becomes the long-lived one (the
+old one is kept alive, not closed). Prints one line per reused port and the counts. Ports come
+round only after TIME_WAIT (a minute), so 40 receivers take ~5 minutes. In so narrow a range a
+receiver that reuses an RPC port mostly gets the old data port back too, which the long-lived
+engine still holds for that name: that is why it writes most of them (docs/transfer.md, "Why").
 
     python benchmarks/mooncake/fresh_engine.py --receivers 40
 """

@@ -119,7 +119,7 @@ def main() -> int:
         seen.add(port)
     print(f"{args.receivers} receivers in {time.monotonic() - t0:.0f}s: {reused} reused a port, "
           f"{reused_ok} of them written; {fresh_failed} fresh ones failed; {retries} engine calls failed "
-          "(each sent once more)", flush=True)
+          f"(each sent once more); {sender.engine_replacements} engine replacements", flush=True)
     sender.close()
     return 0 if reused_ok == reused and fresh_failed == 0 else 1
 

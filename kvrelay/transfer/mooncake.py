@@ -19,6 +19,15 @@ experiment, see docs/transfer.md):
   memory until it returns). The call's real end is picked up later by `collect_finished()`,
   which turns each in-doubt write into its final OK or FAILED (vLLM's `get_finished`). Until
   then the broker keeps the pages and the caller keeps the staging bytes.
+- A sender engine keeps what it learnt of a peer under the peer's session name "host:rpc_port"
+  for good: its TCP lanes keep the data port of the first process it wrote to by that name, and
+  the Python binding keeps the segment handle. A process that took a dead peer's RPC port (a
+  restarted DiT) is then never written by that engine: every batch fails at once, the lanes
+  reconnecting to the dead data port. The binding has no call that drops one peer's state; a
+  fresh engine has none (see `_replace_sender`). `send_probe(session)` answers 0 when a process
+  answers at the session's RPC port, fast non-zero when nothing listens there.
+- Destroying an engine holds the GIL for about a second (its handshake listener waits out a
+  1 s accept timeout), so replaced engines are kept, idle, and only the oldest few destroyed.
 
 Never hands a sender "OK" off as proof of delivery: receivers verify checksums.
 """
@@ -34,6 +43,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.logging import get_logger
 from kvrelay.transfer.checksum import write_checksum
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
@@ -54,6 +64,16 @@ _RETRY_PAUSE_S = 0.02
 # fast a failure must be to count as one.
 _STALE_TRIES = 5
 _STALE_FAILURE_S = 1.0
+# Replacing the sending engine (`_replace_sender`), bounded: at most one new engine per
+# _MIN_REPLACE_INTERVAL_S in the process, and a peer that still fails on the engine made for it
+# waits _REPLACE_BACKOFF_S (doubling up to _REPLACE_BACKOFF_MAX_S) before it may cause another.
+# Replaced engines are kept idle, at most _MAX_RETIRED_ENGINES (destroying one stalls the GIL).
+_MIN_REPLACE_INTERVAL_S = 10.0
+_REPLACE_BACKOFF_S = 60.0
+_REPLACE_BACKOFF_MAX_S = 900.0
+_MAX_RETIRED_ENGINES = 4
+
+_log = get_logger(__name__)
 
 
 def quiet_engine_info_log() -> None:
@@ -74,6 +94,28 @@ def _max_segments_per_batch() -> int:
     # engine reads, leaving headroom for other writers to the same peer.
     limit = int(os.environ.get("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER))
     return max(1, min(limit - 24, int(limit * 0.9)))
+
+
+@dataclass(slots=True, eq=False)
+class _Engine:
+    """One TransferEngine and the engine calls running on it."""
+
+    engine: Any
+    rpc_port: int
+    generation: int
+    in_flight: int = 0
+    registered: set[int] = field(default_factory=set)  # addresses registered on it
+
+    def register(self, addr: int, length: int) -> None:
+        rc = self.engine.register_memory(addr, length)
+        if rc != 0:
+            raise MooncakeError(f"register_memory({addr:#x}, {length}) returned {rc}")
+        self.registered.add(addr)
+
+    def unregister_all(self) -> None:
+        for addr in self.registered:
+            self.engine.unregister_memory(addr)
+        self.registered.clear()
 
 
 @dataclass(slots=True)
@@ -136,14 +178,18 @@ class MooncakeEndpoint:
         # afresh (not measurable next to a batch on loopback). See docs/transfer.md. An explicit
         # MC_DISABLE_METACACHE wins.
         os.environ.setdefault("MC_DISABLE_METACACHE", "1")
-        self._engine = TransferEngine()
-        rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
-        if rc != 0:
-            raise MooncakeError(
-                f"TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}, {device_name!r}) "
-                f"returned {rc}: check the protocol and that {hostname} is an address of this host"
-            )
-        self.rpc_port = int(self._engine.get_rpc_port())
+        self._engine_class = TransferEngine
+        # The first engine is the one peers write to (`session_id`, `register_region`): it lives
+        # as long as the endpoint. Writes go through `_sender`, the primary until a peer on a
+        # reused port makes the endpoint replace it (`_replace_sender`).
+        self._primary = self._start_engine(generation=0)
+        self._sender = self._primary
+        self._retired: list[_Engine] = []  # replaced senders, oldest first (never the primary)
+        self._last_replacement = float("-inf")
+        self._replace_backoff: dict[str, tuple[float, float]] = {}  # session -> (not before, backoff)
+        self._replace_lock = threading.Lock()  # one replacement at a time
+        self.engine_replacements = 0
+        self.rpc_port = self._primary.rpc_port
         self.session_id = f"{hostname}:{self.rpc_port}"
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -152,6 +198,17 @@ class MooncakeEndpoint:
         # Calls whose wait ended with writes still in the engine, until they really return.
         self._in_doubt: list[_InDoubtCall] = []
         self._closed = False
+
+    def _start_engine(self, generation: int) -> _Engine:
+        engine = self._engine_class()
+        rc = engine.initialize(self.hostname, "P2PHANDSHAKE", self.protocol, self.device_name)
+        if rc != 0:
+            raise MooncakeError(
+                f"TransferEngine.initialize({self.hostname!r}, 'P2PHANDSHAKE', {self.protocol!r}, "
+                f"{self.device_name!r}) returned {rc}: check the protocol and that {self.hostname} is an "
+                "address of this host"
+            )
+        return _Engine(engine, int(engine.get_rpc_port()), generation)
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -171,9 +228,9 @@ class MooncakeEndpoint:
                         "buffer at the same address is not supported: register the full buffer up front"
                     )
                 return addr, length
-            rc = self._engine.register_memory(addr, length)
-            if rc != 0:
-                raise MooncakeError(f"register_memory({addr:#x}, {length}) returned {rc}")
+            # On the primary (peers write there) and on a replacement sender (writes read it).
+            for eng in {id(e): e for e in (self._primary, self._sender)}.values():
+                eng.register(addr, length)
             self._registered[addr] = length
         return addr, length
 
@@ -346,26 +403,30 @@ class MooncakeEndpoint:
                     return
                 prog.started |= batch_writes
             args = ([b[1] for b in batch], [b[2] for b in batch], [b[3] for b in batch])
+            generation = self._sender.generation
             t0 = time.monotonic()
             rc = self._transfer(session, *args)
             tries = 1
-            # Again, while the failure is quick: the engine keeps connections per peer port, and
-            # those left from a dead peer whose port a new one took each fail one batch at once
-            # (end of file on the ack; measured: benchmarks/mooncake/port_reuse.py). A sender
-            # that wrote to the dead peer from several threads holds several of them: one retry
-            # was not always enough (seen on CI). A slow failure (an unreachable peer, a
-            # connect timeout) is not retried. The failed call has returned (nothing of it is
-            # in flight), the pages are still this ticket's and the bytes are the same: writing
-            # them again is safe.
+            # Again, while the failure is quick. A quick failure to a peer that answers at its
+            # RPC port is this engine's stale state for the session name (a process that took a
+            # dead peer's port: the engine keeps writing to the dead one's data port, every
+            # try; measured: benchmarks/mooncake/port_reuse.py): the next try goes through a
+            # fresh engine (`_replace_sender`, bounded). Otherwise the same engine tries again: a
+            # stale connection from a dead peer fails one batch at once. A slow failure (an
+            # unreachable peer, a connect timeout) is not retried. The failed call has returned
+            # (nothing of it is in flight), the pages are still this ticket's and the bytes are
+            # the same: writing them again, through either engine, is safe.
             while (
                 rc != 0
                 and tries < _STALE_TRIES
                 and time.monotonic() - t0 < _STALE_FAILURE_S
                 and not cancel.is_set()
             ):
-                time.sleep(_RETRY_PAUSE_S)
+                if not self._replace_sender(session, generation, cancel):
+                    time.sleep(_RETRY_PAUSE_S)
                 if cancel.is_set():
                     break
+                generation = self._sender.generation
                 t0 = time.monotonic()
                 rc = self._transfer(session, *args)
                 tries += 1
@@ -380,11 +441,117 @@ class MooncakeEndpoint:
                         prog.failed.setdefault(i, msg)
                     # Later batches to a failed peer would only wait out the same failure.
                     return
+                # A peer that is written again may cause a replacement again when it next fails.
+                self._replace_backoff.pop(session, None)
                 for i, *_ in batch:
                     prog.segments_left[i] -= 1
 
+    def _replace_sender(self, session: str, failed_generation: int, cancel: threading.Event) -> bool:
+        """Write through a fresh engine from now on, because a batch to `session` failed fast on
+        engine `failed_generation`; True if the next try should go through another engine than
+        that one (replaced now, or by another thread since).
+
+        Only when a process answers at the session's RPC port (a dead peer is not helped by a new
+        engine), at most once per _MIN_REPLACE_INTERVAL_S, and not again for a session within its
+        backoff. The replaced engine stays alive: calls running on it (in-doubt ones included)
+        keep reading their staging memory until they return, and destroying it stalls the GIL."""
+        with self._lock:
+            if self._sender.generation != failed_generation:
+                return True
+            if self._closed or not self._may_replace_locked(session, time.monotonic()):
+                return False
+        if cancel.is_set():
+            return False
+        if self._sender.engine.send_probe(session) != 0:
+            with self._lock:  # probe a dead peer again only after a while (its own backoff kept)
+                _, last = self._replace_backoff.get(session, (0.0, 0.0))
+                self._replace_backoff[session] = (time.monotonic() + _MIN_REPLACE_INTERVAL_S, last)
+            return False
+        with self._replace_lock:
+            with self._lock:
+                if self._sender.generation != failed_generation:
+                    return True
+                now = time.monotonic()
+                if self._closed or not self._may_replace_locked(session, now):
+                    return False
+                # Taken before the engine starts: a failed start is not tried again at once.
+                self._last_replacement = now
+                _, last = self._replace_backoff.get(session, (0.0, 0.0))
+                backoff = min(_REPLACE_BACKOFF_MAX_S, max(_REPLACE_BACKOFF_S, 2 * last))
+                self._replace_backoff[session] = (now + backoff, backoff)
+                generation = max([self._sender.generation, *(e.generation for e in self._retired)]) + 1
+            try:
+                fresh = self._start_engine(generation)
+                with self._lock:
+                    registered = dict(self._registered)
+                for addr, length in registered.items():
+                    fresh.register(addr, length)
+            except Exception as exc:  # noqa: BLE001 - keep writing through the old engine
+                _log.error("mooncake_engine_replace_failed", session=session, error=repr(exc)[:500])
+                return False
+            with self._lock:
+                # Memory registered meanwhile went to the primary and the old sender only.
+                try:
+                    for addr, length in self._registered.items():
+                        if addr not in fresh.registered:
+                            fresh.register(addr, length)
+                except MooncakeError as exc:
+                    _log.error("mooncake_engine_replace_failed", session=session, error=str(exc)[:500])
+                    self._retired.append(fresh)  # no call ran on it; evicted like a replaced one
+                    return False
+                old, self._sender = self._sender, fresh
+                if old is not self._primary:
+                    self._retired.append(old)
+                evicted = self._evict_retired_locked()
+                self.engine_replacements += 1
+                retired = len(self._retired)
+        _log.warning(
+            "mooncake_engine_replaced", session=session, generation=generation, replaced_generation=old.generation,
+            reason="a batch failed fast while the peer answers at its RPC port (a process on a dead peer's port)",
+            replace_backoff_s=backoff, retired_engines=retired,
+        )  # fmt: skip
+        for eng in evicted:
+            self._destroy(eng)
+        return True
+
+    def _may_replace_locked(self, session: str, now: float) -> bool:
+        if now < self._last_replacement + _MIN_REPLACE_INTERVAL_S:
+            return False
+        not_before, _ = self._replace_backoff.get(session, (0.0, 0.0))
+        return now >= not_before
+
+    def _evict_retired_locked(self) -> list[_Engine]:
+        """The oldest retired engines beyond _MAX_RETIRED_ENGINES that no call runs on."""
+        evicted: list[_Engine] = []
+        for eng in list(self._retired):
+            if len(self._retired) <= _MAX_RETIRED_ENGINES:
+                break
+            if eng.in_flight == 0:
+                self._retired.remove(eng)
+                evicted.append(eng)
+        return evicted
+
+    def _destroy(self, eng: _Engine) -> None:
+        """Unregister memory from an engine no call runs on, and let it go (about a second with
+        the GIL held, see the module docstring)."""
+        eng.unregister_all()
+        t0 = time.monotonic()
+        eng.engine = None
+        _log.info("mooncake_engine_destroyed", generation=eng.generation, duration_ms=round(1000 * (time.monotonic() - t0)))
+
     def _transfer(self, session: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
-        """One batch to one peer; 0 on completion, negative on failure (as the engine reports)."""
+        """One batch to one peer through the current sending engine; 0 on completion, negative on
+        failure (as the engine reports)."""
+        with self._lock:
+            eng = self._sender
+            eng.in_flight += 1
+        try:
+            return self._transfer_on(eng.engine, session, srcs, dsts, lengths)
+        finally:
+            with self._lock:
+                eng.in_flight -= 1
+
+    def _transfer_on(self, engine: Any, session: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         nbytes = sum(lengths)
         rate = self._goodput.get(session)
         nap = self.sleep_fraction * nbytes / rate if rate else 0.0
@@ -392,13 +559,13 @@ class MooncakeEndpoint:
         if nap < _MIN_NAP_S:
             # Short (or first) batches: the sync call is cheaper than submit + status, and a
             # sleep this short would overshoot by a good part of itself.
-            rc = int(self._engine.batch_transfer_sync_write(session, srcs, dsts, lengths))
+            rc = int(engine.batch_transfer_sync_write(session, srcs, dsts, lengths))
         else:
-            batch_id = self._engine.batch_transfer_async_write(session, srcs, dsts, lengths)
+            batch_id = engine.batch_transfer_async_write(session, srcs, dsts, lengths)
             if batch_id == 0:
                 return -1  # not submitted: the peer's segment could not be opened
             time.sleep(nap)
-            rc = int(self._engine.get_batch_transfer_status([batch_id]))
+            rc = int(engine.get_batch_transfer_status([batch_id]))
         elapsed = time.perf_counter() - t0
         if rc == 0 and nbytes >= _MIN_LEARN_BYTES:
             # EWMA of this peer's goodput; small batches measure latency, not bandwidth. An
@@ -415,12 +582,17 @@ class MooncakeEndpoint:
         global _ENDPOINT
         if self._closed:
             return
-        self._closed = True
+        with self._lock:
+            self._closed = True  # no replacement starts from here on
+        with self._replace_lock:  # nor is one still running
+            pass
         # Waits for every engine call, in-doubt ones included: registered memory outlives them.
         self._executor.shutdown(wait=True)
         with self._lock:
-            for addr in list(self._registered):
-                self._engine.unregister_memory(addr)
+            engines = [*self._retired, *([self._sender] if self._sender is not self._primary else []), self._primary]
+            self._retired = []
+            for eng in engines:
+                eng.unregister_all()
             self._registered.clear()
         with _ENDPOINT_LOCK:
             if _ENDPOINT is self:

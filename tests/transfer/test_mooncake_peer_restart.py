@@ -1,20 +1,26 @@
 """A Mooncake sender keeps writing to peers that restart on a dead one's port.
 
 A receiver's ports come from ~2,000, so a restarted DiT sooner or later takes a port a dead one
-had; a long-lived sender's first write to it then failed (its engine still held the dead peer's
-connection), which failed a CI run. The sender now sends a failed batch once more (tested here
-with an engine that fails on cue; `benchmarks/mooncake/port_reuse.py` reproduces the real thing,
-which needs a minute for a port to come round) and runs its engine without the segment
-descriptor cache (tested as set, and memory a peer registers after a first write is writable)."""
+had. A long-lived sender engine keeps what it learnt of a peer under its session name
+"host:rpc_port" (the dead peer's data port, its segment handle) and wrote none of those writes;
+the sender now writes them through a fresh engine once the peer answers at its RPC port (tested
+here with the restart staged behind a forwarder that keeps the session's port, since a real port
+comes round only after TIME_WAIT, a minute; `benchmarks/mooncake/port_reuse.py` does the real
+thing). It sends a failed batch once more (tested with an engine that fails on cue) and runs its
+engine without the segment descriptor cache (tested as set, and memory a peer registers after a
+first write is writable)."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -64,6 +70,11 @@ class _Receiver:
     def region(self, rank: int, nbytes: int) -> Any:
         session, base, length = self.ask(f"region {nbytes}").split()
         return mooncake.RegionDescriptor(rank, "mooncake", session, int(base), int(length))
+
+    def kill(self) -> None:
+        """Gone at once, as with kill -9: its sockets are closed by the kernel."""
+        self.proc.kill()
+        self.proc.wait()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -209,5 +220,147 @@ def test_a_slow_failure_is_not_retried(sender: Any) -> None:
         assert calls == [-1]
         assert out.status == "FAILED" and out.final
         assert "1 try)" in out.message
+    finally:
+        rx.close()
+
+
+class _SessionPort:
+    """A fixed port in front of whichever receiver is current: each connection to it is piped
+    to the current receiver's RPC port. A receiver started behind it after another died is, to
+    a sender, a peer restarted on the dead one's port (same session name, new process, new data
+    port), without waiting for the port to come round. Data connections go to the receiver's
+    own data port, as they do from the descriptor it hands out."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.backend = 0
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def session(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def behind(self, region: Any) -> Any:
+        """`region` (of the receiver now current) as a sender addresses it: by this port."""
+        self.backend = int(region.endpoint.rsplit(":", 1)[1])
+        return replace(region, endpoint=self.session())
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.backend), timeout=5.0)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()  # nothing listens there: the sender sees its connection dropped
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(10)
+        assert not self._thread.is_alive()
+        with self._lock:
+            for sock in self._sockets:
+                sock.close()
+
+
+@pytest.fixture
+def own_sender() -> Iterator[Any]:
+    """A sender of the test's own: engine replacements are bounded per endpoint."""
+    ep = mooncake.MooncakeEndpoint("127.0.0.1", "tcp")
+    ep.register(_SRC)
+    yield ep
+    ep.close()
+
+
+def _write_4k(sender: Any, region: Any, ticket_id: str) -> Any:
+    (out,) = sender.write(_SRC, [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))], {0: region}, ticket_id, 20.0)
+    return out
+
+
+def test_a_peer_restarted_on_a_dead_ones_port_is_written_by_the_same_sender(own_sender: Any) -> None:
+    """The product bug: after a DiT's kill -9 and a restart on a port an earlier receiver had,
+    its long-lived AR wrote none of its writes (every try went to the dead one's data port)."""
+    front = _SessionPort()
+    first = _Receiver()
+    second = None
+    try:
+        (out,) = [_write_4k(own_sender, front.behind(first.region(0, 1 << 16)), "t-before")]
+        assert out.status == "OK", out.message
+        assert _sum_until(first, 0, 3 * 4096) == 3 * 4096
+        first.kill()
+
+        second = _Receiver()
+        region = front.behind(second.region(0, 1 << 16))
+        out = _write_4k(own_sender, region, "t-after-restart")
+        assert out.status == "OK" and out.final, out.message
+        assert _sum_until(second, 0, 3 * 4096) == 3 * 4096
+        assert own_sender.engine_replacements == 1
+        # Written through the new engine from now on, with no further replacement.
+        out = _write_4k(own_sender, replace(region, base_address=region.base_address + 4096), "t-again")
+        assert out.status == "OK", out.message
+        assert _sum_until(second, 0, 3 * 8192) == 3 * 8192
+        assert own_sender.engine_replacements == 1
+    finally:
+        for rx in (first, second):
+            if rx is not None:
+                rx.close()
+        front.close()
+
+
+def test_a_dead_peer_does_not_replace_the_engine(own_sender: Any) -> None:
+    """Nothing answers at the dead peer's RPC port: a fresh engine would fail the same, so the
+    write fails as before (five quick tries) and the engine stays."""
+    front = _SessionPort()
+    rx = _Receiver()
+    try:
+        region = front.behind(rx.region(0, 1 << 16))
+        assert _write_4k(own_sender, region, "t-alive").status == "OK"
+        rx.kill()
+        out = _write_4k(own_sender, region, "t-dead")
+        assert out.status == "FAILED" and out.final, out.message
+        assert own_sender.engine_replacements == 0
+    finally:
+        rx.close()
+        front.close()
+
+
+def test_a_peer_that_keeps_failing_replaces_the_engine_once(own_sender: Any) -> None:
+    """No engine churn: a live peer whose writes keep failing (here an engine that fails on cue)
+    causes one replacement, then waits out its backoff."""
+    rx = _Receiver()
+    try:
+        calls, out = _write_with_failures(own_sender, rx, 99, "t-fails")
+        assert out.status == "FAILED" and calls == [-1] * 5
+        assert own_sender.engine_replacements == 1
+        calls, out = _write_with_failures(own_sender, rx, 99, "t-fails-again")
+        assert out.status == "FAILED" and calls == [-1] * 5
+        assert own_sender.engine_replacements == 1
+        calls, out = _write_with_failures(own_sender, rx, 0, "t-ok")
+        assert out.status == "OK" and calls == [0], out.message
+        assert _sum_until(rx, 2, 3 * 4096) == 3 * 4096  # the third region it made
     finally:
         rx.close()
