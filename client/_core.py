@@ -30,7 +30,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import grpc
 
-from kvrelay.limits import request_id_problem
+from kvrelay.limits import guidance_problem, request_id_problem, seed_problem, side_problem, steps_problem
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 from ._common import (
@@ -261,20 +261,33 @@ def wire_request_id(request_id: str) -> str:
     """`request_id` for the wire; one no generation can have (longer than the broker takes, other
     characters, empty) is refused here with the broker's own message (kvrelay.limits)."""
     text = wire_text("request_id", request_id)
-    if isinstance(text, str) and (problem := request_id_problem(text)) is not None:
-        raise KvRelayError("INVALID_ARGUMENT", "INVALID_ARGUMENT", f"request_id: {problem}", {"field": "request_id"})
+    if isinstance(text, str):
+        checked("request_id", request_id_problem(text))
     return text
+
+
+def wire_integer(field: str, value: int) -> int:
+    """`value` as an int; not an integer (a float, a str) is the caller's TypeError naming the
+    field: `num_inference_steps=2.7` ran 2 steps and `seed=1.5` seed 1 without a word (found
+    black-box)."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{field} must be an integer, not {type(value).__name__} {value!r}") from None
+
+
+def checked(field: str, problem: str | None) -> None:
+    """INVALID_ARGUMENT naming `field`, as the server words it, when a kvrelay.limits check found
+    a problem."""
+    if problem is not None:
+        raise KvRelayError("INVALID_ARGUMENT", "INVALID_ARGUMENT", f"{field}: {problem}", {"field": field})
 
 
 def wire_unsigned(field: str, value: int, bits: int) -> int:
     """`value` for an unsigned proto field; one it cannot carry is refused here, like the server
-    would (INVALID_ARGUMENT naming the field), never protobuf's ValueError. Not an integer (a
-    float, a str) is the caller's TypeError naming the field: `num_inference_steps=2.7` ran 2
-    steps and `seed=1.5` seed 1 without a word (found black-box)."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{field} must be an integer, not {type(value).__name__} {value!r}") from None
+    would (INVALID_ARGUMENT naming the field), never protobuf's ValueError. Not an integer is the
+    caller's TypeError naming the field (wire_integer)."""
+    number = wire_integer(field, value)
     if not 0 <= number < 1 << bits:
         raise KvRelayError(
             "INVALID_ARGUMENT",
@@ -650,8 +663,10 @@ def new_generation(
 ) -> GenerationCore:
     """The core of a `generate()` call, its arguments in the order of the public signature: the
     request (checked for what the wire cannot carry) and its deadline."""
-    # Type errors are the caller's bug and fail here; value bounds are the server's to check
-    # (one source of truth), and come back as INVALID_ARGUMENT naming the field.
+    # Type errors are the caller's bug and fail here (TypeError); values out of the broker's bounds
+    # are refused here too, with its message (kvrelay.limits, the one source of both), as
+    # INVALID_ARGUMENT naming the field. Bounds of the deployment (prompt tokens, the largest
+    # image a DiT draws) come back from the server.
     if not isinstance(prompt, str):
         raise TypeError(f"prompt must be str, not {type(prompt).__name__}")
     request = generation_pb2.GenerateRequest(
@@ -659,20 +674,23 @@ def new_generation(
         prompt=wire_text("prompt", prompt),
         negative_prompt=wire_text("negative_prompt", negative_prompt or ""),
     )
-    unsigned = (
-        ("seed", seed, 64),
-        ("width", width, 32),
-        ("height", height, 32),
-        ("num_inference_steps", num_inference_steps, 32),
+    integers: tuple[tuple[str, int | None, Callable[[int], str | None]], ...] = (
+        ("seed", seed, seed_problem),
+        ("width", width, side_problem),
+        ("height", height, side_problem),
+        ("num_inference_steps", num_inference_steps, steps_problem),
     )
-    for field, value, bits in unsigned:
+    for field, value, problem_of in integers:
         if value is None:
             continue
-        setattr(request, field, wire_unsigned(field, value, bits))
+        number = wire_integer(field, value)
+        checked(field, problem_of(number))
+        setattr(request, field, number)
     if guidance_scale is not None:
         if not isinstance(guidance_scale, numbers.Real):
             # float("2") took a str as 2.0.
             raise TypeError(f"guidance_scale must be a number, not {type(guidance_scale).__name__} {guidance_scale!r}")
+        checked("guidance_scale", guidance_problem(float(guidance_scale)))
         request.guidance_scale = float(guidance_scale)
     if request_id:
         # The broker keeps the generation this long after a broken stream, for the re-attach.

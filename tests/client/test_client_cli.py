@@ -514,3 +514,28 @@ def test_errors_show_a_long_request_id_cut_with_its_length() -> None:
     stream = io.StringIO()
     _print_error("generate", KvRelayError("ALREADY_EXISTS", "REQUEST_ID_REUSED", "reused", {"request_id": twice}), stream)
     assert stream.getvalue().endswith(f"  request_id: {'x' * 40}... (300 characters)\n")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "-1"], "num_inference_steps: must be in [1, 1000], got -1"),
+        (["--steps", "0"], "num_inference_steps: must be in [1, 1000], got 0"),
+        (["--width", "-64"], "width: must be a multiple of 16 in [64, 2048], got -64"),
+        (["--height", "4096"], "height: must be a multiple of 16 in [64, 2048], got 4096"),
+        (["--guidance-scale", "0.5"], "guidance_scale: must be finite and >= 1.0 (1.0 = no CFG), got 0.5"),
+        (["--seed", "-1"], "seed: must be in [0, 2**64), got -1"),
+    ],
+)
+def test_generate_names_the_brokers_bounds_before_sending(
+    flags: list[str], message: str, server: ServerThread, harness: Harness, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # `kvrelay generate --steps -1` said "must be in [0, 2**32)", the wire's range, not the broker's.
+    from kvrelay.node.cli import main
+
+    argv = ["generate", "a fox", *flags, "-q", "-o", str(tmp_path / "x.png"), "--target", server.address]
+    assert main(argv) == 1
+    field = message.split(":", 1)[0]
+    assert capsys.readouterr().err == f"kvrelay generate: INVALID_ARGUMENT: {message}\n  field: {field}\n"
+    assert harness.calls["Generate"] == 0

@@ -26,7 +26,7 @@ from tests.client.harness import Harness, ServerThread
 IMPATIENT = RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.02, reattach_seconds=0.1)
 # (prompt, generate() arguments, Generate calls the harness answers UNAVAILABLE)
 FAILURES: list[tuple[str, dict[str, Any], int]] = [
-    ("x", {"height": 70}, 0),  # refused: INVALID_ARGUMENT
+    ("", {}, 0),  # refused by the server: INVALID_ARGUMENT (bounds the SDK checks never leave it)
     ("fail:CHECKSUM_MISMATCH", {}, 0),  # a FAILED generation
     ("x", {"request_id": "down"}, 10_000),  # re-attached, then given up: UNAVAILABLE
 ]
