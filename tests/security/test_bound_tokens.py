@@ -266,3 +266,99 @@ def test_the_broker_refuses_a_replica_token_of_another_id_and_the_victim_keeps_i
 
 def _fields(message: Any) -> dict[str, Any]:
     return {fd.name: value for fd, value in message.ListFields()}
+
+
+# ---------------------------------------------------------------- every replica RPC of every server
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+async def _raw_call(address: str, path: str, method: Any, security: ChannelSecurity) -> tuple[str, str]:
+    """(code, reason) of one call with an empty request (`OK`, "" when it answered)."""
+    async with make_channel(address, security) as channel:
+        try:
+            if method.client_streaming and method.server_streaming:
+                stream = channel.stream_stream(path, _ident, _ident)(iter([b""]), timeout=5)
+                await stream.read()
+                stream.cancel()
+            elif method.client_streaming:
+                await channel.stream_unary(path, _ident, _ident)(iter([b""]), timeout=5)
+            elif method.server_streaming:
+                stream = channel.unary_stream(path, _ident, _ident)(b"", timeout=5)
+                await stream.read()
+                stream.cancel()
+            else:
+                await channel.unary_unary(path, _ident, _ident)(b"", timeout=5)
+        except grpc.aio.AioRpcError as err:
+            code, reason, _ = reason_of(err)
+            return code, reason
+    return "OK", ""
+
+
+def test_every_replica_rpc_of_every_server_refuses_another_replicas_credential(tmp_path: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvrelay.ar_service.service import ArMetrics, ArServicer
+    from kvrelay.dit_service.service import DitServicer
+    from kvrelay.security import RPC_RULES
+    from kvrelay.v1 import ar_pb2, ar_pb2_grpc, dit_pb2, dit_pb2_grpc
+
+    services = {
+        "broker": broker_pb2.DESCRIPTOR.services_by_name["BrokerService"],
+        "ar-0": ar_pb2.DESCRIPTOR.services_by_name["ArService"],
+        "dit-0": dit_pb2.DESCRIPTOR.services_by_name["DitService"],
+    }
+    # Per server: credentials of others that must not open its replica RPCs, and the one that does.
+    refused = {
+        "broker": [(AR0, "dit-0"), (SHARED, "ar-0"), (DIT0, None), (broker_call_token(AR0), "broker")],
+        "ar-0": [(broker_call_token(DIT0), "broker"), (AR0, "broker"), (AR0, "ar-0"), (SHARED, "broker")],
+        "dit-0": [(broker_call_token(AR0), "broker"), (put_kv_token(DIT0, "ar-0"), "ar-1"),
+                  (put_kv_token(replica_token_for(SECRET, "dit-1"), "ar-0"), "ar-0"), (DIT0, "dit-0")],
+    }  # fmt: skip
+    admitted = {"broker": (DIT0, "dit-0"), "ar-0": (broker_call_token(AR0), "broker"),
+                "dit-0": (broker_call_token(DIT0), "broker")}  # fmt: skip
+
+    async def scenario() -> None:
+        core = BrokerCore(tmp_path / "journal.sqlite", lease_seconds=600.0, drain_quiet_seconds=0.05)
+        servers = {
+            "broker": GrpcServer(
+                name="broker", host="127.0.0.1", port=0, credentials=BROKER, checks=broker_checks(core),
+                registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(core, 5.0),
+                                "kvrelay.v1.BrokerService")]),
+            "ar-0": GrpcServer(
+                name="ar-0", host="127.0.0.1", port=0, credentials=replica_creds(AR0),
+                registrations=[(ar_pb2_grpc.add_ArServiceServicer_to_server,
+                                ArServicer(None, ArMetrics.create(CollectorRegistry()), lambda reason: None),
+                                "kvrelay.v1.ArService")]),
+            "dit-0": GrpcServer(
+                name="dit-0", host="127.0.0.1", port=0, credentials=replica_creds(DIT0),
+                registrations=[(dit_pb2_grpc.add_DitServiceServicer_to_server, DitServicer(),
+                                "kvrelay.v1.DitService")]),
+        }  # fmt: skip
+        for server in servers.values():
+            await server.start()
+        try:
+            checked = 0
+            for name, service in services.items():
+                for method in service.methods:
+                    path = f"/{service.full_name}/{method.name}"
+                    if RPC_RULES[path].caller_class is not CallerClass.REPLICA:
+                        continue
+                    for token, declared in refused[name]:
+                        got = await _raw_call(servers[name].address, path, method, ChannelSecurity(token, declared))
+                        assert got == ("UNAUTHENTICATED", "REPLICA_TOKEN_MISMATCH"), (name, path, declared, got)
+                        checked += 1
+                    token, declared = admitted[name]
+                    if method.name == "PutKv":
+                        token, declared = put_kv_token(DIT0, "ar-0"), "ar-0"  # the ticket AR's write token
+                    code, _ = await _raw_call(servers[name].address, path, method, ChannelSecurity(token, declared))
+                    assert code not in ("UNAUTHENTICATED", "PERMISSION_DENIED"), (name, path, code)
+            assert checked >= 4 * 11 + 4 * 2 + 4 * 2  # every replica RPC of BrokerService, ArService, DitService
+        finally:
+            for server in servers.values():
+                await server.stop(0.5)
+            core.close()
+
+    asyncio.run(scenario())
