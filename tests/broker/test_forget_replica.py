@@ -402,7 +402,8 @@ def test_a_consuming_ticket_a_restart_orphaned_on_a_dit_that_never_returns_holds
     still reads the pages, so nothing else releases it: CancelTicket changes nothing, the
     maintenance loop neither, and ForgetReplica refuses the DiT and the AR (REPLICA_HOLDS_TICKETS).
     A DiT registering under that id once does (a new incarnation: DIT_REPLICA_RESTARTED); then
-    both can be forgotten (docs/operations.md, Retiring a replica)."""
+    both can be forgotten. An operator who knows the DiT is gone for good forgets it with force
+    instead (test_forget_by_force.py; docs/operations.md, Retiring a replica)."""
     from tests.broker.helpers import checksum_of, new_incarnation, write_all
 
     path, clock = tmp_path / "j.sqlite", ManualClock()

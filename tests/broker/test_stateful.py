@@ -3,7 +3,8 @@
 Several AR and DiT replicas (TP 1 and 2), and rules for create / arm / write reports (OK,
 FAILED, NOT_STARTED, IN_DOUBT, retries, reports outside the plan) / late final reports of
 in-doubt writes / loads / consuming / release / timeout / cancel / new incarnations / lease
-expiry / broker restart from the journal. After every step: no page in two tickets, accounting
+expiry / broker restart from the journal / an operator's forced forget (`forget_replica(force=True)`)
+of a replica that is down, followed by a new incarnation under its id. After every step: no page in two tickets, accounting
 exact, no page of a ticket with an unresolved write is free, no page of an in-doubt write (as
 this test itself recorded it, not as the broker says) is free or in another ticket's
 reservation, and no resolved, quiet DRAINING ticket survives a tick. At the end every writer is
@@ -59,6 +60,8 @@ class BrokerMachine(RuleBasedStateMachine):
         # (ticket_id, key) -> (dit replica, dit incarnation, pages, ar replica, ar incarnation).
         # Pages are (CFG group, page id): a CFG-parallel DiT's groups each have their own ids.
         self.in_doubt: dict[tuple[str, WriteKey], tuple[str, str, frozenset[tuple[int, int]], str, str]] = {}
+        # Tickets a forced forget of their DiT released: their memory is as good as gone.
+        self.destination_forgotten: set[str] = set()
 
     def _open(self) -> BrokerCore:
         return BrokerCore(self.dir / "journal.sqlite", clock=self.clock, lease_seconds=LEASE,
@@ -321,6 +324,39 @@ class BrokerMachine(RuleBasedStateMachine):
             elif t.ar_replica_id == replica and t.armed:
                 assert not t.unresolved_writes()
 
+    @rule(replica=st.sampled_from(["ar-0", "ar-1", "dit-0", "dit-1", "dit-2"]), stopped=st.booleans())
+    def forget_by_force(self, replica: str, stopped: bool) -> None:
+        spec = self.specs[replica]
+        if stopped:
+            self._try(self.core.deregister_replica, replica, spec.incarnation_id)  # down from now
+        up, fenced = self.core.get_replica(replica).up, self.core.get_replica(replica).fenced
+        before = self._live()
+        named = any(replica in (t.ar_replica_id, t.dit_replica_id) for t in before)
+        writes_in_doubt = any(t.ar_replica_id == replica and t.armed and t.unresolved_writes() for t in before)
+        result = self._try(self.core.forget_replica, replica, force=True)
+        if up or (spec.role is ReplicaRole.AR and writes_in_doubt):
+            assert isinstance(result, FailedPrecondition), result
+            assert result.reason == ("REPLICA_UP" if up else "REPLICA_WRITES_IN_DOUBT")
+            assert self._live() == before, "a refused forget changes nothing"
+            return
+        assert isinstance(result, list), result
+        event(f"forgotten by force, {len(result)} tickets ended")
+        if spec.role is ReplicaRole.DIT:
+            self.destination_forgotten.update(t.ticket_id for t in result)
+            self.in_doubt = {k: v for k, v in self.in_doubt.items() if v[0] != replica}
+        assert not any(v[3] == replica for v in self.in_doubt.values()), "a forgotten AR's write was in doubt"
+        for t in self._live():
+            assert t.dit_replica_id != replica, "a forgotten DiT's tickets are released"
+            if t.ar_replica_id == replica:
+                assert t.state not in (TicketState.RESERVED, TicketState.WRITING)
+        # That incarnation, if it was only cut off, is refused when the forget needed force (else it
+        # simply registers as new); a new one takes the id.
+        assert self.core.register_replica(spec).fenced is (fenced or named)
+        assert (replica in self.core.registry) is not (fenced or named)
+        fresh = new_incarnation(spec)
+        assert not self.core.register_replica(fresh).fenced
+        self.specs[replica] = fresh
+
     @rule(seconds=st.sampled_from([0.5, QUIET, 10.0, LEASE * 2]))
     def advance_clock(self, seconds: float) -> None:
         self.clock.advance(seconds)
@@ -404,7 +440,7 @@ class BrokerMachine(RuleBasedStateMachine):
     @invariant()
     def released_tickets_had_no_write_in_flight(self) -> None:
         for t in self.core.list_tickets([TicketState.RELEASED]):
-            if t.reason == "DIT_REPLICA_RESTARTED":
+            if t.reason == "DIT_REPLICA_RESTARTED" or t.ticket_id in self.destination_forgotten:
                 continue  # the destination memory itself is gone: nothing left to protect
             if t.armed:
                 assert not t.unresolved_writes(), f"ticket {t.ticket_id} released with writes in flight"
