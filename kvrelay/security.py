@@ -445,6 +445,15 @@ def node_token_env(
         return {}
     secret = read_replica_secret(cfg)
     broker_env: dict[str, str] = {}
+    if secret is None and cfg.replica_token_file:
+        # Tokens in files were derived from a secret: one made up now would match none of them.
+        raise SecurityError("security.replica_secret_env / security.replica_secret_file: the replicas' token files "
+                            "(security.replica_token_file) derive from the broker's secret; set it for the node too")
+    if secret is None and BROKER_CALLER_ID not in names:
+        # Replicas of a broker elsewhere: their tokens derive from that broker's secret.
+        raise SecurityError("security.replica_secret_env / security.replica_secret_file: this node's replicas "
+                            "register with a broker elsewhere; their tokens derive from its secret: set it here, or "
+                            "give each its own token file (security.replica_token_file with {name})")
     if secret is None:
         if not cfg.replica_secret_env:
             raise SecurityError("security.replica_secret_env: bound replica tokens need the broker's secret "

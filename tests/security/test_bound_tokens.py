@@ -182,6 +182,13 @@ def test_a_node_gives_each_child_its_own_token_and_only_the_broker_the_secret(
     assert env["broker"] == {"KVRELAY_REPLICA_SECRET": "made-up"}
     assert env["ar-0"]["KVRELAY_REPLICA_TOKEN"] == replica_token_for("made-up", "ar-0")
     assert node_token_env(SecurityConfig.model_validate({}), names) == {}
+    # Never a made-up secret where tokens must match a broker's real one: token files, or a node
+    # of replicas alone (its broker runs elsewhere).
+    with pytest.raises(SecurityError, match="replica_token_file"):
+        node_token_env(SecurityConfig.model_validate({"replica_tokens": "bound", "replica_token_file": "{name}.t"}),
+                       names, make_secret=lambda: "made-up")  # fmt: skip
+    with pytest.raises(SecurityError, match="broker elsewhere"):
+        node_token_env(cfg, ["ar-0", "dit-0"], make_secret=lambda: "made-up")
 
 
 # ---------------------------------------------------------------- a broker on a real socket
