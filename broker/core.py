@@ -304,7 +304,7 @@ class BrokerCore:
         held_ticket_ids = list(held_ticket_ids)
         owed_releases = owed_releases or {}
         self.check_listing(spec, writes=len(unresolved_writes), held=len(held_ticket_ids), owed=len(owed_releases))
-        if self._forgotten.get(spec.replica_id) == spec.incarnation_id:
+        if self.incarnation_forgotten(spec):
             # Forgotten by force while it may have been alive behind a partition: its tickets were
             # ended and its pool dropped, and writes into its memory may still land. Fenced, it
             # fails stop; a new incarnation (new memory, fresh transport ports) may register.
@@ -463,6 +463,11 @@ class BrokerCore:
         if snapshots and self.on_replica_forgotten is not None:
             self.on_replica_forgotten(replica_id, snapshots)
         return snapshots
+
+    def incarnation_forgotten(self, spec: ReplicaSpec) -> bool:
+        """Whether `spec`'s incarnation was forgotten by force: `register_replica` answers it fenced
+        and keeps nothing of it (the servicer then neither checks nor dials its endpoint)."""
+        return self._forgotten.get(spec.replica_id) == spec.incarnation_id
 
     def forget_refusal(
         self,

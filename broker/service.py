@@ -561,12 +561,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self.core.check_listing(spec, writes=len(request.unresolved_writes), held=len(request.held_ticket_ids),
                                 owed=len(request.owed_releases))  # fmt: skip
         check_listed_ids(request)
-        problem = loopback_endpoint_problem(spec, context.peer())
-        if problem:
-            raise InvalidArgument("LOOPBACK_ENDPOINT", problem)
-        problem = await unreachable_endpoint_problem(spec, context.peer(), self.endpoint_probe)
-        if problem:
-            raise InvalidArgument("UNREACHABLE_ENDPOINT", problem)
+        # A forgotten incarnation is answered fenced (the core), whatever its endpoint: refused as
+        # unreachable instead, a process cut off behind a partial partition would never fail stop.
+        if not self.core.incarnation_forgotten(spec):
+            problem = loopback_endpoint_problem(spec, context.peer())
+            if problem:
+                raise InvalidArgument("LOOPBACK_ENDPOINT", problem)
+            problem = await unreachable_endpoint_problem(spec, context.peer(), self.endpoint_probe)
+            if problem:
+                raise InvalidArgument("UNREACHABLE_ENDPOINT", problem)
         reply = self.core.register_replica(
             spec,
             token=request.token,

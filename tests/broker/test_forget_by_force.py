@@ -344,3 +344,48 @@ def test_a_real_broker_killed_while_a_dit_reads_then_the_dit_is_forgotten_by_for
             assert _listed(stub) == {"ar-0": True}
     finally:
         assert broker.stop() == 0, broker.output()
+
+
+def test_a_forgotten_incarnation_is_answered_fenced_even_where_the_broker_cannot_reach_it(tmp_path: Path) -> None:
+    """Behind a partial partition the cut-off DiT reaches the broker but not the other way round.
+    Its registration must still be answered fenced, so that it fails stop, not refused as
+    UNREACHABLE_ENDPOINT, which it retries for as long as it runs. Another incarnation at that
+    endpoint is still refused, as ever."""
+    from kvrelay.broker.service import BrokerServicer, spec_from_proto
+
+    clock = ManualClock()
+    dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=8)
+    dit.endpoint = "10.255.0.1:1"  # not loopback: the broker dials it
+    dialled: list[str] = []
+
+    async def probe(endpoint: str) -> str:
+        dialled.append(endpoint)
+        return "connection refused"
+
+    async def scenario() -> None:
+        core = _core(tmp_path / "j.sqlite", clock)
+        server = grpc.aio.server()
+        broker_pb2_grpc.add_BrokerServiceServicer_to_server(BrokerServicer(core, endpoint_probe=probe), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = broker_pb2_grpc.BrokerServiceStub(channel)
+                core.register_replica(spec_from_proto(dit))  # registered while the broker reached it
+                core.fence_replica("dit-0", "LOAD_NOT_IN_PLAN: test")
+                clock.advance(11)
+                core.forget_replica("dit-0", force=True)
+                reply = await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=dit), timeout=10)
+                assert reply.fenced and dialled == [] and _ids(core) == []
+                other = broker_pb2.ReplicaInfo()
+                other.CopyFrom(dit)
+                other.incarnation_id = "dit-0-inc-2"
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=other), timeout=10)
+                assert reason_of(refused.value)[:2] == ("INVALID_ARGUMENT", "UNREACHABLE_ENDPOINT")  # type: ignore[arg-type]
+                assert dialled == [other.endpoint]
+        finally:
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
