@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -387,5 +388,44 @@ def test_a_forgotten_incarnation_is_answered_fenced_even_where_the_broker_cannot
         finally:
             await server.stop(None)
             core.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_a_real_dit_cut_off_and_forgotten_by_force_fails_stop_when_it_comes_back(tmp_path: Path) -> None:
+    """A real `kvrelay dit` process, alive, that the broker took for gone: deregistered (down) while
+    an AR's writes into its pages are unresolved, then forgotten by force. Its next heartbeat gets
+    UNKNOWN_REPLICA, it registers again with its incarnation, is answered fenced, and fails stop
+    (exit 3, its page memory freed); the broker never kept a record or a pool of it again."""
+    from tests.dit_service.harness import ArWriter, inprocess_broker, start_dit, wait_serving, write_config
+
+    config = write_config(tmp_path, transport="mooncake", lease_seconds=0.6)
+
+    async def scenario() -> None:
+        async with inprocess_broker(lease_seconds=0.6) as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.create_ticket([5])
+                await writer.arm(ticket.ticket_id)  # the writer holds the map; nothing reported yet
+                incarnation = core.registry.get("dit-0").spec.incarnation_id
+                core.deregister_replica("dit-0", incarnation)  # down; it goes on heartbeating
+                ended = core.forget_replica("dit-0", force=True)
+                assert [t.ticket_id for t in ended] == [ticket.ticket_id]
+                gone = core.get_ticket(ticket.ticket_id)
+                assert (gone.state, gone.reason) == (TicketState.RELEASED, "REPLICA_FORGOTTEN")
+                deadline = time.monotonic() + 20.0
+                while dit.proc.poll() is None and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                assert dit.proc.poll() == 3, "".join(dit.lines[-30:])
+                assert list(Path("/dev/shm").glob(f"kvrelay-dit-0-{dit.proc.pid}-*")) == []
+                assert "dit-0" not in core.registry and core.pool_status() == []
+                assert _forgotten_meta(core) == {"dit-0": incarnation}
+                await writer.close()
+            finally:
+                await asyncio.to_thread(dit.stop)
 
     asyncio.run(scenario())
