@@ -9,9 +9,10 @@ everything becomes `KvRelayError`.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -200,9 +201,17 @@ class GenerationHandle(_core.HandleBase):
         self._core = core
         self._lock = threading.Lock()
         self._iterating = False
+        # Held while a thread reads the stream (inside `_follow`, never across a yield to the
+        # caller): an events() iterator suspended at an event holds nothing, so result() reads
+        # the stream itself instead of waiting for an iteration nobody may ever advance.
+        self._reading = threading.Lock()
+        # What result() read while an events() iterator was open: that iterator yields these
+        # first, so it still sees every event.
+        self._pending: collections.deque[GenerationEvent] = collections.deque()
+        # Counts result()'s reads: an events() iterator that sees it changed while it was
+        # suspended follows the generation again from where it is now.
+        self._result_reads = 0
         self._cancel_event = threading.Event()
-        # Set when the thread following the stream saw the end (terminal event or call failure).
-        self._ended = threading.Event()
         self._call = client._open_generate(core)
 
     def events(self) -> Iterator[GenerationEvent]:
@@ -218,30 +227,47 @@ class GenerationHandle(_core.HandleBase):
             if self._iterating:
                 raise RuntimeError("events() is already being iterated")
             self._iterating = True
+        follow: Generator[GenerationEvent, None, None] | None = None
+        seen = 0
         try:
-            yield from self._follow()
+            while True:
+                with self._reading:
+                    if self._pending:
+                        event = self._pending.popleft()
+                    else:
+                        if follow is None or seen != self._result_reads:
+                            if follow is not None:
+                                follow.close()
+                            seen = self._result_reads
+                            follow = self._follow()
+                        try:
+                            event = next(follow)
+                        except StopIteration:
+                            return
+                yield event
+                if event.state.is_terminal:
+                    return
         finally:
+            if follow is not None:
+                follow.close()
+            self._pending.clear()
             self._iterating = False
 
     def result(self) -> GenerationResult:
         """Wait for the end; the image on SUCCEEDED, else :class:`KvRelayError` with the reason.
 
-        May be called while another thread iterates :meth:`events`: it then waits for that
-        iteration to see the end.
+        May be called while another thread iterates :meth:`events`, or while an ``events()``
+        iterator is left open between two events: it reads the stream whenever no iteration is
+        reading it, keeping what it reads for the open iterator (which still sees every event).
         """
         while not self._core.done:
-            with self._lock:
-                mine = not self._iterating
-                if mine:
-                    self._iterating = True
-            if mine:
-                try:
-                    for _ in self._follow():
-                        pass
-                finally:
-                    self._iterating = False
-            elif self._ended.wait(0.1) and not self._core.done and self._core.failure is not None:
-                raise _core.raisable(self._core.failure)
+            with self._reading:
+                if self._core.done:
+                    break
+                self._result_reads += 1
+                for event in self._follow():
+                    if self._iterating:
+                        self._pending.append(event)
         return self._core.result()
 
     def cancel(self) -> None:
@@ -280,12 +306,10 @@ class GenerationHandle(_core.HandleBase):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _follow(self) -> Iterator[GenerationEvent]:
+    def _follow(self) -> Generator[GenerationEvent, None, None]:
         core = self._core
-        self._ended.clear()
         ended = core.start_following()
         if ended is not None:
-            self._ended.set()
             yield ended
             return
         while True:
@@ -294,7 +318,6 @@ class GenerationHandle(_core.HandleBase):
                 for message in self._call:
                     yield core.on_message(message)
                     if core.done:
-                        self._ended.set()
                         return
             except grpc.RpcError as rpc_error:
                 error = error_from_rpc(rpc_error, request_id=core.request_id)
@@ -311,7 +334,6 @@ class GenerationHandle(_core.HandleBase):
                     if isinstance(decision, _core.Reopen):
                         self._call = self._client._open_generate(core)
                         continue
-            self._ended.set()
             if isinstance(decision, _core.Finish):
                 yield decision.event
                 return

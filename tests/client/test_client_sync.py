@@ -190,6 +190,53 @@ def test_result_waits_for_a_thread_that_iterates_the_events(client: KvRelayClien
     assert result.request_id == handle.request_id and handle.done
 
 
+def _ends_within(target: object, seconds: float = 30.0) -> list[object]:
+    """Run `target` in a thread; what it returned or raised (the thread is a daemon: a hang
+    fails the test instead of the run)."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(target())  # type: ignore[operator]
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the call never returned"
+    return out
+
+
+def test_result_after_an_iteration_left_open_does_not_hang(client: KvRelayClient, harness: Harness) -> None:
+    # An events() iterator kept in a variable and not run to its end (here: after its first
+    # event) is suspended, not iterating: result() reads the stream itself. Before, found
+    # black-box, result() waited forever for that iterator to see the end, past the deadline.
+    harness.step_delay = 0.01
+    handle = client.generate("x", width=64, height=64, num_inference_steps=5)
+    events = handle.events()
+    assert next(events).state == S.QUEUED
+    (result,) = _ends_within(handle.result)
+    assert not isinstance(result, BaseException), result
+    assert result.request_id == handle.request_id and handle.done  # type: ignore[attr-defined]
+    # The iterator left open still sees every later event (result() kept them for it).
+    rest = [e.state for e in events]
+    assert rest[-1] == S.SUCCEEDED and rest.count(S.DENOISING) == 5 and rest.count(S.SUCCEEDED) == 1, rest
+
+
+def test_cancel_then_result_after_an_iteration_left_open_raises_cancelled(
+    client: KvRelayClient, harness: Harness
+) -> None:
+    harness.step_delay = 0.2
+    handle = client.generate("slow", width=64, height=64, num_inference_steps=500)
+    events = handle.events()
+    next(events)
+    handle.cancel()
+    (error,) = _ends_within(handle.result)
+    assert isinstance(error, KvRelayError) and error.code == "CANCELLED", error
+    assert [e.state for e in events][-1] == S.CANCELLED
+
+
 def test_closing_the_client_drops_the_stream_which_cancels_the_generation(
     server: ServerThread, harness: Harness
 ) -> None:
