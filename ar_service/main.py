@@ -281,7 +281,9 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         )
         stop.phase = f"registering with the broker at {_broker_address(args, cfg)}"
         try:
-            await stop.until_stopped(registration.register())
+            await stop.until_stopped(
+                registration.register(broker=_broker_address(args, cfg), wait_s=cfg.broker.register_wait_seconds)
+            )
         except Fenced as err:
             on_fail_stop(str(err))
         except BrokerUnreachable as err:

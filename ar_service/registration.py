@@ -21,6 +21,7 @@ import grpc
 
 from kvrelay import LAYOUT_VERSION, __version__
 from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
+from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.transport import WriteOutcome
@@ -111,25 +112,23 @@ class ArRegistration:
         self._reporting: asyncio.Task[None] | None = None
         self._failed = False
 
-    async def register(self, *, give_up_s: float = 120.0) -> None:
-        """Register, retrying while the broker is unreachable (a replica may start first).
+    async def register(self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS) -> None:
+        """Register, retrying while the broker at `broker` is unreachable (a replica may start
+        first) for up to `wait_s` (kvrelay.broker_wait: progress logged every few seconds).
         Raises Fenced when the broker says so, KvRelay errors on a refusal (bad geometry...)."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + give_up_s
-        delay = 0.2
+        wait = BrokerWait(broker, wait_s)
         while True:
             try:
                 await self._register_once()
                 return
             except grpc.aio.AioRpcError as err:
-                if err.code() not in RETRYABLE or loop.time() + delay > end:
-                    code, reason, message = reason_of(err)
+                code, reason, message = reason_of(err)
+                delay = wait.unanswered(code, message) if err.code() in RETRYABLE else None
+                if delay is None:
                     if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        raise BrokerUnreachable(code, reason, message, waited_s=give_up_s) from None
+                        raise BrokerUnreachable(code, reason, message, waited_s=wait_s) from None
                     raise RegistrationRefused(code, reason, message) from None
-                log.info("broker_not_reachable_yet", code=err.code().name, retry_in_s=delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
 
     async def _register_once(self) -> None:
         request = broker_pb2.RegisterReplicaRequest(

@@ -247,7 +247,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             owed_releases=servicer.owed_releases,
         )
         stop.phase = f"registering with the broker at {broker_address}"
-        await stop.until_stopped(registration.register())
+        await stop.until_stopped(registration.register(broker=broker_address, wait_s=cfg.broker.register_wait_seconds))
         registration.start_heartbeats()
         # A missing or stopped rank is a broken invariant even between requests (its pool can no
         # longer be verified or read, its Mooncake engine neither receives nor drains) and in the

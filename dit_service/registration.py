@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait
 from kvrelay.logging import get_logger
 from kvrelay.transfer.convert import geometry_to_proto, region_to_proto
 from kvrelay.transfer.layout import KvGeometry
@@ -122,13 +123,14 @@ class Registration:
         self.held_tickets = held_tickets
         self.owed_releases = owed_releases
         self.lease_seconds = 0.0
+        self._broker = ""  # its address, as register() was given it (re-registrations reuse it)
         self._task: asyncio.Task[None] | None = None
 
-    async def register(self, *, wait_s: float = 30.0) -> None:
-        """Register, retrying while the broker is unreachable for up to `wait_s` seconds."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + wait_s
-        delay = 0.1
+    async def register(self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS) -> None:
+        """Register, retrying while the broker at `broker` is unreachable for up to `wait_s`
+        seconds (kvrelay.broker_wait: progress logged every few seconds)."""
+        self._broker = broker
+        wait = BrokerWait(broker, wait_s, first_delay_s=0.1, max_delay_s=1.0)
         while True:
             try:
                 reply = await self.stub.RegisterReplica(
@@ -141,16 +143,14 @@ class Registration:
                 )
                 break
             except grpc.aio.AioRpcError as err:
-                retriable = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                if retriable and loop.time() + delay > give_up:
-                    raise BrokerUnreachable(err.code().name, err.details() or "", waited_s=wait_s) from None
-                if not retriable:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise RegistrationRefused(
                         f"RegisterReplica {self.info.replica_id} failed: {err.code().name}: {err.details()}"
                     ) from err
-                log.info("broker_not_reachable_yet", code=err.code().name, retry_in_s=delay)
+                delay = wait.unanswered(err.code().name, err.details() or "")
+                if delay is None:
+                    raise BrokerUnreachable(err.code().name, err.details() or "", waited_s=wait_s) from None
                 await asyncio.sleep(delay)
-                delay = min(1.0, delay * 2)
         if reply.fenced:
             self.on_fenced("registration answered fenced")
             raise RegistrationRefused(f"replica {self.info.replica_id} is fenced")
@@ -173,7 +173,7 @@ class Registration:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     # The broker lost us (e.g. a fresh journal): register again, same incarnation.
                     try:
-                        await self.register(wait_s=RPC_TIMEOUT_S)
+                        await self.register(broker=self._broker, wait_s=RPC_TIMEOUT_S)
                     except RegistrationRefused as refused:
                         log.warning("reregistration_failed", error=str(refused))
                     continue

@@ -22,6 +22,7 @@ from pydantic import (
     model_validator,
 )
 
+from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS
 from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import MAX_CFG_ROWS
@@ -114,6 +115,10 @@ class BrokerConfig(_Strict):
     # ticket names it: BrokerCore.forget_refusal), as `kvrelay forget` would. None: never (the
     # operator forgets them). One restored from the journal counts as down from the broker's start.
     forget_down_replicas_after_seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # How long an AR or DiT replica retries RegisterReplica at start while the broker does not
+    # answer, before it exits with one line naming the address (kvrelay/broker_wait.py). The AR
+    # waited 120 s and the DiT 30 s.
+    register_wait_seconds: float = Field(DEFAULT_REGISTER_WAIT_SECONDS, gt=0, allow_inf_nan=False)
     # WatchTicket streams open at once, in all and per calling replica (kvrelay.broker.service,
     # MAX_WATCH_STREAMS*): one beyond is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. A DiT holds one per
     # request it serves: a per-replica bound below the DiT stage's max_num_seqs is refused at load.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, load_config
@@ -210,7 +211,7 @@ def test_dit_registration_gives_up_on_a_silent_broker_as_unreachable() -> None:
         stub = _SilentBroker(code)
         registration = Registration(stub, _Info(), interval_s=1.0, token=None, on_fenced=lambda _: None)  # type: ignore[arg-type]
         with pytest.raises(RegistrationRefused) as err:
-            asyncio.run(registration.register(wait_s=0.5))
+            asyncio.run(registration.register(broker="127.0.0.1:1", wait_s=0.5))
         return err.value
 
     unreachable = register(grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -238,7 +239,7 @@ def test_ar_registration_gives_up_on_a_silent_broker_as_unreachable() -> None:
         registration = ArRegistration(stub, identity, ledger, reporter, heartbeat_interval_s=1.0, token=None,  # type: ignore[arg-type]
                                       on_fail_stop=lambda _: None)  # fmt: skip
         with pytest.raises(RegistrationRefused) as err:
-            asyncio.run(registration.register(give_up_s=0.5))
+            asyncio.run(registration.register(broker="127.0.0.1:1", wait_s=0.5))
         return err.value
 
     unreachable = register(grpc.StatusCode.UNAVAILABLE)
@@ -247,17 +248,31 @@ def test_ar_registration_gives_up_on_a_silent_broker_as_unreachable() -> None:
 
 
 @pytest.mark.slow
-def test_a_dit_whose_broker_never_answers_says_where_it_looked(tmp_path: Path, closed_port: int) -> None:
+@pytest.mark.parametrize(("role", "exit_code"), [("dit", 3), ("ar", 1)])
+def test_a_replica_whose_broker_never_answers_says_what_it_waits_for_then_where_it_looked(
+    role: str, exit_code: int, tmp_path: Path, closed_port: int
+) -> None:
     # Before: `kvrelay dit: startup failed: RegisterReplica dit-0 failed: DEADLINE_EXCEEDED: Deadline
-    # Exceeded` after a logged traceback, naming neither the broker's address nor what to check.
+    # Exceeded` after a logged traceback, naming neither the broker's address nor what to check;
+    # and the AR waited 120 s, the DiT 30 s, both silent but for a line per retry.
+    # broker.register_wait_seconds is now the one wait of both (default 120 s).
     broker = f"127.0.0.1:{closed_port}"
-    proc = kvrelay("dit", "--config", FAST, "--broker", broker, env={"KVRELAY_LOCK_DIR": str(tmp_path)}, timeout=150)
-    assert proc.returncode == 3, proc.stderr[-3000:]
+    config = yaml.safe_load(Path(FAST).read_text())
+    config["broker"]["register_wait_seconds"] = 12
+    path = tmp_path / "wait.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = kvrelay(role, "--config", str(path), "--broker", broker, env={"KVRELAY_LOCK_DIR": str(tmp_path)},
+                   timeout=150)  # fmt: skip
+    assert proc.returncode == exit_code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("kvrelay dit: ")]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"kvrelay {role}: ")]
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"kvrelay dit: the broker at {broker} did not answer RegisterReplica for 30 s (last: ")
+    assert lines[0].startswith(f"kvrelay {role}: the broker at {broker} did not answer RegisterReplica for 12 s (last: ")
     assert lines[0].endswith("is it running, and is --broker (or the config's broker.host and broker.port) right?")
+    # While it waited: a progress line every 5 s or so (not one per retry), saying what it waits for.
+    progress = [ln for ln in proc.stdout.splitlines() + proc.stderr.splitlines() if "broker_not_reachable_yet" in ln]
+    assert 2 <= len(progress) <= 4, progress
+    assert all(f"waiting_for='the broker at {broker} to answer RegisterReplica'" in ln for ln in progress), progress
 
 
 # --- kvrelay bench's stdout ------------------------------------------------------------------------
