@@ -195,6 +195,9 @@ class BrokerCore:
         # forget once it has been down this long; one restored from the journal that never
         # registers again counts as down from this broker's start (`down_since`).
         self.forget_down_after_seconds = forget_down_after_seconds
+        # The incarnation, per replica id, that `forget_down_replicas` last said it keeps (one
+        # warning, not one per maintenance pass): only `kvrelay forget --force` can let it go.
+        self._kept_down: dict[ReplicaId, str] = {}
         self.start_time = clock()
         self._pools: dict[ReplicaId, ReplicaPages] = {}
         self._tickets: dict[TicketId, TicketRecord] = {}
@@ -419,7 +422,16 @@ class BrokerCore:
         if not down:
             return []
         named = self._named_replicas()
-        gone = [r.spec.replica_id for r in down if self.forget_refusal(r, now, named) is None]
+        gone = []
+        for r in down:
+            refusal = self.forget_refusal(r, now, named)
+            if refusal is None:
+                gone.append(r.spec.replica_id)
+            elif self._kept_down.get(r.spec.replica_id) != r.spec.incarnation_id:
+                # Never forced by the clock (a lease is no proof): say once that only an operator can.
+                self._kept_down[r.spec.replica_id] = r.spec.incarnation_id
+                log.warning("replica_down_too_long_kept", replica_id=r.spec.replica_id, reason=refusal.reason,
+                            down_seconds=round(now - self.down_since(r), 1), message=refusal.message)  # fmt: skip
         if gone:
             self._forget(gone, why="down_too_long")
         return gone
@@ -573,6 +585,7 @@ class BrokerCore:
         for replica_id in replica_ids:
             self.registry.forget(replica_id)
             self._pools.pop(replica_id, None)
+            self._kept_down.pop(replica_id, None)
             for link in [k for k in self._suspect_links if replica_id in k]:
                 del self._suspect_links[link]
         self._commit(tickets, forgotten=replica_ids, tombstones=tombstones)

@@ -429,3 +429,33 @@ def test_a_real_dit_cut_off_and_forgotten_by_force_fails_stop_when_it_comes_back
                 await asyncio.to_thread(dit.stop)
 
     asyncio.run(scenario())
+
+
+def test_the_maintenance_loop_never_forces_and_says_once_what_it_keeps(tmp_path: Path) -> None:
+    """broker.forget_down_replicas_after_seconds forgets only what a plain forget would: a DiT
+    holding an orphaned ticket, down however long, is kept (one warning per incarnation naming
+    the reason, not one per pass) until an operator forces it."""
+    import structlog.testing
+
+    clock = ManualClock()
+    core = BrokerCore(tmp_path / "j.sqlite", clock=clock, lease_seconds=10.0, journal_synchronous="NORMAL",
+                      forget_down_after_seconds=30.0)  # fmt: skip
+    ar, dit = ar_spec("ar-0"), dit_spec("dit-0", num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("r1", ar.replica_id, dit.replica_id, [16])
+    assert t is not None
+    core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id)
+    load_all(core, write_all(core, core.get_ticket(t.ticket_id), ar), dit)
+    with structlog.testing.capture_logs() as events:
+        for _ in range(3):
+            clock.advance(3600)
+            core.tick()
+    kept = [e for e in events if e["event"] == "replica_down_too_long_kept"]
+    assert sorted((e["replica_id"], e["reason"]) for e in kept) == [
+        ("ar-0", "REPLICA_HOLDS_TICKETS"), ("dit-0", "REPLICA_HOLDS_TICKETS")]  # fmt: skip
+    assert _ids(core) == ["ar-0", "dit-0"] and core.get_ticket(t.ticket_id).state is TicketState.READY
+    core.forget_replica(dit.replica_id, force=True)
+    core.tick()  # the AR is named by nothing now: forgotten by the loop
+    assert _ids(core) == []
+    core.close()
