@@ -12,7 +12,8 @@ use it gets a fresh channel; two live loops at once is `FAILED_PRECONDITION`/`WR
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+import collections
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -200,24 +201,64 @@ class AsyncGenerationHandle(_core.HandleBase):
     """One submitted generation (asyncio); see :class:`GenerationHandle`.
 
     ``async with handle:`` cancels the generation if the block exits before it ended. One task
-    at a time reads the stream (``events()`` or ``result()``); ``cancel()`` is safe from any task.
+    at a time iterates ``events()`` (another gets ``RuntimeError``); ``result()`` may be awaited
+    beside it, as with the blocking handle; ``cancel()`` is safe from any task.
     """
 
     def __init__(self, client: AsyncKvRelayClient, core: _core.GenerationCore) -> None:
         self._client = client
         self._core = core
+        self._iterating = False
+        # Held while a task reads the stream (never across a yield to the caller); what result()
+        # reads while an events() iterator is open is kept for it (see GenerationHandle).
+        self._reading = asyncio.Lock()
+        self._pending: collections.deque[GenerationEvent] = collections.deque()
+        self._result_reads = 0
         self._call = client._open_generate(core)
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
         """Events as they happen, ending with the terminal one; see :meth:`GenerationHandle.events`."""
-        async for event in self._follow():
-            yield event
+        if self._iterating:
+            raise RuntimeError("events() is already being iterated")
+        self._iterating = True
+        follow: AsyncGenerator[GenerationEvent, None] | None = None
+        seen = 0
+        try:
+            while True:
+                async with self._reading:
+                    if self._pending:
+                        event = self._pending.popleft()
+                    else:
+                        if follow is None or seen != self._result_reads:
+                            if follow is not None:
+                                await follow.aclose()
+                            seen = self._result_reads
+                            follow = self._follow()
+                        try:
+                            event = await follow.__anext__()
+                        except StopAsyncIteration:
+                            return
+                yield event
+                if event.state.is_terminal:
+                    return
+        finally:
+            if follow is not None:
+                await follow.aclose()
+            self._pending.clear()
+            self._iterating = False
 
     async def result(self) -> GenerationResult:
-        """Wait for the end; the image on SUCCEEDED, else :class:`KvRelayError`."""
-        if not self._core.done:
-            async for _ in self.events():
-                pass
+        """Wait for the end; the image on SUCCEEDED, else :class:`KvRelayError`. May be awaited
+        while another task iterates :meth:`events` (or an iterator is left open): it reads the
+        stream whenever no iteration is reading it, keeping what it reads for that iterator."""
+        while not self._core.done:
+            async with self._reading:
+                if self._core.done:
+                    break
+                self._result_reads += 1
+                async for event in self._follow():
+                    if self._iterating:
+                        self._pending.append(event)
         return self._core.result()
 
     async def cancel(self) -> None:
@@ -250,7 +291,7 @@ class AsyncGenerationHandle(_core.HandleBase):
 
     # -- internals ------------------------------------------------------------------------------
 
-    async def _follow(self) -> AsyncIterator[GenerationEvent]:
+    async def _follow(self) -> AsyncGenerator[GenerationEvent, None]:
         core = self._core
         ended = core.start_following()
         if ended is not None:

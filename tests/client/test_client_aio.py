@@ -211,6 +211,38 @@ def test_async_events_of_an_ended_generation_repeat_only_its_terminal_event(serv
     assert first[-1].state == S.SUCCEEDED and second == [first[-1]]
 
 
+def test_async_result_beside_an_events_iteration_returns_the_image_and_the_iteration_sees_every_event(
+    server: ServerThread, harness: Harness
+) -> None:
+    # Found black-box: asyncio.gather(handle.result(), a task iterating handle.events()) made one
+    # of them fail UNAVAILABLE STREAM_ENDED (two readers of one stream) although the generation
+    # succeeded, and an iterator left open after its first event yielded nothing once result()
+    # had read the rest. A second concurrent events() is a RuntimeError, as with the blocking handle.
+    harness.step_delay = 0.01
+
+    async def states(handle: Any) -> list[Any]:
+        return [event.state async for event in handle.events()]
+
+    async def body(client: AsyncKvRelayClient) -> tuple[Any, ...]:
+        handle = await client.generate("x", width=64, height=64, num_inference_steps=5)
+        result, seen = await asyncio.gather(handle.result(), states(handle))
+        handle = await client.generate("x", width=64, height=64, num_inference_steps=5)
+        both = await asyncio.gather(states(handle), states(handle), return_exceptions=True)
+        handle = await client.generate("x", width=64, height=64, num_inference_steps=5)
+        events = handle.events()
+        first = (await events.__anext__()).state
+        later = await handle.result()
+        rest = [event.state async for event in events]
+        return result, seen, both, first, later, rest
+
+    result, seen, both, first, later, rest = run(server.address, body)
+    assert result.width == 64 and seen[-1] == S.SUCCEEDED and seen.count(S.DENOISING) == 5, seen
+    assert sum(isinstance(x, RuntimeError) for x in both) == 1, both
+    assert [x for x in both if isinstance(x, list)][0][-1] == S.SUCCEEDED
+    assert first == S.QUEUED and later.width == 64
+    assert rest[-1] == S.SUCCEEDED and rest.count(S.DENOISING) == 5, rest
+
+
 def test_async_client_made_outside_the_loop_works_in_each_loop_that_uses_it(server: ServerThread) -> None:
     # Found black-box: a client made at module level / in sync code and used inside asyncio.run()
     # failed with grpc's raw "attached to a different loop" RuntimeError.
