@@ -790,7 +790,8 @@ def run_forget(args: argparse.Namespace) -> int:
                     failed += 0 if all_down and err.code == "FAILED_PRECONDITION" else 1
                     continue
                 shown = ", ".join(_printable(t) for t in ended[:8]) + (", ..." if len(ended) > 8 else "")
-                print(f"{_printable(replica_id)} forgotten" + (f" (ended {len(ended)} tickets: {shown})" if ended else ""))
+                tickets = f"{len(ended)} ticket" + ("s" if len(ended) > 1 else "")
+                print(f"{_printable(replica_id)} forgotten" + (f" (ended {tickets}: {shown})" if ended else ""))
     except KvRelayError as err:
         _print_error("forget", err, sys.stderr, tls=bool(_tls(args)), target=target)
         return 1

@@ -323,7 +323,7 @@ def test_a_real_broker_killed_while_a_dit_reads_then_the_dit_is_forgotten_by_for
         code, out, err = _forget_cli(capsys, broker.address, "--force", "--all-down")
         # The DiT first (it ends the ticket), then the AR, named by nothing any more.
         assert (code, err) == (0, ""), (out, err)
-        assert out.splitlines() == [f"dit-0 forgotten (ended 1 tickets: {ticket.ticket_id})", "ar-0 forgotten"], out
+        assert out.splitlines() == [f"dit-0 forgotten (ended 1 ticket: {ticket.ticket_id})", "ar-0 forgotten"], out
         with grpc.insecure_channel(broker.address) as channel:
             stub = broker_pb2_grpc.BrokerServiceStub(channel)
             got = stub.GetTicket(broker_pb2.GetTicketRequest(ticket_id=ticket.ticket_id), timeout=10).ticket
