@@ -438,6 +438,10 @@ def client_closed_error(request_id: str | None = None) -> KvRelayError:
     return KvRelayError("CANCELLED", "CLIENT_CLOSED", "the client is closed", request_id=request_id)
 
 
+# The reason of a generation the broker failed because it is stopping (not kept: re-attachable).
+BROKER_STOPPING_REASON = "BROKER_SHUTTING_DOWN"
+
+
 def stream_ended_error(request_id: str | None) -> KvRelayError:
     return KvRelayError(
         "UNAVAILABLE",
@@ -540,6 +544,9 @@ class GenerationCore:
         self.terminal: GenerationEvent | None = None
         # The error that ended the last follow (a later follow may still re-attach).
         self.failure: KvRelayError | None = None
+        # A stopping broker's FAILED / BROKER_SHUTTING_DOWN, held back from the caller: the
+        # stream's end is then that error, re-attached as a broken stream is.
+        self._broker_stopping: KvRelayError | None = None
 
     @property
     def done(self) -> bool:
@@ -557,9 +564,23 @@ class GenerationCore:
         self._window = Reattach(self._policy, self.deadline, clock=self._clock, rng=self._rng)
         return None
 
-    def on_message(self, message: generation_pb2.GenerationEvent) -> GenerationEvent:
-        """A message arrived on the stream: the event to yield (stop after it when `done`)."""
+    def on_message(self, message: generation_pb2.GenerationEvent) -> GenerationEvent | None:
+        """A message arrived on the stream: the event to yield (stop after it when `done`), or
+        None to yield nothing (read on)."""
         event = event_from_pb(message)
+        if (
+            self._reattach_enabled
+            and event.state == GenerationState.FAILED
+            and event.error is not None
+            and event.error.reason == BROKER_STOPPING_REASON
+        ):
+            # The broker stopping keeps no live generation (docs/api.md, Retention): after its
+            # restart a re-attach with this request_id starts it afresh, as after a crash.
+            self._broker_stopping = KvRelayError(
+                event.error.code, event.error.reason, event.error.message, request_id=self.request_id
+            )
+            return None
+        self._broker_stopping = None
         self._observe(event)
         if self._window is not None:
             self._window.progressed()
@@ -570,7 +591,7 @@ class GenerationCore:
         if self.cancel_requested:
             return self._finish_cancelled()
         if error is None:
-            error = stream_ended_error(self.request_id)
+            error = self._broker_stopping or stream_ended_error(self.request_id)
         elif error.code == "CANCELLED" and error.reason == "CANCELLED":  # not ours: checked above
             error = stream_dropped_error(error, self.request_id)
         if self.deadline.expired() and error.code != "DEADLINE_EXCEEDED":

@@ -301,7 +301,9 @@ class AsyncGenerationHandle(_core.HandleBase):
             error: KvRelayError | None = None
             try:
                 while (message := await self._call.read()) is not grpc.aio.EOF:
-                    yield core.on_message(message)
+                    if (event := core.on_message(message)) is None:
+                        continue
+                    yield event
                     if core.done:
                         return
             except grpc.RpcError as rpc_error:

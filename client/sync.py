@@ -316,7 +316,9 @@ class GenerationHandle(_core.HandleBase):
             error: KvRelayError | None = None
             try:
                 for message in self._call:
-                    yield core.on_message(message)
+                    if (event := core.on_message(message)) is None:
+                        continue
+                    yield event
                     if core.done:
                         return
             except grpc.RpcError as rpc_error:
