@@ -755,8 +755,9 @@ def run_forget(args: argparse.Namespace) -> int:
     on stderr. Exit 0 only if every id was forgotten. `--all-down`: every replica that is not up,
     except those the broker must keep (they are listed with the reason, and do not fail the command).
     `--force`: the operator says they are gone for good: fenced ones and ones that live tickets name
-    are forgotten too, ending those tickets (listed after the id); DiTs first with --all-down, since
-    forgetting a DiT ends the tickets that keep an AR's in-doubt writes unresolved."""
+    are forgotten too, ending those tickets (listed after the id); DiTs first with --all-down, and an
+    AR refused REPLICA_WRITES_IN_DOUBT is tried once more after the other ids, since forgetting a
+    DiT ends the tickets that keep an AR's in-doubt writes unresolved."""
     if (problem := tls_problem(args)) is not None:
         print(f"kvrelay forget: {problem}", file=sys.stderr)
         return 2
@@ -777,25 +778,39 @@ def run_forget(args: argparse.Namespace) -> int:
                 if not ids:
                     print("no replica is down")
                     return 0
+            retried: list[str] = []
             for replica_id in ids:
-                try:
-                    ended = client.forget_replica(replica_id, force=force)
-                except KvRelayError as err:
-                    if err.code not in _PER_REPLICA_CODES:
-                        raise
-                    reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
-                    print(f"{_printable(replica_id)} not forgotten: {err.code}{reason}: {_printable(err.message)}",
-                          file=sys.stderr)
-                    # --all-down forgets what is safe to forget; what must be kept is no failure.
-                    failed += 0 if all_down and err.code == "FAILED_PRECONDITION" else 1
-                    continue
-                shown = ", ".join(_printable(t) for t in ended[:8]) + (", ..." if len(ended) > 8 else "")
-                tickets = f"{len(ended)} ticket" + ("s" if len(ended) > 1 else "")
-                print(f"{_printable(replica_id)} forgotten" + (f" (ended {tickets}: {shown})" if ended else ""))
+                failed += _forget_one(client, replica_id, force=force, all_down=all_down, retry=retried)
+            for replica_id in retried:  # after every other id: a DiT forgotten since may have freed them
+                failed += _forget_one(client, replica_id, force=force, all_down=all_down, retry=None)
     except KvRelayError as err:
         _print_error("forget", err, sys.stderr, tls=bool(_tls(args)), target=target)
         return 1
     return 1 if failed else 0
+
+
+def _forget_one(client: KvRelayClient, replica_id: str, *, force: bool, all_down: bool,
+                retry: list[str] | None) -> int:
+    """Forget one id and print its line; 1 if that counts as a failure of the command. An AR
+    refused REPLICA_WRITES_IN_DOUBT under --force goes to `retry` (when given) instead, unprinted:
+    a DiT named after it may end the tickets that hold it."""
+    try:
+        ended = client.forget_replica(replica_id, force=force)
+    except KvRelayError as err:
+        if err.code not in _PER_REPLICA_CODES:
+            raise
+        if retry is not None and err.reason == "REPLICA_WRITES_IN_DOUBT":
+            retry.append(replica_id)
+            return 0
+        reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
+        print(f"{_printable(replica_id)} not forgotten: {err.code}{reason}: {_printable(err.message)}",
+              file=sys.stderr)
+        # --all-down forgets what is safe to forget; what must be kept is no failure.
+        return 0 if all_down and err.code == "FAILED_PRECONDITION" else 1
+    shown = ", ".join(_printable(t) for t in ended[:8]) + (", ..." if len(ended) > 8 else "")
+    tickets = f"{len(ended)} ticket" + ("s" if len(ended) > 1 else "")
+    print(f"{_printable(replica_id)} forgotten" + (f" (ended {tickets}: {shown})" if ended else ""))
+    return 0
 
 
 __all__ = [

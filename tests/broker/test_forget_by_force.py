@@ -31,7 +31,7 @@ from tests.broker.helpers import (
     new_incarnation,
     write_all,
 )
-from tests.broker.test_forget_replica import _forget_cli, _listed, _register, _start_broker
+from tests.broker.test_forget_replica import _deregister, _forget_cli, _listed, _register, _start_broker
 from tests.broker.test_grpc import replica
 
 
@@ -459,3 +459,41 @@ def test_the_maintenance_loop_never_forces_and_says_once_what_it_keeps(tmp_path:
     core.tick()  # the AR is named by nothing now: forgotten by the loop
     assert _ids(core) == []
     core.close()
+
+
+def test_forget_force_names_an_ar_with_writes_in_doubt_before_its_dit_and_both_go(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both hosts gone for good, an AR's write into the DiT in doubt. The AR alone is refused even by
+    force (REPLICA_WRITES_IN_DOUBT: behind a partition it could still write); named before its DiT
+    on one command line, it is tried again once the DiT (forgotten, its tickets ended) freed it."""
+    ar = replica("ar-0", common_pb2.REPLICA_ROLE_AR)
+    dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16)
+    broker = _start_broker(repo_root, tmp_path)
+    try:
+        with grpc.insecure_channel(broker.address) as channel:
+            stub = broker_pb2_grpc.BrokerServiceStub(channel)
+            _register(stub, ar)
+            _register(stub, dit)
+            ticket = stub.CreateTicket(broker_pb2.CreateTicketRequest(
+                request_id="req-1", ar_replica_id="ar-0", dit_replica_id="dit-0", row_token_counts=[20]),
+                timeout=10).ticket  # fmt: skip
+            armed = stub.ReserveTicket(broker_pb2.ReserveTicketRequest(
+                ticket_id=ticket.ticket_id, ar_replica_id="ar-0", incarnation_id=ar.incarnation_id), timeout=10)  # fmt: skip
+            stub.ReportWrite(broker_pb2.ReportWriteRequest(
+                ticket_id=ticket.ticket_id, replica_id="ar-0", incarnation_id=ar.incarnation_id,
+                writes=[broker_pb2.WriteReport(row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank,
+                                               status=common_pb2.WRITE_STATUS_IN_DOUBT) for w in armed.writes]),
+                timeout=10)  # fmt: skip
+            _deregister(stub, ar)
+            _deregister(stub, dit)
+            code, out, err = _forget_cli(capsys, broker.address, "--force", "ar-0")
+            assert (code, out) == (1, ""), (out, err)
+            assert err.startswith("ar-0 not forgotten: FAILED_PRECONDITION (REPLICA_WRITES_IN_DOUBT):"), err
+            assert ticket.ticket_id in err and "dit-0" in err
+            code, out, err = _forget_cli(capsys, broker.address, "--force", "ar-0", "dit-0")
+            assert (code, err) == (0, ""), (out, err)
+            assert out.splitlines() == [f"dit-0 forgotten (ended 1 ticket: {ticket.ticket_id})", "ar-0 forgotten"]
+            assert _listed(stub) == {}
+    finally:
+        assert broker.stop() == 0, broker.output()
