@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvrelay.errors import KvRelayServerError, abort_with
+from kvrelay.limits import MAX_REQUEST_ID_LENGTH, request_id_problem
 
 if TYPE_CHECKING:
     from kvrelay.config import SecurityConfig
@@ -45,7 +46,8 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # How long calls still running on a channel dropped by `ChannelCache.forget` may go on: a
 # failed connection rarely leaves a healthy call behind, but a long Denoise stream may be one.
 FORGOTTEN_CHANNEL_GRACE_S = 600.0
-# Longest id (replica, ticket, request, incarnation) any RPC accepts.
+# Longest id (replica, ticket, incarnation) any RPC accepts. A request_id has its own, shorter
+# bound: kvrelay.limits.MAX_REQUEST_ID_LENGTH (128), the one every generation id is held to.
 MAX_ID_CHARS = 256
 # Streams of the RPCs open to anyone (health Watch, reflection) one server holds at once; one
 # more is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Each held ~25 KB of the server for as long as the
@@ -890,8 +892,10 @@ _IDS_COUNTED_BY_SERVICER = frozenset({"held_ticket_ids"})
 
 
 def check_id_lengths(message: Any, path: str = "", depth: int = 0) -> None:
-    """Ids (fields named *_id / *_ids, at any depth) are at most MAX_ID_CHARS characters; at most
-    1024 in one repeated field unless its servicer bounds the count (_IDS_COUNTED_BY_SERVICER)."""
+    """Ids (fields named *_id / *_ids, at any depth) are at most MAX_ID_CHARS characters, a
+    request_id at most kvrelay.limits.MAX_REQUEST_ID_LENGTH (refused with the broker's own message,
+    kvrelay.limits.request_id_problem); at most 1024 in one repeated field unless its servicer bounds
+    the count (_IDS_COUNTED_BY_SERVICER)."""
     if depth > 4:
         return
     for fd, value in message.ListFields():
@@ -902,6 +906,9 @@ def check_id_lengths(message: Any, path: str = "", depth: int = 0) -> None:
                 raise KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
                                          f"{name}: at most 1024 ids", field=name)
             for v in values:
+                if fd.name == "request_id" and len(v) > MAX_REQUEST_ID_LENGTH:
+                    raise KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
+                                             f"{name}: {request_id_problem(v)}", field=name)
                 if len(v) > MAX_ID_CHARS:
                     raise KvRelayServerError(grpc.StatusCode.INVALID_ARGUMENT, "INVALID_ARGUMENT",
                                              f"{name}: longer than {MAX_ID_CHARS} characters", field=name)

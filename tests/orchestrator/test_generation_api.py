@@ -492,8 +492,9 @@ def test_request_ids_no_generation_can_have_are_refused_naming_the_field_on_ever
             cases = (
                 ("k" * 129, bound + "129 characters: '" + "k" * 40 + "'..."),
                 ("a b", bound + "'a b'"),
-                # Past every id field's bound (256, kvrelay/security.py) the interceptor refuses first.
-                (huge, "request_id: longer than 256 characters"),
+                # Far past it the interceptor refuses first (kvrelay.security.check_id_lengths),
+                # with the same bound and words (kvrelay/limits.py): before, "longer than 256".
+                (huge, bound + "5000 characters: '" + "a" * 40 + "'..."),
             )
             for name, call in calls.items():
                 for rid, message in cases:
