@@ -531,7 +531,7 @@ class BrokerCore:
                     f"({', '.join(t.ticket_id for t in in_doubt[:_LOGGED_IDS])}) into DiT {', '.join(dits)}: "
                     "its process may be alive behind a partition and still write into those pages. They resolve "
                     f"when it reports them, when a new incarnation of {replica_id} registers, or when their DiT "
-                    "restarts or is itself forgotten with --force (it if is gone too); then retry",
+                    "restarts or is itself forgotten with --force (if it is gone too); then retry",
                 )
         pool = self._pools.get(replica_id)
         if not force and pool is not None and (c := pool.counts()).free != c.total:
