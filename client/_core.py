@@ -240,9 +240,10 @@ def wire_text(field: str, value: str) -> str:
     which is how Python decodes bytes that are not UTF-8 from a command line, a file read with
     surrogateescape or a pipe) is refused here, like a value the wire cannot carry
     (INVALID_ARGUMENT naming the field), never protobuf's UnicodeEncodeError traceback. A value
-    that is not a str is left to protobuf's TypeError (the caller's bug)."""
+    that is not a str is the caller's TypeError naming the field (protobuf's said "bad argument
+    type for built-in operation", and None was taken as "")."""
     if not isinstance(value, str):
-        return value
+        raise TypeError(f"{field} must be str, not {type(value).__name__} {value!r}")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as err:
@@ -261,8 +262,7 @@ def wire_request_id(request_id: str) -> str:
     """`request_id` for the wire; one no generation can have (longer than the broker takes, other
     characters, empty) is refused here with the broker's own message (kvrelay.limits)."""
     text = wire_text("request_id", request_id)
-    if isinstance(text, str):
-        checked("request_id", request_id_problem(text))
+    checked("request_id", request_id_problem(text))
     return text
 
 
@@ -303,7 +303,7 @@ def list_generations(states: Iterable[GenerationState] | None, page_size: int) -
         "generation",
         "ListGenerations",
         generation_pb2.ListGenerationsRequest(
-            states=enum_values(states), page_size=wire_unsigned("page_size", page_size, 32)
+            states=enum_values(states, "GenerationState"), page_size=wire_unsigned("page_size", page_size, 32)
         ),
         lambda r: [generation_from_pb(g) for g in r.generations],
     )
@@ -342,7 +342,7 @@ def list_tickets(states: Iterable[TicketState] | None, replica_id: str) -> Unary
     return UnaryCall(
         "broker",
         "ListTickets",
-        broker_pb2.ListTicketsRequest(states=enum_values(states), replica_id=wire_text("replica_id", replica_id)),
+        broker_pb2.ListTicketsRequest(states=enum_values(states, "TicketState"), replica_id=wire_text("replica_id", replica_id)),
         lambda r: [ticket_from_pb(t) for t in r.tickets],
     )
 
@@ -468,8 +468,12 @@ def stream_dropped_error(error: KvRelayError, request_id: str | None) -> KvRelay
     )
 
 
-def enum_values(states: Iterable[IntEnum] | None) -> Any:
-    """Public IntEnums as the proto's enum numbers (the values are the same by construction)."""
+def enum_values(states: Iterable[IntEnum] | None, kind: str) -> Any:
+    """Public IntEnums as the proto's enum numbers (the values are the same by construction).
+    One state or a str instead of an iterable of them is the caller's TypeError (a str was read
+    a character at a time: "invalid literal for int() with base 10: 'Q'")."""
+    if isinstance(states, str | int) or not isinstance(states, Iterable | None):
+        raise TypeError(f"states must be an iterable of {kind}, not {type(states).__name__} {states!r}")
     return [int(s) for s in states or ()]
 
 

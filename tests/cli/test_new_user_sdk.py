@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.client import AsyncKvRelayClient, KvRelayClient, KvRelayError
+from kvrelay.client import AsyncKvRelayClient, GenerationState, KvRelayClient, KvRelayError, TicketState
 from tests.client.harness import Harness, ServerThread
 
 BAD = [0, -1, -0.5, math.nan, math.inf, 1e10]
@@ -152,6 +152,30 @@ def test_a_number_of_the_wrong_kind_is_the_callers_type_error(
             client.list_generations(page_size=1.0)  # type: ignore[arg-type]
         # Integers of any kind (bool is one to Python) and floats for the scale still go.
         assert client.generate("a fox", width=64, height=64, seed=7, guidance_scale=2).result().seed == 7
+
+
+def test_text_of_the_wrong_kind_is_the_callers_type_error_naming_the_argument(server: ServerThread) -> None:
+    # Found black-box: request_id=5 / get_generation(5) raised protobuf's "bad argument type for
+    # built-in operation", get_generation(None) asked for the generation '' (NOT_FOUND), and
+    # list_generations(states="QUEUED") "invalid literal for int() with base 10: 'Q'".
+    with KvRelayClient(server.address) as client:
+        for call, message in (
+            (lambda: client.generate("a fox", request_id=5), "request_id must be str, not int 5"),
+            (lambda: client.generate("a fox", negative_prompt=b"x"), "negative_prompt must be str, not bytes b'x'"),
+            (lambda: client.get_generation(5), "request_id must be str, not int 5"),
+            (lambda: client.get_generation(None), "request_id must be str, not NoneType None"),
+            (lambda: client.cancel_generation(5.0), "request_id must be str, not float 5.0"),
+            (lambda: client.get_pools(replica_id=3), "replica_id must be str, not int 3"),
+            (lambda: client.list_generations(states="QUEUED"),
+             "states must be an iterable of GenerationState, not str 'QUEUED'"),
+            (lambda: client.list_tickets(states=TicketState.WRITING),
+             "states must be an iterable of TicketState, not TicketState <TicketState.WRITING: 2>"),
+        ):
+            with pytest.raises(TypeError) as err:
+                call()  # type: ignore[no-untyped-call]
+            assert str(err.value) == message
+        # A list of states, or any iterable of them, still goes.
+        assert isinstance(client.list_generations(states=(GenerationState.QUEUED,)), list)
 
 
 # --- tokens ----------------------------------------------------------------------------------------
