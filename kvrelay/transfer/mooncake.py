@@ -140,7 +140,8 @@ class MooncakeEndpoint:
     """The process's TransferEngine, usable as both a KvSender and a KvReceiver.
 
     Construct it through `endpoint()` (or the transport factory) so that a process never holds
-    two engines: two engines would listen on two sessions and split registrations.
+    two endpoints: two would listen on two sessions and split registrations. The engines that
+    replace its sending engine (`_replace_sender`) only send; peers write to the first one.
     """
 
     name = "mooncake"
