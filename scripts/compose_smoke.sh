@@ -292,6 +292,29 @@ grep -q UNAUTHENTICATED "$WORK/refused.log" || { cat "$WORK/refused.log" >&2; fa
 env -u KVRELAY_API_TOKEN -u KVRELAY_OPERATOR_TOKEN -u KVRELAY_REPLICA_TOKEN "${KVRELAY[@]}" status --target "$TARGET" \
   > /dev/null 2>&1 && fail "kvrelay status without the operator token was answered"
 log "tokens enforced: no token is UNAUTHENTICATED for generate and status"
+# Bound replica tokens, as the compose configs say: the replicas hold their own token and never the
+# secret, and ar-0's token does not open the broker's replica RPCs as dit-0.
+for svc in ar-cpu dit-cpu; do
+  "${COMPOSE[@]}" exec -T "$svc" sh -c 'test -n "${KVRELAY_REPLICA_TOKEN:-}" && test -z "${KVRELAY_REPLICA_SECRET:-}"' \
+    || fail "$svc: not its own replica token alone (or it holds the replica secret)"
+done
+"$PY" - "$TARGET" <<'EOF' || fail "ar-0's token acted as dit-0"
+import os, sys
+import grpc
+from kvrelay.errors import reason_of
+from kvrelay.security import ChannelSecurity, make_sync_channel
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc
+with make_sync_channel(sys.argv[1], ChannelSecurity(token=os.environ["KVRELAY_AR0_TOKEN"], replica_id="dit-0")) as ch:
+    try:
+        broker_pb2_grpc.BrokerServiceStub(ch).Heartbeat(
+            broker_pb2.HeartbeatRequest(replica_id="dit-0", incarnation_id="smoke-impostor"), timeout=10)
+    except grpc.RpcError as err:
+        code, reason, message = reason_of(err)
+        assert (code, reason) == ("UNAUTHENTICATED", "REPLICA_TOKEN_MISMATCH"), (code, reason, message)
+    else:
+        sys.exit("a heartbeat as dit-0 with ar-0's token was answered")
+EOF
+log "replica tokens bound: ar-0's token as dit-0 is REPLICA_TOKEN_MISMATCH; the replicas hold no secret"
 
 # Published metrics: one scrape of each process from the host.
 "$PY" - "$BROKER_METRICS" "$AR_METRICS" "$DIT_METRICS" <<'EOF' || fail "published metrics"

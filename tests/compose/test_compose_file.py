@@ -6,8 +6,11 @@ restart policies). Engine-free: the real run is tests/compose/test_compose_smoke
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import stat
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ import pytest
 import yaml
 
 from kvrelay.config import load_config
+from kvrelay.security import replica_token_for
 
 COMPOSE_FILE = Path("compose") / "docker-compose.yml"
 # Bound replica tokens: the broker's api and operator tokens and replica secret, each replica's own.
@@ -122,3 +126,46 @@ def test_build_context_keeps_the_venv_and_secrets_out(repo_root: Path) -> None:
     pyproject = tomllib.loads((repo_root / "pyproject.toml").read_text())
     sources = set(pyproject["tool"]["setuptools"]["package-dir"].values())
     assert sources <= copied, f"pyproject maps folders the image does not copy: {sources - copied}"
+
+
+def test_the_docs_env_file_snippet_derives_the_replica_tokens_from_the_secret(repo_root: Path, tmp_path: Path) -> None:
+    """docs/operations.md's snippet that writes compose/kvrelay.env, run as a user would (bash,
+    `kvrelay` on PATH, from a checkout): every key the template lists, the file private, fresh
+    random secrets, and each replica's token the one the broker derives for its id (a made-up
+    token would be refused at registration)."""
+    text = (repo_root / "docs" / "operations.md").read_text()
+    blocks = [b for b in re.findall(r"^```bash\n(.*?)^```", text, re.M | re.S) if "> compose/kvrelay.env" in b]
+    assert len(blocks) == 1, "docs/operations.md: one block writes compose/kvrelay.env"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kvrelay").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kvrelay "$@"\n')
+    (bin_dir / "kvrelay").chmod(0o755)
+    checkout = tmp_path / "checkout"
+    (checkout / "compose").mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", PYTHONPATH=str(repo_root))
+    for run in (1, 2):
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", blocks[0]], cwd=checkout, env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        path = checkout / "compose" / "kvrelay.env"
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, oct(path.stat().st_mode)
+        values = dict(line.split("=", 1) for line in path.read_text().splitlines())
+        template = (repo_root / "compose" / "kvrelay.env.example").read_text().splitlines()
+        assert list(values) == [line.split("=", 1)[0] for line in template if line and not line.startswith("#")]
+        assert all(re.fullmatch(r"[0-9a-f]{64}", v) for v in values.values()), values
+        assert len(set(values.values())) == len(values)
+        secret = values["KVRELAY_REPLICA_SECRET"]
+        assert values["KVRELAY_AR0_TOKEN"] == replica_token_for(secret, "ar-0")
+        assert values["KVRELAY_DIT0_TOKEN"] == replica_token_for(secret, "dit-0")
+        if run == 1:
+            first = values
+            # An existing file (a deployment's secrets) is never overwritten.
+            again = subprocess.run(["bash", "-euo", "pipefail", "-c", blocks[0]], cwd=checkout, env=env,
+                                   capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert again.returncode != 0 and path.read_text().splitlines()[0] == f"KVRELAY_API_TOKEN={values['KVRELAY_API_TOKEN']}"
+            assert dict(line.split("=", 1) for line in path.read_text().splitlines()) == first
+            path.unlink()
+    assert first["KVRELAY_REPLICA_SECRET"] != values["KVRELAY_REPLICA_SECRET"]  # fresh each time
+    proc = _compose(repo_root, tmp_path, "--profile", "cpu", env=values)
+    assert proc.returncode == 0, proc.stderr

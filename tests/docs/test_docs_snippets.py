@@ -47,7 +47,10 @@ NOT_RUN: dict[tuple[str, str], str] = {
     ("docs/operations.md", "python - .kvrelay/broker.sqlite "):
         "reads a node's journal where the node was started (here the docs node's is elsewhere); "
         "tests/broker/test_journal_compaction.py checks the same counts and pragmas",
-    ("docs/operations.md", "cp compose/kvrelay.env.example "):
+    ("docs/operations.md", "( umask 077; set -o noclobber"):
+        "writes compose/kvrelay.env of a checkout; tests/compose/test_compose_file.py runs it in a scratch "
+        "folder and checks the tokens against the secret and that compose takes the file",
+    ("docs/operations.md", "docker compose -f compose/docker-compose.yml --env-file compose/kvrelay.env --profile cpu up"):
         "Docker or podman: scripts/compose_smoke.sh runs these steps end to end (tests/compose/)",
     ("docs/operations.md", "kvrelay status                    # dit-1: UP no"):
         "needs a replica that is down for good (the docs node's are up); tests/broker/test_forget_replica.py "
