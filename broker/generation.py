@@ -29,7 +29,7 @@ from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
 from kvrelay.config import DEFAULT_IMAGE_REPLY_BUDGET_BYTES, DEFAULT_IMAGE_REPLY_WAIT_SECONDS, BrokerConfig
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, time_remaining
-from kvrelay.limits import guidance_problem, request_id_problem, side_problem, steps_problem
+from kvrelay.limits import MAX_PROMPT_BYTES, guidance_problem, request_id_problem, side_problem, steps_problem
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.security import current_caller
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -41,9 +41,8 @@ DEFAULT_WIDTH: Final = 512
 DEFAULT_HEIGHT: Final = 512
 DEFAULT_STEPS: Final = 2
 DEFAULT_GUIDANCE: Final = 2.0
-# The AR's max tokens is the real bound (checked by Tokenize); this only keeps megabytes of text
-# from being shipped to a replica just to be refused.
-MAX_PROMPT_BYTES: Final = 1 << 20
+# MAX_PROMPT_BYTES (kvrelay.limits): the AR's max tokens is the real bound (checked by Tokenize);
+# this only keeps megabytes of text from being shipped to a replica just to be refused.
 # Seeds are drawn below 2**63 so that every consumer (torch generators take int64) accepts them.
 _SEED_BITS: Final = 63
 # How long a generation may wait for a re-attach after its stream ended (the deadline bounds it too).

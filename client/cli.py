@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-from kvrelay.limits import MAX_REQUEST_ID_LENGTH, QUOTED_ID_CHARS
+from kvrelay.limits import MAX_PROMPT_BYTES, MAX_REQUEST_ID_LENGTH, QUOTED_ID_CHARS
 
 from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
@@ -225,6 +225,11 @@ def format_timings(timings: PhaseTimings) -> str:
     return "  ".join(parts) + f"  | total {timings.total_seconds:.3f}s"
 
 
+# A prompt is read only this far (characters): one past what the broker ever takes (a file or
+# pipe without end, `--prompt-file /dev/zero`, read until MemoryError).
+_PROMPT_READ_CHARS = MAX_PROMPT_BYTES + 1
+
+
 def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
     """The prompt from the argument, `--prompt-file PATH`, or stdin (`-` as either).
 
@@ -244,7 +249,7 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
         if stdin.isatty():
             raise ValueError("reading the prompt from stdin, but stdin is a terminal (pipe it in)")
         try:
-            text = stdin.read()
+            text = stdin.read(_PROMPT_READ_CHARS)
         except UnicodeDecodeError as err:
             raise ValueError(
                 f"the prompt from stdin: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})"
@@ -253,7 +258,7 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
     else:
         try:
             with open(source, encoding="utf-8") as f:
-                text = f.read()
+                text = f.read(_PROMPT_READ_CHARS)
         except OSError as err:
             raise ValueError(f"cannot read --prompt-file {source}: {err.strerror}") from None
         except UnicodeDecodeError as err:
@@ -261,7 +266,12 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
             raise ValueError(
                 f"--prompt-file {source}: not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start})"
             ) from None
-        where = source
+        where = f"--prompt-file {source}"
+    if len(text) >= _PROMPT_READ_CHARS:
+        raise ValueError(
+            f"the prompt from {where} is longer than {MAX_PROMPT_BYTES} characters: "
+            f"the broker takes at most {MAX_PROMPT_BYTES} bytes of UTF-8 (1 MiB)"
+        )
     text = text.rstrip("\r\n")
     if not text.strip():
         raise ValueError(f"the prompt from {where} is empty")

@@ -340,6 +340,20 @@ def test_the_prompt_comes_from_the_argument_a_file_or_stdin(tmp_path: Path) -> N
     ):
         with pytest.raises(ValueError, match=match):
             read_prompt(bad, _Pipe("  \n"))
+    # More than the broker ever takes (1 MiB of UTF-8) is refused after reading just past it:
+    # found black-box, `--prompt-file /dev/zero` read until MemoryError (or the machine's memory).
+    from kvrelay.limits import MAX_PROMPT_BYTES
+
+    assert read_prompt(ns(prompt="-"), _Pipe("a" * MAX_PROMPT_BYTES)) == "a" * MAX_PROMPT_BYTES
+    big = tmp_path / "big.txt"
+    big.write_text("b" * (3 * MAX_PROMPT_BYTES))
+    for args, where in ((ns(prompt="-"), "stdin"), (ns(prompt_file=str(big)), f"--prompt-file {big}")):
+        with pytest.raises(ValueError) as err:
+            read_prompt(args, _Pipe("a" * (MAX_PROMPT_BYTES + 1)))
+        assert str(err.value) == (
+            f"the prompt from {where} is longer than {MAX_PROMPT_BYTES} characters: "
+            f"the broker takes at most {MAX_PROMPT_BYTES} bytes of UTF-8 (1 MiB)"
+        )
 
 
 @pytest.mark.parametrize("tls", [False, True])
