@@ -29,7 +29,15 @@ from kvrelay.broker.tickets import BrokerError
 from kvrelay.broker.wire import wire_enum
 from kvrelay.config import DEFAULT_IMAGE_REPLY_BUDGET_BYTES, DEFAULT_IMAGE_REPLY_WAIT_SECONDS, BrokerConfig
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, time_remaining
-from kvrelay.limits import MAX_PROMPT_BYTES, guidance_problem, request_id_problem, side_problem, steps_problem
+from kvrelay.limits import (
+    DEFAULT_LIST_PAGE_SIZE,
+    MAX_LIST_PAGE_SIZE,
+    MAX_PROMPT_BYTES,
+    guidance_problem,
+    request_id_problem,
+    side_problem,
+    steps_problem,
+)
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.security import current_caller
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -47,8 +55,6 @@ DEFAULT_GUIDANCE: Final = 2.0
 _SEED_BITS: Final = 63
 # How long a generation may wait for a re-attach after its stream ended (the deadline bounds it too).
 MAX_DETACH_SECONDS: Final = 3600.0
-DEFAULT_LIST_PAGE_SIZE: Final = 100
-MAX_LIST_PAGE_SIZE: Final = 1000
 # A ListGenerations reply stops before this many bytes: gRPC's default receive limit, so any stock
 # client (grpcurl, another language's stub) can read it although retained prompts may be 1 MiB each.
 MAX_LIST_REPLY_BYTES: Final = 4 * 1024 * 1024

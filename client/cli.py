@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-from kvrelay.limits import MAX_PROMPT_BYTES, MAX_REQUEST_ID_LENGTH, QUOTED_ID_CHARS
+from kvrelay.limits import MAX_LIST_PAGE_SIZE, MAX_PROMPT_BYTES, MAX_REQUEST_ID_LENGTH, QUOTED_ID_CHARS
 
 from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
@@ -716,7 +716,9 @@ def run_list(args: argparse.Namespace) -> int:
         # Every client's generations: an operator RPC (the api token serves a development node).
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
         with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
-            generations = client.list_generations(states, page_size=int(getattr(args, "limit", 0) or 0))
+            # Without --limit, every generation the API lists: page_size 0 would be its 100.
+            limit = int(getattr(args, "limit", 0) or 0) or MAX_LIST_PAGE_SIZE
+            generations = client.list_generations(states, page_size=limit)
     except KvRelayError as err:
         _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
         return 1

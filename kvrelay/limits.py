@@ -23,6 +23,9 @@ MAX_STEPS: Final = 1000
 MIN_GUIDANCE: Final = 1.0  # 1.0 = no CFG
 # The UTF-8 bytes of `prompt` and of `negative_prompt`, each.
 MAX_PROMPT_BYTES: Final = 1 << 20
+# ListGenerations: `page_size` 0 asks for this many; more than the max is the max.
+DEFAULT_LIST_PAGE_SIZE: Final = 100
+MAX_LIST_PAGE_SIZE: Final = 1000
 # The wire's uint64, all of which every consumer takes (torch generators: up to 2**64 - 1).
 SEED_BITS: Final = 64
 # How much of a refused id a message quotes: enough to recognise it, never a wall of text.

@@ -29,6 +29,7 @@ from google.protobuf import timestamp_pb2
 from PIL import Image
 
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, not_found
+from kvrelay.limits import DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, generation_pb2, generation_pb2_grpc
 
 _T = TypeVar("_T")
@@ -308,7 +309,8 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
         if request.states:
             gens = [g for g in gens if g.state in request.states]
         out = []
-        for g in gens[: request.page_size or None]:
+        # The broker's page: 0 asks for 100, more than 1000 is 1000 (broker/generation.py).
+        for g in gens[: min(request.page_size or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)]:
             copy = generation_pb2.Generation()
             copy.CopyFrom(g)
             copy.ClearField("image")

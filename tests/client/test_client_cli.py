@@ -16,7 +16,7 @@ from PIL import Image
 
 from kvrelay.client.cli import run_generate, run_status
 from kvrelay.v1 import broker_pb2, common_pb2, generation_pb2
-from tests.client.harness import Harness, ServerThread
+from tests.client.harness import Gen, Harness, ServerThread
 
 REPO = Path(__file__).resolve().parents[2]
 PB = generation_pb2.GenerationState
@@ -291,6 +291,29 @@ def test_status_json_and_empty_broker(
     assert doc["replicas"][1]["role"] == "DIT" and doc["replicas"][1]["fenced"] is True
     assert doc["pools"][0]["free_pages"] == 60
     assert doc["tickets"][0]["state"] == "WRITING" and doc["tickets"][0]["rows"][0]["page_ids"] == [0, 1]
+
+
+def test_list_without_limit_shows_every_generation_not_the_apis_default_page(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found black-box: `kvrelay list` ("default: all the broker keeps") sent page_size 0, which
+    # the broker answers with its newest 100: 113 kept, 100 listed.
+    from kvrelay.client.cli import run_list
+    from kvrelay.limits import DEFAULT_LIST_PAGE_SIZE
+
+    kept = DEFAULT_LIST_PAGE_SIZE + 20
+    for i in range(kept):
+        generation = generation_pb2.Generation(request_id=f"r-{i}", state=generation_pb2.GENERATION_STATE_SUCCEEDED)
+        harness.generations[f"r-{i}"] = Gen(generation)
+
+    def listed(**options: object) -> list[str]:
+        args = argparse.Namespace(target=server.address, json=True, token=None, state=None, limit=0)
+        vars(args).update(options)
+        assert run_list(args) == 0
+        return [g["request_id"] for g in json.loads(capsys.readouterr().out)["generations"]]
+
+    assert len(listed()) == kept
+    assert listed(limit=3) == [f"r-{kept - 1}", f"r-{kept - 2}", f"r-{kept - 3}"]
 
 
 def test_status_error_exits_1_with_the_code(capsys: pytest.CaptureFixture[str]) -> None:
