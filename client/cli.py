@@ -230,7 +230,7 @@ def format_timings(timings: PhaseTimings) -> str:
 _PROMPT_READ_CHARS = MAX_PROMPT_BYTES + 1
 
 
-def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
+def read_prompt(args: argparse.Namespace, stdin: TextIO | None) -> str:
     """The prompt from the argument, `--prompt-file PATH`, or stdin (`-` as either).
 
     Raises ValueError saying what is wrong (none given, both given, an unreadable or empty file).
@@ -246,6 +246,8 @@ def read_prompt(args: argparse.Namespace, stdin: TextIO) -> str:
             raise ValueError("no prompt: give it as an argument, with --prompt-file PATH, or on stdin with -")
         return str(prompt)
     if source == "-":
+        if stdin is None:
+            raise ValueError("reading the prompt from stdin, but there is no stdin (it is closed)")
         if stdin.isatty():
             raise ValueError("reading the prompt from stdin, but stdin is a terminal (pipe it in)")
         try:

@@ -355,6 +355,10 @@ def test_the_prompt_comes_from_the_argument_a_file_or_stdin(tmp_path: Path) -> N
     path.write_text("a long prompt\r\n")
     assert read_prompt(ns(prompt_file=str(path)), _Pipe("")) == "a long prompt"
     assert read_prompt(ns(prompt_file="-"), _Pipe("piped")) == "piped"
+    # No stdin at all (`kvrelay generate - <&-`: Python's sys.stdin is None) was an AttributeError.
+    for args in (ns(prompt="-"), ns(prompt_file="-")):
+        with pytest.raises(ValueError, match="^reading the prompt from stdin, but there is no stdin"):
+            read_prompt(args, None)  # type: ignore[arg-type]
     for bad, match in (
         (ns(), "no prompt"),
         (ns(prompt="a", prompt_file=str(path)), "not both"),
