@@ -17,6 +17,7 @@ return and answers its final outcomes; other tickets pack into the space that is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -125,6 +126,10 @@ class WriteDone:
     packed_bytes: int
     pack_seconds: float
     write_seconds: float
+    # How many times this rank's sender has replaced its engine since it started (Mooncake: a
+    # peer on a dead one's port, `MooncakeEndpoint._replace_sender`; 0 for other transports).
+    # Cumulative, so a lost answer loses nothing: the service counts the increase.
+    engine_replacements: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,7 +464,24 @@ def write_rank_share(
 
     With `regions`, the ticket packs into its own region of `staging` and keeps it while any write
     is IN_DOUBT (the caller frees it when `sender.collect_finished()` returns the call); `reclaim`
-    is asked to do that when no gap is large enough. Without it the caller owns `staging` whole."""
+    is asked to do that when no gap is large enough. Without it the caller owns `staging` whole.
+
+    The answer carries the sender's engine replacements so far (`WriteDone.engine_replacements`)."""
+    done = _write_rank_share(rank, staging, sender, kv_by_row, cmd, on_packed, regions, reclaim)
+    return dataclasses.replace(done, engine_replacements=int(getattr(sender, "engine_replacements", 0)))
+
+
+def _write_rank_share(
+    rank: int,
+    staging: Any,
+    sender: Any,
+    kv_by_row: Mapping[int, Any] | None,
+    cmd: WriteTicket,
+    on_packed: Callable[[], object] | None,
+    regions: StagingAllocator | None,
+    reclaim: Callable[[], object] | None,
+) -> WriteDone:
+    """The body of `write_rank_share`, which adds the engine replacements."""
     from kvrelay.transfer.pack import pack_staging
 
     mine = [w for w in cmd.plan if w.src_rank == rank]

@@ -84,6 +84,9 @@ class ArMetrics:
     prefill_seconds: Any
     prefill_tokens: Any
     prefill_batch_tickets: Any
+    engine_replacements: Any
+    # The engine replacements each rank has reported so far (WriteDone's count is cumulative).
+    _replacements_seen: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def create(cls, registry: Any) -> ArMetrics:
@@ -111,7 +114,22 @@ class ArMetrics:
                 "kvrelay_ar_prefill_batch_tickets", "Tickets prefilled together in one forward", registry=registry,
                 buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             ),
+            engine_replacements=Counter(
+                "kvrelay_ar_mooncake_engine_replacements_total",
+                "Fresh Mooncake sending engines an AR rank started because a peer answered on a dead peer's port",
+                ["rank"], registry=registry,
+            ),
         )  # fmt: skip
+
+    def record_engine_replacements(self, done: Iterable[WriteDone]) -> None:
+        """Count the engine replacements the ranks report with a write (log
+        `mooncake_engine_replaced` on the rank): each answer carries the rank's total so far, so
+        only its increase counts, and an answer that carries less (none known) counts nothing."""
+        for d in done:
+            seen = self._replacements_seen.get(d.rank, 0)
+            if d.engine_replacements > seen:
+                self.engine_replacements.labels(str(d.rank)).inc(d.engine_replacements - seen)
+                self._replacements_seen[d.rank] = d.engine_replacements
 
     def record_sent(self, transport: str, outcomes: Iterable[WriteOutcome]) -> None:
         """Count each write that was sent once, at the end of its request, by its source rank and
@@ -702,6 +720,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 done: list[WriteDone] = await self._call_ranks(command)
             except WorkerCommandError as err:
                 # The ranks that answered give their outcomes; the others' stay in doubt.
+                self.metrics.record_engine_replacements(d for d in err.values if isinstance(d, WriteDone))
                 answered = [o for d in err.values if isinstance(d, WriteDone) for o in d.outcomes]
                 end = protocol.on_rank_error(answered, str(err).splitlines()[0])
                 assert end.failure is not None
@@ -711,6 +730,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 lost = err
                 raise
             transfer_s = time.perf_counter() - t0
+            self.metrics.record_engine_replacements(done)
             end = protocol.on_written(o for d in done for o in d.outcomes)
             self.metrics.transfer_bytes.labels(state.transport).inc(end.ok_bytes)
             self.metrics.transfer_seconds.labels(state.transport).observe(transfer_s)

@@ -539,6 +539,7 @@ class VllmRankHandler:
             sum(d.packed_bytes for d in done),
             max((d.pack_seconds for d in done), default=0.0),
             max((d.write_seconds for d in done), default=0.0),
+            sum(d.engine_replacements for d in done),
         )
 
     def _collect_finished(self) -> FinishedWrites:

@@ -366,3 +366,77 @@ def test_tickets_waiting_for_busy_ranks_share_one_prefill_and_a_cancelled_one_is
                 handler.close()
 
     asyncio.run(scenario())
+
+
+class _ReplacingSender:
+    """The rank's real sender, standing in for a Mooncake one that replaced its engine
+    `bumps[i]` times during write i (`MooncakeEndpoint.engine_replacements` is cumulative)."""
+
+    def __init__(self, sender: Any, bumps: list[int]) -> None:
+        self._sender = sender
+        self._bumps = bumps
+        self.engine_replacements = 0
+
+    def write(self, *args: Any, **kwargs: Any) -> Any:
+        outcomes = self._sender.write(*args, **kwargs)
+        self.engine_replacements += self._bumps.pop(0)
+        return outcomes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sender, name)
+
+
+def test_engine_replacements_a_rank_reports_with_its_writes_are_counted_once() -> None:
+    """kvrelay_ar_mooncake_engine_replacements_total{rank}: a rank's sender that started fresh
+    engines (a peer on a dead one's port) is visible on the AR's metrics, each replacement once
+    although every write answer carries the rank's total so far."""
+
+    async def scenario() -> None:
+        handler = _handler()
+        handler.sender = _ReplacingSender(handler.sender, [1, 0, 2])
+        ranks = _Ranks(handler, fail_batches=False)
+        ranks.gate.set()
+        registry = CollectorRegistry()
+        tok = ByteTokenizer()
+        async with inprocess_broker(lease_seconds=120.0) as (broker_server, _core):
+            receiver = Receiver(broker_server.address, preset="tiny", transport="grpc", world_size=1, num_pages=64)
+            await receiver.start()
+            channel = grpc.aio.insecure_channel(broker_server.address)
+            broker = broker_pb2_grpc.BrokerServiceStub(channel)  # type: ignore[no-untyped-call]
+            g = receiver.geometry
+            cfg = handler.model.config
+            identity = ArIdentity("ar-0", "inc-1", "127.0.0.1:1", g.num_layers, g.num_kv_heads, g.head_dim,
+                                  g.dtype, PAGE_SIZE, 1, cfg.max_tokens, "grpc", 0, 1)  # fmt: skip
+            await broker.RegisterReplica(broker_pb2.RegisterReplicaRequest(replica=identity.to_proto()), timeout=5.0)
+            servicer = ArServicer(broker, ArMetrics.create(registry), lambda reason: None)
+            servicer.attach(ArReplicaState(
+                replica_id="ar-0", incarnation_id="inc-1", group=ranks, tokenizer=tok,  # type: ignore[arg-type]
+                max_tokens=cfg.max_tokens, vocab=cfg.vocab, tensor_parallel_size=1, transport="grpc",
+                transfer_timeout_s=10.0, request_timeout_s=30.0,
+            ))  # fmt: skip
+            server = GrpcServer(name="ar-0", host="127.0.0.1", port=0,
+                                registrations=[(ar_pb2_grpc.add_ArServiceServicer_to_server, servicer, AR_SERVICE)])  # fmt: skip
+            await server.start()
+            await server.set_serving(True)
+            ar_channel = grpc.aio.insecure_channel(server.address)
+            try:
+                stub = ar_stub(ar_channel)
+                counted = []
+                for prompt in PROMPTS[:3]:
+                    t = await receiver.create_ticket([len(tok.encode(prompt))])
+                    request = ar_pb2.PrefillRequest(ticket_id=t.ticket_id, request_id=t.request_id, rows=[prompt])
+                    reply = await stub.Prefill(request, timeout=30.0)
+                    assert reply.bytes_written > 0
+                    counted.append(registry.get_sample_value(
+                        "kvrelay_ar_mooncake_engine_replacements_total", {"rank": "0"}
+                    ))  # fmt: skip
+                assert counted == [1.0, 1.0, 3.0]
+            finally:
+                await servicer.drain(10.0)
+                await ar_channel.close()
+                await server.stop(grace=0.5)
+                await channel.close()
+                await receiver.close()
+                handler.close()
+
+    asyncio.run(scenario())
