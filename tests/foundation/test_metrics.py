@@ -39,7 +39,7 @@ def process_registries() -> dict[str, CollectorRegistry]:
 
     broker = CollectorRegistry()
     core = BrokerCore(None, journal_synchronous="OFF")
-    register_broker_metrics(core, broker)
+    register_broker_metrics(core, broker, {})  # broker/main.py passes the servicer's RPC counts
     GenerationMetrics(broker, lambda: 0)
     broker.register(JournalCollector(JournalCompactor(core.journal, GenerationStore(result_ttl_seconds=60, max_results=8, journal=core.journal))))
     ar = CollectorRegistry()
