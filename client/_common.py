@@ -120,6 +120,8 @@ def normalize_target(target: str, default_port: int = DEFAULT_PORT) -> str:
     wrong service. `host`, `[v6]`, a bare IPv6 address and `dns:` targets get `default_port`;
     `host:port` and other schemes (`unix:`, `ipv4:`...) are kept as given.
     """
+    if not isinstance(target, str):
+        raise TypeError(f"target must be str, not {type(target).__name__} {target!r}")
     target = target.strip()
     if not target:
         return DEFAULT_TARGET
@@ -204,6 +206,8 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     newline); a token that still is not printable ASCII is INVALID_ARGUMENT naming `token`: gRPC
     raised ValueError "metadata was invalid" from every call, a traceback in the CLI (found
     black-box with KVRELAY_API_TOKEN=$'abc\\n' and a non-ASCII token)."""
+    if token is not None and not isinstance(token, str):
+        raise TypeError(f"token must be str or None, not {type(token).__name__} {token!r}")
     token = token.strip() if token else token
     if not token:
         return None

@@ -176,6 +176,16 @@ def test_text_of_the_wrong_kind_is_the_callers_type_error_naming_the_argument(se
             assert str(err.value) == message
         # A list of states, or any iterable of them, still goes.
         assert isinstance(client.list_generations(states=(GenerationState.QUEUED,)), list)
+    # The client's own target and token ('int' object has no attribute 'strip').
+    for make, message in (
+        (lambda: KvRelayClient(5), "target must be str, not int 5"),
+        (lambda: KvRelayClient(None), "target must be str, not NoneType None"),
+        (lambda: KvRelayClient(server.address, token=5), "token must be str or None, not int 5"),
+        (lambda: AsyncKvRelayClient(b"127.0.0.1:1"), "target must be str, not bytes b'127.0.0.1:1'"),
+    ):
+        with pytest.raises(TypeError) as err:
+            make()  # type: ignore[no-untyped-call]
+        assert str(err.value) == message
 
 
 # --- tokens ----------------------------------------------------------------------------------------
