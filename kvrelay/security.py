@@ -442,7 +442,9 @@ def node_token_env(
     """Bound replica tokens on one node (`kvrelay up`): the environment each child needs, by
     name. The broker gets the secret (this process's, else one made for the node, which then
     binds only its own children); each replica its own token (unless `replica_token_file` gives
-    it one: `{name}` in the path) and never the secret, though the node's environment has it."""
+    it one: `{name}` in the path) and never the secret, though the node's environment has it, nor
+    the api and operator tokens (a replica calls no public or operator RPC; with them, whoever took
+    over one replica process would act as an operator: forget, deregister or cancel anything)."""
     if cfg.replica_tokens != "bound":
         return {}
     secret = read_replica_secret(cfg)
@@ -470,7 +472,7 @@ def node_token_env(
         if name == BROKER_CALLER_ID:
             out[name] = dict(broker_env)
             continue
-        env = {cfg.replica_secret_env: ""} if cfg.replica_secret_env else {}
+        env = {var: "" for var in (cfg.replica_secret_env, cfg.api_token_env, cfg.operator_token_env) if var}
         if not cfg.replica_token_file and cfg.replica_token_env:
             env[cfg.replica_token_env] = replica_token_for(secret, name)
         out[name] = env

@@ -173,9 +173,17 @@ def test_a_node_gives_each_child_its_own_token_and_only_the_broker_the_secret(
     names = ["broker", "ar-0", "dit-0"]
     monkeypatch.setenv("KVRELAY_REPLICA_SECRET", SECRET)
     env = node_token_env(cfg, names)
-    assert env["ar-0"] == {"KVRELAY_REPLICA_SECRET": "", "KVRELAY_REPLICA_TOKEN": AR0}
-    assert env["dit-0"] == {"KVRELAY_REPLICA_SECRET": "", "KVRELAY_REPLICA_TOKEN": DIT0}
+    # Nor the api and operator tokens of the node's environment: found black-box, every AR and DiT
+    # child of `kvrelay up` held $KVRELAY_OPERATOR_TOKEN (/proc/PID/environ), so whoever took over
+    # one replica could forget, deregister or cancel anything as an operator.
+    blanked = {"KVRELAY_REPLICA_SECRET": "", "KVRELAY_API_TOKEN": "", "KVRELAY_OPERATOR_TOKEN": ""}
+    assert env["ar-0"] == {**blanked, "KVRELAY_REPLICA_TOKEN": AR0}
+    assert env["dit-0"] == {**blanked, "KVRELAY_REPLICA_TOKEN": DIT0}
     assert env["broker"] == {}  # it has the node's own
+    renamed = SecurityConfig.model_validate({"replica_tokens": "bound", "api_token_env": "API", "operator_token_env": "OPS"})
+    assert node_token_env(renamed, names)["ar-0"] == {
+        "KVRELAY_REPLICA_SECRET": "", "API": "", "OPS": "", "KVRELAY_REPLICA_TOKEN": AR0
+    }
     # No secret set: one is made for the node, given to the broker, and the tokens derive from it.
     monkeypatch.delenv("KVRELAY_REPLICA_SECRET")
     env = node_token_env(cfg, names, make_secret=lambda: "made-up")

@@ -23,6 +23,7 @@ from tests.e2e.node import fallback, running_node, wait_pools_full
 pytestmark = pytest.mark.slow
 SECRET = "e2e-bound-replica-secret"
 OPERATOR = "e2e-operator-token"
+API = "e2e-api-token"
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -37,6 +38,7 @@ def test_a_bound_node_generates_and_a_replica_cannot_act_as_another(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVRELAY_REPLICA_SECRET", SECRET)
     monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", OPERATOR)
+    monkeypatch.setenv("KVRELAY_API_TOKEN", API)
 
     def edit(cfg: dict[str, Any]) -> None:
         fallback(cfg)
@@ -50,7 +52,9 @@ def test_a_bound_node_generates_and_a_replica_cannot_act_as_another(
             assert env.get("KVRELAY_REPLICA_SECRET") == "" and env["KVRELAY_REPLICA_TOKEN"] == replica_token_for(
                 SECRET, name
             )
-        with KvRelayClient(target) as client:
+            # Nor the node's api and operator tokens: with them, a replica taken over was an operator.
+            assert env.get("KVRELAY_OPERATOR_TOKEN") == "" and env.get("KVRELAY_API_TOKEN") == "", name
+        with KvRelayClient(target, token=API) as client:
             result = client.generate("a lighthouse at dusk", width=64, height=64, seed=5, timeout=120).result()
             assert Image.open(io.BytesIO(result.png)).size == (64, 64)
         with KvRelayClient(target, token=OPERATOR) as operator:
@@ -84,6 +88,6 @@ def test_a_bound_node_generates_and_a_replica_cannot_act_as_another(
         with KvRelayClient(target, token=OPERATOR) as operator:
             assert {r.replica_id: r.incarnation_id for r in operator.list_replicas()} == before
             wait_pools_full(operator)
-        with KvRelayClient(target) as client:
+        with KvRelayClient(target, token=API) as client:
             again = client.generate("a fox in the snow", width=64, height=64, seed=6, timeout=120).result()
             assert Image.open(io.BytesIO(again.png)).size == (64, 64)
