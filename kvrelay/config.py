@@ -742,6 +742,9 @@ def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
     chosen = resolve(asked, "configs")
     if chosen.is_dir():
         raise ConfigError(f"config {asked} is a folder, not a YAML file")
+    if chosen.exists() and not chosen.is_file():
+        # Read once here, a pipe would be empty for the next reader (kvrelay up copies it).
+        raise ConfigError(f"config {asked} is not a regular file (a pipe or a device): give a YAML file")
     if not chosen.is_file():
         shipped = ", ".join(shipped_names("configs"))
         raise ConfigError(f"config file not found: {asked}" + (f" (shipped configs: {shipped})" if shipped else ""))

@@ -165,6 +165,17 @@ def test_every_shipped_config_has_no_duplicate_key() -> None:
         load_config(path)
 
 
+def test_a_config_path_that_is_no_regular_file_says_so_not_that_it_is_missing(tmp_path: Path) -> None:
+    # Found black-box: `--config <(envsubst < node.yaml)` (a pipe, /dev/fd/63) and /dev/zero were
+    # "config file not found", although they are there.
+    fifo = tmp_path / "node.yaml"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert str(err.value) == f"config {path} is not a regular file (a pipe or a device): give a YAML file"
+
+
 def test_a_config_path_that_is_a_folder_says_so(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path)
