@@ -81,6 +81,9 @@ def tls_problem(args: argparse.Namespace) -> str | None:
     for path, flag in given.values():
         if not path:
             continue
+        if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+            # /dev/zero was read until MemoryError; a pipe would be read empty by the client next.
+            return f"{flag} {path}: not a regular file (a pipe or a device): give a PEM file"
         try:
             with open(path, "rb") as f:
                 pem = f.read()

@@ -342,6 +342,9 @@ def test_tls_files_that_cannot_work_are_one_line_before_any_call(
          "together (mutual TLS)"),
         # Before: UNAVAILABLE at the handshake, with a hint to check the broker's TLS.
         (["--tls-ca", str(text)], f"--tls-ca {text}: not a PEM file (no -----BEGIN line)"),
+        # A device or a pipe: /dev/zero was read until MemoryError (found black-box), a pipe read
+        # empty by the client after this check. /dev/null: a device that ends at once.
+        (["--tls-ca", "/dev/null"], "--tls-ca /dev/null: not a regular file (a pipe or a device): give a PEM file"),
     ]  # fmt: skip
     for flags, line in cases:
         assert main([*command, *target, *flags]) == 2
