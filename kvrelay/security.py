@@ -346,12 +346,32 @@ def _read_secret(env: str | None, file: str | None, key: str) -> str | None:
             value = Path(file).read_text().strip()
         except OSError as err:
             raise SecurityError(f"security.{key}_file: cannot read {file}: {err.strerror}") from None
+        except UnicodeDecodeError:
+            raise SecurityError(f"security.{key}_file: {file} is not UTF-8 text") from None
         if not value:
             raise SecurityError(f"security.{key}_file: {file} is empty")
-        return value
+        return _usable_secret(value, key, f"security.{key}_file ({file})")
     if env:
-        return os.environ.get(env, "").strip() or None
+        return _usable_secret(os.environ.get(env, "").strip(), key, f"security.{key}_env (${env})") or None
     return None
+
+
+def _usable_secret(value: str, key: str, where: str) -> str:
+    """`value` if every server can compare it: a token travels in an `authorization` header, so it
+    is printable ASCII; the secret is HMAC key bytes, so it is text that encodes as UTF-8. Found
+    black-box: $KVRELAY_OPERATOR_TOKEN holding a byte 0xff (an environment's undecodable bytes
+    come as lone surrogates) let the broker start SERVING and then answer every authenticated
+    RPC, Generate included, UNKNOWN with a UnicodeEncodeError traceback. Names no character."""
+    if key == "replica_secret":
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise SecurityError(f"{where}: the secret is not text (bytes that are not UTF-8); make one with "
+                                "`python -c 'import secrets; print(secrets.token_hex(32))'`") from None
+    elif not all(" " <= c <= "~" for c in value):
+        raise SecurityError(f"{where}: a token is printable ASCII (it travels in an authorization header); "
+                            "this one is not")
+    return value
 
 
 def _read_pem(path: str, key: str) -> bytes:

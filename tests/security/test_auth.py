@@ -326,3 +326,52 @@ def test_a_stream_dropped_at_a_yield_closes_its_handler_with_the_caller_bound() 
     failed = [str(e.get("exception")) for e in errors if "never retrieved" in str(e.get("message"))]
     assert failed == []
     assert closed == ["ar-0"] * 5
+
+
+def test_a_token_or_secret_no_server_can_compare_is_refused_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found black-box: `KVRELAY_OPERATOR_TOKEN` holding the byte 0xff (Python sees a lone
+    surrogate) let `kvrelay broker` start SERVING, then every authenticated RPC, Generate included,
+    failed UNKNOWN with a UnicodeEncodeError traceback. A token is printable ASCII (an authorization
+    header) and the bound-token secret UTF-8 text: anything else is refused at start, naming where."""
+    import os
+    import subprocess
+    import sys
+
+    from kvrelay.config import SecurityConfig
+    from tests.security.harness import REPO
+
+    for name in ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_REPLICA_TOKEN", "KVRELAY_REPLICA_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVRELAY_REPLICA_TOKEN", "replica-token")
+    monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", "op\udcff")
+    with pytest.raises(SecurityError, match=r"security.operator_token_env \(\$KVRELAY_OPERATOR_TOKEN\)"):
+        load_credentials(SecurityConfig.model_validate({}))
+    monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", "op\u00e9")  # UTF-8, but no header carries it
+    with pytest.raises(SecurityError, match="printable ASCII"):
+        load_credentials(SecurityConfig.model_validate({}))
+    monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", "operator-token")
+    assert load_credentials(SecurityConfig.model_validate({})).operator_token == "operator-token"
+
+    bound = SecurityConfig.model_validate({"replica_tokens": "bound"})
+    monkeypatch.delenv("KVRELAY_REPLICA_TOKEN")
+    monkeypatch.setenv("KVRELAY_REPLICA_SECRET", "s\udcff")
+    with pytest.raises(SecurityError, match="security.replica_secret_env .* not text"):
+        load_credentials(bound)
+    monkeypatch.setenv("KVRELAY_REPLICA_SECRET", "p\u00e4ssw\u00f6rd")  # any text is an HMAC key
+    assert load_credentials(bound).replica_secret == "p\u00e4ssw\u00f6rd"
+    (tmp_path / "secret").write_bytes(b"abc\xff\xfe")
+    with pytest.raises(SecurityError, match="security.replica_secret_file: .* not UTF-8"):
+        load_credentials(SecurityConfig.model_validate({"replica_tokens": "bound", "replica_secret_file": str(tmp_path / "secret")}))
+
+    # The real broker: exit 2 naming the variable, not SERVING and failing every call.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == "KVRELAY_LOG_FORMAT"}
+    env.update(KVRELAY_API_TOKEN="api-token", KVRELAY_REPLICA_TOKEN="replica-token", KVRELAY_OPERATOR_TOKEN="op\udcff")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "broker", "--config", str(REPO / "tests/configs/test-fast.yaml"),
+         "--port", "0", "--metrics-port", "0"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out
+    assert "security.operator_token_env ($KVRELAY_OPERATOR_TOKEN)" in out.stderr
