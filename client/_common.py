@@ -53,6 +53,29 @@ class RetryPolicy:
     multiplier: float = 2.0
     reattach_seconds: float = 30.0
 
+    def __post_init__(self) -> None:
+        # Refused here, at construction, with the field's name: a NaN or negative backoff used to
+        # surface mid-retry as `ValueError: sleep length must be non-negative` (or never end).
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int):
+            raise TypeError(f"RetryPolicy.max_attempts must be an int, got {type(self.max_attempts).__name__}")
+        if not 1 <= self.max_attempts <= 100:
+            raise ValueError(f"RetryPolicy.max_attempts must be in [1, 100], got {self.max_attempts}")
+        for name, low, high in (
+            ("initial_backoff", 0.0, 3600.0),
+            ("max_backoff", 0.0, 3600.0),
+            ("multiplier", 1.0, 100.0),
+            ("reattach_seconds", 0.0, 86400.0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"RetryPolicy.{name} must be a number, got {type(value).__name__}")
+            if not low <= value <= high:  # also refuses NaN
+                raise ValueError(f"RetryPolicy.{name} must be in [{low:g}, {high:g}], got {value!r}")
+        if self.max_backoff < self.initial_backoff:
+            raise ValueError(
+                f"RetryPolicy.max_backoff ({self.max_backoff!r}) must be >= initial_backoff ({self.initial_backoff!r})"
+            )
+
     def backoffs(self, rng: random.Random | None = None) -> Iterator[float]:
         """Delay before attempt 2, 3, ...: `max_attempts - 1` values."""
         uniform = (rng or random).uniform

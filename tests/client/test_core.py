@@ -296,3 +296,32 @@ def test_a_status_cancelled_this_client_did_not_ask_for_is_a_dropped_stream_and_
     # The client's own close is still CLIENT_CLOSED, not a dropped stream.
     closed = _core.client_closed_error()
     assert core_for()[0].on_stream_end(closed) == _core.Fail(closed)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "names"),
+    [
+        ({"initial_backoff": -0.1}, ValueError, "initial_backoff"),
+        ({"initial_backoff": float("nan")}, ValueError, "initial_backoff"),
+        ({"max_backoff": float("inf")}, ValueError, "max_backoff"),
+        ({"multiplier": 0.0}, ValueError, "multiplier"),
+        ({"reattach_seconds": -1.0}, ValueError, "reattach_seconds"),
+        ({"max_attempts": 0}, ValueError, "max_attempts"),
+        ({"max_attempts": 2.5}, TypeError, "max_attempts"),
+        ({"max_attempts": True}, TypeError, "max_attempts"),
+        ({"initial_backoff": "0.1"}, TypeError, "initial_backoff"),
+        ({"initial_backoff": 1.0, "max_backoff": 0.5}, ValueError, "max_backoff"),
+    ],
+)
+def test_retry_policy_refuses_values_that_would_break_a_retry_naming_the_field(
+    kwargs: dict[str, object], error: type[Exception], names: str
+) -> None:
+    # Before: RetryPolicy(initial_backoff=-0.1) was accepted and the first retry raised
+    # `ValueError: sleep length must be non-negative`; a NaN backoff slept nothing at all.
+    with pytest.raises(error, match=f"RetryPolicy.{names}"):
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+def test_retry_policy_accepts_the_edges() -> None:
+    RetryPolicy(max_attempts=1, initial_backoff=0.0, max_backoff=0.0, multiplier=1.0, reattach_seconds=0.0)
+    assert list(RetryPolicy(max_attempts=1).backoffs()) == []
