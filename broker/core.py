@@ -88,6 +88,8 @@ REPLICA_FORGOTTEN = "REPLICA_FORGOTTEN"
 
 # The journal's meta key of the incarnations forgotten by force: {replica_id: incarnation_id}.
 _FORGOTTEN_META = "forgotten_incarnations"
+# Forgotten-by-force incarnations kept refused per replica id (each forced forget adds one).
+_MAX_FORGOTTEN_PER_ID = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,11 +227,14 @@ class BrokerCore:
         # Set by the orchestrator: told which tickets a forced `forget_replica` ended, so that it
         # fails their generations at once (their stage calls may wait on a replica that is gone).
         self.on_replica_forgotten: Callable[[ReplicaId, Sequence[Ticket]], None] | None = None
-        # Incarnations forgotten by force, one per replica id, journaled (meta): a registration of
-        # one is answered fenced and kept nowhere (its process fails stop), so a process that was
-        # only cut off never gets a pool again in the memory that old writers may still target.
-        # Dropped when a new incarnation of the id registers (its lock proves the old one gone).
-        self._forgotten: dict[ReplicaId, str] = {}
+        # Incarnations forgotten by force, per replica id (the latest _MAX_FORGOTTEN_PER_ID),
+        # journaled (meta): a registration of one is answered fenced and kept nowhere (its process
+        # fails stop), so a process that was only cut off never gets a pool again in the memory
+        # that old writers may still target. Never lifted by a later incarnation of the id: its
+        # lock proves the old process gone only on the same host, and a replica forgotten for
+        # good is usually restarted elsewhere (incarnation ids are never reused, so keeping them
+        # refuses nothing else).
+        self._forgotten: dict[ReplicaId, list[str]] = {}
         self._restore()
         # With group commit the replay's own commit is queued: on disk before anyone is served,
         # and a failure to write it raised here, as without (`kvrelay broker` then exits 1).
@@ -342,9 +347,7 @@ class BrokerCore:
             changed = self._reconcile(spec, unresolved_writes, held_ticket_ids, owed_releases)
         if spec.role is ReplicaRole.DIT and spec.replica_id not in self._pools:
             self._pools[spec.replica_id] = _pages_of(spec)
-        # Another incarnation of a replica id forgotten by force: its lock proves the forgotten one gone.
-        lifted = kind is not Registration.SAME_INCARNATION and self._forgotten.pop(spec.replica_id, None) is not None
-        self._commit(changed, [record], tombstones=lifted)
+        self._commit(changed, [record])
         log.info(
             "replica_registered",
             replica_id=spec.replica_id,
@@ -466,7 +469,8 @@ class BrokerCore:
         ended: list[TicketRecord] = []
         if forced:
             ended = self._end_tickets_of(record, now)
-            self._forgotten[replica_id] = record.spec.incarnation_id
+            refused = [i for i in self._forgotten.get(replica_id, []) if i != record.spec.incarnation_id]
+            self._forgotten[replica_id] = [*refused, record.spec.incarnation_id][-_MAX_FORGOTTEN_PER_ID:]
             log.warning("replica_forgotten_by_force", replica_id=replica_id, incarnation=record.spec.incarnation_id,
                         fenced=record.fenced, tickets_ended=len(ended),
                         ticket_ids=[t.ticket_id for t in ended[:_LOGGED_IDS]])  # fmt: skip
@@ -479,7 +483,7 @@ class BrokerCore:
     def incarnation_forgotten(self, spec: ReplicaSpec) -> bool:
         """Whether `spec`'s incarnation was forgotten by force: `register_replica` answers it fenced
         and keeps nothing of it (the servicer then neither checks nor dials its endpoint)."""
-        return self._forgotten.get(spec.replica_id) == spec.incarnation_id
+        return spec.incarnation_id in self._forgotten.get(spec.replica_id, ())
 
     def forget_refusal(
         self,
@@ -1373,7 +1377,11 @@ class BrokerCore:
             # from 1 again would have them refuse every new ticket of a page an old one claimed.
             self._sequence = int(self.clock() * 1_000_000)
         # Before the early return: every replica may be forgotten while the incarnations stay refused.
-        self._forgotten = dict(json.loads(contents.meta.get(_FORGOTTEN_META, "{}")))
+        self._forgotten = {
+            # A journal of before kept one incarnation per id, as a string.
+            rid: [incs] if isinstance(incs, str) else list(incs)
+            for rid, incs in json.loads(contents.meta.get(_FORGOTTEN_META, "{}")).items()
+        }
         if not contents.replicas and not contents.tickets:
             return
         now = self.clock()

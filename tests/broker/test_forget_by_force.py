@@ -49,7 +49,7 @@ def _refusal(core: BrokerCore, replica_id: str, *, force: bool) -> str:
     return refused.value.reason
 
 
-def _forgotten_meta(core: BrokerCore) -> dict[str, str]:
+def _forgotten_meta(core: BrokerCore) -> dict[str, list[str]]:
     return dict(json.loads(core.journal.load().meta.get("forgotten_incarnations", "{}")))
 
 
@@ -85,7 +85,7 @@ def test_a_consuming_ticket_a_restart_orphaned_on_a_dit_gone_for_good_ends_with_
         assert core.pool_status() == [] and core.list_tickets() == []
         core.forget_replica(ar.replica_id)  # nothing names it any more: a plain forget
         assert _ids(core) == []
-        assert _forgotten_meta(core) == {dit.replica_id: dit.incarnation_id}
+        assert _forgotten_meta(core) == {dit.replica_id: [dit.incarnation_id]}
     finally:
         core.close()
     core = _core(path, clock)
@@ -148,7 +148,10 @@ def test_a_forgotten_dit_incarnation_never_gets_its_pages_back_while_an_in_doubt
     (pool,) = core.pool_status(dit.replica_id)
     assert (pool.free, pool.total) == (8, 8)
     assert core.create_ticket("r2", ar.replica_id, dit.replica_id, [16]) is not None
-    assert _forgotten_meta(core) == {}  # the new incarnation's lock proves the forgotten one gone
+    # Still refused after a new incarnation registered (its lock proves nothing on another host):
+    # the old process, cut off and coming back after the new one is forgotten too, stays fenced.
+    assert _forgotten_meta(core) == {dit.replica_id: [dit.incarnation_id]}
+    assert core.register_replica(dit).fenced
     core.close()
 
 
@@ -423,7 +426,7 @@ def test_a_real_dit_cut_off_and_forgotten_by_force_fails_stop_when_it_comes_back
                 assert dit.proc.poll() == 3, "".join(dit.lines[-30:])
                 assert list(Path("/dev/shm").glob(f"kvrelay-dit-0-{dit.proc.pid}-*")) == []
                 assert "dit-0" not in core.registry and core.pool_status() == []
-                assert _forgotten_meta(core) == {"dit-0": incarnation}
+                assert _forgotten_meta(core) == {"dit-0": [incarnation]}
                 await writer.close()
             finally:
                 await asyncio.to_thread(dit.stop)
@@ -497,3 +500,36 @@ def test_forget_force_names_an_ar_with_writes_in_doubt_before_its_dit_and_both_g
             assert _listed(stub) == {}
     finally:
         assert broker.stop() == 0, broker.output()
+
+
+def test_every_forgotten_incarnation_of_an_id_stays_refused_across_restarts_bounded(tmp_path: Path) -> None:
+    """Each forced forget adds its incarnation; none is lifted by a later one registering (a lock
+    proves the old process gone only on its own host), all survive a broker restart, and only
+    the latest 16 per id are kept. A journal of before (one incarnation per id, as a string)
+    still refuses its incarnation."""
+    clock = ManualClock()
+    path = tmp_path / "j.sqlite"
+    core = _core(path, clock)
+    dit = dit_spec("dit-0", num_pages=8)
+    gone = []
+    for _ in range(18):
+        core.register_replica(dit)
+        core.fence_replica(dit.replica_id, "LOAD_NOT_IN_PLAN: test")
+        clock.advance(11)
+        core.forget_replica(dit.replica_id, force=True)
+        gone.append(dit)
+        dit = new_incarnation(dit)
+    core.close()
+    core = _core(path, clock)
+    assert _forgotten_meta(core) == {"dit-0": [s.incarnation_id for s in gone[-16:]]}
+    assert all(core.register_replica(s).fenced for s in gone[-16:])
+    assert not core.register_replica(dit).fenced  # a new incarnation registers normally
+    core.close()
+    # A journal written before this rule kept one incarnation per id, as a string.
+    core = _core(path, clock)
+    core.journal.commit(meta={"forgotten_incarnations": json.dumps({"dit-9": "inc-old"})})
+    core.close()
+    core = _core(path, clock)
+    assert core.register_replica(dit_spec("dit-9", num_pages=8, incarnation="inc-old")).fenced
+    assert not core.register_replica(dit_spec("dit-9", num_pages=8, incarnation="inc-new")).fenced
+    core.close()
