@@ -480,6 +480,11 @@ class BrokerCore:
             self.on_replica_forgotten(replica_id, snapshots)
         return snapshots
 
+    def forgotten_incarnations(self) -> list[tuple[ReplicaId, str]]:
+        """The incarnations forgotten by force that `register_replica` refuses, as (replica id,
+        incarnation id), by id, an id's oldest first (ListReplicas shows them to the operator)."""
+        return [(r, i) for r in sorted(self._forgotten) for i in self._forgotten[r]]
+
     def incarnation_forgotten(self, spec: ReplicaSpec) -> bool:
         """Whether `spec`'s incarnation was forgotten by force: `register_replica` answers it fenced
         and keeps nothing of it (the servicer then neither checks nor dials its endpoint)."""

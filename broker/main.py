@@ -27,7 +27,7 @@ from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.journal import JournalInUse, JournalOpenError, JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
-from kvrelay.broker.service import BrokerServicer, grpc_endpoint_probe
+from kvrelay.broker.service import BrokerServicer, grpc_endpoint_probe, replica_authentication
 from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
@@ -98,6 +98,7 @@ async def serve(
     broker_servicer = BrokerServicer(
         core, ticket_ttl, endpoint_probe,
         max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,
+        replica_authentication=replica_authentication(creds),
     )  # fmt: skip
     register_broker_metrics(core, registry, broker_servicer.rpc_counts)
     orchestrator = Orchestrator(core, cfg, registry, credentials=creds)

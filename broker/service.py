@@ -47,7 +47,14 @@ from kvrelay.broker.tickets import (
 )
 from kvrelay.broker.wire import wire_enum
 from kvrelay.errors import KvRelayServerError, abort_with, bounded_message
-from kvrelay.security import MAX_ID_CHARS, ChannelSecurity, current_caller, is_loopback, make_channel
+from kvrelay.security import (
+    MAX_ID_CHARS,
+    ChannelSecurity,
+    Credentials,
+    current_caller,
+    is_loopback,
+    make_channel,
+)
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -514,6 +521,21 @@ class WatchStreamLimits:
             del self._open[replica_id]
 
 
+def replica_authentication(creds: Credentials) -> str:
+    """How `creds` authenticate replicas, in words (ListReplicas, `kvrelay status`): what an
+    operator checks after turning on bound tokens or certificates. Says nothing of any secret."""
+    if not creds.authenticates_replicas:
+        return "none (development: every caller trusted)"
+    ways = []
+    if creds.bound_replica_tokens:
+        ways.append("bound replica tokens")
+    elif creds.replica_token:
+        ways.append("the shared replica token")
+    if creds.tls is not None and creds.tls.require_client_cert:
+        ways.append("client certificates")
+    return " or ".join(ways)
+
+
 class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     """Every BrokerService RPC, each one call into BrokerCore."""
 
@@ -525,8 +547,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         *,
         max_watch_streams: int = MAX_WATCH_STREAMS,
         max_watch_streams_per_replica: int = MAX_WATCH_STREAMS_PER_REPLICA,
+        replica_authentication: str = "",
     ) -> None:
         self.core = core
+        # Shown to the operator by ListReplicas ("" where nobody said: a test's servicer).
+        self.replica_authentication = replica_authentication
         self.watch_streams = WatchStreamLimits(max_watch_streams, max_watch_streams_per_replica)
         # Dials a registering replica's advertised endpoint (unreachable_endpoint_problem).
         self.endpoint_probe = endpoint_probe or grpc_endpoint_probe()
@@ -815,8 +840,16 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self, request: broker_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.ListReplicasResponse:
         replicas = self.core.list_replicas()
+        forgotten = self.core.forgotten_incarnations()
+        # A forced forget records its incarnation in the commit that forgets the replica: membership.
         reveals_only(self.core.commit_behind(replicas=[s.spec.replica_id for s in replicas], membership=True))
-        return broker_pb2.ListReplicasResponse(replicas=[replica_to_proto(s) for s in replicas])
+        return broker_pb2.ListReplicasResponse(
+            replicas=[replica_to_proto(s) for s in replicas],
+            forgotten_incarnations=[
+                broker_pb2.ForgottenIncarnation(replica_id=r, incarnation_id=i) for r, i in forgotten
+            ],
+            replica_authentication=self.replica_authentication,
+        )
 
     @_maps_errors
     async def ForgetReplica(

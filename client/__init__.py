@@ -27,6 +27,7 @@ from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
 from .types import (
     ErrorStatus,
+    ForgottenIncarnation,
     Generation,
     GenerationEvent,
     GenerationParams,
@@ -38,6 +39,7 @@ from .types import (
     PhaseTimings,
     PoolStatus,
     Replica,
+    ReplicaRegistry,
     ReplicaRole,
     RowPages,
     Ticket,
@@ -56,6 +58,7 @@ __all__ = [
     "AsyncGenerationHandle",
     "AsyncKvRelayClient",
     "ErrorStatus",
+    "ForgottenIncarnation",
     "Generation",
     "GenerationEvent",
     "GenerationHandle",
@@ -70,6 +73,7 @@ __all__ = [
     "PhaseTimings",
     "PoolStatus",
     "Replica",
+    "ReplicaRegistry",
     "ReplicaRole",
     "RetryPolicy",
     "RowPages",

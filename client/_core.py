@@ -58,6 +58,7 @@ from .types import (
     PhaseTimings,
     PoolStatus,
     Replica,
+    ReplicaRegistry,
     Ticket,
     TicketState,
     event_from_generation,
@@ -65,6 +66,7 @@ from .types import (
     generation_from_pb,
     pool_from_pb,
     replica_from_pb,
+    replica_registry_from_pb,
     ticket_from_pb,
 )
 
@@ -316,6 +318,10 @@ def list_replicas() -> UnaryCall[list[Replica]]:
         broker_pb2.ListReplicasRequest(),
         lambda r: [replica_from_pb(x) for x in r.replicas],
     )
+
+
+def get_replica_registry() -> UnaryCall[ReplicaRegistry]:
+    return UnaryCall("broker", "ListReplicas", broker_pb2.ListReplicasRequest(), replica_registry_from_pb)
 
 
 def get_pools(replica_id: str) -> UnaryCall[list[PoolStatus]]:
@@ -742,6 +748,7 @@ __all__ = [
     "cancel_generation",
     "get_generation",
     "get_pools",
+    "get_replica_registry",
     "list_generations",
     "forget_replica",
     "list_replicas",

@@ -30,6 +30,7 @@ from .types import (
     GenerationState,
     PoolStatus,
     Replica,
+    ReplicaRegistry,
     Ticket,
     TicketState,
 )
@@ -149,6 +150,11 @@ class AsyncKvRelayClient(_core.ClientBase):
 
     async def list_replicas(self, *, timeout: float | None = None) -> list[Replica]:
         return await self._unary(_core.list_replicas(), timeout)
+
+    async def get_replica_registry(self, *, timeout: float | None = None) -> ReplicaRegistry:
+        """The replicas, the incarnations forgotten by ``forget_replica`` with ``force=True`` that the
+        broker refuses, and how it authenticates replicas: one ``ListReplicas`` answer."""
+        return await self._unary(_core.get_replica_registry(), timeout)
 
     async def get_pools(self, replica_id: str = "", *, timeout: float | None = None) -> list[PoolStatus]:
         return await self._unary(_core.get_pools(replica_id), timeout)

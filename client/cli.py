@@ -32,6 +32,7 @@ from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
 from .types import (
+    ForgottenIncarnation,
     Generation,
     GenerationEvent,
     GenerationState,
@@ -521,6 +522,20 @@ def replicas_table(replicas: Sequence[Replica], now: _dt.datetime) -> str:
     )
 
 
+def forgotten_table(forgotten: Sequence[ForgottenIncarnation]) -> str:
+    """Incarnations forgotten with `kvrelay forget --force` that the broker refuses, one line per
+    replica id (how many, the latest), and what that means for a process that comes back."""
+    by_id: dict[str, list[str]] = {}
+    for f in forgotten:  # an id's oldest first, as the broker lists them
+        by_id.setdefault(f.replica_id, []).append(f.incarnation_id)
+    rows = [(rid, len(incs), incs[-1][:8]) for rid, incs in sorted(by_id.items())]
+    return (
+        format_table(("REFUSED (FORGOTTEN WITH --force)", "INCARNATIONS", "LATEST"), rows)
+        + "\nA refused incarnation that comes back (cut off, not gone) is answered fenced and fails stop;"
+        + "\nits restart (a new incarnation) registers normally."
+    )
+
+
 def _liveness(r: Replica, now: _dt.datetime) -> str:
     """UP: yes, or why not with when it was last heard of. A replica the broker's journal kept
     (an earlier config's, or one that stopped) is listed, but no request goes to it."""
@@ -651,20 +666,28 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
         with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
-            replicas = client.list_replicas()
+            registry = client.get_replica_registry()
             pools = client.get_pools()
             tickets = client.list_tickets()
     except KvRelayError as err:
         _print_error("status", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
         return 1
     if getattr(args, "json", False):
-        doc = {"target": target, "replicas": replicas, "pools": pools, "tickets": tickets}
+        doc = {"target": target, "replica_authentication": registry.replica_authentication,
+               "replicas": registry.replicas, "forgotten_incarnations": registry.forgotten_incarnations,
+               "pools": pools, "tickets": tickets}  # fmt: skip
         print(json.dumps(_jsonable(doc), indent=2))
         return 0
     now = _dt.datetime.now(_dt.UTC)
     print(f"broker {target}")
+    if registry.replica_authentication:
+        print(f"replicas authenticate with: {registry.replica_authentication}")
     print()
+    replicas = registry.replicas
     print(replicas_table(replicas, now) if replicas else "REPLICAS: none registered")
+    if registry.forgotten_incarnations:
+        print()
+        print(forgotten_table(registry.forgotten_incarnations))
     print()
     print(pools_table(pools) if pools else "POOLS: none")
     print()

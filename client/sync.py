@@ -28,6 +28,7 @@ from .types import (
     GenerationState,
     PoolStatus,
     Replica,
+    ReplicaRegistry,
     Ticket,
     TicketState,
 )
@@ -135,6 +136,11 @@ class KvRelayClient(_core.ClientBase):
 
     def list_replicas(self, *, timeout: float | None = None) -> list[Replica]:
         return self._unary(_core.list_replicas(), timeout)
+
+    def get_replica_registry(self, *, timeout: float | None = None) -> ReplicaRegistry:
+        """The replicas, the incarnations forgotten by ``forget_replica`` with ``force=True`` that the
+        broker refuses, and how it authenticates replicas: one ``ListReplicas`` answer."""
+        return self._unary(_core.get_replica_registry(), timeout)
 
     def get_pools(self, replica_id: str = "", *, timeout: float | None = None) -> list[PoolStatus]:
         """Page accounting of one DiT replica, or of every one when ``replica_id`` is empty."""

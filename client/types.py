@@ -259,6 +259,29 @@ class Replica:
 
 
 @dataclass(frozen=True, slots=True)
+class ForgottenIncarnation:
+    """An incarnation forgotten by `forget_replica` with `force=True`, which the broker refuses:
+    if that process comes back (it was cut off, not gone), its registration is answered fenced and
+    it fails stop; a new incarnation of `replica_id` (a restart) registers normally. Journaled."""
+
+    replica_id: str
+    incarnation_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRegistry:
+    """The broker's registry as one `ListReplicas` answer (`kvrelay status`).
+
+    `replica_authentication`: how the broker authenticates replicas, in words ("bound replica
+    tokens", "the shared replica token", "client certificates", several joined by " or ", or
+    "none (development: every caller trusted)"); "" from a broker that does not say."""
+
+    replicas: list[Replica]
+    forgotten_incarnations: list[ForgottenIncarnation]
+    replica_authentication: str
+
+
+@dataclass(frozen=True, slots=True)
 class PoolStatus:
     """Page accounting of one DiT replica: free + reserved + draining == total.
 
@@ -418,6 +441,18 @@ _DTYPES = {
     common_pb2.DTYPE_FLOAT16: "float16",
     common_pb2.DTYPE_FLOAT32: "float32",
 }
+
+
+def forgotten_incarnation_from_pb(msg: broker_pb2.ForgottenIncarnation) -> ForgottenIncarnation:
+    return ForgottenIncarnation(msg.replica_id, msg.incarnation_id)
+
+
+def replica_registry_from_pb(msg: broker_pb2.ListReplicasResponse) -> ReplicaRegistry:
+    return ReplicaRegistry(
+        [replica_from_pb(r) for r in msg.replicas],
+        [forgotten_incarnation_from_pb(f) for f in msg.forgotten_incarnations],
+        msg.replica_authentication,
+    )
 
 
 def replica_from_pb(msg: broker_pb2.ReplicaInfo) -> Replica:

@@ -479,10 +479,22 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "forgotten_incarnations", "replica_authentication")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_AUTHENTICATION_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+    forgotten_incarnations: _containers.RepeatedCompositeFieldContainer[ForgottenIncarnation]
+    replica_authentication: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., forgotten_incarnations: _Optional[_Iterable[_Union[ForgottenIncarnation, _Mapping]]] = ..., replica_authentication: _Optional[str] = ...) -> None: ...
+
+class ForgottenIncarnation(_message.Message):
+    __slots__ = ("replica_id", "incarnation_id")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    incarnation_id: str
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ...) -> None: ...
 
 class ForgetReplicaRequest(_message.Message):
     __slots__ = ("replica_id", "force")

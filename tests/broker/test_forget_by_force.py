@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ import pytest
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import Registration
 from kvrelay.broker.tickets import FailedPrecondition, NotFound, TicketOutcome, TicketState, WriteStatus
+from kvrelay.client import AsyncKvRelayClient, ForgottenIncarnation
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, generation_pb2
 from tests.broker.helpers import (
@@ -532,4 +534,65 @@ def test_every_forgotten_incarnation_of_an_id_stays_refused_across_restarts_boun
     core = _core(path, clock)
     assert core.register_replica(dit_spec("dit-9", num_pages=8, incarnation="inc-old")).fenced
     assert not core.register_replica(dit_spec("dit-9", num_pages=8, incarnation="inc-new")).fenced
+    core.close()
+
+
+def test_kvrelay_status_shows_an_incarnation_forgotten_by_force_from_the_journal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator sees why a returning replica is answered fenced: `kvrelay status` (ListReplicas,
+    the SDK's get_replica_registry) lists the incarnation forgotten by force, after a broker
+    restart too (journaled), and a new incarnation of the id is listed as a replica."""
+    from kvrelay.broker.service import BrokerServicer, spec_from_proto
+    from kvrelay.node.cli import main
+
+    clock = ManualClock()
+    dit = replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=8)
+    journal = tmp_path / "j.sqlite"
+
+    def status(address: str, *flags: str) -> str:
+        capsys.readouterr()
+        assert main(["status", "--target", address, *flags]) == 0
+        return capsys.readouterr().out
+
+    async def scenario(core: BrokerCore, check: Any, refused: list[ForgottenIncarnation]) -> None:
+        server = grpc.aio.server()
+        broker_pb2_grpc.add_BrokerServiceServicer_to_server(BrokerServicer(core), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with AsyncKvRelayClient(f"127.0.0.1:{port}") as client:
+                assert (await client.get_replica_registry()).forgotten_incarnations == refused
+            await asyncio.to_thread(check, f"127.0.0.1:{port}")
+        finally:
+            await server.stop(None)
+
+    core = _core(journal, clock)
+    core.register_replica(spec_from_proto(dit))
+    core.fence_replica("dit-0", "LOAD_NOT_IN_PLAN: test")
+    clock.advance(11)
+    core.forget_replica("dit-0", force=True)
+    core.close()
+    core = _core(journal, clock)  # a broker restart: the refusal is journaled
+
+    def refused_shown(address: str) -> None:
+        doc = json.loads(status(address, "--json"))
+        assert doc["replicas"] == []
+        assert doc["forgotten_incarnations"] == [{"replica_id": "dit-0", "incarnation_id": dit.incarnation_id}]
+        lines = status(address).splitlines()
+        header = next(i for i, line in enumerate(lines) if line.startswith("REFUSED (FORGOTTEN WITH --force)"))
+        assert lines[header + 1].split() == ["dit-0", "1", dit.incarnation_id[:8]]
+        assert "is answered fenced and fails stop" in "\n".join(lines[header + 2 :])
+
+    asyncio.run(scenario(core, refused_shown, [ForgottenIncarnation("dit-0", dit.incarnation_id)]))
+    assert core.register_replica(spec_from_proto(dit)).fenced  # what the listing explains
+    fresh = new_incarnation(spec_from_proto(dit))
+    assert not core.register_replica(fresh).fenced
+
+    def registered_again(address: str) -> None:
+        doc = json.loads(status(address, "--json"))
+        assert [(r["replica_id"], r["incarnation_id"]) for r in doc["replicas"]] == [("dit-0", fresh.incarnation_id)]
+
+    shown = [ForgottenIncarnation(r, i) for r, i in core.forgotten_incarnations()]
+    asyncio.run(scenario(core, registered_again, shown))
     core.close()

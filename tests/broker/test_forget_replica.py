@@ -151,6 +151,9 @@ def test_forget_a_down_replica_refuse_an_up_or_ticketed_one_and_the_journal_forg
     broker = _start_broker(repo_root, tmp_path)
     try:
         assert _status_ids(capsys, broker.address) == []
+        # The broker process says how it authenticates replicas (a development config: nobody).
+        assert main(["status", "--target", broker.address]) == 0
+        assert "replicas authenticate with: none (development: every caller trusted)\n" in capsys.readouterr().out
     finally:
         assert broker.stop() == 0, broker.output()
 

@@ -83,6 +83,7 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
         self.generate_requests: list[generation_pb2.GenerateRequest] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.replicas: list[broker_pb2.ReplicaInfo] = []
+        self.forgotten_incarnations: list[broker_pb2.ForgottenIncarnation] = []
         self.pools: list[broker_pb2.PoolStatus] = []
         self.tickets: list[broker_pb2.Ticket] = []
 
@@ -321,7 +322,7 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
 
     async def ListReplicas(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         await self._gate("ListReplicas", context)
-        return broker_pb2.ListReplicasResponse(replicas=self.replicas)
+        return broker_pb2.ListReplicasResponse(replicas=self.replicas, forgotten_incarnations=self.forgotten_incarnations)
 
     async def GetPool(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
         await self._gate("GetPool", context)

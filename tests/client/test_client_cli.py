@@ -278,12 +278,34 @@ def test_status_shows_journaled_replicas_that_are_not_live_as_down_and_not_capac
     assert (pools["dit-0"]["up"], pools["dit-0"]["available_pages"]) == (True, 60)
 
 
+def test_status_groups_the_refused_incarnations_by_replica_id_latest_last(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fill_status(harness)
+    harness.forgotten_incarnations += [
+        broker_pb2.ForgottenIncarnation(replica_id=r, incarnation_id=i)
+        for r, i in (("dit-0", "aaaa1111-old"), ("dit-0", "bbbb2222-new"), ("ar-1", "cccc3333"))
+    ]
+    assert run_status(argparse.Namespace(target=server.address, json=False, token=None)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("REFUSED")))
+    assert lines[header].split()[-2:] == ["INCARNATIONS", "LATEST"]
+    assert [line.split() for line in lines[header + 1 : header + 3]] == [["ar-1", "1", "cccc3333"],
+                                                                         ["dit-0", "2", "bbbb2222"]]  # fmt: skip
+    assert run_status(argparse.Namespace(target=server.address, json=True, token=None)) == 0
+    assert json.loads(capsys.readouterr().out)["forgotten_incarnations"] == [
+        {"replica_id": "dit-0", "incarnation_id": "aaaa1111-old"},
+        {"replica_id": "dit-0", "incarnation_id": "bbbb2222-new"},
+        {"replica_id": "ar-1", "incarnation_id": "cccc3333"},
+    ]
+
+
 def test_status_json_and_empty_broker(
     server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert run_status(argparse.Namespace(target=server.address, json=False, token=None)) == 0
     out = capsys.readouterr().out
-    assert "none registered" in out and "none in flight" in out
+    assert "none registered" in out and "none in flight" in out and "REFUSED" not in out
     _fill_status(harness)
     assert run_status(argparse.Namespace(target=server.address, json=True, token=None)) == 0
     doc = json.loads(capsys.readouterr().out)

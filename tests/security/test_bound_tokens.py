@@ -10,6 +10,7 @@ write token derived from its own, and the shared token opens nothing.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -377,3 +378,78 @@ def test_every_replica_rpc_of_every_server_refuses_another_replicas_credential(t
             core.close()
 
     asyncio.run(scenario())
+
+
+def test_kvrelay_status_under_bound_tokens_takes_the_operator_token_and_no_replicas(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator path is the operator token's, bound mode or not: `kvrelay status` (ListReplicas,
+    GetPool, ListTickets) with it lists the replicas and says that replicas authenticate with
+    bound tokens (what an operator checks after turning them on); a replica's own bound token (the
+    one token a replica host holds) and the old shared one read nothing."""
+    from kvrelay.broker.service import replica_authentication
+    from kvrelay.node.cli import main
+
+    monkeypatch.delenv("KVRELAY_OPERATOR_TOKEN", raising=False)
+    monkeypatch.delenv("KVRELAY_API_TOKEN", raising=False)
+
+    def status(address: str, token: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["status", "--target", address, "--json", "--token", token])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    async def scenario() -> None:
+        core = BrokerCore(tmp_path / "journal.sqlite", lease_seconds=600.0)
+        server = GrpcServer(
+            name="broker", host="127.0.0.1", port=0, credentials=BROKER, checks=broker_checks(core),
+            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server,
+                            BrokerServicer(core, 5.0, replica_authentication=replica_authentication(BROKER)),
+                            "kvrelay.v1.BrokerService")],
+        )  # fmt: skip
+        await server.start()
+        try:
+            register = broker_pb2.RegisterReplicaRequest(replica=replica("dit-0", common_pb2.REPLICA_ROLE_DIT, num_pages=16))
+            assert await _code(server.address, DIT0, "dit-0", "RegisterReplica", register) == ("OK", "", "")
+            code, out, err = await asyncio.to_thread(status, server.address, OPERATOR)
+            assert code == 0, err
+            assert [r["replica_id"] for r in json.loads(out)["replicas"]] == ["dit-0"]
+            assert [p["replica_id"] for p in json.loads(out)["pools"]] == ["dit-0"]
+            assert json.loads(out)["replica_authentication"] == "bound replica tokens"
+            human = await asyncio.to_thread(main, ["status", "--target", server.address, "--token", OPERATOR])
+            assert human == 0 and "replicas authenticate with: bound replica tokens\n" in capsys.readouterr().out
+            for token in (DIT0, SHARED):
+                code, out, err = await asyncio.to_thread(status, server.address, token)
+                assert (code, out) == (1, "") and "kvrelay status: UNAUTHENTICATED" in err, err
+        finally:
+            await server.stop(0)
+            core.close()
+
+    asyncio.run(scenario())
+
+
+def test_status_says_how_the_broker_authenticates_replicas_and_never_a_secret() -> None:
+    from kvrelay.broker.service import replica_authentication
+
+    tls = TlsMaterial(cert_chain=b"cert", private_key=b"key", root_certificates=b"ca", require_client_cert=True)
+    said = {
+        "dev": replica_authentication(Credentials()),
+        "shared": replica_authentication(Credentials(replica_token=SHARED, operator_token=OPERATOR)),
+        "bound": replica_authentication(BROKER),
+        "mtls": replica_authentication(Credentials(tls=tls)),
+        "server tls, shared": replica_authentication(Credentials(replica_token=SHARED, tls=replace(tls, require_client_cert=False))),
+        "shared+mtls": replica_authentication(Credentials(replica_token=SHARED, tls=tls)),
+        "bound+mtls": replica_authentication(replace(BROKER, tls=tls)),
+        "bound replica": replica_authentication(replica_creds(DIT0)),
+    }
+    assert said == {
+        "dev": "none (development: every caller trusted)",
+        "shared": "the shared replica token",
+        "bound": "bound replica tokens",
+        "mtls": "client certificates",
+        "server tls, shared": "the shared replica token",
+        "shared+mtls": "the shared replica token or client certificates",
+        "bound+mtls": "bound replica tokens or client certificates",
+        "bound replica": "bound replica tokens",
+    }
+    assert not any(secret in text for text in said.values() for secret in (SECRET, SHARED, OPERATOR, DIT0))
