@@ -406,8 +406,18 @@ class ServerThread:
         async def shutdown() -> None:
             if self._server is not None:
                 await self._server.stop(0.5)
+            # Pipelines still running end here, on their loop: left pending, they are destroyed
+            # when the loop is collected and asyncio logs "Task was destroyed but it is pending!"
+            # into whatever test runs then (it broke a later test's stderr check once).
+            current = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not current]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
         if self._thread.is_alive():
             self.call(shutdown)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10)
+            if not self._thread.is_alive():
+                self.loop.close()
