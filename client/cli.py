@@ -118,6 +118,16 @@ def _shown_id(request_id: str) -> str:
     return _printable(request_id)
 
 
+# GenerateRequest fields whose `kvrelay generate` flag has another name (an INVALID_ARGUMENT names
+# the field; width, height and seed are their flags' names, prompt the argument).
+_GENERATE_FLAGS = {
+    "num_inference_steps": "--steps",
+    "guidance_scale": "--guidance-scale",
+    "negative_prompt": "--negative-prompt",
+    "request_id": "--request-id",
+}
+
+
 def _print_error(
     command: str, err: KvRelayError, stream: TextIO, tls: bool | None = None, target: str | None = None
 ) -> None:
@@ -129,6 +139,11 @@ def _print_error(
         print(f"  {key}: {_shown_id(value) if key == 'request_id' else value}", file=stream)
     if err.request_id:
         print(f"  request_id: {_shown_id(err.request_id)}", file=stream)
+    flag = _GENERATE_FLAGS.get(err.details.get("field", "")) if command == "generate" else None
+    if err.code == "INVALID_ARGUMENT" and flag is not None:
+        # The field is the API's name: `num_inference_steps: must be in [1, 1000], got 0` did not
+        # say that the flag to fix is --steps (found walking the README as a new user).
+        print(f"  hint: {err.details['field']} is {flag} here", file=stream)
     where = target or "the target"
     if err.code == "UNIMPLEMENTED" and tls is not None:
         # An AR or DiT replica (or another gRPC server) answers there, not the broker.

@@ -26,6 +26,8 @@ class Listen:
     host: str
     port: int
     what: str
+    # The setting that chose the port ("broker.port"), named by the error when it is taken.
+    setting: str = ""
 
 
 def port_holder(port: int) -> str:
@@ -87,7 +89,12 @@ def check_ports_free(listens: Iterable[Listen]) -> None:
         except OSError as err:
             raise PortInUse(f"port {listen.port} ({listen.what}) cannot be bound: {err.strerror}") from None
         if not free:
-            raise PortInUse(in_use_message(listen.port, listen.what, listen.host))
+            message = in_use_message(listen.port, listen.what, listen.host)
+            if listen.setting:
+                # What to do: a second `kvrelay up` beside a running node said whose the port was, not
+                # how to get past it (found walking the README as a new user).
+                message += f": stop it, or set another {listen.setting} in the config (0 = any free port)"
+            raise PortInUse(message)
 
 
 def unresolvable_host(host: str, what: str) -> str | None:

@@ -27,6 +27,7 @@ import ctypes
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -221,8 +222,8 @@ def plan_children(
                 ChildSpec(
                     "broker", "broker", argv + common, broker_address, f"{broker_connect}:{broker_metrics}",
                     listens=(
-                        Listen(broker_listen, broker_port, "broker gRPC"),
-                        Listen(broker_listen, broker_metrics, "broker metrics"),
+                        Listen(broker_listen, broker_port, "broker gRPC", "broker.port"),
+                        Listen(broker_listen, broker_metrics, "broker metrics", "broker.metrics_port"),
                     ),
                 )  # fmt: skip
             ]
@@ -246,8 +247,8 @@ def plan_children(
                     f"{connect}:{port}",
                     f"{connect}:{metrics}",
                     listens=(
-                        Listen(host or stage.host, port, f"{stage.kind}-{replica} gRPC"),
-                        Listen(host or stage.host, metrics, f"{stage.kind}-{replica} metrics"),
+                        Listen(host or stage.host, port, f"{stage.kind}-{replica} gRPC", f"port of the {stage.kind} stage"),
+                        Listen(host or stage.host, metrics, f"{stage.kind}-{replica} metrics", f"metrics_port of the {stage.kind} stage"),
                     ),
                 )
             )
@@ -959,7 +960,8 @@ def _run_up(
         )
     except OSError as err:
         if metrics_port and not is_port_free(metrics_host, metrics_port):
-            print(f"kvrelay up: {in_use_message(metrics_port, 'node metrics', metrics_host)}", file=sys.stderr)
+            print(f"kvrelay up: {in_use_message(metrics_port, 'node metrics', metrics_host)}: stop it, or pass "
+                  "another --metrics-port (0 = any free port)", file=sys.stderr)  # fmt: skip
         else:
             print(f"kvrelay up: node metrics on {metrics_host}:{metrics_port}: {err}", file=sys.stderr)
         return 1
@@ -1009,8 +1011,35 @@ def _run_up(
     # SIGHUP (the terminal or SSH session went away) stops the node in order too: by default it
     # would kill this process outright and leave the children to PDEATHSIG, all at once.
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    code = _supervise_until_stopped(node, config_path, metrics, metrics_host, previous, on_stopping)
+    hint = try_command(cfg, node.address(), api_token=creds.api_token is not None)
+    code = _supervise_until_stopped(node, config_path, metrics, metrics_host, previous, on_stopping, hint)
     return EXIT_FAST_STOP if node.hurried else code
+
+
+# What the demo model draws (docs/bagel.md), with the settings README's quick start uses: any
+# other prompt, or 2 steps, gives it a blur of one colour, and the `try:` line suggested a fox.
+DEMO_TRY = ('"a red circle on a blue background, top left"', "--steps 8 --guidance-scale 3.0")
+# The variable `kvrelay generate` reads its token from when --token is not given.
+API_TOKEN_ENV = "KVRELAY_API_TOKEN"
+
+
+def try_command(cfg: KvRelayConfig, address: str, *, api_token: bool = False) -> str:
+    """The `kvrelay generate` that `kvrelay up` suggests once the node serves: one that works on
+    this node from the same shell as it stands: a prompt the demo model draws, and the TLS roots
+    and api token that a node with `security:` set asks for (the CLI reads `$KVRELAY_API_TOKEN`
+    itself; a token from a file or another variable must be passed)."""
+    prompt, flags = DEMO_TRY if cfg.dit_stage.model.format == "demo" else ('"a red fox in the snow"', "")
+    words = [prompt, flags] if flags else [prompt]
+    sec = cfg.security
+    if api_token and sec.api_token_file:
+        words.append(f'--token "$(cat {shlex.quote(sec.api_token_file)})"')
+    elif api_token and sec.api_token_env and sec.api_token_env != API_TOKEN_ENV:
+        words.append(f'--token "${sec.api_token_env}"')
+    if sec.tls is not None:
+        words.append(f"--tls-ca {shlex.quote(sec.tls.ca_file)}")
+        if sec.tls.require_client_cert:
+            words.append("--tls-cert CERT.pem --tls-key KEY.pem")
+    return f"kvrelay generate {' '.join(words)} --target {address}"
 
 
 def _supervise_until_stopped(
@@ -1020,6 +1049,7 @@ def _supervise_until_stopped(
     metrics_host: str,
     previous: dict[signal.Signals, Any],
     on_stopping: Callable[[], None],
+    try_line: str,
 ) -> int:
     """`kvrelay up` from the start of the node to its stop; the exit code of a stop that no second
     signal made fast."""
@@ -1038,8 +1068,7 @@ def _supervise_until_stopped(
             flush=True,
         )
         print(
-            f'try: kvrelay generate "a red fox in the snow" --target {node.address()}   '
-            "(Ctrl-C here stops everything)",
+            f"try: {try_line}   (Ctrl-C here stops everything)",
             flush=True,
         )
         while node.fatal_error is None:

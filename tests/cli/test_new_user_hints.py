@@ -1,0 +1,160 @@
+"""What a new user walking README.md and docs/ met that worked but did not tell them what to do
+next: `kvrelay up` suggested a prompt the demo model cannot draw (and a command that fails on a
+node with TLS or a token file), a taken port named its holder but not the setting to change, and
+an invalid `kvrelay generate` flag was named by its API field (`num_inference_steps`, not
+`--steps`)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvrelay.config import KvRelayConfig, load_config
+from kvrelay.node.cli import build_parser, main
+from kvrelay.node.supervisor import API_TOKEN_ENV, try_command
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _parse_try(line: str) -> tuple[list[str], object]:
+    argv = shlex.split(line)
+    assert argv[:2] == ["kvrelay", "generate"], line
+    return argv, build_parser().parse_args(argv[1:])
+
+
+# --- the `try:` line of kvrelay up ------------------------------------------------------------
+
+
+def test_up_suggests_a_picture_the_demo_model_draws_with_the_quick_starts_settings() -> None:
+    from kvrelay.models.demo import COLOURS, PLACES, SHAPES, caption
+
+    cfg = load_config(REPO / "configs/single-node.yaml")
+    assert cfg.dit_stage.model.format == "demo"
+    _, args = _parse_try(try_command(cfg, "127.0.0.1:50051"))
+    # Before: "a red fox in the snow" at 2 steps, which the demo model draws as a red blur.
+    drawable = {caption(c, s, b, p) for c in COLOURS for s in SHAPES for b in COLOURS if b != c for p in PLACES}
+    assert args.prompt in drawable  # type: ignore[attr-defined]
+    assert (args.steps, args.guidance_scale, args.target) == (8, 3.0, "127.0.0.1:50051")  # type: ignore[attr-defined]
+    quickstart = (REPO / "scripts/quickstart.sh").read_text()
+    assert "--steps 8 --guidance-scale 3.0" in quickstart
+
+
+def test_up_on_a_preset_model_keeps_the_server_defaults() -> None:
+    cfg = load_config(REPO / "tests/configs/test-fast.yaml")
+    argv, args = _parse_try(try_command(cfg, "127.0.0.1:7"))
+    assert args.prompt == "a red fox in the snow" and args.steps == 2  # type: ignore[attr-defined]
+    assert argv[2:] == ["a red fox in the snow", "--target", "127.0.0.1:7"]
+
+
+def _secured(tmp_path: Path, security: dict[str, object]) -> KvRelayConfig:
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    data["security"] = security
+    return KvRelayConfig.model_validate(data)
+
+
+def test_up_on_a_tls_node_with_a_token_file_suggests_a_command_that_carries_them(tmp_path: Path) -> None:
+    ca, token = tmp_path / "my ca.pem", tmp_path / "api.token"
+    tls = {"cert_file": "c.pem", "key_file": "k.pem", "ca_file": str(ca), "require_client_cert": True}
+    cfg = _secured(tmp_path, {"api_token_file": str(token), "tls": tls})
+    argv, args = _parse_try(try_command(cfg, "127.0.0.1:7", api_token=True))
+    # Before: a bare `kvrelay generate ... --target` that a TLS broker never answers.
+    assert args.tls_ca == str(ca) and args.target == "127.0.0.1:7"  # type: ignore[attr-defined]
+    assert (args.tls_cert, args.tls_key) == ("CERT.pem", "KEY.pem")  # type: ignore[attr-defined]
+    assert args.token == f"$(cat {token})"  # type: ignore[attr-defined]  # the shell expands it
+    # No token configured: none suggested.
+    assert "--token" not in try_command(cfg, "127.0.0.1:7", api_token=False)
+
+
+def test_up_names_the_token_variable_only_when_the_cli_would_not_read_it(tmp_path: Path) -> None:
+    from kvrelay.client.cli import TOKEN_ENV
+
+    assert API_TOKEN_ENV == TOKEN_ENV  # the variable `kvrelay generate` reads by itself
+    default = _secured(tmp_path, {})
+    assert "--token" not in try_command(default, "h:1", api_token=True)
+    other = _secured(tmp_path, {"api_token_env": "MY_API_TOKEN"})
+    _, args = _parse_try(try_command(other, "h:1", api_token=True))
+    assert args.token == "$MY_API_TOKEN"  # type: ignore[attr-defined]
+
+
+# --- a port that is taken -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("where", "setting"),
+    [("broker", "broker.port"), ("dit", "port of the dit stage"), ("dit-metrics", "metrics_port of the dit stage")],
+)
+def test_up_on_a_taken_port_says_which_setting_to_change(
+    tmp_path: Path, taken_port: int, where: str, setting: str
+) -> None:
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
+    if where == "broker":
+        data["broker"]["port"] = taken_port
+    else:
+        data["stages"][1]["metrics_port" if where == "dit-metrics" else "port"] = taken_port
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(data))
+    env = {k: v for k, v in os.environ.items() if k != "KVRELAY_CONFIG"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "up", "--config", str(config), "--metrics-port", "0"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env={**env, "KVRELAY_LOG_FORMAT": "console"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    line = next(ln for ln in done.stderr.splitlines() if ln.startswith("kvrelay up: port "))
+    # Before: "... is already in use by pid P (...)" and nothing about how to get past it.
+    assert line.startswith(f"kvrelay up: port {taken_port} (")
+    assert line.endswith(f": stop it, or set another {setting} in the config (0 = any free port)"), line
+
+
+def test_up_on_a_taken_node_metrics_port_names_the_flag(tmp_path: Path, taken_port: int) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "up", "--config", str(REPO / "tests/configs/test-fast.yaml"),
+         "--metrics-port", str(taken_port)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].endswith("stop it, or pass another --metrics-port (0 = any free port)")
+
+
+# --- kvrelay generate: an API field named by its flag -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "flag"),
+    [(["--steps", "0"], "num_inference_steps", "--steps"),
+     (["--guidance-scale", "0.5"], "guidance_scale", "--guidance-scale"),
+     (["--request-id", "no spaces"], "request_id", "--request-id")],
+)  # fmt: skip
+def test_an_invalid_generate_flag_is_named_by_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], field: str, flag: str
+) -> None:
+    # The SDK refuses these before any call: nothing needs to listen at --target.
+    argv = ["generate", "a red circle", *flags, "--target", "127.0.0.1:9", "-q", "-o", str(tmp_path / "x.png")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"kvrelay generate: INVALID_ARGUMENT: {field}: "), err
+    assert f"  hint: {field} is {flag} here" in err
+
+
+def test_a_field_that_is_its_flags_name_gets_no_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "a red circle", "--width", "100", "--target", "127.0.0.1:9", "-q", "-o", str(tmp_path / "x.png")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "field: width" in err and "hint" not in err
