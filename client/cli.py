@@ -26,7 +26,15 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-from kvrelay.limits import MAX_LIST_PAGE_SIZE, MAX_PROMPT_BYTES, MAX_REQUEST_ID_LENGTH, QUOTED_ID_CHARS
+from kvrelay.limits import (
+    MAX_LIST_PAGE_SIZE,
+    MAX_PEM_FILE_BYTES,
+    MAX_PROMPT_BYTES,
+    MAX_REQUEST_ID_LENGTH,
+    QUOTED_ID_CHARS,
+    FileRefused,
+    read_bounded_file,
+)
 
 from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
@@ -82,12 +90,12 @@ def tls_problem(args: argparse.Namespace) -> str | None:
     for path, flag in given.values():
         if not path:
             continue
-        if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
-            # /dev/zero was read until MemoryError; a pipe would be read empty by the client next.
-            return f"{flag} {path}: not a regular file (a pipe or a device): give a PEM file"
         try:
-            with open(path, "rb") as f:
-                pem = f.read()
+            # Bounded, regular files only: /dev/zero was read until MemoryError; a pipe would be
+            # read empty by the client next.
+            pem = read_bounded_file(path, MAX_PEM_FILE_BYTES, "PEM file")
+        except FileRefused as err:
+            return f"{flag} {path}: {err}"
         except OSError as err:
             return f"{flag} {path}: {err.strerror or err}"
         if b"-----BEGIN " not in pem:
@@ -102,8 +110,7 @@ def _tls(args: argparse.Namespace) -> dict[str, Any]:
     for key, arg in (("tls_ca", "root_certificates"), ("tls_cert", "certificate_chain"), ("tls_key", "private_key")):
         path = files[key]
         if path:
-            with open(path, "rb") as f:
-                kwargs[arg] = f.read()
+            kwargs[arg] = read_bounded_file(path, MAX_PEM_FILE_BYTES, "PEM file")
     if kwargs:
         kwargs["tls"] = True
     return kwargs

@@ -1,6 +1,8 @@
 """The bounds of a generation request, in one place: the broker enforces them (INVALID_ARGUMENT
 naming the field, broker/generation.py) and the client SDK checks the same ones, with the same
-message, before it sends, so a value is refused alike whichever side sees it first.
+message, before it sends, so a value is refused alike whichever side sees it first. And the bound
+of every small file a setting or a flag names (tokens, the replica secret, TLS PEM files, the
+config): `read_bounded_file` is the one reader of them.
 
 Pure standard library: the client SDK imports it. Bounds that depend on the deployment (the AR's
 max tokens, the largest image a DiT model draws) stay with the broker.
@@ -9,7 +11,9 @@ max tokens, the largest image a DiT model draws) stay with the broker.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from typing import Final
 
 MAX_REQUEST_ID_LENGTH: Final = 128
@@ -69,3 +73,69 @@ def seed_problem(seed: int) -> str | None:
     if 0 <= seed < 1 << SEED_BITS:
         return None
     return f"must be in [0, 2**{SEED_BITS}), got {seed}"
+
+
+# Files a setting or a flag names and a process reads whole, at start. Found black-box: a TLS file
+# or a token file pointing at /dev/zero was read until MemoryError (without a memory limit, the
+# machine's memory), and a pipe blocked the start or was read empty.
+# A token or the replica secret (64 hex characters when made as documented).
+MAX_SECRET_FILE_BYTES: Final = 64 << 10
+# A certificate chain, a private key or a CA bundle (a system's whole bundle is about 220 KiB).
+MAX_PEM_FILE_BYTES: Final = 4 << 20
+# A YAML config (the shipped ones are a few KiB).
+MAX_CONFIG_FILE_BYTES: Final = 4 << 20
+
+
+class FileRefused(ValueError):
+    """A file `read_bounded_file` would not read. The message follows the path, e.g.
+    `f"{flag} {path}: {err}"`: "not a regular file (a pipe or a device): give a PEM file"."""
+
+
+def _size_text(size: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift} {unit}"
+    return f"{size} bytes"
+
+
+def _refusal(st: os.stat_result, max_bytes: int, what: str) -> FileRefused | None:
+    if stat.S_ISDIR(st.st_mode):
+        return FileRefused(f"a folder, not a file: give a {what}")
+    if not stat.S_ISREG(st.st_mode):
+        # A device or a pipe has no size to check and may never end (/dev/zero, /dev/urandom).
+        return FileRefused(f"not a regular file (a pipe or a device): give a {what}")
+    if st.st_size > max_bytes:
+        return FileRefused(f"{st.st_size} bytes: more than a {what} may be ({_size_text(max_bytes)})")
+    return None
+
+
+def read_bounded_file(path: str | os.PathLike[str], max_bytes: int, what: str) -> bytes:
+    """The bytes of the regular file at `path`, refused (FileRefused) when it is no regular file
+    (a folder, a device, a pipe) or holds more than `max_bytes`; never more than `max_bytes + 1`
+    bytes are read, so a file that grows while read is refused too. `what` names what the file
+    should be in the message ("PEM file"). OSError (missing, unreadable) passes through.
+
+    Opened non-blocking: a FIFO's open would otherwise wait for a writer forever."""
+    refused = _refusal(os.stat(path), max_bytes, what)
+    if refused is not None:
+        raise refused
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        # What was opened, not what the path named a moment ago (it may have been replaced).
+        refused = _refusal(os.fstat(fd), max_bytes, what)
+        if refused is not None:
+            raise refused
+        chunks: list[bytes] = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise FileRefused(f"more than a {what} may be ({_size_text(max_bytes)}): it grew while read")
+    return data

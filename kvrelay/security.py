@@ -28,13 +28,19 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvrelay.errors import KvRelayServerError, abort_with
-from kvrelay.limits import MAX_REQUEST_ID_LENGTH, request_id_problem
+from kvrelay.limits import (
+    MAX_PEM_FILE_BYTES,
+    MAX_REQUEST_ID_LENGTH,
+    MAX_SECRET_FILE_BYTES,
+    FileRefused,
+    read_bounded_file,
+    request_id_problem,
+)
 
 if TYPE_CHECKING:
     from kvrelay.config import SecurityConfig
@@ -342,8 +348,11 @@ class Credentials:
 
 def _read_secret(env: str | None, file: str | None, key: str) -> str | None:
     if file:
+        what = "file holding the secret" if key == "replica_secret" else "file holding the token"
         try:
-            value = Path(file).read_text().strip()
+            value = read_bounded_file(file, MAX_SECRET_FILE_BYTES, what).decode().strip()
+        except FileRefused as err:
+            raise SecurityError(f"security.{key}_file: {file}: {err}") from None
         except OSError as err:
             raise SecurityError(f"security.{key}_file: cannot read {file}: {err.strerror}") from None
         except UnicodeDecodeError:
@@ -376,7 +385,9 @@ def _usable_secret(value: str, key: str, where: str) -> str:
 
 def _read_pem(path: str, key: str) -> bytes:
     try:
-        data = Path(path).read_bytes()
+        data = read_bounded_file(path, MAX_PEM_FILE_BYTES, "PEM file")
+    except FileRefused as err:
+        raise SecurityError(f"security.tls.{key}: {path}: {err}") from None
     except OSError as err:
         raise SecurityError(f"security.tls.{key}: cannot read {path}: {err.strerror}") from None
     if b"-----BEGIN" not in data:

@@ -18,6 +18,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, load_config
+from kvrelay.limits import MAX_PEM_FILE_BYTES
 from kvrelay.node import health_probe
 from kvrelay.node.cli import main
 from kvrelay.v1 import broker_pb2
@@ -332,6 +333,9 @@ def test_tls_files_that_cannot_work_are_one_line_before_any_call(
     pem.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     text = tmp_path / "notes.txt"
     text.write_text("hello\n")
+    big = tmp_path / "big.pem"
+    with open(big, "wb") as f:
+        f.truncate(MAX_PEM_FILE_BYTES + 1)  # sparse: no disk, no memory unless read
     target = ["--target", f"127.0.0.1:{closed_port}", "-o", str(tmp_path / "o.png")][: 4 if "-q" in command else 2]
     name = command[0]
     cases = [
@@ -345,6 +349,9 @@ def test_tls_files_that_cannot_work_are_one_line_before_any_call(
         # A device or a pipe: /dev/zero was read until MemoryError (found black-box), a pipe read
         # empty by the client after this check. /dev/null: a device that ends at once.
         (["--tls-ca", "/dev/null"], "--tls-ca /dev/null: not a regular file (a pipe or a device): give a PEM file"),
+        # A regular file is read with a bound too (kvrelay.limits.read_bounded_file): before, whole.
+        (["--tls-ca", str(big)], f"--tls-ca {big}: {MAX_PEM_FILE_BYTES + 1} bytes: more than a PEM file may be (4 MiB)"),
+        (["--tls-ca", str(tmp_path)], f"--tls-ca {tmp_path}: a folder, not a file: give a PEM file"),
     ]  # fmt: skip
     for flags, line in cases:
         assert main([*command, *target, *flags]) == 2
