@@ -157,7 +157,9 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
-    metrics = ArMetrics.create(registry)
+    # Rank labels as the ranks report them: vLLM's engine reports for its TP workers as rank 0.
+    ranks = 1 if isinstance(rank_spec, VllmRankSpec) else stage.tensor_parallel_size
+    metrics = ArMetrics.create(registry, mooncake_ranks=ranks if stage.transport == "mooncake" else 0)
     stop_reason: list[str] = []
     fail_stop = asyncio.Event()
 

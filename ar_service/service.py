@@ -89,10 +89,14 @@ class ArMetrics:
     _replacements_seen: dict[int, int] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, registry: Any) -> ArMetrics:
+    def create(cls, registry: Any, mooncake_ranks: int = 0) -> ArMetrics:
+        """`mooncake_ranks`: the replica's rank count when it sends over Mooncake, so that each
+        rank's engine-replacement count is exported (at 0) from the start: a series that first
+        appears at 1 shows no increase in `increase()`/`rate()`, and the dashboard's panel would
+        have nothing to query on a node that never replaced an engine."""
         from prometheus_client import Counter, Histogram
 
-        return cls(
+        metrics = cls(
             transfer_bytes=Counter(
                 "kvrelay_transfer_bytes_total", "KV bytes written by AR ranks (OK writes)", ["transport"],
                 registry=registry,
@@ -120,6 +124,9 @@ class ArMetrics:
                 ["rank"], registry=registry,
             ),
         )  # fmt: skip
+        for rank in range(mooncake_ranks):
+            metrics.engine_replacements.labels(str(rank))
+        return metrics
 
     def record_engine_replacements(self, done: Iterable[WriteDone]) -> None:
         """Count the engine replacements the ranks report with a write (log

@@ -356,6 +356,28 @@ def test_sent_bytes_are_counted_by_source_rank_and_outcome_and_not_started_sends
     }  # fmt: skip
 
 
+def test_a_mooncake_ar_exports_each_ranks_engine_replacements_from_zero() -> None:
+    """The dashboard's panel queries kvrelay_ar_mooncake_engine_replacements_total: a node that
+    never replaced an engine has the series at 0 (one per rank), and increase() counts the first."""
+    from prometheus_client import CollectorRegistry
+
+    from kvrelay.ar_service.service import ArMetrics
+
+    def replacements(registry: CollectorRegistry) -> dict[str, float]:
+        return {
+            s.labels["rank"]: s.value
+            for family in registry.collect() if family.name == "kvrelay_ar_mooncake_engine_replacements"
+            for s in family.samples if s.name.endswith("_total")
+        }
+
+    registry = CollectorRegistry()
+    ArMetrics.create(registry, mooncake_ranks=2)
+    assert replacements(registry) == {"0": 0.0, "1": 0.0}
+    other = CollectorRegistry()
+    ArMetrics.create(other)  # not a Mooncake sender: nothing to say
+    assert replacements(other) == {}
+
+
 def test_tokenize_leaves_the_event_loop_free_while_a_long_prompt_is_encoded() -> None:
     # Found black-box: 12 Generate calls with 1 MiB prompts (3 tokens each under the demo's
     # vocabulary: accepted) held the AR's event loop ~27 s; a 0.2 s generation took 31 s and
