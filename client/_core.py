@@ -671,6 +671,7 @@ class HandleBase:
 
     @property
     def last_event(self) -> GenerationEvent | None:
+        """The latest event seen (None before the first)."""
         return self._core.last
 
     @property

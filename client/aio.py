@@ -132,9 +132,11 @@ class AsyncKvRelayClient(_core.ClientBase):
         return AsyncGenerationHandle(self, core)
 
     async def get_generation(self, request_id: str, *, timeout: float | None = None) -> Generation:
+        """The generation now (finished ones are kept for the broker's ``result_ttl_seconds``)."""
         return await self._unary(_core.get_generation(request_id), timeout)
 
     async def cancel_generation(self, request_id: str, *, timeout: float | None = None) -> Generation:
+        """Cancel a generation by id (idempotent); returns it as the broker now knows it."""
         return await self._unary(_core.cancel_generation(request_id), timeout)
 
     async def list_generations(
@@ -144,11 +146,13 @@ class AsyncKvRelayClient(_core.ClientBase):
         page_size: int = 0,
         timeout: float | None = None,
     ) -> list[Generation]:
+        """Generations (newest first, without images), optionally only those in ``states``."""
         return await self._unary(_core.list_generations(states, page_size), timeout)
 
     # -- broker status --------------------------------------------------------------------------
 
     async def list_replicas(self, *, timeout: float | None = None) -> list[Replica]:
+        """Registered AR and DiT replicas: live ones, lapsed ones and those kept from the journal."""
         return await self._unary(_core.list_replicas(), timeout)
 
     async def get_replica_registry(self, *, timeout: float | None = None) -> ReplicaRegistry:
@@ -157,6 +161,7 @@ class AsyncKvRelayClient(_core.ClientBase):
         return await self._unary(_core.get_replica_registry(), timeout)
 
     async def get_pools(self, replica_id: str = "", *, timeout: float | None = None) -> list[PoolStatus]:
+        """Page accounting of one DiT replica, or of every one when ``replica_id`` is empty."""
         return await self._unary(_core.get_pools(replica_id), timeout)
 
     async def list_tickets(
@@ -166,6 +171,7 @@ class AsyncKvRelayClient(_core.ClientBase):
         replica_id: str = "",
         timeout: float | None = None,
     ) -> list[Ticket]:
+        """Tickets in ``states`` (default: every ticket not RELEASED)."""
         return await self._unary(_core.list_tickets(states, replica_id), timeout)
 
     async def forget_replica(

@@ -135,6 +135,7 @@ class KvRelayClient(_core.ClientBase):
     # -- broker status (what `kvrelay status` prints) --------------------------------------------
 
     def list_replicas(self, *, timeout: float | None = None) -> list[Replica]:
+        """Registered AR and DiT replicas: live ones, lapsed ones and those kept from the journal."""
         return self._unary(_core.list_replicas(), timeout)
 
     def get_replica_registry(self, *, timeout: float | None = None) -> ReplicaRegistry:

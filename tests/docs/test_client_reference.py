@@ -108,3 +108,17 @@ def test_the_check_sees_a_wrong_default_a_missing_field_and_an_unlisted_method()
         "Image:" in w for w in drift(text.replace("`Image(png, width, height, seed)`", "`Image(png, width)`"))
     )
     assert any("get_pools: a public method" in w for w in drift(text.replace("`get_pools(", "`pools(")))
+
+
+def test_every_public_member_of_the_clients_and_handles_has_a_docstring() -> None:
+    """`help(AsyncKvRelayClient)` showed six of its methods, and `KvRelayClient.list_replicas`,
+    without a word (found walking the SDK as a new user)."""
+    bare = []
+    for cls in (KvRelayClient, AsyncKvRelayClient, sdk.GenerationHandle, sdk.AsyncGenerationHandle):
+        inherited = {name: m for base in reversed(cls.__mro__[:-1]) for name, m in vars(base).items()}
+        for name, member in inherited.items():
+            if name.startswith("_") or not (inspect.isfunction(member) or isinstance(member, property)):
+                continue
+            if not inspect.getdoc(member):
+                bare.append(f"{cls.__name__}.{name}")
+    assert bare == []

@@ -1,6 +1,7 @@
 """Every command and snippet in README.md and docs/ is run, or listed here with why not.
 
-Python blocks run as scripts and bash blocks as `bash -euo pipefail` scripts, in a fresh folder,
+Python blocks (and the examples in the SDK's docstrings, `client/*.py`) run as scripts and bash
+blocks as `bash -euo pipefail` scripts, in a fresh folder,
 against one live node (broker + AR + DiT from tests/configs/test-fast.yaml): the docs' broker
 address (`127.0.0.1:50051`, `localhost:50051`, a client built without a target, a `kvrelay`
 command without `--target`) is pointed at that node. A block or a line the test cannot run here
@@ -12,10 +13,12 @@ silently untested. Links between docs must resolve to files in the repository, a
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,13 +109,33 @@ def doc_blocks() -> list[Block]:
     return found
 
 
+def sdk_docstring_blocks() -> list[Block]:
+    """The examples in the SDK's docstrings (`client/*.py`: its module, classes and methods): an
+    indented block that starts with an import, as `help(KvRelayClient)` shows them. They were
+    never run: a renamed method would have left `help()` teaching code that fails."""
+    found = []
+    for path in sorted((REPO / "client").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef))]
+        for node in nodes:
+            doc = ast.get_docstring(node)
+            if doc is None:
+                continue
+            start = node.body[0].lineno  # the docstring's first line
+            for match in re.finditer(r"(?:^|\n)\n((?: {4}(?:from|import) .*\n)(?:(?: {4}.*)?\n)*)", doc + "\n"):
+                body = textwrap.dedent(match.group(1)).strip("\n") + "\n"
+                line = start + doc[: match.start(1)].count("\n")
+                found.append(Block(str(path.relative_to(REPO)), line, "python", body))
+    return found
+
+
 def not_run_reason(block: Block) -> str | None:
     file, first = block.key
     return next((why for (f, start), why in NOT_RUN.items() if f == file and first.startswith(start)), None)
 
 
 def runnable() -> list[Block]:
-    return [b for b in doc_blocks() if not_run_reason(b) is None]
+    return [b for b in doc_blocks() + sdk_docstring_blocks() if not_run_reason(b) is None]
 
 
 def test_every_block_is_run_or_listed_with_a_reason() -> None:
@@ -121,6 +144,19 @@ def test_every_block_is_run_or_listed_with_a_reason() -> None:
     # A stale entry would silently excuse a future block that happens to start the same way.
     assert used == set(NOT_RUN), f"NOT_RUN lists blocks no doc has any more: {sorted(set(NOT_RUN) - used)}"
     assert len(runnable()) >= 10
+
+
+def test_the_sdks_docstring_examples_are_found_and_parse() -> None:
+    blocks = sdk_docstring_blocks()
+    # The package's, KvRelayClient's and AsyncKvRelayClient's (help(kvrelay.client) shows the first).
+    assert {b.file for b in blocks} >= {"client/__init__.py", "client/sync.py", "client/aio.py"}, blocks
+    for block in blocks:
+        tree = ast.parse(block.body, filename=str(block))  # a bad indent or a typo fails here, fast
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "kvrelay.client"
+                    for a in n.names}  # fmt: skip
+        import kvrelay.client
+
+        assert imported and imported <= set(kvrelay.client.__all__), f"{block}: {imported}"
 
 
 def test_links_between_docs_resolve() -> None:
