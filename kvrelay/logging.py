@@ -124,6 +124,10 @@ _ROUTINE = (
 )
 
 
+# kvrelay.stopping's lines on a stop signal: the first (a stop) and a second (a fast stop).
+_REQUESTED_STOP = re.compile(rb"^kvrelay [\w-]+: SIG[A-Z]+(: stopping| again: fast stop) \(")
+
+
 class _NativeCapture:
     """Fds 1 and 2 of this process (and of every worker it forks) go through pipes; a thread per
     fd forwards JSON lines as they are and wraps every other line (Mooncake's glog, absl, a
@@ -199,8 +203,13 @@ class _NativeCapture:
                 thread=int(thread),
             )
         else:
-            # Our processes print their one-line failure as "kvrelay <role>: ..." on stderr.
+            # Our processes print their one-line failure as "kvrelay <role>: ..." on stderr, and the
+            # lines of a stop they were asked for, which are no failure: every graceful stop of a
+            # node logged "kvrelay broker: SIGTERM: stopping (serving)" at error.
             level = "info" if stream == "stdout" else "error" if line.startswith(b"kvrelay ") else "warning"
+            stop = _REQUESTED_STOP.match(line) if level == "error" else None
+            if stop is not None:
+                level = "info" if stop.group(1) == b": stopping" else "warning"
             record.update(level=level, line=line.decode(errors="replace"))
         record.update(self._fields)
         record["logger"] = "native"

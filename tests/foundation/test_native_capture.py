@@ -21,6 +21,8 @@ print(f"child {child.pid}", flush=True)
 os.write(2, b"I1202 12:00:00.000000  123 transfer_engine.cpp:7] native info\n")
 os.write(2, b"E1202 12:00:00.000000  123 transfer_metadata.cpp:9] Local segment descriptor not found\n")
 os.write(2, b"W1202 12:00:00.000000  124 rpc.cc:1] something odd\nplain stderr\n")
+os.write(2, b"kvrelay dit: SIGTERM: stopping (serving)\nkvrelay dit: stages[1].devices: no GPU 3\n")
+os.write(2, b"kvrelay dit: SIGINT again: fast stop (serving): cutting in-flight work, exit 4\n")
 get_logger("x").info("structured", n=1)
 print("plain stdout")
 raise RuntimeError("boom")
@@ -47,6 +49,10 @@ def test_every_line_is_json_and_the_process_exits_promptly() -> None:
     assert native["something odd"]["level"] == "warning"
     assert native["plain stdout"]["stream"] == "stdout"
     assert native["plain stderr"]["level"] == "warning"
+    # A stop that was asked for is no error (every graceful stop logged one); a failure line is.
+    assert native["kvrelay dit: SIGTERM: stopping (serving)"]["level"] == "info"
+    assert native["kvrelay dit: stages[1].devices: no GPU 3"]["level"] == "error"
+    assert native["kvrelay dit: SIGINT again: fast stop (serving): cutting in-flight work, exit 4"]["level"] == "warning"
     assert any("RuntimeError: boom" in line for line in native)  # the traceback, line by line
     assert all(r["process"] == "t" for r in records)
     assert any(r["event"] == "structured" and r["n"] == 1 for r in records)
