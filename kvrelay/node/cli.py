@@ -16,9 +16,13 @@ import sys
 from collections.abc import Sequence
 
 from kvrelay import __version__
-from kvrelay.config import DEFAULT_CONFIG, default_config_path
 from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.models.presets import PRESETS
+
+# Not kvrelay.config (pydantic, PyYAML): the client commands (generate, status, list, cancel,
+# forget) run where only the SDK's grpcio, grpcio-status and protobuf are installed
+# (docs/operations.md, Install). kvrelay.config.DEFAULT_CONFIG is the same (tests/cli).
+DEFAULT_CONFIG = "configs/single-node.yaml"
 
 # subcommand -> "module:function(args) -> int"
 HANDLERS = {
@@ -317,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "config" in vars(args) and not args.config:
         # Resolved once here, so that every handler (and every child `kvrelay up` starts) sees the
         # same file: an explicit --config wins, then $KVRELAY_CONFIG, then the shipped default.
+        from kvrelay.config import default_config_path
+
         args.config = default_config_path()
     # Before any handler imports gRPC: its core's INFO lines ("Got goaway" when a peer stops) are
     # noise on a terminal. kvrelay/logging.py (GRPC_CORE_LOG_DEFAULTS) says why; not imported

@@ -158,3 +158,58 @@ def test_a_field_that_is_its_flags_name_gets_no_hint(tmp_path: Path, capsys: pyt
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "field: width" in err and "hint" not in err
+
+
+# --- the client commands on a machine with the SDK's dependencies alone --------------------------
+
+# What docs/operations.md (Install) says a client-only machine needs: grpcio, grpcio-status and
+# protobuf. Everything else kvrelay depends on is made unimportable.
+_CLIENT_ONLY = r"""
+import importlib.abc, runpy, sys
+SERVER_SIDE = {"pydantic", "yaml", "structlog", "torch", "numpy", "psutil", "prometheus_client", "PIL",
+               "safetensors", "xxhash", "tqdm", "diffusers", "tokenizers", "mooncake", "grpc_health",
+               "grpc_reflection"}
+class ServerSide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in SERVER_SIDE:
+            raise ModuleNotFoundError(f"No module named {name!r} (not on a client-only machine)")
+sys.meta_path.insert(0, ServerSide())
+sys.argv = ["kvrelay", *sys.argv[1:]]
+runpy.run_module("kvrelay", run_name="__main__")
+"""
+
+
+def test_the_client_commands_run_with_the_sdks_dependencies_alone(tmp_path: Path) -> None:
+    from tests.client.harness import Harness, ServerThread
+
+    server = ServerThread(Harness()).start()
+    env = {k: v for k, v in os.environ.items() if k != "KVRELAY_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    try:
+        runs = {
+            name: subprocess.run(
+                [sys.executable, "-c", _CLIENT_ONLY, *argv], capture_output=True, text=True, timeout=120,
+                cwd=tmp_path, env=env,
+            )  # fmt: skip
+            for name, argv in {
+                "generate": ["generate", "a red circle", "--width", "64", "--height", "64", "-q",
+                             "--target", server.address, "-o", "x.png"],
+                "list": ["list", "--target", server.address],
+                "version": ["--version"],
+            }.items()  # fmt: skip
+        }
+    finally:
+        server.stop()
+    # Before: every kvrelay command, --version included, was `ModuleNotFoundError: No module named
+    # 'yaml'` there (kvrelay.node.cli imported kvrelay.config for its default config path).
+    for name, done in runs.items():
+        assert done.returncode == 0, f"{name}: {done.stderr[-2000:]}"
+    assert (tmp_path / "x.png").read_bytes().startswith(b"\x89PNG")
+    assert "a red circle" in runs["list"].stdout
+
+
+def test_the_cli_names_the_configs_default_config() -> None:
+    from kvrelay.config import DEFAULT_CONFIG
+    from kvrelay.node import cli
+
+    assert cli.DEFAULT_CONFIG == DEFAULT_CONFIG
