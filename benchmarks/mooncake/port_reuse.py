@@ -11,7 +11,7 @@ more than a minute before any reuse can show.
     python benchmarks/mooncake/port_reuse.py --receivers 150 --ports 24000:24200
     MC_DISABLE_METACACHE=0 python benchmarks/mooncake/port_reuse.py --receivers 150 --ports 24000:24200  # cache on
 
-Takes about a second per receiver. docs/transfer.md (Mooncake facts) has what it showed.
+Takes about a second per receiver. docs/transfer.md (Mooncake) has what it showed.
 """
 
 from __future__ import annotations
