@@ -225,13 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_tls_args(p)
 
     p = sub.add_parser("cancel", help="cancel generations by request id (idempotent)")
-    p.add_argument("request_ids", nargs="+", metavar="REQUEST_ID")
+    p.add_argument("request_ids", nargs="+", metavar="REQUEST_ID",
+                   help="the id kvrelay generate printed (request ...), or one kvrelay list shows")
     p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument("--token", default=None, help="bearer token for the public API (default: $KVRELAY_API_TOKEN)")
     _add_client_tls_args(p)
 
     p = sub.add_parser("forget", help="forget replicas gone for good (not up, no live ticket) from the broker")
-    p.add_argument("replica_ids", nargs="*", metavar="REPLICA_ID")
+    p.add_argument("replica_ids", nargs="*", metavar="REPLICA_ID",
+                   help="ar-0, dit-1, ... as kvrelay status lists them (or --all-down)")
     p.add_argument("--all-down", action="store_true",
                    help="every replica that is not up, except those the broker must keep (listed with why)")
     p.add_argument("--force", action="store_true",

@@ -213,3 +213,18 @@ def test_the_cli_names_the_configs_default_config() -> None:
     from kvrelay.node import cli
 
     assert cli.DEFAULT_CONFIG == DEFAULT_CONFIG
+
+
+def test_every_argument_of_every_command_says_what_it_is_in_help() -> None:
+    # `kvrelay cancel --help` listed "REQUEST_ID" and `kvrelay forget --help` "REPLICA_ID" without
+    # a word on where to find one.
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [
+        f"{name} {action.dest}"
+        for name, parser in sub.choices.items()
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction) and not action.help
+    ]
+    assert bare == []
