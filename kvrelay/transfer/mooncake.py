@@ -26,8 +26,10 @@ experiment, see docs/transfer.md):
   reconnecting to the dead data port. The binding has no call that drops one peer's state; a
   fresh engine has none (see `_replace_sender`). `send_probe(session)` answers 0 when a process
   answers at the session's RPC port, fast non-zero when nothing listens there.
-- Destroying an engine holds the GIL for about a second (its handshake listener waits out a
-  1 s accept timeout), so replaced engines are kept, idle, and only the oldest few destroyed.
+- Destroying an engine holds the GIL (pybind11) while its destructor joins the handshake
+  listener, which waits out a 1 s accept timeout: every thread of the process stopped for about a
+  second, whichever thread dropped it. Replaced engines are destroyed by `EngineReaper` (its own
+  thread, the listener woken from another process: milliseconds) once no call runs on them.
 
 Never hands a sender "OK" off as proof of delivery: receivers verify checksums.
 """
@@ -45,6 +47,7 @@ from typing import Any
 
 from kvrelay.logging import get_logger
 from kvrelay.transfer.checksum import write_checksum
+from kvrelay.transfer.engine_reaper import EngineReaper, RetiredEngine
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
     MOONCAKE_MAX_QUEUED_TRANSFERS_PER_PEER,
@@ -67,11 +70,12 @@ _STALE_FAILURE_S = 1.0
 # Replacing the sending engine (`_replace_sender`), bounded: at most one new engine per
 # _MIN_REPLACE_INTERVAL_S in the process, and a peer that still fails on the engine made for it
 # waits _REPLACE_BACKOFF_S (doubling up to _REPLACE_BACKOFF_MAX_S) before it may cause another.
-# Replaced engines are kept idle, at most _MAX_RETIRED_ENGINES (destroying one stalls the GIL).
+# Replaced engines are destroyed in the background once no call runs on them (`EngineReaper`).
 _MIN_REPLACE_INTERVAL_S = 10.0
 _REPLACE_BACKOFF_S = 60.0
 _REPLACE_BACKOFF_MAX_S = 900.0
-_MAX_RETIRED_ENGINES = 4
+# How long `close()` waits for the reaper to destroy the engines (it never holds up an exit).
+_REAPER_CLOSE_S = 10.0
 
 _log = get_logger(__name__)
 
@@ -112,10 +116,12 @@ class _Engine:
             raise MooncakeError(f"register_memory({addr:#x}, {length}) returned {rc}")
         self.registered.add(addr)
 
-    def unregister_all(self) -> None:
-        for addr in self.registered:
-            self.engine.unregister_memory(addr)
-        self.registered.clear()
+    def hand_over(self, host: str, *, replaced: bool = True) -> RetiredEngine:
+        """This engine, for the reaper: its binding object and registrations go with it (the
+        caller has made sure no call runs on it, and none can start)."""
+        engine, self.engine = self.engine, None
+        registered, self.registered = tuple(self.registered), set()
+        return RetiredEngine(engine, host, self.rpc_port, self.generation, registered, replaced)
 
 
 @dataclass(slots=True)
@@ -185,7 +191,11 @@ class MooncakeEndpoint:
         # reused port makes the endpoint replace it (`_replace_sender`).
         self._primary = self._start_engine(generation=0)
         self._sender = self._primary
-        self._retired: list[_Engine] = []  # replaced senders, oldest first (never the primary)
+        self._generations = 0
+        # Replaced senders that calls still run on (or that wait for room in the reaper's queue),
+        # oldest first; never the primary. Each goes to the reaper once idle.
+        self._retired: list[_Engine] = []
+        self._reaper = EngineReaper()
         self._last_replacement = float("-inf")
         self._replace_backoff: dict[str, tuple[float, float]] = {}  # session -> (not before, backoff)
         self._replace_lock = threading.Lock()  # one replacement at a time
@@ -217,6 +227,8 @@ class MooncakeEndpoint:
         """Register a host buffer once (idempotent per address); returns (address, length)."""
         addr, length = staging_address(memory)
         with self._lock:
+            if self._closed:
+                raise MooncakeError("register on a closed MooncakeEndpoint")
             if self._is_registered(addr, length):
                 # A view into a registered buffer (a rank's pool inside one arena, a slice of the
                 # staging buffer): registering it again would overlap the first registration.
@@ -463,7 +475,7 @@ class MooncakeEndpoint:
                 return False
         if cancel.is_set():
             return False
-        if self._sender.engine.send_probe(session) != 0:
+        if self._probe(session) != 0:
             with self._lock:  # probe a dead peer again only after a while (its own backoff kept)
                 _, last = self._replace_backoff.get(session, (0.0, 0.0))
                 self._replace_backoff[session] = (time.monotonic() + _MIN_REPLACE_INTERVAL_S, last)
@@ -480,7 +492,8 @@ class MooncakeEndpoint:
                 _, last = self._replace_backoff.get(session, (0.0, 0.0))
                 backoff = min(_REPLACE_BACKOFF_MAX_S, max(_REPLACE_BACKOFF_S, 2 * last))
                 self._replace_backoff[session] = (now + backoff, backoff)
-                generation = max([self._sender.generation, *(e.generation for e in self._retired)]) + 1
+                self._generations += 1
+                generation = self._generations
             try:
                 fresh = self._start_engine(generation)
                 with self._lock:
@@ -498,12 +511,13 @@ class MooncakeEndpoint:
                             fresh.register(addr, length)
                 except MooncakeError as exc:
                     _log.error("mooncake_engine_replace_failed", session=session, error=str(exc)[:500])
-                    self._retired.append(fresh)  # no call ran on it; evicted like a replaced one
+                    self._retired.append(fresh)  # no call ran on it: destroyed like a replaced one
+                    self._reap_idle_locked()
                     return False
                 old, self._sender = self._sender, fresh
                 if old is not self._primary:
                     self._retired.append(old)
-                evicted = self._evict_retired_locked()
+                self._reap_idle_locked()
                 self.engine_replacements += 1
                 retired = len(self._retired)
         _log.warning(
@@ -511,8 +525,6 @@ class MooncakeEndpoint:
             reason="a batch failed fast while the peer answers at its RPC port (a process on a dead peer's port)",
             replace_backoff_s=backoff, retired_engines=retired,
         )  # fmt: skip
-        for eng in evicted:
-            self._destroy(eng)
         return True
 
     def _may_replace_locked(self, session: str, now: float) -> bool:
@@ -521,36 +533,46 @@ class MooncakeEndpoint:
         not_before, _ = self._replace_backoff.get(session, (0.0, 0.0))
         return now >= not_before
 
-    def _evict_retired_locked(self) -> list[_Engine]:
-        """The oldest retired engines beyond _MAX_RETIRED_ENGINES that no call runs on."""
-        evicted: list[_Engine] = []
+    def _reap_idle_locked(self) -> None:
+        """Hand the retired engines no call runs on to the reaper (in order, while its queue has
+        room). A call picks its engine (`_sender`, never a retired one) and counts itself on it
+        under `_lock`, so an engine retired with no call counted can never see another one."""
         for eng in list(self._retired):
-            if len(self._retired) <= _MAX_RETIRED_ENGINES:
-                break
             if eng.in_flight == 0:
+                if not self._reaper.has_room():
+                    return  # kept until a later call or replacement finds room
                 self._retired.remove(eng)
-                evicted.append(eng)
-        return evicted
+                self._reaper.submit(eng.hand_over(self.hostname), force=True)  # room checked
 
-    def _destroy(self, eng: _Engine) -> None:
-        """Unregister memory from an engine no call runs on, and let it go (about a second with
-        the GIL held, see the module docstring)."""
-        eng.unregister_all()
-        t0 = time.monotonic()
-        eng.engine = None
-        _log.info("mooncake_engine_destroyed", generation=eng.generation, duration_ms=round(1000 * (time.monotonic() - t0)))
+    def _acquire_sender(self) -> _Engine:
+        with self._lock:
+            eng = self._sender
+            eng.in_flight += 1
+            return eng
+
+    def _release(self, eng: _Engine) -> None:
+        with self._lock:
+            eng.in_flight -= 1
+            if eng.in_flight == 0 and any(e is eng for e in self._retired):
+                self._reap_idle_locked()
+
+    def _probe(self, session: str) -> int:
+        """send_probe through the current sending engine, counted as a call on it (the reaper
+        never gets an engine that a probe still runs on)."""
+        eng = self._acquire_sender()
+        try:
+            return int(eng.engine.send_probe(session))
+        finally:
+            self._release(eng)
 
     def _transfer(self, session: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         """One batch to one peer through the current sending engine; 0 on completion, negative on
         failure (as the engine reports)."""
-        with self._lock:
-            eng = self._sender
-            eng.in_flight += 1
+        eng = self._acquire_sender()
         try:
             return self._transfer_on(eng.engine, session, srcs, dsts, lengths)
         finally:
-            with self._lock:
-                eng.in_flight -= 1
+            self._release(eng)
 
     def _transfer_on(self, engine: Any, session: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         nbytes = sum(lengths)
@@ -590,11 +612,15 @@ class MooncakeEndpoint:
         # Waits for every engine call, in-doubt ones included: registered memory outlives them.
         self._executor.shutdown(wait=True)
         with self._lock:
+            # No call runs now. Every engine goes, the primary too: each takes milliseconds on
+            # the reaper (about a second each at interpreter exit otherwise, GIL held).
             engines = [*self._retired, *([self._sender] if self._sender is not self._primary else []), self._primary]
             self._retired = []
             for eng in engines:
-                eng.unregister_all()
+                if eng.engine is not None:
+                    self._reaper.submit(eng.hand_over(self.hostname, replaced=False), force=True)
             self._registered.clear()
+        self._reaper.close(timeout_s=_REAPER_CLOSE_S)
         with _ENDPOINT_LOCK:
             if _ENDPOINT is self:
                 _ENDPOINT = None
