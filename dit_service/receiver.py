@@ -52,11 +52,14 @@ class Loaded:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """End the request: gRPC status code name, reason, message."""
+    """End the request: gRPC status code name, reason, message. `budget_spent`: the load's time
+    ran out with no word that ends it (no write failed or in doubt): the service asks the broker
+    once more before it blames the transfer (a broker that does not answer sends no word either)."""
 
     code: str
     reason: str
     message: str
+    budget_spent: bool = False
 
 
 Command = Verify | Wait | Loaded | Fail
@@ -154,7 +157,7 @@ class LoadProtocol:
                 # Not a slow sender: its bytes were reported written and are not what it reported.
                 message += (f"; the bytes of rows/ranks {mismatching} were reported written but never matched "
                             f"their checksums (since {now - min(self.mismatching_since[m] for m in mismatching):.2f}s)")
-            return Fail("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT", message)
+            return Fail("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT", message, budget_spent=True)
         wait = self.budget_end - now
         if self._mismatched:
             wait = min(wait, self._recheck)

@@ -631,6 +631,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # against the broker's first snapshot before any page is claimed.
         confirmed = broker_plan is None
         mismatch_warned = False
+        asked_broker = False
         try:
             while True:
                 t = latest[0]
@@ -649,8 +650,14 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     # every later ticket out of them).
                     if latest[0] is ticket:
                         if time.monotonic() >= budget_end:
-                            raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
-                                                  f"ticket {ticket_id}: no word from the broker in time")
+                            message = f"ticket {ticket_id}: no word from the broker in time"
+                            if not asked_broker:
+                                asked_broker = True
+                                fresh = await self._last_word(ticket_id, deadline, message)
+                                if fresh is not None:
+                                    latest[0] = fresh
+                                    continue
+                            raise _transfer_error(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT", message)
                         changed.clear()
                         with contextlib.suppress(TimeoutError):
                             async with asyncio.timeout(max(0.0, budget_end - time.monotonic())):
@@ -664,6 +671,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     self.fence.seal(ticket_id, ticket.sequence, (p for r in rows for p in r.page_ids))
                     return total_bytes
                 if isinstance(command, Fail):
+                    if command.budget_spent and not asked_broker:
+                        # No word in time may be the broker's silence (stopped, restarting,
+                        # unreachable), not the transfer's: ask once. Unanswered, the request
+                        # fails BROKER_UNAVAILABLE (a TRANSFER_TIMEOUT marked a sound AR -> DiT
+                        # link suspect); answered, its snapshot decides (the writes may be done).
+                        asked_broker = True
+                        fresh = await self._last_word(ticket_id, deadline, command.message)
+                        if fresh is not None:
+                            latest[0] = fresh
+                            continue
                     message = command.message
                     if command.reason == "TRANSFER_TIMEOUT" and "in doubt" not in message:
                         message += (f" (waited {time.monotonic() - loop_start:.2f}s, "
@@ -718,6 +735,28 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 await watcher
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - watcher errors are logged inside
                 pass
+
+    async def _last_word(self, ticket_id: str, deadline: float, why: str) -> broker_pb2.Ticket | None:
+        """The load's budget is spent with no word that ends it: the ticket as the broker has it
+        now, asked once (until BROKER_RPC_TIMEOUT_S, or the caller's deadline if nearer). Raises
+        BROKER_UNAVAILABLE when the broker does not answer (found black-box: a broker SIGSTOPped
+        for longer than transfer_timeout failed generations TRANSFER_TIMEOUT whose writes were
+        done and reported, and marked their AR -> DiT link suspect); None when there is no time
+        left to ask or the broker refuses (the caller then fails as it would have)."""
+        timeout = min(BROKER_RPC_TIMEOUT_S, deadline - DEADLINE_MARGIN_S - time.monotonic())
+        if timeout <= 0:
+            return None
+        try:
+            reply = await self.s.broker.GetTicket(broker_pb2.GetTicketRequest(ticket_id=ticket_id), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                return None
+            raise KvRelayServerError(
+                grpc.StatusCode.UNAVAILABLE, "BROKER_UNAVAILABLE",
+                f"{why}, and the broker does not answer (GetTicket {err.code().name} after {timeout:.2f}s: "
+                f"{err.details()}): the wait was for the broker, not the transfer",
+            ) from None
+        return reply.ticket
 
     async def _watch(self, ticket_id: str, latest: list[broker_pb2.Ticket], changed: asyncio.Event,
                      until: float) -> None:

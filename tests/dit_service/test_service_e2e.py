@@ -859,3 +859,83 @@ def test_a_broker_that_does_not_answer_start_consuming_is_broker_unavailable(tmp
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
     asyncio.run(scenario())
+
+
+def test_a_broker_silent_past_the_transfer_timeout_is_asked_before_the_transfer_is_blamed(tmp_path: Path) -> None:
+    """The load's budget spent with no word from the broker (its WatchTicket stream stalls, as a
+    SIGSTOPped broker's does) is not a TRANSFER_TIMEOUT until the broker answers one GetTicket:
+    answered with the writes done, the request loads and succeeds; unanswered, it fails
+    UNAVAILABLE / BROKER_UNAVAILABLE. Before, both failed DEADLINE_EXCEEDED / TRANSFER_TIMEOUT
+    and the broker marked the sound AR -> DiT link suspect (found black-box: a broker SIGSTOPped
+    for 20 s under kvrelay up failed 4 of 8 generations so, their writes done and reported
+    within 0.2 s)."""
+    from kvrelay.broker.service import BrokerServicer
+    from kvrelay.security import current_caller
+
+    config = write_config(tmp_path, transport="mooncake", transfer_timeout=3.0)
+    watching = asyncio.Event()
+    silent_to: set[str] = set()  # tickets whose GetTicket (after the first) the DiT gets no answer to
+    asked: dict[str, int] = {}
+
+    class Stalling(BrokerServicer):
+        def _from_dit(self) -> bool:
+            caller = current_caller()
+            return caller is not None and caller.replica_id == "dit-0"
+
+        async def WatchTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
+            if self._from_dit():
+                watching.set()
+                await asyncio.sleep(3600)  # until the DiT's deadline cancels it
+            async for reply in super().WatchTicket(request, context):
+                yield reply
+
+        async def GetTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
+            if self._from_dit():
+                asked[request.ticket_id] = asked.get(request.ticket_id, 0) + 1
+                if request.ticket_id in silent_to and asked[request.ticket_id] > 1:
+                    await asyncio.sleep(3600)
+            return await super().GetTicket(request, context)
+
+    async def denoise(stub: dit_pb2_grpc.DitServiceStub, writer: ArWriter, counts: list[int],
+                      silent: bool) -> list[dit_pb2.DenoiseEvent]:
+        ticket = await writer.create_ticket(counts)
+        armed = await writer.arm(ticket.ticket_id)
+        if silent:
+            silent_to.add(ticket.ticket_id)
+        watching.clear()
+        call = asyncio.ensure_future(_collect(stub, dit_pb2.DenoiseRequest(
+            ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2, guidance_scale=1.0, seed=0)))
+        await asyncio.wait_for(watching.wait(), 30.0)
+        # Written and reported while the DiT hears nothing from the broker.
+        await writer.report(ticket.ticket_id, await asyncio.to_thread(writer.write, armed, writer.rows_kv(counts, 3)))
+        try:
+            return await call
+        finally:
+            assert asked[ticket.ticket_id] == 2, asked  # Denoise's own, then the one at the budget's end
+
+    async def scenario() -> None:
+        async with inprocess_broker(servicer_class=Stalling) as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    events = await denoise(stub, writer, [5], silent=False)
+                    assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED and events[-1].image.png
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await denoise(stub, writer, [6], silent=True)
+                assert reason_of(info.value)[:2] == ("UNAVAILABLE", "BROKER_UNAVAILABLE"), info.value
+                assert "the broker does not answer" in (info.value.details() or "")
+                for _ in range(200):
+                    pool = await writer.pool()
+                    if pool.free_pages == pool.total_pages:
+                        break
+                    await asyncio.sleep(0.05)
+                assert pool.free_pages == pool.total_pages, pool
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
