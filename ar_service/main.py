@@ -26,6 +26,7 @@ import uuid
 
 from kvrelay.ar_service.engine import ArRankSpec
 from kvrelay.ar_service.vllm_engine import VllmRankSpec
+from kvrelay.broker_credential import BrokerCredentialWatch, credential_fix
 from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConfig, load_config
 from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
@@ -169,6 +170,13 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             stop_reason.append(reason)
             fail_stop.set()
 
+    async def on_credential_refused(refused: bool) -> None:
+        # Not ready while the broker refuses our token (a readiness probe and `kvrelay health`
+        # see it); ready again once it takes it, unless stopping meanwhile.
+        metrics.credential_refused.set(1 if refused else 0)
+        if refused or (stop.phase == "serving" and not fail_stop.is_set() and not stop.requested):
+            await server.set_serving(not refused)
+
     channel = make_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id))
     stub = broker_stub(channel)
     servicer = ArServicer(stub, metrics, on_fail_stop)
@@ -280,6 +288,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             heartbeat_interval_s=cfg.broker.heartbeat_interval,
             token=creds.replica_token,
             on_fail_stop=on_fail_stop,
+            credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused),
         )
         stop.phase = f"registering with the broker at {_broker_address(args, cfg)}"
         try:
@@ -295,7 +304,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             return EXIT_STARTUP
         except RegistrationRefused as err:
             log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
-            print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)
+            fix = f"; {credential_fix(replica_id, err.reason)}" if err.code == "UNAUTHENTICATED" else ""
+            print(f"kvrelay ar: the broker refused registration: {err}{fix}", file=sys.stderr)
             return EXIT_STARTUP
         if not fail_stop.is_set() and not stop.requested:
             stop.phase = "serving"

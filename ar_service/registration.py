@@ -21,6 +21,7 @@ import grpc
 
 from kvrelay import LAYOUT_VERSION, __version__
 from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
+from kvrelay.broker_credential import BrokerCredentialWatch
 from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
@@ -98,6 +99,7 @@ class ArRegistration:
         heartbeat_interval_s: float,
         token: str | None,
         on_fail_stop: Callable[[str], None],
+        credential: BrokerCredentialWatch | None = None,
     ) -> None:
         self.stub = stub
         self.identity = identity
@@ -111,6 +113,7 @@ class ArRegistration:
         self._stopped = asyncio.Event()
         self._reporting: asyncio.Task[None] | None = None
         self._failed = False
+        self.credential = credential or BrokerCredentialWatch(identity.replica_id)
 
     async def register(self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS) -> None:
         """Register, retrying while the broker at `broker` is unreachable (a replica may start
@@ -137,6 +140,7 @@ class ArRegistration:
             unresolved_writes=[write_key_proto(w) for w in self.ledger.in_flight()],
         )
         reply = await self.stub.RegisterReplica(request, timeout=RPC_TIMEOUT_S)  # type: ignore[attr-defined]
+        await self.credential.accepted()
         self.lease_seconds = reply.lease_seconds
         if reply.fenced:
             raise Fenced(f"replica {self.identity.replica_id} is fenced")
@@ -158,6 +162,7 @@ class ArRegistration:
             unresolved_writes=[write_key_proto(w) for w in unresolved],
         )
         reply: broker_pb2.HeartbeatResponse = await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)  # type: ignore[attr-defined]
+        await self.credential.accepted()
         if reply.fenced:
             raise Fenced(reply.fence_reason or "fenced by the broker")
         polled = [(k.ticket_id, k.row, k.src_rank, k.dst_rank) for k in reply.poll_writes]
@@ -216,13 +221,18 @@ class ArRegistration:
                 return
             except grpc.aio.AioRpcError as err:
                 _, reason, message = reason_of(err)
-                if reason == "STALE_INCARNATION":
+                if await self.credential.answered("Heartbeat", err):
+                    # A rotated replica secret, or another id's token: logged with the fix (rate
+                    # limited), health NOT_SERVING. Beating on lets a broker given back its secret
+                    # take this replica again at once; stopping would not fix the token.
+                    pass
+                elif reason == "STALE_INCARNATION":
                     # Another process registered under our id: it took our lock, so either we are a
                     # zombie or the lock was bypassed; either way this incarnation must go.
                     log.error("replica_superseded", replica_id=self.identity.replica_id, message=message)
                     self._fail_stop(f"superseded: {message}")
                     return
-                if reason in ("REPLICA_NOT_REGISTERED", "UNKNOWN_REPLICA"):
+                elif reason in ("REPLICA_NOT_REGISTERED", "UNKNOWN_REPLICA"):
                     # The broker restarted, or forgot us while our lease had lapsed (a full registry).
                     log.warning("broker_restarted_reregistering", replica_id=self.identity.replica_id)
                     try:
@@ -231,7 +241,8 @@ class ArRegistration:
                         self._fail_stop(f"fenced: {fenced}")
                         return
                     except grpc.aio.AioRpcError as again:
-                        log.warning("reregistration_failed", code=again.code().name, details=again.details())
+                        if not await self.credential.answered("RegisterReplica", again):
+                            log.warning("reregistration_failed", code=again.code().name, details=again.details())
                 elif reason == "TOO_MANY_ENTRIES" and self._asked:
                     # The writes the broker polled last time, still in flight, may since have
                     # outgrown its bound (their DiT restarted with fewer pages and their tickets

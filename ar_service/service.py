@@ -49,6 +49,7 @@ from kvrelay.ar_service.sender import (
     after_arming,
     after_prefill,
 )
+from kvrelay.broker_credential import credential_refused_gauge
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, request_budget
 from kvrelay.logging import get_logger
 from kvrelay.models.tokenizer import Tokenizer
@@ -85,6 +86,7 @@ class ArMetrics:
     prefill_tokens: Any
     prefill_batch_tickets: Any
     engine_replacements: Any
+    credential_refused: Any
     # The engine replacements each rank has reported so far (WriteDone's count is cumulative).
     _replacements_seen: dict[int, int] = field(default_factory=dict)
 
@@ -123,6 +125,7 @@ class ArMetrics:
                 "Fresh Mooncake sending engines an AR rank started because a peer answered on a dead peer's port",
                 ["rank"], registry=registry,
             ),
+            credential_refused=credential_refused_gauge("ar", registry),
         )  # fmt: skip
         for rank in range(mooncake_ranks):
             metrics.engine_replacements.labels(str(rank))

@@ -84,6 +84,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     # First: a signal from here on is a clean stop, whatever the process is waiting for.
     stop = ProcessStop("dit")
     stop.install()
+    from kvrelay.broker_credential import BrokerCredentialWatch
     from kvrelay.dit_service.engine import DescribeRegion, DitRankSpec, control_bytes
     from kvrelay.dit_service.memory import HostPool, ReplicaMemory, dit_geometry, remove_stale_pools
     from kvrelay.dit_service.registration import (
@@ -241,10 +242,18 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             num_pages=memory.num_pages, max_image_side=model_max_image_side(stage.model),
             max_num_seqs=stage.max_num_seqs, transport=stage.transport, regions=regions,
         )
+        async def on_credential_refused(refused: bool) -> None:
+            # Not ready while the broker refuses our token (a readiness probe and `kvrelay health`
+            # see it); ready again once it takes it, unless stopping meanwhile.
+            metrics.credential_refused.set(1 if refused else 0)
+            if refused or (stop.phase == "serving" and stopper.fail_reason is None and not stop.requested):
+                await server.set_serving(not refused)
+
         registration = Registration(
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
             on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
             owed_releases=servicer.owed_releases,
+            credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused),
         )
         stop.phase = f"registering with the broker at {broker_address}"
         await stop.until_stopped(registration.register(broker=broker_address, wait_s=cfg.broker.register_wait_seconds))
@@ -260,7 +269,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         )
         if stopper.fail_reason is None and not stop.requested:
             stop.phase = "serving"
-            await server.set_serving(True)
+            await server.set_serving(not registration.credential.refused)
             log.info("dit_serving", replica_id=replica_id, incarnation_id=incarnation_id, address=server.address)
         stopped = asyncio.ensure_future(stop.event.wait())
         fail_stopped = asyncio.ensure_future(stopper.event.wait())

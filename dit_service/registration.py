@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import grpc
 
 from kvrelay import LAYOUT_VERSION, __version__
+from kvrelay.broker_credential import BrokerCredentialWatch, credential_fix
 from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait
+from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.convert import geometry_to_proto, region_to_proto
 from kvrelay.transfer.layout import KvGeometry
@@ -114,6 +116,7 @@ class Registration:
         on_fenced: Callable[[str], None],
         held_tickets: Callable[[], Sequence[str]] = lambda: (),
         owed_releases: Callable[[], Sequence[broker_pb2.OwedRelease]] = lambda: (),
+        credential: BrokerCredentialWatch | None = None,
     ) -> None:
         self.stub = stub
         self.info = info
@@ -125,6 +128,7 @@ class Registration:
         self.lease_seconds = 0.0
         self._broker = ""  # its address, as register() was given it (re-registrations reuse it)
         self._task: asyncio.Task[None] | None = None
+        self.credential = credential or BrokerCredentialWatch(info.replica_id)
 
     async def register(self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS) -> None:
         """Register, retrying while the broker at `broker` is unreachable for up to `wait_s`
@@ -141,11 +145,15 @@ class Registration:
                     timeout=RPC_TIMEOUT_S,
                     wait_for_ready=True,
                 )
+                await self.credential.accepted()
                 break
             except grpc.aio.AioRpcError as err:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    fix = ""
+                    if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                        fix = f"; {credential_fix(self.info.replica_id, reason_of(err)[1])}"
                     raise RegistrationRefused(
-                        f"RegisterReplica {self.info.replica_id} failed: {err.code().name}: {err.details()}"
+                        f"RegisterReplica {self.info.replica_id} failed: {err.code().name}: {err.details()}{fix}"
                     ) from err
                 delay = wait.unanswered(err.code().name, err.details() or "")
                 if delay is None:
@@ -170,12 +178,19 @@ class Registration:
                     timeout=RPC_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as err:
+                if await self.credential.answered("Heartbeat", err):
+                    # A rotated replica secret, or another id's token: logged with the fix (rate
+                    # limited), health NOT_SERVING. Beating on lets a broker given back its secret
+                    # take this replica again at once; stopping would not fix the token.
+                    continue
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     # The broker lost us (e.g. a fresh journal): register again, same incarnation.
                     try:
                         await self.register(broker=self._broker, wait_s=RPC_TIMEOUT_S)
                     except RegistrationRefused as refused:
-                        log.warning("reregistration_failed", error=str(refused))
+                        cause = refused.__cause__
+                        if not (isinstance(cause, grpc.RpcError) and await self.credential.answered("RegisterReplica", cause)):
+                            log.warning("reregistration_failed", error=str(refused))
                     continue
                 if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
                     # Our incarnation is no longer the registered one: someone replaced us.
@@ -183,6 +198,7 @@ class Registration:
                     return
                 log.warning("heartbeat_failed", code=err.code().name, details=err.details())
                 continue
+            await self.credential.accepted()
             if reply.fenced:
                 self.on_fenced(reply.fence_reason or "heartbeat answered fenced")
                 return

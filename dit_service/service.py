@@ -26,6 +26,7 @@ from typing import Any, Literal
 import grpc
 import numpy as np
 
+from kvrelay.broker_credential import credential_refused_gauge
 from kvrelay.config import StageConfig
 from kvrelay.dit_service.batcher import DenoiseBatcher
 from kvrelay.dit_service.engine import (
@@ -115,6 +116,7 @@ class DitMetrics:
         self.pages = Gauge("kvrelay_dit_pages_per_rank", "Pages in each rank's pool", ["replica"],
                            registry=self.registry)
         self.pages.labels(replica_id)
+        self.credential_refused = credential_refused_gauge("dit", self.registry)
 
 
 @dataclass

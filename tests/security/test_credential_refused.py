@@ -1,0 +1,195 @@
+"""A replica whose token the broker no longer takes (security.replica_secret rotated and the broker
+restarted; docs/operations.md, Rotating the replica secret) says so and shows it, instead of a
+`heartbeat_failed` warning every heartbeat forever: one `broker_refuses_credential` error naming
+the fix (`kvrelay token ID`), repeated at most every REPEAT_LOG_S, `kvrelay_ar_credential_refused`
+1 and health NOT_SERVING (the process's `on_change`) until the broker takes it again. It keeps
+heartbeating and is never fail-stopped: a broker given its old secret back takes it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import grpc
+from structlog.testing import capture_logs
+
+from kvrelay.ar_service.registration import ArIdentity, ArRegistration
+from kvrelay.ar_service.sender import WriteLedger, WriteReporter
+from kvrelay.broker.authz import broker_checks
+from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.service import BrokerServicer
+from kvrelay.broker_credential import BrokerCredentialWatch
+from kvrelay.dit_service.registration import DitReplicaInfo, Registration
+from kvrelay.errors import KvRelayServerError, to_status
+from kvrelay.security import ChannelSecurity, Credentials, make_channel, replica_token_for
+from kvrelay.server import GrpcServer
+from kvrelay.transfer.layout import KvGeometry
+from kvrelay.transfer.transport import RegionDescriptor
+from kvrelay.v1 import broker_pb2_grpc
+
+OLD, NEW = "the-old-secret-0123456789", "the-new-secret-9876543210"
+
+
+def _error(code: grpc.StatusCode, reason: str, message: str) -> grpc.aio.AioRpcError:
+    status = to_status(KvRelayServerError(code, reason, message))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata), status.details)
+
+
+def test_a_refusal_is_logged_with_its_fix_rate_limited_and_its_end_too() -> None:
+    async def body() -> None:
+        now = [100.0]
+        changes: list[bool] = []
+
+        async def on_change(refused: bool) -> None:
+            changes.append(refused)
+
+        watch = BrokerCredentialWatch("dit-0", on_change=on_change, repeat_log_s=60.0, clock=lambda: now[0])
+        mismatch = _error(grpc.StatusCode.UNAUTHENTICATED, "REPLICA_TOKEN_MISMATCH", "Heartbeat: not dit-0's token")
+        with capture_logs() as logs:
+            # Not a refusal of the credential: the caller's to handle, nothing changes.
+            assert not await watch.answered("Heartbeat", _error(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "down"))
+            assert not await watch.answered(
+                "Heartbeat", _error(grpc.StatusCode.PERMISSION_DENIED, "PERMISSION_DENIED", "not yours"))
+            assert not watch.refused and changes == []
+            for _ in range(30):  # a heartbeat every 2 s for a minute: one line, one change
+                assert await watch.answered("Heartbeat", mismatch)
+                now[0] += 2.0
+            assert watch.refused and changes == [True]
+            refusals = [e for e in logs if e["event"] == "broker_refuses_credential"]
+            assert len(refusals) == 1
+            first = refusals[0]
+            assert first["log_level"] == "error" and first["reason"] == "REPLICA_TOKEN_MISMATCH"
+            assert "`kvrelay token dit-0`" in first["fix"] and "replica_secret" in first["fix"]
+            now[0] += 1.0  # 61 s after the first: said again, with how long and how often
+            assert await watch.answered("RegisterReplica", mismatch)
+            refusals = [e for e in logs if e["event"] == "broker_refuses_credential"]
+            assert [(e["refusals"], e["refused_for_s"], e["call"]) for e in refusals[1:]] == [(31, 61.0, "RegisterReplica")]
+            await watch.accepted()
+            await watch.accepted()
+            assert not watch.refused and changes == [True, False]
+            ended = [e for e in logs if e["event"] == "broker_accepts_credential"]
+            assert [(e["refusals"], e["refused_for_s"]) for e in ended] == [(31, 61.0)]
+            # A shared token the broker does not take: the other cause, the other fix.
+            assert await watch.answered("Heartbeat", _error(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", "no"))
+            last = [e for e in logs if e["event"] == "broker_refuses_credential"][-1]
+            assert "deployment's replica token" in last["fix"] and changes == [True, False, True]
+        assert not [e for e in logs if e["event"] == "heartbeat_failed"]
+
+    asyncio.run(body())
+
+
+class _Broker:
+    """A real broker over loopback with bound replica tokens under `secret`; `restart` stops it and
+    starts another with a new secret on the same port and journal (a rotation)."""
+
+    def __init__(self, journal: Path) -> None:
+        self.journal = journal
+        self.port = 0
+        self.server: GrpcServer | None = None
+        self.core: BrokerCore | None = None
+
+    async def start(self, secret: str) -> None:
+        self.core = BrokerCore(self.journal, lease_seconds=600.0, drain_quiet_seconds=0.05)
+        creds = Credentials(operator_token="op", bound_replica_tokens=True, replica_secret=secret,
+                            rate_limit_per_second=0.0)  # fmt: skip
+        self.server = GrpcServer(
+            name="broker", host="127.0.0.1", port=self.port, credentials=creds, checks=broker_checks(self.core),
+            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(self.core, 5.0),
+                            "kvrelay.v1.BrokerService")],
+        )  # fmt: skip
+        await self.server.start()
+        self.port = self.server.bound_port
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0.2)
+        if self.core is not None:
+            self.core.close()
+        self.server = self.core = None
+
+
+def test_ar_and_dit_replicas_show_a_rotated_secret_and_recover_when_the_broker_takes_them_again(
+    tmp_path: Path,
+) -> None:
+    async def body() -> None:
+        broker = _Broker(tmp_path / "journal.sqlite")
+        await broker.start(OLD)
+        address = f"127.0.0.1:{broker.port}"
+        states: dict[str, list[bool]] = {"ar-0": [], "dit-0": []}
+        changed = {name: asyncio.Event() for name in states}
+
+        def on_change(name: str) -> Any:
+            async def record(refused: bool) -> None:
+                states[name].append(refused)
+                changed[name].set()
+
+            return record
+
+        async def settled(name: str, expected: list[bool]) -> None:
+            while states[name] != expected:
+                assert len(states[name]) < len(expected), states
+                changed[name].clear()
+                await asyncio.wait_for(changed[name].wait(), 30)
+
+        stopped: list[str] = []
+        channels = [make_channel(address, ChannelSecurity(token=replica_token_for(OLD, r), replica_id=r))
+                    for r in ("ar-0", "dit-0")]  # fmt: skip
+        ar_stub, dit_stub = (broker_pb2_grpc.BrokerServiceStub(c) for c in channels)
+        ledger = WriteLedger()
+        ar = ArRegistration(
+            ar_stub, ArIdentity("ar-0", "inc-1", "127.0.0.1:1", 2, 2, 8, "float32", 4, 1, 64, "grpc", 0, 4),
+            ledger, WriteReporter(ar_stub, ledger, "ar-0", "inc-1", rpc_timeout_s=1.0),
+            heartbeat_interval_s=0.05, token=None, on_fail_stop=stopped.append,
+            credential=BrokerCredentialWatch("ar-0", on_change=on_change("ar-0")),
+        )  # fmt: skip
+        dit = Registration(
+            dit_stub,
+            DitReplicaInfo("dit-0", "inc-1", "127.0.0.1:2", 1, KvGeometry(2, 2, 8, "float32", 4), 1, 1, 16, 1,
+                           "grpc", (RegionDescriptor(0, "grpc", "127.0.0.1:2", 0, 16 * 1024),)),
+            interval_s=0.05, token=None, on_fenced=stopped.append,
+            credential=BrokerCredentialWatch("dit-0", on_change=on_change("dit-0")),
+        )  # fmt: skip
+        beats: asyncio.Task[None] | None = None
+        try:
+            await ar.register(broker=address, wait_s=10.0)
+            await dit.register(broker=address, wait_s=10.0)
+            beats = asyncio.create_task(ar.run())
+            dit.start_heartbeats()
+            # The rotation: the broker restarts with a new secret; both replicas hold old tokens.
+            await broker.stop()
+            with capture_logs() as logs:
+                await broker.start(NEW)
+                await settled("ar-0", [True])
+                await settled("dit-0", [True])
+                assert ar.credential.refused and dit.credential.refused
+                # Still refused, still beating, never stopped: a broker misconfiguration is no
+                # reason to take the fleet down.
+                refusals = ar.credential.refusals
+                while ar.credential.refusals < refusals + 5 or dit.credential.refusals < 5:
+                    await asyncio.sleep(0.05)
+                assert stopped == [] and not beats.done()
+                events = [(e["event"], e.get("replica_id")) for e in logs]
+                assert events.count(("broker_refuses_credential", "ar-0")) == 1, events
+                assert events.count(("broker_refuses_credential", "dit-0")) == 1, events
+                # (While the broker restarted, heartbeats failed UNAVAILABLE: that warning stays.)
+                unexplained = [e for e in logs if e["event"] in ("heartbeat_failed", "reregistration_failed")
+                               and "UNAUTHENTICATED" in str(e)]  # fmt: skip
+                assert unexplained == []
+                # Given its old secret back, the broker takes both again at once.
+                await broker.stop()
+                await broker.start(OLD)
+                await settled("ar-0", [True, False])
+                await settled("dit-0", [True, False])
+            assert stopped == []
+        finally:
+            ar.stop()
+            if beats is not None:
+                await asyncio.wait_for(beats, 10)
+            await dit.stop(deregister=False)
+            for channel in channels:
+                await channel.close()
+            await broker.stop()
+
+    asyncio.run(body())
