@@ -125,6 +125,11 @@ def _shown_id(request_id: str) -> str:
     return _printable(request_id)
 
 
+# The credential each command sends, and where it reads it from without --token.
+_API = ("the deployment's api token", f"${TOKEN_ENV}")
+_OPERATOR = ("the operator token", f"${OPERATOR_TOKEN_ENV} (else ${TOKEN_ENV})")
+_CREDENTIAL = {"generate": _API, "cancel": _API, "status": _OPERATOR, "list": _OPERATOR, "forget": _OPERATOR}
+
 # GenerateRequest fields whose `kvrelay generate` flag has another name (an INVALID_ARGUMENT names
 # the field; width, height and seed are their flags' names, prompt the argument).
 _GENERATE_FLAGS = {
@@ -135,8 +140,21 @@ _GENERATE_FLAGS = {
 }
 
 
+def _sent_token(command: str, args: argparse.Namespace) -> str:
+    """Where the token this command sent came from ("--token", "$KVRELAY_API_TOKEN"), or ""."""
+    if getattr(args, "token", None):
+        return "--token"
+    envs = (OPERATOR_TOKEN_ENV, TOKEN_ENV) if _CREDENTIAL.get(command) is _OPERATOR else (TOKEN_ENV,)
+    return next((f"${env}" for env in envs if os.environ.get(env)), "")
+
+
 def _print_error(
-    command: str, err: KvRelayError, stream: TextIO, tls: bool | None = None, target: str | None = None
+    command: str,
+    err: KvRelayError,
+    stream: TextIO,
+    tls: bool | None = None,
+    target: str | None = None,
+    sent: str | None = None,
 ) -> None:
     reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
     print(f"kvrelay {command}: {err.code}{reason}: {err.message}", file=stream)
@@ -151,6 +169,13 @@ def _print_error(
         # The field is the API's name: `num_inference_steps: must be in [1, 1000], got 0` did not
         # say that the flag to fix is --steps (found walking the README as a new user).
         print(f"  hint: {err.details['field']} is {flag} here", file=stream)
+    if err.code in ("UNAUTHENTICATED", "PERMISSION_DENIED") and command in _CREDENTIAL and sent is not None:
+        # The broker's message names the RPC and "authorization: Bearer <token>", not this
+        # command's flag or variable, nor which of the deployment's tokens it wants.
+        which, variables = _CREDENTIAL[command]
+        what = f"the token sent ({sent}) is not {which}" if sent else f"kvrelay {command} needs {which}"
+        print(f"  hint: {what}: pass --token TOKEN or set {variables} (docs/operations.md, Security)",
+              file=stream)  # fmt: skip
     where = target or "the target"
     if err.code == "UNIMPLEMENTED" and tls is not None:
         # An AR or DiT replica (or another gRPC server) answers there, not the broker.
@@ -404,7 +429,7 @@ def run_generate(args: argparse.Namespace) -> int:
             return on_cancel()
         except KvRelayError as err:
             progress.close()
-            _print_error("generate", err, stderr, tls=bool(_tls(args)), target=_target(args))
+            _print_error("generate", err, stderr, tls=bool(_tls(args)), target=_target(args), sent=_sent_token("generate", args))
             if err.code == "DEADLINE_EXCEEDED" and err.reason == "DEADLINE_EXCEEDED":
                 # The command's own deadline ("Deadline Exceeded" alone did not say whose).
                 timeout = getattr(args, "timeout", None)
@@ -692,7 +717,7 @@ def run_status(args: argparse.Namespace) -> int:
             pools = client.get_pools()
             tickets = client.list_tickets()
     except KvRelayError as err:
-        _print_error("status", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
+        _print_error("status", err, sys.stderr, tls=bool(_tls(args)), target=_target(args), sent=_sent_token("status", args))
         return 1
     if getattr(args, "json", False):
         doc = {"target": target, "replica_authentication": registry.replica_authentication,
@@ -770,7 +795,7 @@ def run_list(args: argparse.Namespace) -> int:
             limit = int(getattr(args, "limit", 0) or 0) or MAX_LIST_PAGE_SIZE
             generations = client.list_generations(states, page_size=limit)
     except KvRelayError as err:
-        _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
+        _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args), sent=_sent_token("list", args))
         return 1
     if getattr(args, "json", False):
         print(json.dumps(_jsonable({"target": target, "generations": generations}), indent=2))
@@ -795,7 +820,7 @@ def run_cancel(args: argparse.Namespace) -> int:
             try:
                 generation = client.cancel_generation(request_id)
             except KvRelayError as err:
-                _print_error("cancel", err, sys.stderr, tls=bool(_tls(args)), target=_target(args))
+                _print_error("cancel", err, sys.stderr, tls=bool(_tls(args)), target=_target(args), sent=_sent_token("cancel", args))
                 failed += 1
                 continue
             print(f"{_shown_id(generation.request_id)} {generation.state.name}")
@@ -846,7 +871,7 @@ def run_forget(args: argparse.Namespace) -> int:
             for replica_id in retried:  # after every other id: a DiT forgotten since may have freed them
                 failed += _forget_one(client, replica_id, force=force, all_down=all_down, retry=None)
     except KvRelayError as err:
-        _print_error("forget", err, sys.stderr, tls=bool(_tls(args)), target=target)
+        _print_error("forget", err, sys.stderr, tls=bool(_tls(args)), target=target, sent=_sent_token("forget", args))
         return 1
     return 1 if failed else 0
 

@@ -228,3 +228,60 @@ def test_every_argument_of_every_command_says_what_it_is_in_help() -> None:
         if not isinstance(action, argparse._HelpAction) and not action.help
     ]
     assert bare == []
+
+
+# --- a secured broker: which token, from where ------------------------------------------------
+
+
+@pytest.fixture
+def secured_broker(tmp_path: Path) -> Iterator[str]:
+    """A real `kvrelay broker` whose deployment sets an api and an operator token."""
+    from kvrelay.node.supervisor import start_node
+
+    data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
+    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
+    config = tmp_path / "node.yaml"
+    config.write_text(yaml.safe_dump(data))
+    tokens = {"KVRELAY_API_TOKEN": "api-secret", "KVRELAY_OPERATOR_TOKEN": "op-secret",
+              "KVRELAY_REPLICA_TOKEN": "replica-secret"}  # fmt: skip
+    with start_node(config, roles=("broker",), log_dir=tmp_path / "logs", cwd=tmp_path, env=tokens) as node:
+        yield node.address()
+
+
+def _clean_env(monkeypatch: pytest.MonkeyPatch, **env: str) -> None:
+    for name in ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_TLS_CA", "KVRELAY_TLS_CERT", "KVRELAY_TLS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_missing_or_wrong_token_says_which_token_and_where_from(
+    secured_broker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: only the broker's "needs an operator or public credential (authorization: Bearer
+    # <token> ...)", which names neither --token nor the variable nor which of the tokens.
+    _clean_env(monkeypatch)
+    out = str(tmp_path / "x.png")
+    assert main(["generate", "a red circle", "-q", "-o", out, "--target", secured_broker]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "  hint: kvrelay generate needs the deployment's api token: pass --token TOKEN or set $KVRELAY_API_TOKEN "
+        "(docs/operations.md, Security)"
+    )
+    assert main(["cancel", "some-id", "--target", secured_broker, "--token", "wrong"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "  hint: the token sent (--token) is not the deployment's api token: pass --token TOKEN or set "
+        "$KVRELAY_API_TOKEN (docs/operations.md, Security)"
+    )
+    # The api token where the operator's is needed: the variable it came from is named.
+    _clean_env(monkeypatch, KVRELAY_API_TOKEN="api-secret")
+    assert main(["status", "--target", secured_broker]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvrelay status: PERMISSION_DENIED: "), err
+    assert err.splitlines()[-1] == (
+        "  hint: the token sent ($KVRELAY_API_TOKEN) is not the operator token: pass --token TOKEN or set "
+        "$KVRELAY_OPERATOR_TOKEN (else $KVRELAY_API_TOKEN) (docs/operations.md, Security)"
+    )
+    # With the right tokens the same commands work (the hint is about credentials, not the node).
+    _clean_env(monkeypatch, KVRELAY_OPERATOR_TOKEN="op-secret")
+    assert main(["status", "--target", secured_broker]) == 0
+    assert "hint" not in capsys.readouterr().err

@@ -545,6 +545,7 @@ def test_a_request_id_past_the_bound_is_refused_before_sending_and_not_echoed_wh
     assert err == (
         f"kvrelay {command}: INVALID_ARGUMENT: request_id: at most 128 characters of [A-Za-z0-9._:~-], "
         f"got 5000 characters: '{'a' * 40}'...\n  field: request_id\n"
+        + ("  hint: request_id is --request-id here\n" if command == "generate" else "")
     )
     # Refused by the SDK with the broker's own bound (kvrelay.limits): nothing was sent.
     assert harness.calls["Generate"] == harness.calls["CancelGeneration"] == 0
@@ -600,5 +601,8 @@ def test_generate_names_the_brokers_bounds_before_sending(
     argv = ["generate", "a fox", *flags, "-q", "-o", str(tmp_path / "x.png"), "--target", server.address]
     assert main(argv) == 1
     field = message.split(":", 1)[0]
-    assert capsys.readouterr().err == f"kvrelay generate: INVALID_ARGUMENT: {message}\n  field: {field}\n"
+    # A field whose flag has another name says which flag (tests/cli/test_new_user_hints.py).
+    flag = {"num_inference_steps": "--steps", "guidance_scale": "--guidance-scale"}.get(field)
+    hint = f"  hint: {field} is {flag} here\n" if flag else ""
+    assert capsys.readouterr().err == f"kvrelay generate: INVALID_ARGUMENT: {message}\n  field: {field}\n{hint}"
     assert harness.calls["Generate"] == 0
