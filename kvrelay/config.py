@@ -24,6 +24,7 @@ from pydantic import (
 
 from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS
 from kvrelay.errors import MAX_DEADLINE_SECONDS
+from kvrelay.limits import MAX_CONFIG_FILE_BYTES, FileRefused, read_bounded_file
 from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import MAX_CFG_ROWS
 
@@ -749,7 +750,12 @@ def load_config(path: str | os.PathLike[str] | None = None) -> KvRelayConfig:
         shipped = ", ".join(shipped_names("configs"))
         raise ConfigError(f"config file not found: {asked}" + (f" (shipped configs: {shipped})" if shipped else ""))
     try:
-        data = yaml.load(chosen.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        text = read_bounded_file(chosen, MAX_CONFIG_FILE_BYTES, "YAML config").decode("utf-8")
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+    except FileRefused as err:
+        # Larger than any config (read whole before: a file of gigabytes took that much memory),
+        # or replaced by a pipe or a device since the checks above.
+        raise ConfigError(f"config {asked}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"invalid YAML in {chosen}{_yaml_problem(err)}") from None
     except UnicodeDecodeError as err:

@@ -84,6 +84,11 @@ MAX_SECRET_FILE_BYTES: Final = 64 << 10
 MAX_PEM_FILE_BYTES: Final = 4 << 20
 # A YAML config (the shipped ones are a few KiB).
 MAX_CONFIG_FILE_BYTES: Final = 4 << 20
+# A `kvrelay bench --dataset` JSONL file of prompts (the shipped one is a few KiB).
+MAX_DATASET_FILE_BYTES: Final = 64 << 20
+# How much of the end of a log file `kvrelay up` reads for a child's last lines: its logs are
+# appended to across restarts and grow for as long as the node runs.
+LOG_TAIL_BYTES: Final = 256 << 10
 
 
 class FileRefused(ValueError):
@@ -138,4 +143,18 @@ def read_bounded_file(path: str | os.PathLike[str], max_bytes: int, what: str) -
     data = b"".join(chunks)
     if len(data) > max_bytes:
         raise FileRefused(f"more than a {what} may be ({_size_text(max_bytes)}): it grew while read")
+    return data
+
+
+def read_file_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """At most the last `max_bytes` bytes of the file at `path`, from the start of a line (the
+    partial first line of a cut is dropped). OSError passes through."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        start = max(0, size - max_bytes)
+        f.seek(start)
+        data = f.read(max_bytes)
+    if start > 0:
+        newline = data.find(b"\n")
+        data = data[newline + 1 :] if newline >= 0 else b""
     return data

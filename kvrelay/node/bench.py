@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from kvrelay.config import ConfigError, KvRelayConfig, load_config, parse_config
+from kvrelay.limits import MAX_DATASET_FILE_BYTES, FileRefused, read_bounded_file
 from kvrelay.logging import configure_logging
 from kvrelay.resources import resolve
 from kvrelay.server import reserve_free_port
@@ -142,7 +143,13 @@ def summarize(
 
 def load_dataset(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     rows = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = read_bounded_file(path, MAX_DATASET_FILE_BYTES, "JSONL dataset").decode("utf-8")
+    except FileRefused as err:
+        raise ValueError(f"dataset {path}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"dataset {path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -48,6 +48,13 @@ import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, KvRelayConfig, default_config_path, load_config
+from kvrelay.limits import (
+    LOG_TAIL_BYTES,
+    MAX_CONFIG_FILE_BYTES,
+    FileRefused,
+    read_bounded_file,
+    read_file_tail,
+)
 from kvrelay.logging import configure_logging, get_logger, quiet_grpc_core, with_quiet_grpc_core
 from kvrelay.metrics import NodeMetricsServer
 from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
@@ -714,7 +721,8 @@ class Node:
         stopped: a config error, a checkpoint that does not load), or None."""
         if self.log_dir is not None:
             try:
-                lines = (self.log_dir / f"{child.spec.name}.log").read_text(errors="replace").splitlines()
+                tail = read_file_tail(self.log_dir / f"{child.spec.name}.log", LOG_TAIL_BYTES)
+                lines = tail.decode(errors="replace").splitlines()
             except OSError:
                 lines = []
             for line in reversed(lines[-200:]):
@@ -734,7 +742,7 @@ class Node:
             return ""
         path = self.log_dir / f"{child.spec.name}.log"
         try:
-            lines = path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+            lines = read_file_tail(path, LOG_TAIL_BYTES).decode(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
         except OSError:
             return ""
         return f"\n--- last lines of {path} ---\n" + "\n".join(lines)
@@ -891,8 +899,8 @@ def config_snapshot(config_path: str | os.PathLike[str]) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="kvrelay-up-"))
     copy = folder / (source.name or "config.yaml")
     try:
-        copy.write_bytes(source.read_bytes())
-    except OSError:
+        copy.write_bytes(read_bounded_file(source, MAX_CONFIG_FILE_BYTES, "YAML config"))
+    except (OSError, FileRefused):
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return copy
@@ -908,6 +916,9 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         snapshot = config_snapshot(config_path)
     except ConfigError as err:
         print(f"kvrelay up: {err}", file=sys.stderr)
+        return 2
+    except FileRefused as err:  # replaced since load_config read it
+        print(f"kvrelay up: config {config_path}: {err}", file=sys.stderr)
         return 2
     except OSError as err:
         print(f"kvrelay up: cannot copy the config {config_path}: {err.strerror or err}", file=sys.stderr)

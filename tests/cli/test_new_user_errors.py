@@ -18,7 +18,7 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvrelay.config import ConfigError, load_config
-from kvrelay.limits import MAX_PEM_FILE_BYTES
+from kvrelay.limits import MAX_CONFIG_FILE_BYTES, MAX_PEM_FILE_BYTES
 from kvrelay.node import health_probe
 from kvrelay.node.cli import main
 from kvrelay.v1 import broker_pb2
@@ -175,6 +175,17 @@ def test_a_config_path_that_is_no_regular_file_says_so_not_that_it_is_missing(tm
         with pytest.raises(ConfigError) as err:
             load_config(path)
         assert str(err.value) == f"config {path} is not a regular file (a pipe or a device): give a YAML file"
+
+
+def test_a_config_larger_than_any_config_is_refused_unread(tmp_path: Path) -> None:
+    # Read whole before: a config path naming a file of gigabytes took that much memory.
+    big = tmp_path / "huge.yaml"
+    with open(big, "wb") as f:
+        f.truncate(MAX_CONFIG_FILE_BYTES + 1)  # sparse: no disk, no memory unless read
+    with pytest.raises(ConfigError) as err:
+        load_config(big)
+    assert str(err.value) == f"config {big}: {MAX_CONFIG_FILE_BYTES + 1} bytes: more than a YAML config may be (4 MiB)"
+    assert main(["up", "--config", str(big)]) == 2
 
 
 def test_a_config_path_that_is_a_folder_says_so(tmp_path: Path) -> None:

@@ -22,11 +22,14 @@ import yaml
 
 from kvrelay.config import SecurityConfig
 from kvrelay.limits import (
+    LOG_TAIL_BYTES,
     MAX_CONFIG_FILE_BYTES,
+    MAX_DATASET_FILE_BYTES,
     MAX_PEM_FILE_BYTES,
     MAX_SECRET_FILE_BYTES,
     FileRefused,
     read_bounded_file,
+    read_file_tail,
 )
 from kvrelay.security import SecurityError, client_tls_from_files, load_credentials
 from tests.security.harness import REPO
@@ -55,6 +58,55 @@ def test_read_bounded_file_reads_a_regular_file_up_to_its_bound(tmp_path: Path) 
     with pytest.raises(FileNotFoundError):
         read_bounded_file(tmp_path / "missing", 100, "PEM file")
     assert MAX_SECRET_FILE_BYTES < MAX_PEM_FILE_BYTES <= MAX_CONFIG_FILE_BYTES < 1 << 30
+
+
+def test_a_log_tail_reads_only_the_end_of_a_file_from_a_line_start(tmp_path: Path) -> None:
+    """`kvrelay up` reads a child's last lines from its log, appended to across restarts for as
+    long as the node runs: before, the whole file (gigabytes after weeks)."""
+    log = tmp_path / "ar-0.log"
+    with open(log, "wb") as f:
+        f.truncate(64 << 20)  # sparse: 64 MiB of NULs before the last lines
+        f.seek(0, os.SEEK_END)
+        f.write(b"partial line\n" + b"".join(b"line %d\n" % i for i in range(1000)) + b"kvrelay ar-0: the reason\n")
+    tail = read_file_tail(log, LOG_TAIL_BYTES)
+    assert len(tail) <= LOG_TAIL_BYTES
+    assert tail.endswith(b"line 999\nkvrelay ar-0: the reason\n")
+    assert tail.startswith(b"line ") or tail.startswith(b"partial")  # never half a line
+    small = tmp_path / "small.log"
+    small.write_bytes(b"a\nb\n")
+    assert read_file_tail(small, LOG_TAIL_BYTES) == b"a\nb\n"
+    assert read_file_tail(small, 3) == b"b\n"  # "\nb\n": the cut first line dropped
+
+
+def test_kvrelay_up_reads_only_the_tail_of_a_childs_log(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvrelay.node.supervisor import ChildSpec, Node
+
+    (tmp_path / "ar-0.log").write_bytes(b"x" * (2 * LOG_TAIL_BYTES) + b"\nstarting\nkvrelay ar: the reason\n")
+    node = Node([[ChildSpec("ar-0", "ar", ("true",), "127.0.0.1:1")]], log_dir=tmp_path)
+    child = node._children[0]
+
+    def whole(*args: object, **kwargs: object) -> object:
+        raise AssertionError("a child's whole log was read")
+
+    monkeypatch.setattr(Path, "read_text", whole)
+    monkeypatch.setattr(Path, "read_bytes", whole)
+    assert node._printed_reason(child) == "kvrelay ar: the reason"
+    assert node._log_tail(child).endswith("\nstarting\nkvrelay ar: the reason")
+
+
+def test_a_bench_dataset_is_read_with_a_bound(tmp_path: Path) -> None:
+    from kvrelay.node.bench import load_dataset
+
+    big = sparse(tmp_path / "prompts.jsonl", MAX_DATASET_FILE_BYTES + 1)
+    with pytest.raises(ValueError) as err:
+        load_dataset(big)
+    assert str(err.value) == (f"dataset {big}: {MAX_DATASET_FILE_BYTES + 1} bytes: more than a JSONL dataset "
+                              "may be (64 MiB)")  # fmt: skip
+    with pytest.raises(ValueError, match=r"dataset /dev/null: not a regular file"):
+        load_dataset("/dev/null")
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"prompt": "a fox"}\n')
+    assert load_dataset(ok) == [{"prompt": "a fox"}]
 
 
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
