@@ -714,7 +714,14 @@ class Node:
 
     def _last_words(self, child: _Child) -> str:
         """The one line a child printed about why it could not run (`kvrelay <role>: ...`)."""
-        return self._printed_reason(child) or f"exited with code {EXIT_CONFIG} (a configuration error; see its log)"
+        if self.log_dir is None:
+            # Its line went to this process's stderr, where nothing here can read it back: say
+            # where it is ("see its log" named no log at all; found walking the docs as a new user).
+            where = (f"its own `kvrelay {child.spec.role}: ...` line is above on stderr; with --log-dir, "
+                     "kvrelay up repeats it here")  # fmt: skip
+        else:
+            where = f"see {self.log_dir / f'{child.spec.name}.log'}"
+        return self._printed_reason(child) or f"exited with code {EXIT_CONFIG} (a configuration error: {where})"
 
     def _printed_reason(self, child: _Child) -> str | None:
         """The last `kvrelay <role>: ...` line of a child's log (what it printed about why it

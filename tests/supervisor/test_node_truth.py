@@ -78,6 +78,20 @@ def test_a_child_config_error_at_start_is_one_line(tmp_path: Path, state_dir: Pa
     assert wait_dead(all_pids(state_dir)) == []
 
 
+def test_a_child_config_error_without_a_log_dir_says_where_its_line_is(tmp_path: Path, state_dir: Path) -> None:  # noqa: F811
+    # Its one line went to the terminal (stderr), unread by the supervisor; the node's error said
+    # "see its log" although there was no log file.
+    path = write_config(tmp_path, 1, 1)
+    behaviour = {"ar-0": {"exit_at_start": 2}}
+    with pytest.raises(SupervisorError) as info:
+        start_node(path, command=COMMAND, env=node_env(state_dir, behaviour))
+    assert str(info.value) == (
+        "ar-0: exited with code 2 (a configuration error: its own `kvrelay ar: ...` line is above on stderr; "
+        "with --log-dir, kvrelay up repeats it here)"
+    )
+    assert wait_dead(all_pids(state_dir)) == []
+
+
 def test_a_config_error_after_start_stops_the_node_instead_of_restarting(
     tmp_path: Path, state_dir: Path  # noqa: F811
 ) -> None:
