@@ -41,6 +41,9 @@ from kvrelay.limits import (
     read_bounded_file,
     request_id_problem,
 )
+from kvrelay.logging import get_logger
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from kvrelay.config import SecurityConfig
@@ -59,6 +62,10 @@ MAX_ID_CHARS = 256
 # more is RESOURCE_EXHAUSTED TOO_MANY_STREAMS. Each held ~25 KB of the server for as long as the
 # peer kept it: 10000 anonymous Watch streams grew the broker by 256 MB, with no bound.
 MAX_OPEN_STREAMS = 256
+# A replica RPC refused for its credential is logged (`replica_credential_refused`) once per
+# declared replica id per this many seconds, for at most this many ids at once.
+REFUSAL_LOG_S = 60.0
+MAX_REFUSAL_LOG_IDS = 256
 # Listeners accept a client's pings every min(keepalive time / 2, this) seconds: pings more often,
 # with no data to send, are "bad pings", and after two gRPC sends GOAWAY too_many_pings. Half the
 # interval for timer jitter; 5 s at most, so an SDK client on its defaults (15 s) is never cut
@@ -961,10 +968,33 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     _limiter: _RateLimiter = field(init=False)
 
     _open_streams: int = field(init=False, default=0)
+    # Replica id -> when its refusal may be logged again (REFUSAL_LOG_S), at most
+    # MAX_REFUSAL_LOG_IDS ids: a caller may declare any id.
+    _refusal_logged: dict[str, float] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
+
+    def _log_replica_refused(self, replica_id: str | None, method: str, reason: str, why: str) -> None:
+        """One warning per declared replica id and REFUSAL_LOG_S: after a rotated replica secret,
+        the broker's log says which replicas still hold old tokens and what to do, without a line
+        per heartbeat. A call that declares no id (a scanner, a client) is not logged."""
+        if not replica_id:
+            return
+        now = time.monotonic()
+        if self._refusal_logged.get(replica_id, 0.0) > now:
+            return
+        if len(self._refusal_logged) >= MAX_REFUSAL_LOG_IDS:
+            self._refusal_logged = {k: t for k, t in self._refusal_logged.items() if t > now}
+            if len(self._refusal_logged) >= MAX_REFUSAL_LOG_IDS:
+                return
+        self._refusal_logged[replica_id] = now + REFUSAL_LOG_S
+        fix = (f"restart {replica_id!r} with the token `kvrelay token {replica_id}` prints where this broker's "
+               "secret is (a replica secret rotated since it started?)" if reason == "REPLICA_TOKEN_MISMATCH"
+               else f"give {replica_id!r} the replica credential this server takes")  # fmt: skip
+        log.warning("replica_credential_refused", replica_id=replica_id, method=method.rsplit("/", 1)[-1],
+                    reason=reason, why=why, fix=fix, repeat_after_s=REFUSAL_LOG_S)  # fmt: skip
 
     # -- authentication --------------------------------------------------------------------------
 
@@ -1088,8 +1118,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if caller.authenticated:
                 raise permission_denied(f"{method} needs {article} {needed} credential; the one presented is not")
             if caller.refusal and CallerClass.REPLICA in allowed:
+                self._log_replica_refused(caller.replica_id, method, "REPLICA_TOKEN_MISMATCH", caller.refusal)
                 raise KvRelayServerError(grpc.StatusCode.UNAUTHENTICATED, "REPLICA_TOKEN_MISMATCH",
                                          f"{method}: {caller.refusal}")
+            if CallerClass.REPLICA in allowed:
+                self._log_replica_refused(caller.replica_id, method, "UNAUTHENTICATED",
+                                          "no replica credential this server takes")  # fmt: skip
             raise KvRelayServerError(
                 grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
                 f"{method} needs {article} {needed} credential (authorization: Bearer <token> or a client certificate)",

@@ -23,7 +23,14 @@ from kvrelay.broker.service import BrokerServicer
 from kvrelay.broker_credential import BrokerCredentialWatch
 from kvrelay.dit_service.registration import DitReplicaInfo, Registration
 from kvrelay.errors import KvRelayServerError, to_status
-from kvrelay.security import ChannelSecurity, Credentials, make_channel, replica_token_for
+from kvrelay.security import (
+    MAX_REFUSAL_LOG_IDS,
+    AuthInterceptor,
+    ChannelSecurity,
+    Credentials,
+    make_channel,
+    replica_token_for,
+)
 from kvrelay.server import GrpcServer
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.transport import RegionDescriptor
@@ -78,6 +85,21 @@ def test_a_refusal_is_logged_with_its_fix_rate_limited_and_its_end_too() -> None
         assert not [e for e in logs if e["event"] == "heartbeat_failed"]
 
     asyncio.run(body())
+
+
+def test_a_server_logs_a_refused_replica_once_per_id_and_keeps_a_bounded_record() -> None:
+    interceptor = AuthInterceptor(Credentials(bound_replica_tokens=True, replica_secret=NEW))
+    with capture_logs() as logs:
+        for _ in range(3):
+            interceptor._log_replica_refused("ar-0", "/kvrelay.v1.BrokerService/Heartbeat", "REPLICA_TOKEN_MISMATCH", "x")
+        interceptor._log_replica_refused(None, "/kvrelay.v1.BrokerService/Heartbeat", "UNAUTHENTICATED", "x")
+        # Any id may be declared: the record of who was logged stays bounded.
+        for i in range(2 * MAX_REFUSAL_LOG_IDS):
+            interceptor._log_replica_refused(f"made-up-{i}", "/kvrelay.v1.BrokerService/Heartbeat", "UNAUTHENTICATED", "x")
+    logged = [e["replica_id"] for e in logs if e["event"] == "replica_credential_refused"]
+    assert logged[:2] == ["ar-0", "made-up-0"] and len(logged) == MAX_REFUSAL_LOG_IDS
+    assert len(interceptor._refusal_logged) == MAX_REFUSAL_LOG_IDS
+    assert logs[0]["method"] == "Heartbeat" and "`kvrelay token ar-0`" in logs[0]["fix"]
 
 
 class _Broker:
@@ -173,6 +195,11 @@ def test_ar_and_dit_replicas_show_a_rotated_secret_and_recover_when_the_broker_t
                 events = [(e["event"], e.get("replica_id")) for e in logs]
                 assert events.count(("broker_refuses_credential", "ar-0")) == 1, events
                 assert events.count(("broker_refuses_credential", "dit-0")) == 1, events
+                # The broker's log says the same, once per replica id: which replicas hold old tokens.
+                refused = [e for e in logs if e["event"] == "replica_credential_refused"]
+                assert sorted(e["replica_id"] for e in refused) == ["ar-0", "dit-0"], refused
+                assert all(e["reason"] == "REPLICA_TOKEN_MISMATCH" and f"kvrelay token {e['replica_id']}" in e["fix"]
+                           for e in refused)  # fmt: skip
                 # (While the broker restarted, heartbeats failed UNAVAILABLE: that warning stays.)
                 unexplained = [e for e in logs if e["event"] in ("heartbeat_failed", "reregistration_failed")
                                and "UNAUTHENTICATED" in str(e)]  # fmt: skip
