@@ -10,11 +10,12 @@ max tokens, the largest image a DiT model draws) stay with the broker.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import stat
-from typing import Final
+from typing import Any, Final
 
 MAX_REQUEST_ID_LENGTH: Final = 128
 REQUEST_ID_CHARS: Final = "A-Za-z0-9._:~-"
@@ -86,6 +87,9 @@ MAX_PEM_FILE_BYTES: Final = 4 << 20
 MAX_CONFIG_FILE_BYTES: Final = 4 << 20
 # A `kvrelay bench --dataset` JSONL file of prompts (the shipped one is a few KiB).
 MAX_DATASET_FILE_BYTES: Final = 64 << 20
+# A JSON file of a model checkpoint (config.json, a weight index, tokenizer.json: a Qwen2
+# tokenizer.json is about 7 MiB).
+MAX_MODEL_JSON_BYTES: Final = 64 << 20
 # How much of the end of a log file `kvrelay up` reads for a child's last lines: its logs are
 # appended to across restarts and grow for as long as the node runs.
 LOG_TAIL_BYTES: Final = 256 << 10
@@ -144,6 +148,16 @@ def read_bounded_file(path: str | os.PathLike[str], max_bytes: int, what: str) -
     if len(data) > max_bytes:
         raise FileRefused(f"more than a {what} may be ({_size_text(max_bytes)}): it grew while read")
     return data
+
+
+def read_json_file(path: str | os.PathLike[str], max_bytes: int = MAX_MODEL_JSON_BYTES) -> Any:
+    """The JSON of the regular file at `path`, read with `read_bounded_file`'s bound; its
+    FileRefused names the path ("PATH: 70000000 bytes: more than a JSON file may be (64 MiB)")."""
+    try:
+        data = read_bounded_file(path, max_bytes, "JSON file")
+    except FileRefused as err:
+        raise FileRefused(f"{os.fspath(path)}: {err}") from None
+    return json.loads(data)
 
 
 def read_file_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:

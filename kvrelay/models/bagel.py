@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from kvrelay.limits import read_json_file
 from kvrelay.models.fp8 import quantize_fp8_
 from kvrelay.models.layers import RMSNorm, SwiGLU, apply_rotary, attention, rope_cos_sin
 from kvrelay.models.loader import COLUMN, ROW, CheckpointError, ar_config_from_hf, require_dir, require_shards
@@ -155,7 +156,7 @@ def weight_files(directory: str | Path) -> list[Path]:
     if (d / EMA_FILE).is_file():
         return [d / EMA_FILE]
     if (d / INDEX_FILE).is_file():
-        names = sorted(set(json.loads((d / INDEX_FILE).read_text())["weight_map"].values()))
+        names = sorted(set(read_json_file(d / INDEX_FILE)["weight_map"].values()))
         require_shards(d / INDEX_FILE, [d / n for n in names])
         return [d / n for n in names]
     files = sorted(p for p in d.glob("*.safetensors") if p.name != VAE_FILE)
@@ -178,7 +179,7 @@ def _special_ids(directory: Path) -> dict[str, int]:
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no tokenizer.json (the Qwen2 tokenizer of the release)")
-    data = json.loads(path.read_text())
+    data = read_json_file(path)
     ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
     vocab = data.get("model", {}).get("vocab", {})
     out = {}
@@ -197,7 +198,7 @@ def load_bagel_config(directory: str | Path, *, dtype: DTypeName | None = None) 
     llm_path = d / LLM_CONFIG_FILE
     if not llm_path.is_file():
         raise CheckpointError(f"{d} has no {LLM_CONFIG_FILE}: not a BAGEL checkpoint directory")
-    raw = json.loads(llm_path.read_text())
+    raw = read_json_file(llm_path)
     module = raw.get("layer_module", "Qwen2MoTDecoderLayer")
     if module != "Qwen2MoTDecoderLayer":
         raise CheckpointError(f"{llm_path}: layer_module {module!r}; only the MoT layout is supported")
@@ -206,7 +207,7 @@ def load_bagel_config(directory: str | Path, *, dtype: DTypeName | None = None) 
     llm = replace(llm, qkv_bias=True)
     shapes = _shapes(weight_files(d))
     special = _special_ids(d)
-    extra: dict[str, Any] = json.loads((d / KVRELAY_CONFIG_FILE).read_text()) if (d / KVRELAY_CONFIG_FILE).is_file() else {}
+    extra: dict[str, Any] = read_json_file(d / KVRELAY_CONFIG_FILE) if (d / KVRELAY_CONFIG_FILE).is_file() else {}
     vae = dict(extra.get("vae") or {"kind": "flux"})
     patch = int(extra.get("latent_patch_size", 2))
     if "vae2llm.weight" not in shapes:

@@ -8,9 +8,10 @@ too). The full ModelPreset of a BAGEL directory is kvrelay.models.bagel.stage_pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from kvrelay.limits import FileRefused, read_json_file
 
 # The demo model trained by scripts/train_demo.py, committed beside this module.
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
@@ -34,9 +35,9 @@ def bagel_geometry(model: Any) -> tuple[int, int, int, str] | None:
     llm_path = Path(directory) / "llm_config.json"
     if not llm_path.is_file():
         raise ValueError(f"{directory} has no llm_config.json: not a BAGEL checkpoint directory")
-    llm = json.loads(llm_path.read_text())
+    llm = read_json_file(llm_path)
     extra_path = Path(directory) / "kvrelay.json"
-    extra = json.loads(extra_path.read_text()) if extra_path.is_file() else {}
+    extra = read_json_file(extra_path) if extra_path.is_file() else {}
     heads = int(llm["num_attention_heads"])
     head_dim = int(llm.get("head_dim") or int(llm["hidden_size"]) // heads)
     dtype = model.dtype or extra.get("dtype", "bfloat16")
@@ -53,10 +54,12 @@ def hf_geometry(model: Any, on_cpu: bool) -> tuple[int, int, int, str | None] | 
     if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text())
+        config = read_json_file(path)
         heads = int(config["num_attention_heads"])
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
         layers, kv_heads = int(config["num_hidden_layers"]), int(config.get("num_key_value_heads", heads))
+    except FileRefused:
+        raise  # it names the file and why already
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a Llama/Qwen2 config.json ({type(err).__name__}: {err})") from None
     return layers, kv_heads, head_dim, ar_dtype(model, on_cpu)

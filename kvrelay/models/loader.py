@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from kvrelay.limits import read_json_file
 from kvrelay.models.moe import RoutedExperts
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import ArConfig
@@ -96,7 +97,7 @@ def checkpoint_files(directory: str | Path) -> list[Path]:
     directory = require_dir(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json_file(index)["weight_map"].values()))
         files = [directory / n for n in names]
         require_shards(index, files)
     else:
@@ -334,4 +335,4 @@ def read_hf_config(directory: str | Path) -> ArConfig:
     path = require_dir(directory) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{directory} has no config.json")
-    return ar_config_from_hf(json.loads(path.read_text()))
+    return ar_config_from_hf(read_json_file(path))

@@ -25,6 +25,7 @@ from kvrelay.limits import (
     LOG_TAIL_BYTES,
     MAX_CONFIG_FILE_BYTES,
     MAX_DATASET_FILE_BYTES,
+    MAX_MODEL_JSON_BYTES,
     MAX_PEM_FILE_BYTES,
     MAX_SECRET_FILE_BYTES,
     FileRefused,
@@ -107,6 +108,26 @@ def test_a_bench_dataset_is_read_with_a_bound(tmp_path: Path) -> None:
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"prompt": "a fox"}\n')
     assert load_dataset(ok) == [{"prompt": "a fox"}]
+
+
+def test_a_checkpoints_json_files_are_read_with_a_bound(tmp_path: Path) -> None:
+    """A model directory (`stages[].model.path`, `kvrelay bench --ar-model`) is the operator's:
+    its config.json, weight index, llm_config.json and tokenizer.json are read whole, so bounded."""
+    from types import SimpleNamespace
+
+    from kvrelay.models.formats import bagel_geometry, hf_geometry
+    from kvrelay.models.loader import checkpoint_files, read_hf_config
+
+    too_big = f"{MAX_MODEL_JSON_BYTES + 1} bytes: more than a JSON file may be (64 MiB)"
+    for name in ("config.json", "model.safetensors.index.json", "llm_config.json"):
+        sparse(tmp_path / name, MAX_MODEL_JSON_BYTES + 1)
+    for call in (lambda: read_hf_config(tmp_path), lambda: checkpoint_files(tmp_path),
+                 lambda: hf_geometry(SimpleNamespace(format="kvrelay", preset=None, path=str(tmp_path)), True),
+                 lambda: bagel_geometry(SimpleNamespace(format="bagel", path=str(tmp_path), dtype=None))):  # fmt: skip
+        with pytest.raises(FileRefused) as err:
+            call()
+        assert str(err.value).endswith(f".json: {too_big}"), err.value
+        assert str(err.value).startswith(str(tmp_path))
 
 
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
