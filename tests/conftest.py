@@ -40,9 +40,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Mooncake receivers (DiT ranks, test receivers) draw their RPC and data ports at random from
 # MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (15000-17000). A long-lived sender engine (this pytest
 # process's own, which writes to receivers of many tests) cannot write to a receiver on a port
-# that an earlier, dead one had; `MooncakeEndpoint` then writes through a fresh engine, but at
-# most one per 10 s (docs/transfer.md, "Peers that restart on a dead one's port"; seen twice in
-# one CI run before that). Each test's processes get their own window of the range, in order, so
+# that an earlier, dead one had; `MooncakeEndpoint` then writes through a fresh engine, but
+# bounded (4 at once, then one per 10 s; docs/transfer.md, "Peers that restart on a dead one's
+# port"; seen twice in one CI run before that). Each test's processes get their own window of the range, in order, so
 # no receiver of a run takes a port an earlier one of the run had.
 _MC_PORT_RANGE = (15000, 32000)  # below Linux's ephemeral ports (32768-60999)
 _MC_PORT_WINDOW = 40

@@ -45,7 +45,7 @@ sys.stdin.read()
 # Lifted so that replacements come back to back (whichever of them the tree under test has).
 _UNLIMITED = {
     "_MIN_REPLACE_INTERVAL_S": 0.0, "_REPLACE_BACKOFF_S": 0.0, "_REPLACE_BACKOFF_MAX_S": 0.0,
-    "_REPLACE_BURST": 1000, "_REPLACE_REFILL_S": 0.001,
+    "_REPLACE_BURST": 1000, "_REPLACE_REFILL_S": 0.001, "_REPLACE_PEER_INTERVAL_S": 0.0,
 }  # fmt: skip
 
 

@@ -67,13 +67,22 @@ _RETRY_PAUSE_S = 0.02
 # fast a failure must be to count as one.
 _STALE_TRIES = 5
 _STALE_FAILURE_S = 1.0
-# Replacing the sending engine (`_replace_sender`), bounded: at most one new engine per
-# _MIN_REPLACE_INTERVAL_S in the process, and a peer that still fails on the engine made for it
-# waits _REPLACE_BACKOFF_S (doubling up to _REPLACE_BACKOFF_MAX_S) before it may cause another.
-# Replaced engines are destroyed in the background once no call runs on them (`EngineReaper`).
-_MIN_REPLACE_INTERVAL_S = 10.0
-_REPLACE_BACKOFF_S = 60.0
-_REPLACE_BACKOFF_MAX_S = 900.0
+# Replacing the sending engine (`_replace_sender`), bounded three ways. Only for a peer the
+# engine has written before (it can hold nothing stale for any other: a fresh engine would fail
+# the same). A token bucket per endpoint: _REPLACE_BURST new engines at once, then one per
+# _REPLACE_REFILL_S. And per peer: one that caused a replacement may cause the next only
+# _REPLACE_PEER_INTERVAL_S later, so that one peer whose batches keep failing fast now and then
+# (not stale: the queue limit, say) cannot use up the bucket; a name really goes stale again only
+# once its port came round to a third process, which took a minute or more (TIME_WAIT) in
+# benchmarks/mooncake/port_reuse.py. A peer that does not answer its probe is probed again only
+# after _DEAD_PEER_PROBE_S. Replaced engines are destroyed in the background once no call runs
+# on them (`EngineReaper`).
+_REPLACE_BURST = 4
+_REPLACE_REFILL_S = 10.0
+_REPLACE_PEER_INTERVAL_S = 30.0
+_DEAD_PEER_PROBE_S = 10.0
+# Per-peer entries kept (last replacements, dead-peer probes) before expired ones are dropped.
+_MAX_PEER_ENTRIES = 1024
 # How long `close()` waits for the reaper to destroy the engines (it never holds up an exit).
 _REAPER_CLOSE_S = 10.0
 
@@ -109,6 +118,9 @@ class _Engine:
     generation: int
     in_flight: int = 0
     registered: set[int] = field(default_factory=set)  # addresses registered on it
+    # Sessions a batch completed to through this engine: the only ones it can hold stale state
+    # for (a data port, a segment handle) once another process takes the name.
+    written: set[str] = field(default_factory=set)
 
     def register(self, addr: int, length: int) -> None:
         rc = self.engine.register_memory(addr, length)
@@ -196,8 +208,10 @@ class MooncakeEndpoint:
         # oldest first; never the primary. Each goes to the reaper once idle.
         self._retired: list[_Engine] = []
         self._reaper = EngineReaper()
-        self._last_replacement = float("-inf")
-        self._replace_backoff: dict[str, tuple[float, float]] = {}  # session -> (not before, backoff)
+        self._replace_tokens = float(_REPLACE_BURST)
+        self._tokens_at = time.monotonic()
+        self._peer_replaced_at: dict[str, float] = {}  # session -> when it last caused a replacement
+        self._probe_not_before: dict[str, float] = {}  # session -> when a dead peer is probed again
         self._replace_lock = threading.Lock()  # one replacement at a time
         self.engine_replacements = 0
         self.rpc_port = self._primary.rpc_port
@@ -429,13 +443,16 @@ class MooncakeEndpoint:
             # unreachable peer, a connect timeout) is not retried. The failed call has returned
             # (nothing of it is in flight), the pages are still this ticket's and the bytes are
             # the same: writing them again, through either engine, is safe.
+            not_replaced = ""
             while (
                 rc != 0
                 and tries < _STALE_TRIES
                 and time.monotonic() - t0 < _STALE_FAILURE_S
                 and not cancel.is_set()
             ):
-                if not self._replace_sender(session, generation, cancel):
+                why_not = self._replace_sender(session, generation, cancel)
+                if why_not is not None:
+                    not_replaced = why_not
                     time.sleep(_RETRY_PAUSE_S)
                 if cancel.is_set():
                     break
@@ -449,49 +466,56 @@ class MooncakeEndpoint:
                         f"Mooncake batch write to {session} returned {rc} ({len(batch)} segments, "
                         f"{tries} {'try' if tries == 1 else 'tries'}): peer unreachable, region not "
                         "registered there, or queue limit exceeded"
+                        + (f"; not sent through a fresh engine: {not_replaced}" if not_replaced else "")
                     )
                     for i in batch_writes:
                         prog.failed.setdefault(i, msg)
                     # Later batches to a failed peer would only wait out the same failure.
                     return
-                # A peer that is written again may cause a replacement again when it next fails.
-                self._replace_backoff.pop(session, None)
                 for i, *_ in batch:
                     prog.segments_left[i] -= 1
 
-    def _replace_sender(self, session: str, failed_generation: int, cancel: threading.Event) -> bool:
+    def _replace_sender(self, session: str, failed_generation: int, cancel: threading.Event) -> str | None:
         """Write through a fresh engine from now on, because a batch to `session` failed fast on
-        engine `failed_generation`; True if the next try should go through another engine than
-        that one (replaced now, or by another thread since).
+        engine `failed_generation`. None if the next try should go through another engine than
+        that one (replaced now, or by another thread since); otherwise why not.
 
-        Only when a process answers at the session's RPC port (a dead peer is not helped by a new
-        engine), at most once per _MIN_REPLACE_INTERVAL_S, and not again for a session within its
-        backoff. The replaced engine stays alive: calls running on it (in-doubt ones included)
-        keep reading their staging memory until they return, and destroying it stalls the GIL."""
+        Only when that engine has written `session` before (stale state is what a fresh engine
+        drops; a peer it never wrote fails a fresh one the same), a process answers at the
+        session's RPC port (a dead peer is not helped by a new engine), and within the bounds
+        above (token bucket per endpoint, interval per peer). A peer whose batch fails while
+        another thread starts a new engine waits for it and tries that one. The replaced engine
+        is destroyed only once no call runs on it (in-doubt ones included: they read their
+        staging memory until they return)."""
+        if self._replace_lock.locked():
+            with self._replace_lock:  # a replacement under way (an engine start: milliseconds)
+                pass
         with self._lock:
             if self._sender.generation != failed_generation:
-                return True
-            if self._closed or not self._may_replace_locked(session, time.monotonic()):
-                return False
+                return None
+            why_not = self._why_not_replace_locked(session, time.monotonic())
+            if why_not is not None:
+                return why_not
         if cancel.is_set():
-            return False
+            return "the write was cancelled"
         if self._probe(session) != 0:
-            with self._lock:  # probe a dead peer again only after a while (its own backoff kept)
-                _, last = self._replace_backoff.get(session, (0.0, 0.0))
-                self._replace_backoff[session] = (time.monotonic() + _MIN_REPLACE_INTERVAL_S, last)
-            return False
+            with self._lock:
+                self._forget_expired_locked(time.monotonic())
+                self._probe_not_before[session] = time.monotonic() + _DEAD_PEER_PROBE_S
+            return f"{session} does not answer at its RPC port (a dead peer; probed again in {_DEAD_PEER_PROBE_S:.0f} s)"
         with self._replace_lock:
             with self._lock:
                 if self._sender.generation != failed_generation:
-                    return True
+                    return None
                 now = time.monotonic()
-                if self._closed or not self._may_replace_locked(session, now):
-                    return False
+                why_not = self._why_not_replace_locked(session, now)
+                if why_not is not None:
+                    return why_not
                 # Taken before the engine starts: a failed start is not tried again at once.
-                self._last_replacement = now
-                _, last = self._replace_backoff.get(session, (0.0, 0.0))
-                backoff = min(_REPLACE_BACKOFF_MAX_S, max(_REPLACE_BACKOFF_S, 2 * last))
-                self._replace_backoff[session] = (now + backoff, backoff)
+                self._replace_tokens -= 1.0
+                self._forget_expired_locked(now)
+                self._peer_replaced_at[session] = now
+                self._probe_not_before.pop(session, None)
                 self._generations += 1
                 generation = self._generations
             try:
@@ -502,7 +526,7 @@ class MooncakeEndpoint:
                     fresh.register(addr, length)
             except Exception as exc:  # noqa: BLE001 - keep writing through the old engine
                 _log.error("mooncake_engine_replace_failed", session=session, error=repr(exc)[:500])
-                return False
+                return f"a fresh engine could not start: {exc!r}"[:300]
             with self._lock:
                 # Memory registered meanwhile went to the primary and the old sender only.
                 try:
@@ -513,25 +537,56 @@ class MooncakeEndpoint:
                     _log.error("mooncake_engine_replace_failed", session=session, error=str(exc)[:500])
                     self._retired.append(fresh)  # no call ran on it: destroyed like a replaced one
                     self._reap_idle_locked()
-                    return False
+                    return f"a fresh engine could not register memory: {exc}"[:300]
                 old, self._sender = self._sender, fresh
                 if old is not self._primary:
                     self._retired.append(old)
                 self._reap_idle_locked()
                 self.engine_replacements += 1
                 retired = len(self._retired)
+                tokens = self._replace_tokens
         _log.warning(
             "mooncake_engine_replaced", session=session, generation=generation, replaced_generation=old.generation,
             reason="a batch failed fast while the peer answers at its RPC port (a process on a dead peer's port)",
-            replace_backoff_s=backoff, retired_engines=retired,
+            replacements_left=int(tokens), retired_engines=retired,
         )  # fmt: skip
-        return True
+        return None
 
-    def _may_replace_locked(self, session: str, now: float) -> bool:
-        if now < self._last_replacement + _MIN_REPLACE_INTERVAL_S:
-            return False
-        not_before, _ = self._replace_backoff.get(session, (0.0, 0.0))
-        return now >= not_before
+    def _why_not_replace_locked(self, session: str, now: float) -> str | None:
+        """None if a batch to `session` that failed on the current sender may replace it now."""
+        if self._closed:
+            return "the endpoint is closed"
+        if session not in self._sender.written:
+            return (
+                f"this engine never wrote {session}, so it holds nothing stale for it (a fresh engine "
+                "would fail the same)"
+            )
+        if now < self._probe_not_before.get(session, 0.0):
+            return f"{session} did not answer at its RPC port {_DEAD_PEER_PROBE_S:.0f} s ago or less"
+        last = self._peer_replaced_at.get(session)
+        if last is not None and now < last + _REPLACE_PEER_INTERVAL_S:
+            return (
+                f"{session} caused a replacement {now - last:.1f} s ago (one per peer per "
+                f"{_REPLACE_PEER_INTERVAL_S:.0f} s)"
+            )
+        self._replace_tokens = min(
+            float(_REPLACE_BURST), self._replace_tokens + (now - self._tokens_at) / _REPLACE_REFILL_S
+        )
+        self._tokens_at = now
+        if self._replace_tokens < 1.0:
+            wait = (1.0 - self._replace_tokens) * _REPLACE_REFILL_S
+            return (
+                f"{_REPLACE_BURST} fresh engines started lately, one more allowed per {_REPLACE_REFILL_S:.0f} s "
+                f"(next in {wait:.1f} s)"
+            )
+        return None
+
+    def _forget_expired_locked(self, now: float) -> None:
+        """Keep the per-peer bookkeeping bounded: drop entries that no longer hold anything back."""
+        if len(self._peer_replaced_at) + len(self._probe_not_before) < _MAX_PEER_ENTRIES:
+            return
+        self._peer_replaced_at = {s: t for s, t in self._peer_replaced_at.items() if now < t + _REPLACE_PEER_INTERVAL_S}
+        self._probe_not_before = {s: t for s, t in self._probe_not_before.items() if now < t}
 
     def _reap_idle_locked(self) -> None:
         """Hand the retired engines no call runs on to the reaper (in order, while its queue has
@@ -550,8 +605,10 @@ class MooncakeEndpoint:
             eng.in_flight += 1
             return eng
 
-    def _release(self, eng: _Engine) -> None:
+    def _release(self, eng: _Engine, wrote: str | None = None) -> None:
         with self._lock:
+            if wrote is not None:
+                eng.written.add(wrote)
             eng.in_flight -= 1
             if eng.in_flight == 0 and any(e is eng for e in self._retired):
                 self._reap_idle_locked()
@@ -569,10 +626,12 @@ class MooncakeEndpoint:
         """One batch to one peer through the current sending engine; 0 on completion, negative on
         failure (as the engine reports)."""
         eng = self._acquire_sender()
+        rc = -1
         try:
-            return self._transfer_on(eng.engine, session, srcs, dsts, lengths)
+            rc = self._transfer_on(eng.engine, session, srcs, dsts, lengths)
+            return rc
         finally:
-            self._release(eng)
+            self._release(eng, wrote=session if rc == 0 else None)
 
     def _transfer_on(self, engine: Any, session: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> int:
         nbytes = sum(lengths)

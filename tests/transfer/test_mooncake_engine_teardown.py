@@ -26,8 +26,9 @@ _WRITE = [PlannedWrite(0, 0, 0, (Segment(0, 0, 4096),))]
 
 @pytest.fixture
 def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A sender that may replace its engine back to back (the rate limits are tested elsewhere)."""
-    monkeypatch.setattr(mooncake, "_MIN_REPLACE_INTERVAL_S", 0.0)
+    """A sender that may replace its engine back to back for one peer (the bounds are tested in
+    test_mooncake_peer_restart.py)."""
+    monkeypatch.setattr(mooncake, "_REPLACE_PEER_INTERVAL_S", 0.0)
     ep = mooncake.MooncakeEndpoint("127.0.0.1", "tcp")
     ep.register(_SRC)
     yield ep
@@ -35,8 +36,10 @@ def endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _replace(ep: Any, region: Any, ticket_id: str) -> None:
-    """One write whose first engine call fails while the peer answers: the endpoint writes it
-    through a fresh engine."""
+    """A write through the current engine, then one whose first engine call fails while the peer
+    answers: the endpoint writes it through a fresh engine."""
+    (out,) = ep.write(_SRC, _WRITE, {0: region}, ticket_id + "-before", 20.0)
+    assert out.status == "OK", out.message
     before = ep.engine_replacements
     real = ep._transfer
     calls: list[int] = []
@@ -66,8 +69,6 @@ def test_a_replaced_engine_goes_once_the_call_on_it_returns_and_not_before(endpo
     rx = _Receiver()
     try:
         region = rx.region(0, 1 << 16)
-        (out,) = endpoint.write(_SRC, _WRITE, {0: region}, "t-first", 20.0)
-        assert out.status == "OK", out.message
         _replace(endpoint, region, "t-replace-1")
         busy = endpoint._acquire_sender()  # a call still running on the second engine
         binding = weakref.ref(busy.engine)

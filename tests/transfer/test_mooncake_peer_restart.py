@@ -350,17 +350,107 @@ def test_a_dead_peer_does_not_replace_the_engine(own_sender: Any) -> None:
 
 def test_a_peer_that_keeps_failing_replaces_the_engine_once(own_sender: Any) -> None:
     """No engine churn: a live peer whose writes keep failing (here an engine that fails on cue)
-    causes one replacement, then waits out its backoff."""
+    causes one replacement; the fresh engine never wrote it, so it holds nothing stale for it and
+    another would fail the same."""
     rx = _Receiver()
     try:
+        calls, out = _write_with_failures(own_sender, rx, 0, "t-ok-first")
+        assert out.status == "OK" and calls == [0], out.message
         calls, out = _write_with_failures(own_sender, rx, 99, "t-fails")
         assert out.status == "FAILED" and calls == [-1] * 5
         assert own_sender.engine_replacements == 1
         calls, out = _write_with_failures(own_sender, rx, 99, "t-fails-again")
         assert out.status == "FAILED" and calls == [-1] * 5
         assert own_sender.engine_replacements == 1
+        assert "never wrote" in out.message, out.message
         calls, out = _write_with_failures(own_sender, rx, 0, "t-ok")
         assert out.status == "OK" and calls == [0], out.message
-        assert _sum_until(rx, 2, 3 * 4096) == 3 * 4096  # the third region it made
+        assert _sum_until(rx, 3, 3 * 4096) == 3 * 4096  # the fourth region it made
     finally:
         rx.close()
+
+
+def test_a_peer_the_engine_never_wrote_does_not_replace_it(own_sender: Any) -> None:
+    """A first write that fails fast to a live peer: the engine holds nothing stale for a name
+    it never wrote, so a fresh one would fail the same; five tries on this one, no new engine."""
+    rx = _Receiver()
+    try:
+        calls, out = _write_with_failures(own_sender, rx, 99, "t-first-contact")
+        assert out.status == "FAILED" and out.final and calls == [-1] * 5
+        assert own_sender.engine_replacements == 0
+        assert "never wrote" in out.message, out.message
+    finally:
+        rx.close()
+
+
+def test_a_second_stale_peer_right_after_a_replacement_is_written_at_once(own_sender: Any) -> None:
+    """Found after the fix: one new engine per 10 s per endpoint failed every other stale peer
+    of that window, the fresh engine included in what went stale (it wrote the second peer's
+    predecessor after it started). Each stale peer is now written on its first failing request."""
+    fronts = [_SessionPort(), _SessionPort()]
+    receivers: list[_Receiver] = []
+
+    def start_behind(front: _SessionPort) -> Any:
+        receivers.append(_Receiver())
+        return front.behind(receivers[-1].region(0, 1 << 16))
+
+    try:
+        a, b = fronts
+        assert _write_4k(own_sender, start_behind(a), "t-a1").status == "OK"
+        receivers[-1].kill()
+        out = _write_4k(own_sender, start_behind(a), "t-a2")  # stale on the first engine
+        assert out.status == "OK", out.message
+        assert own_sender.engine_replacements == 1
+        assert _sum_until(receivers[-1], 0, 3 * 4096) == 3 * 4096
+
+        assert _write_4k(own_sender, start_behind(b), "t-b1").status == "OK"  # through the fresh engine
+        receivers[-1].kill()
+        out = _write_4k(own_sender, start_behind(b), "t-b2")  # stale on the fresh engine, seconds later
+        assert out.status == "OK" and out.final, out.message
+        assert own_sender.engine_replacements == 2
+        assert _sum_until(receivers[-1], 0, 3 * 4096) == 3 * 4096
+    finally:
+        for rx in receivers:
+            rx.close()
+        for front in fronts:
+            front.close()
+
+
+def test_engine_replacements_are_bounded_per_endpoint_and_per_peer(
+    own_sender: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flood of stale peers starts at most the burst of new engines (then one per refill
+    period), and a peer that goes stale again on the fresh engine made for it causes no other
+    replacement within the per-peer interval."""
+    monkeypatch.setattr(mooncake, "_REPLACE_REFILL_S", 3600.0)
+    own_sender._replace_tokens = 3.0  # as if _REPLACE_BURST were 3 and nothing refilled
+    receivers = [_Receiver() for _ in range(4)]
+    first, second, third, fourth = receivers
+
+    def goes_stale(rx: _Receiver, ticket: str, failures: int = 1) -> tuple[list[int], Any]:
+        """Written through the current engine, then a write whose first `failures` calls fail."""
+        assert _write_with_failures(own_sender, rx, 0, ticket + "-ok")[1].status == "OK"
+        return _write_with_failures(own_sender, rx, failures, ticket)
+
+    try:
+        for rx, ticket in ((first, "t-1"), (second, "t-2")):
+            calls, out = goes_stale(rx, ticket)
+            assert out.status == "OK" and calls == [-1, 0], out.message
+        assert own_sender.engine_replacements == 2
+
+        # The same peer goes stale again on the engine made for it: within the per-peer interval,
+        # no new engine (a token is left); the batch is sent again through this one.
+        calls, out = goes_stale(second, "t-2-again")
+        assert out.status == "OK" and calls == [-1, 0], out.message
+        assert own_sender.engine_replacements == 2
+
+        calls, out = goes_stale(third, "t-3")
+        assert out.status == "OK" and own_sender.engine_replacements == 3, out.message
+        # No tokens left: a fourth stale peer is not sent through a fresh engine, and says why.
+        calls, out = goes_stale(fourth, "t-4", failures=99)
+        assert out.status == "FAILED" and calls == [-1] * 5
+        assert own_sender.engine_replacements == 3
+        assert "fresh engines started lately" in out.message, out.message
+    finally:
+        for rx in receivers:
+            rx.close()
