@@ -35,6 +35,7 @@ from kvrelay.ports import PortInUse
 from kvrelay.security import (
     BROKER_CALLER_ID,
     CallerClass,
+    CredentialRefusals,
     Credentials,
     SecurityError,
     load_credentials,
@@ -95,10 +96,11 @@ async def serve(
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     # Registrations are checked by dialling the advertised endpoint as the orchestrator will.
     endpoint_probe = grpc_endpoint_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
+    refusals = CredentialRefusals()
     broker_servicer = BrokerServicer(
         core, ticket_ttl, endpoint_probe,
         max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,
-        replica_authentication=replica_authentication(creds),
+        replica_authentication=replica_authentication(creds), credential_refusals=refusals,
     )  # fmt: skip
     register_broker_metrics(core, registry, broker_servicer.rpc_counts)
     orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
@@ -119,6 +121,7 @@ async def serve(
         credentials=creds,
         checks=broker_checks(core),
         insecure_bind=insecure_bind,
+        credential_refusals=refusals,
     )
     await server.start()
     # SIGHUP too: its default action killed the broker outright, as a closed terminal would.

@@ -50,6 +50,7 @@ from kvrelay.errors import KvRelayServerError, abort_with, bounded_message
 from kvrelay.security import (
     MAX_ID_CHARS,
     ChannelSecurity,
+    CredentialRefusals,
     Credentials,
     current_caller,
     is_loopback,
@@ -548,8 +549,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         max_watch_streams: int = MAX_WATCH_STREAMS,
         max_watch_streams_per_replica: int = MAX_WATCH_STREAMS_PER_REPLICA,
         replica_authentication: str = "",
+        credential_refusals: CredentialRefusals | None = None,
     ) -> None:
         self.core = core
+        # The broker server's record of replicas it refuses (ListReplicas shows it to operators).
+        self.credential_refusals = credential_refusals or CredentialRefusals()
         # Shown to the operator by ListReplicas ("" where nobody said: a test's servicer).
         self.replica_authentication = replica_authentication
         self.watch_streams = WatchStreamLimits(max_watch_streams, max_watch_streams_per_replica)
@@ -849,6 +853,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 broker_pb2.ForgottenIncarnation(replica_id=r, incarnation_id=i) for r, i in forgotten
             ],
             replica_authentication=self.replica_authentication,
+            credential_refusals=[
+                broker_pb2.CredentialRefusal(
+                    replica_id=r.replica_id, reason=r.reason, method=r.method, refusals=r.refusals,
+                    first_refusal_time=_timestamp(r.first_time), last_refusal_time=_timestamp(r.last_time),
+                )
+                for r in self.credential_refusals.snapshot()
+            ],
         )
 
     @_maps_errors

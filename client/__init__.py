@@ -26,6 +26,7 @@ from .aio import AsyncGenerationHandle, AsyncKvRelayClient
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
 from .types import (
+    CredentialRefusal,
     ErrorStatus,
     ForgottenIncarnation,
     Generation,
@@ -57,6 +58,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "AsyncGenerationHandle",
     "AsyncKvRelayClient",
+    "CredentialRefusal",
     "ErrorStatus",
     "ForgottenIncarnation",
     "Generation",

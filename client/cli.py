@@ -40,6 +40,7 @@ from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
 from .types import (
+    CredentialRefusal,
     ForgottenIncarnation,
     Generation,
     GenerationEvent,
@@ -583,6 +584,21 @@ def forgotten_table(forgotten: Sequence[ForgottenIncarnation]) -> str:
     )
 
 
+def refusals_table(refusals: Sequence[CredentialRefusal], now: _dt.datetime) -> str:
+    """Replica ids the broker refuses for their credential (a rotated replica secret: replicas
+    still on old tokens), and what to do about them."""
+    rows = [
+        (r.replica_id, r.reason, r.method, r.refusals,
+         f"{_age(r.last_refusal_time, now)} ago" if r.last_refusal_time else "-")
+        for r in refusals
+    ]  # fmt: skip
+    return (
+        format_table(("REFUSED (CREDENTIAL)", "REASON", "LAST CALL", "REFUSALS", "LAST"), rows)
+        + "\nThe broker does not take these replicas' tokens (REPLICA_TOKEN_MISMATCH: a token of an old replica"
+        + "\nsecret or another id's): restart each with the token `kvrelay token ID` prints where the secret is."
+    )
+
+
 def _liveness(r: Replica, now: _dt.datetime) -> str:
     """UP: yes, or why not with when it was last heard of. A replica the broker's journal kept
     (an earlier config's, or one that stopped) is listed, but no request goes to it."""
@@ -722,7 +738,7 @@ def run_status(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         doc = {"target": target, "replica_authentication": registry.replica_authentication,
                "replicas": registry.replicas, "forgotten_incarnations": registry.forgotten_incarnations,
-               "pools": pools, "tickets": tickets}  # fmt: skip
+               "credential_refusals": registry.credential_refusals, "pools": pools, "tickets": tickets}  # fmt: skip
         print(json.dumps(_jsonable(doc), indent=2))
         return 0
     now = _dt.datetime.now(_dt.UTC)
@@ -735,6 +751,9 @@ def run_status(args: argparse.Namespace) -> int:
     if registry.forgotten_incarnations:
         print()
         print(forgotten_table(registry.forgotten_incarnations))
+    if registry.credential_refusals:
+        print()
+        print(refusals_table(registry.credential_refusals, now))
     print()
     print(pools_table(pools) if pools else "POOLS: none")
     print()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any, TypeVar
 
@@ -269,16 +269,33 @@ class ForgottenIncarnation:
 
 
 @dataclass(frozen=True, slots=True)
+class CredentialRefusal:
+    """A replica id whose calls the broker refuses for their credential (`reason`
+    `REPLICA_TOKEN_MISMATCH`: a token of a rotated replica secret or another id's; or
+    `UNAUTHENTICATED`), since the broker started or since that id last authenticated: that replica
+    is down until restarted with the token `kvrelay token ID` prints. `method`: the last refused RPC."""
+
+    replica_id: str
+    reason: str
+    method: str
+    refusals: int
+    first_refusal_time: _dt.datetime | None
+    last_refusal_time: _dt.datetime | None
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaRegistry:
     """The broker's registry as one `ListReplicas` answer (`kvrelay status`).
 
     `replica_authentication`: how the broker authenticates replicas, in words ("bound replica
     tokens", "the shared replica token", "client certificates", several joined by " or ", or
-    "none (development: every caller trusted)"); "" from a broker that does not say."""
+    "none (development: every caller trusted)"); "" from a broker that does not say.
+    `credential_refusals`: replica ids the broker refuses for their credential, by id."""
 
     replicas: list[Replica]
     forgotten_incarnations: list[ForgottenIncarnation]
     replica_authentication: str
+    credential_refusals: list[CredentialRefusal] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,6 +469,11 @@ def replica_registry_from_pb(msg: broker_pb2.ListReplicasResponse) -> ReplicaReg
         [replica_from_pb(r) for r in msg.replicas],
         [forgotten_incarnation_from_pb(f) for f in msg.forgotten_incarnations],
         msg.replica_authentication,
+        [
+            CredentialRefusal(r.replica_id, r.reason, r.method, r.refusals, _time(r, "first_refusal_time"),
+                              _time(r, "last_refusal_time"))  # fmt: skip
+            for r in msg.credential_refusals
+        ],
     )
 
 

@@ -63,9 +63,12 @@ MAX_ID_CHARS = 256
 # peer kept it: 10000 anonymous Watch streams grew the broker by 256 MB, with no bound.
 MAX_OPEN_STREAMS = 256
 # A replica RPC refused for its credential is logged (`replica_credential_refused`) once per
-# declared replica id per this many seconds, for at most this many ids at once.
+# declared replica id per REFUSAL_LOG_S, at most MAX_REFUSAL_LOGS_PER_WINDOW lines in that time;
+# a server keeps a record of at most MAX_REFUSAL_LOG_IDS refused ids (kvrelay status shows the
+# broker's).
 REFUSAL_LOG_S = 60.0
 MAX_REFUSAL_LOG_IDS = 256
+MAX_REFUSAL_LOGS_PER_WINDOW = 32
 # Listeners accept a client's pings every min(keepalive time / 2, this) seconds: pings more often,
 # with no data to send, are "bad pings", and after two gRPC sends GOAWAY too_many_pings. Half the
 # interval for timer jitter; 5 s at most, so an SDK client on its defaults (15 s) is never cut
@@ -958,6 +961,73 @@ def check_id_lengths(message: Any, path: str = "", depth: int = 0) -> None:
                 check_id_lengths(item, f"{name}.", depth + 1)
 
 
+@dataclass(frozen=True, slots=True)
+class CredentialRefusal:
+    """A replica id whose calls a server refused for their credential, since that server started
+    or since the id last authenticated there (ListReplicasResponse.credential_refusals)."""
+
+    replica_id: str
+    reason: str  # REPLICA_TOKEN_MISMATCH, or UNAUTHENTICATED (no replica credential the server takes)
+    method: str  # the last refused RPC, short name ("Heartbeat")
+    refusals: int
+    first_time: float  # seconds since the epoch
+    last_time: float
+
+
+class CredentialRefusals:
+    """What a server knows of replicas it refuses (a rotated replica secret: replicas still on old
+    tokens): a record per declared replica id (`ar-N`, `dit-N`; a call declaring none, or another
+    name, is not kept), dropped when that id authenticates again. Bounded: MAX_REFUSAL_LOG_IDS ids
+    (any id may be declared: the least recently refused goes), and one warning
+    `replica_credential_refused` per id per REFUSAL_LOG_S, at most MAX_REFUSAL_LOGS_PER_WINDOW
+    in any window of it. Touched on the event loop only."""
+
+    def __init__(
+        self, *, clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        self._monotonic = monotonic
+        self._records: dict[str, CredentialRefusal] = {}
+        self._next_log: dict[str, float] = {}
+        self._window_end = 0.0
+        self._logged_in_window = 0
+
+    def refused(self, replica_id: str | None, method: str, reason: str, why: str) -> None:
+        if not replica_id or not _names_a_replica(replica_id):
+            return
+        now, tick = self._clock(), self._monotonic()
+        short = method.rsplit("/", 1)[-1]
+        old = self._records.pop(replica_id, None)
+        if old is None and len(self._records) >= MAX_REFUSAL_LOG_IDS:
+            oldest = min(self._records.values(), key=lambda r: r.last_time)
+            del self._records[oldest.replica_id]
+            self._next_log.pop(oldest.replica_id, None)
+        self._records[replica_id] = CredentialRefusal(
+            replica_id, reason, short, (old.refusals if old else 0) + 1, old.first_time if old else now, now
+        )
+        if self._next_log.get(replica_id, 0.0) > tick:
+            return
+        if tick >= self._window_end:
+            self._window_end, self._logged_in_window = tick + REFUSAL_LOG_S, 0
+        if self._logged_in_window >= MAX_REFUSAL_LOGS_PER_WINDOW:
+            return
+        self._logged_in_window += 1
+        self._next_log[replica_id] = tick + REFUSAL_LOG_S
+        fix = (f"restart {replica_id!r} with the token `kvrelay token {replica_id}` prints where this broker's "
+               "secret is (a replica secret rotated since it started?)" if reason == "REPLICA_TOKEN_MISMATCH"
+               else f"give {replica_id!r} the replica credential this server takes")  # fmt: skip
+        log.warning("replica_credential_refused", replica_id=replica_id, method=short, reason=reason, why=why,
+                    fix=fix, repeat_after_s=REFUSAL_LOG_S)  # fmt: skip
+
+    def authenticated(self, replica_id: str) -> None:
+        if self._records and self._records.pop(replica_id, None) is not None:
+            self._next_log.pop(replica_id, None)
+
+    def snapshot(self) -> list[CredentialRefusal]:
+        """Every id refused now, by id."""
+        return sorted(self._records.values(), key=lambda r: r.replica_id)
+
+
 @dataclass
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """The one server interceptor of every kvrelay server (see the module docstring)."""
@@ -968,33 +1038,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     _limiter: _RateLimiter = field(init=False)
 
     _open_streams: int = field(init=False, default=0)
-    # Replica id -> when its refusal may be logged again (REFUSAL_LOG_S), at most
-    # MAX_REFUSAL_LOG_IDS ids: a caller may declare any id.
-    _refusal_logged: dict[str, float] = field(init=False, default_factory=dict)
+    # The replica ids whose calls this server refused for their credential (ListReplicas shows
+    # the broker's): given by the server that serves them, else its own.
+    refusals: CredentialRefusals = field(default_factory=lambda: CredentialRefusals())
 
     def __post_init__(self) -> None:
         self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
-
-    def _log_replica_refused(self, replica_id: str | None, method: str, reason: str, why: str) -> None:
-        """One warning per declared replica id and REFUSAL_LOG_S: after a rotated replica secret,
-        the broker's log says which replicas still hold old tokens and what to do, without a line
-        per heartbeat. A call that declares no id (a scanner, a client) is not logged."""
-        if not replica_id:
-            return
-        now = time.monotonic()
-        if self._refusal_logged.get(replica_id, 0.0) > now:
-            return
-        if len(self._refusal_logged) >= MAX_REFUSAL_LOG_IDS:
-            self._refusal_logged = {k: t for k, t in self._refusal_logged.items() if t > now}
-            if len(self._refusal_logged) >= MAX_REFUSAL_LOG_IDS:
-                return
-        self._refusal_logged[replica_id] = now + REFUSAL_LOG_S
-        fix = (f"restart {replica_id!r} with the token `kvrelay token {replica_id}` prints where this broker's "
-               "secret is (a replica secret rotated since it started?)" if reason == "REPLICA_TOKEN_MISMATCH"
-               else f"give {replica_id!r} the replica credential this server takes")  # fmt: skip
-        log.warning("replica_credential_refused", replica_id=replica_id, method=method.rsplit("/", 1)[-1],
-                    reason=reason, why=why, fix=fix, repeat_after_s=REFUSAL_LOG_S)  # fmt: skip
 
     # -- authentication --------------------------------------------------------------------------
 
@@ -1118,16 +1168,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if caller.authenticated:
                 raise permission_denied(f"{method} needs {article} {needed} credential; the one presented is not")
             if caller.refusal and CallerClass.REPLICA in allowed:
-                self._log_replica_refused(caller.replica_id, method, "REPLICA_TOKEN_MISMATCH", caller.refusal)
+                self.refusals.refused(caller.replica_id, method, "REPLICA_TOKEN_MISMATCH", caller.refusal)
                 raise KvRelayServerError(grpc.StatusCode.UNAUTHENTICATED, "REPLICA_TOKEN_MISMATCH",
                                          f"{method}: {caller.refusal}")
             if CallerClass.REPLICA in allowed:
-                self._log_replica_refused(caller.replica_id, method, "UNAUTHENTICATED",
-                                          "no replica credential this server takes")  # fmt: skip
+                self.refusals.refused(caller.replica_id, method, "UNAUTHENTICATED",
+                                      "no replica credential this server takes")  # fmt: skip
             raise KvRelayServerError(
                 grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
                 f"{method} needs {article} {needed} credential (authorization: Bearer <token> or a client certificate)",
             )
+        if caller.replica_id and CallerClass.REPLICA in caller.classes:
+            self.refusals.authenticated(caller.replica_id)
         if rule.caller_class is not CallerClass.PUBLIC and not self._limiter.allow(_peer_host(context.peer())):
             raise KvRelayServerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
@@ -1219,6 +1271,8 @@ def _names_a_replica(name: str) -> bool:
 
 __all__ = [
     "AuthInterceptor",
+    "CredentialRefusal",
+    "CredentialRefusals",
     "BROKER_CALLER_ID",
     "Caller",
     "CallerClass",

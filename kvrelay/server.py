@@ -25,6 +25,7 @@ from kvrelay.ports import PortInUse, in_use_message, is_port_free
 from kvrelay.security import (
     RPC_RULES,
     AuthInterceptor,
+    CredentialRefusals,
     Credentials,
     RequestCheck,
     RpcRule,
@@ -64,6 +65,8 @@ class GrpcServer:
     insecure_bind: bool = False
     # The caller class of every RPC served (kvrelay.security.RPC_RULES); an RPC missing is refused.
     rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
+    # The replica ids this server refuses for their credential (the broker lists its own).
+    credential_refusals: CredentialRefusals = field(default_factory=CredentialRefusals)
     bound_port: int = 0
     bound_metrics_port: int | None = None
     _server: grpc.aio.Server | None = field(default=None, repr=False)
@@ -79,7 +82,7 @@ class GrpcServer:
         check_bind(self.host, creds, self.insecure_bind, self.name)
         # Logging outside authorization: an undecodable request is INVALID_ARGUMENT before anything
         # else runs, and the authorization's own lines carry the request's ids.
-        interceptors: list[Any] = [logging_interceptor(), AuthInterceptor(creds, self.checks, self.rules)]
+        interceptors: list[Any] = [logging_interceptor(), AuthInterceptor(creds, self.checks, self.rules, self.credential_refusals)]
         registry = self._registry()
         if registry is not None:
             add_process_metrics(registry)

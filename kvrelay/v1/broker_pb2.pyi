@@ -479,14 +479,32 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas", "forgotten_incarnations", "replica_authentication")
+    __slots__ = ("replicas", "forgotten_incarnations", "replica_authentication", "credential_refusals")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     FORGOTTEN_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_AUTHENTICATION_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     forgotten_incarnations: _containers.RepeatedCompositeFieldContainer[ForgottenIncarnation]
     replica_authentication: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., forgotten_incarnations: _Optional[_Iterable[_Union[ForgottenIncarnation, _Mapping]]] = ..., replica_authentication: _Optional[str] = ...) -> None: ...
+    credential_refusals: _containers.RepeatedCompositeFieldContainer[CredentialRefusal]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., forgotten_incarnations: _Optional[_Iterable[_Union[ForgottenIncarnation, _Mapping]]] = ..., replica_authentication: _Optional[str] = ..., credential_refusals: _Optional[_Iterable[_Union[CredentialRefusal, _Mapping]]] = ...) -> None: ...
+
+class CredentialRefusal(_message.Message):
+    __slots__ = ("replica_id", "reason", "method", "refusals", "first_refusal_time", "last_refusal_time")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_REFUSAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    LAST_REFUSAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    reason: str
+    method: str
+    refusals: int
+    first_refusal_time: _timestamp_pb2.Timestamp
+    last_refusal_time: _timestamp_pb2.Timestamp
+    def __init__(self, replica_id: _Optional[str] = ..., reason: _Optional[str] = ..., method: _Optional[str] = ..., refusals: _Optional[int] = ..., first_refusal_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., last_refusal_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ForgottenIncarnation(_message.Message):
     __slots__ = ("replica_id", "incarnation_id")

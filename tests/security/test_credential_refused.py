@@ -9,6 +9,7 @@ heartbeating and is never fail-stopped: a broker given its old secret back takes
 from __future__ import annotations
 
 import asyncio
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,15 @@ from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.service import BrokerServicer
 from kvrelay.broker_credential import BrokerCredentialWatch
+from kvrelay.client import AsyncKvRelayClient
+from kvrelay.client.cli import refusals_table
 from kvrelay.dit_service.registration import DitReplicaInfo, Registration
 from kvrelay.errors import KvRelayServerError, to_status
 from kvrelay.security import (
     MAX_REFUSAL_LOG_IDS,
-    AuthInterceptor,
+    MAX_REFUSAL_LOGS_PER_WINDOW,
     ChannelSecurity,
+    CredentialRefusals,
     Credentials,
     make_channel,
     replica_token_for,
@@ -34,7 +38,7 @@ from kvrelay.security import (
 from kvrelay.server import GrpcServer
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.transport import RegionDescriptor
-from kvrelay.v1 import broker_pb2_grpc
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc
 
 OLD, NEW = "the-old-secret-0123456789", "the-new-secret-9876543210"
 
@@ -88,18 +92,34 @@ def test_a_refusal_is_logged_with_its_fix_rate_limited_and_its_end_too() -> None
 
 
 def test_a_server_logs_a_refused_replica_once_per_id_and_keeps_a_bounded_record() -> None:
-    interceptor = AuthInterceptor(Credentials(bound_replica_tokens=True, replica_secret=NEW))
+    now = [1000.0]
+    refusals = CredentialRefusals(clock=lambda: now[0], monotonic=lambda: now[0])
+    heartbeat = "/kvrelay.v1.BrokerService/Heartbeat"
     with capture_logs() as logs:
         for _ in range(3):
-            interceptor._log_replica_refused("ar-0", "/kvrelay.v1.BrokerService/Heartbeat", "REPLICA_TOKEN_MISMATCH", "x")
-        interceptor._log_replica_refused(None, "/kvrelay.v1.BrokerService/Heartbeat", "UNAUTHENTICATED", "x")
-        # Any id may be declared: the record of who was logged stays bounded.
+            refusals.refused("ar-0", heartbeat, "REPLICA_TOKEN_MISMATCH", "x")
+            now[0] += 1.0
+        refusals.refused(None, heartbeat, "UNAUTHENTICATED", "x")  # declared no id
+        refusals.refused("scanner", heartbeat, "UNAUTHENTICATED", "x")  # names no replica
+        assert [(r.replica_id, r.refusals, r.first_time, r.last_time) for r in refusals.snapshot()] == [
+            ("ar-0", 3, 1000.0, 1002.0)]
+        # Any id may be declared: the record stays bounded (the least recently refused go), and
+        # so do the lines logged in a minute.
         for i in range(2 * MAX_REFUSAL_LOG_IDS):
-            interceptor._log_replica_refused(f"made-up-{i}", "/kvrelay.v1.BrokerService/Heartbeat", "UNAUTHENTICATED", "x")
+            now[0] += 0.001
+            refusals.refused(f"dit-{i}", heartbeat, "UNAUTHENTICATED", "x")
+        kept = refusals.snapshot()
+        assert len(kept) == MAX_REFUSAL_LOG_IDS and "ar-0" not in {r.replica_id for r in kept}
     logged = [e["replica_id"] for e in logs if e["event"] == "replica_credential_refused"]
-    assert logged[:2] == ["ar-0", "made-up-0"] and len(logged) == MAX_REFUSAL_LOG_IDS
-    assert len(interceptor._refusal_logged) == MAX_REFUSAL_LOG_IDS
+    assert logged[:2] == ["ar-0", "dit-0"] and len(logged) == MAX_REFUSAL_LOGS_PER_WINDOW
     assert logs[0]["method"] == "Heartbeat" and "`kvrelay token ar-0`" in logs[0]["fix"]
+    # An id that authenticates again is dropped; a minute on, a refused one is logged again.
+    refusals.authenticated("dit-511")
+    assert "dit-511" not in {r.replica_id for r in refusals.snapshot()}
+    now[0] += 61.0
+    with capture_logs() as logs:
+        refusals.refused("dit-510", heartbeat, "UNAUTHENTICATED", "x")
+    assert [e["replica_id"] for e in logs] == ["dit-510"]
 
 
 class _Broker:
@@ -116,10 +136,12 @@ class _Broker:
         self.core = BrokerCore(self.journal, lease_seconds=600.0, drain_quiet_seconds=0.05)
         creds = Credentials(operator_token="op", bound_replica_tokens=True, replica_secret=secret,
                             rate_limit_per_second=0.0)  # fmt: skip
+        refusals = CredentialRefusals()  # as broker/main.py shares it
+        servicer = BrokerServicer(self.core, 5.0, credential_refusals=refusals)
         self.server = GrpcServer(
             name="broker", host="127.0.0.1", port=self.port, credentials=creds, checks=broker_checks(self.core),
-            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(self.core, 5.0),
-                            "kvrelay.v1.BrokerService")],
+            registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, servicer, "kvrelay.v1.BrokerService")],
+            credential_refusals=refusals,
         )  # fmt: skip
         await self.server.start()
         self.port = self.server.bound_port
@@ -204,12 +226,34 @@ def test_ar_and_dit_replicas_show_a_rotated_secret_and_recover_when_the_broker_t
                 unexplained = [e for e in logs if e["event"] in ("heartbeat_failed", "reregistration_failed")
                                and "UNAUTHENTICATED" in str(e)]  # fmt: skip
                 assert unexplained == []
+                # `kvrelay status` (ListReplicas, the SDK) lists both, with what to do.
+                async with AsyncKvRelayClient(address, token="op") as operator:
+                    listed = (await operator.get_replica_registry()).credential_refusals
+                assert [(r.replica_id, r.reason, r.method) for r in listed] == [
+                    ("ar-0", "REPLICA_TOKEN_MISMATCH", "Heartbeat"), ("dit-0", "REPLICA_TOKEN_MISMATCH", "Heartbeat")]
+                assert all(r.refusals >= 5 and r.first_refusal_time and r.last_refusal_time for r in listed)
+                table = refusals_table(listed, datetime.datetime.now(datetime.UTC))
+                assert "ar-0" in table and "dit-0" in table and "`kvrelay token ID`" in table
+                # ar-0 restarted with its new token (`kvrelay token ar-0`): no longer listed.
+                async with make_channel(address, ChannelSecurity(token=replica_token_for(NEW, "ar-0"),
+                                                                 replica_id="ar-0")) as fixed:  # fmt: skip
+                    try:
+                        await broker_pb2_grpc.BrokerServiceStub(fixed).Heartbeat(
+                            broker_pb2.HeartbeatRequest(replica_id="ar-0", incarnation_id="inc-1"), timeout=10)
+                    except grpc.aio.AioRpcError as err:  # authenticated; "register again" is the broker's
+                        assert err.code() == grpc.StatusCode.NOT_FOUND, err
+                async with AsyncKvRelayClient(address, token="op") as operator:
+                    listed = (await operator.get_replica_registry()).credential_refusals
+                assert [r.replica_id for r in listed] == ["dit-0"]
                 # Given its old secret back, the broker takes both again at once.
                 await broker.stop()
                 await broker.start(OLD)
                 await settled("ar-0", [True, False])
                 await settled("dit-0", [True, False])
             assert stopped == []
+            # ...and lists none once they authenticated again.
+            async with AsyncKvRelayClient(address, token="op") as operator:
+                assert (await operator.get_replica_registry()).credential_refusals == []
         finally:
             ar.stop()
             if beats is not None:
