@@ -79,6 +79,12 @@ def run_on_own_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
     return future
 
 
+def _say(line: str) -> None:
+    """The one line of a stop on stderr, if it can still be written (a closed terminal: not)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
 class StopRequested(Exception):
     """A stop was requested while the process waited at start-up; `signal_name` says which."""
 
@@ -135,10 +141,13 @@ class ProcessStop:
                 log.info("stop_already_requested", signal=signal_name, phase=self.phase)
             return
         self.signal_name = signal_name
-        log.info("stop_requested", signal=signal_name, phase=self.phase)
-        print(f"kvrelay {self.role}: {signal_name}: stopping ({self.phase})", file=sys.stderr, flush=True)
+        # The stop first, its line after: on a terminal that went away (a dropped SSH session)
+        # the print fails (EIO), and raised here it swallowed the stop: the process ignored every
+        # SIGHUP and SIGTERM from then on (tests/foundation/test_stop_without_a_terminal.py).
         self.thread_event.set()
         self.event.set()
+        log.info("stop_requested", signal=signal_name, phase=self.phase)
+        _say(f"kvrelay {self.role}: {signal_name}: stopping ({self.phase})")
 
     def request_fast(self, signal_name: str) -> None:
         """A second signal: cut the graceful stop (idempotent; implies the first request)."""
@@ -148,10 +157,10 @@ class ProcessStop:
             self.signal_name = signal_name
             self.thread_event.set()
             self.event.set()
-        log.warning("fast_stop_requested", signal=signal_name, phase=self.phase)
-        print(f"kvrelay {self.role}: {signal_name} again: fast stop ({self.phase}): cutting in-flight work, "
-              f"exit {EXIT_FAST_STOP}", file=sys.stderr, flush=True)
         self.fast_event.set()
+        log.warning("fast_stop_requested", signal=signal_name, phase=self.phase)
+        _say(f"kvrelay {self.role}: {signal_name} again: fast stop ({self.phase}): cutting in-flight work, "
+             f"exit {EXIT_FAST_STOP}")
         callbacks, self._on_fast = self._on_fast, []
         for callback in callbacks:
             self._run_fast_callback(callback)

@@ -22,6 +22,7 @@ It must never import a service package or torch: children are started as `python
 from __future__ import annotations
 
 import argparse
+import contextlib
 import contextvars
 import ctypes
 import json
@@ -1012,10 +1013,13 @@ def _run_up(
             if signum in FAST_STOP_SIGNALS and not node.hurried:
                 name = signal.Signals(signum).name
                 log.warning("fast_stop_requested", signal=name)
-                print(f"kvrelay up: {name} again: fast stop: forwarding it to every process, "
-                      f"{FAST_GRACE_SECONDS:g} s each before SIGKILL, exit {EXIT_FAST_STOP}",
-                      file=sys.stderr, flush=True)
                 node.hurry()
+                # After the act: on a closed terminal the line fails (EIO), and raised in this
+                # handler it would break off whatever the main thread was doing (the stop).
+                with contextlib.suppress(OSError, ValueError):
+                    print(f"kvrelay up: {name} again: fast stop: forwarding it to every process, "
+                          f"{FAST_GRACE_SECONDS:g} s each before SIGKILL, exit {EXIT_FAST_STOP}",
+                          file=sys.stderr, flush=True)
             return
         stopping = True
         raise _StopRequested(signum)
@@ -1095,7 +1099,8 @@ def _supervise_until_stopped(
         return 1
     except _StopRequested as request:
         log.info("stop_requested", signal=signal.Signals(request.signum).name)
-        print(f"kvrelay up: {signal.Signals(request.signum).name}: stopping", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):  # a terminal that went away (SIGHUP) takes no line
+            print(f"kvrelay up: {signal.Signals(request.signum).name}: stopping", file=sys.stderr, flush=True)
         # Stopped on request once up: a clean exit. Interrupted while starting: 130, like Ctrl-C.
         return 0 if up else 130
     finally:
