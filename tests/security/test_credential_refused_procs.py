@@ -1,5 +1,5 @@
-"""The real processes: a `kvrelay ar` whose broker restarts with a rotated replica secret turns its
-gRPC health NOT_SERVING and `kvrelay_ar_credential_refused` 1 (what a readiness probe,
+"""The real processes: a `kvrelay ar` or `kvrelay dit` whose broker restarts with a rotated
+replica secret turns its gRPC health NOT_SERVING and `kvrelay_{ar,dit}_credential_refused` 1 (what a readiness probe,
 `kvrelay health` and a scrape see), keeps running, and is SERVING with the gauge 0 again once a
 broker with its secret takes it. Before, it logged `heartbeat_failed` every heartbeat forever and
 looked healthy."""
@@ -36,13 +36,13 @@ def _health(address: str) -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def _gauge(metrics_port: int) -> float:
+def _gauge(role: str, metrics_port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
     for line in text.splitlines():
-        if line.startswith("kvrelay_ar_credential_refused "):
+        if line.startswith(f"kvrelay_{role}_credential_refused "):
             return float(line.split()[1])
-    raise AssertionError("kvrelay_ar_credential_refused not served")
+    raise AssertionError(f"kvrelay_{role}_credential_refused not served")
 
 
 def _until(what: str, check: object, proc: ServiceProcess, timeout: float = 60.0) -> None:
@@ -55,7 +55,8 @@ def _until(what: str, check: object, proc: ServiceProcess, timeout: float = 60.0
     raise AssertionError(f"{what} within {timeout} s:\n{proc.output()}")
 
 
-def test_a_replica_refused_after_a_rotation_is_not_ready_until_a_broker_takes_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("role", ["ar", "dit"])
+def test_a_replica_refused_after_a_rotation_is_not_ready_until_a_broker_takes_it(role: str, tmp_path: Path) -> None:
     data = yaml.safe_load((REPO / "tests/configs/test-fast.yaml").read_text())
     data["security"] = {"replica_tokens": "bound"}
     data["stages"][0]["kv_transfer_config"] = None
@@ -72,29 +73,30 @@ def test_a_replica_refused_after_a_rotation_is_not_ready_until_a_broker_takes_it
     processes: list[ServiceProcess] = []
     try:
         processes.append(broker(OLD))
-        ar = start_service(
-            ["ar", "--config", str(config), "--port", "0", "--metrics-port", str(metrics_port),
+        name = f"{role}-0"
+        replica = start_service(
+            [role, "--config", str(config), "--port", "0", "--metrics-port", str(metrics_port),
              "--broker", f"127.0.0.1:{port}"],
-            cwd=tmp_path, env={**blank, "KVRELAY_REPLICA_TOKEN": replica_token_for(OLD, "ar-0")}, timeout=120,
+            cwd=tmp_path, env={**blank, "KVRELAY_REPLICA_TOKEN": replica_token_for(OLD, name)}, timeout=120,
         )  # fmt: skip
-        processes.append(ar)
-        _until("ar-0 SERVING", lambda: _health(ar.address) == "SERVING", ar, timeout=120)
-        assert _gauge(metrics_port) == 0.0
-        # The rotation: the broker restarts with a new secret; ar-0 still holds its old token.
+        processes.append(replica)
+        _until(f"{name} SERVING", lambda: _health(replica.address) == "SERVING", replica, timeout=120)
+        assert _gauge(role, metrics_port) == 0.0
+        # The rotation: the broker restarts with a new secret; the replica still holds its old token.
         assert processes.pop(0).stop() == 0
         processes.append(broker(NEW))
-        _until("ar-0 NOT_SERVING", lambda: _health(ar.address) == "NOT_SERVING", ar)
-        assert _gauge(metrics_port) == 1.0
-        refusals = "".join(ar.lines).count('"broker_refuses_credential"')
-        assert refusals == 1, ar.output()
-        assert "kvrelay token ar-0" in ar.output()
-        # The broker given its old secret back (or ar-0 its new token): taken again, ready again.
+        _until(f"{name} NOT_SERVING", lambda: _health(replica.address) == "NOT_SERVING", replica)
+        assert _gauge(role, metrics_port) == 1.0
+        refusals = "".join(replica.lines).count('"broker_refuses_credential"')
+        assert refusals == 1, replica.output()
+        assert f"kvrelay token {name}" in replica.output()
+        # The broker given its old secret back: taken again, ready again.
         assert processes.pop().stop() == 0
         processes.append(broker(OLD))
-        _until("ar-0 SERVING again", lambda: _health(ar.address) == "SERVING", ar)
-        assert _gauge(metrics_port) == 0.0
-        processes.remove(ar)
-        assert ar.stop(timeout=30) == 0, ar.output()  # a clean stop: never fail-stopped
+        _until(f"{name} SERVING again", lambda: _health(replica.address) == "SERVING", replica)
+        assert _gauge(role, metrics_port) == 0.0
+        processes.remove(replica)
+        assert replica.stop(timeout=30) == 0, replica.output()  # a clean stop: never fail-stopped
     finally:
         for proc in processes:
             proc.stop()
