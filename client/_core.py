@@ -474,6 +474,27 @@ def stream_dropped_error(error: KvRelayError, request_id: str | None) -> KvRelay
     )
 
 
+def stream_cancelled_error(request_id: str | None, *, reattachable: bool) -> KvRelayError:
+    """The Generate call was cancelled with an earlier reader's task (asyncio.wait_for,
+    asyncio.timeout or Task.cancel around result() or events()): grpc.aio cancels a call whose
+    read() is cancelled. The broker keeps a `request_id` generation for the re-attach window
+    (retryable: the SDK re-attaches) and cancels one without at once (not retryable)."""
+    if reattachable:
+        return KvRelayError(
+            "UNAVAILABLE", "STREAM_CANCELLED",
+            "the Generate stream was cancelled with the task that read it (asyncio.wait_for, asyncio.timeout "
+            "or Task.cancel around result() or events()); re-attaching by request_id",
+            request_id=request_id,
+        )  # fmt: skip
+    return KvRelayError(
+        "CANCELLED", "STREAM_CANCELLED",
+        "the Generate stream was cancelled with the task that read it (asyncio.wait_for, asyncio.timeout or "
+        "Task.cancel around result() or events()), and without a request_id the broker cancels a generation "
+        "whose stream drops: pass request_id= to generate() to wait for it again after such a timeout",
+        request_id=request_id,
+    )  # fmt: skip
+
+
 def enum_values(states: Iterable[IntEnum] | None, kind: str) -> Any:
     """Public IntEnums as the proto's enum numbers (the values are the same by construction).
     One state or a str instead of an iterable of them is the caller's TypeError (a str was read
@@ -557,6 +578,11 @@ class GenerationCore:
         # A stopping broker's FAILED / BROKER_SHUTTING_DOWN, held back from the caller: the
         # stream's end is then that error, re-attached as a broken stream is.
         self._broker_stopping: KvRelayError | None = None
+
+    @property
+    def reattachable(self) -> bool:
+        """Whether a broken stream is re-attached (the request carries a request_id)."""
+        return self._reattach_enabled
 
     @property
     def done(self) -> bool:

@@ -328,9 +328,14 @@ class AsyncGenerationHandle(_core.HandleBase):
                 if _task_is_cancelling():
                     raise
                 if not core.cancel_requested:
-                    if not self._client._closed:
-                        raise
-                    error = _core.client_closed_error(core.request_id)
+                    if self._client._closed:
+                        error = _core.client_closed_error(core.request_id)
+                    else:
+                        # An earlier reader's task was cancelled while it read (a timeout around
+                        # result()), and grpc.aio cancelled the call with it: a dropped stream,
+                        # not a cancellation of this task (found black-box: the next result()
+                        # raised a bare CancelledError, also with a request_id to re-attach by).
+                        error = _core.stream_cancelled_error(core.request_id, reattachable=core.reattachable)
             decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
             if isinstance(decision, _core.Wait):
                 await asyncio.sleep(decision.seconds)

@@ -286,3 +286,39 @@ def test_async_client_closed_before_any_use_opens_no_channel() -> None:
         asyncio.run(client.get_generation("x"))
     assert closed.value.reason == "CLIENT_CLOSED"
     assert client._channel is None
+
+
+def test_a_timeout_around_result_leaves_the_handle_usable(server: ServerThread, harness: Harness) -> None:
+    """asyncio.wait_for / asyncio.timeout around result() or events() cancel the reading task, and
+    grpc.aio cancels the Generate call with it. Found black-box: the next result() raised a bare
+    asyncio.CancelledError (from a task nobody cancelled), also with a request_id the broker was
+    keeping the generation for. Now, with a request_id, it re-attaches and returns the image;
+    without one (the broker cancels the generation when its stream drops) it raises KvRelayError
+    CANCELLED / STREAM_CANCELLED saying so."""
+    harness.step_delay = 0.05
+
+    async def body(client: AsyncKvRelayClient) -> tuple[Any, list[Any], KvRelayError, str]:
+        kept = await client.generate("kept", width=64, height=64, num_inference_steps=20, request_id="wf-1")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(kept.result(), 0.3)
+        result = await kept.result()
+        followed = await client.generate("followed", width=64, height=64, num_inference_steps=20, request_id="wf-2")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                async for _ in followed.events():
+                    pass
+        rest = [event.state async for event in followed.events()]
+        dropped = await client.generate("dropped", width=64, height=64, num_inference_steps=20)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(dropped.result(), 0.3)
+        with pytest.raises(KvRelayError) as info:
+            await dropped.result()
+        return result, rest, info.value, dropped.request_id or ""
+
+    result, rest, error, dropped_id = run(server.address, body)
+    assert result.request_id == "wf-1" and result.png
+    assert rest[-1] == S.SUCCEEDED and S.DENOISING in rest
+    assert harness.calls["Generate"] == 2 + 2 + 1  # each request_id stream re-attached once; no re-attach without
+    assert (error.code, error.reason) == ("CANCELLED", "STREAM_CANCELLED"), error
+    assert "request_id" in error.message
+    assert server.wait_for_state(dropped_id, PB.GENERATION_STATE_CANCELLED).state == PB.GENERATION_STATE_CANCELLED
