@@ -120,8 +120,8 @@ def _target(text: str) -> str:
     return text
 
 
-def _add_client_tls_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-ca", default=None, help="PEM roots of a TLS broker (default: $KVRELAY_TLS_CA)")
+def _add_client_tls_args(p: argparse.ArgumentParser, peer: str = "broker") -> None:
+    p.add_argument("--tls-ca", default=None, help=f"PEM roots of a TLS {peer} (default: $KVRELAY_TLS_CA)")
     p.add_argument("--tls-cert", default=None, help="client certificate for mutual TLS (default: $KVRELAY_TLS_CERT)")
     p.add_argument("--tls-key", default=None, help="client key for mutual TLS (default: $KVRELAY_TLS_KEY)")
 
@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="grpc.health.v1 service name (default: the whole process)")
     p.add_argument("--timeout", type=_positive_float, default=3.0,
                    help="seconds to wait for the answer (default: %(default)s)")
-    _add_client_tls_args(p)
+    _add_client_tls_args(p, peer="process (broker, AR or DiT)")
 
     p = sub.add_parser("list", help="list generations, newest first")
     p.add_argument("--state", action="append", default=None,
