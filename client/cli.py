@@ -431,6 +431,12 @@ def run_generate(args: argparse.Namespace) -> int:
         except KvRelayError as err:
             progress.close()
             _print_error("generate", err, stderr, tls=bool(_tls(args)), target=_target(args), sent=_sent_token("generate", args))
+            last = handle.last_event if handle is not None else None
+            if err.retryable and last is not None and last.state is GenerationState.FAILED:
+                # "the generation can be retried" (the broker's words) did not say that this
+                # command's --request-id would attach to the FAILED one again.
+                again = " with another --request-id (this one stays FAILED)" if getattr(args, "request_id", None) else ""
+                print(f"  hint: retryable: run the command again{again}", file=stderr)
             if err.code == "DEADLINE_EXCEEDED" and err.reason == "DEADLINE_EXCEEDED":
                 # The command's own deadline ("Deadline Exceeded" alone did not say whose).
                 timeout = getattr(args, "timeout", None)

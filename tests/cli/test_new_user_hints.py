@@ -285,3 +285,32 @@ def test_a_missing_or_wrong_token_says_which_token_and_where_from(
     _clean_env(monkeypatch, KVRELAY_OPERATOR_TOKEN="op-secret")
     assert main(["status", "--target", secured_broker]) == 0
     assert "hint" not in capsys.readouterr().err
+
+
+# --- a generation that failed on the way and may be retried --------------------------------------
+
+
+@pytest.mark.parametrize("request_id", [None, "mine-1"])
+def test_a_retryable_failed_generation_says_how_to_retry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], request_id: str | None
+) -> None:
+    # A DiT killed under a generation: FAILED UNAVAILABLE (REPLICA_UNAVAILABLE), "can be retried";
+    # re-running with the same --request-id attaches to the FAILED generation and fails again.
+    from tests.client.harness import Harness, ServerThread
+
+    def generate(prompt: str, rid: str | None) -> list[str]:
+        argv = ["generate", prompt, "-q", "-o", str(tmp_path / "x.png"), "--target", server.address]
+        assert main([*argv, *(["--request-id", rid] if rid else [])]) == 1
+        return capsys.readouterr().err.splitlines()
+
+    server = ServerThread(Harness()).start()
+    try:
+        failed = generate("fail:UNAVAILABLE/REPLICA_UNAVAILABLE", request_id)
+        # A failure that is not retryable gets no such hint.
+        other = generate("fail:TRANSFER_TIMEOUT", f"{request_id}-2" if request_id else None)
+    finally:
+        server.stop()
+    assert failed[0].startswith("kvrelay generate: UNAVAILABLE (REPLICA_UNAVAILABLE): "), failed
+    again = " with another --request-id (this one stays FAILED)" if request_id else ""
+    assert failed[-1] == f"  hint: retryable: run the command again{again}"
+    assert other[0].startswith("kvrelay generate: DEADLINE_EXCEEDED (TRANSFER_TIMEOUT): ") and "retryable" not in "".join(other)
