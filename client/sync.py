@@ -48,7 +48,7 @@ class KvRelayClient(_core.ClientBase):
             result.save("fox.png")
 
     Args:
-        target: the broker's ``host:port``.
+        target: the broker's ``host:port`` (default ``127.0.0.1:50051``; a host alone gets port 50051).
         token: bearer token for a broker that requires one (its api token, or the operator
             token for status reads; docs/operations.md, Security).
         tls: use TLS (system roots unless ``root_certificates`` is given).
