@@ -96,8 +96,8 @@ class BrokerCredentialWatch:
                 fix=credential_fix(self.replica_id, reason),
                 consequence="the broker routes nothing to this replica until it takes its credential",
             )
-        if first and self._on_change is not None:
-            await self._on_change(True)
+        if first:
+            await self._changed(True)
         return True
 
     async def accepted(self) -> None:
@@ -112,8 +112,15 @@ class BrokerCredentialWatch:
         )
         self._since = None
         self.refusals = 0
-        if self._on_change is not None:
-            await self._on_change(False)
+        await self._changed(False)
+
+    async def _changed(self, refused: bool) -> None:
+        if self._on_change is None:
+            return
+        try:
+            await self._on_change(refused)
+        except Exception:  # noqa: BLE001 - the gauge or health failing must not end the heartbeats
+            log.exception("credential_state_not_shown", replica_id=self.replica_id, refused=refused)
 
 
 def credential_refused_gauge(role: str, registry: Any) -> Any:

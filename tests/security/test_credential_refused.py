@@ -122,6 +122,22 @@ def test_a_server_logs_a_refused_replica_once_per_id_and_keeps_a_bounded_record(
     assert [e["replica_id"] for e in logs] == ["dit-510"]
 
 
+def test_a_failing_on_change_never_ends_the_heartbeats() -> None:
+    async def body() -> None:
+        async def broken(refused: bool) -> None:
+            raise RuntimeError("health servicer gone")
+
+        watch = BrokerCredentialWatch("ar-0", on_change=broken)
+        mismatch = _error(grpc.StatusCode.UNAUTHENTICATED, "REPLICA_TOKEN_MISMATCH", "no")
+        with capture_logs() as logs:
+            assert await watch.answered("Heartbeat", mismatch)
+            await watch.accepted()
+        assert [e["event"] for e in logs if e["event"] == "credential_state_not_shown"] == ["credential_state_not_shown"] * 2
+        assert not watch.refused
+
+    asyncio.run(body())
+
+
 class _Broker:
     """A real broker over loopback with bound replica tokens under `secret`; `restart` stops it and
     starts another with a new secret on the same port and journal (a rotation)."""
