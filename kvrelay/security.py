@@ -393,15 +393,16 @@ def _usable_secret(value: str, key: str, where: str) -> str:
     return value
 
 
-def _read_pem(path: str, key: str) -> bytes:
+def _read_pem(path: str, where: str) -> bytes:
+    """A PEM file named by `where` (the config key, or the client flag)."""
     try:
         data = read_bounded_file(path, MAX_PEM_FILE_BYTES, "PEM file")
     except FileRefused as err:
-        raise SecurityError(f"security.tls.{key}: {path}: {err}") from None
+        raise SecurityError(f"{where}: {path}: {err}") from None
     except OSError as err:
-        raise SecurityError(f"security.tls.{key}: cannot read {path}: {err.strerror}") from None
+        raise SecurityError(f"{where}: cannot read {path}: {err.strerror}") from None
     if b"-----BEGIN" not in data:
-        raise SecurityError(f"security.tls.{key}: {path} is not PEM")
+        raise SecurityError(f"{where}: {path} is not PEM")
     return data
 
 
@@ -414,9 +415,9 @@ def client_tls_from_files(ca: str | None, cert: str | None = None, key: str | No
     if bool(cert) != bool(key):
         raise SecurityError("--tls-cert and --tls-key go together (mutual TLS)")
     return TlsMaterial(
-        cert_chain=_read_pem(cert, "cert_file") if cert else None,
-        private_key=_read_pem(key, "key_file") if key else None,
-        root_certificates=_read_pem(ca, "ca_file"),
+        cert_chain=_read_pem(cert, "--tls-cert") if cert else None,
+        private_key=_read_pem(key, "--tls-key") if key else None,
+        root_certificates=_read_pem(ca, "--tls-ca"),
     )
 
 
@@ -427,9 +428,9 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
     tls = None
     if cfg.tls is not None:
         tls = TlsMaterial(
-            cert_chain=_read_pem(cfg.tls.cert_file.replace("{name}", name), "cert_file"),
-            private_key=_read_pem(cfg.tls.key_file.replace("{name}", name), "key_file"),
-            root_certificates=_read_pem(cfg.tls.ca_file, "ca_file"),
+            cert_chain=_read_pem(cfg.tls.cert_file.replace("{name}", name), "security.tls.cert_file"),
+            private_key=_read_pem(cfg.tls.key_file.replace("{name}", name), "security.tls.key_file"),
+            root_certificates=_read_pem(cfg.tls.ca_file, "security.tls.ca_file"),
             require_client_cert=cfg.tls.require_client_cert,
             server_name=cfg.tls.server_name,
             operator_names=tuple(cfg.tls.operator_names),

@@ -213,9 +213,12 @@ def test_load_credentials_refuses_oversized_or_special_files_naming_the_key(
             load_credentials(SecurityConfig.model_validate({"tls": tls}))
         assert str(err.value) == (f"security.tls.{key}: {big_pem}: {MAX_PEM_FILE_BYTES + 1} bytes: "
                                   "more than a PEM file may be (4 MiB)")  # fmt: skip
-    # `kvrelay health`'s --tls-* files (client_tls_from_files) go the same way.
-    with pytest.raises(SecurityError, match=r"^security.tls.ca_file: /dev/null: not a regular file"):
+    # `kvrelay health`'s --tls-* files (client_tls_from_files) go the same way, named by flag
+    # (before: security.tls.ca_file, a config key the command line never set).
+    with pytest.raises(SecurityError, match=r"^--tls-ca: /dev/null: not a regular file"):
         client_tls_from_files("/dev/null")
+    with pytest.raises(SecurityError, match=rf"^--tls-cert: {big_pem}: {MAX_PEM_FILE_BYTES + 1} bytes"):
+        client_tls_from_files(str(pem), str(big_pem), str(pem))
     assert client_tls_from_files(str(pem)) is not None
 
 
