@@ -109,10 +109,18 @@ def doc_blocks() -> list[Block]:
     return found
 
 
-def sdk_docstring_blocks() -> list[Block]:
+def sdk_docstring_blocks(*, fragments: bool = False) -> list[Block]:
     """The examples in the SDK's docstrings (`client/*.py`: its module, classes and methods): an
     indented block that starts with an import, as `help(KvRelayClient)` shows them. They were
-    never run: a renamed method would have left `help()` teaching code that fails."""
+    never run: a renamed method would have left `help()` teaching code that fails. `fragments`:
+    the blocks after a `::` line that do not import (`with client.generate(...) as handle:`),
+    which need a client to run and are only parsed."""
+    if fragments:
+        return [b for b in _docstring_blocks(r"::\n\n((?: {4}.*\n|\n)+)") if not re.match(r"(from|import) ", b.body)]
+    return _docstring_blocks(r"(?:^|\n)\n((?: {4}(?:from|import) .*\n)(?:(?: {4}.*)?\n)*)")
+
+
+def _docstring_blocks(pattern: str) -> list[Block]:
     found = []
     for path in sorted((REPO / "client").glob("*.py")):
         tree = ast.parse(path.read_text())
@@ -122,7 +130,7 @@ def sdk_docstring_blocks() -> list[Block]:
             if doc is None:
                 continue
             start = node.body[0].lineno  # the docstring's first line
-            for match in re.finditer(r"(?:^|\n)\n((?: {4}(?:from|import) .*\n)(?:(?: {4}.*)?\n)*)", doc + "\n"):
+            for match in re.finditer(pattern, doc + "\n"):
                 body = textwrap.dedent(match.group(1)).strip("\n") + "\n"
                 line = start + doc[: match.start(1)].count("\n")
                 found.append(Block(str(path.relative_to(REPO)), line, "python", body))
@@ -157,6 +165,10 @@ def test_the_sdks_docstring_examples_are_found_and_parse() -> None:
         import kvrelay.client
 
         assert imported and imported <= set(kvrelay.client.__all__), f"{block}: {imported}"
+    fragments = sdk_docstring_blocks(fragments=True)
+    assert any(b.file == "client/sync.py" for b in fragments), fragments  # GenerationHandle's
+    for block in fragments:
+        ast.parse(block.body, filename=str(block))
 
 
 def test_links_between_docs_resolve() -> None:
