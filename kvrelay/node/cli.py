@@ -379,3 +379,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, value in sorted(err.details.items()):
             print(f"  {key}: {value}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    # `python -m kvrelay.node.cli` (the console script's own module) ran nothing and exited 0.
+    raise SystemExit(main())

@@ -314,3 +314,11 @@ def test_a_retryable_failed_generation_says_how_to_retry(
     again = " with another --request-id (this one stays FAILED)" if request_id else ""
     assert failed[-1] == f"  hint: retryable: run the command again{again}"
     assert other[0].startswith("kvrelay generate: DEADLINE_EXCEEDED (TRANSFER_TIMEOUT): ") and "retryable" not in "".join(other)
+
+
+@pytest.mark.parametrize("module", ["kvrelay", "kvrelay.node.cli"])
+def test_python_dash_m_runs_the_cli(module: str) -> None:
+    # `python -m kvrelay.node.cli` (what the `kvrelay` console script calls) ran nothing, exit 0.
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60,
+                          cwd=REPO)  # fmt: skip
+    assert (done.returncode, done.stdout.strip()) == (0, f"kvrelay {__import__('kvrelay').__version__}")
