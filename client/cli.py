@@ -158,11 +158,14 @@ def _print_error(
     sent: str | None = None,
 ) -> None:
     reason = f" ({err.reason})" if err.reason and err.reason != err.code else ""
-    print(f"kvrelay {command}: {err.code}{reason}: {err.message}", file=stream)
+    # The message and details are the server's words, and a replica's it relays: terminal
+    # controls in them are escaped as in the tables (a DiT's failure message with ESC ] 0 ; ... BEL
+    # would retitle the user's terminal; found red-teaming the CLI).
+    print(f"kvrelay {command}: {err.code}{_printable(reason)}: {_printable(err.message)}", file=stream)
     for key, value in sorted(err.details.items()):
         if key == "request_id" and value == err.request_id:
             continue  # printed below (REQUEST_ID_REUSED carried it twice)
-        print(f"  {key}: {_shown_id(value) if key == 'request_id' else value}", file=stream)
+        print(f"  {_printable(key)}: {_shown_id(value) if key == 'request_id' else _printable(value)}", file=stream)
     if err.request_id:
         print(f"  request_id: {_shown_id(err.request_id)}", file=stream)
     flag = _GENERATE_FLAGS.get(err.details.get("field", "")) if command == "generate" else None

@@ -165,12 +165,14 @@ class Harness(generation_pb2_grpc.GenerationServiceServicer, broker_pb2_grpc.Bro
             await self._emit(gen, S.GENERATION_STATE_TRANSFERRING)
             await asyncio.sleep(self.step_delay)
             if p.prompt.startswith("fail:"):
-                # "fail:REASON" (DEADLINE_EXCEEDED) or "fail:CODE/REASON".
-                code, _, reason = p.prompt[5:].rpartition("/")
+                # "fail:REASON" (DEADLINE_EXCEEDED) or "fail:CODE/REASON", then optionally
+                # "|MESSAGE" (what a replica or a rogue server said).
+                spec, _, message = p.prompt[5:].partition("|")
+                code, _, reason = spec.rpartition("/")
                 error = common_pb2.ErrorStatus(
                     code=code or "DEADLINE_EXCEEDED",
                     reason=reason,
-                    message="injected failure while transferring",
+                    message=message or "injected failure while transferring",
                 )
                 await self._emit(gen, S.GENERATION_STATE_FAILED, error=error)
                 return

@@ -90,6 +90,20 @@ def test_generate_errors_print_code_reason_message_and_exit_1(
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
+def test_an_error_message_with_terminal_controls_is_printed_escaped(
+    server: ServerThread, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error line carries the server's words and a replica's it relays: ESC ] 0 ; ... BEL in a
+    failure message would retitle the terminal, ESC [ 2 J clear it (found red-teaming; the tables
+    escaped them already)."""
+    prompt = "fail:TRANSFER_FAILED|rank 0: \x1b]0;pwned\x07\x1b[2Jgone\u202e"
+    output = tmp_path / "out.png"
+    assert run_generate(generate_args(server.address, output, prompt=prompt, quiet=True)) == 1
+    err = capsys.readouterr().err
+    assert "DEADLINE_EXCEEDED (TRANSFER_FAILED): rank 0: \\x1b]0;pwned\\x07\\x1b[2Jgone\\u202e" in err, err
+    assert all(c.isprintable() or c == "\n" for c in err), repr(err)
+
+
 def interrupt_when_denoising(server: ServerThread, prefix: list[str], request_id: str, output: str) -> tuple[int, str]:
     """Run ``prefix + generate ...`` (500 slow steps), Ctrl-C it once the server denoises, and
     return its exit code and its stdout + stderr."""
