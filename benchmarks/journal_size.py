@@ -8,9 +8,9 @@ Run in a checkout without broker/compaction.py (e.g. `git archive 9ce9ff3`) for 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
-import sys
 import tempfile
 import time
 
@@ -19,8 +19,11 @@ from kvrelay.broker.journal import Journal
 
 
 def main() -> None:
-    n = int(sys.argv[1])
-    png = int(sys.argv[2]) if len(sys.argv) > 2 else 80_000
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("n", type=int, help="finished generations to write")
+    parser.add_argument("png_bytes", type=int, nargs="?", default=80_000, help="PNG bytes each (default: %(default)s)")
+    args = parser.parse_args()
+    n, png = args.n, args.png_bytes
     path = os.path.join(tempfile.mkdtemp(), "broker.sqlite")
     mono, wall = [0.0], [1e6]
     journal = Journal(path, "FULL")

@@ -6,15 +6,23 @@ prints the broker's RSS before, while the calls are held, and after the socket i
 REQUEST_ID names a finished generation (with a large image: e.g. 2048x2048) on a node started
 without credentials on loopback (`kvrelay up`, tiny preset); BROKER_PID is its broker process.
 """
+import argparse
 import socket
 import struct
-import sys
 import time
 
 from kvrelay.v1 import generation_pb2
 
-host, port, rid, n, bpid = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-method = sys.argv[6] if len(sys.argv) > 6 else "GetGeneration"
+_parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_parser.add_argument("host", help="the broker's host")
+_parser.add_argument("port", type=int, help="the broker's gRPC port")
+_parser.add_argument("request_id", help="a finished generation with a large image")
+_parser.add_argument("n", type=int, help="calls to hold open unread")
+_parser.add_argument("broker_pid", type=int, help="the broker process, whose RSS is printed")
+_parser.add_argument("method", nargs="?", default="GetGeneration", choices=["GetGeneration", "Generate"],
+                     help="the RPC (default: %(default)s)")
+_args = _parser.parse_args()
+host, port, rid, n, bpid, method = _args.host, _args.port, _args.request_id, _args.n, _args.broker_pid, _args.method
 
 def rss(pid):
     with open(f"/proc/{pid}/status") as f:

@@ -246,6 +246,23 @@ def test_every_kvrelay_command_in_the_docs_is_a_real_subcommand_with_real_flags(
     assert wrong == []
 
 
+def _benchmark_scripts() -> list[str]:
+    text = "".join(p.read_text() for p in [*DOC_FILES, REPO / "benchmarks" / "README.md"])
+    return sorted(set(re.findall(r"\bbenchmarks/[\w/]+\.py\b", text)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", _benchmark_scripts())
+def test_every_benchmark_script_the_docs_name_answers_help(script: str) -> None:
+    # `python benchmarks/journal_size.py --help` was `ValueError: invalid literal for int()`, and
+    # unread_replies.py's an IndexError traceback: they read sys.argv by position.
+    assert (REPO / script).is_file(), script
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, script, "--help"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------ running
 
 
