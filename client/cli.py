@@ -366,6 +366,13 @@ def output_problem(output: str) -> str | None:
     return None
 
 
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """`kvrelay generate PROMPT -o out.png`: one image, progress on stderr, Ctrl-C cancels."""
     stdout, stderr = sys.stdout, sys.stderr
@@ -380,6 +387,10 @@ def run_generate(args: argparse.Namespace) -> int:
     quiet = bool(getattr(args, "quiet", False))
     output = getattr(args, "output", None) or "out.png"
     problem = None if output == "-" else output_problem(output)
+    if output == "-" and _is_terminal(stdout):
+        # PNG bytes on a terminal are garbage on the screen (and may set it in odd modes), as curl
+        # and gzip refuse too: checked before the generation runs.
+        problem = "-o -: stdout is a terminal; redirect it (-o - > fox.png, -o - | display) or give a file name"
     if problem is not None:
         # Before the generation, not after it: the image of a long run was lost to a typo in -o.
         print(f"kvrelay generate: {problem}", file=stderr)

@@ -322,3 +322,24 @@ def test_python_dash_m_runs_the_cli(module: str) -> None:
     done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60,
                           cwd=REPO)  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, f"kvrelay {__import__('kvrelay').__version__}")
+
+
+def test_output_dash_onto_a_terminal_is_refused_before_generating() -> None:
+    # `kvrelay generate PROMPT -o -` typed without a redirect wrote the PNG's bytes onto the screen.
+    import pty
+
+    controller, terminal = pty.openpty()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "KVRELAY_CONFIG"}
+        # Nothing listens at --target: the refusal comes before any call.
+        done = subprocess.run(
+            [sys.executable, "-m", "kvrelay", "generate", "a red circle", "-o", "-", "--target", "127.0.0.1:9"],
+            stdout=terminal, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO, env=env,
+        )  # fmt: skip
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "kvrelay generate: -o -: stdout is a terminal; redirect it (-o - > fox.png, -o - | display) or give a file name"
+    ]
