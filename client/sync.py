@@ -106,7 +106,10 @@ class KvRelayClient(_core.ClientBase):
         ``timeout`` (default 600 s) bounds the whole generation and travels with it into the
         AR and DiT stages. With a ``request_id`` the call is idempotent: a lost stream is
         re-attached, and a second ``generate`` with the same id and parameters follows the same
-        generation (``ALREADY_EXISTS`` with other parameters).
+        generation (``ALREADY_EXISTS`` with other parameters). ``seed=None`` lets the server
+        choose (the result has it). A value out of the broker's bounds (docs/api.md, Request
+        fields) raises :class:`KvRelayError` ``INVALID_ARGUMENT`` naming the field before
+        anything is sent; a value of the wrong type (``width="512"``) raises ``TypeError``.
         """
         core = _core.new_generation(
             prompt, negative_prompt, seed, width, height, num_inference_steps, guidance_scale,
