@@ -504,8 +504,11 @@ class Node:
                         pending.remove(child)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(c.spec.name for c in pending)
+                    # What to do: a model that loads for minutes (BAGEL-7B) is no failure.
                     raise SupervisorError(
-                        f"not SERVING within {self.ready_timeout:g}s: {names}" + self._log_tail(pending[0])
+                        f"not SERVING within {self.ready_timeout:g}s: {names} (still starting: loading a model, "
+                        "registering page memory? a larger --ready-timeout waits longer; their logs say where "
+                        "they are)" + self._log_tail(pending[0])
                     )
                 if pending:
                     time.sleep(_POLL_SECONDS / 2)

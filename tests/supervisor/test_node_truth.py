@@ -92,6 +92,19 @@ def test_a_child_config_error_without_a_log_dir_says_where_its_line_is(tmp_path:
     assert wait_dead(all_pids(state_dir)) == []
 
 
+def test_a_node_not_serving_in_time_says_how_to_wait_longer(tmp_path: Path, state_dir: Path) -> None:  # noqa: F811
+    # `kvrelay up --ready-timeout 1`: "not SERVING within 1s: ar-0, dit-0" and nothing more.
+    path = write_config(tmp_path, 1, 1)
+    behaviour = {"ar-0": {"serving_delay": 60}}
+    with pytest.raises(SupervisorError) as info:
+        start_node(path, command=COMMAND, env=node_env(state_dir, behaviour), ready_timeout=2)
+    assert str(info.value).startswith(
+        "not SERVING within 2s: ar-0 (still starting: loading a model, registering page memory? a larger "
+        "--ready-timeout waits longer; their logs say where they are)"
+    )
+    assert wait_dead(all_pids(state_dir)) == []
+
+
 def test_a_config_error_after_start_stops_the_node_instead_of_restarting(
     tmp_path: Path, state_dir: Path  # noqa: F811
 ) -> None:
