@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,7 +38,7 @@ from kvrelay.dit_service.engine import (
     RunDenoiseBatch,
     VerifyWrites,
 )
-from kvrelay.dit_service.fence import PageFence, Superseded
+from kvrelay.dit_service.fence import PageFence, PageKey, Superseded, page_keys
 from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
 from kvrelay.dit_service.releases import OwedReleases
@@ -51,7 +51,7 @@ from kvrelay.transfer.checksum import checksum_segments
 from kvrelay.transfer.convert import writes_from_proto
 from kvrelay.transfer.grpc_stream import PutKvRejected, apply_put_kv
 from kvrelay.transfer.layout import KvGeometry
-from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
+from kvrelay.transfer.planner import PlannedWrite, RowSpec, cfg_group, plan_transfer
 from kvrelay.transfer.transport import RegionDescriptor
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2, dit_pb2, dit_pb2_grpc
 from kvrelay.worker import WorkerCommandError, WorkerGroup, WorkerGroupError
@@ -670,7 +670,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 if isinstance(command, Loaded):
                     # Verified and final: from now on the ranks may read these pages, and no
                     # chunk lands in them (a replayed or hostile one of this very ticket included).
-                    self.fence.seal(ticket_id, ticket.sequence, (p for r in rows for p in r.page_ids))
+                    self.fence.seal(ticket_id, ticket.sequence, self._fence_keys(rows))
                     return total_bytes
                 if isinstance(command, Fail):
                     if command.budget_spent and not asked_broker:
@@ -695,7 +695,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     verifying = {row for row, _ in command.loads}
                     try:
                         self.fence.claim(ticket_id, ticket.sequence,
-                                         (p for r in rows if r.row in verifying for p in r.page_ids))
+                                         self._fence_keys(r for r in rows if r.row in verifying))
                     except Superseded as err:
                         # A later ticket holds a page: ours was released (our watch lags).
                         raise KvRelayServerError(grpc.StatusCode.ABORTED, "TICKET_ENDED",
@@ -911,6 +911,11 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             s.metrics.transfer_bytes.labels(str(rank), "grpc_received").inc(landed)
         return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
 
+    def _fence_keys(self, rows: Iterable[RowSpec]) -> list[PageKey]:
+        """The page fence's keys of the rows' pages: (CFG group, page id), page ids being per group."""
+        cfg = self.s.stage.cfg_parallel_size
+        return [key for r in rows for key in page_keys(cfg_group(r.row, cfg), r.page_ids)]
+
     def _check_fence(self, chunk: dit_pb2.PutKvRequest, ranges: Sequence[tuple[int, int]]) -> None:
         """Refuse a chunk whose pages another ticket has claimed since its own ticket did (one
         outside its row's pages is apply_put_kv's to refuse)."""
@@ -918,8 +923,10 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         if start == stop or not any(lo <= start and stop <= hi for lo, hi in ranges):
             return
         page_bytes = self.s.memory.page_bytes
+        # The chunk's row names its CFG group (its dst_rank was checked to be a rank of that group).
+        group = cfg_group(chunk.row, self.s.stage.cfg_parallel_size)
         try:
-            self.fence.check(chunk.ticket_id, range(start // page_bytes, (stop - 1) // page_bytes + 1))
+            self.fence.check(chunk.ticket_id, page_keys(group, range(start // page_bytes, (stop - 1) // page_bytes + 1)))
         except Superseded as err:
             raise _not_writable(str(err)) from None
 
@@ -951,7 +958,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 pairs = frozenset((w.src_rank, w.dst_rank) for w in ticket.writes if w.row == row)
                 ranges = self.s.memory.page_ranges(tuple(r.page_ids))
                 try:
-                    self.fence.claim(ticket_id, ticket.sequence, r.page_ids)
+                    self.fence.claim(ticket_id, ticket.sequence,
+                                     page_keys(cfg_group(r.row, self.s.stage.cfg_parallel_size), r.page_ids))
                 except Superseded as err:
                     raise _not_writable(str(err)) from None
                 return ranges, pairs

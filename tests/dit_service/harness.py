@@ -52,6 +52,7 @@ def write_config(
     drain_quiet_seconds: float = 0.2,
     lease_seconds: float = 3.0,
     quantization: str | None = None,
+    cfg_parallel: int = 1,
 ) -> Path:
     ar: dict[str, Any] = {
         "stage_id": 0, "kind": "ar", "devices": "cpu", "kv_cache_memory_bytes": 16 << 20, "port": 0,
@@ -62,6 +63,8 @@ def write_config(
         "max_num_seqs": max_num_seqs, "kv_cache_memory_bytes": kv_cache_memory_bytes, "page_size": PAGE_SIZE,
         "port": 0, "metrics_port": 0, "request_timeout_seconds": 60, "model": {"preset": preset},
     }
+    if cfg_parallel != 1:
+        dit["cfg_parallel_size"] = cfg_parallel
     if quantization is not None:
         dit["model"]["quantization"] = quantization
     if transport == "mooncake":

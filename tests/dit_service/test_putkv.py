@@ -234,6 +234,50 @@ def test_a_late_chunk_of_an_ended_ticket_never_lands_in_the_next_tickets_pages(t
     asyncio.run(scenario())
 
 
+def test_cfg_groups_page_ids_are_two_pages_to_the_fence(tmp_path: Path) -> None:
+    """CFG-parallel (2 groups): the broker keeps a page pool per group, so two live tickets may
+    hold the same page id, one in each group. Ticket B (later) writes page P of group 1, then
+    ticket A (earlier, live) writes its own page P of group 0: it lands. Before, the DiT's fence
+    keyed pages by id alone, so B's claim shut A out of its own page (TICKET_NOT_WRITABLE "page P
+    now belongs to ticket B"; with a load, TICKET_ENDED: `kvrelay bench --dit-parallel`'s CFG=2
+    layout failed a request so in CI)."""
+    config = write_config(tmp_path, transport="grpc", cfg_parallel=2)
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "grpc")
+                await writer.register()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    # A: a long row 0 (group 0), a short row 1 (group 1); B: short rows. B's row 1
+                    # then holds, in group 1, an id that A's row 0 holds in group 0.
+                    a = await writer.create_ticket([5 * 16, 16])
+                    b = await writer.create_ticket([16, 16])
+                    armed_a = await writer.arm(a.ticket_id)
+                    await writer.arm(b.ticket_id)
+                    shared = sorted(set(a.rows[0].page_ids) & set(b.rows[1].page_ids))
+                    assert shared, (list(a.rows[0].page_ids), list(b.rows[1].page_ids))
+                    page = shared[0]
+                    page_bytes = armed_a.writes[0].segments[0].length // len(a.rows[0].page_ids)
+
+                    def chunk(ticket_id: str, row: int, fill: bytes) -> dit_pb2.PutKvRequest:
+                        return dit_pb2.PutKvRequest(ticket_id=ticket_id, row=row, dst_rank=row,
+                                                    dst_offset=page * page_bytes, data=fill * 64)
+
+                    assert (await _put(stub, [chunk(b.ticket_id, 1, b"\x0b")])).bytes_received == 64
+                    assert (await _put(stub, [chunk(a.ticket_id, 0, b"\x0a")])).bytes_received == 64
+                    # B's claim stands too: A's claim of its group-0 page took nothing from B.
+                    assert (await _put(stub, [chunk(b.ticket_id, 1, b"\x0b")])).bytes_received == 64
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
 def test_a_stale_loads_claim_never_refuses_the_next_tickets_chunks(tmp_path: Path) -> None:
     """A load that is itself stale: ticket A is being loaded (its writer's checksum does not match
     the pages yet, so the load re-verifies, claiming A's pages before each look) when A is
