@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Literal, get_args
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -25,6 +26,7 @@ from pydantic import (
 from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS
 from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.limits import MAX_CONFIG_FILE_BYTES, FileRefused, read_bounded_file
+from kvrelay.suggest import did_you_mean
 from kvrelay.transfer.layout import KvGeometry, PageLayout
 from kvrelay.transfer.planner import MAX_CFG_ROWS
 
@@ -281,19 +283,22 @@ class KvTransferConfig(_Strict):
     @field_validator("kv_connector")
     @classmethod
     def _known_connector(cls, value: str) -> str:
-        if value not in NATIVE_CONNECTORS + (VLLM_CONNECTOR,):
-            raise ValueError(f"unknown kv_connector {value!r}; expected one of {NATIVE_CONNECTORS + (VLLM_CONNECTOR,)}")
+        known = NATIVE_CONNECTORS + (VLLM_CONNECTOR,)
+        if value not in known:
+            raise ValueError(f"unknown kv_connector {value!r}{did_you_mean(value, known)}; expected one of {known}")
         return value
 
     @field_validator("kv_connector_extra_config")
     @classmethod
     def _check_extra(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        allowed = set(KV_CONNECTOR_EXTRA_KEYS)
-        unknown = sorted(set(extra) - allowed)
+        allowed = sorted(KV_CONNECTOR_EXTRA_KEYS)
+        unknown = sorted(set(extra) - set(allowed))
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown}; allowed: {sorted(allowed)}")
-        if "mooncake_protocol" in extra and extra["mooncake_protocol"] not in ("tcp", "rdma"):
-            raise ValueError("mooncake_protocol must be 'tcp' or 'rdma'")
+            named = ", ".join(f"{key!r}{did_you_mean(key, allowed)}" for key in unknown)
+            raise ValueError(f"unknown key(s) {named}; allowed: {allowed}")
+        protocol = extra.get("mooncake_protocol", "tcp")
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be 'tcp' or 'rdma'{did_you_mean(protocol, ('tcp', 'rdma'))}")
         if "transfer_timeout" in extra:
             timeout = extra["transfer_timeout"]
             if isinstance(timeout, bool) or not isinstance(timeout, int | float):
@@ -564,13 +569,36 @@ class KvRelayConfig(_Strict):
         return self
 
 
+def _annotation_at(loc: tuple[int | str, ...]) -> Any:
+    """The type at a location of KvRelayConfig (`("stages", 1, "model")` -> ModelConfig), optionals
+    and lists unwrapped; None where the location is no field: what an error there may suggest."""
+    node: Any = KvRelayConfig
+    for part in loc:
+        if isinstance(part, int) and get_origin(node) is list:
+            node = get_args(node)[0]
+        elif isinstance(part, str) and isinstance(node, type) and issubclass(node, BaseModel) and part in node.model_fields:
+            node = node.model_fields[part].annotation
+        else:
+            return None
+        if get_origin(node) in (Union, types.UnionType):  # `TlsConfig | None`, `Literal[...] | None`
+            args = [a for a in get_args(node) if a is not type(None)]
+            node = args[0] if len(args) == 1 else None
+    return node
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            parent = _annotation_at(e["loc"][:-1])
+            known = parent.model_fields if isinstance(parent, type) and issubclass(parent, BaseModel) else ()
+            msg = "unknown key" + did_you_mean(e["loc"][-1] if e["loc"] else None, known)
+        elif e["type"] == "literal_error":
+            field = _annotation_at(e["loc"])
+            choices = get_args(field) if get_origin(field) is Literal else ()
+            msg += did_you_mean(e["input"], choices)
         # A whole-config check names its keys itself (`stages[1].model.preset: ...`).
         lines.append(f"{loc}: {msg}" if loc else msg)
     return config_problems(source, lines)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from kvrelay.suggest import did_you_mean
+
 if TYPE_CHECKING:  # the geometry type lives in the transfer core (issue 4); imported lazily below
     from kvrelay.transfer.layout import KvGeometry
 
@@ -283,4 +285,6 @@ def get_preset(name: str) -> ModelPreset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+        raise ValueError(
+            f"unknown model preset {name!r}{did_you_mean(name, PRESETS)}; known presets: {', '.join(PRESETS)}"
+        ) from None

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from kvrelay import __version__
 from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.models.presets import PRESETS
+from kvrelay.suggest import did_you_mean
 
 # Not kvrelay.config (pydantic, PyYAML): the client commands (generate, status, list, cancel,
 # forget) run where only the SDK's grpcio, grpcio-status and protobuf are installed
@@ -107,7 +108,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 def _log_level(text: str) -> str:
     level = text.upper()
     if level not in LOG_LEVELS:
-        raise argparse.ArgumentTypeError(f"unknown level {text!r} (one of {', '.join(LOG_LEVELS)})")
+        raise argparse.ArgumentTypeError(
+            f"unknown level {text!r}{did_you_mean(level, LOG_LEVELS)} (one of {', '.join(LOG_LEVELS)})"
+        )
     return level
 
 
@@ -311,13 +314,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A flag the subcommand does not have: its own usage and prefix (`kvrelay generate: error:
         # unrecognized arguments: --bogus`), not the top-level one, which lists only COMMAND.
         commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        (commands.choices.get(args.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        command = commands.choices.get(args.command) or parser
+        flags = [flag for action in command._actions for flag in action.option_strings]
+        # `--confg`: the flag it was meant to be, as a misspelt config key says the key.
+        hints = "".join(did_you_mean(arg.split("=", 1)[0], flags) for arg in extra if arg.startswith("--"))
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
     if not args.command:
         parser.print_help()
         return 2
     env_level = os.environ.get("KVRELAY_LOG_LEVEL")
     if env_level and env_level.upper() not in LOG_LEVELS:
-        print(f"kvrelay {args.command}: $KVRELAY_LOG_LEVEL: unknown level {env_level!r} (one of {', '.join(LOG_LEVELS)})",
+        hint = did_you_mean(env_level.upper(), LOG_LEVELS)
+        print(f"kvrelay {args.command}: $KVRELAY_LOG_LEVEL: unknown level {env_level!r}{hint} (one of {', '.join(LOG_LEVELS)})",
               file=sys.stderr)  # fmt: skip
         return 2
     if "config" in vars(args) and not args.config:

@@ -59,6 +59,24 @@ def test_an_unknown_flag_gets_the_subcommands_usage(argv: list[str], capsys: pyt
     assert err.splitlines()[-1] == f"kvrelay {argv[0]}: error: unrecognized arguments: {argv[-1]}"
 
 
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [(["up", "--confg", "x.yaml"], "--config"), (["generate", "a fox", "--seeed=3"], "--seed"),
+     (["broker", "--metric-port", "0"], "--metrics-port")],
+)  # fmt: skip
+def test_a_misspelt_flag_says_which_flag_it_meant(
+    argv: list[str], hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As a misspelt config key does: argparse said only `unrecognized arguments`.
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    flag = next(arg for arg in argv if arg.startswith("--"))
+    assert last.startswith(f"kvrelay {argv[0]}: error: unrecognized arguments: {flag}"), last
+    assert last.endswith(f" (did you mean {hint!r}?)"), last
+
+
 def test_help_gives_the_default_of_every_flag_that_has_one() -> None:
     # docs/client.md: "--help of every command gives each flag's default"; `health --timeout` (3 s),
     # `verify --device` and `--dit-cfg`, `generate --request-id`, the services' ports did not.

@@ -101,6 +101,18 @@ def test_a_config_with_one_problem_is_one_line_naming_the_key(tmp_path: Path) ->
         )  # fmt: skip
 
 
+def test_a_misspelt_key_is_one_line_that_says_which_key_it_meant(tmp_path: Path) -> None:
+    config = tmp_path / "misspelt.yaml"
+    text = (REPO / "tests/configs/test-fast.yaml").read_text()
+    config.write_text(text.replace("max_num_seqs:", "max_num_seq:", 1))
+    assert "max_num_seq:" in config.read_text()
+    for command in ("up", "broker", "ar", "dit"):
+        proc = kvrelay(command, "--config", str(config))
+        assert_one_clear_line(proc, command, f"invalid config {config}: stages.")
+        assert proc.stderr.rstrip().endswith(".max_num_seq: unknown key (did you mean 'max_num_seqs'?)"), proc.stderr
+        assert proc.returncode == 2
+
+
 @pytest.mark.parametrize(
     ("argv", "names"),
     [
@@ -129,6 +141,7 @@ def test_verify_on_a_host_without_cuda_says_so() -> None:
     ("argv", "name"),
     [
         (["--log-level", "LOUD"], "argument --log-level: unknown level 'LOUD'"),
+        (["--log-level", "DEBG"], "argument --log-level: unknown level 'DEBG' (did you mean 'DEBUG'?)"),
         (["--metrics-port", "70000"], "argument --metrics-port: must be a TCP port in [0, 65535]"),
     ],
 )
@@ -150,6 +163,8 @@ def test_a_port_out_of_range_is_a_usage_error() -> None:
 def test_a_bad_kvrelay_log_level_is_one_line() -> None:
     proc = kvrelay("broker", env={"KVRELAY_LOG_LEVEL": "chatty"})
     assert_one_clear_line(proc, "broker", "$KVRELAY_LOG_LEVEL: unknown level 'chatty'")
+    proc = kvrelay("broker", env={"KVRELAY_LOG_LEVEL": "warnng"})
+    assert_one_clear_line(proc, "broker", "$KVRELAY_LOG_LEVEL: unknown level 'warnng' (did you mean 'WARNING'?)")
 
 
 @pytest.fixture

@@ -141,6 +141,90 @@ def test_rejects_unknown_keys(base: dict[str, Any], path: tuple[Any, ...], key: 
     _reject(data, key, "unknown key")
 
 
+# A misspelt key or value names the one it was meant to be, at every level, on the one line that
+# names the full key path (it said only "unknown key").
+@pytest.mark.parametrize(
+    ("path", "key", "line"),
+    [
+        ((), "securty", "securty: unknown key (did you mean 'security'?)"),
+        (("broker",), "lease_secs", "broker.lease_secs: unknown key (did you mean 'lease_seconds'?)"),
+        (("security",), "replica_tokns", "security.replica_tokns: unknown key (did you mean 'replica_tokens'?)"),
+        (("stages", 1), "max_num_seq", "stages.1.max_num_seq: unknown key (did you mean 'max_num_seqs'?)"),
+        (("stages", 0), "tensor_paralel_size",
+         "stages.0.tensor_paralel_size: unknown key (did you mean 'tensor_parallel_size'?)"),
+        (("stages", 1, "model"), "presett", "stages.1.model.presett: unknown key (did you mean 'preset'?)"),
+        (("stages", 0, "kv_transfer_config"), "kv_connecter",
+         "stages.0.kv_transfer_config.kv_connecter: unknown key (did you mean 'kv_connector'?)"),
+        (("stages", 1, "kv_transfer_config", "kv_connector_extra_config"), "transfer_timout",
+         "stages.1.kv_transfer_config.kv_connector_extra_config: unknown key(s) 'transfer_timout' "
+         "(did you mean 'transfer_timeout'?); allowed: "),
+    ],
+)  # fmt: skip
+def test_a_misspelt_key_says_which_key_it_meant(
+    base: dict[str, Any], path: tuple[Any, ...], key: str, line: str
+) -> None:
+    data = copy.deepcopy(base)
+    data.setdefault("security", {})
+    node = data
+    for part in path:
+        node = node[part]
+    node[key] = 1
+    message = _reject(data, f"invalid config test.yaml: {line}")
+    assert "\n" not in message
+
+
+def test_a_misspelt_key_inside_tls_says_which_key_it_meant(base: dict[str, Any]) -> None:
+    tls = {"cert_file": "c.pem", "key_file": "k.pem", "ca_file": "ca.pem", "server_nme": "x"}
+    _reject({**base, "security": {"tls": tls}}, "security.tls.server_nme: unknown key (did you mean 'server_name'?)")
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "line"),
+    [
+        (("stages", 0, "kv_transfer_config", "kv_connector"), "MoonCakeConnector",
+         "stages.0.kv_transfer_config.kv_connector: unknown kv_connector 'MoonCakeConnector' "
+         "(did you mean 'MooncakeConnector'?); expected one of "),
+        (("stages", 0, "kv_transfer_config", "kv_role"), "kv_produce", "(did you mean 'kv_producer'?)"),
+        (("stages", 1, "kind"), "ditt", "stages.1.kind: Input should be 'ar' or 'dit' (did you mean 'dit'?)"),
+        (("stages", 1, "kind"), "DIT", "stages.1.kind: Input should be 'ar' or 'dit' (did you mean 'dit'?)"),  # case
+        (("stages", 1, "model", "dtype"), "bfloat61", "stages.1.model.dtype: Input should be "),
+        (("security", "replica_tokens"), "bund", "security.replica_tokens: Input should be 'shared' or 'bound' (did you mean 'bound'?)"),
+        (("stages", 0, "kv_transfer_config", "kv_connector_extra_config", "mooncake_protocol"), "rmda",
+         "mooncake_protocol must be 'tcp' or 'rdma' (did you mean 'rdma'?)"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_value_says_which_value_it_meant(
+    base: dict[str, Any], path: tuple[Any, ...], value: str, line: str
+) -> None:
+    data = copy.deepcopy(base)
+    data.setdefault("security", {})
+    node = data
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+    message = _reject(data, line)
+    assert "\n" not in message
+    if path[-1] == "dtype":
+        assert message.endswith("(did you mean 'bfloat16'?)"), message
+
+
+def test_a_misspelt_preset_says_which_preset_it_meant(base: dict[str, Any]) -> None:
+    data = copy.deepcopy(base)
+    data["stages"][0]["model"] = {"preset": "tinny"}
+    data["stages"][1]["model"] = {"preset": "tiny"}
+    _reject(data, "stages[0].model.preset: unknown model preset 'tinny' (did you mean 'tiny'?); known presets: ")
+
+
+@pytest.mark.parametrize(("path", "key"), [((), "bogus"), (("stages", 0), "zzzz"), (("broker",), "port_number_x")])
+def test_an_unknown_key_close_to_none_suggests_nothing(base: dict[str, Any], path: tuple[Any, ...], key: str) -> None:
+    data = copy.deepcopy(base)
+    node = data
+    for part in path:
+        node = node[part]
+    node[key] = 1
+    assert _reject(data, "unknown key").endswith(f"{key}: unknown key"), key
+
+
 def test_rejects_unknown_connector_and_mixed_transport(base: dict[str, Any]) -> None:
     data = copy.deepcopy(base)
     data["stages"][0]["kv_transfer_config"]["kv_connector"] = "NixlConnector"
