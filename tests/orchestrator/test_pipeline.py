@@ -661,3 +661,35 @@ def test_many_concurrent_generations_all_succeed_and_pages_return() -> None:
             assert c.metric("kvrelay_generations_total", {"outcome": "succeeded"}) == 20
 
     run(body())
+
+
+@pytest.mark.parametrize("order", ["prefill_first", "denoise_first"])
+def test_the_ars_cause_wins_when_both_stages_fail_in_the_same_round(order: str) -> None:
+    """Both stage calls finished before the pipeline looked (a loaded machine: the AR rolled its
+    ticket back, the DiT answered TICKET_ENDED and the AR PREFILL_FAILED within a few ms): the
+    request names the AR's cause, whatever order the tasks finished in. Before, the echo check ran
+    only while the Prefill was still pending, and the set's order picked TICKET_ENDED (a vLLM
+    node test failed so in CI)."""
+    from kvrelay.broker.generations import ErrorInfo, RequestEnded
+    from kvrelay.broker.pipeline import raise_first_failure
+
+    async def fail(reason: str) -> None:
+        raise RequestEnded(ErrorInfo("ABORTED" if reason == "TICKET_ENDED" else "INTERNAL", reason, reason))
+
+    async def body() -> None:
+        first, second = ("PREFILL_FAILED", "TICKET_ENDED") if order == "prefill_first" else ("TICKET_ENDED", "PREFILL_FAILED")
+        tasks = {name: asyncio.create_task(fail(name)) for name in (first, second)}
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        prefill, denoise = tasks["PREFILL_FAILED"], tasks["TICKET_ENDED"]
+        for done in ({prefill, denoise}, {denoise, prefill}):
+            with pytest.raises(RequestEnded) as ended:
+                await raise_first_failure(done, prefill, denoise)
+            assert ended.value.error.reason == "PREFILL_FAILED"
+        # The DiT's own failure (no echo of the writer) stays the DiT's.
+        dit_down = asyncio.create_task(fail("REPLICA_UNAVAILABLE"))
+        await asyncio.gather(dit_down, return_exceptions=True)
+        with pytest.raises(RequestEnded) as ended:
+            await raise_first_failure({dit_down, prefill}, prefill, dit_down)
+        assert ended.value.error.reason == "REPLICA_UNAVAILABLE"
+
+    asyncio.run(body())
