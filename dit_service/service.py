@@ -911,7 +911,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
             s.metrics.transfer_bytes.labels(str(rank), "grpc_received").inc(landed)
         return dit_pb2.PutKvResponse(bytes_received=received, chunks_received=chunks)
 
-    def _fence_keys(self, rows: Iterable[RowSpec]) -> list[PageKey]:
+    def _fence_keys(self, rows: Iterable[RowSpec | common_pb2.RowPages]) -> list[PageKey]:
         """The page fence's keys of the rows' pages: (CFG group, page id), page ids being per group."""
         cfg = self.s.stage.cfg_parallel_size
         return [key for r in rows for key in page_keys(cfg_group(r.row, cfg), r.page_ids)]
@@ -958,8 +958,7 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                 pairs = frozenset((w.src_rank, w.dst_rank) for w in ticket.writes if w.row == row)
                 ranges = self.s.memory.page_ranges(tuple(r.page_ids))
                 try:
-                    self.fence.claim(ticket_id, ticket.sequence,
-                                     page_keys(cfg_group(r.row, self.s.stage.cfg_parallel_size), r.page_ids))
+                    self.fence.claim(ticket_id, ticket.sequence, self._fence_keys([r]))
                 except Superseded as err:
                     raise _not_writable(str(err)) from None
                 return ranges, pairs
