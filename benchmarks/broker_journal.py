@@ -46,6 +46,8 @@ from typing import Any
 
 import grpc
 
+from kvrelay.suggest import SuggestingArgumentParser
+
 MODES = ("per-commit", "group")
 
 
@@ -226,7 +228,7 @@ def one_run(workdir: Path, mode: str, n: int, args: argparse.Namespace, strace: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = SuggestingArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400, help="lifecycles per run")
     parser.add_argument("--concurrency", type=int, default=16, help="lifecycles in flight")
     parser.add_argument("--runs", type=int, default=2, help="runs per mode, alternating")

@@ -42,6 +42,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvrelay.suggest import SuggestingArgumentParser
+
 sys.path.insert(0, str(Path(__file__).parent))
 from broker_journal import _pct, _replica, lifecycle  # noqa: E402
 
@@ -233,7 +235,7 @@ def one_run(workdir: Path, command: str, args: argparse.Namespace) -> dict[str, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = SuggestingArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2000, help="finished generations in the journal")
     parser.add_argument("--png-bytes", type=int, default=10_000, help="each generation's PNG")
     parser.add_argument("--runs", type=int, default=3, help="runs per mode, alternating")

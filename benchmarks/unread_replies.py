@@ -11,9 +11,10 @@ import socket
 import struct
 import time
 
+from kvrelay.suggest import SuggestingArgumentParser
 from kvrelay.v1 import generation_pb2
 
-_parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+_parser = SuggestingArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 _parser.add_argument("host", help="the broker's host")
 _parser.add_argument("port", type=int, help="the broker's gRPC port")
 _parser.add_argument("request_id", help="a finished generation with a large image")

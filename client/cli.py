@@ -35,6 +35,7 @@ from kvrelay.limits import (
     FileRefused,
     read_bounded_file,
 )
+from kvrelay.suggest import did_you_mean
 
 from ._common import CANCEL_TIMEOUT, DEFAULT_TARGET
 from .errors import KvRelayError
@@ -822,8 +823,9 @@ def run_list(args: argparse.Namespace) -> int:
     names = [s.upper() for s in (getattr(args, "state", None) or [])]
     unknown = [n for n in names if n not in GenerationState.__members__ or n == "UNSPECIFIED"]
     if unknown:
-        known = ", ".join(s.name for s in GenerationState if s.name != "UNSPECIFIED")
-        print(f"kvrelay list: unknown state {', '.join(unknown)} (one of {known})", file=sys.stderr)
+        known = [s.name for s in GenerationState if s.name != "UNSPECIFIED"]
+        named = ", ".join(f"{n}{did_you_mean(n, known)}" for n in unknown)
+        print(f"kvrelay list: unknown state {named} (one of {', '.join(known)})", file=sys.stderr)
         return 2
     states = [GenerationState[n] for n in names] or None
     try:

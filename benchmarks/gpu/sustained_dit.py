@@ -14,7 +14,6 @@ profile_steps.py's floor, is not sustained once the GPU reaches its power limit)
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.models.dit import DitRunner, random_prefix
+from kvrelay.suggest import SuggestingArgumentParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_steps import dit_flops  # noqa: E402 - a sibling script, not a package
@@ -42,7 +42,7 @@ def smi() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = SuggestingArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="bagel-7b-shape")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--requests", type=int, default=30)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from kvrelay import __version__
 from kvrelay.errors import MAX_DEADLINE_SECONDS
 from kvrelay.models.presets import PRESETS
-from kvrelay.suggest import did_you_mean
+from kvrelay.suggest import SuggestingArgumentParser, did_you_mean
 
 # Not kvrelay.config (pydantic, PyYAML): the client commands (generate, status, list, cancel,
 # forget) run where only the SDK's grpcio, grpcio-status and protobuf are installed
@@ -151,7 +151,8 @@ def _add_service_args(p: argparse.ArgumentParser, replica: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # Its subcommands' parsers are of its class: every `choices=` refusal says which one was meant.
+    parser = SuggestingArgumentParser(
         prog="kvrelay",
         description="Disaggregated text-to-image serving: AR prefill -> KV relay over Mooncake -> DiT denoise.",
     )

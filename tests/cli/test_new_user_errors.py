@@ -77,6 +77,67 @@ def test_a_misspelt_flag_says_which_flag_it_meant(
     assert last.endswith(f" (did you mean {hint!r}?)"), last
 
 
+@pytest.mark.parametrize(
+    ("argv", "prefix", "hint"),
+    [(["upp"], "kvrelay: error: argument COMMAND: invalid choice: 'upp'", "up"),
+     (["generat", "a fox"], "kvrelay: error: argument COMMAND: invalid choice: 'generat'", "generate"),
+     (["bench", "--scenario", "transfr"], "kvrelay bench: error: argument --scenario: invalid choice: 'transfr'", "transfer")],
+)  # fmt: skip
+def test_a_misspelt_choice_says_which_choice_it_meant(
+    argv: list[str], prefix: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # argparse's own `invalid choice` said only `(choose from ...)`, unlike every other refusal.
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"{prefix} (did you mean {hint!r}?) (choose from "), last
+
+
+def test_every_choice_of_every_command_is_suggested_when_misspelt(capsys: pytest.CaptureFixture[str]) -> None:
+    # Every `choices=` flag a command has, now and later: a choice with its last letter doubled.
+    import argparse
+
+    from kvrelay.node.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    checked = 0
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if not action.option_strings or not action.choices:
+                continue
+            for choice in action.choices:
+                if not isinstance(choice, str):
+                    continue
+                with pytest.raises(SystemExit) as exit_info:
+                    main([name, action.option_strings[-1], choice + choice[-1]])
+                assert exit_info.value.code == 2
+                last = capsys.readouterr().err.splitlines()[-1]
+                assert f"invalid choice: {choice + choice[-1]!r} (did you mean {choice!r}?)" in last, last
+                checked += 1
+    assert checked >= 3  # bench --scenario's
+
+
+def test_a_choice_close_to_none_gets_no_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--scenario", "everything"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == (
+        "kvrelay bench: error: argument --scenario: invalid choice: 'everything' (choose from 'seed', 'transfer', 'both')"
+    )
+
+
+def test_a_misspelt_state_of_list_says_which_state_it_meant(capsys: pytest.CaptureFixture[str]) -> None:
+    # Refused before any call (nothing listens on the default target here).
+    assert main(["list", "--state", "SUCEEDED", "--state", "denoising"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "kvrelay list: unknown state SUCEEDED (did you mean 'SUCCEEDED'?) (one of QUEUED, PREFILLING, TRANSFERRING, "
+        "DENOISING, SUCCEEDED, FAILED, CANCELLED)"
+    ], err
+
+
 def test_help_gives_the_default_of_every_flag_that_has_one() -> None:
     # docs/client.md: "--help of every command gives each flag's default"; `health --timeout` (3 s),
     # `verify --device` and `--dit-cfg`, `generate --request-id`, the services' ports did not.
