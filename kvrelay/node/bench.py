@@ -38,6 +38,7 @@ from kvrelay.limits import MAX_DATASET_FILE_BYTES, FileRefused, read_bounded_fil
 from kvrelay.logging import configure_logging
 from kvrelay.resources import resolve
 from kvrelay.server import reserve_free_port
+from kvrelay.suggest import did_you_mean
 
 IMPL_LABELS = {
     "grpc": "gRPC stream fallback (legacy path)",
@@ -759,16 +760,34 @@ def run_scenario(
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    impls = ["colocated"] if args.colocated else [i.strip() for i in args.impls.split(",") if i.strip()]
-    if getattr(args, "dit_parallel", False):
-        impls = list(DIT_LAYOUTS)
+def parse_impls(text: str) -> list[str]:
+    """The implementations `--impls TEXT` names, in order; ValueError (one line naming each
+    unknown name and the one it was meant to be, and every known one) for a list the bench cannot
+    run: an unknown name, none at all (`--impls ,` ran an empty table), a name twice (its second
+    node replaced the first, which was never stopped)."""
+    impls = [i.strip() for i in text.split(",") if i.strip()]
+    known = f"known: {', '.join(IMPL_LABELS)}"
     unknown = [i for i in impls if i not in IMPL_LABELS]
     if unknown:
-        print(
-            f"kvrelay bench: unknown implementation(s) {unknown}; known: {list(IMPL_LABELS)}", file=sys.stderr
-        )
+        named = ", ".join(f"{i!r}{did_you_mean(i, IMPL_LABELS)}" for i in unknown)
+        plural = "s" if len(unknown) > 1 else ""
+        raise ValueError(f"--impls: unknown implementation{plural} {named}; {known}")
+    if not impls:
+        raise ValueError(f"--impls {text!r}: names no implementation; {known}")
+    twice = sorted({i for i in impls if impls.count(i) > 1})
+    if twice:
+        raise ValueError(f"--impls {text}: names {', '.join(map(repr, twice))} more than once")
+    return impls
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        impls = ["colocated"] if args.colocated else parse_impls(args.impls)
+    except ValueError as err:
+        print(f"kvrelay bench: {err}", file=sys.stderr)
         return 2
+    if getattr(args, "dit_parallel", False):
+        impls = list(DIT_LAYOUTS)
     if "colocated" in impls and getattr(args, "ar_model", None):
         print("kvrelay bench: --ar-model compares AR engines; the colocated baseline runs presets only", file=sys.stderr)
         return 2

@@ -70,6 +70,14 @@ def test_an_explicit_config_wins_over_kvrelay_config(
         # Each node's config is checked before any starts (these were tracebacks mid-run).
         ("fast", ["--impls", "mooncake,cuda_ipc"], "--impls cuda_ipc: invalid config bench-cuda_ipc: stages[0].devices"),
         ("fast", ["--impls", "vllm"], "--impls vllm: impl vllm needs --ar-model DIR"),
+        # Was "unknown implementation(s) ['mooncak']; known: ['grpc', ...]", with no hint.
+        ("none", ["--impls", "mooncak"], "kvrelay bench: --impls: unknown implementation 'mooncak' (did you mean "
+         "'mooncake'?); known: grpc, mooncake, cuda_ipc, colocated, vllm, dit-tp1"),
+        ("none", ["--impls", "grpc,Colocated,nope"],
+         "unknown implementations 'Colocated' (did you mean 'colocated'?), 'nope'; known: grpc, mooncake"),
+        # These ran: an empty table; two nodes, the first never stopped.
+        ("fast", ["--impls", ","], "kvrelay bench: --impls ',': names no implementation; known: grpc, mooncake"),
+        ("fast", ["--impls", "grpc,mooncake,grpc"], "--impls grpc,mooncake,grpc: names 'grpc' more than once"),
     ],
 )
 def test_bad_bench_input_is_one_line_and_exit_2(
