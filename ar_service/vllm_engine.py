@@ -45,7 +45,7 @@ from kvrelay.ar_service.engine import (
 )
 from kvrelay.config import ConfigError, StageConfig
 from kvrelay.logging import get_logger
-from kvrelay.models.formats import ar_dtype
+from kvrelay.models.formats import HF_TOKENIZER_FILES, ar_dtype, check_tokenizer_files
 from kvrelay.worker import RankContext
 
 log = get_logger(__name__)
@@ -140,9 +140,6 @@ class OnWorkers:
     args: tuple[Any, ...] = ()
 
 
-# A Hugging Face tokenizer in a model directory (fast, SentencePiece, BPE/WordPiece vocabularies).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
-
 
 @dataclass(frozen=True, slots=True)
 class VllmRankSpec:
@@ -190,10 +187,10 @@ def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
         raise ConfigError(
             "stages[0].tensor_parallel_size: engine: vllm runs with tensor_parallel_size 1 in this build"
         )
-    if model.tokenizer is None and not any((Path(model.path) / name).is_file() for name in TOKENIZER_FILES):
+    if model.tokenizer is None and not any((Path(model.path) / name).is_file() for name in HF_TOKENIZER_FILES):
         # vLLM's own error comes after its ~20 s start, over several lines, without the fix.
         raise ConfigError(
-            f"stages[0].model.path: {model.path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+            f"stages[0].model.path: {model.path!r} has no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)}): "
             "copy the checkpoint's tokenizer files there or set model.tokenizer"
         )
     return VllmRankSpec(
@@ -604,6 +601,9 @@ class VllmTokenizer:
     def __init__(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
+        # transformers opens the files itself: each passes kvrelay's bound first (a pipe there
+        # blocked this process, /dev/zero was read until memory ran out).
+        check_tokenizer_files(directory)
         self._tok = AutoTokenizer.from_pretrained(directory)
         self.vocab_size = len(self._tok)
         self.bos_id: int | None = self._tok.bos_token_id

@@ -623,10 +623,35 @@ def parse_config(data: Any, source: str = "<config>") -> KvRelayConfig:
         raise ConfigError(_format_validation_error(err, source)) from None
     try:
         check_model_geometry(cfg)
+        check_tokenizer_files_of(cfg)
     except ConfigError as err:
         # The same shape as every other config error: which file, then the key and what is wrong.
         raise ConfigError(config_problems(source, [str(err).removeprefix("invalid config: ")])) from None
     return cfg
+
+
+def check_tokenizer_files_of(cfg: KvRelayConfig) -> None:
+    """Reject at load a tokenizer file no library may be handed (a pipe, a device, more than
+    MAX_TOKENIZER_FILE_BYTES): the AR reads model.tokenizer, else its checkpoint's own, and a
+    BAGEL-format stage its directory's tokenizer.json, once its model has loaded (minutes) or in
+    vLLM's engine, where a pipe blocked the start. Only files on this machine; no file is read."""
+    from kvrelay.models.formats import check_tokenizer_files, model_dir
+
+    for idx, stage in enumerate(cfg.stages):
+        model = stage.model
+        path: str | None
+        if model.tokenizer:
+            key, path = "tokenizer", model.tokenizer
+        elif stage.kind == "ar" or model.format in ("bagel", "demo"):
+            key, path = "path", model_dir(model)
+        else:
+            continue
+        if path is None or not os.path.lexists(path):
+            continue  # not on this machine (or a hub name vLLM resolves): the AR says so at start
+        try:
+            check_tokenizer_files(path)
+        except FileRefused as err:
+            raise ConfigError(f"invalid config: stages[{idx}].model.{key}: {err}") from None
 
 
 def check_model_geometry(cfg: KvRelayConfig) -> None:

@@ -2,7 +2,8 @@
 naming the field, broker/generation.py) and the client SDK checks the same ones, with the same
 message, before it sends, so a value is refused alike whichever side sees it first. And the bound
 of every small file a setting or a flag names (tokens, the replica secret, TLS PEM files, the
-config): `read_bounded_file` is the one reader of them.
+config, a checkpoint's JSON and tokenizer files): `read_bounded_file` is the one reader of them,
+`check_bounded_file` the check of those a library opens itself.
 
 Pure standard library: the client SDK imports it. Bounds that depend on the deployment (the AR's
 max tokens, the largest image a DiT model draws) stay with the broker.
@@ -90,6 +91,10 @@ MAX_DATASET_FILE_BYTES: Final = 64 << 20
 # A JSON file of a model checkpoint (config.json, a weight index, tokenizer.json: a Qwen2
 # tokenizer.json is about 7 MiB).
 MAX_MODEL_JSON_BYTES: Final = 64 << 20
+# A file of a Hugging Face tokenizer (tokenizer.json, a SentencePiece model, a vocabulary, its
+# tokenizer_config.json) that kvrelay reads or hands to `tokenizers`/`transformers`: the largest
+# released are tens of MiB (a Gemma tokenizer.json is about 33 MiB).
+MAX_TOKENIZER_FILE_BYTES: Final = 256 << 20
 # How much of the end of a log file `kvrelay up` reads for a child's last lines: its logs are
 # appended to across restarts and grow for as long as the node runs.
 LOG_TAIL_BYTES: Final = 256 << 10
@@ -148,6 +153,16 @@ def read_bounded_file(path: str | os.PathLike[str], max_bytes: int, what: str) -
     if len(data) > max_bytes:
         raise FileRefused(f"more than a {what} may be ({_size_text(max_bytes)}): it grew while read")
     return data
+
+
+def check_bounded_file(path: str | os.PathLike[str], max_bytes: int, what: str) -> None:
+    """Refuse (FileRefused) the file at `path` as `read_bounded_file` would, without reading it:
+    for a file a library opens by its path (`transformers` reads a tokenizer's files itself).
+    OSError (missing, unreadable) passes through. The library reads what the path names then:
+    `read_bounded_file` is the reader where kvrelay can hand the bytes over instead."""
+    refused = _refusal(os.stat(path), max_bytes, what)
+    if refused is not None:
+        raise refused
 
 
 def read_json_file(path: str | os.PathLike[str], max_bytes: int = MAX_MODEL_JSON_BYTES) -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from kvrelay.limits import read_json_file
+from kvrelay.limits import MAX_TOKENIZER_FILE_BYTES, read_json_file
 from kvrelay.models.fp8 import quantize_fp8_
 from kvrelay.models.layers import RMSNorm, SwiGLU, apply_rotary, attention, rope_cos_sin
 from kvrelay.models.loader import COLUMN, ROW, CheckpointError, ar_config_from_hf, require_dir, require_shards
@@ -177,9 +178,10 @@ def _shapes(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
 def _special_ids(directory: Path) -> dict[str, int]:
     """Ids of BAGEL's special tokens from the directory's tokenizer.json (added tokens)."""
     path = directory / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise CheckpointError(f"{directory} has no tokenizer.json (the Qwen2 tokenizer of the release)")
-    data = read_json_file(path)
+    # The tokenizer's bound, as when the AR reads the same file (kvrelay.models.tokenizer).
+    data = read_json_file(path, MAX_TOKENIZER_FILE_BYTES)
     ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
     vocab = data.get("model", {}).get("vocab", {})
     out = {}

@@ -3,7 +3,8 @@
 Owns the small dispatch every process needs before it builds anything: the checkpoint
 directory of a format (the bundled demo's when `format: demo` gives no path) and the KV
 geometry it implies, from JSON files only (no torch: config validation runs in the broker
-too). The full ModelPreset of a BAGEL directory is kvrelay.models.bagel.stage_preset.
+too), and the bound check of the tokenizer files a Hugging Face library reads by path. The
+full ModelPreset of a BAGEL directory is kvrelay.models.bagel.stage_preset.
 """
 
 from __future__ import annotations
@@ -11,11 +12,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvrelay.limits import FileRefused, read_json_file
+from kvrelay.limits import MAX_TOKENIZER_FILE_BYTES, FileRefused, check_bounded_file, read_json_file
 
 # The demo model trained by scripts/train_demo.py, committed beside this module.
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 BAGEL_FORMATS = ("bagel", "demo")
+
+# A Hugging Face tokenizer in a model directory: one of these makes it one (fast, SentencePiece,
+# BPE/WordPiece vocabularies, Mistral's tekken).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "tekken.json")
+# What else `transformers` may read of such a directory to build its tokenizer.
+HF_TOKENIZER_SIDE_FILES = (
+    "special_tokens_map.json", "added_tokens.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
+    "chat_template.json", "chat_template.jinja", "config.json",
+)  # fmt: skip
+
+
+def check_tokenizer_files(path: str | Path) -> None:
+    """FileRefused naming the file when a tokenizer file at `path` (a directory: each of its files
+    a Hugging Face library may read; else the file itself) is no regular file (a pipe, a device:
+    a FIFO blocked the AR's start, /dev/zero was read until memory ran out) or holds more than
+    MAX_TOKENIZER_FILE_BYTES. Files the directory lacks are the library's to report."""
+    directory = Path(path)
+    names = HF_TOKENIZER_FILES + HF_TOKENIZER_SIDE_FILES
+    files = [directory / name for name in names] if directory.is_dir() else [directory]
+    for file in files:
+        try:
+            check_bounded_file(file, MAX_TOKENIZER_FILE_BYTES, "tokenizer file")
+        except FileNotFoundError:
+            continue  # not there (or a dangling link): the library's to report
+        except FileRefused as err:
+            raise FileRefused(f"{file}: {err}") from None
 
 
 def model_dir(model: Any) -> str | None:

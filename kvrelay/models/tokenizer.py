@@ -3,15 +3,41 @@
 The byte tokenizer needs no vocabulary file and never touches the network: ids 0..255 are the
 UTF-8 bytes of the prompt, then BOS/EOS/PAD (kvrelay.models.presets). A Hugging Face directory
 (`tokenizer.json`) is read with the `tokenizers` package, imported only when asked for so the
-default install does not need it. Owns text -> ids; never the model or the prompt length policy.
+default install does not need it. Every tokenizer file kvrelay hands a library passes kvrelay's
+bound first (kvrelay.limits). Owns text -> ids; never the model or the prompt length policy.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvrelay.limits import MAX_TOKENIZER_FILE_BYTES, FileRefused, read_bounded_file
 from kvrelay.models.presets import BOS_ID, BYTE_TOKENIZER_VOCAB, BYTE_VOCAB, EOS_ID, PAD_ID
+
+
+def read_tokenizer_json(file: Path) -> str:
+    """The text of a `tokenizer.json`, read with kvrelay's bound (`tokenizers` would read any
+    file whole, or wait on a pipe forever); FileRefused and ValueError name the file."""
+    try:
+        data = read_bounded_file(file, MAX_TOKENIZER_FILE_BYTES, "tokenizer.json")
+    except FileRefused as err:
+        raise FileRefused(f"{file}: {err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: not UTF-8 text: {err}") from None
+
+
+def _tokenizer_json(directory: str | Path) -> Path:
+    """`directory`'s tokenizer.json, or `directory` itself when it is no folder; FileNotFoundError
+    when there is none (a pipe or a device there is refused by read_tokenizer_json, not missing)."""
+    path = Path(directory)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not os.path.lexists(file):
+        raise FileNotFoundError(f"no tokenizer.json at {path}")
+    return file
 
 
 class Tokenizer(Protocol):
@@ -50,11 +76,7 @@ class HfTokenizer:
             raise ImportError(
                 "a Hugging Face tokenizer directory needs the `tokenizers` package: pip install tokenizers"
             ) from exc
-        path = Path(directory)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self._tok = _HfTokenizer.from_file(str(file))
+        self._tok = _HfTokenizer.from_str(read_tokenizer_json(_tokenizer_json(directory)))
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.bos_id = self._special_id(("<|begin_of_text|>", "<s>", "<|endoftext|>"))
         self.eos_id = self._special_id(("<|end_of_text|>", "</s>", "<|im_end|>", "<|endoftext|>"))
@@ -87,7 +109,7 @@ def load_tokenizer(path: str | Path | None = None, *, model: Any = None) -> Toke
         if directory is None:
             raise ValueError(f"a {model.format!r} model needs model.path (its tokenizer.json)")
         return BagelTokenizer(directory)
-    if path is None and getattr(model, "path", None) and (Path(model.path) / "tokenizer.json").is_file():
+    if path is None and getattr(model, "path", None) and os.path.lexists(Path(model.path) / "tokenizer.json"):
         return HfTokenizer(model.path)
     if path is None:
         return ByteTokenizer()
@@ -103,11 +125,8 @@ class BagelTokenizer:
 
         from kvrelay.models.bagel import BOS_TOKEN, EOS_TOKEN
 
-        path = Path(directory)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        if not file.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self._tok = _HfTokenizer.from_file(str(file))
+        file = _tokenizer_json(directory)
+        self._tok = _HfTokenizer.from_str(read_tokenizer_json(file))
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         bos, eos = self._tok.token_to_id(BOS_TOKEN), self._tok.token_to_id(EOS_TOKEN)
         if bos is None or eos is None:
