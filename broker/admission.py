@@ -66,6 +66,17 @@ class GenerationReporter(Protocol):
     ) -> None:
         """The generation's terminal state (once; later calls are no-ops)."""
 
+    def may_retry(self, job: GenerationJob, ended: RequestEnded) -> bool:
+        """Whether the attempt that `ended` ends is followed by another, on another replica
+        (pure: decides, changes nothing)."""
+
+    def retry(self, job: GenerationJob, ended: RequestEnded) -> None:
+        """Queue the generation again for another attempt (its ended attempt is unwound and its
+        ticket ended)."""
+
+    def final_error(self, job: GenerationJob, ended: RequestEnded) -> ErrorInfo:
+        """The error the generation ends with when `ended` ends it (says how often it was tried)."""
+
 
 def note_connection_failure(
     core: BrokerCore, channels: ChannelCache, spec: ReplicaSpec, err: grpc.aio.AioRpcError
@@ -93,6 +104,18 @@ class GenerationJob:
     ticket_id: str = ""
     ticket_ended: bool = False
     task: asyncio.Task[None] | None = None
+    # Retries on another replica (Orchestrator.retry_on_another_replica): the attempt running or
+    # waiting now (1 = the first), the replicas that failed the earlier ones (never placed on
+    # again), and the tickets those attempts ended (each drains or is released on its own).
+    attempt: int = 1
+    failed_replicas: dict[str, str] = field(default_factory=dict)  # replica id -> role ("AR", "DIT")
+    ended_ticket_ids: list[str] = field(default_factory=list)
+    last_error: ErrorInfo | None = None  # what ended the latest earlier attempt
+    # Set (with the RequestEnded that ends the attempt) when a replica of the running attempt is
+    # forgotten by force: the pipeline ends the attempt as if its stage call had failed so.
+    interrupt: asyncio.Future[RequestEnded] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
     @property
     def request_id(self) -> str:
@@ -155,6 +178,23 @@ class GenerationQueue:
     def enqueue(self, job: GenerationJob) -> None:
         self._jobs[job.request_id] = job
         self._waiting.append(job)
+
+    def job(self, request_id: str) -> GenerationJob | None:
+        """The admitted generation's job while its pipeline runs."""
+        return self._jobs.get(request_id)
+
+    def requeue(self, job: GenerationJob) -> None:
+        """Its attempt ended (its ticket too) and it runs again: back at the head of the queue,
+        where it already was once (nobody who arrived later overtakes it), with no ticket."""
+        assert job.placed.done() and job.ticket_ended, f"generation {job.request_id}: requeued holding a ticket"
+        assert self._jobs.get(job.request_id) is job, f"generation {job.request_id}: requeued but not admitted"
+        loop = asyncio.get_running_loop()
+        job.placed = loop.create_future()
+        job.interrupt = loop.create_future()
+        job.ticket_id = ""
+        job.ticket_ended = False
+        self._waiting.appendleft(job)
+        self._wake.set()
 
     def ended(self, request_id: str, *, stop_pipeline: bool) -> None:
         """Its generation ended: out of the queue now, not when it reaches the head (the bound

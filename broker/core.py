@@ -700,11 +700,20 @@ class BrokerCore:
     # =================================================================== tickets
 
     def create_ticket(
-        self, request_id: str, ar_replica_id: ReplicaId, dit_replica_id: ReplicaId, row_token_counts: Sequence[int]
+        self,
+        request_id: str,
+        ar_replica_id: ReplicaId,
+        dit_replica_id: ReplicaId,
+        row_token_counts: Sequence[int],
+        *,
+        replaces: TicketId = "",
     ) -> Ticket | None:
         """Reserve pages for every row (all or nothing): RESERVED. None = does not fit now.
 
         Raises InvalidArgument when it can never fit; idempotent on a live request_id.
+        `replaces`: the ticket of this request's earlier attempt (the orchestrator's retry on
+        another replica), whose request is over: the new ticket gets pages of its own beside it,
+        and the old one keeps its pages until it is released or drained as any ended ticket.
         """
         counts = [int(n) for n in row_token_counts]
         if not request_id:
@@ -712,6 +721,12 @@ class BrokerCore:
         if not counts or any(n <= 0 for n in counts):
             raise InvalidArgument("INVALID_ROWS", f"row_token_counts must be non-empty and positive, got {counts}")
         existing = self._by_request.get(request_id)
+        if existing is not None and existing == replaces:
+            if not self._tickets[existing].request_over:
+                raise FailedPrecondition(
+                    "TICKET_LIVE", f"request {request_id}: ticket {existing} is not over, so it cannot be replaced"
+                )
+            existing = None
         if existing is not None:
             t = self._tickets[existing]
             if (t.ar_replica_id, t.dit_replica_id, [r.num_tokens for r in t.rows]) == (

@@ -101,12 +101,27 @@ class ErrorInfo:
     message: str
 
 
-class RequestEnded(Exception):
-    """Raised inside placement or a pipeline to end its generation with this error (FAILED)."""
+# Why a generation's attempt may end and the generation run again on another replica
+# (broker.max_replica_retries): the replica serving it stopped answering, or was forgotten by force.
+RETRY_REASONS = ("REPLICA_UNAVAILABLE", "REPLICA_FORGOTTEN")
 
-    def __init__(self, error: ErrorInfo) -> None:
+
+class RequestEnded(Exception):
+    """Raised inside placement or a pipeline to end its generation with this error (FAILED).
+
+    `replica_id` and `replica_role` ("AR" or "DIT") name the replica whose stage call failed so,
+    when one did: the orchestrator may then run the generation again on another one. `final`:
+    the error already says all (how often the generation was tried), as the client gets it.
+    """
+
+    def __init__(
+        self, error: ErrorInfo, *, replica_id: str = "", replica_role: str = "", final: bool = False
+    ) -> None:
         super().__init__(error.message)
         self.error = error
+        self.replica_id = replica_id
+        self.replica_role = replica_role
+        self.final = final
 
 
 @dataclass(frozen=True, slots=True)

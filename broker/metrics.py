@@ -6,7 +6,7 @@ Owns `kvrelay_pages{replica,state}`, `kvrelay_tickets{state}`,
 collector, so the lifecycle's hot path never updates a gauge and a scrape can never disagree
 with GetPool. Must never mutate the core. Also the generations' metrics (`GenerationMetrics`:
 `kvrelay_generations_total{outcome}`, `kvrelay_generation_seconds`, `kvrelay_phase_seconds{phase}`,
-`kvrelay_generations_queued`), which the orchestrator updates as each generation ends, and the
+`kvrelay_generations_queued`, `kvrelay_generation_retries_total{reason}`), which the orchestrator updates as each generation ends, and the
 journal's (`JournalCollector`: `kvrelay_journal_size_bytes`, `kvrelay_journal_compacted_rows_total`,
 `kvrelay_journal_reclaimed_bytes_total`), read at scrape time from the compactor.
 """
@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay.broker.compaction import JournalCompactor
 from kvrelay.broker.core import BrokerCore
-from kvrelay.broker.generations import PHASES, GenerationSnapshot, GenState
+from kvrelay.broker.generations import PHASES, RETRY_REASONS, GenerationSnapshot, GenState
 from kvrelay.broker.tickets import TicketState
 
 _OUTCOME_OF_STATE = {
@@ -147,10 +147,22 @@ class GenerationMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 300),
             registry=registry,
         )
+        self.retries = Counter(
+            "kvrelay_generation_retries",
+            "Generations run again on another replica after the one serving them stopped answering "
+            "(broker.max_replica_retries), by the reason that ended the attempt",
+            ["reason"],
+            registry=registry,
+        )
         for outcome in _OUTCOME_OF_STATE.values():
             self.generations.labels(outcome)
+        for reason in RETRY_REASONS:
+            self.retries.labels(reason)
         for phase in PHASES:
             self.phase_seconds.labels(phase)
+
+    def retried(self, reason: str) -> None:
+        self.retries.labels(reason).inc()
 
     def finished(self, snap: GenerationSnapshot) -> None:
         self.generations.labels(_OUTCOME_OF_STATE[snap.state]).inc()

@@ -25,6 +25,7 @@ from kvrelay.broker.admission import Admission, GenerationJob, GenerationQueue
 from kvrelay.broker.compaction import JournalCompactor
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import (
+    RETRY_REASONS,
     ErrorInfo,
     GenerationParams,
     GenerationRecord,
@@ -32,10 +33,12 @@ from kvrelay.broker.generations import (
     GenerationStore,
     GenState,
     ImageResult,
+    RequestEnded,
 )
 from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
 from kvrelay.broker.pipeline import StagePipeline
-from kvrelay.broker.placement import place
+from kvrelay.broker.placement import place, serving_replicas
+from kvrelay.broker.registry import ReplicaRole
 from kvrelay.broker.tickets import Ticket, TicketOutcome
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import failed_precondition
@@ -46,6 +49,9 @@ log = get_logger(__name__)
 
 # Seconds a stopping broker gives pipelines to end their tickets before it gives up on them.
 STOP_GRACE_SECONDS = 5.0
+# A generation is run again on another replica only while its client's deadline is further away
+# than this: a retry that cannot finish would only take pages and a place at the queue's head.
+RETRY_MIN_DEADLINE_SECONDS = 1.0
 
 
 class Orchestrator:
@@ -171,7 +177,7 @@ class Orchestrator:
         here: the ticket rolled back, drains, or (CONSUMING) waits for the DiT to release it.
         """
         record = self.store.find(ticket.request_id)
-        if record is None or record.state.terminal:
+        if record is None or record.state.terminal or not self._current_ticket(ticket):
             return
         said = f": {ticket.reason}" if ticket.reason else ""
         message = f"ticket {ticket.ticket_id} was cancelled by an operator (CancelTicket){said}"
@@ -186,16 +192,100 @@ class Orchestrator:
         """An operator forgot `replica_id` by force (`kvrelay forget --force`) and that ended these
         tickets: fail their generations now (UNAVAILABLE, REPLICA_FORGOTTEN), which cancels their
         stage calls; a call to a replica that is gone would otherwise wait out its timeout.
-        A generation that already ended keeps its end."""
+        A generation that already ended keeps its end; one with a retry left
+        (`broker.max_replica_retries`) runs again on another replica instead; a ticket of an
+        earlier attempt of a generation (ended already) changes nothing."""
         for ticket in tickets:
             record = self.store.find(ticket.request_id)
-            if record is None or record.state.terminal:
+            job = self.queue.job(ticket.request_id)
+            if record is None or record.state.terminal or job is None or not self._current_ticket(ticket):
                 continue
-            self.end(record, GenState.FAILED, ErrorInfo(
-                "UNAVAILABLE", "REPLICA_FORGOTTEN",
-                f"replica {replica_id} was forgotten by an operator (kvrelay forget --force) while ticket "
-                f"{ticket.ticket_id} of this generation needed it",
-            ))  # fmt: skip
+            ended = RequestEnded(
+                ErrorInfo(
+                    "UNAVAILABLE", "REPLICA_FORGOTTEN",
+                    f"replica {replica_id} was forgotten by an operator (kvrelay forget --force) while ticket "
+                    f"{ticket.ticket_id} of this generation needed it",
+                ),
+                replica_id=replica_id,
+                replica_role=ReplicaRole.AR.value if ticket.ar_replica_id == replica_id else ReplicaRole.DIT.value,
+            )  # fmt: skip
+            if self.may_retry(job, ended) and not job.interrupt.done():
+                # Its pipeline ends the attempt (its ticket is over already) and queues it again.
+                job.interrupt.set_result(ended)
+                continue
+            self.end(record, GenState.FAILED, self.final_error(job, ended))
+
+    def _current_ticket(self, ticket: Ticket) -> bool:
+        """Whether `ticket` is the one its generation's running attempt holds (not an earlier
+        attempt's, which ended already, nor an earlier generation's with the same request_id)."""
+        job = self.queue.job(ticket.request_id)
+        return job is None or job.ticket_id == ticket.ticket_id
+
+    # ============================================= retries on another replica
+
+    def may_retry(self, job: GenerationJob, ended: RequestEnded) -> bool:
+        """Whether the attempt that `ended` ends is followed by another, on another replica."""
+        return self._retry_refusal(job, ended) is None
+
+    def _retry_refusal(self, job: GenerationJob, ended: RequestEnded) -> str | None:
+        """Why the attempt that `ended` ends is its generation's last (None: it runs again)."""
+        limit = self.cfg.broker.max_replica_retries
+        if ended.error.reason not in RETRY_REASONS or not ended.replica_id:
+            return "not a replica failure"
+        if job.attempt > limit:
+            return f"broker.max_replica_retries is {limit}"
+        if self.admission.stopping:
+            return "the broker is stopping"
+        if job.record.state.terminal:
+            return "the generation ended"
+        remaining = job.remaining(self._clock())
+        if remaining is not None and remaining < RETRY_MIN_DEADLINE_SECONDS:
+            return f"the client's deadline is {max(0.0, remaining):.2f} s away"
+        failed = {**job.failed_replicas, ended.replica_id: ended.replica_role}
+        for role in sorted(set(failed.values())):
+            if not serving_replicas(self.core, ReplicaRole(role), failed):
+                return f"no other {role_name(role)} replica is up"
+        return None
+
+    def final_error(self, job: GenerationJob, ended: RequestEnded) -> ErrorInfo:
+        """The error the generation ends with: `ended`'s, saying how often it was tried when it
+        could have been retried (or was)."""
+        error = ended.error
+        if ended.final:
+            return error
+        why = self._retry_refusal(job, ended)
+        if self.cfg.broker.max_replica_retries == 0 or (job.attempt == 1 and error.reason not in RETRY_REASONS):
+            return error
+        tried = f"tried {job.attempt} time{'s' if job.attempt > 1 else ''}"
+        if why is not None and why != "not a replica failure":
+            tried = f"{tried}, not retried: {why}"
+        if job.failed_replicas:
+            tried = f"{tried}; earlier attempts failed on {', '.join(sorted(job.failed_replicas))}"
+        return ErrorInfo(error.code, error.reason, f"{error.message} ({tried})")
+
+    def retry(self, job: GenerationJob, ended: RequestEnded) -> None:
+        """Queue the generation again, at the head, for a replica other than those that failed it.
+        Its ended attempt's stage calls are unwound and its ticket ended (rolled back, released,
+        or draining until no write can land): the next attempt gets pages of its own."""
+        failed = ended.replica_id
+        ended_ticket = job.ticket_id
+        job.failed_replicas[failed] = ended.replica_role
+        job.ended_ticket_ids.append(ended_ticket)
+        job.last_error = ended.error
+        job.attempt += 1
+        job.enqueued = self._clock()
+        self.metrics.retried(ended.error.reason)
+        log.warning(
+            "generation_retried",
+            request_id=job.request_id,
+            failed_replica=failed,
+            role=ended.replica_role,
+            reason=ended.error.reason,
+            attempt=job.attempt,
+            ended_ticket_id=ended_ticket,
+            message=ended.error.message,
+        )
+        self.queue.requeue(job)
 
     def expire(self, request_id: str) -> None:
         """The client's deadline passed (its stream ended with it): FAILED, DEADLINE_EXCEEDED."""
@@ -222,7 +312,22 @@ class Orchestrator:
 
     def _place(self, job: GenerationJob) -> Ticket | None:
         params = job.record.params
-        return place(self.core, job.request_id, job.token_counts, params.width, params.height)
+        if job.failed_replicas and job.last_error is not None:
+            # A retried generation never goes back to a replica that failed it: with no other
+            # one of that role up any more, it fails rather than hold the queue's head.
+            for role in sorted(set(job.failed_replicas.values())):
+                if not serving_replicas(self.core, ReplicaRole(role), job.failed_replicas):
+                    tried = job.attempt - 1
+                    raise RequestEnded(ErrorInfo(
+                        job.last_error.code, job.last_error.reason,
+                        f"{job.last_error.message} (tried {tried} time{'s' if tried > 1 else ''}, not retried: no "
+                        f"other {role_name(role)} replica is up; attempts failed on {', '.join(sorted(job.failed_replicas))})",
+                    ), final=True)  # fmt: skip
+        replaces = job.ended_ticket_ids[-1] if job.ended_ticket_ids else ""
+        return place(
+            self.core, job.request_id, job.token_counts, params.width, params.height,
+            exclude=job.failed_replicas, replaces=replaces,
+        )  # fmt: skip
 
     def _start_pipeline(self, job: GenerationJob) -> asyncio.Task[None]:
         return asyncio.create_task(self._run_pipeline(job), name=f"generation-{job.request_id}")
@@ -242,10 +347,19 @@ class Orchestrator:
     # ======================================================= progress and endings
 
     def advance(self, record: GenerationRecord, state: GenState, **changes: Any) -> None:
-        """Move forward only: a late TRANSFERRING never overwrites DENOISING."""
-        if record.state.terminal or state < record.state:
+        """Move forward only: a late TRANSFERRING never overwrites DENOISING, and an attempt run
+        again on another replica shows progress only past where the earlier one got (state and
+        step never go back for a client); its ticket is the generation's from its placement."""
+        if record.state.terminal:
             return
-        if state == record.state and state is not GenState.DENOISING:
+        step = changes.get("step")
+        behind = state < record.state or (
+            state == record.state and (state is not GenState.DENOISING or (step is not None and step <= record.step))
+        )
+        if behind:
+            ticket_id = changes.get("ticket_id")
+            if ticket_id is not None and ticket_id != record.ticket_id:
+                self.store.update(record, record.state, ticket_id=ticket_id)
             return
         self.store.update(record, state, **changes)
 
@@ -282,3 +396,8 @@ class Orchestrator:
             total_ms=round(snap.timings.get("total", 0.0) * 1000, 3),
         )
         self.queue.ended(record.request_id, stop_pipeline=state is not GenState.SUCCEEDED)
+
+
+def role_name(role: str) -> str:
+    """A replica role as the docs and messages write it ("AR", "DiT")."""
+    return "DiT" if role == ReplicaRole.DIT.value else role

@@ -80,13 +80,24 @@ class StagePipeline:
         self._clock = clock
 
     async def run(self, job: GenerationJob) -> None:
-        """The generation from QUEUED to its end; never raises (but CancelledError)."""
+        """The generation from QUEUED to its end; never raises (but CancelledError).
+
+        One attempt at a time: an attempt whose replica stopped answering has ended its ticket
+        and unwound its stage calls before the generation is queued again (`may_retry`)."""
         record = job.record
         with bind_request(request_id=job.request_id):
             try:
-                await self._run(job)
-            except RequestEnded as ended:
-                self.reporter.end(record, GenState.FAILED, ended.error)
+                while True:
+                    try:
+                        await self._run(job)
+                        return
+                    except RequestEnded as ended:
+                        if not record.state.terminal and self.reporter.may_retry(job, ended):
+                            self.end_ticket(job, ended.error)  # done already when the stages ran
+                            self.reporter.retry(job, ended)
+                            continue
+                        self.reporter.end(record, GenState.FAILED, self.reporter.final_error(job, ended))
+                        return
             except asyncio.CancelledError:
                 # cancel() or stop() ended the generation already; this only unwinds the calls.
                 pass
@@ -135,7 +146,9 @@ class StagePipeline:
         try:
             plan = plan_to_proto(self.core.plan_for(ticket.ticket_id))
         except BrokerError as err:
-            # Ended since it was placed (cancelled, its DiT restarted): nothing was sent yet.
+            # Ended since it was placed (cancelled, its DiT restarted or forgotten): nothing was
+            # sent yet.
+            raise_if_interrupted(job)
             raise RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
         # Everything the plan shows (the ticket, its pages and sequence number, the DiT's regions)
         # must be on disk before a replica hears of it: a broker restarted without it would hand
@@ -148,6 +161,7 @@ class StagePipeline:
         try:
             self.core.plan_for(ticket.ticket_id)  # still live after the wait (no await from here on)
         except BrokerError as err:
+            raise_if_interrupted(job)
             raise RequestEnded(ErrorInfo(err.code, err.reason, err.message)) from None
         deadline_time = None
         if remaining is not None:
@@ -187,29 +201,38 @@ class StagePipeline:
         )
         watch = asyncio.create_task(self._watch_transfer(job, ticket.ticket_id), name="watch-ticket")
         stages_done = False
+        # The error that ended this attempt when the generation will run again (not its end).
+        attempt_error: ErrorInfo | None = None
+        interrupt: asyncio.Future[Any] = job.interrupt
         try:
-            pending: set[asyncio.Task[Any]] = {prefill, denoise}
+            pending: set[asyncio.Future[Any]] = {prefill, denoise}
             while pending:
                 # Once the image is here every write was verified, so a Prefill reply that is
                 # still missing only carries timings: wait for it a while, not for its deadline.
                 grace = PREFILL_REPLY_GRACE_SECONDS if denoise.done() else None
-                done, pending = await asyncio.wait(
-                    pending, timeout=grace, return_when=asyncio.FIRST_COMPLETED
-                )
+                # A replica of this attempt forgotten by force ends it, unless the image is here.
+                watched = pending if denoise.done() else pending | {interrupt}
+                done, _ = await asyncio.wait(watched, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     log.warning("prefill_reply_late", ar_replica=ar.replica_id, waited_s=grace)
                     break
+                pending -= done
                 # The first failure ends the request; `finally` stops the other stage.
                 await raise_first_failure(done, prefill, denoise)
+                if interrupt in done and not denoise.done():
+                    raise_if_interrupted(job)
             stages_done = True
         except RequestEnded as ended:
-            self.reporter.end(record, GenState.FAILED, ended.error)
+            if self.reporter.may_retry(job, ended):
+                attempt_error = ended.error
+            else:
+                self.reporter.end(record, GenState.FAILED, self.reporter.final_error(job, ended))
             raise
         finally:
             if not stages_done:
                 # End the ticket before cancelling the stage calls, so that its outcome is the
                 # request's and not a stage's echo of the cancellation (the DiT releases on cancel).
-                self.end_ticket(job)
+                self.end_ticket(job, attempt_error)
             for task in (prefill, denoise, watch):
                 task.cancel()
             # Cancelling the tasks cancels their RPCs: the AR shields its writes and reports,
@@ -230,7 +253,9 @@ class StagePipeline:
             reply: ar_pb2.PrefillResponse = await call
         except grpc.aio.AioRpcError as err:
             note_connection_failure(self.core, self.channels, spec, err)
-            raise RequestEnded(stage_error(err, "Prefill", "AR", spec.replica_id)) from None
+            raise RequestEnded(
+                stage_error(err, "Prefill", "AR", spec.replica_id), replica_id=spec.replica_id, replica_role="AR"
+            ) from None
         return reply
 
     async def _denoise(
@@ -279,7 +304,9 @@ class StagePipeline:
                     )
         except grpc.aio.AioRpcError as err:
             note_connection_failure(self.core, self.channels, spec, err)
-            raise RequestEnded(stage_error(err, "Denoise", "DiT", replica_id)) from None
+            raise RequestEnded(
+                stage_error(err, "Denoise", "DiT", replica_id), replica_id=replica_id, replica_role="DIT"
+            ) from None
         raise RequestEnded(
             ErrorInfo(
                 "UNAVAILABLE",
@@ -296,13 +323,20 @@ class StagePipeline:
                     self.reporter.advance(job.record, GenState.TRANSFERRING)
                 return
 
-    def end_ticket(self, job: GenerationJob) -> None:
-        """Tell the core the request is over (once). A no-op for a ticket the DiT already released."""
+    def end_ticket(self, job: GenerationJob, attempt_error: ErrorInfo | None = None) -> None:
+        """Tell the core the request is over (once). A no-op for a ticket the DiT already released.
+
+        `attempt_error`: the error that ended this attempt of a generation that runs again on
+        another replica. Its ticket ends exactly as the generation's would have with that error
+        (rolled back, or draining until no write can land); a generation that ended meanwhile
+        (cancelled) ends its ticket as itself."""
         if job.ticket_ended:
             return
         job.ticket_ended = True
         state = job.record.state
         error = job.record.error
+        if attempt_error is not None and not state.terminal:
+            state, error = GenState.FAILED, attempt_error
         self._note_link(job, state, error.reason if error is not None else "")
         if state is GenState.SUCCEEDED:
             return  # the DiT released it OK after decoding
@@ -339,6 +373,13 @@ class StagePipeline:
             self.core.note_transfer_failed(ticket.ar_replica_id, ticket.dit_replica_id)
 
 
+def raise_if_interrupted(job: GenerationJob) -> None:
+    """Raise what ended the job's running attempt from outside its stage calls (a replica of it
+    forgotten by force: Orchestrator.replica_forgotten), if anything did."""
+    if job.interrupt.done():
+        raise job.interrupt.result()
+
+
 def stage_error(err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str) -> ErrorInfo:
     """A stage call's gRPC error as the generation's error, naming the RPC and the replica."""
     code, reason, message = reason_of(err)
@@ -370,7 +411,7 @@ async def prefer_writer_failure(denoise: asyncio.Task[Any], prefill: asyncio.Tas
 
 
 async def raise_first_failure(
-    done: set[asyncio.Task[Any]], prefill: asyncio.Task[Any], denoise: asyncio.Task[Any]
+    done: set[asyncio.Future[Any]], prefill: asyncio.Task[Any], denoise: asyncio.Task[Any]
 ) -> None:
     """Raise the failure of the stage calls that finished this round, if any: the AR's cause
     before the DiT's echo of it, also when both finished in the same round (before, the set's

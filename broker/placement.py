@@ -10,28 +10,38 @@ orders the queue (FIFO is the queue's rule, admission.py) and never talks to a r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import grpc
 
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import ErrorInfo, RequestEnded
 from kvrelay.broker.registry import ReplicaRole, ReplicaSpec
-from kvrelay.broker.tickets import BrokerError, ReplicaId, Ticket
+from kvrelay.broker.tickets import BrokerError, ReplicaId, Ticket, TicketId
 from kvrelay.errors import KvRelayServerError, invalid_argument
 from kvrelay.transfer.planner import cfg_group
 
 
-def ar_candidates(core: BrokerCore) -> list[ReplicaId]:
-    """The up, unfenced, reachable AR replicas, fewest live tickets first."""
+def ar_candidates(core: BrokerCore, exclude: Collection[ReplicaId] = ()) -> list[ReplicaId]:
+    """The up, unfenced, reachable AR replicas (but those in `exclude`), fewest live tickets first."""
     load = core.live_tickets_per_ar()
     return [
         rid
         for _, rid in sorted(
             (load.get(s.spec.replica_id, 0), s.spec.replica_id)
             for s in core.list_replicas(ReplicaRole.AR)
-            if s.up and not s.fenced and s.reachable
+            if s.up and not s.fenced and s.reachable and s.spec.replica_id not in exclude
         )
+    ]
+
+
+def serving_replicas(core: BrokerCore, role: ReplicaRole, exclude: Collection[ReplicaId] = ()) -> list[ReplicaId]:
+    """The up, unfenced, reachable replicas of `role` but those in `exclude`, whether or not they
+    have room now: whom a generation retried away from `exclude` could still be placed on."""
+    return [
+        s.spec.replica_id
+        for s in core.list_replicas(role)
+        if s.up and not s.fenced and s.reachable and s.spec.replica_id not in exclude
     ]
 
 
@@ -46,12 +56,16 @@ def takes_image(spec: ReplicaSpec, side: int) -> bool:
     return not spec.max_image_side or side <= spec.max_image_side
 
 
-def dit_candidates(core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0) -> list[ReplicaId]:
-    """The up, unfenced, reachable DiT replicas that fit the rows now (and whose model generates
-    an image `image_side` pixels wide or high), most free pages first."""
+def dit_candidates(
+    core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0, exclude: Collection[ReplicaId] = ()
+) -> list[ReplicaId]:
+    """The up, unfenced, reachable DiT replicas (but those in `exclude`) that fit the rows now (and
+    whose model generates an image `image_side` pixels wide or high), most free pages first."""
     keyed = []
     for status in core.list_replicas(ReplicaRole.DIT):
         rid = status.spec.replica_id
+        if rid in exclude:
+            continue
         if not status.up or status.fenced or not status.reachable or not takes_image(status.spec, image_side):
             continue
         if not core.fits_now(rid, row_token_counts):
@@ -68,13 +82,14 @@ def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int], image_
 
 
 def choose_pair(
-    core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0
+    core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0, exclude: Collection[ReplicaId] = ()
 ) -> tuple[ReplicaId | None, ReplicaId | None]:
     """The AR and DiT for one generation: the least-loaded AR and the DiT with the most free pages,
     skipping pairs whose last transfer failed within its backoff (`BrokerCore.link_suspect`)
-    while another pair can take the request; when every pair is suspect, the plain choice."""
-    ars = ar_candidates(core)
-    dits = dit_candidates(core, row_token_counts, image_side)
+    while another pair can take the request; when every pair is suspect, the plain choice.
+    Never a replica in `exclude` (those that failed this generation's earlier attempts)."""
+    ars = ar_candidates(core, exclude)
+    dits = dit_candidates(core, row_token_counts, image_side, exclude)
     for ar_id in ars:
         for dit_id in dits:
             if not core.link_suspect(ar_id, dit_id):
@@ -126,17 +141,29 @@ def check_ever_fits(core: BrokerCore, counts: Sequence[int]) -> None:
     raise never
 
 
-def place(core: BrokerCore, request_id: str, token_counts: Sequence[int], width: int = 0, height: int = 0) -> Ticket | None:
+def place(
+    core: BrokerCore,
+    request_id: str,
+    token_counts: Sequence[int],
+    width: int = 0,
+    height: int = 0,
+    *,
+    exclude: Collection[ReplicaId] = (),
+    replaces: TicketId = "",
+) -> Ticket | None:
     """A RESERVED ticket for this generation on the chosen replicas, or None: not now.
 
+    `exclude` and `replaces` place a retried generation: never on a replica that failed it, and
+    beside its earlier attempt's ticket (`replaces`), which ended and may still drain.
     Raises RequestEnded when it can never run (no DiT could ever hold it, or the chosen
     replicas refuse it for good).
     """
-    if core.ticket_for_request(request_id) is not None:
+    existing = core.ticket_for_request(request_id)
+    if existing is not None and not (replaces and existing.ticket_id == replaces):
         # An earlier generation with this id still drains its ticket; the core keys tickets
         # by request_id, so this one waits until that ticket is released.
         return None
-    ar_id, dit_id = choose_pair(core, token_counts, max(width, height))
+    ar_id, dit_id = choose_pair(core, token_counts, max(width, height), exclude)
     if dit_id is None:
         try:
             # The DiT replicas may have changed since admission (one restarted smaller): a
@@ -149,7 +176,7 @@ def place(core: BrokerCore, request_id: str, token_counts: Sequence[int], width:
     if ar_id is None or dit_id is None:
         return None
     try:
-        return core.create_ticket(request_id, ar_id, dit_id, token_counts)
+        return core.create_ticket(request_id, ar_id, dit_id, token_counts, replaces=replaces)
     except BrokerError as err:
         if err.code == "UNAVAILABLE":
             return None  # the replica went down between choice and reservation: next round

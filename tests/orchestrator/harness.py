@@ -137,6 +137,8 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.prefills: list[str] = []
         self.deadlines: list[float | None] = []
         self.writes_resolved = 0
+        # The page memory of each further DiT replica, by replica id (`memory` is the first's).
+        self.memories: dict[str, DitMemory] = {}
         self._writers: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -233,7 +235,8 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
             await abort_with(context, self.fail_after_arming)
         staging = self._staging(request, writes)
         # Armed: the writes run to their final reports even if this RPC is cancelled.
-        writer = asyncio.create_task(self._write_and_report(request.ticket_id, writes, staging))
+        memory = self.memories.get(request.plan.ticket.dit_replica_id, self.memory)
+        writer = asyncio.create_task(self._write_and_report(request.ticket_id, writes, staging, memory))
         self._writers.add(writer)
         writer.add_done_callback(self._writers.discard)
         t0 = time.monotonic()
@@ -252,7 +255,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         return (pattern * (size // len(pattern) + 1))[:size]
 
     async def _write_and_report(
-        self, ticket_id: str, writes: tuple[PlannedWrite, ...], staging: bytes
+        self, ticket_id: str, writes: tuple[PlannedWrite, ...], staging: bytes, memory: DitMemory
     ) -> int:
         reported: set[int] = set()
         total = 0
@@ -260,7 +263,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
             await self.write_gate.wait()
             for i, w in enumerate(writes):
                 for seg in w.segments:
-                    self.memory.pool[seg.dst_offset : seg.dst_offset + seg.length] = staging[
+                    memory.pool[seg.dst_offset : seg.dst_offset + seg.length] = staging[
                         seg.src_offset : seg.src_offset + seg.length
                     ]
                 checksum = checksum_segments(staging, w.segments, side="src")
@@ -328,6 +331,8 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         self.released: list[tuple[str, int]] = []
         self.deadlines: list[float | None] = []
         self.fail_denoise: KvRelayServerError | None = None
+        self.dead = False  # killed (`kill`): releases nothing any more
+        self.denoised: list[str] = []  # ticket ids of every Denoise call, in order
         self.server_options = server_options if server_options is not None else GRPC_OPTIONS
         # How the broker reaches this replica (set before start: e.g. through a TcpProxy).
         self.advertise: Callable[[str], Any] | None = None
@@ -392,10 +397,18 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         if self._channel is not None:
             await self._channel.close()
 
+    async def kill(self) -> None:
+        """What `kill -9` of the DiT process looks like to the broker: its server goes away in the
+        middle of its calls, and it releases nothing (its lease still runs)."""
+        self.dead = True
+        if self._server is not None:
+            await self._server.stop(0)
+
     async def Denoise(
         self, request: dit_pb2.DenoiseRequest, context: Any
     ) -> AsyncIterator[dit_pb2.DenoiseEvent]:
         self.denoise_started.set()
+        self.denoised.append(request.ticket_id)
         self.deadlines.append(context.time_remaining())
         ticket_id = request.ticket_id
         outcome = broker_pb2.TICKET_OUTCOME_CANCELLED
@@ -519,6 +532,8 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
         return {(w.row, w.src_rank, w.dst_rank): w for w in plan_transfer(GEOMETRY, 1, 1, rows)}
 
     async def _release(self, ticket_id: str, outcome: int, reason: str) -> None:
+        if self.dead:
+            return
         self.released.append((ticket_id, outcome))
         # UsageError: the test is tearing down and this replica's channel is already closed.
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
@@ -577,6 +592,8 @@ class Cluster:
     dit_proxy: TcpProxy | None = None
     # The broker's GenerationService servicer (its detached generations, its image budget).
     generation: GenerationServicer | None = None
+    # DiT replicas started with `add_dit`.
+    extra_dits: list[DitReplica] = field(default_factory=list)
 
     @property
     def api(self) -> generation_pb2_grpc.GenerationServiceStub:
@@ -595,6 +612,15 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise AssertionError(f"pages did not come back: {pool}")
             await asyncio.sleep(0.02)
+
+    async def add_dit(self, replica_id: str, num_pages: int, **kw: Any) -> DitReplica:
+        """Start and register a further DiT replica (its own page memory); the cluster stops it."""
+        memory = DitMemory(num_pages)
+        dit = DitReplica(self.target, memory, replica_id=replica_id, **kw)
+        self.ar.memories[replica_id] = memory
+        self.extra_dits.append(dit)
+        await dit.start()
+        return dit
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         value = self.registry.get_sample_value(name, labels or {})
@@ -674,17 +700,22 @@ async def cluster(
 
         dit.advertise = through_proxy
     channel = grpc.aio.insecure_channel(server.address, options=GRPC_OPTIONS)
+    made: Cluster | None = None
     try:
         await ar.start()
         await dit.start()
-        yield Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset, proxy,
-                      generation)
+        made = Cluster(core, orchestrator, registry, server.address, channel, ar, dit, memory, clock_offset, proxy,
+                       generation)
+        yield made
     finally:
         if proxy is not None:
             await proxy.stop()
         await channel.close()
         await ar.stop()
         await dit.stop()
+        if made is not None:
+            for extra in made.extra_dits:
+                await extra.stop()
         await orchestrator.stop()
         maintenance.cancel()
         with contextlib.suppress(asyncio.CancelledError):

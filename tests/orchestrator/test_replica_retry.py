@@ -1,0 +1,309 @@
+"""A generation whose AR or DiT replica stops answering mid-request runs again on another replica
+(broker.max_replica_retries), over real gRPC against the real broker.
+
+The failed attempt's ticket ends exactly as a failed request's does (here: a killed DiT's
+CONSUMING ticket keeps its pages until the DiT's next incarnation proves its reader gone), the
+generation goes back to the queue's head, is placed on a replica that did not fail it, with the
+same seed, and its client sees states and steps only move forward. Cancellation, the client's
+deadline and the retry bound still end it; nothing leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+
+from kvrelay.broker.tickets import TicketOutcome, TicketState
+from kvrelay.errors import KvRelayServerError
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2
+
+from .harness import Cluster, cluster, collect, pages_of, request, run, wait_until
+
+S = generation_pb2
+DENOISING, SUCCEEDED, FAILED, CANCELLED = (
+    S.GENERATION_STATE_DENOISING,
+    S.GENERATION_STATE_SUCCEEDED,
+    S.GENERATION_STATE_FAILED,
+    S.GENERATION_STATE_CANCELLED,
+)
+RETRIES = "kvrelay_generation_retries_total"
+
+
+async def read_until(call: Any, state: int, events: list[Any]) -> None:
+    while True:
+        event = await call.read()
+        assert event is not grpc.aio.EOF, f"stream ended before state {state}: {events}"
+        events.append(event)
+        if event.state == state:
+            return
+
+
+def pool(c: Cluster, replica_id: str) -> Any:
+    (p,) = c.core.pool_status(replica_id)
+    assert p.free + p.reserved + p.draining == p.total, p
+    return p
+
+
+async def wait_free(c: Cluster, replica_id: str) -> None:
+    await wait_until(lambda: pool(c, replica_id).free == pool(c, replica_id).total, what=f"{replica_id} pages back")
+
+
+def assert_forward_only(events: list[Any]) -> None:
+    """What SDK and CLI watchers assume: the state never goes back, nor the step within DENOISING."""
+    seen = [(e.state, e.step) for e in events]
+    assert seen == sorted(seen), seen
+    # Only the placement of a retry repeats a state and step: with the new attempt's ticket.
+    tagged = [(e.state, e.step, e.ticket_id) for e in events]
+    assert len(tagged) == len(set(tagged)), f"an event repeated: {tagged}"
+
+
+def test_a_dit_killed_mid_denoise_hands_the_generation_to_the_other_dit() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            other = await c.add_dit("dit-1", num_pages=16)  # fewer free pages: dit-0 is chosen first
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7, num_inference_steps=3), timeout=20)
+            events: list[Any] = []
+            await read_until(call, DENOISING, events)
+            first = c.orchestrator.get("r").ticket_id
+            assert c.core.get_ticket(first).dit_replica_id == "dit-0"
+            await c.dit.kill()
+            events += await collect(call)
+            final = events[-1]
+            assert final.state == SUCCEEDED, final.error
+            assert final.image.seed == 7 and final.image.png
+            assert final.ticket_id != first
+            second = c.core.get_ticket(final.ticket_id)
+            assert (second.dit_replica_id, second.outcome) == ("dit-1", TicketOutcome.OK)
+            assert other.denoised == [final.ticket_id]
+            assert c.ar.prefills == ["r", "r"]  # the AR ran the same request again, for the new ticket
+            assert_forward_only(events)
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 1
+            assert c.metric("kvrelay_generations_total", {"outcome": "succeeded"}) == 1
+            assert c.metric("kvrelay_generations_total", {"outcome": "failed"}) == 0
+            # The failed attempt's ticket ended as any failed request's: the killed DiT was reading
+            # it, so its pages stay held until the DiT's next incarnation proves that reader gone.
+            old = c.core.get_ticket(first)
+            assert (old.state, old.outcome, old.reason) == (
+                TicketState.CONSUMING, TicketOutcome.FAILED, "REPLICA_UNAVAILABLE"
+            )
+            assert pool(c, "dit-0").reserved == len(old.page_ids) > 0
+            await wait_free(c, "dit-1")
+            await c.dit.restart_with(32)
+            await wait_free(c, "dit-0")
+            assert c.core.get_ticket(first).state is TicketState.RELEASED
+
+    run(body())
+
+
+def test_the_same_seed_gives_the_same_image_on_the_retry() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            await c.add_dit("dit-1", num_pages=16)
+            undisturbed = (await collect(c.api.Generate(request(request_id="a", seed=99), timeout=20)))[-1]
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="b", seed=99), timeout=20)
+            await read_until(call, DENOISING, [])
+            await c.dit.kill()
+            retried = (await collect(call))[-1]
+            assert retried.state == SUCCEEDED
+            assert retried.image.png == undisturbed.image.png
+
+    run(body())
+
+
+def test_max_replica_retries_0_fails_the_generation_as_before() -> None:
+    async def body() -> None:
+        async with cluster(max_replica_retries=0) as c:
+            other = await c.add_dit("dit-1", num_pages=16)
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7), timeout=20)
+            await read_until(call, DENOISING, [])
+            await c.dit.kill()
+            final = (await collect(call))[-1]
+            assert final.state == FAILED
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE")
+            assert "dit-0" in final.error.message and "(tried" not in final.error.message
+            assert other.denoised == []
+            assert c.ar.prefills == ["r"]
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 0
+
+    run(body())
+
+
+def test_retries_exhausted_fail_the_generation_saying_how_often_it_was_tried() -> None:
+    async def body() -> None:
+        async with cluster(max_replica_retries=1) as c:
+            second = await c.add_dit("dit-1", num_pages=24)
+            third = await c.add_dit("dit-2", num_pages=16)
+            second.fail_denoise = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "connection reset")
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7), timeout=20)
+            await read_until(call, DENOISING, [])
+            await c.dit.kill()
+            final = (await collect(call))[-1]
+            assert final.state == FAILED
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE")
+            assert "dit-1" in final.error.message  # the last attempt's replica
+            assert "tried 2 times" in final.error.message
+            assert "max_replica_retries is 1" in final.error.message
+            assert len(second.denoised) == 1 and third.denoised == []
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 1
+            await wait_free(c, "dit-1")
+            await wait_free(c, "dit-2")
+
+    run(body())
+
+
+def test_with_no_other_replica_up_the_generation_fails_at_once() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7), timeout=20)
+            await read_until(call, DENOISING, [])
+            await c.dit.kill()
+            final = (await collect(call))[-1]
+            assert final.state == FAILED
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE")
+            assert "tried 1 time, not retried: no other DiT replica is up" in final.error.message
+            assert c.ar.prefills == ["r"]
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 0
+
+    run(body())
+
+
+def test_an_ar_that_stops_answering_hands_the_generation_to_another_ar() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            from .harness import ArReplica
+
+            second = ArReplica(c.target, c.memory, replica_id="ar-1")
+            await second.start()
+            try:
+                c.ar.fail_prefill = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "UNAVAILABLE", "rank 0 died")
+                final = (await collect(c.api.Generate(request(request_id="r", seed=3), timeout=20)))[-1]
+                assert final.state == SUCCEEDED, final.error
+                assert c.core.get_ticket(final.ticket_id).ar_replica_id == "ar-1"
+                assert c.ar.prefills == ["r"] and second.prefills == ["r"]
+                assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 1
+                await c.wait_pool_free()
+            finally:
+                await second.stop()
+
+    run(body())
+
+
+def test_a_deadline_too_close_is_not_retried() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            other = await c.add_dit("dit-1", num_pages=16)
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7), timeout=20)
+            await read_until(call, DENOISING, [])
+            c.clock_offset[0] += 19.5  # the broker's clock: half a second before the client's deadline
+            await c.dit.kill()
+            final = (await collect(call))[-1]
+            assert final.state == FAILED
+            assert final.error.reason == "REPLICA_UNAVAILABLE"
+            assert "not retried: the client's deadline is" in final.error.message
+            assert other.denoised == []
+
+    run(body())
+
+
+def test_cancel_while_requeued_ends_it_cancelled_and_returns_every_page() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            # dit-1 holds one request at a time: of two generations retried there, one waits.
+            other = await c.add_dit("dit-1", num_pages=pages_of("a cat") + 1)
+            other.step_gate.clear()
+            c.dit.step_gate.clear()
+            calls = {rid: c.api.Generate(request(request_id=rid, seed=5), timeout=20) for rid in ("x", "y")}
+            for call in calls.values():
+                await read_until(call, DENOISING, [])
+            await c.dit.kill()
+            queue = c.orchestrator.queue
+            await wait_until(lambda: len(other.denoised) == 1 and queue.depth() == 1, what="one retried, one waiting")
+            waiting = next(rid for rid in calls if not queue.job(rid).placed.done())  # type: ignore[union-attr]
+            running = "y" if waiting == "x" else "x"
+            assert queue.job(waiting).attempt == 2  # type: ignore[union-attr]
+            await c.api.CancelGeneration(S.CancelGenerationRequest(request_id=waiting), timeout=5)
+            final = (await collect(calls[waiting]))[-1]
+            assert final.state == CANCELLED
+            assert queue.depth() == 0 and queue.job(waiting) is None
+            other.step_gate.set()
+            done = (await collect(calls[running]))[-1]
+            assert done.state == SUCCEEDED
+            assert len(other.denoised) == 1  # the cancelled one never ran a second attempt
+            await wait_free(c, "dit-1")
+            await c.dit.restart_with(32)
+            await wait_free(c, "dit-0")
+            assert c.core.list_tickets() == []
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 2
+
+    run(body())
+
+
+def test_forgetting_the_failed_dit_by_force_leaves_the_retried_generation_alone() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            other = await c.add_dit("dit-1", num_pages=16)
+            other.step_gate.clear()
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7), timeout=20)
+            await read_until(call, DENOISING, [])
+            first = c.orchestrator.get("r").ticket_id
+            await c.dit.kill()
+            await wait_until(lambda: len(other.denoised) == 1, what="the retry on dit-1")
+            await wait_until(lambda: other.loaded.is_set(), what="the retry loaded")
+            c.core.deregister_replica(c.dit.replica_id, c.dit.incarnation_id)
+            broker = broker_pb2_grpc.BrokerServiceStub(c.channel)
+            reply = await broker.ForgetReplica(
+                broker_pb2.ForgetReplicaRequest(replica_id="dit-0", force=True), timeout=5
+            )
+            assert list(reply.ended_ticket_ids) == [first]  # the earlier attempt's, ended already
+            other.step_gate.set()
+            final = (await collect(call))[-1]
+            assert final.state == SUCCEEDED, final.error
+
+    run(body())
+
+
+def test_a_dit_forgotten_by_force_mid_denoise_hands_the_generation_to_the_other_dit() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            other = await c.add_dit("dit-1", num_pages=16)
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=7), timeout=20)
+            await read_until(call, DENOISING, [])
+            first = c.orchestrator.get("r").ticket_id
+            # Cut off (it neither steps nor ends), then forgotten by an operator.
+            c.core.deregister_replica(c.dit.replica_id, c.dit.incarnation_id)
+            broker = broker_pb2_grpc.BrokerServiceStub(c.channel)
+            await broker.ForgetReplica(broker_pb2.ForgetReplicaRequest(replica_id="dit-0", force=True), timeout=5)
+            final = (await asyncio.wait_for(collect(call), 10))[-1]
+            assert final.state == SUCCEEDED, final.error
+            assert final.ticket_id != first and other.denoised == [final.ticket_id]
+            assert c.metric(RETRIES, {"reason": "REPLICA_FORGOTTEN"}) == 1
+            await wait_free(c, "dit-1")
+
+    run(body())
+
+
+def test_the_retry_never_goes_back_to_the_replica_that_failed_it() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            # A call the DiT's process ended (its stream cancelled) without the broker losing the
+            # connection: dit-0 stays up and reachable, and still has the most free pages.
+            other = await c.add_dit("dit-1", num_pages=16)
+            c.dit.fail_denoise = KvRelayServerError(grpc.StatusCode.CANCELLED, "CANCELLED", "the process is exiting")
+            final = (await collect(c.api.Generate(request(request_id="r", seed=7), timeout=20)))[-1]
+            assert final.state == SUCCEEDED, final.error
+            assert len(c.dit.denoised) == 1 and other.denoised == [final.ticket_id]
+            assert c.core.get_replica("dit-0").reachable
+            await c.wait_pool_free()
+            await wait_free(c, "dit-1")
+
+    run(body())
