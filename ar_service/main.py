@@ -30,11 +30,14 @@ from kvrelay.broker_credential import BrokerCredentialWatch, credential_fix
 from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConfig, load_config
 from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
+from kvrelay.replica_token import ReplicaToken, TokenSource
 from kvrelay.security import (
     CallerClass,
+    Credentials,
     SecurityError,
     load_credentials,
     make_channel,
+    replica_token_file_for,
     require_bound_credential,
 )
 from kvrelay.server import GrpcServer
@@ -90,7 +93,8 @@ def _rank_spec(
         device_name=str(stage.extra.get("device_name", "")),
         # The per-worker memory budget of the stage is this rank's staging buffer.
         staging_bytes=stage.kv_cache_memory_bytes,
-        # PutKv (the fallback transport) dials DiT replicas as this replica.
+        # PutKv (the fallback transport) dials DiT replicas as this replica; each command brings
+        # its bearer (Credentials.put_kv_channel).
         channel_security=load_credentials(security, replica_id).put_kv_channel(replica_id),
     )
 
@@ -177,7 +181,12 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         if refused or (stop.phase == "serving" and not fail_stop.is_set() and not stop.requested):
             await server.set_serving(not refused)
 
-    channel = make_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id))
+    # The token as the process holds it now: re-read from its file when the broker refuses it
+    # (a rotated secret); a swap reaches the server, the registration and the broker channel at once.
+    token = ReplicaToken(replica_id, creds, TokenSource(replica_token_file_for(cfg.security, replica_id),
+                                                        cfg.security.replica_token_env))  # fmt: skip
+    channel = make_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id),
+                           live_metadata=token.broker_metadata)  # fmt: skip
     stub = broker_stub(channel)
     servicer = ArServicer(stub, metrics, on_fail_stop)
     server = GrpcServer(
@@ -262,6 +271,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             # the engine takes several per command (the built-in one; vLLM's takes one).
             max_prefill_batch=stage.max_num_seqs if first.prefill_batch_tokens > 0 else 1,
             max_prefill_batch_tokens=first.prefill_batch_tokens,
+            put_kv_bearer=token.put_kv_bearer,
         )
         servicer.attach(state)
         assert servicer.reporter is not None
@@ -288,8 +298,14 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             heartbeat_interval_s=cfg.broker.heartbeat_interval,
             token=creds.replica_token,
             on_fail_stop=on_fail_stop,
-            credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused),
+            credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused, token=token),
         )
+
+        def on_token_swap(new: Credentials, registration: ArRegistration = registration) -> None:
+            server.replace_credentials(new)
+            registration.token = new.replica_token or ""
+
+        token.on_swap = on_token_swap
         stop.phase = f"registering with the broker at {_broker_address(args, cfg)}"
         try:
             await stop.until_stopped(

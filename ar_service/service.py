@@ -168,6 +168,10 @@ class ArReplicaState:
     # several per command, else 1) and their token cap (the oldest waiting ticket always goes).
     max_prefill_batch: int = 1
     max_prefill_batch_tokens: int = 0
+    # The bearer of a PutKv command, given the broker's write token: kvrelay.replica_token's
+    # put_kv_bearer (shared replica token: the one this AR holds now, a reload included); the
+    # ranks hold none of their own. By default the write token alone.
+    put_kv_bearer: Callable[[str], str] = str
 
 
 @dataclass(slots=True)
@@ -723,7 +727,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 plan=tuple(writes),
                 destinations=tuple(region_from_proto(d) for d in source.destinations),
                 timeout_s=step.timeout_s,
-                write_token=request.write_token,
+                write_token=state.put_kv_bearer(request.write_token),
             )
             t0 = time.perf_counter()
             try:

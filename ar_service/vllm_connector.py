@@ -194,12 +194,13 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._session = str(self._sender.session_id)
         elif transport == "grpc":
             from kvrelay.config import SecurityConfig
-            from kvrelay.security import CallerClass, load_credentials
+            from kvrelay.security import load_credentials
 
             replica_id = str(self._extra.get("replica_id", "")) or None
             security_cfg = SecurityConfig.model_validate(self._extra.get("security") or {})
             creds = load_credentials(security_cfg, replica_id) if replica_id else load_credentials(security_cfg)
-            security = creds.put_kv_channel(replica_id) if replica_id else creds.channel(CallerClass.REPLICA)
+            # Its id and TLS only: each write command brings its bearer (Credentials.put_kv_channel).
+            security = creds.put_kv_channel(replica_id)
             self._sender = make_sender("grpc", security=security)
         else:
             raise ValueError(f"KvRelayConnector: transport {transport!r} is not supported")

@@ -616,7 +616,8 @@ def refusals_table(refusals: Sequence[CredentialRefusal], now: _dt.datetime) -> 
     return (
         format_table(("REFUSED (CREDENTIAL)", "REASON", "LAST CALL", "REFUSALS", "LAST"), rows)
         + "\nThe broker does not take these replicas' tokens (REPLICA_TOKEN_MISMATCH: a token of an old replica"
-        + "\nsecret or another id's): restart each with the token `kvrelay token ID` prints where the secret is."
+        + "\nsecret or another id's): write each one's token, `kvrelay token ID` where the secret is, into its token"
+        + "\nfile (a running replica re-reads it), or restart it with that token in its environment."
     )
 
 

@@ -273,7 +273,8 @@ class CredentialRefusal:
     """A replica id whose calls the broker refuses for their credential (`reason`
     `REPLICA_TOKEN_MISMATCH`: a token of a rotated replica secret or another id's; or
     `UNAUTHENTICATED`), since the broker started or since that id last authenticated: that replica
-    is down until restarted with the token `kvrelay token ID` prints. `method`: the last refused RPC."""
+    is down until it holds the token `kvrelay token ID` prints (written into its token file, which it
+    re-reads while refused; else a restart with it). `method`: the last refused RPC."""
 
     replica_id: str
     reason: str

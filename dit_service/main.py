@@ -99,12 +99,15 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.models.bagel import stage_preset as model_preset
     from kvrelay.models.formats import model_dir
     from kvrelay.ports import PortInUse
+    from kvrelay.replica_token import ReplicaToken, TokenSource
     from kvrelay.security import (
         CallerClass,
+        Credentials,
         SecurityError,
         check_bind,
         load_credentials,
         make_channel,
+        replica_token_file_for,
         require_bound_credential,
     )
     from kvrelay.transfer.transport import RegionDescriptor
@@ -227,7 +230,12 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         log.info("page_memory_ready", replica_id=replica_id, num_pages=memory.num_pages, page_bytes=memory.page_bytes,
                  ranks=world, transport=stage.transport, regions=[r.endpoint[:64] for r in regions])
 
-        channel = make_channel(broker_address, creds.channel(CallerClass.REPLICA, replica_id))
+        # The token as the process holds it now: re-read from its file when the broker refuses it
+        # (a rotated secret); a swap reaches the server, the registration and the broker channel at once.
+        token = ReplicaToken(replica_id, creds, TokenSource(replica_token_file_for(cfg.security, replica_id),
+                                                            cfg.security.replica_token_env))  # fmt: skip
+        channel = make_channel(broker_address, creds.channel(CallerClass.REPLICA, replica_id),
+                               live_metadata=token.broker_metadata)  # fmt: skip
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         state = DitReplicaState(
             replica_id=replica_id, incarnation_id=incarnation_id, stage=stage, geometry=geometry, memory=memory,
@@ -253,8 +261,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
             on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
             owed_releases=servicer.owed_releases,
-            credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused),
+            credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused, token=token),
         )
+
+        def on_token_swap(new: Credentials, registration: Registration = registration) -> None:
+            server.replace_credentials(new)
+            registration.token = new.replica_token or ""
+
+        token.on_swap = on_token_swap
         stop.phase = f"registering with the broker at {broker_address}"
         await stop.until_stopped(registration.register(broker=broker_address, wait_s=cfg.broker.register_wait_seconds))
         registration.start_heartbeats()

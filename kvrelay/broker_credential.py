@@ -2,17 +2,19 @@
 
 After the broker's replica secret changes and the broker restarts, a replica still holding a token
 derived from the old secret is refused on every heartbeat (`UNAUTHENTICATED` /
-`REPLICA_TOKEN_MISMATCH`): its lease lapses and the broker routes nothing to it. Nothing the
-replica can do fixes that (the token is given at start), and stopping it would turn a broker
-misconfiguration into an outage of the whole fleet: so it keeps heartbeating (a broker given its
-old secret back takes it again at once) and makes the refusal impossible to miss. One log line
-`broker_refuses_credential` names the cause and the fix (restart it with the token `kvrelay token
-ID` prints), repeated at most every REPEAT_LOG_S; `kvrelay_{ar,dit}_credential_refused` is 1 and
-gRPC health NOT_SERVING while it lasts, so a readiness probe, `kvrelay health` and a scrape see
-it; `broker_accepts_credential` when it ends.
+`REPLICA_TOKEN_MISMATCH`): its lease lapses and the broker routes nothing to it. A token from a
+file is re-read on each refusal (kvrelay.replica_token): a new one there is presented on the next
+call, without a restart. Otherwise (the token in an environment variable, or the file still old)
+stopping would not fix it, and would turn a broker misconfiguration into an outage of the whole
+fleet: so it keeps heartbeating (a broker given its old secret back takes it again at once) and
+makes the refusal impossible to miss. One log line `broker_refuses_credential` names the cause,
+where the token came from and the fix (write the new token into the file; for an environment
+variable, restart with the token `kvrelay token ID` prints), repeated at most every REPEAT_LOG_S;
+`kvrelay_{ar,dit}_credential_refused` is 1 and gRPC health NOT_SERVING while it lasts, so a
+readiness probe, `kvrelay health` and a scrape see it; `broker_accepts_credential` when it ends.
 
 Owns the decision and the rate limit only: the registrations call it with what their calls
-answered, and `on_change` (the process's gauge and health) is theirs.
+answered, `on_change` (the process's gauge and health) is theirs, the reload kvrelay.replica_token's.
 """
 
 from __future__ import annotations
@@ -25,26 +27,45 @@ import grpc
 
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
+from kvrelay.replica_token import ReplicaToken, TokenSource
 
 log = get_logger(__name__)
 
 REPEAT_LOG_S: Final = 60.0
 
 
-def credential_fix(replica_id: str, reason: str) -> str:
-    """What to do about a broker refusing `replica_id`'s credential with `reason`."""
+def credential_fix(replica_id: str, reason: str, source: TokenSource | None = None) -> str:
+    """What to do about a broker refusing `replica_id`'s credential with `reason`. `source` is
+    where the running replica's token came from (None: a replica that is not running on, e.g. its
+    first registration refused: it exits, and a restart reads its token again)."""
     if reason == "REPLICA_TOKEN_MISMATCH":
-        return (
+        cause = (
             f"the broker does not take this replica's token as {replica_id!r}: its replica secret "
             "(security.replica_secret_env / _file) changed (a rotation: every token changes) or this "
-            f"replica holds another id's token; restart this replica with the token `kvrelay token {replica_id}` "
-            "prints where the broker's secret is (security.replica_token_env / replica_token_file)"
+            "replica holds another id's token"
         )
-    return (
-        "the broker takes no replica credential this replica presents: the deployment's replica token "
-        "(security.replica_token_env / replica_token_file) differs from the broker's, or the broker now "
-        "requires one (or a client certificate); restart this replica with the broker's"
-    )
+        new = f"the token `kvrelay token {replica_id}` prints where the broker's secret is"
+    else:
+        cause = (
+            "the broker takes no replica credential this replica presents: the deployment's replica token "
+            "(security.replica_token_env / replica_token_file) differs from the broker's, or the broker now "
+            "requires one (or a client certificate)"
+        )
+        new = "the broker's replica token"
+    if source is not None and source.reloadable:
+        return (
+            f"{cause}; write {new} into {source.file}, replacing the file in one step (write a temporary file, "
+            "then rename it over): this replica re-reads it on every refusal and presents the new token "
+            "without a restart"
+        )
+    if source is not None and source.env:
+        return (
+            f"{cause}; this replica's token came from ${source.env}, which a running process cannot re-read: "
+            f"restart it with {new} there (a token in security.replica_token_file is re-read without a restart)"
+        )
+    if reason == "REPLICA_TOKEN_MISMATCH":
+        return f"{cause}; restart this replica with {new} (security.replica_token_env / replica_token_file)"
+    return f"{cause}; restart this replica with {new}"
 
 
 class BrokerCredentialWatch:
@@ -57,8 +78,11 @@ class BrokerCredentialWatch:
         on_change: Callable[[bool], Awaitable[None]] | None = None,
         repeat_log_s: float = REPEAT_LOG_S,
         clock: Callable[[], float] = time.monotonic,
+        token: ReplicaToken | None = None,
     ) -> None:
         self.replica_id = replica_id
+        # Re-read on every refusal when its token came from a file (kvrelay.replica_token).
+        self.token = token
         self._on_change = on_change
         self._repeat_log_s = repeat_log_s
         self._clock = clock
@@ -78,6 +102,12 @@ class BrokerCredentialWatch:
         if not isinstance(err, grpc.RpcError) or err.code() != grpc.StatusCode.UNAUTHENTICATED:
             return False
         _, reason, message = reason_of(err)
+        reload = await self.token.reload() if self.token is not None else None
+        if reload is not None and reload.reloaded:
+            # A new token from the file (logged credential_reloaded): the next call presents it.
+            # Not a refusal of that one, so no NOT_SERVING for a rotation whose token files were
+            # written before the broker restarted.
+            return True
         now = self._clock()
         first = self._since is None
         if first:
@@ -93,7 +123,9 @@ class BrokerCredentialWatch:
                 message=message,
                 refusals=self.refusals,
                 refused_for_s=round(now - (self._since or now), 1),
-                fix=credential_fix(self.replica_id, reason),
+                token_source=self.token.source.describe() if self.token is not None else "unknown",
+                token_file=(reload.error or reload.state) if reload is not None else "not reloadable",
+                fix=credential_fix(self.replica_id, reason, self.token.source if self.token is not None else None),
                 consequence="the broker routes nothing to this replica until it takes its credential",
             )
         if first:

@@ -311,13 +311,22 @@ class Credentials:
         }[caller_class]
         return ChannelSecurity(token=token, replica_id=replica_id, tls=self.tls, keepalive=self.keepalive)
 
-    def put_kv_channel(self, replica_id: str) -> ChannelSecurity:
-        """How an AR replica dials DiT replicas' PutKv. Bound mode: the replica id alone; each
-        call carries the write token the broker gave for that DiT (its own token would let the
-        DiT act as this AR at the broker)."""
+    def put_kv_channel(self, replica_id: str | None) -> ChannelSecurity:
+        """How an AR replica's ranks dial DiT replicas' PutKv: the replica id alone, in every mode;
+        each call carries its bearer (`put_kv_bearer`: bound mode, the write token the broker gave
+        for that DiT, as its own token would let the DiT act as this AR at the broker; shared mode,
+        the replica token the AR holds when it sends the command). The ranks are other processes:
+        a token kept in their channel would outlive a reload of the AR's token file
+        (kvrelay.replica_token), half the replica presenting the new token and half the old."""
+        return ChannelSecurity(token=None, replica_id=replica_id, tls=self.tls, keepalive=self.keepalive)
+
+    def put_kv_bearer(self, write_token: str) -> str:
+        """The bearer of one PutKv command of this AR: the broker's `write_token` in bound mode
+        ("" when it gave none: this AR's own token never goes to a DiT there), else the shared
+        replica token (or "" in a development deployment)."""
         if self.bound_replica_tokens:
-            return ChannelSecurity(token=None, replica_id=replica_id, tls=self.tls, keepalive=self.keepalive)
-        return self.channel(CallerClass.REPLICA, replica_id)
+            return write_token
+        return self.replica_token or ""
 
     def broker_channel(self, replica_id: str | None) -> ChannelSecurity:
         """How the broker dials the replica `replica_id` (Tokenize, Prefill, Denoise). Bound
@@ -443,7 +452,7 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
         secret = _read_secret(cfg.replica_secret_env, cfg.replica_secret_file, "replica_secret")
     else:
         # `{name}` gives each replica its own file (bound mode: `kvrelay token NAME` > it).
-        token_file = cfg.replica_token_file.replace("{name}", name) if cfg.replica_token_file else None
+        token_file = replica_token_file_for(cfg, name)
         replica_token = _read_secret(cfg.replica_token_env, token_file, "replica_token")
     creds = Credentials(
         api_token=_read_secret(cfg.api_token_env, cfg.api_token_file, "api_token"),
@@ -471,6 +480,20 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
             "no replica token (nor security.tls.require_client_cert); replica RPCs would be open to anyone"
         )
     return creds
+
+
+def replica_token_file_for(cfg: SecurityConfig, name: str) -> str | None:
+    """The file replica `name` reads its token from (`{name}` filled in), or None when its token
+    comes from an environment variable (`security.replica_token_env`)."""
+    return cfg.replica_token_file.replace("{name}", name) if cfg.replica_token_file else None
+
+
+def read_replica_token_file(path: str) -> str:
+    """The replica token in `path`, checked as at start (bounded read of a regular file, UTF-8,
+    printable ASCII, not empty); SecurityError names the file and why, never its content."""
+    token = _read_secret(None, path, "replica_token")
+    assert token is not None  # a file either yields a token or raises
+    return token
 
 
 def read_replica_secret(cfg: SecurityConfig) -> str | None:
@@ -611,12 +634,17 @@ _SYNC_CLIENT_INTERCEPTORS: tuple[Any, ...] = (
 )
 
 
+Metadata = tuple[tuple[str, str], ...]
+
+
 class _AioMetadata:
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, metadata: Callable[[], Metadata]) -> None:
+        # Asked on every call: a replica that reloads its token file presents the new token on
+        # its next call, on the same channel (kvrelay.replica_token).
         self._metadata = metadata
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        md = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self._metadata))
+        md = grpc.aio.Metadata(*(tuple(details.metadata or ()) + self._metadata()))
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, md, details.credentials, details.wait_for_ready
         )
@@ -644,7 +672,7 @@ class _AioStreamStream(_AioMetadata, grpc.aio.StreamStreamClientInterceptor):  #
         return await continuation(self._details(details), request_iterator)
 
 
-def _aio_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[Any]:
+def _aio_interceptors(metadata: Callable[[], Metadata]) -> list[Any]:
     return [kind(metadata) for kind in (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)]
 
 
@@ -687,13 +715,19 @@ def make_channel(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     options: Sequence[tuple[str, Any]] = (),
+    live_metadata: Callable[[], Metadata] | None = None,
 ) -> grpc.aio.Channel:
     """A grpc.aio channel to `target`: TLS when `security.tls` is set, token and replica id on
-    every call, message size limits explicit, HTTP/2 keepalive on (`Keepalive`)."""
+    every call, message size limits explicit, HTTP/2 keepalive on (`Keepalive`).
+    `live_metadata`, when given, is asked for the token and id on every call instead of
+    `security`'s (a replica whose token file may be reloaded: kvrelay.replica_token)."""
     security = security or ChannelSecurity()
     opts = [*channel_options(max_request_bytes, security.keepalive), *_tls_options(security.tls), *options]
-    md = security.metadata()
-    interceptors = _aio_interceptors(md) if md else None
+    interceptors = None
+    if live_metadata is not None:
+        interceptors = _aio_interceptors(live_metadata)
+    elif md := security.metadata():
+        interceptors = _aio_interceptors(lambda: md)
     if security.tls is not None:
         return grpc.aio.secure_channel(target, _channel_credentials(security.tls), options=opts,
                                        interceptors=interceptors)
@@ -1014,8 +1048,9 @@ class CredentialRefusals:
             return
         self._logged_in_window += 1
         self._next_log[replica_id] = tick + REFUSAL_LOG_S
-        fix = (f"restart {replica_id!r} with the token `kvrelay token {replica_id}` prints where this broker's "
-               "secret is (a replica secret rotated since it started?)" if reason == "REPLICA_TOKEN_MISMATCH"
+        fix = (f"give {replica_id!r} the token `kvrelay token {replica_id}` prints where this broker's secret is "
+               "(a replica secret rotated since it started?): in its security.replica_token_file, which it re-reads "
+               "while refused, else restart it with it" if reason == "REPLICA_TOKEN_MISMATCH"
                else f"give {replica_id!r} the replica credential this server takes")  # fmt: skip
         log.warning("replica_credential_refused", replica_id=replica_id, method=short, reason=reason, why=why,
                     fix=fix, repeat_after_s=REFUSAL_LOG_S)  # fmt: skip
@@ -1301,6 +1336,8 @@ __all__ = [
     "permission_denied",
     "put_kv_token",
     "read_replica_secret",
+    "read_replica_token_file",
+    "replica_token_file_for",
     "replica_token_for",
     "require_bound_credential",
     "server_credentials",

@@ -72,6 +72,7 @@ class GrpcServer:
     _server: grpc.aio.Server | None = field(default=None, repr=False)
     _health: Any = field(default=None, repr=False)
     _metrics: Any = field(default=None, repr=False)
+    _auth: AuthInterceptor | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
@@ -82,7 +83,8 @@ class GrpcServer:
         check_bind(self.host, creds, self.insecure_bind, self.name)
         # Logging outside authorization: an undecodable request is INVALID_ARGUMENT before anything
         # else runs, and the authorization's own lines carry the request's ids.
-        interceptors: list[Any] = [logging_interceptor(), AuthInterceptor(creds, self.checks, self.rules, self.credential_refusals)]
+        self._auth = AuthInterceptor(creds, self.checks, self.rules, self.credential_refusals)
+        interceptors: list[Any] = [logging_interceptor(), self._auth]
         registry = self._registry()
         if registry is not None:
             add_process_metrics(registry)
@@ -128,6 +130,14 @@ class GrpcServer:
                 raise
         log.info("grpc_listening", service=self.name, address=self.address, metrics_port=self.bound_metrics_port)
         return self.bound_port
+
+    def replace_credentials(self, creds: Credentials) -> None:
+        """What every call admitted from now on is checked against (a replica that reloaded its
+        token file, kvrelay.replica_token: the broker's call tokens and the AR write tokens derive
+        from it). Calls already admitted run on; listening options and TLS stay as started."""
+        self.credentials = creds
+        if self._auth is not None:
+            self._auth.creds = creds
 
     def _registry(self) -> Any:
         if self.metrics_registry is not None:
