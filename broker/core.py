@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -566,7 +567,7 @@ class BrokerCore:
                 t.destination_gone(REPLICA_FORGOTTEN, now)
             elif t.ar_replica_id == replica_id and old in (TicketState.RESERVED, TicketState.WRITING):
                 assert not (t.armed and t.unresolved()), f"ticket {t.ticket_id}: unresolved writes of a forgotten AR"
-                t.end_request(TicketOutcome.FAILED, REPLICA_FORGOTTEN, now, self.drain_quiet_seconds)
+                t.end_request(TicketOutcome.FAILED, REPLICA_FORGOTTEN, now, self._quiet_seconds(t, now))
             else:
                 continue
             self._settle(t, old)
@@ -1039,8 +1040,8 @@ class BrokerCore:
             raise FailedPrecondition(
                 "STALE_INCARNATION", f"ticket {ticket_id} belongs to another incarnation of DiT {t.dit_replica_id}"
             )
-        old = t.state
-        if t.release_by_consumer(outcome, reason, self.clock(), self.drain_quiet_seconds):
+        old, now = t.state, self.clock()
+        if t.release_by_consumer(outcome, reason, now, self._quiet_seconds(t, now)):
             self._settle(t, old)
             self._commit([t])
         return self._snapshot(ticket_id)
@@ -1055,8 +1056,8 @@ class BrokerCore:
         if released is not None:
             return released
         t = self._live(ticket_id)
-        old = t.state
-        if t.end_request(outcome, reason, self.clock(), self.drain_quiet_seconds):
+        old, now = t.state, self.clock()
+        if t.end_request(outcome, reason, now, self._quiet_seconds(t, now)):
             self._settle(t, old)
             self._commit([t])
             log.info("ticket_ended", ticket_id=ticket_id, outcome=outcome.value, state=t.state.value, reason=reason)
@@ -1203,19 +1204,25 @@ class BrokerCore:
     def _try_drain(self, t: TicketRecord, now: float | None = None) -> bool:
         old = t.state
         now = self.clock() if now is None else now
-        quiet = self.drain_quiet_seconds
-        if self.receiver_settle_seconds > 0 and t.writer_gone_writes():
-            # No sender is left, but the receiver's side is not proven drained: wait out its
-            # watchdog's limit, and never free while the DiT is down (stopped as a whole, it runs
-            # no watchdog; its ranks drain as soon as it runs again).
-            dit = self.registry.find(t.dit_replica_id)
-            if dit is not None and not dit.up(now):
-                return False
-            quiet = max(quiet, self.receiver_settle_seconds)
-        if t.try_drain(now, quiet):
+        if t.try_drain(now, self._quiet_seconds(t, now)):
             self._settle(t, old)
             return True
         return False
+
+    def _quiet_seconds(self, t: TicketRecord, now: float) -> float:
+        """How long after its last resolved write a ticket's pages wait before they are freed.
+        The quiet period, unless a write was resolved without its bytes being known to have
+        landed (`receiver_unsettled_writes`: its sender gone, or its transport call failed): no
+        more is sent, but the receiving rank may be stopped with bytes of it in its socket. Then
+        wait out its watchdog's limit, and never free while the DiT is down (stopped as a whole,
+        it runs no watchdog; its ranks drain as soon as it runs again): infinity."""
+        quiet = self.drain_quiet_seconds
+        if self.receiver_settle_seconds > 0 and t.receiver_unsettled_writes():
+            dit = self.registry.find(t.dit_replica_id)
+            if dit is not None and not dit.up(now):
+                return math.inf
+            quiet = max(quiet, self.receiver_settle_seconds)
+        return quiet
 
     def _settle(self, t: TicketRecord, old: TicketState) -> None:
         """Move the ticket's pages to match its new state."""
@@ -1369,7 +1376,7 @@ class BrokerCore:
                     # DiT never does that, so the listing (pages kept) wins.
                     continue
                 old = t.state
-                if t.release_by_consumer(outcome, reason, now, self.drain_quiet_seconds):
+                if t.release_by_consumer(outcome, reason, now, self._quiet_seconds(t, now)):
                     self._settle(t, old)
                     changed.append(t)
             for t in list(self._tickets.values()):
@@ -1383,7 +1390,7 @@ class BrokerCore:
                     # Orphaned by the broker restart and the DiT does not read it: every write
                     # was verified before READY, so nothing can land any more.
                     old = t.state
-                    t.release_by_consumer(TicketOutcome.FAILED, BROKER_RESTARTED, now, self.drain_quiet_seconds)
+                    t.release_by_consumer(TicketOutcome.FAILED, BROKER_RESTARTED, now, self._quiet_seconds(t, now))
                     self._settle(t, old)
                     changed.append(t)
         return changed
@@ -1426,7 +1433,7 @@ class BrokerCore:
             if t.state is TicketState.DRAINING:
                 self._try_drain(t, now)
             else:
-                t.orphan(BROKER_RESTARTED, now, self.drain_quiet_seconds)
+                t.orphan(BROKER_RESTARTED, now, self._quiet_seconds(t, now))
                 self._settle(t, old)
         self._commit(restored)
         log.info("broker_restored", replicas=len(contents.replicas), tickets=len(restored))

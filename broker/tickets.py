@@ -304,6 +304,15 @@ class TicketRecord:
         """Writes resolved by proof that their sender is gone, not by its own final report."""
         return [k for k, w in self.writes.items() if w.status is WriteStatus.WRITER_GONE]
 
+    def receiver_unsettled_writes(self) -> list[WriteKey]:
+        """Resolved writes whose bytes may still sit in the receiver's socket: nothing more is
+        sent, but what was sent is not known to have landed. WRITER_GONE (the sender is gone), and
+        FAILED: the transport call returned an error, which ends the sending, not the receiving
+        (Mooncake's engine fails a batch after its own MC_TRANSFER_TIMEOUT while a stopped
+        receiving rank still holds part of it in its socket, and writes it into the pages once it
+        runs again). OK was acknowledged by the receiver; NOT_STARTED sent nothing."""
+        return [k for k, w in self.writes.items() if w.status in (WriteStatus.WRITER_GONE, WriteStatus.FAILED)]
+
     def quiet_until(self, quiet_seconds: float) -> float:
         """When the pages may be freed, once every write is resolved."""
         last = self.last_resolution_time

@@ -473,11 +473,11 @@ class KvRelayConfig(_Strict):
 
     @property
     def receiver_settle_seconds(self) -> float:
-        """How long after a writer is proven gone (WRITER_GONE) the broker holds its ticket's
-        pages, and only frees them while the DiT replica is up: a DiT rank stopped at that moment
-        may hold bytes of the dead sender in its socket buffer; it either runs again (and drains
-        them) or stays silent until its watchdog kills it, within the DiT's stall limit plus one
-        watch interval. One second of margin for the kill and the drain."""
+        """How long after a writer is proven gone (WRITER_GONE), or its write FAILED (the call
+        ended, not the receiving), the broker holds its ticket's pages, and only frees them while
+        the DiT replica is up: a DiT rank stopped at that moment may hold bytes of the sender in
+        its socket buffer; it either runs again (and drains them) or stays silent until its
+        watchdog kills it, within the DiT's stall limit plus one watch interval. One second of margin for the kill and the drain."""
         return self.rank_stall_seconds_for(self.dit_stage) + self.rank_watch_interval + 1.0
 
     def rank_stall_seconds_for(self, stage: StageConfig) -> float:

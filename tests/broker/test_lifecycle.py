@@ -563,7 +563,7 @@ def test_pages_of_a_gone_writer_wait_until_a_stopped_receiver_drained_or_was_kil
     one stopped at that moment holds the dead sender's bytes until it runs again (then drains
     them) or its watchdog kills it (within `receiver_settle_seconds`). So the pages wait that
     long after the proof, and never free while the DiT is down (a stopped service runs no
-    watchdog). A writer's own final report keeps the plain quiet period."""
+    watchdog). A writer's own NOT_STARTED (nothing sent) keeps the plain quiet period."""
     settle = 30.0
     core = BrokerCore(None, clock=clock, lease_seconds=10.0, drain_quiet_seconds=QUIET,
                       receiver_settle_seconds=settle, journal_synchronous="OFF")
@@ -598,11 +598,57 @@ def test_pages_of_a_gone_writer_wait_until_a_stopped_receiver_drained_or_was_kil
         core.heartbeat(ar2.replica_id, ar2.incarnation_id)
         t2 = armed(core, ar2, dit, request_id="req-2")
         for w in t2.writes:
-            _report(core, t2, w.key, ar2, WriteStatus.FAILED)
+            _report(core, t2, w.key, ar2, WriteStatus.NOT_STARTED)
         core.cancel_ticket(t2.ticket_id, TicketOutcome.TIMED_OUT)
         clock.advance(QUIET)
         core.tick()
         assert core.get_ticket(t2.ticket_id).state is TicketState.RELEASED
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("ends", ["after_the_report", "with_the_report"])
+def test_pages_of_a_failed_write_wait_until_a_stopped_receiver_drained_or_was_killed(clock, ends: str) -> None:
+    """FAILED ends the sending, not the receiving. Found black-box (Mooncake TCP, a DiT rank
+    SIGSTOPped mid-write): the engine failed the batch after its own MC_TRANSFER_TIMEOUT, the AR
+    reported FAILED (final), the pages were freed `drain_quiet_seconds` later while the rank was
+    still stopped, and when it ran again it wrote 26 pages of the old request into pages no ticket
+    held (any next request's). So a FAILED write's pages wait like a gone writer's: the
+    receiver's settle time, and never while the DiT is down; also when the request ends after
+    the quiet period (a write that failed inside the DiT's wait: no IN_DOUBT, no DRAINING yet)."""
+    settle = 30.0
+    core = BrokerCore(None, clock=clock, lease_seconds=10.0, drain_quiet_seconds=QUIET,
+                      receiver_settle_seconds=settle, journal_synchronous="OFF")
+    try:
+        ar, dit = ar_spec(), dit_spec(num_pages=16)
+        core.register_replica(ar)
+        core.register_replica(dit)
+        t = armed(core, ar, dit)
+        if ends == "after_the_report":
+            for w in t.writes:
+                _report(core, t, w.key, ar, WriteStatus.IN_DOUBT)
+            core.cancel_ticket(t.ticket_id, TicketOutcome.TIMED_OUT)
+        for w in t.writes:
+            _report(core, t, w.key, ar, WriteStatus.FAILED)
+        clock.advance(QUIET * 2)
+        if ends == "with_the_report":
+            core.cancel_ticket(t.ticket_id, TicketOutcome.FAILED)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+        assert pages(core)[0] < 16
+        for _ in range(3):  # the DiT heartbeats; the settle time has not passed
+            clock.advance(8.0)
+            core.heartbeat(dit.replica_id, dit.incarnation_id)
+            core.heartbeat(ar.replica_id, ar.incarnation_id)
+            core.tick()
+            assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+        clock.advance(11.0)  # past the settle time, but the DiT's lease lapsed: it may be stopped
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+        core.heartbeat(dit.replica_id, dit.incarnation_id)  # it runs again (its ranks drained)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+        assert pages(core) == (16, 0, 0)
     finally:
         core.close()
 

@@ -170,3 +170,72 @@ def test_a_stopped_receiver_leaves_the_write_in_doubt_and_its_pages_held(tmp_pat
                 watcher.stop.set()
                 watcher.join(10)
         assert watcher.checks > 10 and watcher.violations == [], watcher.violations[:3]
+
+
+ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's own limit on a batch (its minimum)
+SETTLE_STALL_S = 20.0
+
+
+def _engine_fails_first(cfg: dict[str, Any]) -> None:
+    _config(cfg)
+    # The receiver's stop (the engine's limit and a few seconds) stays under its stall limit, so
+    # nothing kills it: only the broker's hold keeps its pages from the next request.
+    cfg["stages"][1]["rank_stall_seconds"] = SETTLE_STALL_S
+
+
+def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until_the_receiver_ran(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FAILED ends the sending, not the receiving (found black-box). A DiT rank is stopped
+    mid-write; past MC_TRANSFER_TIMEOUT the AR's engine call returns -1 and the AR reports the
+    writes FAILED, final. The rank still holds part of the batch in its socket and writes it into
+    the pages when it runs again. Before, the broker freed those pages `drain_quiet_seconds` after
+    the report, while the rank was still stopped, and 26 of 69 pages that no ticket held (the next
+    request's) changed when it was continued. Now they wait the receiver's settle time (the DiT's
+    stall limit + a watch interval + 1 s, docs/broker.md), and no byte of them changes after they
+    are freed."""
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(ENGINE_TIMEOUT_S))
+    with running_node(tmp_path, "failed", _engine_fails_first) as node, \
+            KvRelayClient(node.address(), timeout=30) as client:
+        total = wait_pools_full(client)[0].total_pages
+        # A warm connection: the engine's own limit applies to a batch on an established lane
+        # (a first write to a stopped receiver waits in the handshake until the rank is killed).
+        assert client.generate(SHORT, seed=7, width=64, height=64, timeout=60).result().png
+        ranks = _dit_ranks(node)
+        (pool_file,) = Path("/dev/shm").glob(f"kvrelay-dit-0-{node.process('dit-0').pid}-rank0-*")
+        stopped = False
+        try:
+            for p in ranks:
+                os.kill(p.pid, signal.SIGSTOP)
+            stopped = True
+            first = client.generate(LONG, negative_prompt=LONG, seed=1, width=64, height=64, timeout=60)
+            with pytest.raises(KvRelayError) as info:
+                first.result()
+            assert (info.value.code, info.value.reason) == ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT"), info.value
+            # The engine gives up on the batch: the AR's final report.
+            ticket = _wait("the AR's FAILED report", lambda: (
+                t if (t := _ticket_of(client, first.request_id)) is not None and t.writes
+                and all(w.status == WriteStatus.FAILED for w in t.writes) else None), timeout=ENGINE_TIMEOUT_S + 15)
+            held = {p for r in ticket.rows for p in r.page_ids}
+            # Past the quiet period (0.2 s) and the lease (2 s): the receiver still holds the bytes.
+            time.sleep(2.5)
+            assert _ticket_of(client, first.request_id).state == TicketState.DRAINING
+            (pool,) = client.get_pools()
+            assert pool.draining_pages == len(held) and pool.free_pages == total - len(held), pool
+        finally:
+            if stopped:
+                for p in ranks:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGCONT)
+        # The rank runs again and drains its socket; the pages come back after the settle time,
+        # and nothing of the failed write lands in them afterwards.
+        wait_pools_full(client, timeout=SETTLE_STALL_S + 20)
+        page_bytes = pool_file.stat().st_size // total
+        def pages_now() -> list[bytes]:
+            data = pool_file.read_bytes()
+            return [data[p * page_bytes:(p + 1) * page_bytes] for p in sorted(held)]
+        freed = pages_now()
+        time.sleep(1.0)
+        assert pages_now() == freed, "bytes of the failed write landed in freed pages"
+        assert _ticket_of(client, first.request_id).state == TicketState.RELEASED
+        assert client.generate(SHORT, seed=7, width=64, height=64, timeout=60).result().png
