@@ -2,7 +2,9 @@
 
 Owns child processes only: it starts the broker, waits for its gRPC health to say SERVING, then
 starts every replica of the config and waits for each to be SERVING; prints where everything
-listens; restarts a child that exits (exponential backoff, capped, logged); and on Ctrl-C,
+listens; restarts a child that exits (exponential backoff, capped, logged); keeps asking a child
+that was SERVING for its health and logs one line when it turns NOT_SERVING or stops answering
+(naming its log) and one when it serves again, never restarting it for that; and on Ctrl-C,
 SIGTERM or SIGHUP stops everything: SIGTERM to each child (replicas first, the broker last), a grace
 period, then SIGKILL to whatever of a child's process group or descendants is still alive. A second
 signal is a fast stop: each child still running gets its second SIGTERM (its own fast stop,
@@ -87,6 +89,13 @@ DEFAULT_BACKOFF_MAX = 30.0
 DEFAULT_STABLE_SECONDS = 60.0
 _POLL_SECONDS = 0.2
 _LOG_TAIL_LINES = 30
+# Once a child has been SERVING, its health is asked again this often: a replica turns NOT_SERVING
+# while the broker refuses its credential, and a wedged process stops answering while it runs.
+HEALTH_WATCH_SECONDS = 2.0
+# This many unanswered checks in a row (each waits HEALTH_CHECK_TIMEOUT_S) count as "stopped
+# answering": one slow answer on a loaded host does not. An answer other than SERVING counts at once.
+UNANSWERED_CHECKS = 3
+HEALTH_CHECK_TIMEOUT_S = 1.0
 # How long registration and an advertised endpoint may take to show up once a replica is SERVING.
 ADVERTISED_TIMEOUT_S = 10.0
 
@@ -125,6 +134,9 @@ class ProcessInfo:
     metrics: str | None
     serving: bool
     restarts: int
+    # What its health has said since it stopped being SERVING ("NOT_SERVING", "not answering its
+    # health check: DEADLINE_EXCEEDED"); None while SERVING, and while it starts.
+    health_lost: str | None = None
 
 
 @dataclass(eq=False)
@@ -138,6 +150,10 @@ class _Child:
     next_start_at: float | None = None
     log_file: IO[bytes] | None = None
     channel: grpc.Channel | None = None
+    # The health watch of a SERVING child (`Node._watch_health`): reset at each start.
+    next_watch_at: float = 0.0
+    unanswered: int = 0
+    health_lost: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -286,8 +302,10 @@ class Node:
         cwd: str | os.PathLike[str] | None = None,
         verify_advertised: bool = True,
         credentials: Credentials | None = None,
+        health_watch_seconds: float = HEALTH_WATCH_SECONDS,
     ) -> None:
         self.verify_advertised = verify_advertised
+        self.health_watch_seconds = health_watch_seconds
         # The node's credentials: health checks dial children with its TLS roots and certificate.
         self.credentials = credentials or Credentials()
         self._phases = [[_Child(spec) for spec in phase] for phase in phases]
@@ -387,7 +405,8 @@ class Node:
         with self._lock:
             return [
                 ProcessInfo(
-                    c.spec.name, c.spec.role, c.pid, c.spec.address, c.spec.metrics, c.serving, c.restarts
+                    c.spec.name, c.spec.role, c.pid, c.spec.address, c.spec.metrics, c.serving, c.restarts,
+                    c.health_lost,
                 )
                 for c in self._children
             ]
@@ -424,7 +443,7 @@ class Node:
         rows = [("PROCESS", "PID", "ADDRESS", "METRICS", "STATE")]
         for p in self.processes():
             metrics = f"http://{p.metrics}/metrics" if p.metrics else "-"
-            state = "SERVING" if p.serving else "starting"
+            state = (p.health_lost or "SERVING") if p.serving else "starting"
             rows.append((p.name, str(p.pid or "-"), p.address, metrics, state))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join(
@@ -570,7 +589,11 @@ class Node:
                 if not child.serving and self._check_serving(child):
                     with self._lock:
                         child.serving = True
+                    child.next_watch_at = now + self.health_watch_seconds
                     log.info("child_serving", child=child.spec.name, pid=child.pid, restarts=child.restarts)
+                elif child.serving and now >= child.next_watch_at:
+                    self._watch_health(child)
+                    child.next_watch_at = time.monotonic() + self.health_watch_seconds
                 return
             ran = now - child.started_at
             self._kill_leftovers(child.proc.pid)
@@ -605,6 +628,45 @@ class Node:
             self._spawn(child)
             log.info("child_restarted", child=child.spec.name, pid=child.pid, restarts=child.restarts)
 
+    def _watch_health(self, child: _Child) -> None:
+        """Ask a child that was SERVING for its health again; log one line when it stops being
+        SERVING (an answer other than SERVING, or UNANSWERED_CHECKS unanswered checks in a row)
+        and one when it is SERVING again: once per change, never a restart (the process runs; an
+        exit is `_tend`'s). Without it, `kvrelay up` showed a replica the broker refused as SERVING."""
+        status, error = self._health(child)
+        if status == "SERVING":
+            child.unanswered = 0
+            if child.health_lost is not None:
+                was = child.health_lost
+                with self._lock:
+                    child.health_lost = None
+                log.info("child_serving_again", child=child.spec.name, pid=child.pid, was=was)
+            return
+        if status is None:
+            child.unanswered += 1
+            if child.unanswered < UNANSWERED_CHECKS:
+                return
+            what = f"not answering its health check: {error}"
+        else:
+            what = status
+        if child.health_lost is not None:
+            return  # reported when it stopped being SERVING; NOT_SERVING <-> unanswered is no news
+        with self._lock:
+            child.health_lost = what
+        log.warning("child_not_serving", child=child.spec.name, pid=child.pid, health=what,
+                    see=self._where_to_look(child, answered=status is not None))  # fmt: skip
+
+    def _where_to_look(self, child: _Child, *, answered: bool) -> str:
+        """Where a child's own account of its state is (its log, or this terminal), and what it
+        may say."""
+        if answered:
+            why = "a replica is NOT_SERVING while its broker refuses its credential, and while it stops"
+        else:
+            why = "a process that runs but does not answer is stuck or starved of CPU"
+        if self.log_dir is None:
+            return f"its own lines above on stderr ({why})"
+        return f"{self.log_dir / f'{child.spec.name}.log'} ({why})"
+
     # -- process handling -----------------------------------------------------------------------
 
     def _spawn(self, child: _Child) -> None:
@@ -636,21 +698,28 @@ class Node:
             child.proc = proc
             child.started_at = time.monotonic()
             child.serving = False
+            child.health_lost = None
+        child.unanswered = 0
         self._close_channel(child)
         log.info("child_started", child=child.spec.name, pid=proc.pid, argv=" ".join(child.spec.argv))
 
     def _check_serving(self, child: _Child) -> bool:
+        return self._health(child)[0] == "SERVING"
+
+    def _health(self, child: _Child) -> tuple[str | None, str]:
+        """(the child's gRPC health status name, '') when it answers, else (None, the error)."""
         if child.channel is None:
             child.channel = make_sync_channel(child.spec.address, self.credentials.channel(CallerClass.PUBLIC))
         stub = health_pb2_grpc.HealthStub(child.channel)
         try:
-            response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-        except grpc.RpcError:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_CHECK_TIMEOUT_S)
+        except grpc.RpcError as err:
             # A channel that failed to connect waits out gRPC's reconnect backoff (seconds);
             # a fresh one notices a child that has just started listening at once.
             self._close_channel(child)
-            return False
-        return bool(response.status == health_pb2.HealthCheckResponse.SERVING)
+            code = err.code() if isinstance(err, grpc.Call) else None
+            return None, code.name if code is not None else type(err).__name__
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), ""
 
     @staticmethod
     def _close_channel(child: _Child) -> None:

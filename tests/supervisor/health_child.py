@@ -8,7 +8,9 @@ refuses to start if it is not SERVING: that is how the supervisor's start order 
 Behaviour keys (per child name, e.g. "ar-0", or per role): serving_delay (s), crash_after (s after
 SERVING, exit code crash_code, default 3), exit_at_start (exit code), ignore_sigterm (bool), grandchild (bool),
 drain_seconds (after the first SIGTERM: a graceful drain this long, recorded as `draining`; a second
-SIGTERM during it is a fast stop, as in kvrelay/stopping.py: exit 4 at once, recorded `fast`).
+SIGTERM during it is a fast stop, as in kvrelay/stopping.py: exit 4 at once, recorded `fast`),
+health_file (bool: once SERVING, its health follows $CHILD_STATE_DIR/<name>.health, SERVING or
+NOT_SERVING, as a replica's does when its broker refuses, then takes, its credential).
 """
 
 from __future__ import annotations
@@ -92,7 +94,18 @@ def main() -> int:
     save(serving=time.time())
     print(f"{name} listening on {args.host}:{args.port}", flush=True)
     crash_at = time.monotonic() + float(behaviour["crash_after"]) if "crash_after" in behaviour else None
+    health_file = state_dir / f"{name}.health" if behaviour.get("health_file") else None
+    shown = "SERVING"
     while not stop["requested"]:
+        if health_file is not None:
+            try:
+                wanted = health_file.read_text().strip()
+            except FileNotFoundError:
+                wanted = "SERVING"
+            if wanted != shown:
+                servicer.set("", health_pb2.HealthCheckResponse.ServingStatus.Value(wanted))
+                shown = wanted
+                save(**{f"health_{wanted}": time.time()})
         if crash_at is not None and time.monotonic() >= crash_at:
             code = int(behaviour.get("crash_code", 3))
             print(f"kvrelay {args.role}: {name}: crashing with code {code} as asked", flush=True)
