@@ -175,6 +175,7 @@ def event_to_proto(snap: GenerationSnapshot) -> generation_pb2.GenerationEvent:
         error=_error(snap),
         ticket_id=snap.ticket_id,
         event_time=_timestamp(snap.update_time),
+        attempt=snap.attempt,
     )
 
 
@@ -200,6 +201,7 @@ def generation_to_proto(snap: GenerationSnapshot, with_image: bool = True) -> ge
         ticket_id=snap.ticket_id,
         create_time=_timestamp(snap.create_time),
         update_time=_timestamp(snap.update_time),
+        attempt=snap.attempt,
     )
 
 

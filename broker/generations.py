@@ -151,6 +151,7 @@ class GenerationSnapshot:
     ticket_id: str
     create_time: float  # wall clock (seconds since the epoch)
     update_time: float
+    attempt: int = 1  # > 1: run again on another replica (broker.max_replica_retries)
 
 
 @dataclass(slots=True)
@@ -168,6 +169,8 @@ class GenerationRecord:
     error: ErrorInfo | None = None
     ticket_id: str = ""
     update_time: float = 0.0
+    # 1, then one more each time the broker runs the generation again on another replica.
+    attempt: int = 1
     finished_mono: float | None = None
     finished_wall: float | None = None
     # Written to the journal (so its row must be deleted when the generation is forgotten).
@@ -193,6 +196,7 @@ class GenerationRecord:
             ticket_id=self.ticket_id,
             create_time=self.create_time,
             update_time=self.update_time or self.create_time,
+            attempt=self.attempt,
         )
 
     def subscribe(self) -> asyncio.Queue[GenerationSnapshot]:
@@ -233,6 +237,7 @@ def record_to_json(record: GenerationRecord) -> dict[str, Any]:
         "create_time": record.create_time,
         "update_time": record.update_time,
         "finished_wall": record.finished_wall,
+        "attempt": record.attempt,
     }
 
 
@@ -257,6 +262,7 @@ def record_from_json(data: dict[str, Any], finished_mono: float) -> GenerationRe
         error=None if data["error"] is None else ErrorInfo(**data["error"]),
         ticket_id=data["ticket_id"],
         update_time=data["update_time"],
+        attempt=int(data.get("attempt", 1)),  # journaled before retries: one attempt
         finished_mono=finished_mono,
         finished_wall=data["finished_wall"],
         persisted=True,
@@ -379,6 +385,7 @@ class GenerationStore:
         error: ErrorInfo | None = None,
         ticket_id: str | None = None,
         timings: dict[str, float] | None = None,
+        attempt: int | None = None,
     ) -> bool:
         """Move a generation on and tell every subscriber. A terminal generation never changes
         again (the first end wins, as the client saw it); returns False then."""
@@ -393,6 +400,8 @@ class GenerationStore:
             record.error = error
         if ticket_id is not None:
             record.ticket_id = ticket_id
+        if attempt is not None:
+            record.attempt = attempt
         if timings:
             record.timings.update(timings)
         record.update_time = self._wall()

@@ -285,6 +285,8 @@ class Orchestrator:
             ended_ticket_id=ended_ticket,
             message=ended.error.message,
         )
+        # Clients see the new attempt at once (state and step stay where the furthest one got).
+        self.store.update(job.record, job.record.state, attempt=job.attempt)
         self.queue.requeue(job)
 
     def expire(self, request_id: str) -> None:

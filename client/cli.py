@@ -233,12 +233,13 @@ class _Progress:
         self._tty = enabled and stream.isatty()
         self._bar: Any = None
         self._started = time.monotonic()
-        self._last: tuple[GenerationState, int] | None = None
+        self._last: tuple[GenerationState, int, int] | None = None
 
     def update(self, event: GenerationEvent) -> None:
-        if not self._enabled or (event.state, event.step) == self._last:
+        if not self._enabled or (event.state, event.step, event.attempt) == self._last:
             return
-        self._last = (event.state, event.step)
+        retried = self._last is not None and event.attempt > self._last[2]
+        self._last = (event.state, event.step, event.attempt)
         if self._tty:
             self._update_bar(event)
             return
@@ -246,6 +247,9 @@ class _Progress:
         text = event.state.name
         if event.state == GenerationState.DENOISING and event.total_steps:
             text += f" {event.step}/{event.total_steps}"
+        if retried:
+            # The broker runs it again on another replica (broker.max_replica_retries).
+            text += f" (its replica stopped answering: attempt {event.attempt} on another replica)"
         print(f"[{elapsed:7.2f}s] {text}", file=self._stream, flush=True)
 
     def _update_bar(self, event: GenerationEvent) -> None:
@@ -261,7 +265,8 @@ class _Progress:
                 bar_format="{desc:<14}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]",
             )
         bar = self._bar
-        bar.set_description_str(event.state.name.lower(), refresh=False)
+        name = event.state.name.lower()
+        bar.set_description_str(name if event.attempt <= 1 else f"{name} #{event.attempt}", refresh=False)
         if event.state == GenerationState.DENOISING and event.total_steps:
             if bar.total != event.total_steps:
                 bar.reset(total=event.total_steps)

@@ -157,7 +157,8 @@ class GenerationEvent:
     """One event of a `Generate` stream.
 
     `step`/`total_steps` count denoising steps (set in DENOISING); `image` and `timings` come
-    with SUCCEEDED; `error` with FAILED and CANCELLED.
+    with SUCCEEDED; `error` with FAILED and CANCELLED. `attempt` is 1, or more once the broker
+    ran the generation again on another replica (state and step still never go back).
     """
 
     request_id: str
@@ -169,6 +170,7 @@ class GenerationEvent:
     error: ErrorStatus | None = None
     ticket_id: str = ""
     event_time: _dt.datetime | None = None
+    attempt: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +222,7 @@ class Generation:
     ticket_id: str
     create_time: _dt.datetime | None
     update_time: _dt.datetime | None
+    attempt: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +411,7 @@ def error_status_from_pb(msg: common_pb2.ErrorStatus) -> ErrorStatus:
 
 
 # The fields a GenerationEvent and a Generation share (the proto gives both the same names).
-_PROGRESS = ("request_id", "state", "step", "total_steps", "image", "timings", "error", "ticket_id")
+_PROGRESS = ("request_id", "state", "step", "total_steps", "image", "timings", "error", "ticket_id", "attempt")
 
 
 def _progress_from_pb(msg: generation_pb2.GenerationEvent | generation_pb2.Generation) -> dict[str, Any]:
@@ -421,6 +424,8 @@ def _progress_from_pb(msg: generation_pb2.GenerationEvent | generation_pb2.Gener
         "timings": timings_from_pb(msg.timings) if msg.HasField("timings") else None,
         "error": error_status_from_pb(msg.error) if msg.HasField("error") else None,
         "ticket_id": msg.ticket_id,
+        # 0: a broker that predates retries, where every generation has one attempt.
+        "attempt": max(1, msg.attempt),
     }
 
 

@@ -26,35 +26,35 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvrelay.v1 import common_pb2 as kvrelay_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvrelay/v1/generation.proto\x12\nkvrelay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17kvrelay/v1/common.proto\"\xb2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x03 \x01(\t\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\x05width\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x06height\x18\x06 \x01(\rH\x02\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x16\x64\x65tach_timeout_seconds\x18\t \x01(\x01\x42\x07\n\x05_seedB\x08\n\x06_widthB\t\n\x07_heightB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scale\"\x9d\x01\n\x10GenerationParams\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x06 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x07 \x01(\x01\"\xac\x02\n\x0fGenerationEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.kvrelay.v1.GenerationState\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x13\n\x0btotal_steps\x18\x04 \x01(\r\x12 \n\x05image\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Image\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.kvrelay.v1.PhaseTimings\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.kvrelay.v1.ErrorStatus\x12\x11\n\tticket_id\x18\x08 \x01(\t\x12.\n\nevent_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x87\x03\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.kvrelay.v1.GenerationState\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.kvrelay.v1.GenerationParams\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x13\n\x0btotal_steps\x18\x05 \x01(\r\x12 \n\x05image\x18\x06 \x01(\x0b\x32\x11.kvrelay.v1.Image\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.kvrelay.v1.PhaseTimings\x12&\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x17.kvrelay.v1.ErrorStatus\x12\x11\n\tticket_id\x18\t \x01(\t\x12/\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"*\n\x14GetGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"C\n\x15GetGenerationResponse\x12*\n\ngeneration\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.Generation\"-\n\x17\x43\x61ncelGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"F\n\x18\x43\x61ncelGenerationResponse\x12*\n\ngeneration\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.Generation\"X\n\x16ListGenerationsRequest\x12+\n\x06states\x18\x01 \x03(\x0e\x32\x1b.kvrelay.v1.GenerationState\x12\x11\n\tpage_size\x18\x02 \x01(\r\"F\n\x17ListGenerationsResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.kvrelay.v1.Generation*\x91\x02\n\x0fGenerationState\x12 \n\x1cGENERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GENERATION_STATE_QUEUED\x10\x01\x12\x1f\n\x1bGENERATION_STATE_PREFILLING\x10\x02\x12!\n\x1dGENERATION_STATE_TRANSFERRING\x10\x03\x12\x1e\n\x1aGENERATION_STATE_DENOISING\x10\x04\x12\x1e\n\x1aGENERATION_STATE_SUCCEEDED\x10\x05\x12\x1b\n\x17GENERATION_STATE_FAILED\x10\x06\x12\x1e\n\x1aGENERATION_STATE_CANCELLED\x10\x07\x32\xec\x02\n\x11GenerationService\x12\x46\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1b.kvrelay.v1.GenerationEvent0\x01\x12T\n\rGetGeneration\x12 .kvrelay.v1.GetGenerationRequest\x1a!.kvrelay.v1.GetGenerationResponse\x12]\n\x10\x43\x61ncelGeneration\x12#.kvrelay.v1.CancelGenerationRequest\x1a$.kvrelay.v1.CancelGenerationResponse\x12Z\n\x0fListGenerations\x12\".kvrelay.v1.ListGenerationsRequest\x1a#.kvrelay.v1.ListGenerationsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvrelay/v1/generation.proto\x12\nkvrelay.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17kvrelay/v1/common.proto\"\xb2\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x03 \x01(\t\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\x05width\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x13\n\x06height\x18\x06 \x01(\rH\x02\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x07 \x01(\rH\x03\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\x08 \x01(\x01H\x04\x88\x01\x01\x12\x1e\n\x16\x64\x65tach_timeout_seconds\x18\t \x01(\x01\x42\x07\n\x05_seedB\x08\n\x06_widthB\t\n\x07_heightB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scale\"\x9d\x01\n\x10GenerationParams\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x17\n\x0fnegative_prompt\x18\x02 \x01(\t\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\r\n\x05width\x18\x04 \x01(\r\x12\x0e\n\x06height\x18\x05 \x01(\r\x12\x1b\n\x13num_inference_steps\x18\x06 \x01(\r\x12\x16\n\x0eguidance_scale\x18\x07 \x01(\x01\"\xbd\x02\n\x0fGenerationEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.kvrelay.v1.GenerationState\x12\x0c\n\x04step\x18\x03 \x01(\r\x12\x13\n\x0btotal_steps\x18\x04 \x01(\r\x12 \n\x05image\x18\x05 \x01(\x0b\x32\x11.kvrelay.v1.Image\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.kvrelay.v1.PhaseTimings\x12&\n\x05\x65rror\x18\x07 \x01(\x0b\x32\x17.kvrelay.v1.ErrorStatus\x12\x11\n\tticket_id\x18\x08 \x01(\t\x12.\n\nevent_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x61ttempt\x18\n \x01(\r\"\x98\x03\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.kvrelay.v1.GenerationState\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.kvrelay.v1.GenerationParams\x12\x0c\n\x04step\x18\x04 \x01(\r\x12\x13\n\x0btotal_steps\x18\x05 \x01(\r\x12 \n\x05image\x18\x06 \x01(\x0b\x32\x11.kvrelay.v1.Image\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.kvrelay.v1.PhaseTimings\x12&\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x17.kvrelay.v1.ErrorStatus\x12\x11\n\tticket_id\x18\t \x01(\t\x12/\n\x0b\x63reate_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07\x61ttempt\x18\x0c \x01(\r\"*\n\x14GetGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"C\n\x15GetGenerationResponse\x12*\n\ngeneration\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.Generation\"-\n\x17\x43\x61ncelGenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"F\n\x18\x43\x61ncelGenerationResponse\x12*\n\ngeneration\x18\x01 \x01(\x0b\x32\x16.kvrelay.v1.Generation\"X\n\x16ListGenerationsRequest\x12+\n\x06states\x18\x01 \x03(\x0e\x32\x1b.kvrelay.v1.GenerationState\x12\x11\n\tpage_size\x18\x02 \x01(\r\"F\n\x17ListGenerationsResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.kvrelay.v1.Generation*\x91\x02\n\x0fGenerationState\x12 \n\x1cGENERATION_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17GENERATION_STATE_QUEUED\x10\x01\x12\x1f\n\x1bGENERATION_STATE_PREFILLING\x10\x02\x12!\n\x1dGENERATION_STATE_TRANSFERRING\x10\x03\x12\x1e\n\x1aGENERATION_STATE_DENOISING\x10\x04\x12\x1e\n\x1aGENERATION_STATE_SUCCEEDED\x10\x05\x12\x1b\n\x17GENERATION_STATE_FAILED\x10\x06\x12\x1e\n\x1aGENERATION_STATE_CANCELLED\x10\x07\x32\xec\x02\n\x11GenerationService\x12\x46\n\x08Generate\x12\x1b.kvrelay.v1.GenerateRequest\x1a\x1b.kvrelay.v1.GenerationEvent0\x01\x12T\n\rGetGeneration\x12 .kvrelay.v1.GetGenerationRequest\x1a!.kvrelay.v1.GetGenerationResponse\x12]\n\x10\x43\x61ncelGeneration\x12#.kvrelay.v1.CancelGenerationRequest\x1a$.kvrelay.v1.CancelGenerationResponse\x12Z\n\x0fListGenerations\x12\".kvrelay.v1.ListGenerationsRequest\x1a#.kvrelay.v1.ListGenerationsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrelay.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATIONSTATE']._serialized_start=1662
-  _globals['_GENERATIONSTATE']._serialized_end=1935
+  _globals['_GENERATIONSTATE']._serialized_start=1696
+  _globals['_GENERATIONSTATE']._serialized_end=1969
   _globals['_GENERATEREQUEST']._serialized_start=102
   _globals['_GENERATEREQUEST']._serialized_end=408
   _globals['_GENERATIONPARAMS']._serialized_start=411
   _globals['_GENERATIONPARAMS']._serialized_end=568
   _globals['_GENERATIONEVENT']._serialized_start=571
-  _globals['_GENERATIONEVENT']._serialized_end=871
-  _globals['_GENERATION']._serialized_start=874
-  _globals['_GENERATION']._serialized_end=1265
-  _globals['_GETGENERATIONREQUEST']._serialized_start=1267
-  _globals['_GETGENERATIONREQUEST']._serialized_end=1309
-  _globals['_GETGENERATIONRESPONSE']._serialized_start=1311
-  _globals['_GETGENERATIONRESPONSE']._serialized_end=1378
-  _globals['_CANCELGENERATIONREQUEST']._serialized_start=1380
-  _globals['_CANCELGENERATIONREQUEST']._serialized_end=1425
-  _globals['_CANCELGENERATIONRESPONSE']._serialized_start=1427
-  _globals['_CANCELGENERATIONRESPONSE']._serialized_end=1497
-  _globals['_LISTGENERATIONSREQUEST']._serialized_start=1499
-  _globals['_LISTGENERATIONSREQUEST']._serialized_end=1587
-  _globals['_LISTGENERATIONSRESPONSE']._serialized_start=1589
-  _globals['_LISTGENERATIONSRESPONSE']._serialized_end=1659
-  _globals['_GENERATIONSERVICE']._serialized_start=1938
-  _globals['_GENERATIONSERVICE']._serialized_end=2302
+  _globals['_GENERATIONEVENT']._serialized_end=888
+  _globals['_GENERATION']._serialized_start=891
+  _globals['_GENERATION']._serialized_end=1299
+  _globals['_GETGENERATIONREQUEST']._serialized_start=1301
+  _globals['_GETGENERATIONREQUEST']._serialized_end=1343
+  _globals['_GETGENERATIONRESPONSE']._serialized_start=1345
+  _globals['_GETGENERATIONRESPONSE']._serialized_end=1412
+  _globals['_CANCELGENERATIONREQUEST']._serialized_start=1414
+  _globals['_CANCELGENERATIONREQUEST']._serialized_end=1459
+  _globals['_CANCELGENERATIONRESPONSE']._serialized_start=1461
+  _globals['_CANCELGENERATIONRESPONSE']._serialized_end=1531
+  _globals['_LISTGENERATIONSREQUEST']._serialized_start=1533
+  _globals['_LISTGENERATIONSREQUEST']._serialized_end=1621
+  _globals['_LISTGENERATIONSRESPONSE']._serialized_start=1623
+  _globals['_LISTGENERATIONSRESPONSE']._serialized_end=1693
+  _globals['_GENERATIONSERVICE']._serialized_start=1972
+  _globals['_GENERATIONSERVICE']._serialized_end=2336
 # @@protoc_insertion_point(module_scope)

@@ -68,7 +68,7 @@ class GenerationParams(_message.Message):
     def __init__(self, prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., seed: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ...) -> None: ...
 
 class GenerationEvent(_message.Message):
-    __slots__ = ("request_id", "state", "step", "total_steps", "image", "timings", "error", "ticket_id", "event_time")
+    __slots__ = ("request_id", "state", "step", "total_steps", "image", "timings", "error", "ticket_id", "event_time", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class GenerationEvent(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: GenerationState
     step: int
@@ -87,10 +88,11 @@ class GenerationEvent(_message.Message):
     error: _common_pb2.ErrorStatus
     ticket_id: str
     event_time: _timestamp_pb2.Timestamp
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[GenerationState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., image: _Optional[_Union[_common_pb2.Image, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., ticket_id: _Optional[str] = ..., event_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[GenerationState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., image: _Optional[_Union[_common_pb2.Image, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., ticket_id: _Optional[str] = ..., event_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "state", "params", "step", "total_steps", "image", "timings", "error", "ticket_id", "create_time", "update_time")
+    __slots__ = ("request_id", "state", "params", "step", "total_steps", "image", "timings", "error", "ticket_id", "create_time", "update_time", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,7 @@ class Generation(_message.Message):
     TICKET_ID_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     state: GenerationState
     params: GenerationParams
@@ -113,7 +116,8 @@ class Generation(_message.Message):
     ticket_id: str
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
-    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[GenerationState, str]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., image: _Optional[_Union[_common_pb2.Image, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., ticket_id: _Optional[str] = ..., create_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[_Union[GenerationState, str]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., image: _Optional[_Union[_common_pb2.Image, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.PhaseTimings, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.ErrorStatus, _Mapping]] = ..., ticket_id: _Optional[str] = ..., create_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class GetGenerationRequest(_message.Message):
     __slots__ = ("request_id",)

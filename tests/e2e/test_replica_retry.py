@@ -85,6 +85,7 @@ def test_a_dit_killed_mid_denoise_the_generation_succeeds_on_the_other_dit(tmp_p
         assert result.seed == SEED
         done = client.get_generation("moved")
         assert done.state == GenerationState.SUCCEEDED and done.ticket_id != first_ticket
+        assert done.attempt == 2
         assert _broker_counter(node, "kvrelay_generation_retries_total", 'reason="REPLICA_UNAVAILABLE"') == 1
         assert _broker_counter(node, "kvrelay_generations_total", 'outcome="failed"') == 0
 

@@ -54,8 +54,10 @@ def assert_forward_only(events: list[Any]) -> None:
     """What SDK and CLI watchers assume: the state never goes back, nor the step within DENOISING."""
     seen = [(e.state, e.step) for e in events]
     assert seen == sorted(seen), seen
-    # Only the placement of a retry repeats a state and step: with the new attempt's ticket.
-    tagged = [(e.state, e.step, e.ticket_id) for e in events]
+    # Only a retry repeats a state and step: once with the new attempt's number, once with its
+    # ticket (its placement).
+    assert [e.attempt for e in events] == sorted(e.attempt for e in events)
+    tagged = [(e.state, e.step, e.attempt, e.ticket_id) for e in events]
     assert len(tagged) == len(set(tagged)), f"an event repeated: {tagged}"
 
 
@@ -75,6 +77,9 @@ def test_a_dit_killed_mid_denoise_hands_the_generation_to_the_other_dit() -> Non
             assert final.state == SUCCEEDED, final.error
             assert final.image.seed == 7 and final.image.png
             assert final.ticket_id != first
+            assert final.attempt == 2 and events[0].attempt == 1
+            got = await c.api.GetGeneration(S.GetGenerationRequest(request_id="r"), timeout=5)
+            assert got.generation.attempt == 2
             second = c.core.get_ticket(final.ticket_id)
             assert (second.dit_replica_id, second.outcome) == ("dit-1", TicketOutcome.OK)
             assert other.denoised == [final.ticket_id]
@@ -126,6 +131,7 @@ def test_max_replica_retries_0_fails_the_generation_as_before() -> None:
             assert final.state == FAILED
             assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE")
             assert "dit-0" in final.error.message and "(tried" not in final.error.message
+            assert final.attempt == 1
             assert other.denoised == []
             assert c.ar.prefills == ["r"]
             assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 0
@@ -307,3 +313,22 @@ def test_the_retry_never_goes_back_to_the_replica_that_failed_it() -> None:
             await wait_free(c, "dit-1")
 
     run(body())
+
+
+def test_the_cli_progress_says_when_the_generation_moved_to_another_replica() -> None:
+    import io
+
+    from kvrelay.client import GenerationEvent, GenerationState
+    from kvrelay.client.cli import _Progress
+
+    out = io.StringIO()
+    progress = _Progress(out, enabled=True)
+    for step, attempt in ((1, 1), (2, 1), (2, 2), (3, 2)):
+        progress.update(GenerationEvent("r", GenerationState.DENOISING, step, 4, attempt=attempt))
+    lines = [line.split("] ", 1)[1] for line in out.getvalue().splitlines()]
+    assert lines == [
+        "DENOISING 1/4",
+        "DENOISING 2/4",
+        "DENOISING 2/4 (its replica stopped answering: attempt 2 on another replica)",
+        "DENOISING 3/4",
+    ]
