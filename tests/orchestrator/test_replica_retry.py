@@ -332,3 +332,53 @@ def test_the_cli_progress_says_when_the_generation_moved_to_another_replica() ->
         "DENOISING 2/4 (its replica stopped answering: attempt 2 on another replica)",
         "DENOISING 3/4",
     ]
+
+
+async def _one_retried_one_requeued(c: Cluster) -> tuple[Any, dict[str, Any], str, str]:
+    """Two generations on dit-0, dit-0 killed: one runs its retry on dit-1 (held before its first
+    step), the other waits at the queue's head (dit-1 holds one request at a time)."""
+    other = await c.add_dit("dit-1", num_pages=pages_of("a cat") + 1)
+    other.step_gate.clear()
+    c.dit.step_gate.clear()
+    calls = {rid: c.api.Generate(request(request_id=rid, seed=5), timeout=20) for rid in ("x", "y")}
+    for call in calls.values():
+        await read_until(call, DENOISING, [])
+    await c.dit.kill()
+    queue = c.orchestrator.queue
+    await wait_until(lambda: other.loaded.is_set() and queue.depth() == 1, what="one retried, one waiting")
+    waiting = next(rid for rid in calls if not queue.job(rid).placed.done())  # type: ignore[union-attr]
+    running = "y" if waiting == "x" else "x"
+    return other, calls, waiting, running
+
+
+def test_the_clients_deadline_ends_a_generation_waiting_for_or_running_its_retry() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            other, calls, waiting, running = await _one_retried_one_requeued(c)
+            for rid in (waiting, running):
+                c.orchestrator.expire(rid)  # what the Generate handler does when the deadline passes
+                final = (await collect(calls[rid]))[-1]
+                assert (final.state, final.error.reason) == (FAILED, "DEADLINE_EXCEEDED"), final
+            assert c.orchestrator.queue.depth() == 0
+            assert len(other.denoised) == 1
+            await wait_free(c, "dit-1")
+            await wait_until(lambda: c.orchestrator.queue.running_tasks() == [], what="pipelines done")
+
+    run(body())
+
+
+def test_a_broker_stop_ends_a_generation_waiting_for_or_running_its_retry() -> None:
+    async def body() -> None:
+        async with cluster() as c:
+            other, calls, waiting, running = await _one_retried_one_requeued(c)
+            await c.orchestrator.stop()
+            for rid in (waiting, running):
+                snap = c.orchestrator.get(rid)
+                assert (snap.state, snap.error.reason) == (FAILED, "BROKER_SHUTTING_DOWN")  # type: ignore[union-attr]
+            assert c.orchestrator.queue.running_tasks() == []
+            assert c.orchestrator.queue.depth() == 0
+            # The running retry's ticket ended with it: the DiT stops and releases its pages.
+            await wait_free(c, "dit-1")
+            assert len(other.denoised) == 1
+
+    run(body())
