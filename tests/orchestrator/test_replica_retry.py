@@ -382,3 +382,65 @@ def test_a_broker_stop_ends_a_generation_waiting_for_or_running_its_retry() -> N
             assert len(other.denoised) == 1
 
     run(body())
+
+
+def _reopened(path: str) -> tuple[Any, Any]:
+    """A broker's core and generation store restarted from the journal at `path`."""
+    from kvrelay.broker.core import BrokerCore
+    from kvrelay.broker.generations import GenerationStore
+
+    core = BrokerCore(path, lease_seconds=60.0, drain_quiet_seconds=0.05, journal_synchronous="OFF")
+    store = GenerationStore(result_ttl_seconds=30, max_results=16, journal=core.journal)
+    store.restore()
+    return core, store
+
+
+def test_a_broker_restart_keeps_a_retried_generation_ended_once_and_restores_no_live_one(tmp_path: Any) -> None:
+    path = str(tmp_path / "journal.sqlite")
+
+    async def body() -> tuple[str, str, str]:
+        async with cluster(journal_path=path) as c:
+            second = await c.add_dit("dit-1", num_pages=24)
+            third = await c.add_dit("dit-2", num_pages=16)
+            # "done": on dit-0 (most free pages), dit-0 killed, finished on dit-1.
+            c.dit.step_gate.clear()
+            done_call = c.api.Generate(request(request_id="done", seed=7), timeout=20)
+            await read_until(done_call, DENOISING, [])
+            first_done = c.orchestrator.get("done").ticket_id
+            await c.dit.kill()
+            final = (await collect(done_call))[-1]
+            assert final.state == SUCCEEDED and final.attempt == 2
+            # "live": on dit-1 (dit-0 is out of placement), dit-1 killed, its retry running on
+            # dit-2 when the broker stops.
+            second.step_gate.clear()
+            third.step_gate.clear()
+            live_call = c.api.Generate(request(request_id="live", seed=8), timeout=20)
+            await read_until(live_call, DENOISING, [])
+            first_live = c.orchestrator.get("live").ticket_id
+            assert c.core.get_ticket(first_live).dit_replica_id == "dit-1"
+            await second.kill()
+            await wait_until(lambda: third.loaded.is_set(), what="the retry loaded on dit-2")
+            return first_done, first_live, c.orchestrator.get("live").ticket_id
+
+    first_done, first_live, second_live = run(body())
+    core, store = _reopened(path)
+    try:
+        done = store.find("done")
+        assert done is not None
+        assert (done.state.name, done.attempt) == ("SUCCEEDED", 2)
+        # A live generation is never resurrected (nor journaled as ended by the stop).
+        assert [g.request_id for g in store.list_generations()] == ["done"]
+        # Every ticket of both attempts is restored as the lifecycle says: none freed early, none
+        # handed out twice; the pages of each DiT add up.
+        for rid in ("dit-0", "dit-1", "dit-2"):
+            (p,) = core.pool_status(rid)
+            assert p.free + p.reserved + p.draining == p.total, p
+        for ticket_id in (first_done, first_live):  # read by a DiT that was killed: held still
+            ticket = core.get_ticket(ticket_id)
+            assert ticket.request_over and ticket.state is TicketState.CONSUMING, ticket
+        # The running retry's ticket: released by its DiT as the broker stopped, or restored ended.
+        live = {t.ticket_id: t for t in core.list_tickets()}
+        assert set(live) <= {first_done, first_live, second_live}
+        assert second_live not in live or live[second_live].request_over
+    finally:
+        core.close()
