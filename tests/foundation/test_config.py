@@ -552,3 +552,15 @@ def test_rejects_broker_periods_that_never_end(base: dict[str, Any], key: str, v
     data = copy.deepcopy(base)
     data["broker"][key] = value
     _reject(data, f"broker.{key}", "finite")
+
+
+def test_max_replica_retries_defaults_to_one_and_is_bounded(base: dict[str, Any]) -> None:
+    assert parse_config(copy.deepcopy(base)).broker.max_replica_retries == 1
+    for value in (0, 16):
+        data = copy.deepcopy(base)
+        data["broker"]["max_replica_retries"] = value
+        assert parse_config(data).broker.max_replica_retries == value
+    for value, says in ((-1, "greater than or equal to 0"), (17, "less than or equal to 16"), ("once", "integer")):
+        data = copy.deepcopy(base)
+        data["broker"]["max_replica_retries"] = value
+        _reject(data, "broker.max_replica_retries", says)
