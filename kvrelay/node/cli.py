@@ -242,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every replica that is not up, except those the broker must keep (listed with why)")
     p.add_argument("--force", action="store_true",
                    help="the replicas are gone for good: forget fenced ones and ones live tickets name too, ending "
-                        "those tickets (never one that is up, nor an AR whose writes may still land)")
+                        "those tickets (their generations run again on another replica while "
+                        "broker.max_replica_retries allows; never one that is up, nor an AR whose "
+                        "writes may still land)")
     p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
     p.add_argument(
         "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
