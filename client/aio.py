@@ -178,7 +178,8 @@ class AsyncKvRelayClient(_core.ClientBase):
         self, replica_id: str, *, force: bool = False, timeout: float | None = None
     ) -> list[str]:
         """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica);
-        returns the ids of the tickets that ended with it (only ``force`` ends any).
+        returns the ids of the tickets that ended with it (only ``force`` ends any; their
+        generations run again on another replica while ``broker.max_replica_retries`` allows).
         ``FAILED_PRECONDITION`` (reason ``REPLICA_UP``, ``REPLICA_FENCED``,
         ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``; with ``force``, ``REPLICA_UP`` and
         ``REPLICA_WRITES_IN_DOUBT``) for one the broker must keep, ``NOT_FOUND`` for an id it

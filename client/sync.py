@@ -162,7 +162,8 @@ class KvRelayClient(_core.ClientBase):
 
     def forget_replica(self, replica_id: str, *, force: bool = False, timeout: float | None = None) -> list[str]:
         """Operator: forget a replica gone for good (docs/operations.md, Retiring a replica);
-        returns the ids of the tickets that ended with it (only ``force`` ends any).
+        returns the ids of the tickets that ended with it (only ``force`` ends any; their
+        generations run again on another replica while ``broker.max_replica_retries`` allows).
         ``FAILED_PRECONDITION`` (reason ``REPLICA_UP``, ``REPLICA_FENCED``,
         ``REPLICA_HOLDS_TICKETS``, ``REPLICA_HOLDS_PAGES``; with ``force``, ``REPLICA_UP`` and
         ``REPLICA_WRITES_IN_DOUBT``) for one the broker must keep, ``NOT_FOUND`` for an id it
@@ -228,9 +229,11 @@ class GenerationHandle(_core.HandleBase):
         """Events as they happen, ending with the terminal one (SUCCEEDED, FAILED or CANCELLED).
 
         A FAILED or CANCELLED generation is an event, not an exception; a failed *call*
-        (deadline, server unreachable, rejected request) raises :class:`KvRelayError`. Breaking
-        out of the loop leaves the generation running; a later ``events()`` continues where
-        this one stopped. One thread at a time may iterate (another gets ``RuntimeError``);
+        (deadline, server unreachable, rejected request) raises :class:`KvRelayError`. A
+        generation the broker runs again on another replica (its replica stopped answering:
+        ``broker.max_replica_retries``) goes on in the same events, its ``attempt`` up by one.
+        Breaking out of the loop leaves the generation running; a later ``events()`` continues
+        where this one stopped. One thread at a time may iterate (another gets ``RuntimeError``);
         :meth:`result` and :meth:`cancel` are safe from any thread.
         """
         with self._lock:
