@@ -66,3 +66,23 @@ def test_every_row_names_a_served_metric() -> None:
     documented = {n for n in documented_rows() if n.startswith("kvrelay_")}
     stale = sorted(documented - set(served()) - node_only_names())
     assert stale == [], f"docs/operations.md's Metrics table documents metrics nobody serves: {stale}"
+
+
+def test_every_metric_the_docs_name_anywhere_is_served() -> None:
+    """Not only the table: every `kvrelay_*` name in the docs' prose (an alert to set, a gauge to
+    watch) is a metric a process serves, queried as such (a counter with or without `_total`, a
+    histogram's `_bucket`/`_sum`/`_count`, a family by its prefix and `*`)."""
+    names = set(served()) | set(node_only_names())
+    docs = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md", REPO / "benchmarks" / "README.md"]
+    unknown: set[str] = set()
+    for doc in docs:
+        for match in re.finditer(r"\bkvrelay_[a-z0-9_]+\b\*?", doc.read_text()):
+            name = match.group(0)
+            if name.endswith("*"):
+                known = any(n.startswith(name.rstrip("*")) for n in names)
+            else:
+                base = re.sub(r"_(bucket|sum|count)$", "", name)
+                known = bool({name, base, name + "_total"} & names)
+            if not known:
+                unknown.add(f"{doc.relative_to(REPO)}: {name}")
+    assert sorted(unknown) == [], f"metric names in the docs that no process serves: {sorted(unknown)}"
