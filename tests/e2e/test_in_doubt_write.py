@@ -173,7 +173,10 @@ def test_a_stopped_receiver_leaves_the_write_in_doubt_and_its_pages_held(tmp_pat
 
 
 ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's own limit on a batch (its minimum)
-SETTLE_STALL_S = 20.0
+# The receiver's stall limit, far above how long the test keeps it stopped (the request's own
+# timeout, the engine's limit, the AR's report: ~10 s quiet, ~20 s seen on a loaded 2-core CI run,
+# where 20 s here let the DiT end itself as hung mid-test and take its pool file with it).
+SETTLE_STALL_S = 50.0
 
 
 def _engine_fails_first(cfg: dict[str, Any]) -> None:
@@ -202,7 +205,8 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
         # (a first write to a stopped receiver waits in the handshake until the rank is killed).
         assert client.generate(SHORT, seed=7, width=64, height=64, timeout=60).result().png
         ranks = _dit_ranks(node)
-        (pool_file,) = Path("/dev/shm").glob(f"kvrelay-dit-0-{node.process('dit-0').pid}-rank0-*")
+        dit_pid = node.process("dit-0").pid
+        (pool_file,) = Path("/dev/shm").glob(f"kvrelay-dit-0-{dit_pid}-rank0-*")
         stopped = False
         try:
             for p in ranks:
@@ -230,6 +234,8 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
         # The rank runs again and drains its socket; the pages come back after the settle time,
         # and nothing of the failed write lands in them afterwards.
         wait_pools_full(client, timeout=SETTLE_STALL_S + 20)
+        assert node.process("dit-0").pid == dit_pid, (
+            "the DiT ended itself as hung while its ranks were stopped: the stop outlasted SETTLE_STALL_S")
         page_bytes = pool_file.stat().st_size // total
         def pages_now() -> list[bytes]:
             data = pool_file.read_bytes()
