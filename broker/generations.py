@@ -102,8 +102,9 @@ class ErrorInfo:
 
 
 # Why a generation's attempt may end and the generation run again on another replica
-# (broker.max_replica_retries): the replica serving it stopped answering, or was forgotten by force.
-RETRY_REASONS = ("REPLICA_UNAVAILABLE", "REPLICA_FORGOTTEN")
+# (broker.max_replica_retries): the replica serving it stopped answering, said that one of its
+# ranks died or hung (it fail-stops then), or was forgotten by force.
+RETRY_REASONS = ("REPLICA_UNAVAILABLE", "REPLICA_FAILED", "REPLICA_FORGOTTEN")
 
 
 class RequestEnded(Exception):

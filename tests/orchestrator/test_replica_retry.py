@@ -201,6 +201,40 @@ def test_an_ar_that_stops_answering_hands_the_generation_to_another_ar() -> None
     run(body())
 
 
+def test_a_replica_whose_rank_died_hands_the_generation_to_another_replica() -> None:
+    """REPLICA_FAILED: a rank of the replica died or hung, the replica said so and fail-stops (it
+    is restarted): the same situation as the replica's own process dying, so the same retry."""
+    async def body() -> None:
+        async with cluster() as c:
+            from .harness import ArReplica
+
+            rank_died = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", "rank 0 died")
+            # The AR: its Prefill answers REPLICA_FAILED; another AR takes the generation.
+            second = ArReplica(c.target, c.memory, replica_id="ar-1")
+            await second.start()
+            try:
+                c.ar.fail_prefill = rank_died
+                final = (await collect(c.api.Generate(request(request_id="a", seed=3), timeout=20)))[-1]
+                assert final.state == SUCCEEDED and final.attempt == 2, final.error
+                assert c.core.get_ticket(final.ticket_id).ar_replica_id == "ar-1"
+                assert c.metric(RETRIES, {"reason": "REPLICA_FAILED"}) == 1
+                await c.wait_pool_free()
+            finally:
+                await second.stop()
+            # The DiT: its Denoise answers REPLICA_FAILED; the other DiT takes the generation.
+            c.ar.fail_prefill = None
+            other = await c.add_dit("dit-1", num_pages=16)
+            c.dit.fail_denoise = rank_died
+            final = (await collect(c.api.Generate(request(request_id="d", seed=5), timeout=20)))[-1]
+            assert final.state == SUCCEEDED and final.attempt == 2, final.error
+            assert c.core.get_ticket(final.ticket_id).dit_replica_id == "dit-1"
+            assert other.denoised == [final.ticket_id]
+            assert c.metric(RETRIES, {"reason": "REPLICA_FAILED"}) == 2
+            await wait_free(c, "dit-1")
+
+    run(body())
+
+
 def test_a_deadline_too_close_is_not_retried() -> None:
     async def body() -> None:
         async with cluster() as c:
