@@ -217,6 +217,12 @@ class StagePipeline:
                     log.warning("prefill_reply_late", ar_replica=ar.replica_id, waited_s=grace)
                     break
                 pending -= done
+                lost = self._writer_lost_after_load(prefill, ticket.ticket_id) if prefill in done else None
+                if lost is not None and denoise not in done:
+                    # Every row is verified at the DiT: the AR has nothing more to give (its reply
+                    # only carries timings). Its loss ends neither the denoise nor the attempt.
+                    log.warning("prefill_reply_lost", ar_replica=ar.replica_id, message=lost.message)
+                    done.discard(prefill)
                 # The first failure ends the request; `finally` stops the other stage.
                 await raise_first_failure(done, prefill, denoise)
                 if interrupt in done and not denoise.done():
@@ -247,6 +253,19 @@ class StagePipeline:
             timings["transfer"] = reply.transfer_seconds
         timings["total"] = self._clock() - record.created_mono
         self.reporter.end(record, GenState.SUCCEEDED, image=image, timings=timings)
+
+    def _writer_lost_after_load(self, prefill: asyncio.Task[Any], ticket_id: str) -> ErrorInfo | None:
+        """The error of a `prefill` that failed because its AR stopped answering (REPLICA_UNAVAILABLE)
+        after the DiT verified every row of the ticket (READY or CONSUMING: by then every write is
+        final), so that nothing the denoise needs was lost with it; None otherwise."""
+        err = None if prefill.cancelled() else prefill.exception()
+        if not isinstance(err, RequestEnded) or err.error.reason != "REPLICA_UNAVAILABLE":
+            return None
+        try:
+            state = self.core.get_ticket(ticket_id).state
+        except BrokerError:
+            return None
+        return err.error if state in (TicketState.READY, TicketState.CONSUMING) else None
 
     async def _prefill(self, call: Any, spec: ReplicaSpec) -> ar_pb2.PrefillResponse:
         try:

@@ -478,3 +478,34 @@ def test_a_broker_restart_keeps_a_retried_generation_ended_once_and_restores_no_
         assert second_live not in live or live[second_live].request_over
     finally:
         core.close()
+
+
+def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise() -> None:
+    """Found black-box (2 ARs, 1 DiT, the writing AR SIGSTOPped just after its last write): once
+    the DiT verified every row (ticket READY/CONSUMING) the AR has nothing more to give, yet its
+    Prefill failing UNAVAILABLE ended the attempt: the denoise was thrown away and run again from
+    the start on another AR, or, with no other AR up, the generation FAILED. Now the denoise goes
+    on: one attempt, the same ticket, no retry counted."""
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.reply_gate.clear()  # every write reported, the Prefill reply held
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(request_id="r", seed=5, num_inference_steps=3), timeout=20)
+            events: list[Any] = []
+            await read_until(call, DENOISING, events)
+            ticket_id = c.orchestrator.get("r").ticket_id
+            assert c.core.get_ticket(ticket_id).state is TicketState.CONSUMING
+            assert c.ar._server is not None
+            await c.ar._server.stop(0)  # the AR goes away mid-call (kill -9), its reply never sent
+            await asyncio.sleep(0.2)  # the broker sees the Prefill call end before the next step
+            c.dit.step_gate.set()
+            events += await collect(call)
+            final = events[-1]
+            assert final.state == SUCCEEDED, final.error
+            assert final.ticket_id == ticket_id and final.attempt == 1
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 0
+            assert_forward_only(events)
+            await c.wait_pool_free()
+
+    run(body())
