@@ -104,7 +104,7 @@ class GenerationJob:
     ticket_id: str = ""
     ticket_ended: bool = False
     task: asyncio.Task[None] | None = None
-    # Retries on another replica (Orchestrator.retry_on_another_replica): the attempt running or
+    # Retries on another replica (Orchestrator.retry): the attempt running or
     # waiting now (1 = the first), the replicas that failed the earlier ones (never placed on
     # again), and the tickets those attempts ended (each drains or is released on its own).
     attempt: int = 1

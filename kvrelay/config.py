@@ -103,8 +103,8 @@ class BrokerConfig(_Strict):
     max_results: int = Field(1024, ge=1)
     drain_quiet_seconds: float = Field(2.0, ge=0, allow_inf_nan=False)
     # How many times the broker runs a generation again, on another replica, after the AR or DiT
-    # replica serving it stopped answering (REPLICA_UNAVAILABLE) or was forgotten by force
-    # (REPLICA_FORGOTTEN) (kvrelay.broker.orchestrator, Orchestrator.retry_on_another_replica).
+    # replica serving it stopped answering (REPLICA_UNAVAILABLE), lost a rank (REPLICA_FAILED) or
+    # was forgotten by force (REPLICA_FORGOTTEN) (kvrelay.broker.orchestrator, Orchestrator.retry).
     # 0: never (the generation fails, and the client resubmits). Bounded: each retry holds a
     # place at the queue's head.
     max_replica_retries: int = Field(1, ge=0, le=16)
