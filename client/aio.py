@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from grpc._cython import cygrpc
 
 from . import _core
 from ._common import CANCEL_TIMEOUT
@@ -100,6 +102,12 @@ class AsyncKvRelayClient(_core.ClientBase):
         for call in list(self._open_calls):
             call.cancel()
         await channel.close()
+        # A cancelled call ends in grpc's core a moment later, and grpc's poller thread hands its
+        # completion to this loop then: a loop closed before that (asyncio.run's end, just after
+        # close()) made grpc log "Exception in callback PollerCompletionQueue._handle_events ...
+        # RuntimeError: Event loop is closed" from whatever other loop took the completion (a
+        # server's, another thread's). Wait here until the core has answered each ended call.
+        await _cancelled_calls_settled()
 
     async def __aenter__(self) -> AsyncKvRelayClient:
         return self
@@ -349,6 +357,36 @@ class AsyncGenerationHandle(_core.HandleBase):
                 return
             assert isinstance(decision, _core.Fail)
             raise _core.raisable(decision.error)
+
+
+# The task grpc.aio runs per streaming call to receive its status from the core
+# (grpc/_cython/_cygrpc/aio/call.pyx.pxi); it ends once the core has answered the call, cancelled
+# or not. Not a public name: where a grpc release renames it, nothing is found and close() waits
+# for nothing (as it did before).
+_STATUS_WATCHER = "_AioCall._handle_status_once_received"
+SETTLE_TIMEOUT = 5.0
+
+
+async def _cancelled_calls_settled() -> None:
+    """Wait (at most SETTLE_TIMEOUT) until the core has answered every call of this loop that has
+    ended here (cancelled: by close(), by a handle's cancel(), by a cancelled reader; a dropped
+    call's too, which no handle holds any more) but not yet in grpc's core. Calls still running
+    (another client's streams) are not waited for."""
+    watchers = [task for task in asyncio.all_tasks() if not task.done() and _watches_an_ended_call(task)]
+    if watchers:
+        await asyncio.wait(watchers, timeout=SETTLE_TIMEOUT)
+
+
+def _watches_an_ended_call(task: asyncio.Task[Any]) -> bool:
+    coro = task.get_coro()
+    if getattr(coro, "__qualname__", "") != _STATUS_WATCHER:
+        return False
+    # A Cython coroutine has no frame to read `self` from; its closure (a referent) holds it.
+    for scope in gc.get_referents(coro):
+        for ref in gc.get_referents(scope):
+            if isinstance(ref, cygrpc._AioCall):
+                return bool(ref.done())
+    return False
 
 
 def _wrong_loop_error(request_id: str | None) -> KvRelayError:
