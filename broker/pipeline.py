@@ -256,10 +256,10 @@ class StagePipeline:
 
     def _writer_lost_after_load(self, prefill: asyncio.Task[Any], ticket_id: str) -> ErrorInfo | None:
         """The error of a `prefill` that failed because its AR stopped answering (REPLICA_UNAVAILABLE)
-        after the DiT verified every row of the ticket (READY or CONSUMING: by then every write is
+        or said a rank of it died (REPLICA_FAILED) after the DiT verified every row of the ticket (READY or CONSUMING: by then every write is
         final), so that nothing the denoise needs was lost with it; None otherwise."""
         err = None if prefill.cancelled() else prefill.exception()
-        if not isinstance(err, RequestEnded) or err.error.reason != "REPLICA_UNAVAILABLE":
+        if not isinstance(err, RequestEnded) or err.error.reason not in ("REPLICA_UNAVAILABLE", "REPLICA_FAILED"):
             return None
         try:
             state = self.core.get_ticket(ticket_id).state

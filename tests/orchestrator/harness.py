@@ -126,6 +126,9 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.write_gate = _opened()
         # Holds the Prefill reply after every write was reported.
         self.reply_gate = _opened()
+        # After every write was reported (and the reply gate opened): fail the RPC with this
+        # instead of replying (a rank died or hung after its writes: REPLICA_FAILED).
+        self.fail_reply: KvRelayServerError | None = None
         self.prefill_started = asyncio.Event()
         self.armed = asyncio.Event()
         self.fail_prefill: KvRelayServerError | None = None
@@ -242,6 +245,8 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         t0 = time.monotonic()
         total = await asyncio.shield(writer)
         await self.reply_gate.wait()
+        if self.fail_reply is not None:
+            await abort_with(context, self.fail_reply)
         return ar_pb2.PrefillResponse(
             token_counts=[tokens_of(t) for t in request.rows],
             bytes_written=total,
