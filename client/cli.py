@@ -248,8 +248,9 @@ class _Progress:
         if event.state == GenerationState.DENOISING and event.total_steps:
             text += f" {event.step}/{event.total_steps}"
         if retried:
-            # The broker runs it again on another replica (broker.max_replica_retries).
-            text += f" (its replica stopped answering: attempt {event.attempt} on another replica)"
+            # The broker runs it again on another replica (broker.max_replica_retries): its replica
+            # stopped answering, lost a rank or was forgotten by force.
+            text += f" (its replica failed: attempt {event.attempt} on another replica)"
         print(f"[{elapsed:7.2f}s] {text}", file=self._stream, flush=True)
 
     def _update_bar(self, event: GenerationEvent) -> None:
