@@ -222,6 +222,10 @@ def test_a_replica_whose_rank_died_hands_the_generation_to_another_replica() -> 
                 await c.wait_pool_free()
             finally:
                 await second.stop()
+            # Gone for good (deregistered, as a stopping replica does): else, while the first
+            # attempt's ticket still counts on ar-0, the retry below goes to the least loaded AR,
+            # the stopped ar-1, and fails to connect (this test failed so when run alone).
+            c.core.deregister_replica("ar-1", second.incarnation_id)
             # The DiT: its Denoise answers REPLICA_FAILED; the other DiT takes the generation.
             c.ar.fail_prefill = None
             other = await c.add_dit("dit-1", num_pages=16)
