@@ -31,7 +31,7 @@ import grpc
 
 from kvrelay.errors import KvRelayServerError
 from kvrelay.logging import get_logger
-from kvrelay.transfer.convert import outcome_to_report, outcomes_to_report
+from kvrelay.transfer.convert import outcome_to_report, outcomes_to_report, writes_from_proto
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import WriteOutcome
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
@@ -285,14 +285,18 @@ class WriteProtocol:
     # -- events --------------------------------------------------------------------------------
 
     def on_armed(
-        self, *, plan_matches: bool, writing: bool, ticket_state: str, transfer_timeout_s: float, deadline_left_s: float
+        self, *, plan_mismatch: str, writing: bool, ticket_state: str, transfer_timeout_s: float, deadline_left_s: float
     ) -> SendWrites | EndWrites:
-        """The broker armed the ticket (ReserveTicket answered): send, or end with nothing sent."""
-        if not plan_matches:
-            # The broker and this replica disagree on the plan: writing would land bytes where
-            # nobody expects them. Nothing is sent; every write is NOT_STARTED.
+        """The broker armed the ticket (ReserveTicket answered): send, or end with nothing sent.
+        `plan_mismatch` ("" when none) says how the plan this replica was handed differs from
+        the broker's arming reply (`arming_mismatch`)."""
+        if plan_mismatch:
+            # The plan is not the broker's authoritative arming reply (forged, stale, or a broker
+            # and a replica that disagree): writing would land bytes where nobody expects them,
+            # possibly in pages of another ticket. Nothing is sent; every write is NOT_STARTED.
             return self._end((), KvRelayServerError(
-                grpc.StatusCode.INTERNAL, "PLAN_MISMATCH", f"ticket {self.ticket_id}: the broker's plan differs from ours"
+                grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH",
+                f"ticket {self.ticket_id}: {plan_mismatch}; nothing was written",
             ))  # fmt: skip
         if not writing:
             return self._end((), KvRelayServerError(
@@ -345,6 +349,43 @@ class WriteProtocol:
             KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", message),
             "a worker rank died or hung during the write; the write may still land",
         )
+
+
+def arming_mismatch(
+    arming: broker_pb2.ReserveTicketResponse,
+    plan: broker_pb2.TicketPlan | None,
+    expected: Sequence[PlannedWrite],
+) -> str:
+    """How what this replica would write differs from the broker's authoritative arming reply
+    ("" when it does not). The writes, their destinations (DiT replica, rank regions: endpoint,
+    address, length, IPC handle), the pages and the geometry always come from `arming`, the
+    ReserveTicket answer for this very ticket, this replica and this incarnation; this checks
+    (1) that `arming` is self-consistent: its writes are exactly what the pure planner makes of its
+    own rows, pages, geometry and parallelism for this replica's ranks (`expected`), and every page
+    id lies inside the DiT's pool, so no write can leave the ticket's own pages; and (2) that a
+    `plan` handed with Prefill is, field by field, the same plan (a forged, stale or foreign plan is
+    refused, never partly followed). Pure: the field named first is what the error names."""
+    if writes_from_proto(arming.writes) != tuple(expected):
+        return "ReserveTicketResponse.writes differ from the plan of the ticket's own rows and pages"
+    num_pages = arming.dit_num_pages
+    for r in arming.ticket.rows:
+        outside = [p for p in r.page_ids if p >= num_pages]
+        if outside:
+            return f"ReserveTicketResponse.ticket.rows[{r.row}].page_ids {outside[:4]} outside the DiT pool of {num_pages} pages"
+    if plan is None:
+        return ""
+    mine, theirs = plan.ticket, arming.ticket
+    for name in ("ticket_id", "request_id", "ar_replica_id", "dit_replica_id", "sequence"):
+        if getattr(mine, name) != getattr(theirs, name):
+            return f"plan.ticket.{name} {getattr(mine, name)!r} is not the broker's {getattr(theirs, name)!r}"
+    if sorted((r.row, r.num_tokens, tuple(r.page_ids)) for r in mine.rows) != sorted(
+        (r.row, r.num_tokens, tuple(r.page_ids)) for r in theirs.rows
+    ):
+        return "plan.ticket.rows (pages or token counts) are not the broker's"
+    for name in ("writes", "destinations", "dit_geometry", "dit_parallelism", "dit_num_pages", "verify_checksums"):
+        if getattr(plan, name) != getattr(arming, name):
+            return f"plan.{name} is not the broker's (ReserveTicketResponse.{name})"
+    return ""
 
 
 def write_key_proto(wid: WriteId) -> common_pb2.WriteKey:
@@ -429,4 +470,4 @@ def broker_stub(channel: grpc.aio.Channel) -> broker_pb2_grpc.BrokerServiceStub:
     return broker_pb2_grpc.BrokerServiceStub(channel)
 
 
-__all__ = ["WriteLedger", "WriteReporter", "WriteProtocol", "Arm", "Abandon", "after_prefill", "after_arming", "SendWrites", "EndWrites", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]
+__all__ = ["arming_mismatch", "WriteLedger", "WriteReporter", "WriteProtocol", "Arm", "Abandon", "after_prefill", "after_arming", "SendWrites", "EndWrites", "settle_outcomes", "write_id", "write_key_proto", "broker_stub", "broker_pb2"]

@@ -48,6 +48,7 @@ from kvrelay.ar_service.sender import (
     WriteReporter,
     after_arming,
     after_prefill,
+    arming_mismatch,
 )
 from kvrelay.broker_credential import credential_refused_gauge
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, request_budget
@@ -676,8 +677,10 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         what it settled, collect while in doubt, answer."""
         ticket_id = request.ticket_id
         assert self.reporter is not None
-        # The broker's plan, from the request when it came with one (else from the arming reply).
-        source = plan if plan is not None else arming
+        # Every destination comes from the broker's authoritative arming reply for this ticket
+        # (ReserveTicket, answered to this replica and incarnation), never from the Prefill
+        # request: a plan that came with Prefill is only checked equal to it (arming_mismatch).
+        source = arming
         writes = writes_from_proto(source.writes)
         if not self.ledger.start(ticket_id, writes):
             # A poll already answered these writes NOT_STARTED: they must never begin.
@@ -698,18 +701,17 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                 1, source.dit_parallelism.sequence_parallel_size
             )
             cfg_parallel = max(1, source.dit_parallelism.cfg_parallel_size)
-            if plan is not None:
-                # Planned once, by the broker: check only that it was planned for our ranks and
-                # that arming answered the same writes (a different plan is a broken invariant).
-                matches = plan.src_shards == state.tensor_parallel_size and {
-                    (w.row, w.src_rank, w.dst_rank) for w in arming.writes
-                } == {(w.row, w.src_rank, w.dst_rank) for w in writes}
-            else:
-                matches = tuple(
-                    plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows, cfg_parallel=cfg_parallel)
-                ) == tuple(writes)
+            mismatch = arming_mismatch(
+                arming,
+                plan,
+                plan_transfer(geometry, state.tensor_parallel_size, dst_shards, rows, cfg_parallel=cfg_parallel),
+            )
+            if not mismatch and plan is not None and plan.src_shards != state.tensor_parallel_size:
+                mismatch = f"plan.src_shards {plan.src_shards} is not this replica's {state.tensor_parallel_size} ranks"
+            if mismatch:
+                log.warning("plan_mismatch", ticket_id=ticket_id, mismatch=mismatch, writes=len(writes))
             step = protocol.on_armed(
-                plan_matches=matches,
+                plan_mismatch=mismatch,
                 writing=arming.ticket.state == broker_pb2.TICKET_STATE_WRITING,
                 ticket_state=broker_pb2.TicketState.Name(arming.ticket.state),
                 transfer_timeout_s=state.transfer_timeout_s,

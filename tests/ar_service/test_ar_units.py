@@ -270,7 +270,7 @@ W2 = PlannedWrite(0, 1, 0, (Segment(0, 192, 64),))  # rank 1's write
 
 
 def _armed(**kw: Any) -> dict[str, Any]:
-    args: dict[str, Any] = dict(plan_matches=True, writing=True, ticket_state="TICKET_STATE_WRITING",
+    args: dict[str, Any] = dict(plan_mismatch="", writing=True, ticket_state="TICKET_STATE_WRITING",
                                 transfer_timeout_s=5.0, deadline_left_s=2.0)  # fmt: skip
     args.update(kw)
     return args
@@ -280,7 +280,7 @@ def test_write_protocol_ends_with_nothing_sent_before_the_send() -> None:
     from kvrelay.ar_service.sender import EndWrites, WriteProtocol
 
     for kw, reason in [
-        (dict(plan_matches=False), "PLAN_MISMATCH"),
+        (dict(plan_mismatch="plan.writes differ"), "PLAN_MISMATCH"),
         (dict(writing=False, ticket_state="TICKET_STATE_ABORTED"), "REQUEST_ENDED"),
         (dict(deadline_left_s=0.01), "DEADLINE_EXCEEDED"),
     ]:
@@ -424,3 +424,81 @@ def test_tokenize_leaves_the_event_loop_free_while_a_long_prompt_is_encoded() ->
     counts, worst_stall = asyncio.run(body())
     assert counts == [expected, expected]
     assert worst_stall < max(0.3, encode_s / 3), (worst_stall, encode_s)
+
+
+def _arming_and_plan() -> tuple[Any, Any, tuple[PlannedWrite, ...]]:
+    """A ReserveTicketResponse as the broker answers it (AR TP=1 -> DiT TP=2, two rows) and the
+    TicketPlan the broker hands with Prefill for the same ticket."""
+    from kvrelay.transfer.convert import geometry_to_proto, write_to_proto
+    from kvrelay.v1 import broker_pb2, common_pb2
+
+    geometry = get_preset("tiny").kv_geometry(16)
+    rows = (RowSpec(0, 40, (3, 4, 5)), RowSpec(1, 7, (9,)))
+    writes = plan_transfer(geometry, 1, 2, rows)
+    ticket = broker_pb2.Ticket(
+        ticket_id="t1", request_id="r1", ar_replica_id="ar-0", dit_replica_id="dit-0", sequence=7,
+        state=broker_pb2.TICKET_STATE_WRITING, armed=True,
+        rows=[common_pb2.RowPages(row=r.row, num_tokens=r.num_tokens, page_ids=r.page_ids) for r in rows],
+    )  # fmt: skip
+    regions = [
+        common_pb2.MemoryRegion(rank=r, transport=common_pb2.TRANSPORT_KIND_MOONCAKE, endpoint="127.0.0.1:17000",
+                                base_address=0x7F0000000000 + r * (1 << 24), length=1 << 24)
+        for r in (0, 1)
+    ]  # fmt: skip
+    common = dict(
+        destinations=regions, writes=[write_to_proto(w) for w in writes], dit_geometry=geometry_to_proto(geometry),
+        dit_parallelism=common_pb2.Parallelism(tensor_parallel_size=2, sequence_parallel_size=1, cfg_parallel_size=1),
+        dit_num_pages=32, verify_checksums=True,
+    )  # fmt: skip
+    arming = broker_pb2.ReserveTicketResponse(ticket=ticket, **common)
+    plan_ticket = broker_pb2.Ticket()
+    plan_ticket.CopyFrom(ticket)
+    plan_ticket.state, plan_ticket.armed = broker_pb2.TICKET_STATE_RESERVED, False
+    plan = broker_pb2.TicketPlan(ticket=plan_ticket, src_shards=1, **common)
+    return arming, plan, writes
+
+
+def test_arming_mismatch_names_every_field_a_plan_could_redirect_writes_with() -> None:
+    """The AR writes where the broker's arming reply says; a Prefill plan that differs from it
+    in anything that decides where bytes land is named, as is an arming reply whose writes leave
+    the ticket's own pages (ar_service/sender.py arming_mismatch)."""
+    from kvrelay.ar_service.sender import arming_mismatch
+
+    arming, plan, writes = _arming_and_plan()
+    # The genuine plan (it differs from arming only in the ticket's state) and no plan at all.
+    assert arming_mismatch(arming, plan, writes) == ""
+    assert arming_mismatch(arming, None, writes) == ""
+
+    def tampered(change: Any) -> Any:
+        forged = type(plan)()
+        forged.CopyFrom(plan)
+        change(forged)
+        return forged
+
+    cases = {
+        "plan.ticket.ticket_id": lambda p: setattr(p.ticket, "ticket_id", "t2"),
+        "plan.ticket.dit_replica_id": lambda p: setattr(p.ticket, "dit_replica_id", "dit-1"),
+        "plan.ticket.sequence": lambda p: setattr(p.ticket, "sequence", 8),
+        "plan.ticket.rows": lambda p: p.ticket.rows[0].page_ids.__setitem__(0, 20),
+        "plan.writes": lambda p: setattr(p.writes[0].segments[0], "dst_offset", p.writes[0].segments[0].dst_offset + 1),
+        "plan.destinations": lambda p: setattr(p.destinations[1], "base_address", p.destinations[0].base_address),
+        "plan.dit_geometry": lambda p: setattr(p.dit_geometry, "page_size", 32),
+        "plan.dit_parallelism": lambda p: setattr(p.dit_parallelism, "tensor_parallel_size", 1),
+        "plan.dit_num_pages": lambda p: setattr(p, "dit_num_pages", 64),
+    }
+    for field_name, change in cases.items():
+        got = arming_mismatch(arming, tampered(change), writes)
+        assert got.startswith(field_name), (field_name, got)
+    # Another DiT endpoint (a restarted replica's old port): destinations.
+    assert arming_mismatch(arming, tampered(lambda p: setattr(p.destinations[0], "endpoint", "10.0.0.9:1")), writes)
+
+    # The arming reply itself must be the plan of its own pages: writes past them are refused...
+    shifted = type(arming)()
+    shifted.CopyFrom(arming)
+    shifted.writes[0].segments[0].dst_offset += 1
+    assert arming_mismatch(shifted, None, writes).startswith("ReserveTicketResponse.writes")
+    # ...and so are pages outside the DiT's pool (writes planned for them, consistently).
+    outside = type(arming)()
+    outside.CopyFrom(arming)
+    outside.dit_num_pages = 5
+    assert "outside the DiT pool" in arming_mismatch(outside, None, writes)
