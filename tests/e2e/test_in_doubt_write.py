@@ -174,9 +174,13 @@ def test_a_stopped_receiver_leaves_the_write_in_doubt_and_its_pages_held(tmp_pat
 
 ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's own limit on a batch (its minimum)
 # The receiver's stall limit, far above how long the test keeps it stopped (the request's own
-# timeout, the engine's limit, the AR's report: ~10 s quiet, ~20 s seen on a loaded 2-core CI run,
-# where 20 s here let the DiT end itself as hung mid-test and take its pool file with it).
-SETTLE_STALL_S = 50.0
+# timeout, the engine's limit, the AR's report: ~10 s quiet, ~25 s seen on a loaded 2-core CI run,
+# where 20 s here let the DiT end itself as hung mid-test and take its pool file with it; at most
+# REPORT_WAIT_S + a few s by the test's own waits).
+SETTLE_STALL_S = 75.0
+# How long the AR's engine may take to give up on the batch and the AR to report it: 5 s quiet,
+# ~20 s after the request failed on a loaded CI run (ar-0 logged in_doubt_writes_returned FAILED then).
+REPORT_WAIT_S = 40.0
 
 
 def _engine_fails_first(cfg: dict[str, Any]) -> None:
@@ -219,7 +223,7 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
             # The engine gives up on the batch: the AR's final report.
             ticket = _wait("the AR's FAILED report", lambda: (
                 t if (t := _ticket_of(client, first.request_id)) is not None and t.writes
-                and all(w.status == WriteStatus.FAILED for w in t.writes) else None), timeout=ENGINE_TIMEOUT_S + 15)
+                and all(w.status == WriteStatus.FAILED for w in t.writes) else None), timeout=REPORT_WAIT_S)
             held = {p for r in ticket.rows for p in r.page_ids}
             # Past the quiet period (0.2 s) and the lease (2 s): the receiver still holds the bytes.
             time.sleep(2.5)
