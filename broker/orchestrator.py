@@ -256,7 +256,7 @@ class Orchestrator:
         why = self._retry_refusal(job, ended)
         if self.cfg.broker.max_replica_retries == 0 or (job.attempt == 1 and error.reason not in RETRY_REASONS):
             return error
-        tried = f"tried {job.attempt} time{'s' if job.attempt > 1 else ''}"
+        tried = tried_times(job.attempt)
         if why is not None and why != "not a replica failure":
             tried = f"{tried}, not retried: {why}"
         if job.failed_replicas:
@@ -322,7 +322,7 @@ class Orchestrator:
                     tried = job.attempt - 1
                     raise RequestEnded(ErrorInfo(
                         job.last_error.code, job.last_error.reason,
-                        f"{job.last_error.message} (tried {tried} time{'s' if tried > 1 else ''}, not retried: no "
+                        f"{job.last_error.message} ({tried_times(tried)}, not retried: no "
                         f"other {role_name(role)} replica is up; attempts failed on {', '.join(sorted(job.failed_replicas))})",
                     ), final=True)  # fmt: skip
         replaces = job.ended_ticket_ids[-1] if job.ended_ticket_ids else ""
@@ -398,6 +398,11 @@ class Orchestrator:
             total_ms=round(snap.timings.get("total", 0.0) * 1000, 3),
         )
         self.queue.ended(record.request_id, stop_pipeline=state is not GenState.SUCCEEDED)
+
+
+def tried_times(attempts: int) -> str:
+    """How often a generation was tried, as its final error says it ("tried 2 times")."""
+    return f"tried {attempts} time{'s' if attempts > 1 else ''}"
 
 
 def role_name(role: str) -> str:
