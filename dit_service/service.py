@@ -611,11 +611,19 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         loop_start = time.monotonic()
         budget_end = min(loop_start + s.stage.transfer_timeout, deadline - DEADLINE_MARGIN_S)
         src_shards = max((w.src_rank for w in ticket.writes), default=0) + 1
-        plan = (
-            tuple(broker_plan)
-            if broker_plan is not None
-            else plan_transfer(s.geometry, src_shards, s.stage.head_shards, rows, cfg_parallel=s.stage.cfg_parallel_size)
-        )
+        # What is verified (each write's segments: offsets and lengths in this replica's pools) is
+        # always this replica's own plan of the ticket's rows; a plan that came with Denoise is
+        # only checked equal to it. Found black-box: a caller holding the replica token posing as
+        # the broker sent the genuine ticket with writes whose segments lay outside the pool
+        # (UNKNOWN, a ValueError traceback) or over pages of no ticket of its own (the bytes
+        # never matched: TRANSFER_TIMEOUT after transfer_timeout, the AR/DiT pair made suspect).
+        plan = plan_transfer(s.geometry, src_shards, s.stage.head_shards, rows, cfg_parallel=s.stage.cfg_parallel_size)
+        if broker_plan is not None:
+            mismatch = plan_writes_mismatch(broker_plan, plan)
+            if mismatch:
+                log.warning("plan_mismatch", ticket_id=ticket_id, mismatch=mismatch)
+                raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH",
+                                         f"ticket {ticket_id}: {mismatch}; nothing was verified or claimed")
         planned: dict[tuple[int, int, int], PlannedWrite] = {(w.row, w.src_rank, w.dst_rank): w for w in plan}
         listed = {(w.row, w.src_rank, w.dst_rank) for w in ticket.writes}
         if listed != set(planned):
@@ -967,6 +975,26 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
 
 _NOT_WRITABLE_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING,
                         broker_pb2.TICKET_STATE_RELEASED)
+
+
+def plan_writes_mismatch(given: Sequence[PlannedWrite], own: Sequence[PlannedWrite]) -> str:
+    """How the writes of a plan handed with Denoise differ from this replica's own plan of the
+    same ticket rows ("" when they do not); the first difference is named. Pure."""
+    mine = {(w.row, w.src_rank, w.dst_rank): w for w in own}
+    theirs: dict[tuple[int, int, int], PlannedWrite] = {}
+    for w in given:
+        key = (w.row, w.src_rank, w.dst_rank)
+        if key in theirs:
+            return f"plan.writes names write (row, src_rank, dst_rank) {key} twice"
+        theirs[key] = w
+    if set(theirs) != set(mine):
+        return (f"plan.writes {sorted(theirs)[:8]} are not the writes {sorted(mine)[:8]} of the "
+                "ticket's rows on this replica's ranks")
+    for key in sorted(mine):
+        if theirs[key].segments != mine[key].segments:
+            return (f"plan.writes {key}: segments are not the offsets and lengths of the ticket's "
+                    "own pages in this replica's pools")
+    return ""
 
 
 def _check_plan(planned: broker_pb2.Ticket, broker: broker_pb2.Ticket) -> None:

@@ -818,6 +818,79 @@ def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def _forge_writes(plan: broker_pb2.TicketPlan, forgery: str, page_bytes: int, pool_bytes: int) -> None:
+    """The genuine ticket (rows, sequence, replica) with its writes' segments redirected."""
+    first = plan.writes[0]
+    if forgery == "outside_the_pool":
+        del first.segments[:]
+        first.segments.add(src_offset=0, dst_offset=pool_bytes + page_bytes, length=64)
+    elif forgery == "other_pages":
+        # Same write keys and lengths, one page further: bytes of no page of this ticket.
+        for seg in first.segments:
+            seg.dst_offset += page_bytes
+    elif forgery == "write_named_twice":
+        plan.writes.add().CopyFrom(first)
+        plan.writes[-1].segments[0].dst_offset += page_bytes
+    else:
+        raise AssertionError(forgery)
+
+
+def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: Path) -> None:
+    """The DiT verifies each write's segments (offsets and lengths in its pools) from its own plan
+    of the ticket's rows; a Denoise plan with the genuine ticket but other segments is refused
+    FAILED_PRECONDITION PLAN_MISMATCH at once. Found black-box (a caller holding the replica
+    token, posing as the broker): segments outside the pool were UNKNOWN with a ValueError
+    traceback; segments over another page never matched their checksums, so the load ran to
+    TRANSFER_TIMEOUT (and the broker marked the sound AR -> DiT link suspect). The ticket is
+    released, every page comes back, and the genuine plan is still served."""
+    from kvrelay.broker.service import plan_to_proto
+    from kvrelay.transfer.convert import geometry_from_proto
+    from kvrelay.transfer.layout import PageLayout
+
+    config = write_config(tmp_path, transport="mooncake")
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                pool = await writer.pool()
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    for forgery in ("outside_the_pool", "other_pages", "write_named_twice"):
+                        t = await writer.written_ticket([5], seed=6)
+                        plan = plan_to_proto(core.plan_for(t.ticket_id))
+                        layout = PageLayout(geometry_from_proto(plan.dit_geometry), 1, 0)
+                        _forge_writes(plan, forgery, layout.page_bytes, layout.pool_bytes(plan.dit_num_pages))
+                        request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
+                                                         num_inference_steps=1, guidance_scale=1.0, seed=0, plan=plan)
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            await _collect(stub, request, timeout=30.0)
+                        assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), (
+                            forgery, info.value)
+                        assert "plan.writes" in (info.value.details() or ""), info.value.details()
+                        ended = await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                        assert ended.state == broker_pb2.TICKET_STATE_RELEASED, (forgery, ended)
+                    t = await writer.written_ticket([5], seed=6)
+                    events = await _collect(stub, dit_pb2.DenoiseRequest(
+                        ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1, guidance_scale=1.0,
+                        seed=0, plan=plan_to_proto(core.plan_for(t.ticket_id))), timeout=30.0)
+                    assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                for _ in range(100):
+                    if (await writer.pool()).free_pages == pool.total_pages:
+                        break
+                    await asyncio.sleep(0.05)
+                assert (await writer.pool()).free_pages == pool.total_pages
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
 def test_a_broker_that_does_not_answer_start_consuming_is_broker_unavailable(tmp_path: Path) -> None:
     """StartConsuming refused UNAVAILABLE on every try (the broker stopped or restarting) ends
     Denoise UNAVAILABLE / BROKER_UNAVAILABLE naming the call, as every other broker call the DiT
