@@ -617,7 +617,16 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
         # the broker sent the genuine ticket with writes whose segments lay outside the pool
         # (UNKNOWN, a ValueError traceback) or over pages of no ticket of its own (the bytes
         # never matched: TRANSFER_TIMEOUT after transfer_timeout, the AR/DiT pair made suspect).
-        plan = plan_transfer(s.geometry, src_shards, s.stage.head_shards, rows, cfg_parallel=s.stage.cfg_parallel_size)
+        try:
+            _check_rows_in_pool(rows, s.memory.num_pages)
+            plan = plan_transfer(s.geometry, src_shards, s.stage.head_shards, rows, cfg_parallel=s.stage.cfg_parallel_size)
+        except ValueError as err:
+            # Rows or writes no plan of this replica can serve (a forged plan's ticket: a source
+            # rank the heads do not split into, pages the tokens do not need, pages outside the pool).
+            log.warning("plan_mismatch", ticket_id=ticket_id, mismatch=str(err))
+            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "PLAN_MISMATCH",
+                                     f"ticket {ticket_id}: its rows and writes cannot be planned on this replica "
+                                     f"({src_shards} source ranks): {err}") from None
         if broker_plan is not None:
             mismatch = plan_writes_mismatch(broker_plan, plan)
             if mismatch:
@@ -975,6 +984,14 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
 
 _NOT_WRITABLE_STATES = (broker_pb2.TICKET_STATE_READY, broker_pb2.TICKET_STATE_CONSUMING,
                         broker_pb2.TICKET_STATE_RELEASED)
+
+
+def _check_rows_in_pool(rows: Sequence[RowSpec], num_pages: int) -> None:
+    """ValueError unless every page id of `rows` lies in a pool of `num_pages` pages (checked
+    before planning: a forged row of millions of page ids is refused, not planned)."""
+    for r in rows:
+        if len(r.page_ids) > num_pages or (r.page_ids and max(r.page_ids) >= num_pages):
+            raise ValueError(f"row {r.row}: page ids outside the pool of {num_pages} pages")
 
 
 def plan_writes_mismatch(given: Sequence[PlannedWrite], own: Sequence[PlannedWrite]) -> str:

