@@ -163,6 +163,9 @@ class ArRegistration:
         )
         reply: broker_pb2.HeartbeatResponse = await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT_S)  # type: ignore[attr-defined]
         await self.credential.accepted()
+        if reply.credential_superseded:
+            # The broker rotated its credentials: take the new token from the file before its grace ends.
+            await self.credential.superseded(reply.credential_grace_seconds)
         if reply.fenced:
             raise Fenced(reply.fence_reason or "fenced by the broker")
         polled = [(k.ticket_id, k.row, k.src_rank, k.dst_rank) for k in reply.poll_writes]

@@ -102,6 +102,7 @@ def broker_checks(core: BrokerCore) -> Mapping[str, RequestCheck]:
         _B + "GetTicket": either_side,
         _B + "WatchTicket": either_side,
         _B + "ForgetReplica": operator_only,
+        _B + "ReloadCredentials": operator_only,
     }
 
 

@@ -191,6 +191,11 @@ class BrokerCore:
         # (AR, DiT) pairs whose last transfer failed: (avoid until, backoff) (`note_transfer_failed`).
         self._suspect_links: dict[tuple[ReplicaId, ReplicaId], tuple[float, float]] = {}
         self.registration_token = registration_token or None
+        # Every token RegisterReplicaRequest.token may carry: the shared replica token, and during
+        # a rotation's grace the one it replaced (broker.main gives its CredentialRotation's).
+        self.registration_tokens: Callable[[], Sequence[str]] = (
+            lambda: (self.registration_token,) if self.registration_token else ()
+        )
         self.verify_checksums = verify_checksums
         # Bounds on what registrations (any holder of the replica token) make the broker hold.
         self.registry = ReplicaRegistry(layout_version, max_replicas, max_total_pages)
@@ -305,9 +310,9 @@ class BrokerCore:
         WRITER_GONE (AR), or its tickets lose their memory and are released (DiT).
         `owed_releases` (DiT): the releases it has not had acknowledged, with their outcomes.
         """
-        if self.registration_token is not None and not hmac.compare_digest(
-            (token or "").encode(), self.registration_token.encode()
-        ):
+        accepted = self.registration_tokens()
+        # Every one compared, always: timing tells nothing about which matched.
+        if accepted and not [t for t in accepted if hmac.compare_digest((token or "").encode(), t.encode())]:
             raise Unauthenticated("BAD_REGISTRATION_TOKEN", "RegisterReplica: the registration token is wrong")
         unresolved_writes = list(unresolved_writes)
         held_ticket_ids = list(held_ticket_ids)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.credential_reload import BrokerSecrets
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.journal import JournalInUse, JournalOpenError, JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
@@ -36,6 +37,7 @@ from kvrelay.security import (
     BROKER_CALLER_ID,
     CallerClass,
     CredentialRefusals,
+    CredentialRotation,
     Credentials,
     SecurityError,
     load_credentials,
@@ -63,6 +65,10 @@ async def serve(
     the graceful stop. Raises what ends it otherwise (a journal failure, a port in use)."""
     b = cfg.broker
     creds = credentials if credentials is not None else load_credentials(cfg.security)
+    # What the broker takes and presents across `kvrelay rotate-secrets` (its server's checks,
+    # its calls to replicas, the write tokens it hands out, the registration token).
+    rotation = CredentialRotation(creds)
+    secrets = BrokerSecrets(cfg.security, rotation)
     try:
         core = BrokerCore(
             b.journal_path,
@@ -90,6 +96,7 @@ async def serve(
         raise ConfigError(f"broker.journal_path: cannot open the journal {b.journal_path!r}: {reason}") from None
     # Fail stop: a failed journal write leaves memory ahead of disk, so the process exits and
     # its supervisor starts it again from what the disk holds (as a failed maintenance pass does).
+    core.registration_tokens = rotation.shared_replica_tokens
     journal_failed = asyncio.Event()
     core.journal.on_failure = lambda _err: journal_failed.set()
     registry = CollectorRegistry()
@@ -100,10 +107,10 @@ async def serve(
     broker_servicer = BrokerServicer(
         core, ticket_ttl, endpoint_probe,
         max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,
-        replica_authentication=replica_authentication(creds), credential_refusals=refusals,
+        replica_authentication=replica_authentication(creds), credential_refusals=refusals, secrets=secrets,
     )  # fmt: skip
-    register_broker_metrics(core, registry, broker_servicer.rpc_counts)
-    orchestrator = Orchestrator(core, cfg, registry, credentials=creds)
+    register_broker_metrics(core, registry, broker_servicer.rpc_counts, secrets)
+    orchestrator = Orchestrator(core, cfg, registry, credential_rotation=rotation)
     server = GrpcServer(
         name="broker",
         host=host,
@@ -122,6 +129,7 @@ async def serve(
         checks=broker_checks(core),
         insecure_bind=insecure_bind,
         credential_refusals=refusals,
+        credential_rotation=rotation,
     )
     await server.start()
     # SIGHUP too: its default action killed the broker outright, as a closed terminal would.

@@ -8,7 +8,9 @@ with GetPool. Must never mutate the core. Also the generations' metrics (`Genera
 `kvrelay_generations_total{outcome}`, `kvrelay_generation_seconds`, `kvrelay_phase_seconds{phase}`,
 `kvrelay_generations_queued`, `kvrelay_generation_retries_total{reason}`), which the orchestrator updates as each generation ends, and the
 journal's (`JournalCollector`: `kvrelay_journal_size_bytes`, `kvrelay_journal_compacted_rows_total`,
-`kvrelay_journal_reclaimed_bytes_total`), read at scrape time from the compactor.
+`kvrelay_journal_reclaimed_bytes_total`), read at scrape time from the compactor, and the
+credential reloads' (`kvrelay_broker_credential_reloads_total{outcome}`,
+`kvrelay_broker_credential_grace_seconds`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from kvrelay.broker.compaction import JournalCompactor
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.credential_reload import BrokerSecrets
 from kvrelay.broker.generations import PHASES, RETRY_REASONS, GenerationSnapshot, GenState
 from kvrelay.broker.tickets import TicketState
 
@@ -32,9 +35,12 @@ _OUTCOME_OF_STATE = {
 
 
 class BrokerCollector(Collector):
-    def __init__(self, core: BrokerCore, rpc_counts: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self, core: BrokerCore, rpc_counts: Mapping[str, int] | None = None, secrets: BrokerSecrets | None = None
+    ) -> None:
         self.core = core
         self.rpc_counts = rpc_counts
+        self.secrets = secrets
 
     def collect(self) -> Iterator[Metric]:
         core = self.core
@@ -87,13 +93,29 @@ class BrokerCollector(Collector):
                 rpcs.add_metric([method], count)
             yield rpcs
 
+        if self.secrets is not None:
+            reloads = CounterMetricFamily(
+                "kvrelay_broker_credential_reloads",
+                "kvrelay rotate-secrets calls by outcome (reloaded: new credentials taken; unchanged; failed: nothing taken)",
+                labels=["outcome"],
+            )
+            for outcome, count in sorted(dict(self.secrets.outcomes).items()):
+                reloads.add_metric([outcome], count)
+            yield reloads
+            yield GaugeMetricFamily(
+                "kvrelay_broker_credential_grace_seconds",
+                "Seconds the credentials the last reload replaced are still taken (0: only the current ones)",
+                value=self.secrets.rotation.grace_left_s(),
+            )
+
 
 def register_broker_metrics(
-    core: BrokerCore, registry: CollectorRegistry | None = None, rpc_counts: Mapping[str, int] | None = None
+    core: BrokerCore, registry: CollectorRegistry | None = None, rpc_counts: Mapping[str, int] | None = None,
+    secrets: BrokerSecrets | None = None,
 ) -> CollectorRegistry:
     """Register the broker's collector on `registry` (a new one when None) and return it."""
     registry = registry if registry is not None else CollectorRegistry()
-    registry.register(BrokerCollector(core, rpc_counts))
+    registry.register(BrokerCollector(core, rpc_counts, secrets))
     return registry
 
 

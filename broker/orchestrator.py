@@ -43,7 +43,7 @@ from kvrelay.broker.tickets import Ticket, TicketOutcome
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import failed_precondition
 from kvrelay.logging import get_logger
-from kvrelay.security import BROKER_CALLER_ID, CallerClass, ChannelCache, Credentials
+from kvrelay.security import BROKER_CALLER_ID, CallerClass, ChannelCache, CredentialRotation, Credentials
 
 log = get_logger(__name__)
 
@@ -69,14 +69,19 @@ class Orchestrator:
         *,
         clock: Callable[[], float] = time.monotonic,
         credentials: Credentials | None = None,
+        credential_rotation: CredentialRotation | None = None,
     ) -> None:
         self.core = core
         self.cfg = cfg
         self._clock = clock
         # The broker dials AR and DiT replicas as a replica-class caller named "broker" (bound
         # replica tokens: with each replica's own call token, Credentials.broker_channel).
-        creds = credentials or Credentials()
-        self.channels = ChannelCache(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID), creds.broker_channel)
+        # Across a reload of the broker's credentials (`kvrelay rotate-secrets`), each replica is
+        # called with, and each AR handed a write token of, what that replica holds (the previous
+        # credentials until it authenticated with the new ones: CredentialRotation).
+        creds = credential_rotation.current if credential_rotation is not None else credentials or Credentials()
+        rotation = credential_rotation or CredentialRotation(creds)
+        self.channels = ChannelCache(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID), rotation.broker_channel)
         self.store = GenerationStore(
             result_ttl_seconds=cfg.broker.result_ttl_seconds,
             max_results=cfg.broker.max_results,
@@ -98,7 +103,7 @@ class Orchestrator:
             prefill_timeout=cfg.ar_stage.request_timeout_seconds,
             denoise_timeout=cfg.dit_stage.request_timeout_seconds,
             clock=clock,
-            write_token=creds.write_token,
+            write_token=rotation.write_token,
         )
         self._tasks: list[asyncio.Task[None]] = []
         core.on_request_cancelled = self.ticket_cancelled

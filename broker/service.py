@@ -23,6 +23,7 @@ from google.protobuf import timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.broker.core import Arming, BrokerCore, PoolStatus, ReportedWrite
+from kvrelay.broker.credential_reload import BrokerSecrets
 from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.registry import (
     MAX_ENDPOINT_CHARS,
@@ -550,8 +551,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         max_watch_streams_per_replica: int = MAX_WATCH_STREAMS_PER_REPLICA,
         replica_authentication: str = "",
         credential_refusals: CredentialRefusals | None = None,
+        secrets: BrokerSecrets | None = None,
     ) -> None:
         self.core = core
+        # The broker's credentials, reloadable (ReloadCredentials); None: a test's servicer,
+        # which answers FAILED_PRECONDITION.
+        self.secrets = secrets
         # The broker server's record of replicas it refuses (ListReplicas shows it to operators).
         self.credential_refusals = credential_refusals or CredentialRefusals()
         # Shown to the operator by ListReplicas ("" where nobody said: a test's servicer).
@@ -626,10 +631,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         # Its record (registered, fenced) and, for an AR, the tickets it writes (which it is polled
         # about, and which not); the lease is never journaled.
         reveals_only(self.core.commit_behind(replicas=[request.replica_id], polls_of=request.replica_id))
+        # Taken only by credentials a rotation replaced (CredentialRotation): the replica re-reads
+        # its token file and presents the new token before the grace ends.
+        caller = current_caller()
+        superseded = caller is not None and caller.superseded
+        grace = self.secrets.rotation.grace_left_s() if superseded and self.secrets is not None else 0.0
         return broker_pb2.HeartbeatResponse(
             fenced=reply.fenced,
             fence_reason=reply.fence_reason,
             lease_seconds=reply.lease_seconds,
+            credential_superseded=superseded,
+            credential_grace_seconds=grace,
             poll_writes=[
                 common_pb2.WriteKey(ticket_id=tid, row=k.row, src_rank=k.src_rank, dst_rank=k.dst_rank)
                 for tid, k in reply.poll_writes
@@ -870,6 +882,22 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             raise InvalidArgument("MISSING_FIELD", "replica_id: required (the replica to forget)")
         ended = self.core.forget_replica(request.replica_id, force=request.force)
         return broker_pb2.ForgetReplicaResponse(ended_ticket_ids=[t.ticket_id for t in ended])
+
+    @_maps_errors
+    async def ReloadCredentials(
+        self, request: broker_pb2.ReloadCredentialsRequest, context: grpc.aio.ServicerContext
+    ) -> broker_pb2.ReloadCredentialsResponse:
+        if self.secrets is None:
+            raise KvRelayServerError(grpc.StatusCode.FAILED_PRECONDITION, "FAILED_PRECONDITION",
+                                     "this broker has no reloadable credentials")  # fmt: skip
+        answer = await self.secrets.reload()
+        return broker_pb2.ReloadCredentialsResponse(
+            sources=[broker_pb2.CredentialSourceReload(key=s.key, source=s.source, state=s.state)
+                     for s in answer.sources],
+            rotated=answer.rotated,
+            grace_seconds=answer.grace_seconds,
+            error=answer.error,
+        )  # fmt: skip
 
 
 def add_broker_servicer(core: BrokerCore, server: grpc.aio.Server) -> BrokerServicer:

@@ -27,6 +27,8 @@ from .errors import KvRelayError
 from .sync import GenerationHandle, KvRelayClient
 from .types import (
     CredentialRefusal,
+    CredentialSourceReload,
+    CredentialsReload,
     ErrorStatus,
     ForgottenIncarnation,
     Generation,
@@ -75,6 +77,8 @@ __all__ = [
     "PhaseTimings",
     "PoolStatus",
     "Replica",
+    "CredentialSourceReload",
+    "CredentialsReload",
     "ReplicaRegistry",
     "ReplicaRole",
     "RetryPolicy",

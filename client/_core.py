@@ -50,6 +50,7 @@ from ._common import (
 )
 from .errors import KvRelayError
 from .types import (
+    CredentialsReload,
     ErrorStatus,
     Generation,
     GenerationEvent,
@@ -61,6 +62,7 @@ from .types import (
     ReplicaRegistry,
     Ticket,
     TicketState,
+    credentials_reload_from_pb,
     event_from_generation,
     event_from_pb,
     generation_from_pb,
@@ -342,6 +344,11 @@ def forget_replica(replica_id: str, force: bool) -> UnaryCall[list[str]]:
         lambda r: list(r.ended_ticket_ids),
         idempotent=False,
     )
+
+
+def reload_credentials() -> UnaryCall[CredentialsReload]:
+    # Retried like a read: a second reload finds the files unchanged and swaps nothing.
+    return UnaryCall("broker", "ReloadCredentials", broker_pb2.ReloadCredentialsRequest(), credentials_reload_from_pb)
 
 
 def list_tickets(states: Iterable[TicketState] | None, replica_id: str) -> UnaryCall[list[Ticket]]:

@@ -26,6 +26,7 @@ from . import _core
 from ._common import CANCEL_TIMEOUT
 from .errors import KvRelayError, error_from_rpc
 from .types import (
+    CredentialsReload,
     Generation,
     GenerationEvent,
     GenerationResult,
@@ -193,6 +194,14 @@ class AsyncKvRelayClient(_core.ClientBase):
         ``REPLICA_WRITES_IN_DOUBT``) for one the broker must keep, ``NOT_FOUND`` for an id it
         does not hold (one already forgotten too). Not retried."""
         return await self._unary(_core.forget_replica(replica_id, force), timeout)
+
+    async def reload_credentials(self, *, timeout: float | None = None) -> CredentialsReload:
+        """Operator: re-read the broker's credential files (its replica secret or shared
+        replica token, its api and operator tokens) and take what changed; the replaced ones are
+        still taken for ``security.rotation_grace_seconds`` (docs/operations.md, Rotating the
+        replica secret). A credential from an environment variable is ``not reloadable``; nothing
+        is taken when any file fails (``error`` says why). Calling it again swaps nothing more."""
+        return await self._unary(_core.reload_credentials(), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
 

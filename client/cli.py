@@ -130,7 +130,8 @@ def _shown_id(request_id: str) -> str:
 # The credential each command sends, and where it reads it from without --token.
 _API = ("the deployment's api token", f"${TOKEN_ENV}")
 _OPERATOR = ("the operator token", f"${OPERATOR_TOKEN_ENV} (else ${TOKEN_ENV})")
-_CREDENTIAL = {"generate": _API, "cancel": _API, "status": _OPERATOR, "list": _OPERATOR, "forget": _OPERATOR}
+_CREDENTIAL = {"generate": _API, "cancel": _API, "status": _OPERATOR, "list": _OPERATOR, "forget": _OPERATOR,
+               "rotate-secrets": _OPERATOR}
 
 # GenerateRequest fields whose `kvrelay generate` flag has another name (an INVALID_ARGUMENT names
 # the field; width, height and seed are their flags' names, prompt the argument).
@@ -948,7 +949,49 @@ def _forget_one(client: KvRelayClient, replica_id: str, *, force: bool, all_down
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# kvrelay rotate-secrets
+# ---------------------------------------------------------------------------------------------
+
+
+def run_rotate_secrets(args: argparse.Namespace) -> int:
+    """`kvrelay rotate-secrets`: the broker re-reads its credential files and takes what changed,
+    the replaced ones still taken for security.rotation_grace_seconds (docs/operations.md,
+    Rotating the replica secret). One line per credential (`api_token: reloaded from
+    security.api_token_file (...)`), then what happened. Exit 0 when the broker read every file
+    (whether or not anything changed), 1 when it took nothing because one failed, or on any error."""
+    if (problem := tls_problem(args)) is not None:
+        print(f"kvrelay rotate-secrets: {problem}", file=sys.stderr)
+        return 2
+    target = _target(args)
+    try:
+        token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
+        with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
+            answer = client.reload_credentials()
+    except KvRelayError as err:
+        _print_error("rotate-secrets", err, sys.stderr, tls=bool(_tls(args)), target=target,
+                     sent=_sent_token("rotate-secrets", args))  # fmt: skip
+        return 1
+    if getattr(args, "json", False):
+        print(json.dumps(_jsonable({"target": target, **dataclasses.asdict(answer)}), indent=2))
+        return 1 if answer.error else 0
+    for source in answer.sources:
+        print(f"{source.key}: {source.state} ({_printable(source.source)})")
+    if answer.error:
+        print(f"kvrelay rotate-secrets: nothing taken: {_printable(answer.error)}", file=sys.stderr)
+        return 1
+    if answer.rotated:
+        print(f"new credentials taken; the replaced ones are still taken for {answer.grace_seconds:.0f} s")
+    else:
+        print("nothing changed" + (f" (the last rotation's replaced credentials are taken {answer.grace_seconds:.0f} s more)"
+                                   if answer.grace_seconds > 0 else ""))  # fmt: skip
+    if any(s.state == "not reloadable" for s in answer.sources):
+        print("a credential from an environment variable cannot be re-read by a running broker: restart it to change "
+              "that one (or give it a file: security.*_file)")  # fmt: skip
+    return 0
+
+
 __all__ = [
     "format_table", "format_timings", "generations_table", "read_prompt",
-    "run_cancel", "run_forget", "run_generate", "run_list", "run_status",
+    "run_cancel", "run_forget", "run_generate", "run_list", "run_rotate_secrets", "run_status",
 ]  # fmt: skip

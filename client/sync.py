@@ -22,6 +22,7 @@ from . import _core
 from ._common import CANCEL_TIMEOUT
 from .errors import KvRelayError, error_from_rpc
 from .types import (
+    CredentialsReload,
     Generation,
     GenerationEvent,
     GenerationResult,
@@ -169,6 +170,14 @@ class KvRelayClient(_core.ClientBase):
         ``REPLICA_WRITES_IN_DOUBT``) for one the broker must keep, ``NOT_FOUND`` for an id it
         does not hold (one already forgotten too). Not retried."""
         return self._unary(_core.forget_replica(replica_id, force), timeout)
+
+    def reload_credentials(self, *, timeout: float | None = None) -> CredentialsReload:
+        """Operator: re-read the broker's credential files (its replica secret or shared
+        replica token, its api and operator tokens) and take what changed; the replaced ones are
+        still taken for ``security.rotation_grace_seconds`` (docs/operations.md, Rotating the
+        replica secret). A credential from an environment variable is ``not reloadable``; nothing
+        is taken when any file fails (``error`` says why). Calling it again swaps nothing more."""
+        return self._unary(_core.reload_credentials(), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
 

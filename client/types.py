@@ -288,6 +288,30 @@ class CredentialRefusal:
 
 
 @dataclass(frozen=True, slots=True)
+class CredentialSourceReload:
+    """One credential of the broker as `reload_credentials` found it: `key` (`replica_secret`,
+    `replica_token`, `api_token`, `operator_token`), `source` (where it comes from, e.g.
+    `security.api_token_file (/run/secrets/api)`) and `state` (`reloaded`, `unchanged`,
+    `not reloadable`: an environment variable, which a running broker cannot re-read; `failed`)."""
+
+    key: str
+    source: str
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialsReload:
+    """The broker's answer to `reload_credentials`: each source, whether a new credential was
+    taken (`rotated`), how long the replaced ones are still taken (`grace_seconds`), and why
+    nothing was taken (`error`, "" when none)."""
+
+    sources: list[CredentialSourceReload]
+    rotated: bool
+    grace_seconds: float
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaRegistry:
     """The broker's registry as one `ListReplicas` answer (`kvrelay status`).
 
@@ -466,6 +490,15 @@ _DTYPES = {
 }
 
 
+def credentials_reload_from_pb(msg: broker_pb2.ReloadCredentialsResponse) -> CredentialsReload:
+    return CredentialsReload(
+        [CredentialSourceReload(s.key, s.source, s.state) for s in msg.sources],
+        msg.rotated,
+        msg.grace_seconds,
+        msg.error,
+    )
+
+
 def forgotten_incarnation_from_pb(msg: broker_pb2.ForgottenIncarnation) -> ForgottenIncarnation:
     return ForgottenIncarnation(msg.replica_id, msg.incarnation_id)
 
@@ -550,6 +583,8 @@ def ticket_from_pb(msg: broker_pb2.Ticket) -> Ticket:
 
 
 __all__ = [
+    "CredentialSourceReload",
+    "CredentialsReload",
     "ErrorStatus",
     "Generation",
     "GenerationEvent",

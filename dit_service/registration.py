@@ -199,6 +199,9 @@ class Registration:
                 log.warning("heartbeat_failed", code=err.code().name, details=err.details())
                 continue
             await self.credential.accepted()
+            if reply.credential_superseded:
+                # The broker rotated its credentials: take the new token from the file before its grace ends.
+                await self.credential.superseded(reply.credential_grace_seconds)
             if reply.fenced:
                 self.on_fenced(reply.fence_reason or "heartbeat answered fenced")
                 return

@@ -1,7 +1,8 @@
 """Whether the broker takes this replica's credential, seen from an AR or DiT replica.
 
-After the broker's replica secret changes and the broker restarts, a replica still holding a token
-derived from the old secret is refused on every heartbeat (`UNAUTHENTICATED` /
+After the broker's replica secret changes (a broker restarted with a new one, or a
+`kvrelay rotate-secrets` whose grace is over), a replica still holding a token derived from the
+old secret is refused on every heartbeat (`UNAUTHENTICATED` /
 `REPLICA_TOKEN_MISMATCH`): its lease lapses and the broker routes nothing to it. A token from a
 file is re-read on each refusal (kvrelay.replica_token): a new one there is presented on the next
 call, without a restart. Otherwise (the token in an environment variable, or the file still old)
@@ -12,6 +13,10 @@ where the token came from and the fix (write the new token into the file; for an
 variable, restart with the token `kvrelay token ID` prints), repeated at most every REPEAT_LOG_S;
 `kvrelay_{ar,dit}_credential_refused` is 1 and gRPC health NOT_SERVING while it lasts, so a
 readiness probe, `kvrelay health` and a scrape see it; `broker_accepts_credential` when it ends.
+
+During a rotation's grace (HeartbeatResponse.credential_superseded) the replica is still taken:
+`superseded` re-reads its token file at once, and warns (`credential_superseded`) while the file
+holds no new token, so it is never refused when its file was written in time.
 
 Owns the decision and the rate limit only: the registrations call it with what their calls
 answered, `on_change` (the process's gauge and health) is theirs, the reload kvrelay.replica_token's.
@@ -68,6 +73,21 @@ def credential_fix(replica_id: str, reason: str, source: TokenSource | None = No
     return f"{cause}; restart this replica with {new}"
 
 
+def superseded_fix(replica_id: str, source: TokenSource | None, *, bound: bool) -> str:
+    """What to do when the broker's credentials were rotated and this replica still holds the
+    token it replaced (taken until the grace ends)."""
+    new = (f"the token `kvrelay token {replica_id}` prints where the broker's new secret is" if bound
+           else "the broker's new replica token")  # fmt: skip
+    if source is not None and source.reloadable:
+        return (f"write {new} into {source.file}, replacing the file in one step (write a temporary file, then "
+                "rename it over): this replica re-reads it at its next heartbeat, before the grace ends")
+    if source is not None and source.env:
+        return (f"this replica's token came from ${source.env}, which a running process cannot re-read: restart it "
+                f"with {new} there before the grace ends (a token in security.replica_token_file is re-read "
+                "without a restart)")
+    return f"restart this replica with {new} before the grace ends"
+
+
 class BrokerCredentialWatch:
     """One replica's view of whether the broker takes its credential."""
 
@@ -88,6 +108,7 @@ class BrokerCredentialWatch:
         self._clock = clock
         self._since: float | None = None
         self._next_log = 0.0
+        self._next_superseded_log = 0.0
         self.refusals = 0
 
     @property
@@ -131,6 +152,32 @@ class BrokerCredentialWatch:
         if first:
             await self._changed(True)
         return True
+
+    async def superseded(self, grace_s: float) -> None:
+        """The broker took a heartbeat of this replica only by credentials a rotation of its own
+        replaced (HeartbeatResponse.credential_superseded), for `grace_s` more seconds: re-read
+        the token file now, so the new token is presented before the grace ends. Asked at every
+        such heartbeat: a token written into the file after the rotation is taken at the next
+        one. A file still holding the old token (or a token from the environment) is warned
+        about, at most once per REPEAT_LOG_S: this replica is refused once the grace ends."""
+        reload = await self.token.reload() if self.token is not None else None
+        if reload is not None and reload.reloaded:
+            return  # logged credential_reloaded; the next call presents the new token
+        now = self._clock()
+        if now < self._next_superseded_log:
+            return
+        self._next_superseded_log = now + self._repeat_log_s
+        source = self.token.source if self.token is not None else None
+        log.warning(
+            "credential_superseded",
+            replica_id=self.replica_id,
+            grace_seconds=round(grace_s, 1),
+            token_source=source.describe() if source is not None else "unknown",
+            token_file=(reload.error or reload.state) if reload is not None else "not reloadable",
+            fix=superseded_fix(self.replica_id, source,
+                               bound=self.token is not None and self.token.current.bound_replica_tokens),
+            consequence="the broker takes this replica's token only until the grace ends, then refuses it",
+        )  # fmt: skip
 
     async def accepted(self) -> None:
         """A broker call of this replica got through authentication."""

@@ -234,6 +234,12 @@ class SecurityConfig(_Strict):
     # second while no data flows.
     keepalive_time_seconds: float = Field(15.0, ge=1.0, le=7200)
     keepalive_timeout_seconds: float = Field(15.0, ge=0.1, le=600)
+    # After a process reloads its credentials (the broker: `kvrelay rotate-secrets`; a replica: a
+    # new token in its file), it still takes the ones they replaced for this long, so callers
+    # still holding them keep working until they have the new ones (kvrelay.security.
+    # CredentialRotation; docs/operations.md, Rotating the replica secret). At least a few
+    # heartbeats: every replica learns of a rotation at its next heartbeat.
+    rotation_grace_seconds: float = Field(300.0, ge=5.0, le=86400.0)
 
 
 class ModelConfig(_Strict):

@@ -1,9 +1,10 @@
 """A replica's own credential while it runs: where its token came from, and re-reading its file.
 
 After the broker's replica secret (or the shared replica token) is rotated, a replica still on
-its old token is refused (kvrelay.broker_credential). A token from a file
+its old token is told so at each heartbeat while the broker's grace lasts
+(`credential_superseded`), then refused (kvrelay.broker_credential). A token from a file
 (`security.replica_token_file`) is re-read, bounded (kvrelay.limits.read_bounded_file, as at
-start), on each such refusal: once the operator has written the new token there, the replica's
+start), at each of these: once the operator has written the new token there, the replica's
 next heartbeat presents it, without a restart. A token from an environment variable cannot be
 re-read by a running process: the refusal says so, and that a restart is the fix.
 
@@ -12,7 +13,10 @@ place the token is used reads it from here or is given it there. The broker chan
 `broker_metadata` on each call; the server's interceptor (the broker's call tokens and the AR
 write tokens derive from the token) and the registration (`RegisterReplicaRequest.token`) are
 given the new credentials by `on_swap`; an AR's ranks hold no token (each PutKv command brings
-its bearer, `Credentials.put_kv_bearer`).
+its bearer, `Credentials.put_kv_bearer`). The server keeps taking what derives from the token
+it replaced for `security.rotation_grace_seconds` (kvrelay.server.GrpcServer.replace_credentials):
+the broker switches to the new call and write tokens only once it has seen this replica's new
+token, and a write token handed out before is still in use.
 
 Owns reading and swapping only; never logs a token or anything derived from one.
 """
@@ -123,7 +127,7 @@ class ReplicaToken:
             if error != self._last_error:
                 self._last_error = error
                 log.warning("credential_reload_failed", replica_id=self.replica_id, token_file=path, error=error,
-                            consequence="the token held stays; re-read on the broker's next refusal")  # fmt: skip
+                            consequence="the token held stays; re-read at the broker's next refusal or superseded heartbeat")  # fmt: skip
             return ReloadOutcome("failed", error)
         self._last_error = ""
         held = self._creds.replica_token or ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -74,6 +75,12 @@ MAX_REFUSAL_LOGS_PER_WINDOW = 32
 # interval for timer jitter; 5 s at most, so an SDK client on its defaults (15 s) is never cut
 # off by a broker configured for longer pings.
 PINGS_ALLOWED_EVERY_S = 5.0
+# security.rotation_grace_seconds' default: how long a server still takes credentials a reload
+# replaced (CredentialRotation).
+DEFAULT_ROTATION_GRACE_S = 300.0
+# Replica ids a CredentialRotation remembers as holding the new credentials during a grace
+# period (any authenticated caller may declare ids in shared mode: bounded).
+MAX_ROTATION_IDS = 4096
 
 AUTHORIZATION_METADATA = "authorization"
 REPLICA_ID_METADATA = "kvrelay-replica-id"
@@ -151,6 +158,9 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _B + "ListReplicas": RpcRule(CallerClass.OPERATOR, True, "none"),
     _B + "ForgetReplica": RpcRule(
         CallerClass.OPERATOR, True, "an operator (development: an undeclared caller); only a replica safe to forget"
+    ),
+    _B + "ReloadCredentials": RpcRule(
+        CallerClass.OPERATOR, True, "an operator (development: an undeclared caller)"
     ),
     # -- broker -> replicas, AR -> DiT ---------------------------------------------------------
     _A + "Tokenize": RpcRule(CallerClass.REPLICA, False, "caller is the broker"),
@@ -294,6 +304,8 @@ class Credentials:
     rate_limit_per_second: float = 0.0
     rate_limit_burst: int = 1
     keepalive: Keepalive = DEFAULT_KEEPALIVE
+    # How long credentials a reload replaced are still taken (security.rotation_grace_seconds).
+    rotation_grace_s: float = DEFAULT_ROTATION_GRACE_S
 
     @property
     def authenticates_replicas(self) -> bool:
@@ -323,10 +335,12 @@ class Credentials:
     def put_kv_bearer(self, write_token: str) -> str:
         """The bearer of one PutKv command of this AR: the broker's `write_token` in bound mode
         ("" when it gave none: this AR's own token never goes to a DiT there), else the shared
-        replica token (or "" in a development deployment)."""
+        replica token: the one the broker gave (during a rotation's grace, the one the DiT
+        holds, kvrelay.security.CredentialRotation.write_token), else this AR's own (or "" in a
+        development deployment)."""
         if self.bound_replica_tokens:
             return write_token
-        return self.replica_token or ""
+        return write_token or self.replica_token or ""
 
     def broker_channel(self, replica_id: str | None) -> ChannelSecurity:
         """How the broker dials the replica `replica_id` (Tokenize, Prefill, Denoise). Bound
@@ -445,26 +459,37 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
             operator_names=tuple(cfg.tls.operator_names),
             replica_names=tuple(cfg.tls.replica_names),
         )
-    bound = cfg.replica_tokens == "bound"
+    creds = Credentials(
+        bound_replica_tokens=cfg.replica_tokens == "bound",
+        tls=tls,
+        max_request_bytes=cfg.max_receive_message_bytes,
+        rate_limit_per_second=cfg.rate_limit_per_second,
+        rate_limit_burst=cfg.rate_limit_burst,
+        keepalive=Keepalive(cfg.keepalive_time_seconds, cfg.keepalive_timeout_seconds),
+        rotation_grace_s=cfg.rotation_grace_seconds,
+    )
+    return reload_tokens(cfg, creds, name)
+
+
+def reload_tokens(cfg: SecurityConfig, creds: Credentials, name: str = BROKER_CALLER_ID) -> Credentials:
+    """`creds` with the tokens (and the broker's secret) of the process `name` read again from
+    their env vars and files, bounded, and checked as at start: SecurityError names the key and
+    why, never a value. TLS material and every other setting stay `creds`'. A running process's
+    environment does not change: only a file can bring a new value (`credential_sources`)."""
     replica_token = secret = None
-    if bound and name == BROKER_CALLER_ID:
+    if creds.bound_replica_tokens and name == BROKER_CALLER_ID:
         # The broker (and `kvrelay up`, which starts it) holds the secret and no token of its own.
         secret = _read_secret(cfg.replica_secret_env, cfg.replica_secret_file, "replica_secret")
     else:
         # `{name}` gives each replica its own file (bound mode: `kvrelay token NAME` > it).
         token_file = replica_token_file_for(cfg, name)
         replica_token = _read_secret(cfg.replica_token_env, token_file, "replica_token")
-    creds = Credentials(
+    creds = dataclasses.replace(
+        creds,
         api_token=_read_secret(cfg.api_token_env, cfg.api_token_file, "api_token"),
         replica_token=replica_token,
-        bound_replica_tokens=bound,
         replica_secret=secret,
         operator_token=_read_secret(cfg.operator_token_env, cfg.operator_token_file, "operator_token"),
-        tls=tls,
-        max_request_bytes=cfg.max_receive_message_bytes,
-        rate_limit_per_second=cfg.rate_limit_per_second,
-        rate_limit_burst=cfg.rate_limit_burst,
-        keepalive=Keepalive(cfg.keepalive_time_seconds, cfg.keepalive_timeout_seconds),
     )
     tokens = [t for t in (creds.api_token, creds.replica_token, creds.operator_token, secret) if t]
     if len(set(tokens)) != len(tokens):
@@ -480,6 +505,46 @@ def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Crede
             "no replica token (nor security.tls.require_client_cert); replica RPCs would be open to anyone"
         )
     return creds
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialSource:
+    """Where one credential of a process comes from: `key` is the Credentials field
+    (`replica_secret`, `replica_token`, `api_token`, `operator_token`); `file` when a file gives
+    it (re-readable while running), else `env`, the variable read at start (a running process
+    cannot see a new value there)."""
+
+    key: str
+    file: str | None = None
+    env: str | None = None
+
+    @property
+    def reloadable(self) -> bool:
+        return self.file is not None
+
+    def describe(self) -> str:
+        if self.file is not None:
+            return f"security.{self.key}_file ({self.file})"
+        return f"security.{self.key}_env (${self.env})"
+
+
+def credential_sources(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> tuple[CredentialSource, ...]:
+    """Where each credential the process `name` reads comes from (as `reload_tokens` reads
+    them; a source that names neither a file nor a variable is left out)."""
+    bound = cfg.replica_tokens == "bound"
+    own = (
+        CredentialSource("replica_secret", cfg.replica_secret_file, cfg.replica_secret_env)
+        if bound and name == BROKER_CALLER_ID
+        else CredentialSource("replica_token", replica_token_file_for(cfg, name), cfg.replica_token_env)
+    )
+    sources = (
+        own,
+        CredentialSource("api_token", cfg.api_token_file, cfg.api_token_env),
+        CredentialSource("operator_token", cfg.operator_token_file, cfg.operator_token_env),
+    )
+    return tuple(
+        dataclasses.replace(s, env=None) if s.file else s for s in sources if s.file or s.env
+    )
 
 
 def replica_token_file_for(cfg: SecurityConfig, name: str) -> str | None:
@@ -779,10 +844,15 @@ class ChannelCache:
         key = (target, replica_id if self._per_replica is not None else None)
         channel = self._channels.get(key)
         if channel is None:
-            security = self._per_replica(replica_id) if self._per_replica is not None else self._security
+            per_replica = self._per_replica
+            security = per_replica(replica_id) if per_replica is not None else self._security
+            # Per replica, the token is asked on every call: it changes with a rotation of the
+            # broker's credentials (CredentialRotation.broker_channel), on the same channel.
+            live = (lambda: per_replica(replica_id).metadata()) if per_replica is not None else None
             # A local subchannel pool: by default channels to one target share gRPC's global
             # subchannel, backoff included, and a fresh channel would inherit the failed one's.
-            channel = make_channel(target, security, options=[("grpc.use_local_subchannel_pool", 1)])
+            channel = make_channel(target, security, options=[("grpc.use_local_subchannel_pool", 1)],
+                                   live_metadata=live)  # fmt: skip
             self._channels[key] = channel
         return channel
 
@@ -862,6 +932,100 @@ def server_credentials(creds: Credentials) -> grpc.ServerCredentials | None:
     )
 
 
+# ---------------------------------------------------------------- rotation
+
+
+class CredentialRotation:
+    """The credentials one process takes and presents across a rotation: the current ones, and
+    for `grace_s` after a reload (security.rotation_grace_seconds) the ones it replaced.
+
+    A server checks a caller against both while the grace lasts (`AuthInterceptor`), so a caller
+    still holding the old credential works until it has the new one; a call taken only by the
+    previous credentials is `superseded` (the broker tells that replica to re-read its token
+    file). The broker also presents, to each replica, what that replica holds (`held_by`): the
+    previous credentials' call and write tokens until the replica has authenticated with the
+    current ones, so no replica is handed a token derived from a secret it does not know yet.
+    A second rotation within the grace ends the first one's: only one set of previous
+    credentials is taken. Touched on the event loop only; `clock` is monotonic seconds.
+    """
+
+    def __init__(self, current: Credentials, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._current = current
+        self._previous: Credentials | None = None
+        self._until = 0.0
+        self._clock = clock
+        # Replica ids seen authenticating with the current credentials since the last rotation.
+        self._on_current: set[str] = set()
+        self.rotations = 0
+
+    @property
+    def current(self) -> Credentials:
+        return self._current
+
+    def rotate(self, new: Credentials, grace_s: float | None = None) -> None:
+        """Take `new` from now on, and the credentials held until now for `grace_s` more seconds
+        (`new.rotation_grace_s` when None; 0: none)."""
+        grace = new.rotation_grace_s if grace_s is None else grace_s
+        self._previous = self._current if grace > 0 else None
+        self._until = self._clock() + grace
+        self._current = new
+        self._on_current.clear()
+        self.rotations += 1
+
+    def previous(self) -> Credentials | None:
+        """The credentials replaced by the last rotation while its grace lasts, else None."""
+        if self._previous is not None and self._clock() >= self._until:
+            self._previous = None
+            self._on_current.clear()
+        return self._previous
+
+    def grace_left_s(self) -> float:
+        """Seconds the previous credentials are still taken (0 when none are). Reads only: a
+        metrics scrape may ask from its own thread."""
+        return max(0.0, self._until - self._clock()) if self._previous is not None else 0.0
+
+    def seen(self, replica_id: str, *, superseded: bool) -> None:
+        """`replica_id` authenticated as a replica: with the previous credentials only
+        (`superseded`), or with the current ones."""
+        if self.previous() is None:
+            return
+        if superseded:
+            self._on_current.discard(replica_id)
+        elif len(self._on_current) < MAX_ROTATION_IDS:
+            self._on_current.add(replica_id)
+
+    def held_by(self, replica_id: str | None) -> Credentials:
+        """The credentials `replica_id` is known to hold: the previous ones during a grace until
+        it has authenticated with the current ones, else the current ones."""
+        previous = self.previous()
+        if previous is None or (replica_id is not None and replica_id in self._on_current):
+            return self._current
+        return previous
+
+    def shared_replica_tokens(self) -> tuple[str, ...]:
+        """The shared replica tokens taken now (RegisterReplicaRequest.token): the current one,
+        and during a grace the one it replaced."""
+        previous = self.previous()
+        tokens = (self._current.replica_token, previous.replica_token if previous is not None else None)
+        return tuple(dict.fromkeys(t for t in tokens if t))
+
+    def broker_channel(self, replica_id: str | None) -> ChannelSecurity:
+        """How the broker dials `replica_id` now (Credentials.broker_channel of what it holds)."""
+        return self.held_by(replica_id).broker_channel(replica_id)
+
+    def write_token(self, dit_replica_id: str, ar_replica_id: str) -> str:
+        """What the broker hands `ar_replica_id` to write into `dit_replica_id` over PutKv: bound
+        mode, the write token derived from the token the DiT holds; shared mode, during a grace
+        the shared token the DiT holds (the AR may hold the other one), else "" (the AR presents
+        its own)."""
+        held = self.held_by(dit_replica_id)
+        if held.bound_replica_tokens:
+            return held.write_token(dit_replica_id, ar_replica_id)
+        if self.previous() is not None:
+            return held.replica_token or ""
+        return ""
+
+
 # ---------------------------------------------------------------- the interceptor
 
 
@@ -879,6 +1043,9 @@ class Caller:
     authenticated: bool = False
     # Bound replica tokens: why the bearer presented was not taken as a replica's ("" if it was).
     refusal: str = ""
+    # Authenticated only by credentials a reload replaced, still taken for the grace period
+    # (CredentialRotation): the caller should take its new ones.
+    superseded: bool = False
 
     @property
     def operator(self) -> bool:
@@ -1077,15 +1244,27 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     # The replica ids whose calls this server refused for their credential (ListReplicas shows
     # the broker's): given by the server that serves them, else its own.
     refusals: CredentialRefusals = field(default_factory=lambda: CredentialRefusals())
+    # What is taken across a reload (the current credentials, and the replaced ones for the grace
+    # period): given by the process that reloads, else one of `creds` alone. `creds` is only the
+    # start: every check reads `rotation.current`.
+    rotation: CredentialRotation | None = None
 
     def __post_init__(self) -> None:
         self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
+        if self.rotation is None:
+            self.rotation = CredentialRotation(self.creds)
+
+    @property
+    def _rotation(self) -> CredentialRotation:
+        assert self.rotation is not None  # set by __post_init__
+        return self.rotation
 
     # -- authentication --------------------------------------------------------------------------
 
     def authenticate(self, metadata: Sequence[tuple[str, Any]], auth_context: Mapping[str, Any]) -> Caller:
-        creds = self.creds
+        rotation = self._rotation
+        creds = rotation.current
         bearer = ""
         declared: str | None = None
         for key, value in metadata:
@@ -1096,16 +1275,17 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     bearer = token.lstrip(" ")
             elif key == REPLICA_ID_METADATA and isinstance(value, str):
                 declared = value[:MAX_ID_CHARS]
-        # Compare against every configured token, always, so timing tells nothing about which.
-        matches = {
-            CallerClass.PUBLIC: _same(bearer, creds.api_token),
-            CallerClass.OPERATOR: _same(bearer, creds.operator_token),
-            CallerClass.REPLICA: (
-                _same(bearer, self._bound_token(declared)) if creds.bound_replica_tokens
-                else _same(bearer, creds.replica_token)
-            ),
-        }
-        classes = {cls for cls, ok in matches.items() if ok}
+        classes = _token_classes(creds, bearer, declared)
+        # During a rotation's grace the replaced credentials too (CredentialRotation): a class
+        # they alone give marks the caller superseded.
+        superseded = False
+        previous = rotation.previous()
+        if previous is not None:
+            old = _token_classes(previous, bearer, declared)
+            superseded = bool(old - classes)
+            classes |= old
+        if declared and CallerClass.REPLICA in classes:
+            rotation.seen(declared, superseded=superseded)
         refusal = ""
         if creds.bound_replica_tokens and bearer and not classes:
             refusal = self._bound_refusal(declared)
@@ -1136,29 +1316,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # client's, unless the deployment leaves the public API open.
         if not creds.api_token or CallerClass.OPERATOR in classes:
             classes.add(CallerClass.PUBLIC)
-        return Caller(frozenset(classes), replica_id, authenticated=authenticated, refusal=refusal)
-
-    def _bound_token(self, declared: str | None) -> str | None:
-        """The one replica credential this server accepts from a caller declaring `declared`
-        (bound replica tokens): the broker derives the replica's token from its secret; a
-        replica accepts the broker's call token, or an AR's write token, derived from its own."""
-        creds = self.creds
-        if not declared:
-            return None
-        if creds.replica_secret:
-            return None if declared == BROKER_CALLER_ID else replica_token_for(creds.replica_secret, declared)
-        if not creds.replica_token:
-            return None
-        if declared == BROKER_CALLER_ID:
-            return broker_call_token(creds.replica_token)
-        return put_kv_token(creds.replica_token, declared)
+        return Caller(frozenset(classes), replica_id, authenticated=authenticated, refusal=refusal,
+                      superseded=superseded)  # fmt: skip
 
     def _bound_refusal(self, declared: str | None) -> str:
         """Why a bearer that is no credential here was refused: one line, naming no secret."""
         if not declared:
             return (f"a replica token is bound to a replica id: declare it in {REPLICA_ID_METADATA} "
                     "(security.replica_tokens: bound)")
-        if self.creds.replica_secret:
+        if self._rotation.current.replica_secret:
             return (f"the token presented is not the replica token of {declared!r} (security.replica_tokens: "
                     f"bound: a replica token acts only as its own id; `kvrelay token {declared}` prints it)")
         if declared == BROKER_CALLER_ID:
@@ -1293,6 +1459,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return wrapper
 
+def _token_classes(creds: Credentials, bearer: str, declared: str | None) -> set[CallerClass]:
+    """The caller classes `bearer` is a credential of under `creds`. Compares against every
+    configured token, always, so timing tells nothing about which."""
+    matches = {
+        CallerClass.PUBLIC: _same(bearer, creds.api_token),
+        CallerClass.OPERATOR: _same(bearer, creds.operator_token),
+        CallerClass.REPLICA: (
+            _same(bearer, _bound_token(creds, declared)) if creds.bound_replica_tokens
+            else _same(bearer, creds.replica_token)
+        ),
+    }
+    return {cls for cls, ok in matches.items() if ok}
+
+
+def _bound_token(creds: Credentials, declared: str | None) -> str | None:
+    """The one replica credential `creds` take from a caller declaring `declared` (bound replica
+    tokens): the broker derives the replica's token from its secret; a replica accepts the
+    broker's call token, or an AR's write token, derived from its own."""
+    if not declared:
+        return None
+    if creds.replica_secret:
+        return None if declared == BROKER_CALLER_ID else replica_token_for(creds.replica_secret, declared)
+    if not creds.replica_token:
+        return None
+    if declared == BROKER_CALLER_ID:
+        return broker_call_token(creds.replica_token)
+    return put_kv_token(creds.replica_token, declared)
+
+
 def _common_name(auth_context: Mapping[str, Any]) -> str | None:
     values = auth_context.get("x509_common_name") or ()
     for v in values:
@@ -1314,6 +1509,8 @@ __all__ = [
     "CallerClass",
     "ChannelCache",
     "ChannelSecurity",
+    "CredentialRotation",
+    "CredentialSource",
     "Credentials",
     "DEFAULT_KEEPALIVE",
     "Keepalive",
@@ -1327,6 +1524,7 @@ __all__ = [
     "channel_options",
     "check_bind",
     "client_tls_from_files",
+    "credential_sources",
     "current_caller",
     "is_loopback",
     "load_credentials",
@@ -1337,6 +1535,7 @@ __all__ = [
     "put_kv_token",
     "read_replica_secret",
     "read_replica_token_file",
+    "reload_tokens",
     "replica_token_file_for",
     "replica_token_for",
     "require_bound_credential",

@@ -26,6 +26,7 @@ from kvrelay.security import (
     RPC_RULES,
     AuthInterceptor,
     CredentialRefusals,
+    CredentialRotation,
     Credentials,
     RequestCheck,
     RpcRule,
@@ -67,6 +68,9 @@ class GrpcServer:
     rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
     # The replica ids this server refuses for their credential (the broker lists its own).
     credential_refusals: CredentialRefusals = field(default_factory=CredentialRefusals)
+    # What the server takes across a reload of its credentials (the broker's is shared with what
+    # reloads them and with its orchestrator's channels); one of `credentials` alone by default.
+    credential_rotation: CredentialRotation | None = None
     bound_port: int = 0
     bound_metrics_port: int | None = None
     _server: grpc.aio.Server | None = field(default=None, repr=False)
@@ -83,7 +87,10 @@ class GrpcServer:
         check_bind(self.host, creds, self.insecure_bind, self.name)
         # Logging outside authorization: an undecodable request is INVALID_ARGUMENT before anything
         # else runs, and the authorization's own lines carry the request's ids.
-        self._auth = AuthInterceptor(creds, self.checks, self.rules, self.credential_refusals)
+        if self.credential_rotation is None:
+            self.credential_rotation = CredentialRotation(creds)
+        self._auth = AuthInterceptor(creds, self.checks, self.rules, self.credential_refusals,
+                                     rotation=self.credential_rotation)  # fmt: skip
         interceptors: list[Any] = [logging_interceptor(), self._auth]
         registry = self._registry()
         if registry is not None:
@@ -134,10 +141,15 @@ class GrpcServer:
     def replace_credentials(self, creds: Credentials) -> None:
         """What every call admitted from now on is checked against (a replica that reloaded its
         token file, kvrelay.replica_token: the broker's call tokens and the AR write tokens derive
-        from it). Calls already admitted run on; listening options and TLS stay as started."""
+        from it), and for `creds.rotation_grace_s` more the credentials it replaces: a broker that
+        has not yet seen this replica's new token, or an AR handed a write token before, still
+        present the old ones (kvrelay.security.CredentialRotation). Calls already admitted run
+        on; listening options and TLS stay as started."""
         self.credentials = creds
-        if self._auth is not None:
-            self._auth.creds = creds
+        if self.credential_rotation is None:
+            self.credential_rotation = CredentialRotation(creds)
+        else:
+            self.credential_rotation.rotate(creds)
 
     def _registry(self) -> Any:
         if self.metrics_registry is not None:

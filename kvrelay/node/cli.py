@@ -37,6 +37,7 @@ HANDLERS = {
     "list": "kvrelay.client.cli:run_list",
     "cancel": "kvrelay.client.cli:run_cancel",
     "forget": "kvrelay.client.cli:run_forget",
+    "rotate-secrets": "kvrelay.client.cli:run_rotate_secrets",
     "bench": "kvrelay.node.bench:run",
     "verify": "kvrelay.node.verify:run",
     "token": "kvrelay.node.tokens:run",
@@ -100,7 +101,7 @@ def _port(text: str) -> int:
 # A write to stdout that fails (a full disk or quota, a file too large, an I/O error) ends the
 # client commands with one line, exit 1: they print nothing else without a file name.
 OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO})
-OUTPUT_COMMANDS = frozenset({"generate", "status", "health", "list", "cancel", "forget"})
+OUTPUT_COMMANDS = frozenset({"generate", "status", "health", "list", "cancel", "forget", "rotate-secrets"})
 PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -249,6 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
     )
+    _add_client_tls_args(p)
+
+    p = sub.add_parser("rotate-secrets",
+                       help="the broker re-reads its credential files (replica secret or token, api and operator "
+                            "tokens) and takes what changed, the replaced ones still taken for a grace period")
+    p.add_argument("--target", type=_target, default=DEFAULT_TARGET, help="broker HOST:PORT (default: %(default)s)")
+    p.add_argument(
+        "--token", default=None, help="operator token (default: $KVRELAY_OPERATOR_TOKEN, else $KVRELAY_API_TOKEN)"
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     _add_client_tls_args(p)
 
     p = sub.add_parser("token", help="print a replica's own token (bound replica tokens), from the broker's secret")

@@ -121,16 +121,20 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., unresolved_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("fenced", "lease_seconds", "poll_writes", "fence_reason")
+    __slots__ = ("fenced", "lease_seconds", "poll_writes", "fence_reason", "credential_superseded", "credential_grace_seconds")
     FENCED_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POLL_WRITES_FIELD_NUMBER: _ClassVar[int]
     FENCE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fenced: bool
     lease_seconds: float
     poll_writes: _containers.RepeatedCompositeFieldContainer[_common_pb2.WriteKey]
     fence_reason: str
-    def __init__(self, fenced: bool = ..., lease_seconds: _Optional[float] = ..., poll_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., fence_reason: _Optional[str] = ...) -> None: ...
+    credential_superseded: bool
+    credential_grace_seconds: float
+    def __init__(self, fenced: bool = ..., lease_seconds: _Optional[float] = ..., poll_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., fence_reason: _Optional[str] = ..., credential_superseded: bool = ..., credential_grace_seconds: _Optional[float] = ...) -> None: ...
 
 class DeregisterReplicaRequest(_message.Message):
     __slots__ = ("replica_id", "incarnation_id")
@@ -527,3 +531,29 @@ class ForgetReplicaResponse(_message.Message):
     ENDED_TICKET_IDS_FIELD_NUMBER: _ClassVar[int]
     ended_ticket_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, ended_ticket_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReloadCredentialsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CredentialSourceReload(_message.Message):
+    __slots__ = ("key", "source", "state")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    source: str
+    state: str
+    def __init__(self, key: _Optional[str] = ..., source: _Optional[str] = ..., state: _Optional[str] = ...) -> None: ...
+
+class ReloadCredentialsResponse(_message.Message):
+    __slots__ = ("sources", "rotated", "grace_seconds", "error")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    ROTATED_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[CredentialSourceReload]
+    rotated: bool
+    grace_seconds: float
+    error: str
+    def __init__(self, sources: _Optional[_Iterable[_Union[CredentialSourceReload, _Mapping]]] = ..., rotated: bool = ..., grace_seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...

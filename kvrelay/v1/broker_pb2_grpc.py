@@ -114,6 +114,11 @@ class BrokerServiceStub(object):
                 request_serializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaRequest.SerializeToString,
                 response_deserializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaResponse.FromString,
                 _registered_method=True)
+        self.ReloadCredentials = channel.unary_unary(
+                '/kvrelay.v1.BrokerService/ReloadCredentials',
+                request_serializer=kvrelay_dot_v1_dot_broker__pb2.ReloadCredentialsRequest.SerializeToString,
+                response_deserializer=kvrelay_dot_v1_dot_broker__pb2.ReloadCredentialsResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServiceServicer(object):
@@ -234,6 +239,17 @@ class BrokerServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReloadCredentials(self, request, context):
+        """Operator: re-read the broker's credential files (replica secret or shared
+        replica token, api and operator tokens) and take what changed, the
+        replaced ones still taken for security.rotation_grace_seconds
+        (docs/operations.md, Rotating the replica secret). Nothing is taken when
+        any file fails; credentials from environment variables cannot be re-read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -316,6 +332,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.ForgetReplica,
                     request_deserializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaRequest.FromString,
                     response_serializer=kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaResponse.SerializeToString,
+            ),
+            'ReloadCredentials': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReloadCredentials,
+                    request_deserializer=kvrelay_dot_v1_dot_broker__pb2.ReloadCredentialsRequest.FromString,
+                    response_serializer=kvrelay_dot_v1_dot_broker__pb2.ReloadCredentialsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -750,6 +771,33 @@ class BrokerService(object):
             '/kvrelay.v1.BrokerService/ForgetReplica',
             kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaRequest.SerializeToString,
             kvrelay_dot_v1_dot_broker__pb2.ForgetReplicaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReloadCredentials(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvrelay.v1.BrokerService/ReloadCredentials',
+            kvrelay_dot_v1_dot_broker__pb2.ReloadCredentialsRequest.SerializeToString,
+            kvrelay_dot_v1_dot_broker__pb2.ReloadCredentialsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -123,6 +123,17 @@ class BrokerServiceStub:
     (REPLICA_WRITES_IN_DOUBT).
     """
 
+    ReloadCredentials: grpc.UnaryUnaryMultiCallable[
+        kvrelay.v1.broker_pb2.ReloadCredentialsRequest,
+        kvrelay.v1.broker_pb2.ReloadCredentialsResponse,
+    ]
+    """Operator: re-read the broker's credential files (replica secret or shared
+    replica token, api and operator tokens) and take what changed, the
+    replaced ones still taken for security.rotation_grace_seconds
+    (docs/operations.md, Rotating the replica secret). Nothing is taken when
+    any file fails; credentials from environment variables cannot be re-read.
+    """
+
 class BrokerServiceAsyncStub:
     RegisterReplica: grpc.aio.UnaryUnaryMultiCallable[
         kvrelay.v1.broker_pb2.RegisterReplicaRequest,
@@ -224,6 +235,17 @@ class BrokerServiceAsyncStub:
     (its tickets end REPLICA_FORGOTTEN, its incarnation is refused for
     good), except one that is up and an AR whose writes are unresolved
     (REPLICA_WRITES_IN_DOUBT).
+    """
+
+    ReloadCredentials: grpc.aio.UnaryUnaryMultiCallable[
+        kvrelay.v1.broker_pb2.ReloadCredentialsRequest,
+        kvrelay.v1.broker_pb2.ReloadCredentialsResponse,
+    ]
+    """Operator: re-read the broker's credential files (replica secret or shared
+    replica token, api and operator tokens) and take what changed, the
+    replaced ones still taken for security.rotation_grace_seconds
+    (docs/operations.md, Rotating the replica secret). Nothing is taken when
+    any file fails; credentials from environment variables cannot be re-read.
     """
 
 class BrokerServiceServicer(metaclass=abc.ABCMeta):
@@ -359,6 +381,19 @@ class BrokerServiceServicer(metaclass=abc.ABCMeta):
         (its tickets end REPLICA_FORGOTTEN, its incarnation is refused for
         good), except one that is up and an AR whose writes are unresolved
         (REPLICA_WRITES_IN_DOUBT).
+        """
+
+    @abc.abstractmethod
+    def ReloadCredentials(
+        self,
+        request: kvrelay.v1.broker_pb2.ReloadCredentialsRequest,
+        context: _ServicerContext,
+    ) -> typing.Union[kvrelay.v1.broker_pb2.ReloadCredentialsResponse, collections.abc.Awaitable[kvrelay.v1.broker_pb2.ReloadCredentialsResponse]]:
+        """Operator: re-read the broker's credential files (replica secret or shared
+        replica token, api and operator tokens) and take what changed, the
+        replaced ones still taken for security.rotation_grace_seconds
+        (docs/operations.md, Rotating the replica secret). Nothing is taken when
+        any file fails; credentials from environment variables cannot be re-read.
         """
 
 def add_BrokerServiceServicer_to_server(servicer: BrokerServiceServicer, server: typing.Union[grpc.Server, grpc.aio.Server]) -> None: ...

@@ -33,13 +33,17 @@ def process_registries() -> dict[str, CollectorRegistry]:
     from kvrelay.ar_service.service import ArMetrics
     from kvrelay.broker.compaction import JournalCompactor
     from kvrelay.broker.core import BrokerCore
+    from kvrelay.broker.credential_reload import BrokerSecrets
     from kvrelay.broker.generations import GenerationStore
     from kvrelay.broker.metrics import GenerationMetrics, JournalCollector, register_broker_metrics
+    from kvrelay.config import SecurityConfig
     from kvrelay.dit_service.service import DitMetrics
+    from kvrelay.security import CredentialRotation, Credentials
 
     broker = CollectorRegistry()
     core = BrokerCore(None, journal_synchronous="OFF")
-    register_broker_metrics(core, broker, {})  # broker/main.py passes the servicer's RPC counts
+    # broker/main.py passes the servicer's RPC counts and its reloadable credentials.
+    register_broker_metrics(core, broker, {}, BrokerSecrets(SecurityConfig(), CredentialRotation(Credentials())))
     GenerationMetrics(broker, lambda: 0)
     broker.register(JournalCollector(JournalCompactor(core.journal, GenerationStore(result_ttl_seconds=60, max_results=8, journal=core.journal))))
     ar = CollectorRegistry()

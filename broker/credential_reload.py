@@ -1,0 +1,128 @@
+"""Reloading the broker's credentials while it runs (`kvrelay rotate-secrets`, an operator RPC).
+
+Re-reads the broker's replica secret (bound mode) or shared replica token, and its api and
+operator tokens, from the files the config names (bounded, checked as at start:
+kvrelay.security.reload_tokens), and when any changed swaps them all in one step on the event
+loop (kvrelay.security.CredentialRotation): from then on the new ones are taken, and the
+replaced ones for `security.rotation_grace_seconds` more, so replicas and clients still holding
+them keep working; each replica is told at its next heartbeat to re-read its token file
+(HeartbeatResponse.credential_superseded). A credential from an environment variable cannot be
+re-read by a running process: it is reported `not reloadable` and stays. Nothing is swapped
+when any file fails (all or nothing: half a rotation would split who takes what).
+
+Owns reading and deciding only; never logs a token, a secret, or anything derived from one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from kvrelay.logging import get_logger
+from kvrelay.security import (
+    BROKER_CALLER_ID,
+    CredentialRotation,
+    Credentials,
+    SecurityError,
+    credential_sources,
+    reload_tokens,
+    require_bound_credential,
+)
+
+if TYPE_CHECKING:
+    from kvrelay.config import SecurityConfig
+
+log = get_logger(__name__)
+
+RELOADED: Final = "reloaded"
+UNCHANGED: Final = "unchanged"
+NOT_RELOADABLE: Final = "not reloadable"
+FAILED: Final = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceReload:
+    """What one reload found for one credential: `key` (`replica_secret`, `replica_token`,
+    `api_token`, `operator_token`), where it comes from (`source`, e.g.
+    `security.api_token_file (/run/secrets/api)`) and `state`: RELOADED (a new value, taken),
+    UNCHANGED, NOT_RELOADABLE (an environment variable), FAILED (nothing was taken)."""
+
+    key: str
+    source: str
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class SecretsReload:
+    """The answer of one reload: per source, whether the credentials were swapped (`rotated`),
+    for how long the replaced ones are still taken, and why nothing was taken (`error`)."""
+
+    sources: tuple[SourceReload, ...]
+    rotated: bool
+    grace_seconds: float
+    error: str = ""
+
+
+class BrokerSecrets:
+    """The broker's credentials, reloadable from their files (the module docstring)."""
+
+    def __init__(
+        self, cfg: SecurityConfig, rotation: CredentialRotation,
+        read: Callable[[SecurityConfig, Credentials, str], Credentials] = reload_tokens,
+    ) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.rotation = rotation
+        self._read = read
+        # reload outcomes since the broker started, by outcome (kvrelay_broker_credential_reloads_total).
+        self.outcomes: dict[str, int] = {RELOADED: 0, UNCHANGED: 0, FAILED: 0}
+
+    async def reload(self) -> SecretsReload:
+        """Re-read every credential file; swap in what changed. Never raises for what a file
+        holds: the answer says what was taken and what not."""
+        held = self.rotation.current
+        sources = credential_sources(self.cfg, BROKER_CALLER_ID)
+        try:
+            new = await asyncio.to_thread(self._read, self.cfg, held, BROKER_CALLER_ID)
+            require_bound_credential(new, BROKER_CALLER_ID)
+        except SecurityError as err:
+            self.outcomes[FAILED] += 1
+            failed = tuple(
+                SourceReload(s.key, s.describe(), FAILED if s.reloadable else NOT_RELOADABLE) for s in sources
+            )
+            log.warning("credentials_reload_failed", error=str(err),
+                        consequence="nothing was taken: the broker takes the credentials it held, as before")  # fmt: skip
+            return SecretsReload(failed, rotated=False, grace_seconds=self.rotation.grace_left_s(), error=str(err))
+        answers = []
+        for s in sources:
+            if not s.reloadable:
+                answers.append(SourceReload(s.key, s.describe(), NOT_RELOADABLE))
+                continue
+            changed = not _equal(getattr(held, s.key), getattr(new, s.key))
+            answers.append(SourceReload(s.key, s.describe(), RELOADED if changed else UNCHANGED))
+        rotated = any(a.state == RELOADED for a in answers)
+        if rotated:
+            self.rotation.rotate(new)
+            self.outcomes[RELOADED] += 1
+        else:
+            self.outcomes[UNCHANGED] += 1
+        not_reloadable = [a.source for a in answers if a.state == NOT_RELOADABLE]
+        log.info(
+            "credentials_reloaded",
+            rotated=rotated,
+            reloaded=[a.key for a in answers if a.state == RELOADED],
+            not_reloadable=not_reloadable,
+            grace_seconds=round(self.rotation.grace_left_s(), 1),
+            effect=("the new credentials are taken now, the replaced ones until the grace ends; each replica is "
+                    "told to re-read its token file at its next heartbeat") if rotated else "none",
+        )  # fmt: skip
+        return SecretsReload(tuple(answers), rotated=rotated, grace_seconds=self.rotation.grace_left_s())
+
+
+def _equal(a: str | None, b: str | None) -> bool:
+    return hmac.compare_digest((a or "").encode(), (b or "").encode())
+
+
+__all__ = ["BrokerSecrets", "SecretsReload", "SourceReload"]
