@@ -67,8 +67,8 @@ class GenerationReporter(Protocol):
         """The generation's terminal state (once; later calls are no-ops)."""
 
     def may_retry(self, job: GenerationJob, ended: RequestEnded) -> bool:
-        """Whether the attempt that `ended` ends is followed by another, on another replica
-        (pure: decides, changes nothing)."""
+        """Whether the attempt that `ended` ends is followed by another (pure: decides, changes
+        nothing)."""
 
     def retry(self, job: GenerationJob, ended: RequestEnded) -> None:
         """Queue the generation again for another attempt (its ended attempt is unwound and its
@@ -104,11 +104,14 @@ class GenerationJob:
     ticket_id: str = ""
     ticket_ended: bool = False
     task: asyncio.Task[None] | None = None
-    # Retries on another replica (Orchestrator.retry): the attempt running or
-    # waiting now (1 = the first), the replicas that failed the earlier ones (never placed on
-    # again), and the tickets those attempts ended (each drains or is released on its own).
+    # Retries (Orchestrator.retry): the attempt running or waiting now (1 = the first), the
+    # replicas that failed the earlier ones (never placed on again), the AR/DiT pairs whose
+    # transfer failed them (avoided while another pair is up, never used after two failures),
+    # and the tickets those attempts ended (each drains or is released on its own).
     attempt: int = 1
     failed_replicas: dict[str, str] = field(default_factory=dict)  # replica id -> role ("AR", "DIT")
+    # (AR replica id, DiT replica id) -> the reason of each transfer failure on that pair.
+    failed_links: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     ended_ticket_ids: list[str] = field(default_factory=list)
     last_error: ErrorInfo | None = None  # what ended the latest earlier attempt
     # Set (with the RequestEnded that ends the attempt) when a replica of the running attempt is
@@ -123,6 +126,13 @@ class GenerationJob:
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now
+
+    def placed_pair(self) -> tuple[str, str] | None:
+        """(AR replica id, DiT replica id) of the running attempt's ticket; None before placement."""
+        if not self.placed.done() or self.placed.cancelled() or self.placed.exception() is not None:
+            return None
+        ticket = self.placed.result()
+        return (ticket.ar_replica_id, ticket.dit_replica_id)
 
 
 class GenerationQueue:

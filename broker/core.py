@@ -717,8 +717,8 @@ class BrokerCore:
         """Reserve pages for every row (all or nothing): RESERVED. None = does not fit now.
 
         Raises InvalidArgument when it can never fit; idempotent on a live request_id.
-        `replaces`: the ticket of this request's earlier attempt (the orchestrator's retry on
-        another replica), whose request is over: the new ticket gets pages of its own beside it,
+        `replaces`: the ticket of this request's earlier attempt (the orchestrator's retry after
+        a replica or transfer failure), whose request is over: the new ticket gets pages of its own beside it,
         and the old one keeps its pages until it is released or drained as any ended ticket.
         """
         counts = [int(n) for n in row_token_counts]

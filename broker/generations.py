@@ -104,7 +104,14 @@ class ErrorInfo:
 # Why a generation's attempt may end and the generation run again on another replica
 # (broker.max_replica_retries): the replica serving it stopped answering, said that one of its
 # ranks died or hung (it fail-stops then), or was forgotten by force.
-RETRY_REASONS = ("REPLICA_UNAVAILABLE", "REPLICA_FAILED", "REPLICA_FORGOTTEN")
+REPLICA_RETRY_REASONS = ("REPLICA_UNAVAILABLE", "REPLICA_FAILED", "REPLICA_FORGOTTEN")
+# ... or run again with a fresh ticket, under the same budget, because its KV did not get from
+# its AR to its DiT although both replicas answer: a write ended FAILED, NOT_STARTED or
+# WRITER_GONE (TRANSFER_FAILED), or the rows were not loaded in time (TRANSFER_TIMEOUT: a write
+# in doubt, a timed-out engine, bytes that never matched their checksum). The same AR/DiT pair
+# is used again only when no other is up, and never after it failed the generation twice.
+TRANSFER_RETRY_REASONS = ("TRANSFER_FAILED", "TRANSFER_TIMEOUT")
+RETRY_REASONS = REPLICA_RETRY_REASONS + TRANSFER_RETRY_REASONS
 
 
 class RequestEnded(Exception):
@@ -152,7 +159,7 @@ class GenerationSnapshot:
     ticket_id: str
     create_time: float  # wall clock (seconds since the epoch)
     update_time: float
-    attempt: int = 1  # > 1: run again on another replica (broker.max_replica_retries)
+    attempt: int = 1  # > 1: run again after a replica or transfer failure (broker.max_replica_retries)
 
 
 @dataclass(slots=True)
@@ -170,7 +177,7 @@ class GenerationRecord:
     error: ErrorInfo | None = None
     ticket_id: str = ""
     update_time: float = 0.0
-    # 1, then one more each time the broker runs the generation again on another replica.
+    # 1, then one more each time the broker runs the generation again (a replica or transfer failed).
     attempt: int = 1
     finished_mono: float | None = None
     finished_wall: float | None = None

@@ -171,7 +171,7 @@ class GenerationMetrics:
         )
         self.retries = Counter(
             "kvrelay_generation_retries",
-            "Generations run again on another replica after the one serving them stopped answering "
+            "Generations run again after the replica serving them failed or their KV transfer failed "
             "(broker.max_replica_retries), by the reason that ended the attempt",
             ["reason"],
             registry=registry,

@@ -6,10 +6,10 @@ pages and tickets), one stage pipeline per placed generation (pipeline.py: AR Pr
 Denoise), the broker's channels to its replicas (`ChannelCache`), the generation store
 (generations.py), the journal's compaction (compaction.py) and the generation metrics
 (metrics.py). It owns the public operations (submit, cancel, expire, get, list), the start and
-stop of the whole, and a generation's
-progress and end: the record's state, its metric, its journal entry, and its departure from the
-queue. Must never touch pages or tickets except through BrokerCore, never block the event loop,
-and never import torch or a model service.
+stop of the whole, a generation's progress and end (the record's state, its metric, its journal
+entry, and its departure from the queue), and whether a failed attempt runs again (its replica
+or its KV transfer failed). Must never touch pages or tickets except through BrokerCore, never
+block the event loop, and never import torch or a model service.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from kvrelay.broker.admission import Admission, GenerationJob, GenerationQueue
 from kvrelay.broker.compaction import JournalCompactor
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import (
+    REPLICA_RETRY_REASONS,
     RETRY_REASONS,
+    TRANSFER_RETRY_REASONS,
     ErrorInfo,
     GenerationParams,
     GenerationRecord,
@@ -37,7 +39,7 @@ from kvrelay.broker.generations import (
 )
 from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
 from kvrelay.broker.pipeline import StagePipeline
-from kvrelay.broker.placement import place, serving_replicas
+from kvrelay.broker.placement import Pair, place, serving_replicas
 from kvrelay.broker.registry import ReplicaRole
 from kvrelay.broker.tickets import Ticket, TicketOutcome
 from kvrelay.config import KvRelayConfig
@@ -49,9 +51,18 @@ log = get_logger(__name__)
 
 # Seconds a stopping broker gives pipelines to end their tickets before it gives up on them.
 STOP_GRACE_SECONDS = 5.0
-# A generation is run again on another replica only while its client's deadline is further away
-# than this: a retry that cannot finish would only take pages and a place at the queue's head.
+# A generation is run again only while its client's deadline is further away than this: a retry
+# that cannot finish would only take pages and a place at the queue's head.
 RETRY_MIN_DEADLINE_SECONDS = 1.0
+# How many transfer failures of one generation an AR/DiT pair may have before that generation
+# never uses the pair again: a transient failure (a network blip, a timed-out engine, a write
+# caught by its checksum) gets a second try on the same pair when no other pair is up, a pair
+# that keeps failing does not get a third.
+MAX_TRANSFER_FAILURES_PER_PAIR = 2
+# `_retry_refusal`'s answer for an error that is neither a replica's nor a transfer's failure
+# (PREFILL_FAILED, WRITE_FAILED, ...: the same input fails the same way): the final error then
+# says nothing of retries.
+NOT_RETRYABLE = "not retryable"
 
 
 class Orchestrator:
@@ -226,17 +237,23 @@ class Orchestrator:
         job = self.queue.job(ticket.request_id)
         return job is None or job.ticket_id == ticket.ticket_id
 
-    # ============================================= retries on another replica
+    # ============================================= retries after a replica or transfer failure
 
     def may_retry(self, job: GenerationJob, ended: RequestEnded) -> bool:
-        """Whether the attempt that `ended` ends is followed by another, on another replica."""
+        """Whether the attempt that `ended` ends is followed by another: on another replica after
+        a replica failure, on a fresh ticket (another pair if one is up) after a transfer failure."""
         return self._retry_refusal(job, ended) is None
 
     def _retry_refusal(self, job: GenerationJob, ended: RequestEnded) -> str | None:
         """Why the attempt that `ended` ends is its generation's last (None: it runs again)."""
         limit = self.cfg.broker.max_replica_retries
-        if ended.error.reason not in RETRY_REASONS or not ended.replica_id:
-            return "not a replica failure"
+        reason = ended.error.reason
+        pair = job.placed_pair()
+        if reason in REPLICA_RETRY_REASONS:
+            if not ended.replica_id:
+                return NOT_RETRYABLE
+        elif reason not in TRANSFER_RETRY_REASONS or pair is None:
+            return NOT_RETRYABLE
         if job.attempt > limit:
             return f"broker.max_replica_retries is {limit}"
         if self.admission.stopping:
@@ -244,12 +261,31 @@ class Orchestrator:
         if job.record.state.terminal:
             return "the generation ended"
         remaining = job.remaining(self._clock())
-        if remaining is not None and remaining < RETRY_MIN_DEADLINE_SECONDS:
+        if remaining is not None and remaining <= RETRY_MIN_DEADLINE_SECONDS:
             return f"the client's deadline is {max(0.0, remaining):.2f} s away"
+        if reason in TRANSFER_RETRY_REASONS and pair is not None:
+            links = {**job.failed_links, pair: [*job.failed_links.get(pair, []), reason]}
+            return self._no_pair_left(job.failed_replicas, links)
         failed = {**job.failed_replicas, ended.replica_id: ended.replica_role}
         for role in sorted(set(failed.values())):
             if not serving_replicas(self.core, ReplicaRole(role), failed):
                 return f"no other {role_name(role)} replica is up"
+        return None
+
+    def _no_pair_left(self, failed_replicas: dict[str, str], links: dict[Pair, list[str]]) -> str | None:
+        """Why no AR/DiT pair is left for a generation whose transfers failed on `links` (None:
+        one is up that neither failed it as a replica nor failed its transfer twice)."""
+        ars = serving_replicas(self.core, ReplicaRole.AR, failed_replicas)
+        dits = serving_replicas(self.core, ReplicaRole.DIT, failed_replicas)
+        for role, up in ((ReplicaRole.AR, ars), (ReplicaRole.DIT, dits)):
+            if not up:
+                other = " other" if role.value in failed_replicas.values() else ""
+                return f"no{other} {role_name(role.value)} replica is up"
+        spent = {p for p, reasons in links.items() if len(reasons) >= MAX_TRANSFER_FAILURES_PER_PAIR}
+        if all((ar, dit) in spent for ar in ars for dit in dits):
+            names = ", ".join(f"{ar} -> {dit}" for ar, dit in sorted(spent))
+            return (f"the transfer failed {MAX_TRANSFER_FAILURES_PER_PAIR} times on {names} "
+                    "and no other AR/DiT pair is up")  # fmt: skip
         return None
 
     def final_error(self, job: GenerationJob, ended: RequestEnded) -> ErrorInfo:
@@ -262,30 +298,38 @@ class Orchestrator:
         if self.cfg.broker.max_replica_retries == 0 or (job.attempt == 1 and error.reason not in RETRY_REASONS):
             return error
         tried = tried_times(job.attempt)
-        if why is not None and why != "not a replica failure":
+        if why is not None and why != NOT_RETRYABLE:
             tried = f"{tried}, not retried: {why}"
-        if job.failed_replicas:
-            tried = f"{tried}; earlier attempts failed on {', '.join(sorted(job.failed_replicas))}"
-        return ErrorInfo(error.code, error.reason, f"{error.message} ({tried})")
+        return ErrorInfo(error.code, error.reason, f"{error.message} ({tried}{earlier_failures(job)})")
 
     def retry(self, job: GenerationJob, ended: RequestEnded) -> None:
-        """Queue the generation again, at the head, for a replica other than those that failed it.
+        """Queue the generation again, at the head: after a replica failure for a replica other
+        than those that failed it, after a transfer failure preferably on another AR/DiT pair.
         Its ended attempt's stage calls are unwound and its ticket ended (rolled back, released,
         or draining until no write can land): the next attempt gets pages of its own."""
-        failed = ended.replica_id
+        reason = ended.error.reason
         ended_ticket = job.ticket_id
-        job.failed_replicas[failed] = ended.replica_role
+        pair = job.placed_pair()
+        failed = ""
+        if reason in TRANSFER_RETRY_REASONS and pair is not None:
+            job.failed_links.setdefault(pair, []).append(reason)
+        else:
+            failed = ended.replica_id
+            job.failed_replicas[failed] = ended.replica_role
         job.ended_ticket_ids.append(ended_ticket)
         job.last_error = ended.error
         job.attempt += 1
         job.enqueued = self._clock()
-        self.metrics.retried(ended.error.reason)
+        self.metrics.retried(reason)
+        ar_replica, dit_replica = pair if pair is not None else ("", "")
         log.warning(
             "generation_retried",
             request_id=job.request_id,
             failed_replica=failed,
-            role=ended.replica_role,
-            reason=ended.error.reason,
+            role=ended.replica_role if failed else "",
+            ar_replica=ar_replica,
+            dit_replica=dit_replica,
+            reason=reason,
             attempt=job.attempt,
             ended_ticket_id=ended_ticket,
             message=ended.error.message,
@@ -319,21 +363,30 @@ class Orchestrator:
 
     def _place(self, job: GenerationJob) -> Ticket | None:
         params = job.record.params
-        if job.failed_replicas and job.last_error is not None:
+        last = job.last_error
+        if job.failed_replicas and last is not None:
             # A retried generation never goes back to a replica that failed it: with no other
             # one of that role up any more, it fails rather than hold the queue's head.
             for role in sorted(set(job.failed_replicas.values())):
                 if not serving_replicas(self.core, ReplicaRole(role), job.failed_replicas):
-                    tried = job.attempt - 1
                     raise RequestEnded(ErrorInfo(
-                        job.last_error.code, job.last_error.reason,
-                        f"{job.last_error.message} ({tried_times(tried)}, not retried: no "
-                        f"other {role_name(role)} replica is up; attempts failed on {', '.join(sorted(job.failed_replicas))})",
+                        last.code, last.reason,
+                        f"{last.message} ({tried_times(job.attempt - 1)}, not retried: no "
+                        f"other {role_name(role)} replica is up{earlier_failures(job)})",
                     ), final=True)  # fmt: skip
+        if job.failed_links and last is not None:
+            # Nor to a pair whose transfer failed it twice; with no other pair up, it fails.
+            why = self._no_pair_left(job.failed_replicas, job.failed_links)
+            if why is not None:
+                raise RequestEnded(ErrorInfo(
+                    last.code, last.reason,
+                    f"{last.message} ({tried_times(job.attempt - 1)}, not retried: {why}{earlier_failures(job)})",
+                ), final=True)  # fmt: skip
         replaces = job.ended_ticket_ids[-1] if job.ended_ticket_ids else ""
+        spent = {p for p, reasons in job.failed_links.items() if len(reasons) >= MAX_TRANSFER_FAILURES_PER_PAIR}
         return place(
             self.core, job.request_id, job.token_counts, params.width, params.height,
-            exclude=job.failed_replicas, replaces=replaces,
+            exclude=job.failed_replicas, avoid_pairs=set(job.failed_links), exclude_pairs=spent, replaces=replaces,
         )  # fmt: skip
 
     def _start_pipeline(self, job: GenerationJob) -> asyncio.Task[None]:
@@ -355,8 +408,9 @@ class Orchestrator:
 
     def advance(self, record: GenerationRecord, state: GenState, **changes: Any) -> None:
         """Move forward only: a late TRANSFERRING never overwrites DENOISING, and an attempt run
-        again on another replica shows progress only past where the earlier one got (state and
-        step never go back for a client); its ticket is the generation's from its placement."""
+        again (a replica or transfer failed) shows progress only past where the earlier one got
+        (state and step never go back for a client); its ticket is the generation's from its
+        placement."""
         if record.state.terminal:
             return
         step = changes.get("step")
@@ -403,6 +457,18 @@ class Orchestrator:
             total_ms=round(snap.timings.get("total", 0.0) * 1000, 3),
         )
         self.queue.ended(record.request_id, stop_pipeline=state is not GenState.SUCCEEDED)
+
+
+def earlier_failures(job: GenerationJob) -> str:
+    """Where the generation's earlier attempts failed, as its final error says it
+    ("; earlier attempts failed on dit-0; earlier transfers failed: ar-0 -> dit-0 TRANSFER_TIMEOUT")."""
+    said = ""
+    if job.failed_replicas:
+        said += f"; earlier attempts failed on {', '.join(sorted(job.failed_replicas))}"
+    if job.failed_links:
+        links = ", ".join(f"{ar} -> {dit} {' '.join(reasons)}" for (ar, dit), reasons in sorted(job.failed_links.items()))
+        said += f"; earlier transfers failed: {links}"
+    return said
 
 
 def tried_times(attempts: int) -> str:

@@ -82,7 +82,7 @@ class StagePipeline:
     async def run(self, job: GenerationJob) -> None:
         """The generation from QUEUED to its end; never raises (but CancelledError).
 
-        One attempt at a time: an attempt whose replica stopped answering has ended its ticket
+        One attempt at a time: an attempt whose replica or transfer failed has ended its ticket
         and unwound its stage calls before the generation is queued again (`may_retry`)."""
         record = job.record
         with bind_request(request_id=job.request_id):
@@ -345,8 +345,8 @@ class StagePipeline:
     def end_ticket(self, job: GenerationJob, attempt_error: ErrorInfo | None = None) -> None:
         """Tell the core the request is over (once). A no-op for a ticket the DiT already released.
 
-        `attempt_error`: the error that ended this attempt of a generation that runs again on
-        another replica. Its ticket ends exactly as the generation's would have with that error
+        `attempt_error`: the error that ended this attempt of a generation that runs again (a
+        replica or transfer failed). Its ticket ends exactly as the generation's would have with that error
         (rolled back, or draining until no write can land); a generation that ended meanwhile
         (cancelled) ends its ticket as itself."""
         if job.ticket_ended:

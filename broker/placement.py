@@ -2,7 +2,8 @@
 
 Owns the choice of replicas for a queued generation (the up, unfenced, reachable AR with the
 fewest live tickets; the up, unfenced, reachable DiT with the most free pages that fits every
-row now; a pair whose last transfer failed only when no other pair can take it), the check that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that
+row now; a pair whose last transfer failed, or whose transfer failed this very generation, only
+when no other pair can take it), the check that a request can ever fit a DiT replica (`NEVER_FITS`), and turning that
 choice into a ticket (`BrokerCore.create_ticket`, which reserves the pages and plans the transfer once).
 Reads replicas, pools and tickets only through BrokerCore; never reserves a page itself, never
 orders the queue (FIFO is the queue's rule, admission.py) and never talks to a replica.
@@ -81,20 +82,35 @@ def choose_dit_replica(core: BrokerCore, row_token_counts: Sequence[int], image_
     return candidates[0] if candidates else None
 
 
+Pair = tuple[ReplicaId, ReplicaId]  # (AR replica id, DiT replica id)
+
+
 def choose_pair(
-    core: BrokerCore, row_token_counts: Sequence[int], image_side: int = 0, exclude: Collection[ReplicaId] = ()
+    core: BrokerCore,
+    row_token_counts: Sequence[int],
+    image_side: int = 0,
+    exclude: Collection[ReplicaId] = (),
+    *,
+    avoid_pairs: Collection[Pair] = (),
+    exclude_pairs: Collection[Pair] = (),
 ) -> tuple[ReplicaId | None, ReplicaId | None]:
     """The AR and DiT for one generation: the least-loaded AR and the DiT with the most free pages,
     skipping pairs whose last transfer failed within its backoff (`BrokerCore.link_suspect`)
     while another pair can take the request; when every pair is suspect, the plain choice.
-    Never a replica in `exclude` (those that failed this generation's earlier attempts)."""
+    Never a replica in `exclude` (those that failed this generation's earlier attempts), never a
+    pair in `exclude_pairs`; a pair in `avoid_pairs` (whose transfer failed this generation) only
+    when no other pair can take it now, suspect or not."""
     ars = ar_candidates(core, exclude)
     dits = dit_candidates(core, row_token_counts, image_side, exclude)
-    for ar_id in ars:
-        for dit_id in dits:
-            if not core.link_suspect(ar_id, dit_id):
-                return ar_id, dit_id
-    return (ars[0] if ars else None), (dits[0] if dits else None)
+    pairs = [(ar_id, dit_id) for ar_id in ars for dit_id in dits if (ar_id, dit_id) not in exclude_pairs]
+    if not pairs:
+        # What is missing, as before: no AR, or no DiT that fits now (or every pair is excluded).
+        return (ars[0] if ars else None), (dits[0] if dits and not ars else None)
+    fresh = [pair for pair in pairs if pair not in avoid_pairs]
+    for ar_id, dit_id in fresh:
+        if not core.link_suspect(ar_id, dit_id):
+            return ar_id, dit_id
+    return fresh[0] if fresh else pairs[0]
 
 
 def check_image_fits(core: BrokerCore, width: int, height: int) -> None:
@@ -149,12 +165,16 @@ def place(
     height: int = 0,
     *,
     exclude: Collection[ReplicaId] = (),
+    avoid_pairs: Collection[Pair] = (),
+    exclude_pairs: Collection[Pair] = (),
     replaces: TicketId = "",
 ) -> Ticket | None:
     """A RESERVED ticket for this generation on the chosen replicas, or None: not now.
 
-    `exclude` and `replaces` place a retried generation: never on a replica that failed it, and
-    beside its earlier attempt's ticket (`replaces`), which ended and may still drain.
+    `exclude`, `avoid_pairs`, `exclude_pairs` and `replaces` place a retried generation: never on
+    a replica that failed it nor on a pair excluded, on a pair whose transfer failed it only when
+    no other pair can take it (`choose_pair`), and beside its earlier attempt's ticket
+    (`replaces`), which ended and may still drain.
     Raises RequestEnded when it can never run (no DiT could ever hold it, or the chosen
     replicas refuse it for good).
     """
@@ -163,7 +183,9 @@ def place(
         # An earlier generation with this id still drains its ticket; the core keys tickets
         # by request_id, so this one waits until that ticket is released.
         return None
-    ar_id, dit_id = choose_pair(core, token_counts, max(width, height), exclude)
+    ar_id, dit_id = choose_pair(
+        core, token_counts, max(width, height), exclude, avoid_pairs=avoid_pairs, exclude_pairs=exclude_pairs
+    )
     if dit_id is None:
         try:
             # The DiT replicas may have changed since admission (one restarted smaller): a

@@ -249,9 +249,10 @@ class _Progress:
         if event.state == GenerationState.DENOISING and event.total_steps:
             text += f" {event.step}/{event.total_steps}"
         if retried:
-            # The broker runs it again on another replica (broker.max_replica_retries): its replica
-            # stopped answering, lost a rank or was forgotten by force.
-            text += f" (its replica failed: attempt {event.attempt} on another replica)"
+            # The broker runs it again (broker.max_replica_retries): its replica stopped answering,
+            # lost a rank or was forgotten by force (then on another replica), or its KV transfer
+            # failed (then with a fresh ticket, on another AR/DiT pair if one is up).
+            text += f" (its replica or KV transfer failed: attempt {event.attempt})"
         print(f"[{elapsed:7.2f}s] {text}", file=self._stream, flush=True)
 
     def _update_bar(self, event: GenerationEvent) -> None:

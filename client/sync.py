@@ -239,7 +239,7 @@ class GenerationHandle(_core.HandleBase):
 
         A FAILED or CANCELLED generation is an event, not an exception; a failed *call*
         (deadline, server unreachable, rejected request) raises :class:`KvRelayError`. A
-        generation the broker runs again on another replica (its replica failed:
+        generation the broker runs again (its replica or its KV transfer failed:
         ``broker.max_replica_retries``) goes on in the same events, its ``attempt`` up by one.
         Breaking out of the loop leaves the generation running; a later ``events()`` continues
         where this one stopped. One thread at a time may iterate (another gets ``RuntimeError``);

@@ -34,6 +34,10 @@ def _small(cfg: dict[str, Any]) -> None:
         stage.pop("kv_transfer_config", None)
     cfg["stages"][0]["kv_cache_memory_bytes"] = 64 << 20
     cfg["stages"][1]["kv_cache_memory_bytes"] = 32 << 20
+    # One attempt per request: this test is about the failed attempt's ticket and pages (the broker
+    # would otherwise run the request again after its transfer failed, holding a second ticket;
+    # that retry has tests of its own).
+    cfg["broker"]["max_replica_retries"] = 0
 
 
 def _ar_processes(node: Any) -> list[psutil.Process]:

@@ -46,6 +46,10 @@ def _config(cfg: dict[str, Any]) -> None:
     # The receiver's stop is a temporary hang here: past rank_stall_seconds its replica would
     # kill it and fail-stop (tests/e2e/test_stopped_rank.py).
     cfg["stages"][1]["rank_stall_seconds"] = 120.0
+    # One attempt per request: this test is about the failed attempt's ticket and pages (the broker
+    # would otherwise run the request again after its transfer failed, holding a second ticket;
+    # that retry has tests of its own).
+    cfg["broker"]["max_replica_retries"] = 0
 
 
 def _dit_ranks(node: Any) -> list[psutil.Process]:

@@ -147,6 +147,10 @@ def _receiver_stalls_long(cfg: dict[str, Any]) -> None:
     cfg["stages"][1]["rank_stall_seconds"] = RECEIVER_STALL_S
     for stage in cfg["stages"]:
         stage["kv_transfer_config"]["kv_connector_extra_config"]["transfer_timeout"] = 2.0
+    # One attempt per request: this test is about the failed attempt's ticket and pages (the broker
+    # would otherwise run the request again after its transfer failed, holding a second ticket;
+    # that retry has tests of its own).
+    cfg["broker"]["max_replica_retries"] = 0
 
 
 def test_a_dead_senders_pages_stay_held_while_the_receiving_rank_is_stopped(tmp_path: Path) -> None:

@@ -40,6 +40,10 @@ def _config(cfg: dict[str, Any]) -> None:
     cfg["stages"][0]["num_replicas"] = 2
     cfg["stages"][0]["kv_cache_memory_bytes"] = 64 << 20
     cfg["stages"][1]["kv_cache_memory_bytes"] = 8 << 20
+    # One attempt per request: this test is about the failed attempt's ticket and pages (the broker
+    # would otherwise run the request again after its transfer failed, holding a second ticket;
+    # that retry has tests of its own).
+    cfg["broker"]["max_replica_retries"] = 0
 
 
 def _generate(client: KvRelayClient, prompt: str, seed: int) -> Any:

@@ -134,6 +134,12 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.fail_prefill: KvRelayServerError | None = None
         # After arming: report every write FAILED, then fail the RPC with this (a rank died).
         self.fail_after_arming: KvRelayServerError | None = None
+        # Write bytes other than those whose checksum is reported (a write corrupted on its way:
+        # the DiT's checksum catches it).
+        self.corrupt_writes = False
+        # The faults `fail_after_arming`, `corrupt_writes` and the `write_gate` hold apply to the
+        # first N Prefills only (a transient failure: the next attempt goes through); None: to all.
+        self.faulty_prefills: int | None = None
         # Before failing with `fail_prefill`: roll the ticket back (CancelTicket FAILED) and wait
         # this long, as the real AR does; the DiT sees the ticket end before the AR's reply.
         self.rollback_before_failing_s: float | None = None
@@ -196,6 +202,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
 
     async def Prefill(self, request: ar_pb2.PrefillRequest, context: Any) -> ar_pb2.PrefillResponse:
         self.prefills.append(request.request_id)
+        faulty = self.faulty_prefills is None or len(self.prefills) <= self.faulty_prefills
         self.deadlines.append(context.time_remaining())
         self.prefill_started.set()
         started = time.monotonic()
@@ -231,7 +238,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
             raise
         self.armed.set()
         writes = writes_from_proto(armed.writes)
-        if self.fail_after_arming is not None:
+        if self.fail_after_arming is not None and faulty:
             for w in writes:
                 await self._report(request.ticket_id, w, common_pb2.WRITE_STATUS_FAILED, 0, 0)
             await asyncio.sleep(0.1)  # the RPC's failure reaches the broker after the reports
@@ -239,7 +246,9 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         staging = self._staging(request, writes)
         # Armed: the writes run to their final reports even if this RPC is cancelled.
         memory = self.memories.get(request.plan.ticket.dit_replica_id, self.memory)
-        writer = asyncio.create_task(self._write_and_report(request.ticket_id, writes, staging, memory))
+        writer = asyncio.create_task(self._write_and_report(
+            request.ticket_id, writes, staging, memory, gated=faulty, corrupt=self.corrupt_writes and faulty
+        ))  # fmt: skip
         self._writers.add(writer)
         writer.add_done_callback(self._writers.discard)
         t0 = time.monotonic()
@@ -260,17 +269,27 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         return (pattern * (size // len(pattern) + 1))[:size]
 
     async def _write_and_report(
-        self, ticket_id: str, writes: tuple[PlannedWrite, ...], staging: bytes, memory: DitMemory
+        self,
+        ticket_id: str,
+        writes: tuple[PlannedWrite, ...],
+        staging: bytes,
+        memory: DitMemory,
+        *,
+        gated: bool = True,
+        corrupt: bool = False,
     ) -> int:
         reported: set[int] = set()
         total = 0
         try:
-            await self.write_gate.wait()
+            if gated:
+                await self.write_gate.wait()
             for i, w in enumerate(writes):
                 for seg in w.segments:
                     memory.pool[seg.dst_offset : seg.dst_offset + seg.length] = staging[
                         seg.src_offset : seg.src_offset + seg.length
                     ]
+                if corrupt and w.segments:
+                    memory.pool[w.segments[0].dst_offset] ^= 0xFF
                 checksum = checksum_segments(staging, w.segments, side="src")
                 await self._report(ticket_id, w, common_pb2.WRITE_STATUS_OK, checksum, w.num_bytes)
                 reported.add(i)
@@ -451,7 +470,17 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
                     context,
                     KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED", "a write failed"),
                 )
-            await self._verify_and_report(ticket)
+            if not await self._verify_and_report(ticket, t0 + wait):
+                # As the real receiver: bytes reported written that never match their checksum
+                # within the wait end the request as a timeout (dit_service/receiver.py).
+                outcome, reason = broker_pb2.TICKET_OUTCOME_TIMED_OUT, "TRANSFER_TIMEOUT"
+                await abort_with(
+                    context,
+                    KvRelayServerError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
+                        "rows were reported written but never matched their checksums",
+                    ),
+                )  # fmt: skip
             load_seconds = time.monotonic() - t0
             # The DiT marks its ticket CONSUMING itself before reading the pages (issue 13).
             await self.broker.StartConsuming(
@@ -503,21 +532,33 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
             watch.cancel()
         return None
 
-    async def _verify_and_report(self, ticket: broker_pb2.Ticket) -> None:
+    async def _verify_and_report(self, ticket: broker_pb2.Ticket, deadline: float) -> bool:
+        """Verify every row's bytes and report its load; a checksum the broker refuses (bytes may
+        still be landing) is checked again until `deadline` (monotonic): False then."""
         rows = {(w.row, w.dst_rank) for w in ticket.writes}
         plan = await self._plan(ticket)
         for row, dst in sorted(rows):
-            verified = []
-            for w in ticket.writes:
-                if (w.row, w.dst_rank) != (row, dst):
-                    continue
-                planned = plan[(w.row, w.src_rank, w.dst_rank)]
-                got = checksum_segments(self.memory.pool, planned.segments, side="dst")
-                verified.append(
-                    broker_pb2.WriteProgress(
-                        row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, checksum=got
-                    )
+            while not await self._verify_row(ticket, plan, row, dst):
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(0.05)
+        return True
+
+    async def _verify_row(
+        self, ticket: broker_pb2.Ticket, plan: dict[tuple[int, int, int], PlannedWrite], row: int, dst: int
+    ) -> bool:
+        verified = []
+        for w in ticket.writes:
+            if (w.row, w.dst_rank) != (row, dst):
+                continue
+            planned = plan[(w.row, w.src_rank, w.dst_rank)]
+            got = checksum_segments(self.memory.pool, planned.segments, side="dst")
+            verified.append(
+                broker_pb2.WriteProgress(
+                    row=w.row, src_rank=w.src_rank, dst_rank=w.dst_rank, checksum=got
                 )
+            )
+        try:
             await self.broker.ReportLoad(
                 broker_pb2.ReportLoadRequest(
                     ticket_id=ticket.ticket_id,
@@ -529,6 +570,11 @@ class DitReplica(dit_pb2_grpc.DitServiceServicer):
                 ),
                 timeout=RPC_TIMEOUT,
             )
+        except grpc.aio.AioRpcError as err:
+            if error_info(err)[1] == "CHECKSUM_MISMATCH":
+                return False
+            raise
+        return True
 
     async def _plan(self, ticket: broker_pb2.Ticket) -> dict[tuple[int, int, int], PlannedWrite]:
         from kvrelay.transfer.planner import RowSpec, plan_transfer

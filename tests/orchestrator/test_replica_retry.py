@@ -368,7 +368,7 @@ def test_the_cli_progress_says_when_the_generation_moved_to_another_replica() ->
     assert lines == [
         "DENOISING 1/4",
         "DENOISING 2/4",
-        "DENOISING 2/4 (its replica failed: attempt 2 on another replica)",
+        "DENOISING 2/4 (its replica or KV transfer failed: attempt 2)",
         "DENOISING 3/4",
     ]
 
