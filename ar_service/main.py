@@ -119,6 +119,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         ReplicaLock,
         WorkerGroup,
         check_devices,
+        collective_timeout_s,
         replica_lock_path,
         watch_ranks,
     )
@@ -227,6 +228,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             devices=stage.devices_for(replica),
             lock=lock,
             name=f"kvrelay-{replica_id}",
+            # A rank stopped under rank_stall_seconds mid-collective must not time its peers out.
+            dist_timeout_s=collective_timeout_s(cfg.rank_stall_seconds_for(stage)),
         )
     # A fast stop kills the ranks at once: it ends any command in flight (a prefill, a write)
     # and every wait on one, and their memory registrations die with them.

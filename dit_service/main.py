@@ -117,6 +117,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         ReplicaLock,
         WorkerGroup,
         check_devices,
+        collective_timeout_s,
         replica_lock_path,
         watch_ranks,
     )
@@ -207,7 +208,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             stage, preset=preset.name, checkpoint=model_dir(stage.model), num_pages=memory.num_pages,
             pools=tuple(memory.specs()), control=control_pool.spec, slots=admission_slots(stage.max_num_seqs),
         )
-        group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}")
+        # A rank stopped under rank_stall_seconds mid-collective must not time its peers out.
+        group = WorkerGroup(world, spec, devices=stage.devices_for(replica), lock=lock, name=f"kvrelay-{replica_id}",
+                            dist_timeout_s=collective_timeout_s(cfg.rank_stall_seconds_for(stage)))
         # A fast stop kills the ranks at once: a denoise or load in flight ends, and no rank reads
         # or receives into the pages afterwards (the handlers release their tickets only then).
         stop.on_fast(_killer(group, killing, f"kvrelay-{replica_id}-fast-stop"))

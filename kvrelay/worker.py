@@ -96,14 +96,26 @@ class WorkerStalled(WorkerGroupError):
     collective or a transfer, so the whole group was killed (fail-stop: the lock goes with the
     ranks, and a new incarnation proves them gone)."""
 
+    symptom = "silent"
+    verdict = "stopped or hung"
+
     def __init__(self, ranks: Sequence[int], silence_s: Sequence[float], limit_s: float, states: Sequence[str]):
         self.ranks = tuple(ranks)
         self.silence_s = tuple(silence_s)
         what = ", ".join(
-            f"rank {r} silent {t:.1f}s{f' (process state {st})' if st else ''}"
+            f"rank {r} {self.symptom} {t:.1f}s{f' (process state {st})' if st else ''}"
             for r, t, st in zip(ranks, silence_s, states, strict=True)
         )
-        super().__init__(f"worker {what}: over the {limit_s:.1f}s limit, stopped or hung; the group was killed")
+        super().__init__(f"worker {what}: over the {limit_s:.1f}s limit, {self.verdict}; the group was killed")
+
+
+class WorkerUnresponsive(WorkerStalled):
+    """A rank's beat runs, but its command loop left the watchdog's `Ping` unanswered past the same
+    limit (counted from when the Ping reached its pipe, never while it waited behind a running
+    command): hung as surely as a silent rank, and killed with its group the same way."""
+
+    symptom = "did not answer a Ping for"
+    verdict = "hung"
 
 
 class WorkerGroupBroken(WorkerGroupError):
@@ -614,6 +626,20 @@ def default_threads_per_rank(world_size: int) -> int:
     return max(1, cores // world_size)
 
 
+# How long a collective (gloo, NCCL) waits for its peers before it fails, for a replica that
+# tolerates no stop at all; `collective_timeout_s` adds the replica's stall limit to it.
+DIST_TIMEOUT_S = 300.0
+
+
+def collective_timeout_s(max_silence_s: float) -> float:
+    """The collective timeout of a replica whose ranks may be stopped for up to `max_silence_s`
+    (its `rank_stall_seconds`): the normal wait plus that stop. A peer stopped for less than the
+    limit in the middle of a collective must not make the others' collective fail first (that
+    ends the command and fail-stops the replica, so a stop under the limit would not be tolerated
+    after all); past the limit the watchdog kills the group anyway."""
+    return DIST_TIMEOUT_S + max_silence_s
+
+
 class WorkerGroup:
     """`world_size` rank processes, each running `worker_factory(RankContext)`'s handler.
 
@@ -634,7 +660,7 @@ class WorkerGroup:
         lock: ReplicaLock | None = None,
         threads_per_rank: int | None = None,
         start_timeout_s: float = 180.0,
-        dist_timeout_s: float = 300.0,
+        dist_timeout_s: float = DIST_TIMEOUT_S,
         env: dict[str, str] | None = None,
         name: str = "kvrelay-rank",
         error_grace_s: float = 10.0,
@@ -662,6 +688,10 @@ class WorkerGroup:
         self._call_lock = threading.Lock()
         self._keeper_release = threading.Event()
         self._broken: WorkerGroupError | None = None
+        # The watchdog's Ping in flight: when it reached every rank's pipe (None: none, or it still
+        # waits for the call lock behind a command), and the ranks that have not answered it yet.
+        self._ping_sent_at: float | None = None
+        self._awaiting: tuple[int, ...] = ()
         self._started = False
         self._stopped = False
         self.infos: list[RankInfo] = []
@@ -849,7 +879,13 @@ class WorkerGroup:
                     _send(self._conns[rank], command)
                 except (OSError, ValueError):
                     self._fail(WorkerDied(rank, self._procs[rank].exitcode, type(command).__name__))
-            replies = self._gather(range(self.world_size), type(commands[0]).__name__, timeout_s)
+            if isinstance(commands[0], Ping):
+                self._ping_sent_at = time.monotonic()
+            try:
+                replies = self._gather(range(self.world_size), type(commands[0]).__name__, timeout_s)
+            finally:
+                self._ping_sent_at = None
+                self._awaiting = ()
         errors = [r.error for r in replies if isinstance(r, _Err)]
         if errors:
             values = [None if isinstance(r, _Err) else r.value for r in replies]
@@ -868,6 +904,7 @@ class WorkerGroup:
         replies: list[Any] = [None] * self.world_size
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
+            self._awaiting = tuple(sorted(pending))
             if any(isinstance(r, _Err) for r in replies):
                 # A rank failed; the others may be blocked in a collective that now never
                 # completes. Give them a short grace to fail or finish on their own.
@@ -913,8 +950,17 @@ class WorkerGroup:
                     self._fail(WorkerDied(rank, self._procs[rank].exitcode, during))
         return replies
 
-    def ping(self, timeout_s: float = 10.0) -> list[RankInfo]:
+    def ping(self, timeout_s: float | None = 10.0) -> list[RankInfo]:
+        """Every rank's command loop answers (it waits its turn behind a running command first;
+        `timeout_s` counts from when it was sent). None: no deadline of its own, as the
+        watchdog's: check_alive judges how long it is unanswered against the stall limit."""
         return self.call_all(Ping(), timeout_s)
+
+    def ping_unanswered_s(self) -> float | None:
+        """Seconds since a Ping in flight reached the ranks' pipes without every answer back yet;
+        None when no Ping is in flight (or it still waits behind a running command)."""
+        sent = self._ping_sent_at
+        return None if sent is None else max(0.0, time.monotonic() - sent)
 
     # -- liveness -------------------------------------------------------------------------------
 
@@ -926,8 +972,10 @@ class WorkerGroup:
         return [max(0.0, now - float(self._beats[r])) for r in range(self.world_size)]
 
     def check_alive(self, max_silence_s: float, observed_since: float | None = None) -> None:
-        """Fail stop the group if a rank exited or its beat was silent over `max_silence_s`:
-        kill every rank and raise WorkerDied / WorkerStalled (a command in flight raises the same).
+        """Fail stop the group if a rank exited, its beat was silent over `max_silence_s`, or it left a
+        Ping in flight unanswered over `max_silence_s` (one limit for a stopped and a hung rank):
+        kill every rank and raise WorkerDied / WorkerStalled / WorkerUnresponsive (a command in
+        flight raises the same).
         Does not wait for a running command (it takes no call lock), so a rank stopped in the
         middle of one is found. Raises WorkerGroupBroken if the group already failed; returns
         quietly before start and after a requested stop. `observed_since` (a `time.monotonic()`):
@@ -944,19 +992,44 @@ class WorkerGroup:
                 error = WorkerDied(rank, proc.exitcode, "no command (found by the liveness check)")
                 break
         if error is None:
-            silence = self.silence_s()
-            if observed_since is not None:
-                watched = max(0.0, time.monotonic() - observed_since)
-                silence = [min(t, watched) for t in silence]
-            stalled = [r for r, t in enumerate(silence) if t > max_silence_s]
-            if stalled:
-                error = WorkerStalled(stalled, [silence[r] for r in stalled], max_silence_s,
-                                      [_process_state(self._procs[r].pid) for r in stalled])
+            awaiting = self._awaiting  # read first: fresh whenever the Ping below is overdue
+            unanswered = self.ping_unanswered_s()
+            watched = None if observed_since is None else max(0.0, time.monotonic() - observed_since)
+            verdict = overdue_ranks(self.silence_s(), unanswered, awaiting, max_silence_s, watched)
+            if verdict is not None:
+                kind, ranks, seconds = verdict
+                error = kind(ranks, seconds, max_silence_s, [_process_state(self._procs[r].pid) for r in ranks])
         if error is None:
             return
         self._broken = error
         self.kill()
         raise error
+
+
+def overdue_ranks(
+    silence_s: Sequence[float],
+    ping_unanswered_s: float | None,
+    awaiting: Sequence[int],
+    max_silence_s: float,
+    watched_s: float | None = None,
+) -> tuple[type[WorkerStalled], list[int], list[float]] | None:
+    """check_alive's verdict, pure: the ranks over the stall limit and for how long, or None.
+
+    `silence_s`: each rank's beat silence; `ping_unanswered_s`: how long the Ping in flight has
+    been on the ranks' pipes (None: none sent), `awaiting` the ranks that have not answered it;
+    `watched_s`: how long the caller has watched without a break (None: always), which caps both
+    (what happened while the watcher was stopped itself is nobody's fault). A silent beat wins
+    (WorkerStalled: a stopped rank's Ping is unanswered too); otherwise a Ping unanswered past
+    the same `max_silence_s` (WorkerUnresponsive: its beat runs, its command loop does not)."""
+    if watched_s is not None:
+        silence_s = [min(t, watched_s) for t in silence_s]
+        ping_unanswered_s = None if ping_unanswered_s is None else min(ping_unanswered_s, watched_s)
+    stalled = [r for r, t in enumerate(silence_s) if t > max_silence_s]
+    if stalled:
+        return WorkerStalled, stalled, [silence_s[r] for r in stalled]
+    if ping_unanswered_s is not None and ping_unanswered_s > max_silence_s and awaiting:
+        return WorkerUnresponsive, list(awaiting), [ping_unanswered_s] * len(awaiting)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -993,14 +1066,17 @@ async def watch_ranks(
     *,
     interval_s: float,
     max_silence_s: float,
-    ping_timeout_s: float = 30.0,
 ) -> None:
     """A replica's rank watchdog, until cancelled or a rank is lost (then `on_lost(reason)` once).
 
-    Every `interval_s`: `check_alive(max_silence_s)` (a dead or stopped rank, even in the middle of
-    a command: the group is killed, so that command raises too), and a `Ping` when none is in
-    flight (a rank whose command loop stopped answering while idle; it waits its turn behind a
-    running command and times out after `ping_timeout_s`)."""
+    Every `interval_s`: `check_alive(max_silence_s)` (a dead rank at once; a stopped one, even in
+    the middle of a command, once its beat is silent over `max_silence_s`: the group is killed, so
+    that command raises too), and a `Ping` when none is in flight (a rank whose command loop
+    stopped answering while idle). The Ping has no deadline of its own: it waits its turn behind a
+    running command, and once sent, check_alive holds it to the same `max_silence_s`, counted
+    while this watchdog ran. So the stall limit is the one limit for a stopped or hung rank: a
+    stop under it is tolerated however long it is (the Ping is answered when the rank runs again),
+    one over it fail-stops."""
     ping: asyncio.Future[list[RankInfo]] | None = None
     # Silence counts only while this watchdog itself ran: when its own wake-up comes late by more
     # than a second (this process was stopped or starved too), watching starts again from now.
@@ -1018,7 +1094,7 @@ async def watch_ranks(
                     ping.result()
                     ping = None
                 if ping is None:
-                    ping = asyncio.ensure_future(asyncio.to_thread(group.ping, ping_timeout_s))
+                    ping = asyncio.ensure_future(asyncio.to_thread(group.ping, None))
             except WorkerGroupError as err:
                 on_lost(f"worker rank lost: {err}")
                 return

@@ -215,16 +215,11 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
         ranks = _dit_ranks(node)
         dit_pid = node.process("dit-0").pid
         (pool_file,) = Path("/dev/shm").glob(f"kvrelay-dit-0-{dit_pid}-rank0-*")
-        def receiver_fail_stopped() -> bool:
-            # The DiT's watchdog Pings its ranks and gives up on them after 30 s (kvrelay/worker.py
-            # watch_ranks): a stop that long fail-stops the replica, whose pages go with its memory.
-            return node.process("dit-0").pid != dit_pid or not pool_file.exists()
-
-        stopped = fail_stopped = False
+        stopped_at: float | None = None
         try:
             for p in ranks:
                 os.kill(p.pid, signal.SIGSTOP)
-            stopped = True
+            stopped_at = time.monotonic()
             first = client.generate(LONG, negative_prompt=LONG, seed=1, width=64, height=64, timeout=60)
             with pytest.raises(KvRelayError) as info:
                 first.result()
@@ -239,31 +234,23 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
             assert _ticket_of(client, first.request_id).state == TicketState.DRAINING
             (pool,) = client.get_pools()
             assert pool.draining_pages == len(held) and pool.free_pages == total - len(held), pool
-        except AssertionError:
-            # On a loaded machine the engine took up to ~27 s to give up, and the receiver's own
-            # watchdog may end it first: then nothing of the write can land anywhere any more.
-            deadline = time.monotonic() + 10
-            while not receiver_fail_stopped() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not receiver_fail_stopped():
-                raise
-            fail_stopped = True
         finally:
-            if stopped:
+            stopped_for = 0.0 if stopped_at is None else time.monotonic() - stopped_at
+            if stopped_at is not None:
                 for p in ranks:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
+        # The stop (~10 s quiet, ~45 s at most by the waits above) is under the receiver's stall
+        # limit, and that limit is the only one on a stopped rank (the DiT's watchdog Pings its ranks
+        # too, held to the same limit: a fixed 30 s before, which fail-stopped the receiver here on a
+        # loaded machine, where the engine took up to ~27 s to give up): the receiver lives on, with
+        # the bytes of the failed write in its socket.
+        assert node.process("dit-0").pid == dit_pid and pool_file.exists(), (
+            f"the receiver fail-stopped after a {stopped_for:.1f}s stop, under its {SETTLE_STALL_S:.0f}s stall limit")
         # The rank runs again and drains its socket; the pages come back after the settle time,
         # and nothing of the failed write lands in them afterwards.
         wait_pools_full(client, timeout=SETTLE_STALL_S + 20)
-        if fail_stopped or receiver_fail_stopped():
-            # Its tickets ended with its memory (a new incarnation registered): nothing is held, a
-            # request goes through; the byte check needs the receiver alive (a quieter machine).
-            ended = _ticket_of(client, first.request_id)
-            assert ended is None or ended.state == TicketState.RELEASED, ended
-            assert client.generate(SHORT, seed=7, width=64, height=64, timeout=60).result().png
-            pytest.skip("the stopped receiver fail-stopped (its ranks' Ping timed out) before the engine "
-                        "gave up on the write: its pages went with it; the byte check did not run")
+        assert node.process("dit-0").pid == dit_pid, "the receiver fail-stopped after it ran again"
         page_bytes = pool_file.stat().st_size // total
         def pages_now() -> list[bytes]:
             data = pool_file.read_bytes()

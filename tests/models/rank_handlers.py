@@ -99,6 +99,14 @@ class Info:
 
 
 @dataclass(frozen=True, slots=True)
+class WedgeCommandLoop:
+    """Answer, then leave the next command unread for `seconds`: the rank's command loop hangs
+    while its liveness beat (a thread of its own) runs on, as a rank stuck outside any command."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class SubgroupSums:
     group_size: int
     strided: bool
@@ -133,6 +141,18 @@ class ModelsTestHandler:
             sub = new_subgroups(tp.rank, tp.world_size, command.group_size, strided=command.strided)
             total = sub.all_reduce(torch.tensor([float(10**tp.rank)]))
             return sub.rank, sub.world_size, float(total)
+        if isinstance(command, WedgeCommandLoop):
+            import kvrelay.worker as harness
+
+            receive = harness._recv
+
+            def wedged(conn: object) -> object:
+                harness._recv = receive
+                time.sleep(command.seconds)
+                return receive(conn)
+
+            harness._recv = wedged
+            return None
         if isinstance(command, Info):
             return (os.getpid(), torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS"),
                     os.environ.get("OMP_WAIT_POLICY"))

@@ -25,12 +25,23 @@ from kvrelay.worker import (
     WorkerGroupBroken,
     WorkerStalled,
     WorkerTimeout,
+    WorkerUnresponsive,
+    collective_timeout_s,
     default_threads_per_rank,
     deployment_key,
+    overdue_ranks,
     replica_lock_path,
     watch_ranks,
 )
-from tests.models.rank_handlers import ExitNow, Explode, Info, ModelsTestHandler, Sleep, failing_factory
+from tests.models.rank_handlers import (
+    ExitNow,
+    Explode,
+    Info,
+    ModelsTestHandler,
+    Sleep,
+    WedgeCommandLoop,
+    failing_factory,
+)
 
 
 def _gone(pid: int) -> bool:
@@ -247,7 +258,7 @@ def test_silence_counts_only_while_the_caller_watched():
 
 async def _watch_until_lost(group: WorkerGroup, fault: int, lost: list[str]) -> None:
     watchdog = asyncio.ensure_future(
-        watch_ranks(group, lost.append, interval_s=0.1, max_silence_s=1.0, ping_timeout_s=30.0)
+        watch_ranks(group, lost.append, interval_s=0.1, max_silence_s=1.0)
     )
     await asyncio.sleep(0.5)
     assert not lost and not watchdog.done()
@@ -270,6 +281,127 @@ def test_the_watchdog_reports_an_idle_rank_that_died_or_stopped(fault: int) -> N
         for pid in group.pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
+        group.stop()
+
+
+def test_a_ping_unanswered_under_the_stall_limit_is_tolerated_however_long():
+    """The watchdog's Ping has no limit of its own (it was a fixed 30 s, so a rank_stall_seconds
+    above 30 did not tolerate a longer stop): unanswered for 31 s or 74 s under a 75 s limit is
+    fine, past the limit the ranks that owe the answer are hung."""
+    assert overdue_ranks([0.2, 0.3], 31.0, [0, 1], 75.0) is None
+    assert overdue_ranks([0.2, 0.3], 74.9, [1], 75.0) is None
+    assert overdue_ranks([0.2, 0.3], 75.5, [1], 75.0) == (WorkerUnresponsive, [1], [75.5])
+    assert overdue_ranks([0.2], 3.0, [0], 2.0) == (WorkerUnresponsive, [0], [3.0])  # a short limit: short
+    assert overdue_ranks([0.2, 0.3], None, [], 75.0) is None  # none sent (or waiting behind a command)
+
+
+def test_a_silent_beat_is_reported_before_the_ping_it_left_unanswered():
+    assert overdue_ranks([0.1, 9.0], 8.5, [1], 4.0) == (WorkerStalled, [1], [9.0])
+    assert overdue_ranks([4.5, 0.1, 6.0], None, [], 4.0) == (WorkerStalled, [0, 2], [4.5, 6.0])
+    assert overdue_ranks([4.0, 3.9], 4.0, [0, 1], 4.0) is None  # at the limit, not over it
+
+
+def test_what_happened_while_the_watcher_itself_was_stopped_is_not_counted():
+    # The whole replica paused 60 s and continued: beats and the Ping's answer are not in yet.
+    assert overdue_ranks([60.0], 60.0, [0], 10.0, watched_s=1.0) is None
+    assert overdue_ranks([60.0], None, [], 10.0, watched_s=11.0) == (WorkerStalled, [0], [11.0])
+    assert overdue_ranks([0.1], 60.0, [0], 10.0, watched_s=11.0) == (WorkerUnresponsive, [0], [11.0])
+
+
+def test_collectives_wait_out_a_stop_under_the_stall_limit():
+    """A peer stopped mid-collective for less than the limit must not time the others out first
+    (their command fails, and the replica with it): the collective timeout grows with the limit."""
+    assert collective_timeout_s(10.0) == 310.0
+    for limit in (2.0, 75.0, 300.0, 3600.0):
+        assert collective_timeout_s(limit) >= 300.0 + limit
+
+
+async def _stop_for(pid: int, watchdog: asyncio.Future[None], group: WorkerGroup, unanswered_s: float) -> float:
+    """SIGSTOP `pid` until the watchdog's Ping has been unanswered `unanswered_s`, then SIGCONT;
+    return how long the Ping was left unanswered."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + unanswered_s + 20.0
+        longest = 0.0
+        while longest < unanswered_s and time.monotonic() < deadline and not watchdog.done():
+            longest = max(longest, group.ping_unanswered_s() or 0.0)
+            await asyncio.sleep(0.02)
+        return longest
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # killed by the watchdog
+            os.kill(pid, signal.SIGCONT)
+
+
+STALL_S = 8.0  # the stall limit of the stop test: every stop under it is tolerated
+OLD_PING_S = 2.5  # a stop that leaves the Ping unanswered this long: past a Ping with a shorter fixed limit
+
+
+async def _stop_under_then_over_the_limit(group: WorkerGroup, lost: list[str]) -> None:
+    watchdog = asyncio.ensure_future(
+        watch_ranks(group, lost.append, interval_s=0.1, max_silence_s=STALL_S)
+    )
+    try:
+        unanswered = await _stop_for(group.pids[0], watchdog, group, OLD_PING_S)
+        assert not lost and unanswered >= OLD_PING_S, (lost, unanswered)
+        # Continued: the Ping is answered, the group runs commands, the watchdog watches on.
+        deadline = time.monotonic() + 20.0
+        while group.ping_unanswered_s() is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert await asyncio.to_thread(group.call_all, Info(), 30.0)
+        assert await asyncio.to_thread(group.ping, 30.0)
+        assert not lost and not watchdog.done(), lost
+        # Past the limit: the replica fail-stops (the beat is silent first, named as such).
+        os.kill(group.pids[0], signal.SIGSTOP)
+        await asyncio.wait_for(watchdog, STALL_S + 20.0)
+    finally:
+        for pid in group.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        if not watchdog.done():
+            watchdog.cancel()
+
+
+@pytest.mark.slow
+def test_a_stop_under_the_stall_limit_is_tolerated_and_one_over_it_fail_stops() -> None:
+    """A rank SIGSTOPped while idle leaves the watchdog's Ping unanswered. With a fixed Ping limit
+    under rank_stall_seconds (30 s before) that stop fail-stopped the replica too early; now the
+    stall limit is the one limit: a stop under it is tolerated (the group serves on after SIGCONT),
+    one over it kills the group."""
+    group = WorkerGroup(1, ModelsTestHandler, beat_interval_s=0.05)
+    group.start()
+    lost: list[str] = []
+    try:
+        asyncio.run(_stop_under_then_over_the_limit(group, lost))
+        assert len(lost) == 1 and "rank 0 silent" in lost[0] and f"over the {STALL_S:.1f}s limit" in lost[0], lost
+        assert _wait_gone(group.pids, 5.0)
+    finally:
+        for pid in group.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        group.stop()
+
+
+async def _wedge_until_lost(group: WorkerGroup, lost: list[str]) -> None:
+    await asyncio.to_thread(group.call_all, WedgeCommandLoop(120.0), 30.0)
+    watchdog = asyncio.ensure_future(watch_ranks(group, lost.append, interval_s=0.1, max_silence_s=2.0))
+    try:
+        await asyncio.wait_for(watchdog, 30.0)
+    finally:
+        group.kill()  # (killed already, unless this failed) ends the Ping's thread: it has no deadline
+
+
+@pytest.mark.slow
+def test_a_rank_whose_beat_runs_but_whose_command_loop_hangs_fail_stops_at_the_same_limit() -> None:
+    group = WorkerGroup(2, ModelsTestHandler, beat_interval_s=0.05)
+    group.start()
+    lost: list[str] = []
+    try:
+        asyncio.run(_wedge_until_lost(group, lost))
+        assert len(lost) == 1, lost
+        assert "did not answer a Ping for" in lost[0] and "over the 2.0s limit, hung" in lost[0], lost
+        assert "rank 0" in lost[0] and "rank 1" in lost[0], lost
+        assert _wait_gone(group.pids, 5.0)
+    finally:
         group.stop()
 
 
