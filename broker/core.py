@@ -46,6 +46,7 @@ from kvrelay.broker.registry import (
     ReplicaSpec,
     ReplicaStatus,
 )
+from kvrelay.broker.repeats import RepeatedWarnings
 from kvrelay.broker.tickets import (
     HOLDING_STATES,
     AlreadyExists,
@@ -182,6 +183,9 @@ class BrokerCore:
             group_commit=journal_group_commit,
         )  # fmt: skip
         self.clock = clock
+        # Warnings a caller can trigger once per RPC (stale incarnations): one line per replica
+        # per minute, with how many were left out.
+        self._repeats = RepeatedWarnings(clock)
         self.lease_seconds = lease_seconds
         self.drain_quiet_seconds = drain_quiet_seconds
         # Pages of a ticket whose writer was proven gone (not returned) wait this long after the
@@ -365,6 +369,14 @@ class BrokerCore:
         self.waiters.notify_change()
         return RegisterReply(self.lease_seconds, record.fenced, kind)
 
+    def _stale_report_ignored(self, rpc: str, ticket_id: TicketId, replica_id: ReplicaId, incarnation_id: str) -> None:
+        """A report or release from a stale incarnation: logged at most once per replica per
+        minute (RepeatedWarnings: a caller holding the replica token can send one per RPC)."""
+        suppressed = self._repeats.admit("stale_incarnation_report_ignored", replica_id)
+        if suppressed is not None:
+            log.warning("stale_incarnation_report_ignored", rpc=rpc, replica_id=replica_id, incarnation=incarnation_id,
+                        suppressed=suppressed, **({"ticket_id": ticket_id} if ticket_id else {}))
+
     def heartbeat(
         self, replica_id: ReplicaId, incarnation_id: str, unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = ()
     ) -> HeartbeatReply:
@@ -373,7 +385,10 @@ class BrokerCore:
             record = self.registry.heartbeat(replica_id, incarnation_id, self.clock(), self.lease_seconds)
         except FailedPrecondition as err:
             if err.reason == "STALE_INCARNATION":
-                log.warning("stale_incarnation_heartbeat_ignored", replica_id=replica_id, incarnation=incarnation_id)
+                suppressed = self._repeats.admit("stale_incarnation_heartbeat_ignored", replica_id)
+                if suppressed is not None:
+                    log.warning("stale_incarnation_heartbeat_ignored", replica_id=replica_id,
+                                incarnation=incarnation_id, suppressed=suppressed)
             raise
         if record.unreachable:
             # The process is alive again (or was all along, behind a path that failed): placeable.
@@ -898,7 +913,7 @@ class BrokerCore:
                 "WRONG_REPLICA", f"ticket {ticket_id} is bound to AR {t.ar_replica_id}, not {replica_id}"
             )
         if t.armed and incarnation_id != t.armed_incarnation:
-            log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
+            self._stale_report_ignored("ReportWrite", ticket_id, replica_id, incarnation_id)
             raise FailedPrecondition(
                 "STALE_INCARNATION", f"ticket {ticket_id} was armed by another incarnation of {replica_id}"
             )
@@ -981,7 +996,7 @@ class BrokerCore:
             ticket_id, loads=len(loads), verified=max((len(verified) for _, verified in loads), default=0)
         )
         if incarnation_id != t.dit_incarnation:
-            log.warning("stale_incarnation_report_ignored", ticket_id=ticket_id, replica_id=replica_id)
+            self._stale_report_ignored("ReportLoad", ticket_id, replica_id, incarnation_id)
             raise FailedPrecondition("STALE_INCARNATION", f"ticket {ticket_id} belongs to another DiT incarnation")
         now = self.clock()
         changed = False
@@ -1040,8 +1055,7 @@ class BrokerCore:
                 "WRONG_REPLICA", f"ticket {ticket_id} is bound to DiT {t.dit_replica_id}, not {replica_id}"
             )
         if incarnation_id and incarnation_id != t.dit_incarnation:
-            log.warning("stale_incarnation_report_ignored", rpc="ReleaseTicket", ticket_id=ticket_id,
-                        replica_id=replica_id, incarnation=incarnation_id)
+            self._stale_report_ignored("ReleaseTicket", ticket_id, replica_id, incarnation_id)
             raise FailedPrecondition(
                 "STALE_INCARNATION", f"ticket {ticket_id} belongs to another incarnation of DiT {t.dit_replica_id}"
             )
@@ -1187,9 +1201,7 @@ class BrokerCore:
         try:
             return self.registry.check_incarnation(replica_id, incarnation_id)
         except FailedPrecondition:
-            log.warning(
-                "stale_incarnation_report_ignored", rpc=what, replica_id=replica_id, incarnation=incarnation_id
-            )
+            self._stale_report_ignored(what, "", replica_id, incarnation_id)
             raise
 
     def _bound_replica(self, replica_id: ReplicaId, role: ReplicaRole, now: float) -> ReplicaRecord:
