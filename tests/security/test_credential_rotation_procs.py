@@ -242,6 +242,10 @@ def test_rotating_the_secret_while_generations_run_fails_none_and_refuses_the_ol
             assert _health(proc.address) == "SERVING"
             assert _gauge(name.split("-")[0], deployment.metrics[name]) == 0.0
         assert deployment.refused_ids() == []
+        # Not even a retried attempt: the broker retries a generation whose replica or transfer
+        # failed, which would hide a refused Prefill, Denoise or PutKv from the clients.
+        assert deployment.broker is not None
+        assert _count(deployment.broker, "generation_retried") == 0, deployment.broker.output()
         # 5. after the grace: the old tokens are refused by the broker and by the replicas, the new taken.
         assert deployment.broker_takes(_token(mode, OLD, "ar-0"), "ar-0") == grpc.StatusCode.UNAUTHENTICATED
         assert deployment.broker_takes(_token(mode, NEW, "ar-0"), "ar-0") == grpc.StatusCode.NOT_FOUND
