@@ -158,7 +158,8 @@ class GenerationEvent:
 
     `step`/`total_steps` count denoising steps (set in DENOISING); `image` and `timings` come
     with SUCCEEDED; `error` with FAILED and CANCELLED. `attempt` is 1, or more once the broker
-    ran the generation again on another replica (state and step still never go back).
+    ran the generation again after its replica or its KV transfer failed (state and step still
+    never go back).
     """
 
     request_id: str

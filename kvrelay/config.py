@@ -102,11 +102,12 @@ class BrokerConfig(_Strict):
     result_ttl_seconds: float = Field(300.0, ge=0)
     max_results: int = Field(1024, ge=1)
     drain_quiet_seconds: float = Field(2.0, ge=0, allow_inf_nan=False)
-    # How many times the broker runs a generation again, on another replica, after the AR or DiT
+    # How many times the broker runs a generation again: on another replica after the AR or DiT
     # replica serving it stopped answering (REPLICA_UNAVAILABLE), lost a rank (REPLICA_FAILED) or
-    # was forgotten by force (REPLICA_FORGOTTEN) (kvrelay.broker.orchestrator, Orchestrator.retry).
-    # 0: never (the generation fails, and the client resubmits). Bounded: each retry holds a
-    # place at the queue's head.
+    # was forgotten by force (REPLICA_FORGOTTEN), and with a fresh ticket (another AR/DiT pair if
+    # one is up) after its KV transfer failed (TRANSFER_FAILED, TRANSFER_TIMEOUT); one budget for
+    # both (kvrelay.broker.orchestrator, Orchestrator.retry). 0: never (the generation fails, and
+    # the client resubmits). Bounded: each retry holds a place at the queue's head.
     max_replica_retries: int = Field(1, ge=0, le=16)
     # PNG bytes that replies carrying an image (GetGeneration, a terminal Generate event) may hold
     # at once until their calls end (broker/generation.py, ImageReplyBudget): bounds what peers
