@@ -110,6 +110,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         BrokerUnreachable,
         Fenced,
         RegistrationRefused,
+        ReplicaIdInUse,
     )
     from kvrelay.ar_service.sender import broker_stub
     from kvrelay.ar_service.service import AR_SERVICE, ArMetrics, ArReplicaState, ArServicer
@@ -207,6 +208,9 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         await channel.close()
         lock.release()
         return EXIT_CONFIG
+    # Answered from now on: the broker's proof that this incarnation is alive when another
+    # process registers under our id (docs/operations.md, Across hosts).
+    await server.announce_incarnation(incarnation_id)
     print(f"kvrelay ar listening on {server.address}", flush=True)
 
     if isinstance(rank_spec, VllmRankSpec):
@@ -312,7 +316,10 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         stop.phase = f"registering with the broker at {_broker_address(args, cfg)}"
         try:
             await stop.until_stopped(
-                registration.register(broker=_broker_address(args, cfg), wait_s=cfg.broker.register_wait_seconds)
+                registration.register(
+                    broker=_broker_address(args, cfg), wait_s=cfg.broker.register_wait_seconds,
+                    in_use_wait_s=2 * cfg.broker.lease_seconds,
+                )
             )
         except Fenced as err:
             on_fail_stop(str(err))
@@ -321,6 +328,12 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             line = broker_unreachable_line(_broker_address(args, cfg), err.waited_s, err.code, err.message)
             print(f"kvrelay ar: {line}", file=sys.stderr)
             return EXIT_STARTUP
+        except ReplicaIdInUse as err:
+            # Another process of this id serves (another host, another lock folder): starting this
+            # one again would be refused the same way, and must never take the id from it.
+            log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
+            print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)
+            return EXIT_CONFIG
         except RegistrationRefused as err:
             log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
             fix = f"; {credential_fix(replica_id, err.reason)}" if err.code == "UNAUTHENTICATED" else ""

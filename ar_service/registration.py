@@ -22,7 +22,7 @@ import grpc
 from kvrelay import LAYOUT_VERSION, __version__
 from kvrelay.ar_service.sender import RETRYABLE, WriteId, WriteLedger, WriteReporter, write_key_proto
 from kvrelay.broker_credential import BrokerCredentialWatch
-from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait
+from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait, IdInUseWait
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.transport import WriteOutcome
@@ -115,17 +115,28 @@ class ArRegistration:
         self._failed = False
         self.credential = credential or BrokerCredentialWatch(identity.replica_id)
 
-    async def register(self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS) -> None:
+    async def register(
+        self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS, in_use_wait_s: float = 0.0
+    ) -> None:
         """Register, retrying while the broker at `broker` is unreachable (a replica may start
-        first) for up to `wait_s` (kvrelay.broker_wait: progress logged every few seconds).
-        Raises Fenced when the broker says so, KvRelay errors on a refusal (bad geometry...)."""
+        first) for up to `wait_s` (kvrelay.broker_wait: progress logged every few seconds), and
+        while it answers `REPLICA_ID_IN_USE` for up to `in_use_wait_s` (kvrelay.broker_wait.IdInUseWait).
+        Raises Fenced when the broker says so, ReplicaIdInUse when another process of the id stays
+        registered and alive, KvRelay errors on a refusal (bad geometry...)."""
         wait = BrokerWait(broker, wait_s)
+        in_use = IdInUseWait(self.identity.replica_id, in_use_wait_s)
         while True:
             try:
                 await self._register_once()
                 return
             except grpc.aio.AioRpcError as err:
                 code, reason, message = reason_of(err)
+                if reason == "REPLICA_ID_IN_USE":
+                    delay = in_use.refused(message)
+                    if delay is None:
+                        raise ReplicaIdInUse(code, reason, message) from None
+                    await asyncio.sleep(delay)
+                    continue
                 delay = wait.unanswered(code, message) if err.code() in RETRYABLE else None
                 if delay is None:
                     if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -297,3 +308,8 @@ class BrokerUnreachable(RegistrationRefused):
     def __init__(self, code: str, reason: str, message: str, *, waited_s: float) -> None:
         super().__init__(code, reason, message)
         self.waited_s = waited_s
+
+
+class ReplicaIdInUse(RegistrationRefused):
+    """Another process of this replica id stays registered and answers the broker (another host,
+    another lock folder): this one must not take the id (docs/operations.md, Across hosts)."""

@@ -45,6 +45,7 @@ from kvrelay.broker.registry import (
     ReplicaRole,
     ReplicaSpec,
     ReplicaStatus,
+    takeover_needs_probe,
 )
 from kvrelay.broker.repeats import RepeatedWarnings
 from kvrelay.broker.tickets import (
@@ -307,12 +308,16 @@ class BrokerCore:
         unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = (),
         held_ticket_ids: Iterable[TicketId] = (),
         owed_releases: Mapping[TicketId, tuple[TicketOutcome, str]] | None = None,
+        alive_incarnation: str = "",
     ) -> RegisterReply:
         """Register (or re-register) a replica. Idempotent for the same incarnation.
 
         A new incarnation proves the old process gone: its unresolved writes become
         WRITER_GONE (AR), or its tickets lose their memory and are released (DiT).
         `owed_releases` (DiT): the releases it has not had acknowledged, with their outcomes.
+        `alive_incarnation`: the incarnation that answered at the registered endpoint when the
+        caller asked (`registry.takeover_needs_probe`), "" when none did: while that one is still
+        the registered incarnation and may be alive, a new one is refused `REPLICA_ID_IN_USE`.
         """
         accepted = self.registration_tokens()
         # Every one compared, always: timing tells nothing about which matched.
@@ -331,6 +336,13 @@ class BrokerCore:
         now = self.clock()
         old = self.registry.find(spec.replica_id)
         old_was_up = old is not None and old.up(now)
+        if (
+            old is not None
+            and alive_incarnation
+            and old.spec.incarnation_id == alive_incarnation
+            and takeover_needs_probe(old, spec, now)
+        ):
+            self._refuse_duplicate(old, spec, now)
         if (old is None and len(self.registry) >= self.registry.max_replicas) or self.registry.exceeds_page_budget(
             spec
         ):
@@ -376,6 +388,29 @@ class BrokerCore:
         if suppressed is not None:
             log.warning("stale_incarnation_report_ignored", rpc=rpc, replica_id=replica_id, incarnation=incarnation_id,
                         suppressed=suppressed, **({"ticket_id": ticket_id} if ticket_id else {}))
+
+    def _refuse_duplicate(self, old: ReplicaRecord, spec: ReplicaSpec, now: float) -> NoReturn:
+        """Refuse a second process of a replica id whose registered incarnation answers (never
+        naming that incarnation: with a shared token its id is what guards its reports). Logged at
+        most once per replica id per minute (RepeatedWarnings: the refused one asks again every
+        second, and a holder of the replica token may ask at will)."""
+        suppressed = self._repeats.admit("replica_id_in_use_refused", spec.replica_id)
+        if suppressed is not None:
+            log.warning("replica_id_in_use_refused", replica_id=spec.replica_id, live_endpoint=old.spec.endpoint,
+                        refused_endpoint=spec.endpoint, refused_incarnation=spec.incarnation_id,
+                        suppressed=suppressed)  # fmt: skip
+        lease = (
+            f"its lease runs {old.lease_expire_time - now:.1f} s more"
+            if old.up(now)
+            else "the broker restarted and it has not registered again yet"
+        )
+        raise AlreadyExists(
+            "REPLICA_ID_IN_USE",
+            f"replica {spec.replica_id} is in use: its registered process answers at {old.spec.endpoint} "
+            f"({lease}); this process ({spec.endpoint}) "
+            "is a second one of the same replica id, refused so that the live one keeps serving. Stop one of "
+            "them, or start this one with another --replica index (docs/operations.md, Across hosts)",
+        )
 
     def heartbeat(
         self, replica_id: ReplicaId, incarnation_id: str, unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = ()

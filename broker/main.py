@@ -28,7 +28,12 @@ from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.journal import JournalInUse, JournalOpenError, JournalWriteError
 from kvrelay.broker.metrics import register_broker_metrics
 from kvrelay.broker.orchestrator import Orchestrator
-from kvrelay.broker.service import BrokerServicer, grpc_endpoint_probe, replica_authentication
+from kvrelay.broker.service import (
+    BrokerServicer,
+    grpc_endpoint_probe,
+    grpc_incarnation_probe,
+    replica_authentication,
+)
 from kvrelay.broker.waiters import run_maintenance
 from kvrelay.config import ConfigError, KvRelayConfig, load_config
 from kvrelay.logging import capture_native_output, configure_logging, get_logger
@@ -103,9 +108,12 @@ async def serve(
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     # Registrations are checked by dialling the advertised endpoint as the orchestrator will.
     endpoint_probe = grpc_endpoint_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
+    # A new incarnation takes a replica id only when the registered one does not answer at its
+    # endpoint (docs/operations.md, Across hosts): asked the same way.
+    incarnation_probe = grpc_incarnation_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
     refusals = CredentialRefusals()
     broker_servicer = BrokerServicer(
-        core, ticket_ttl, endpoint_probe,
+        core, ticket_ttl, endpoint_probe, incarnation_probe=incarnation_probe,
         max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,
         replica_authentication=replica_authentication(creds), credential_refusals=refusals, secrets=secrets,
     )  # fmt: skip

@@ -195,6 +195,23 @@ class Registration(enum.Enum):
     FORGOTTEN = "FORGOTTEN"
 
 
+def takeover_needs_probe(old: ReplicaRecord | None, spec: ReplicaSpec, now: float) -> bool:
+    """Whether registering `spec` would replace an incarnation that may still be alive: another
+    incarnation of the id, neither fenced nor deregistered, and within its lease or restored from
+    the journal by a restarted broker (whose lease it has not renewed yet: a live one registers
+    again with its incarnation soon). The broker then asks the old one's endpoint
+    (kvrelay.broker.service.grpc_incarnation_probe) and refuses the newcomer while it answers
+    (`REPLICA_ID_IN_USE`): the replica lock proves the old process gone only on its own host. One
+    that lapsed, stopped or was fenced is replaced at once."""
+    return (
+        old is not None
+        and old.spec.incarnation_id != spec.incarnation_id
+        and not old.fenced
+        and not old.deregistered
+        and (old.needs_registration or now < old.lease_expire_time)
+    )
+
+
 def validate_spec(spec: ReplicaSpec, layout_version: int) -> None:
     if not spec.replica_id:
         raise InvalidArgument("MISSING_FIELD", "replica.replica_id is required")

@@ -34,6 +34,7 @@ from kvrelay.broker.registry import (
     ReplicaRole,
     ReplicaSpec,
     ReplicaStatus,
+    takeover_needs_probe,
 )
 from kvrelay.broker.tickets import (
     BrokerError,
@@ -57,6 +58,7 @@ from kvrelay.security import (
     is_loopback,
     make_channel,
 )
+from kvrelay.server import incarnation_health_service
 from kvrelay.transfer.convert import geometry_from_proto, geometry_to_proto, write_to_proto
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
 
@@ -386,6 +388,42 @@ def grpc_endpoint_probe(
     return probe
 
 
+# How long RegisterReplica waits for the registered incarnation of a replica id to answer before a
+# new one takes the id (grpc_incarnation_probe): a live process answers a health check within
+# milliseconds; one that does not within this is taken over, as a stopped (SIGSTOP) or cut-off one
+# is. Short, as it delays that takeover, and run beside the endpoint probe: together they stay
+# well inside the replicas' RegisterReplica deadline (5 s).
+INCARNATION_PROBE_TIMEOUT_S = 1.5
+# Asks the process at an endpoint whether it is the given incarnation: True only when it says so.
+IncarnationProbe = Callable[[str, str], Awaitable[bool]]
+
+
+def grpc_incarnation_probe(
+    security: ChannelSecurity | None = None, timeout_s: float = INCARNATION_PROBE_TIMEOUT_S
+) -> IncarnationProbe:
+    """A probe that asks grpc.health.v1 at `endpoint` for the service of `incarnation_id`
+    (kvrelay.server.incarnation_health_service), which only that incarnation's process serves:
+    any status is proof that it is alive; NOT_FOUND (another process there, such as the restarted
+    one on the same port), no answer within `timeout_s`, or no connection is not."""
+
+    async def probe(endpoint: str, incarnation_id: str) -> bool:
+        try:
+            channel = make_channel(endpoint, security, options=[("grpc.use_local_subchannel_pool", 1)])
+        except (ValueError, TypeError):
+            return False
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=incarnation_health_service(incarnation_id)), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            await channel.close()
+        return True
+
+    return probe
+
+
 async def unreachable_endpoint_problem(spec: ReplicaSpec, peer: str, probe: EndpointProbe) -> str:
     """Why the broker cannot reach `spec.endpoint`, where it will call the replica, or "".
 
@@ -547,6 +585,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         rpc_ticket_ttl_seconds: float = 600.0,
         endpoint_probe: EndpointProbe | None = None,
         *,
+        incarnation_probe: IncarnationProbe | None = None,
         max_watch_streams: int = MAX_WATCH_STREAMS,
         max_watch_streams_per_replica: int = MAX_WATCH_STREAMS_PER_REPLICA,
         replica_authentication: str = "",
@@ -564,6 +603,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         self.watch_streams = WatchStreamLimits(max_watch_streams, max_watch_streams_per_replica)
         # Dials a registering replica's advertised endpoint (unreachable_endpoint_problem).
         self.endpoint_probe = endpoint_probe or grpc_endpoint_probe()
+        # Asks a registered incarnation whether it is alive before a new one takes its id.
+        self.incarnation_probe = incarnation_probe or grpc_incarnation_probe()
         # Calls by method since start: broker round trips per request are read off these
         # (`kvrelay_broker_rpcs_total{method}`, exported by broker/metrics.py).
         self.rpc_counts: collections.Counter[str] = collections.Counter()
@@ -586,6 +627,16 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
 
         self._expiries[ticket_id] = asyncio.get_running_loop().call_later(self.rpc_ticket_ttl_seconds, expire)
 
+    async def _alive_incarnation(self, spec: ReplicaSpec) -> str:
+        """The registered incarnation of `spec`'s id when a new one would replace it while it may be
+        alive (`takeover_needs_probe`) and it answers at its endpoint, else "" (docs/broker.md,
+        Registration). The core re-checks after this await: the registration may have changed."""
+        old = self.core.registry.find(spec.replica_id)
+        if old is None or not takeover_needs_probe(old, spec, self.core.clock()):
+            return ""
+        incarnation = old.spec.incarnation_id
+        return incarnation if await self.incarnation_probe(old.spec.endpoint, incarnation) else ""
+
     @_maps_errors
     async def RegisterReplica(
         self, request: broker_pb2.RegisterReplicaRequest, context: grpc.aio.ServicerContext
@@ -597,11 +648,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         check_listed_ids(request)
         # A forgotten incarnation is answered fenced (the core), whatever its endpoint: refused as
         # unreachable instead, a process cut off behind a partial partition would never fail stop.
+        alive_incarnation = ""
         if not self.core.incarnation_forgotten(spec):
             problem = loopback_endpoint_problem(spec, context.peer())
             if problem:
                 raise InvalidArgument("LOOPBACK_ENDPOINT", problem)
-            problem = await unreachable_endpoint_problem(spec, context.peer(), self.endpoint_probe)
+            problem, alive_incarnation = await asyncio.gather(
+                unreachable_endpoint_problem(spec, context.peer(), self.endpoint_probe),
+                self._alive_incarnation(spec),
+            )
             if problem:
                 raise InvalidArgument("UNREACHABLE_ENDPOINT", problem)
         reply = self.core.register_replica(
@@ -613,6 +668,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 o.ticket_id: (_OUTCOME_FROM_PB.get(o.outcome, TicketOutcome.FAILED), bounded_message(o.reason))
                 for o in request.owed_releases
             },
+            alive_incarnation=alive_incarnation,
         )
         return broker_pb2.RegisterReplicaResponse(lease_seconds=reply.lease_seconds, fenced=reply.fenced)
 

@@ -91,6 +91,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         BrokerUnreachable,
         DitReplicaInfo,
         Registration,
+        ReplicaIdInUse,
         new_incarnation_id,
         replica_id_for,
     )
@@ -182,6 +183,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     config_error = False
     try:
         await server.start()
+        # Answered from now on: the broker's proof that this incarnation is alive when another
+        # process registers under our id (docs/operations.md, Across hosts).
+        await server.announce_incarnation(incarnation_id)
         print(f"kvrelay dit listening on {server.address}", flush=True)
         endpoint = f"{stage.advertise_host}:{server.bound_port}"
 
@@ -273,7 +277,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
 
         token.on_swap = on_token_swap
         stop.phase = f"registering with the broker at {broker_address}"
-        await stop.until_stopped(registration.register(broker=broker_address, wait_s=cfg.broker.register_wait_seconds))
+        await stop.until_stopped(registration.register(
+            broker=broker_address, wait_s=cfg.broker.register_wait_seconds, in_use_wait_s=2 * cfg.broker.lease_seconds
+        ))
         registration.start_heartbeats()
         # A missing or stopped rank is a broken invariant even between requests (its pool can no
         # longer be verified or read, its Mooncake engine neither receives nor drains) and in the
@@ -300,6 +306,14 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         config_error = True
         stopper.fail_stop(str(err))
+    except ReplicaIdInUse as err:
+        # Another process of this id serves (another host, another lock folder): starting this one
+        # again would be refused the same way, and must never take the id from it. Exit 2.
+        log.error("registration_refused", reason="REPLICA_ID_IN_USE", message=str(err))
+        print(f"kvrelay dit: the broker refused registration: ALREADY_EXISTS REPLICA_ID_IN_USE: {err}",
+              file=sys.stderr)  # fmt: skip
+        config_error = True
+        stopper.fail_stop(f"startup failed: {err}")
     except BrokerUnreachable as err:
         # One line without a traceback: nothing is broken here, the broker is not where we looked.
         log.error("broker_unreachable", broker=broker_address, code=err.code, message=err.message)

@@ -20,7 +20,7 @@ import grpc
 
 from kvrelay import LAYOUT_VERSION, __version__
 from kvrelay.broker_credential import BrokerCredentialWatch, credential_fix
-from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait
+from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, BrokerWait, IdInUseWait
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
 from kvrelay.transfer.convert import geometry_to_proto, region_to_proto
@@ -53,6 +53,12 @@ class BrokerUnreachable(RegistrationRefused):
         self.code = code
         self.message = message
         self.waited_s = waited_s
+
+
+class ReplicaIdInUse(RegistrationRefused):
+    """Another process of this replica id stays registered and answers the broker (another host,
+    another lock folder): this one must not take the id (docs/operations.md, Across hosts). The
+    message is the broker's."""
 
 
 def replica_id_for(replica: int) -> str:
@@ -130,11 +136,16 @@ class Registration:
         self._task: asyncio.Task[None] | None = None
         self.credential = credential or BrokerCredentialWatch(info.replica_id)
 
-    async def register(self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS) -> None:
+    async def register(
+        self, *, broker: str, wait_s: float = DEFAULT_REGISTER_WAIT_SECONDS, in_use_wait_s: float = 0.0
+    ) -> None:
         """Register, retrying while the broker at `broker` is unreachable for up to `wait_s`
-        seconds (kvrelay.broker_wait: progress logged every few seconds)."""
+        seconds (kvrelay.broker_wait: progress logged every few seconds), and while it answers
+        `REPLICA_ID_IN_USE` for up to `in_use_wait_s` (kvrelay.broker_wait.IdInUseWait), then
+        raising ReplicaIdInUse."""
         self._broker = broker
         wait = BrokerWait(broker, wait_s, first_delay_s=0.1, max_delay_s=1.0)
+        in_use = IdInUseWait(self.info.replica_id, in_use_wait_s)
         while True:
             try:
                 reply = await self.stub.RegisterReplica(
@@ -148,6 +159,13 @@ class Registration:
                 await self.credential.accepted()
                 break
             except grpc.aio.AioRpcError as err:
+                _, reason, message = reason_of(err)
+                if reason == "REPLICA_ID_IN_USE":
+                    delay = in_use.refused(message)
+                    if delay is None:
+                        raise ReplicaIdInUse(message) from None
+                    await asyncio.sleep(delay)
+                    continue
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     fix = ""
                     if err.code() == grpc.StatusCode.UNAUTHENTICATED:

@@ -67,3 +67,46 @@ class BrokerWait:
         delay = self._delay
         self._delay = min(self._delay * 2, self._max_delay)
         return delay
+
+
+class IdInUseWait:
+    """One replica's wait while the broker refuses its registration `REPLICA_ID_IN_USE`: another
+    process of its replica id is registered and answers (docs/operations.md, Across hosts).
+
+    A process on its way out stops heartbeating and the broker lets a new incarnation take the id
+    once its lease lapses, so the refused one tries again every `interval_s` for `wait_s` (twice
+    the lease); a process still live after that is a second one of the id, and the refused
+    replica exits with the broker's message. Logs `replica_id_in_use` at the first refusal and
+    every PROGRESS_INTERVAL_S."""
+
+    def __init__(
+        self, replica_id: str, wait_s: float, *, interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.replica_id = replica_id
+        self.wait_s = wait_s
+        self.interval_s = interval_s
+        self._clock = clock
+        self._start: float | None = None
+        self._next_progress = 0.0
+        self.tries = 0
+
+    def refused(self, message: str) -> float | None:
+        """A refusal `REPLICA_ID_IN_USE` (`message`: the broker's): the seconds to wait before the
+        next try, or None when the wait is over and the replica gives up."""
+        now = self._clock()
+        if self._start is None:
+            self._start = self._next_progress = now
+        self.tries += 1
+        waited = now - self._start
+        if waited + self.interval_s > self.wait_s:
+            return None
+        if now >= self._next_progress:
+            log.warning(
+                "replica_id_in_use",
+                replica_id=self.replica_id,
+                waited_s=round(waited, 1),
+                gives_up_in_s=round(self.wait_s - waited, 1),
+                message=message[:400],
+            )
+            self._next_progress = now + PROGRESS_INTERVAL_S
+        return self.interval_s

@@ -10,6 +10,7 @@ refusal of a non-loopback listener without credentials, and a graceful stop that
 from __future__ import annotations
 
 import errno
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,18 @@ GRPC_OPTIONS = [
 ]
 
 log = get_logger(__name__)
+
+# The grpc.health.v1 service name under which a replica process answers for its incarnation:
+# the broker asks it (kvrelay.broker.service.grpc_incarnation_probe) before it lets a new
+# incarnation take a replica id whose registered one is within its lease. A digest, never the id
+# itself: health is public, and the incarnation id is what a replica's reports are checked by.
+INCARNATION_SERVICE_PREFIX = "kvrelay.incarnation."
+
+
+def incarnation_health_service(incarnation_id: str) -> str:
+    """The health service name a process of `incarnation_id` answers (NOT_FOUND from any other)."""
+    return INCARNATION_SERVICE_PREFIX + hashlib.sha256(incarnation_id.encode()).hexdigest()[:32]
+
 
 Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 """(add_XServicer_to_server, servicer instance, full service name)."""
@@ -190,6 +203,11 @@ class GrpcServer:
         names = ["", *(svc_name for _, _, svc_name in self.registrations)]
         for svc in names:
             await self._health.set(svc, status)
+
+    async def announce_incarnation(self, incarnation_id: str) -> None:
+        """Answer health checks for `incarnation_health_service(incarnation_id)` from now on (a
+        replica, before it registers): the broker's proof that this incarnation is alive."""
+        await self._health.set(incarnation_health_service(incarnation_id), health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float = 5.0, *, fast: ProcessStop | None = None) -> None:
         """Stop serving: running RPCs get `grace` seconds, then are cancelled. With `fast`, a fast
