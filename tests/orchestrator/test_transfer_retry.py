@@ -225,19 +225,22 @@ def test_a_failed_transfer_goes_back_to_the_same_pair_once_when_no_other_is_up()
     run(body())
 
 
-def test_a_deadline_too_close_is_not_retried() -> None:
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_deadline_too_close_is_not_retried(fault: str) -> None:
     async def body() -> None:
-        async with cluster() as c:
-            c.ar.fail_after_arming = write_failed()
+        async with cluster(transfer_timeout=2.0) as c:
+            inject(c, fault)
             c.ar.prefill_gate.clear()
             call = c.api.Generate(request(request_id="r", seed=3), timeout=20)
             await wait_until(lambda: c.ar.prefill_started.is_set(), what="the prefill")
             c.clock_offset[0] += 19.0  # the broker's clock: one second before the client's deadline
             c.ar.prefill_gate.set()
             final = (await collect(call))[-1]
-            assert final.state == FAILED and final.error.reason == "TRANSFER_FAILED"
+            assert final.state == FAILED and final.error.reason == REASON[fault]
             assert "(tried 1 time, not retried: the client's deadline is " in final.error.message, final.error
-            assert c.ar.prefills == ["r"]
+            assert c.ar.prefills == ["r"] and final.attempt == 1
+            assert c.metric(RETRIES, {"reason": REASON[fault]}) == 0
+            c.ar.write_gate.set()
             await c.wait_pool_free()
 
     run(body())
@@ -295,10 +298,11 @@ def test_cancel_while_the_retry_waits_ends_it_cancelled_and_returns_every_page()
     run(body())
 
 
-def test_cancel_while_the_retry_runs_ends_it_cancelled_and_returns_every_page() -> None:
+@pytest.mark.parametrize("fault", FAULTS)
+def test_cancel_while_the_retry_runs_ends_it_cancelled_and_returns_every_page(fault: str) -> None:
     async def body() -> None:
         async with cluster(transfer_timeout=0.5) as c:
-            inject(c, "failed")
+            inject(c, fault)
             c.ar.faulty_prefills = 1
             c.dit.step_gate.clear()
             call = c.api.Generate(request(request_id="r", seed=3), timeout=20)
@@ -309,6 +313,8 @@ def test_cancel_while_the_retry_runs_ends_it_cancelled_and_returns_every_page() 
             events += await collect(call)
             assert events[-1].state == CANCELLED and events[-1].attempt == 2
             assert_forward_only(events)
+            assert c.ar.prefills == ["r", "r"]
+            c.ar.write_gate.set()  # the first attempt's held write lands; then its pages come back
             await c.wait_pool_free()
             assert c.core.list_tickets() == []
 
