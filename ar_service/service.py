@@ -51,7 +51,14 @@ from kvrelay.ar_service.sender import (
     arming_mismatch,
 )
 from kvrelay.broker_credential import credential_refused_gauge
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, request_budget
+from kvrelay.errors import (
+    KvRelayServerError,
+    abort_with,
+    invalid_argument,
+    reason_of,
+    request_budget,
+    timestamp_problem,
+)
 from kvrelay.logging import get_logger
 from kvrelay.models.tokenizer import Tokenizer
 from kvrelay.transfer.convert import geometry_from_proto, region_from_proto, row_from_proto, writes_from_proto
@@ -354,6 +361,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
             raise invalid_argument("ticket_id", "is required")
         if not request.rows:
             raise invalid_argument("rows", "at least one row (the prompt) is required")
+        if request.HasField("deadline_time") and (problem := timestamp_problem(request.deadline_time)):
+            raise invalid_argument("deadline_time", problem)
         token_ids = []
         for i, text in enumerate(request.rows):
             ids = state.tokenizer.encode(text)

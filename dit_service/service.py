@@ -43,7 +43,14 @@ from kvrelay.dit_service.memory import ReplicaMemory
 from kvrelay.dit_service.receiver import Fail, Loaded, LoadProtocol, Verify, WriteReport
 from kvrelay.dit_service.releases import OwedReleases
 from kvrelay.dit_service.scheduler import AdmissionQueue, Place, replica_queue
-from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, reason_of, request_budget
+from kvrelay.errors import (
+    KvRelayServerError,
+    abort_with,
+    invalid_argument,
+    reason_of,
+    request_budget,
+    timestamp_problem,
+)
 from kvrelay.logging import get_logger
 from kvrelay.models.image import encode_png
 from kvrelay.security import current_caller
@@ -157,6 +164,8 @@ def _validate(request: dit_pb2.DenoiseRequest) -> None:
     g = request.guidance_scale
     if not math.isfinite(g) or g < 1.0:
         raise invalid_argument("guidance_scale", f"must be finite and >= 1.0, got {g}")
+    if request.HasField("deadline_time") and (problem := timestamp_problem(request.deadline_time)):
+        raise invalid_argument("deadline_time", problem)
 
 
 def _rows_of(ticket: broker_pb2.Ticket) -> tuple[RowSpec, ...]:

@@ -52,8 +52,27 @@ def request_budget(
     remaining = context.time_remaining()
     budget = default_s if remaining is None else remaining
     if deadline_time is not None:
-        budget = min(budget, deadline_time.ToNanoseconds() / 1e9 - wall_clock())
+        # Read field by field: Timestamp.ToNanoseconds() raises ValueError outside the valid range
+        # (a deadline_time the handler refuses afterwards with `timestamp_problem`).
+        budget = min(budget, deadline_time.seconds + deadline_time.nanos / 1e9 - wall_clock())
     return min(budget, MAX_DEADLINE_SECONDS)
+
+
+# google.protobuf.Timestamp's valid range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
+MIN_TIMESTAMP_SECONDS = -62_135_596_800
+MAX_TIMESTAMP_SECONDS = 253_402_300_799
+
+
+def timestamp_problem(ts: timestamp_pb2.Timestamp) -> str | None:
+    """Why `ts` is not a valid Timestamp, or None. Found black-box: a Prefill or Denoise whose
+    deadline_time had seconds 2**62 or nanos -5 (a caller holding the replica token, posing as the
+    broker) ended UNKNOWN with a ValueError traceback from Timestamp.ToNanoseconds()."""
+    if not MIN_TIMESTAMP_SECONDS <= ts.seconds <= MAX_TIMESTAMP_SECONDS:
+        return (f"seconds {ts.seconds} outside [{MIN_TIMESTAMP_SECONDS}, {MAX_TIMESTAMP_SECONDS}] "
+                "(years 1 to 9999)")
+    if not 0 <= ts.nanos <= 999_999_999:
+        return f"nanos {ts.nanos} outside [0, 999999999]"
+    return None
 
 
 class KvRelayServerError(Exception):

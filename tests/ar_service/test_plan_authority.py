@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvrelay.errors import reason_of
 from kvrelay.models.ar import build_ar_model
@@ -142,6 +143,22 @@ def test_a_forged_plan_is_refused_before_any_byte_moves(tmp_path: Path, transpor
                 untouched = await receiver.ticket(victim.ticket_id)
                 assert untouched.state == broker_pb2.TICKET_STATE_RESERVED and not untouched.armed
                 assert "plan_mismatch" in ar.output()
+
+                # A deadline_time outside Timestamp's range: INVALID_ARGUMENT naming it (was UNKNOWN,
+                # a ValueError from Timestamp.ToNanoseconds()), before any prefill or write.
+                spare = await receiver.create_ticket(counts)
+                spare_plan = plan_to_proto(core.plan_for(spare.ticket_id))
+                async with grpc.aio.insecure_channel(ar.address) as channel:
+                    for stamp in (Timestamp(seconds=2**62), Timestamp(seconds=10**9, nanos=-5)):
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            await ar_stub(channel).Prefill(
+                                ar_pb2.PrefillRequest(ticket_id=spare.ticket_id, request_id=spare.request_id,
+                                                      rows=[PROMPT], seed=1, deadline_time=stamp,
+                                                      plan=spare_plan),
+                                timeout=60.0,
+                            )  # fmt: skip
+                        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                        assert (info.value.details() or "").startswith("deadline_time:"), info.value.details()
 
                 # The genuine plan still writes, bit for bit, into the victim's own pages only.
                 async with grpc.aio.insecure_channel(ar.address) as channel:

@@ -852,6 +852,8 @@ def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: P
     do not split into, were UNKNOWN with a ValueError traceback; segments over another page never matched their checksums, so the load ran to
     TRANSFER_TIMEOUT (and the broker marked the sound AR -> DiT link suspect). The ticket is
     released, every page comes back, and the genuine plan is still served."""
+    from google.protobuf.timestamp_pb2 import Timestamp
+
     from kvrelay.broker.service import plan_to_proto
     from kvrelay.transfer.convert import geometry_from_proto
     from kvrelay.transfer.layout import PageLayout
@@ -884,6 +886,20 @@ def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: P
                             assert "outside the pool" in (info.value.details() or ""), info.value.details()
                         ended = await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
                         assert ended.state == broker_pb2.TICKET_STATE_RELEASED, (forgery, ended)
+                    # A deadline_time outside Timestamp's range: INVALID_ARGUMENT naming it (was
+                    # UNKNOWN, a ValueError from Timestamp.ToNanoseconds()).
+                    t = await writer.written_ticket([5], seed=6)
+                    for stamp in (Timestamp(seconds=2**62), Timestamp(seconds=10**9, nanos=-5)):
+                        with pytest.raises(grpc.aio.AioRpcError) as info:
+                            await _collect(stub, dit_pb2.DenoiseRequest(
+                                ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1,
+                                guidance_scale=1.0, seed=0, plan=plan_to_proto(core.plan_for(t.ticket_id)),
+                                deadline_time=stamp), timeout=30.0)
+                        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                        assert (info.value.details() or "").startswith("deadline_time:"), info.value.details()
+                    # Bad input leaves the ticket untouched (dit_service.md): its caller ends it.
+                    await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                        ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED, reason="test"), timeout=5.0)
                     t = await writer.written_ticket([5], seed=6)
                     events = await _collect(stub, dit_pb2.DenoiseRequest(
                         ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1, guidance_scale=1.0,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from google.protobuf import timestamp_pb2
 
-from kvrelay.errors import MAX_DEADLINE_SECONDS, request_budget
+from kvrelay.errors import MAX_DEADLINE_SECONDS, request_budget, timestamp_problem
 
 NOW = 1_800_000_000.0
 
@@ -53,3 +53,32 @@ def test_ordinary_deadlines_pass_unchanged() -> None:
     assert _budget(8e9, deadline_time=_at(45.0)) == pytest.approx(45.0)
     assert _budget(30.0, deadline_time=_at(45.0)) == 30.0
     assert _budget(30.0, deadline_time=_at(-1.0)) == pytest.approx(-1.0)  # already late: the caller ends it
+
+
+INVALID_TIMESTAMPS = [
+    timestamp_pb2.Timestamp(seconds=-(2**62)),
+    timestamp_pb2.Timestamp(seconds=2**62),
+    timestamp_pb2.Timestamp(seconds=2**63 - 1, nanos=999_999_999),
+    timestamp_pb2.Timestamp(seconds=10**10, nanos=2**31 - 1),
+    timestamp_pb2.Timestamp(seconds=int(NOW), nanos=-5),
+]
+
+
+@pytest.mark.parametrize("ts", INVALID_TIMESTAMPS, ids=str)
+def test_an_invalid_deadline_time_never_raises_here_and_is_named_for_the_refusal(ts: timestamp_pb2.Timestamp) -> None:
+    """Found black-box: a Prefill or Denoise (a caller holding the replica token, posing as the
+    broker) whose deadline_time lay outside Timestamp's range ended UNKNOWN with a ValueError from
+    Timestamp.ToNanoseconds(). The budget is computed without raising; the handlers refuse the
+    field INVALID_ARGUMENT with `timestamp_problem` (the AR's and DiT's validation: real processes
+    in tests/ar_service/test_plan_authority.py and tests/dit_service/test_service_e2e.py)."""
+    budget = _budget(30.0, deadline_time=ts)
+    assert budget <= 30.0
+    problem = timestamp_problem(ts)
+    assert problem is not None and ("seconds" in problem or "nanos" in problem)
+
+
+def test_valid_timestamps_have_no_problem() -> None:
+    for ts in (_at(45.0), _at(-1.0), timestamp_pb2.Timestamp(seconds=253_402_300_799, nanos=999_999_999),
+               timestamp_pb2.Timestamp(seconds=-62_135_596_800)):  # fmt: skip
+        assert timestamp_problem(ts) is None
+
