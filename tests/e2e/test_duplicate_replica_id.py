@@ -169,3 +169,51 @@ def test_a_second_process_of_a_replica_id_is_refused_and_a_killed_ones_successor
     finally:
         for proc in reversed(procs):
             proc.stop(20)
+
+
+def test_a_stopped_one_is_taken_over_and_fails_stop_when_it_resumes(repo_root: Path, tmp_path: Path) -> None:
+    """A process stopped with SIGSTOP (and its ranks) accepts connections and answers nothing: the
+    probe's 1.5 s pass and a new process of its id takes over, as before the check; when the
+    stopped one resumes, its next heartbeat is refused and it fails stop (exit 3), leaving the
+    successor serving."""
+    config = _config(repo_root, tmp_path, "node", LEASE_S)
+    procs: list[ServiceProcess] = []
+    stopped: list[psutil.Process] = []
+    try:
+        broker = start_service(["broker", "--config", str(config), "--port", "0", "--metrics-port", "0"], cwd=tmp_path)
+        procs.append(broker)
+        procs.append(start_service(
+            ["ar", "--config", str(config), "--replica", "0", "--broker", broker.address, "--port", "0",
+             "--metrics-port", "0"],
+            cwd=tmp_path, env={"KVRELAY_LOCK_DIR": str(tmp_path / "locks-a")}, timeout=120,
+        ))  # fmt: skip
+        first = _dit(config, broker.address, tmp_path / "locks-a", tmp_path)
+        procs.append(first)
+        with KvRelayClient(broker.address, timeout=60) as client:
+            _wait("dit-0 registered", lambda: any(r.replica_id == "dit-0" and r.up for r in client.list_replicas()), 120)
+            registered = _dit0(client)
+            main = psutil.Process(first.proc.pid)
+            stopped = [main, *main.children(recursive=True)]
+            for proc in stopped:
+                os.kill(proc.pid, signal.SIGSTOP)
+            successor = _dit(config, broker.address, tmp_path / "locks-b", tmp_path)
+            procs.append(successor)
+            _wait("the successor registered",
+                  lambda: _dit0(client).endpoint != registered.endpoint and _dit0(client).up, 60)  # fmt: skip
+            (takeover,) = _events(broker, "replica_new_incarnation")
+            assert takeover["old_was_up"] is True, takeover  # within the stopped one's lease
+            assert not _events(broker, "replica_id_in_use_refused")
+            assert not _events(successor, "replica_id_in_use")
+
+            for proc in stopped:
+                os.kill(proc.pid, signal.SIGCONT)
+            stopped = []
+            assert first.proc.wait(90) == 3, first.output()
+            assert _dit0(client).endpoint != registered.endpoint and _dit0(client).up
+            assert client.generate("after", seed=9, width=64, height=64, num_inference_steps=2,
+                                   timeout=120).result().png  # fmt: skip
+    finally:
+        for proc in stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        for proc in reversed(procs):
+            proc.stop(20)
