@@ -333,6 +333,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             # one again would be refused the same way, and must never take the id from it.
             log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)
             print(f"kvrelay ar: the broker refused registration: {err}", file=sys.stderr)
+            deregistered = True  # never registered: nothing of the live one's to touch on the way out
             return EXIT_CONFIG
         except RegistrationRefused as err:
             log.error("registration_refused", code=err.code, reason=err.reason, message=err.message)

@@ -134,6 +134,7 @@ def test_a_second_process_of_a_replica_id_is_refused_and_a_killed_ones_successor
             assert "kvrelay dit: the broker refused registration: ALREADY_EXISTS REPLICA_ID_IN_USE" in out, out
             assert f"replica dit-0 is in use: its registered process answers at {registered.endpoint}" in out, out
             assert _events(duplicate, "replica_id_in_use"), out
+            assert not _events(duplicate, "deregister_failed"), out
             refused = _events(broker, "replica_id_in_use_refused")
             assert refused and refused[0]["live_endpoint"] == registered.endpoint, broker.output()
 
@@ -147,6 +148,21 @@ def test_a_second_process_of_a_replica_id_is_refused_and_a_killed_ones_successor
             assert not _events(first, "replica_superseded") and not _events(broker, "replica_new_incarnation")
             assert client.generate("after", seed=7, width=64, height=64, num_inference_steps=2,
                                    timeout=120).result().png  # fmt: skip
+
+            # An AR is refused alike (exit 2, the broker's message), and the live ar-0 serves on.
+            (ar,) = [r for r in client.list_replicas() if r.replica_id == "ar-0"]
+            ar_duplicate = start_service(
+                ["ar", "--config", str(short), "--replica", "0", "--broker", broker.address, "--port", "0",
+                 "--metrics-port", "0"],
+                cwd=tmp_path, env={"KVRELAY_LOCK_DIR": str(tmp_path / "locks-b")}, timeout=120,
+            )  # fmt: skip
+            procs.append(ar_duplicate)
+            assert ar_duplicate.proc.wait(90) == 2, ar_duplicate.output()
+            assert not _events(ar_duplicate, "deregister_failed"), ar_duplicate.output()  # it never registered
+            assert ("kvrelay ar: the broker refused registration: ALREADY_EXISTS REPLICA_ID_IN_USE: replica ar-0 is in "
+                    f"use: its registered process answers at {ar.endpoint}") in ar_duplicate.output(), ar_duplicate.output()
+            (still,) = [r for r in client.list_replicas() if r.replica_id == "ar-0"]
+            assert still.endpoint == ar.endpoint and still.up
 
             # kill -9 of the first (and its ranks, which die with it): a new process (another lock
             # folder, as on another host) takes the id at once, long before the 60 s lease lapses.
