@@ -5,8 +5,9 @@ Owns the asyncio I/O (awaited calls, stream reads, sleeps); every rule is `_core
 the blocking face, so both behave the same (deadline on every call, retries only where safe, only
 `KvRelayError` escapes). A grpc.aio channel belongs to the event loop it was created on, so the
 client opens its channel on first use, in the running loop: it may be constructed anywhere (module
-level, sync code) and used in the loop that calls it. Once that loop is closed, the next loop to
-use it gets a fresh channel; two live loops at once is `FAILED_PRECONDITION`/`WRONG_EVENT_LOOP`.
+level, sync code) and used in the loop that calls it. A task of its own closes that channel when the
+loop ends (asyncio.run cancels every task first); the next loop to use it gets a fresh channel; two
+live loops at once is `FAILED_PRECONDITION`/`WRONG_EVENT_LOOP`.
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ class AsyncKvRelayClient(_core.ClientBase):
 
     _channel: grpc.aio.Channel | None
     _channel_at_construction = False
-    # The loop the channel was opened on (None until first use).
+    # The loop the channel was opened on (None until first use), and the task that closes the
+    # channel when that loop ends (asyncio.run cancels every task of its loop before closing it).
     _loop: asyncio.AbstractEventLoop | None = None
+    _guard: asyncio.Task[None] | None = None
 
     def _open_channel(self, settings: _core.ClientSettings) -> grpc.aio.Channel:
         if settings.credentials is None:
@@ -85,18 +88,34 @@ class AsyncKvRelayClient(_core.ClientBase):
                 raise _wrong_loop_error(request_id)
             self._loop = loop
             self._open_calls.clear()
-            self._attach_channel(self._open_channel(self._settings))
+            channel = self._open_channel(self._settings)
+            self._attach_channel(channel)
+            self._guard = loop.create_task(self._close_with_loop(channel), name="kvrelay-client-channel")
+            # A loop closed without cancelling its tasks (run_until_complete, then close()) drops
+            # the guard pending: nothing to report, the channel goes with the loop.
+            self._guard._log_destroy_pending = False  # type: ignore[attr-defined]
         return self._stubs
 
-    async def close(self) -> None:
-        """Close the channel, dropping open streams: the broker cancels their generations (at once,
-        or after the re-attach window for a generation with a `request_id`)."""
-        self._closed = True
-        channel, loop = self._channel, self._loop
-        if channel is None or loop is None or loop.is_closed():
-            return  # never used, or its loop is gone (and its calls with it): nothing to close
-        if loop is not asyncio.get_running_loop():
-            raise _wrong_loop_error(None)
+    async def _close_with_loop(self, channel: grpc.aio.Channel) -> None:
+        """Wait until cancelled, then close `channel` properly, in its own loop, while that loop
+        still runs. asyncio.run's end cancels every task of its loop (this one too) before it
+        closes the loop: a client used in one `asyncio.run(...)` and not closed there left its
+        open streams to grpc, whose answers came after the loop had closed and were logged
+        ("Exception in callback PollerCompletionQueue._handle_events ... RuntimeError: Event loop
+        is closed") by the next loop to use grpc: the client's own, in the next asyncio.run."""
+        try:
+            await asyncio.get_running_loop().create_future()
+        except asyncio.CancelledError:
+            if self._channel is channel and not self._closed:
+                await self._shut(channel)
+                self._loop = None  # the next call, in whichever loop, opens a fresh channel
+                # grpc's tasks that wait for its calls' answers (a stream's status, also of one
+                # read to its end) were cancelled with every other task: the wait for them in
+                # _shut cannot see when grpc's core answers; this does.
+                await _orphaned_core_answers_settled(asyncio.get_running_loop())
+            raise
+
+    async def _shut(self, channel: grpc.aio.Channel) -> None:
         # grpc.aio's Channel.close() does not cancel a stream that no task is awaiting inside
         # grpc (ours are read between events): the generation ran on, and its handle still
         # received SUCCEEDED. Cancel them here, as the blocking client's close() does.
@@ -109,6 +128,20 @@ class AsyncKvRelayClient(_core.ClientBase):
         # RuntimeError: Event loop is closed" from whatever other loop took the completion (a
         # server's, another thread's). Wait here until the core has answered each ended call.
         await _cancelled_calls_settled()
+
+    async def close(self) -> None:
+        """Close the channel, dropping open streams: the broker cancels their generations (at once,
+        or after the re-attach window for a generation with a `request_id`)."""
+        self._closed = True
+        channel, loop = self._channel, self._loop
+        if channel is None or loop is None or loop.is_closed():
+            return  # never used, or its loop is gone (and its calls with it): nothing to close
+        if loop is not asyncio.get_running_loop():
+            raise _wrong_loop_error(None)
+        await self._shut(channel)
+        guard, self._guard = self._guard, None
+        if guard is not None and guard is not asyncio.current_task():
+            guard.cancel()
 
     async def __aenter__(self) -> AsyncKvRelayClient:
         return self
@@ -398,6 +431,34 @@ def _watches_an_ended_call(task: asyncio.Task[Any]) -> bool:
             for ref in gc.get_referents(scope):
                 if isinstance(ref, cygrpc._AioCall):
                     return bool(ref.done())
+    except Exception:  # noqa: BLE001
+        return False
+    return False
+
+
+async def _orphaned_core_answers_settled(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait (at most SETTLE_TIMEOUT) until grpc's core has answered every operation started in
+    `loop` whose waiter was cancelled (the tasks of a loop that ends: asyncio.run cancels them all).
+    Core holds a CallbackWrapper (referring to the waiter) until it answers, and delivers the
+    answer through `loop`: one that has closed by then makes another loop log "Event loop is
+    closed". grpc's internals, not its API: anything unexpected means "do not wait"."""
+    deadline = loop.time() + SETTLE_TIMEOUT
+    pause = 0.002
+    while _orphaned_core_operations(loop) and loop.time() < deadline:
+        await asyncio.sleep(pause)
+        pause = min(0.1, pause * 2)  # each look scans the heap
+
+
+def _orphaned_core_operations(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        wrapper = cygrpc.CallbackWrapper
+        for obj in gc.get_objects():
+            # type(), not isinstance(): that reads __class__ of every object on the heap (lazy
+            # modules, deprecated aliases: torch warned of one).
+            if type(obj) is wrapper:
+                for ref in gc.get_referents(obj):
+                    if isinstance(ref, asyncio.Future) and ref.get_loop() is loop and ref.cancelled():
+                        return True
     except Exception:  # noqa: BLE001
         return False
     return False

@@ -366,3 +366,56 @@ def test_closing_the_client_then_its_loop_prints_nothing_from_grpc() -> None:
     assert done.returncode == 0 and "ran 40 loops" in done.stdout, done.stdout + done.stderr
     for noise in ("Event loop is closed", "Task was destroyed"):
         assert noise not in done.stderr, done.stderr[-3000:]
+
+
+# The same program with one client for every loop, never closed: made at module level and used
+# in one asyncio.run() after another (a stream left open after one event, or read to its end),
+# then in a loop that is closed without cancelling its tasks (run_until_complete, close()).
+_ONE_CLIENT_MANY_LOOPS = """
+import asyncio, gc
+from kvrelay.client import AsyncKvRelayClient
+from tests.client.harness import Harness, ServerThread
+
+server = ServerThread(Harness()).start()
+client = AsyncKvRelayClient(server.address)
+
+async def main(leave_early):
+    await client.list_replicas()
+    handle = await client.generate("a fox", seed=1, width=64, height=64, num_inference_steps=3)
+    states = [event.state.name async for event in _events(handle, leave_early)]
+    return states[-1]
+
+async def _events(handle, leave_early):
+    async for event in handle.events():
+        yield event
+        if leave_early:
+            return
+
+ends = [asyncio.run(main(leave_early=i % 2 == 0)) for i in range(40)]
+loop = asyncio.new_event_loop()
+loop.run_until_complete(client.list_replicas())
+loop.close()
+assert len(asyncio.run(client.list_replicas())) >= 0
+gc.collect()
+server.stop()
+print("ran", len(ends), "loops, last states", sorted(set(ends)))
+"""
+
+
+def test_one_client_in_loop_after_loop_without_close_prints_nothing_from_grpc() -> None:
+    """Found black-box (docs/client.md said it was known): a client used in one asyncio.run()
+    and not closed there left its open stream (or the status of one read to its end) to grpc,
+    which answered after the loop had closed; the next loop to use grpc (the client's own, in the
+    next asyncio.run(), or a server's) logged "Exception in callback
+    PollerCompletionQueue._handle_events ... RuntimeError: Event loop is closed" (5-8 times in 40
+    loops). Now the client closes its channel when its loop ends (asyncio.run cancels every task
+    of the loop first, its guard too) and the next loop opens a fresh one."""
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_CLIENT_MANY_LOOPS], capture_output=True, text=True, timeout=180, cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    assert done.returncode == 0 and "ran 40 loops" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "'QUEUED'" in done.stdout or "'SUCCEEDED'" in done.stdout, done.stdout
+    for noise in ("Event loop is closed", "Task was destroyed", "attached to a different loop"):
+        assert noise not in done.stderr, done.stderr[-3000:]

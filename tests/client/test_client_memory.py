@@ -183,7 +183,9 @@ def test_a_cancelled_async_generate_leaves_no_task_and_no_open_call(
             return asyncio.all_tasks() - {asyncio.current_task()}, calls, ids  # type: ignore[return-value]
 
     tasks, calls, ids = asyncio.run(body())
-    assert not tasks and not calls
+    # One task of the client's own per loop, by design: it closes the channel when the loop ends.
+    guards = {t for t in tasks if t.get_name() == "kvrelay-client-channel"}
+    assert len(guards) == 1 and not tasks - guards and not calls, (tasks, calls)
     for request_id in ids:  # the dropped stream cancelled each one on the server
         server.wait_for_state(request_id, generation_pb2.GENERATION_STATE_CANCELLED)
 
