@@ -36,6 +36,9 @@ def test_every_design_rpc_exists() -> None:
             "StartConsuming",
             # Operator: retire replicas gone for good (docs/broker.md, ForgetReplica).
             "ForgetReplica",
+            # Operator: take rotated secret/token files without a restart (docs/operations.md,
+            # Rotating the replica secret; kvrelay rotate-secrets).
+            "ReloadCredentials",
         },
         (ar_pb2, "ArService"): {"Prefill", "Tokenize"},
         (dit_pb2, "DitService"): {"Denoise", "PutKv"},
