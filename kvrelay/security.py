@@ -1321,10 +1321,18 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _bound_refusal(self, declared: str | None) -> str:
         """Why a bearer that is no credential here was refused: one line, naming no secret."""
+        at_broker = bool(self._rotation.current.replica_secret)
+        if not declared and at_broker:
+            return (f"the token presented is not accepted on a replica RPC without {REPLICA_ID_METADATA}: "
+                    "the broker takes a replica's own token only with that replica's id declared "
+                    "(security.replica_tokens: bound; `kvrelay token ID` prints replica ID's)")
         if not declared:
-            return (f"a replica token is bound to a replica id: declare it in {REPLICA_ID_METADATA} "
-                    "(security.replica_tokens: bound)")
-        if self._rotation.current.replica_secret:
+            # An AR or DiT: it holds no api or operator token, so those (as any other bearer) land here.
+            return ("the token presented is not accepted on a replica RPC of this replica: it takes only "
+                    f"the broker's call token ({REPLICA_ID_METADATA}: {BROKER_CALLER_ID}) and, on PutKv, "
+                    "the write token the broker gave the ticket's AR; an api, operator or replica token "
+                    "opens none (security.replica_tokens: bound)")
+        if at_broker:
             return (f"the token presented is not the replica token of {declared!r} (security.replica_tokens: "
                     f"bound: a replica token acts only as its own id; `kvrelay token {declared}` prints it)")
         if declared == BROKER_CALLER_ID:

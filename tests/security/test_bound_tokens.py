@@ -453,3 +453,78 @@ def test_status_says_how_the_broker_authenticates_replicas_and_never_a_secret() 
         "bound replica": "bound replica tokens",
     }
     assert not any(secret in text for text in said.values() for secret in (SECRET, SHARED, OPERATOR, DIT0))
+
+
+def test_a_replica_refuses_an_api_or_operator_token_saying_what_it_takes(tmp_path: Any) -> None:
+    """An AR or DiT with bound tokens holds no api or operator token (node_token_env blanks them):
+    one presented on its RPCs is refused as REPLICA_TOKEN_MISMATCH with a message that says the
+    token is not accepted there and which credential is (not "declare an id", which no id fixes),
+    echoing no token. The broker's message for a token without an id still says to declare it."""
+    from prometheus_client import CollectorRegistry
+
+    from kvrelay.ar_service.service import ArMetrics, ArServicer
+    from kvrelay.dit_service.service import DitServicer
+    from kvrelay.v1 import ar_pb2, ar_pb2_grpc, dit_pb2, dit_pb2_grpc
+
+    api = "api-token-4567"
+    deployed = {name: Credentials(replica_token=token, bound_replica_tokens=True)  # as a node starts them
+                for name, token in (("ar-0", AR0), ("dit-0", DIT0))}  # fmt: skip
+    broker = replace(BROKER, api_token=api)
+
+    async def refused(address: str, path: str, method: Any, token: str, declared: str | None) -> tuple[str, str, str]:
+        async with make_channel(address, ChannelSecurity(token, declared)) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                if method.client_streaming:
+                    await channel.stream_unary(path, _ident, _ident)(iter([b""]), timeout=5)
+                elif method.server_streaming:
+                    await channel.unary_stream(path, _ident, _ident)(b"", timeout=5).read()
+                else:
+                    await channel.unary_unary(path, _ident, _ident)(b"", timeout=5)
+        return reason_of(info.value)
+
+    async def scenario() -> None:
+        core = BrokerCore(tmp_path / "journal.sqlite", lease_seconds=600.0, drain_quiet_seconds=0.05)
+        servers = {
+            "broker": GrpcServer(
+                name="broker", host="127.0.0.1", port=0, credentials=broker, checks=broker_checks(core),
+                registrations=[(broker_pb2_grpc.add_BrokerServiceServicer_to_server, BrokerServicer(core, 5.0),
+                                "kvrelay.v1.BrokerService")]),
+            "ar-0": GrpcServer(
+                name="ar-0", host="127.0.0.1", port=0, credentials=deployed["ar-0"],
+                registrations=[(ar_pb2_grpc.add_ArServiceServicer_to_server,
+                                ArServicer(None, ArMetrics.create(CollectorRegistry()), lambda reason: None),
+                                "kvrelay.v1.ArService")]),
+            "dit-0": GrpcServer(
+                name="dit-0", host="127.0.0.1", port=0, credentials=deployed["dit-0"],
+                registrations=[(dit_pb2_grpc.add_DitServiceServicer_to_server, DitServicer(),
+                                "kvrelay.v1.DitService")]),
+        }  # fmt: skip
+        for server in servers.values():
+            await server.start()
+        try:
+            for name, service in (("ar-0", ar_pb2.DESCRIPTOR.services_by_name["ArService"]),
+                                  ("dit-0", dit_pb2.DESCRIPTOR.services_by_name["DitService"])):  # fmt: skip
+                for method in service.methods:
+                    path = f"/{service.full_name}/{method.name}"
+                    for token in (api, OPERATOR):
+                        code, reason, message = await refused(servers[name].address, path, method, token, None)
+                        assert (code, reason) == ("UNAUTHENTICATED", "REPLICA_TOKEN_MISMATCH"), (name, path, message)
+                        assert "is not accepted on a replica RPC of this replica" in message, message
+                        assert "takes only the broker's call token (kvrelay-replica-id: broker)" in message, message
+                        assert "declare" not in message and token not in message, message
+            # The broker: a replica's own token without its id is a mismatch that declaring the id fixes.
+            register = broker_pb2.DESCRIPTOR.services_by_name["BrokerService"].methods_by_name["RegisterReplica"]
+            code, reason, message = await refused(servers["broker"].address, "/kvrelay.v1.BrokerService/"
+                                                  "RegisterReplica", register, DIT0, None)  # fmt: skip
+            assert (code, reason) == ("UNAUTHENTICATED", "REPLICA_TOKEN_MISMATCH"), message
+            assert "without kvrelay-replica-id" in message and "id declared" in message and DIT0 not in message
+            # An api token the broker knows is a credential, just not a replica's: PERMISSION_DENIED.
+            code, _, message = await refused(servers["broker"].address, "/kvrelay.v1.BrokerService/RegisterReplica",
+                                             register, api, None)  # fmt: skip
+            assert code == "PERMISSION_DENIED" and "needs a replica" in message and api not in message, message
+        finally:
+            for server in servers.values():
+                await server.stop(0.5)
+            core.close()
+
+    asyncio.run(scenario())
