@@ -70,7 +70,7 @@ from kvrelay.broker.tickets import (
 )
 from kvrelay.broker.waiters import ChangeWaiters
 from kvrelay.transfer.layout import KvGeometry
-from kvrelay.transfer.planner import PlannedWrite, RowSpec, plan_transfer
+from kvrelay.transfer.planner import MAX_CFG_ROWS, PlannedWrite, RowSpec, plan_transfer
 
 log = structlog.get_logger("kvrelay.broker")
 
@@ -776,6 +776,12 @@ class BrokerCore:
             raise InvalidArgument("MISSING_FIELD", "request_id is required")
         if not counts or any(n <= 0 for n in counts):
             raise InvalidArgument("INVALID_ROWS", f"row_token_counts must be non-empty and positive, got {counts}")
+        if len(counts) > MAX_CFG_ROWS:
+            raise InvalidArgument(
+                "INVALID_ROWS",
+                f"row_token_counts: {len(counts)} rows; a request has at most {MAX_CFG_ROWS} CFG rows "
+                "(row 0 the prompt, row 1 the negative prompt)",
+            )
         existing = self._by_request.get(request_id)
         if existing is not None and existing == replaces:
             if not self._tickets[existing].request_over:

@@ -112,13 +112,14 @@ async def serve(
     # endpoint (docs/operations.md, Across hosts): asked the same way.
     incarnation_probe = grpc_incarnation_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
     refusals = CredentialRefusals()
+    orchestrator = Orchestrator(core, cfg, registry, credential_rotation=rotation)
     broker_servicer = BrokerServicer(
         core, ticket_ttl, endpoint_probe, incarnation_probe=incarnation_probe,
         max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,
         replica_authentication=replica_authentication(creds), credential_refusals=refusals, secrets=secrets,
+        generation_state=orchestrator.generation_state,
     )  # fmt: skip
     register_broker_metrics(core, registry, broker_servicer.rpc_counts, secrets)
-    orchestrator = Orchestrator(core, cfg, registry, credential_rotation=rotation)
     server = GrpcServer(
         name="broker",
         host=host,

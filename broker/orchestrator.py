@@ -351,6 +351,12 @@ class Orchestrator:
     def get(self, request_id: str) -> GenerationSnapshot:
         return self.store.get(request_id).snapshot()
 
+    def generation_state(self, request_id: str) -> str | None:
+        """The state of the generation `request_id` names (live, or finished and still held), or
+        None: BrokerService's CreateTicket refuses such an id (its tickets are made under it)."""
+        record = self.store.find(request_id)
+        return None if record is None else record.state.name
+
     def list_generations(
         self, states: Sequence[GenState] = (), limit: int | None = None
     ) -> list[GenerationSnapshot]:

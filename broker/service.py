@@ -37,6 +37,7 @@ from kvrelay.broker.registry import (
     takeover_needs_probe,
 )
 from kvrelay.broker.tickets import (
+    AlreadyExists,
     BrokerError,
     InvalidArgument,
     LoadKey,
@@ -591,8 +592,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         replica_authentication: str = "",
         credential_refusals: CredentialRefusals | None = None,
         secrets: BrokerSecrets | None = None,
+        generation_state: Callable[[str], str | None] | None = None,
     ) -> None:
         self.core = core
+        # The state of the generation a request id names (live, or finished and still held), None
+        # when it names none: CreateTicket refuses a generation's id (None: a test's servicer, no
+        # generations).
+        self.generation_state = generation_state or (lambda _request_id: None)
         # The broker's credentials, reloadable (ReloadCredentials); None: a test's servicer,
         # which answers FAILED_PRECONDITION.
         self.secrets = secrets
@@ -715,6 +721,15 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def CreateTicket(
         self, request: broker_pb2.CreateTicketRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.CreateTicketResponse:
+        # The orchestrator makes a generation's tickets under its request id (core.create_ticket):
+        # one made here under that id would be taken for the generation's, or refuse its.
+        state = self.generation_state(request.request_id) if request.request_id else None
+        if state is not None:
+            raise AlreadyExists(
+                "REQUEST_ID_REUSED",
+                f"request_id {request.request_id!r} names a generation of this broker ({state}); "
+                "CreateTicket takes a request id of its own",
+            )
         ticket = self.core.create_ticket(
             request.request_id, request.ar_replica_id, request.dit_replica_id, list(request.row_token_counts)
         )

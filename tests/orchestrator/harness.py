@@ -719,7 +719,7 @@ async def cluster(
         registrations=[
             (
                 broker_pb2_grpc.add_BrokerServiceServicer_to_server,
-                BrokerServicer(core),
+                BrokerServicer(core, generation_state=orchestrator.generation_state),
                 "kvrelay.v1.BrokerService",
             ),
             (
