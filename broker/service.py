@@ -943,6 +943,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 )
                 for r in self.credential_refusals.snapshot()
             ],
+            credential_grace_seconds=self.secrets.rotation.grace_left_s() if self.secrets is not None else 0.0,
         )
 
     @_maps_errors

@@ -16,6 +16,7 @@ import dataclasses
 import datetime as _dt
 import enum
 import json
+import math
 import os
 import shutil
 import signal
@@ -768,13 +769,18 @@ def run_status(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         doc = {"target": target, "replica_authentication": registry.replica_authentication,
                "replicas": registry.replicas, "forgotten_incarnations": registry.forgotten_incarnations,
-               "credential_refusals": registry.credential_refusals, "pools": pools, "tickets": tickets}  # fmt: skip
+               "credential_refusals": registry.credential_refusals,
+               "credential_grace_seconds": registry.credential_grace_seconds, "pools": pools,
+               "tickets": tickets}  # fmt: skip
         print(json.dumps(_jsonable(doc), indent=2))
         return 0
     now = _dt.datetime.now(_dt.UTC)
     print(f"broker {target}")
     if registry.replica_authentication:
         print(f"replicas authenticate with: {registry.replica_authentication}")
+    if registry.credential_grace_seconds > 0:
+        print(f"credential rotation grace: {math.ceil(registry.credential_grace_seconds)} s left (the credentials "
+              "`kvrelay rotate-secrets` replaced are still taken until then)")
     print()
     replicas = registry.replicas
     print(replicas_table(replicas, now) if replicas else "REPLICAS: none registered")

@@ -319,12 +319,15 @@ class ReplicaRegistry:
     `replica_authentication`: how the broker authenticates replicas, in words ("bound replica
     tokens", "the shared replica token", "client certificates", several joined by " or ", or
     "none (development: every caller trusted)"); "" from a broker that does not say.
-    `credential_refusals`: replica ids the broker refuses for their credential, by id."""
+    `credential_refusals`: replica ids the broker refuses for their credential, by id.
+    `credential_grace_seconds`: seconds left of a credential rotation's grace (`kvrelay
+    rotate-secrets`), while the replaced credentials are still taken; 0.0 when none runs."""
 
     replicas: list[Replica]
     forgotten_incarnations: list[ForgottenIncarnation]
     replica_authentication: str
     credential_refusals: list[CredentialRefusal] = field(default_factory=list)
+    credential_grace_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -514,6 +517,7 @@ def replica_registry_from_pb(msg: broker_pb2.ListReplicasResponse) -> ReplicaReg
                               _time(r, "last_refusal_time"))  # fmt: skip
             for r in msg.credential_refusals
         ],
+        msg.credential_grace_seconds,
     )
 
 

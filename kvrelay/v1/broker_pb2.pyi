@@ -483,16 +483,18 @@ class ListReplicasRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListReplicasResponse(_message.Message):
-    __slots__ = ("replicas", "forgotten_incarnations", "replica_authentication", "credential_refusals")
+    __slots__ = ("replicas", "forgotten_incarnations", "replica_authentication", "credential_refusals", "credential_grace_seconds")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     FORGOTTEN_INCARNATIONS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_AUTHENTICATION_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
     forgotten_incarnations: _containers.RepeatedCompositeFieldContainer[ForgottenIncarnation]
     replica_authentication: str
     credential_refusals: _containers.RepeatedCompositeFieldContainer[CredentialRefusal]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., forgotten_incarnations: _Optional[_Iterable[_Union[ForgottenIncarnation, _Mapping]]] = ..., replica_authentication: _Optional[str] = ..., credential_refusals: _Optional[_Iterable[_Union[CredentialRefusal, _Mapping]]] = ...) -> None: ...
+    credential_grace_seconds: float
+    def __init__(self, replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., forgotten_incarnations: _Optional[_Iterable[_Union[ForgottenIncarnation, _Mapping]]] = ..., replica_authentication: _Optional[str] = ..., credential_refusals: _Optional[_Iterable[_Union[CredentialRefusal, _Mapping]]] = ..., credential_grace_seconds: _Optional[float] = ...) -> None: ...
 
 class CredentialRefusal(_message.Message):
     __slots__ = ("replica_id", "reason", "method", "refusals", "first_refusal_time", "last_refusal_time")

@@ -58,6 +58,14 @@ def _rotate(capsys: pytest.CaptureFixture[str], address: str, *args: str) -> tup
     return code, out, err
 
 
+def _status(capsys: pytest.CaptureFixture[str], address: str, token: str, *args: str) -> str:
+    capsys.readouterr()
+    code = main(["status", "--target", address, "--token", token, *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
 def _reloads(broker: ServiceProcess) -> dict[str, float]:
     port = metrics_port_of(broker.lines)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
@@ -95,6 +103,8 @@ def test_rotate_secrets_takes_changed_files_keeps_the_old_for_the_grace_and_take
             assert "operator_token: unchanged (security.operator_token_file (" in out
             assert "replica_token: unchanged" in out and "api_token: not reloadable (security.api_token_env" in out
             assert "nothing changed" in out
+            assert "credential rotation grace" not in _status(capsys, broker.address, OLD_OPERATOR)
+            assert json.loads(_status(capsys, broker.address, OLD_OPERATOR, "--json"))["credential_grace_seconds"] == 0
 
             # New operator and replica tokens in their files: taken, the old ones still taken.
             _write(tmp_path / "operator.token", NEW_OPERATOR)
@@ -105,6 +115,14 @@ def test_rotate_secrets_takes_changed_files_keeps_the_old_for_the_grace_and_take
             assert "new credentials taken; the replaced ones are still taken for 300 s" in out
             for token in (OLD_OPERATOR, NEW_OPERATOR):
                 assert _code(stub, token) == grpc.StatusCode.OK
+            # kvrelay status shows the grace running and what is left of it (ListReplicas).
+            out = _status(capsys, broker.address, NEW_OPERATOR)
+            grace = [line for line in out.splitlines() if line.startswith("credential rotation grace: ")]
+            assert len(grace) == 1 and grace[0].endswith("s left (the credentials `kvrelay rotate-secrets` "
+                                                         "replaced are still taken until then)"), out
+            assert 0 < int(grace[0].split()[3]) <= 300, grace
+            left = json.loads(_status(capsys, broker.address, NEW_OPERATOR, "--json"))["credential_grace_seconds"]
+            assert 0 < left <= 300, left
             _register(stub, replica("ar-0", common_pb2.REPLICA_ROLE_AR), REPLICA_OLD)
             _register(stub, replica("ar-1", common_pb2.REPLICA_ROLE_AR), REPLICA_NEW)
 
