@@ -29,7 +29,7 @@ from kvrelay.models.ar import build_ar_model
 from kvrelay.models.tokenizer import ByteTokenizer
 from kvrelay.v1 import ar_pb2, broker_pb2, common_pb2
 from kvrelay.worker import default_threads_per_rank
-from tests.ar_service.harness import Receiver, ar_stub, start_ar, wait_serving, write_config
+from tests.ar_service.harness import ArProcess, Receiver, ar_stub, start_ar, wait_serving, write_config
 from tests.dit_service.harness import inprocess_broker
 from tests.threads import torch_threads
 
@@ -71,6 +71,13 @@ def _forge(
     else:
         raise AssertionError(forgery)
     return forged
+
+
+async def _wait_logged(ar: ArProcess, event: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not any(event in line for line in ar.lines):
+        assert time.monotonic() < end, f"the AR never logged {event}: {ar.output()}"
+        await asyncio.sleep(0.05)
 
 
 async def _wait_state(receiver: Receiver, ticket_id: str, state: int, timeout: float = 20.0) -> broker_pb2.Ticket:
@@ -142,7 +149,9 @@ def test_a_forged_plan_is_refused_before_any_byte_moves(tmp_path: Path, transpor
                 assert all(w.status == common_pb2.WRITE_STATUS_NOT_STARTED for w in refused.writes), refused
                 untouched = await receiver.ticket(victim.ticket_id)
                 assert untouched.state == broker_pb2.TICKET_STATE_RESERVED and not untouched.armed
-                assert "plan_mismatch" in ar.output()
+                # The AR logged the refusal before answering; its output is read by another thread,
+                # which may not have reached that line yet on a loaded machine.
+                await _wait_logged(ar, "plan_mismatch")
 
                 # A deadline_time outside Timestamp's range: INVALID_ARGUMENT naming it (was UNKNOWN,
                 # a ValueError from Timestamp.ToNanoseconds()), before any prefill or write.
