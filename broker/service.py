@@ -697,7 +697,10 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         # its token file and presents the new token before the grace ends.
         caller = current_caller()
         superseded = caller is not None and caller.superseded
-        grace = self.secrets.rotation.grace_left_s() if superseded and self.secrets is not None else 0.0
+        # The grace of the generation this replica's token belongs to (CredentialRotation).
+        grace = (
+            self.secrets.rotation.grace_left_s(request.replica_id) if superseded and self.secrets is not None else 0.0
+        )
         return broker_pb2.HeartbeatResponse(
             fenced=reply.fenced,
             fence_reason=reply.fence_reason,

@@ -81,6 +81,9 @@ DEFAULT_ROTATION_GRACE_S = 300.0
 # Replica ids a CredentialRotation remembers as holding the new credentials during a grace
 # period (any authenticated caller may declare ids in shared mode: bounded).
 MAX_ROTATION_IDS = 4096
+# Replaced credential generations a CredentialRotation still takes, each until its own grace
+# ends: a rotation past this many within the grace drops the oldest at once (logged).
+MAX_SUPERSEDED_GENERATIONS = 3
 
 AUTHORIZATION_METADATA = "authorization"
 REPLICA_ID_METADATA = "kvrelay-replica-id"
@@ -935,78 +938,137 @@ def server_credentials(creds: Credentials) -> grpc.ServerCredentials | None:
 # ---------------------------------------------------------------- rotation
 
 
-class CredentialRotation:
-    """The credentials one process takes and presents across a rotation: the current ones, and
-    for `grace_s` after a reload (security.rotation_grace_seconds) the ones it replaced.
+@dataclass(frozen=True, slots=True)
+class SupersededCredentials:
+    """One generation of credentials a rotation replaced: taken until `until` (the rotation's
+    clock) and numbered `generation` (0 = what the process started with, +1 per rotation)."""
 
-    A server checks a caller against both while the grace lasts (`AuthInterceptor`), so a caller
-    still holding the old credential works until it has the new one; a call taken only by the
-    previous credentials is `superseded` (the broker tells that replica to re-read its token
-    file). The broker also presents, to each replica, what that replica holds (`held_by`): the
-    previous credentials' call and write tokens until the replica has authenticated with the
-    current ones, so no replica is handed a token derived from a secret it does not know yet.
-    A second rotation within the grace ends the first one's: only one set of previous
-    credentials is taken. Touched on the event loop only; `clock` is monotonic seconds.
+    creds: Credentials
+    until: float
+    generation: int
+
+
+class CredentialRotation:
+    """The credentials one process takes and presents across rotations: the current ones, and
+    each generation a reload replaced until its own grace ends (security.rotation_grace_seconds
+    after the reload that replaced it), at most MAX_SUPERSEDED_GENERATIONS of them.
+
+    A server checks a caller against all of them while their graces last (`AuthInterceptor`), so
+    a caller still holding a replaced credential works until it has the new one; a call taken
+    only by replaced credentials is `superseded` (the broker tells that replica to re-read its
+    token file). A second rotation within a grace does not end the first one's: a replica still
+    presenting the token of two rotations ago works until that generation's own deadline. Past
+    MAX_SUPERSEDED_GENERATIONS the oldest generation is dropped at once (logged
+    `credential_generation_dropped`). The broker also presents, to each replica, what that
+    replica holds (`held_by`): the generation it last authenticated with (one not seen since
+    the first rotation of the window: the oldest still taken), so no replica is handed a token
+    derived from a secret it does not know. Touched on the event loop only (`grace_left_s`
+    reads only, for a metrics thread); `clock` is monotonic seconds.
     """
 
     def __init__(self, current: Credentials, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._current = current
-        self._previous: Credentials | None = None
-        self._until = 0.0
         self._clock = clock
-        # Replica ids seen authenticating with the current credentials since the last rotation.
-        self._on_current: set[str] = set()
+        self._generation = 0
+        # Newest first; each until its own deadline.
+        self._superseded: list[SupersededCredentials] = []
+        # Replica id -> the generation it last authenticated with, while any grace lasts.
+        self._held: dict[str, int] = {}
         self.rotations = 0
+        # Called (event loop) after every change of what is taken: broker.credential_grace
+        # persists the window so that a broker restarted within it still honours it.
+        self.on_change: Callable[[], None] | None = None
 
     @property
     def current(self) -> Credentials:
         return self._current
 
+    @property
+    def generation(self) -> int:
+        """The number of the current generation (0 at start, +1 per rotation)."""
+        return self._generation
+
     def rotate(self, new: Credentials, grace_s: float | None = None) -> None:
         """Take `new` from now on, and the credentials held until now for `grace_s` more seconds
-        (`new.rotation_grace_s` when None; 0: none)."""
+        (`new.rotation_grace_s` when None; 0: not at all). Generations replaced before keep
+        their own deadlines."""
         grace = new.rotation_grace_s if grace_s is None else grace_s
-        self._previous = self._current if grace > 0 else None
-        self._until = self._clock() + grace
+        live = self.superseded()
+        if grace > 0:
+            live.insert(0, SupersededCredentials(self._current, self._clock() + grace, self._generation))
+        for dropped in live[MAX_SUPERSEDED_GENERATIONS:]:
+            log.warning("credential_generation_dropped", generation=dropped.generation,
+                        grace_left_s=round(max(0.0, dropped.until - self._clock()), 1),
+                        max_superseded_generations=MAX_SUPERSEDED_GENERATIONS,
+                        consequence="its credentials are refused from now on, before their grace ended")  # fmt: skip
+        self._superseded = live[:MAX_SUPERSEDED_GENERATIONS]
         self._current = new
-        self._on_current.clear()
+        self._generation += 1
         self.rotations += 1
+        self._changed()
+
+    def restore(self, current_generation: int, superseded: Sequence[SupersededCredentials]) -> None:
+        """Take `superseded` (their deadlines on this rotation's clock) beside the current
+        credentials, numbered as before a restart (broker.credential_grace): no rotation."""
+        now = self._clock()
+        live = sorted((s for s in superseded if s.until > now), key=lambda s: -s.generation)
+        self._superseded = live[:MAX_SUPERSEDED_GENERATIONS]
+        self._generation = current_generation
+        self._held.clear()
+
+    def superseded(self) -> list[SupersededCredentials]:
+        """The replaced generations still taken, newest first (a fresh list)."""
+        now = self._clock()
+        if self._superseded and self._superseded[-1].until <= now:
+            self._superseded = [s for s in self._superseded if s.until > now]
+            if not self._superseded:
+                self._held.clear()
+            self._changed()
+        return list(self._superseded)
 
     def previous(self) -> Credentials | None:
         """The credentials replaced by the last rotation while its grace lasts, else None."""
-        if self._previous is not None and self._clock() >= self._until:
-            self._previous = None
-            self._on_current.clear()
-        return self._previous
+        live = self.superseded()
+        return live[0].creds if live and live[0].generation == self._generation - 1 else None
 
-    def grace_left_s(self) -> float:
-        """Seconds the previous credentials are still taken (0 when none are). Reads only: a
-        metrics scrape may ask from its own thread."""
-        return max(0.0, self._until - self._clock()) if self._previous is not None else 0.0
+    def grace_left_s(self, replica_id: str | None = None) -> float:
+        """Seconds replaced credentials are still taken: of the generation `replica_id` holds
+        (0 when it holds the current one), else until the last one ends (0 when none is).
+        Reads only: a metrics scrape may ask from its own thread."""
+        now = self._clock()
+        live = [s for s in tuple(self._superseded) if s.until > now]
+        if replica_id is not None:
+            held = self._held_generation(replica_id, live)
+            live = [s for s in live if s.generation == held]
+        return max((s.until - now for s in live), default=0.0)
 
-    def seen(self, replica_id: str, *, superseded: bool) -> None:
-        """`replica_id` authenticated as a replica: with the previous credentials only
-        (`superseded`), or with the current ones."""
-        if self.previous() is None:
+    def seen(self, replica_id: str, generation: int) -> None:
+        """`replica_id` authenticated as a replica with the credentials of `generation` (the
+        newest generation its credential belongs to)."""
+        if not self.superseded():
             return
-        if superseded:
-            self._on_current.discard(replica_id)
-        elif len(self._on_current) < MAX_ROTATION_IDS:
-            self._on_current.add(replica_id)
+        if replica_id in self._held or len(self._held) < MAX_ROTATION_IDS:
+            self._held[replica_id] = generation
+
+    def _held_generation(self, replica_id: str | None, live: Sequence[SupersededCredentials]) -> int:
+        if not live:
+            return self._generation
+        if replica_id is None or replica_id not in self._held:
+            return live[-1].generation  # not seen in this window: the oldest still taken
+        held = self._held[replica_id]
+        return held if any(s.generation == held for s in live) else self._generation
 
     def held_by(self, replica_id: str | None) -> Credentials:
-        """The credentials `replica_id` is known to hold: the previous ones during a grace until
-        it has authenticated with the current ones, else the current ones."""
-        previous = self.previous()
-        if previous is None or (replica_id is not None and replica_id in self._on_current):
-            return self._current
-        return previous
+        """The credentials `replica_id` is known to hold: during a grace, those of the generation
+        it last authenticated with (the oldest still taken until it has), else the current ones."""
+        live = self.superseded()
+        held = self._held_generation(replica_id, live)
+        return next((s.creds for s in live if s.generation == held), self._current)
 
     def shared_replica_tokens(self) -> tuple[str, ...]:
         """The shared replica tokens taken now (RegisterReplicaRequest.token): the current one,
-        and during a grace the one it replaced."""
-        previous = self.previous()
-        tokens = (self._current.replica_token, previous.replica_token if previous is not None else None)
+        and those of every generation still in its grace."""
+        tokens = (self._current.replica_token, *(s.creds.replica_token for s in self.superseded()))
         return tuple(dict.fromkeys(t for t in tokens if t))
 
     def broker_channel(self, replica_id: str | None) -> ChannelSecurity:
@@ -1016,14 +1078,18 @@ class CredentialRotation:
     def write_token(self, dit_replica_id: str, ar_replica_id: str) -> str:
         """What the broker hands `ar_replica_id` to write into `dit_replica_id` over PutKv: bound
         mode, the write token derived from the token the DiT holds; shared mode, during a grace
-        the shared token the DiT holds (the AR may hold the other one), else "" (the AR presents
+        the shared token the DiT holds (the AR may hold another one), else "" (the AR presents
         its own)."""
         held = self.held_by(dit_replica_id)
         if held.bound_replica_tokens:
             return held.write_token(dit_replica_id, ar_replica_id)
-        if self.previous() is not None:
+        if self.superseded():
             return held.replica_token or ""
         return ""
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
 
 # ---------------------------------------------------------------- the interceptor
@@ -1276,16 +1342,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             elif key == REPLICA_ID_METADATA and isinstance(value, str):
                 declared = value[:MAX_ID_CHARS]
         classes = _token_classes(creds, bearer, declared)
-        # During a rotation's grace the replaced credentials too (CredentialRotation): a class
-        # they alone give marks the caller superseded.
-        superseded = False
-        previous = rotation.previous()
-        if previous is not None:
-            old = _token_classes(previous, bearer, declared)
-            superseded = bool(old - classes)
-            classes |= old
-        if declared and CallerClass.REPLICA in classes:
-            rotation.seen(declared, superseded=superseded)
+        # During a rotation's grace the replaced generations too, each until its own deadline
+        # (CredentialRotation): a class they alone give marks the caller superseded.
+        generation = rotation.generation if CallerClass.REPLICA in classes else None
+        old: set[CallerClass] = set()
+        for gen in rotation.superseded():  # newest first
+            taken = _token_classes(gen.creds, bearer, declared)
+            if generation is None and CallerClass.REPLICA in taken:
+                generation = gen.generation
+            old |= taken
+        superseded = bool(old - classes)
+        classes |= old
+        if declared and generation is not None:
+            rotation.seen(declared, generation)
         refusal = ""
         if creds.bound_replica_tokens and bearer and not classes:
             refusal = self._bound_refusal(declared)
@@ -1518,6 +1587,8 @@ __all__ = [
     "ChannelCache",
     "ChannelSecurity",
     "CredentialRotation",
+    "MAX_SUPERSEDED_GENERATIONS",
+    "SupersededCredentials",
     "CredentialSource",
     "Credentials",
     "DEFAULT_KEEPALIVE",

@@ -24,6 +24,7 @@ from kvrelay.replica_token import ReplicaToken, TokenSource
 from kvrelay.security import (
     AUTHORIZATION_METADATA,
     BROKER_CALLER_ID,
+    MAX_SUPERSEDED_GENERATIONS,
     REPLICA_ID_METADATA,
     AuthInterceptor,
     CallerClass,
@@ -97,12 +98,58 @@ def test_without_a_grace_a_rotation_takes_only_the_new_credentials() -> None:
     assert not authenticate(interceptor, replica_token_for(OLD, "ar-0"), "ar-0").authenticated
 
 
-def test_a_second_rotation_in_the_grace_ends_the_first_ones() -> None:
+THIRD, FOURTH, FIFTH = "rotation-third-secret-89", "rotation-fourth-secret-ab", "rotation-fifth-secret-cd"
+
+
+def test_each_replaced_generation_keeps_its_own_grace_across_a_second_rotation() -> None:
+    clock = ManualClock()
+    rotation, interceptor = rotated_broker(clock)  # OLD -> NEW at t=0: OLD until t=GRACE
+    clock.advance(GRACE / 2)
+    rotation.rotate(bound_broker(THIRD, OPERATOR_NEW))  # NEW -> THIRD: NEW until t=1.5*GRACE
+    old_dit0, new_dit0 = replica_token_for(OLD, "dit-0"), replica_token_for(NEW, "dit-0")
+
+    # A replica still on the token of two rotations ago keeps working until OLD's own deadline.
+    two_ago = authenticate(interceptor, old_dit0, "dit-0")
+    assert CallerClass.REPLICA in two_ago.classes and two_ago.superseded
+    assert rotation.grace_left_s("dit-0") == GRACE / 2  # its own generation's deadline
+    assert rotation.broker_channel("dit-0").token == broker_call_token(old_dit0)
+    assert rotation.write_token("dit-0", "ar-0") == put_kv_token(old_dit0, "ar-0")
+    one_ago = authenticate(interceptor, replica_token_for(NEW, "ar-0"), "ar-0")
+    assert CallerClass.REPLICA in one_ago.classes and one_ago.superseded
+    assert rotation.grace_left_s("ar-0") == GRACE
+    assert rotation.grace_left_s() == GRACE  # until the last replaced generation ends
+    assert not authenticate(interceptor, replica_token_for(THIRD, "ar-0"), "ar-0").superseded
+    assert rotation.grace_left_s("ar-0") == 0.0  # on the current generation now
+    # Not seen since the first rotation: presented the oldest generation still taken.
+    assert rotation.broker_channel("ar-1").token == broker_call_token(replica_token_for(OLD, "ar-1"))
+
+    clock.advance(GRACE / 2)  # OLD's grace is over, NEW's is not
+    assert not authenticate(interceptor, old_dit0, "dit-0").authenticated
+    assert authenticate(interceptor, new_dit0, "dit-0").superseded
+    assert rotation.broker_channel("dit-0").token == broker_call_token(new_dit0)
+    assert rotation.broker_channel("ar-1").token == broker_call_token(replica_token_for(NEW, "ar-1"))
+    assert CallerClass.OPERATOR in authenticate(interceptor, OPERATOR_NEW, None).classes
+    assert not authenticate(interceptor, OPERATOR_OLD, None).authenticated
+    clock.advance(GRACE / 2)  # NEW's too
+    assert not authenticate(interceptor, new_dit0, "dit-0").authenticated
+    assert rotation.superseded() == [] and rotation.grace_left_s() == 0.0
+    assert rotation.broker_channel("dit-0").token == broker_call_token(replica_token_for(THIRD, "dit-0"))
+
+
+def test_at_most_max_superseded_generations_are_taken_the_oldest_dropped_first() -> None:
     clock = ManualClock()
     rotation, interceptor = rotated_broker(clock)
-    rotation.rotate(bound_broker("rotation-third-secret", OPERATOR_NEW))
+    secrets = [OLD, NEW, THIRD, FOURTH, FIFTH]
+    for secret in secrets[2:]:
+        clock.advance(1.0)
+        rotation.rotate(bound_broker(secret, OPERATOR_NEW))
+    assert MAX_SUPERSEDED_GENERATIONS == 3
+    assert [s.generation for s in rotation.superseded()] == [3, 2, 1] and rotation.generation == 4
+    # OLD (generation 0) was dropped before its grace ended; the bound's generations are taken.
     assert not authenticate(interceptor, replica_token_for(OLD, "dit-0"), "dit-0").authenticated
-    assert authenticate(interceptor, replica_token_for(NEW, "dit-0"), "dit-0").superseded
+    for secret in secrets[1:4]:
+        assert authenticate(interceptor, replica_token_for(secret, "dit-0"), "dit-0").superseded
+    assert CallerClass.REPLICA in authenticate(interceptor, replica_token_for(FIFTH, "dit-0"), "dit-0").classes
 
 
 def test_the_broker_presents_to_each_replica_what_it_holds_until_it_shows_the_new_token() -> None:
