@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -76,6 +76,9 @@ class BrokerSecrets:
         self.cfg = cfg
         self.rotation = rotation
         self._read = read
+        # Awaited after a rotation, before the answer: the rotation's record is on disk
+        # (broker.credential_grace; broker.main gives the journal's `durable`).
+        self.persisted: Callable[[], Awaitable[None]] | None = None
         # reload outcomes since the broker started, by outcome (kvrelay_broker_credential_reloads_total).
         self.outcomes: dict[str, int] = {RELOADED: 0, UNCHANGED: 0, FAILED: 0}
 
@@ -106,6 +109,8 @@ class BrokerSecrets:
         if rotated:
             self.rotation.rotate(new)
             self.outcomes[RELOADED] += 1
+            if self.persisted is not None:
+                await self.persisted()
         else:
             self.outcomes[UNCHANGED] += 1
         not_reloadable = [a.source for a in answers if a.state == NOT_RELOADABLE]

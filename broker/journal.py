@@ -365,13 +365,20 @@ class Journal:
             meta=dict(self._db.execute("SELECT key, value FROM meta").fetchall()),
         )
 
+    def meta_value(self, key: str) -> str | None:
+        """One value of the meta table (None: no such key). Waits for queued commits first."""
+        self.flush()
+        with self._db_lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
     def commit(
         self,
         *,
         replicas: Mapping[str, dict[str, Any] | None] | None = None,
         tickets: Mapping[str, dict[str, Any] | None] | None = None,
         generations: Mapping[str, dict[str, Any] | None] | None = None,
-        meta: Mapping[str, str] | None = None,
+        meta: Mapping[str, str | None] | None = None,
     ) -> int:
         """Record everything given as one atomic change; a None value deletes that row. Returns
         the commit's sequence number.
@@ -591,7 +598,7 @@ def _statements(
     replicas: Mapping[str, dict[str, Any] | None] | None,
     tickets: Mapping[str, dict[str, Any] | None] | None,
     generations: Mapping[str, dict[str, Any] | None] | None,
-    meta: Mapping[str, str] | None,
+    meta: Mapping[str, str | None] | None,
 ) -> list[_Statement]:
     """One commit's statements, values encoded now."""
     out: list[_Statement] = []
@@ -603,7 +610,10 @@ def _statements(
     _upsert(out, "tickets", (tickets or {}).items())
     _upsert(out, "generations", (generations or {}).items())
     for key, value in (meta or {}).items():
-        out.append(("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(key, value)]))
+        if value is None:
+            out.append(("DELETE FROM meta WHERE key = ?", [(key,)]))
+        else:
+            out.append(("INSERT OR REPLACE INTO meta VALUES (?, ?)", [(key, value)]))
     return out
 
 

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from kvrelay.broker.authz import broker_checks
 from kvrelay.broker.core import BrokerCore
+from kvrelay.broker.credential_grace import CredentialGraceStore
 from kvrelay.broker.credential_reload import BrokerSecrets
 from kvrelay.broker.generation import GenerationServicer
 from kvrelay.broker.journal import JournalInUse, JournalOpenError, JournalWriteError
@@ -102,6 +103,12 @@ async def serve(
     # Fail stop: a failed journal write leaves memory ahead of disk, so the process exits and
     # its supervisor starts it again from what the disk holds (as a failed maintenance pass does).
     core.registration_tokens = rotation.shared_replica_tokens
+    # A rotation's grace outlives a broker restart: the replaced generations, sealed, in the
+    # journal (broker/credential_grace.py), recorded at each change, taken back now.
+    grace_store = CredentialGraceStore(core.journal, rotation)
+    grace_store.restore()
+    rotation.on_change = grace_store.save_quietly
+    secrets.persisted = core.journal.durable
     journal_failed = asyncio.Event()
     core.journal.on_failure = lambda _err: journal_failed.set()
     registry = CollectorRegistry()

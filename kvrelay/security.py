@@ -983,6 +983,10 @@ class CredentialRotation:
     def current(self) -> Credentials:
         return self._current
 
+    def now(self) -> float:
+        """This rotation's clock (the deadlines of `superseded` are on it)."""
+        return self._clock()
+
     @property
     def generation(self) -> int:
         """The number of the current generation (0 at start, +1 per rotation)."""
