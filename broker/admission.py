@@ -114,6 +114,9 @@ class GenerationJob:
     failed_links: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     ended_ticket_ids: list[str] = field(default_factory=list)
     last_error: ErrorInfo | None = None  # what ended the latest earlier attempt
+    # Monotonic (the broker's clock): when the running attempt's Denoise call times out, set only
+    # when the client gave no deadline (the call then runs under the DiT stage's own timeout).
+    stage_deadline: float | None = None
     # Set (with the RequestEnded that ends the attempt) when a replica of the running attempt is
     # forgotten by force: the pipeline ends the attempt as if its stage call had failed so.
     interrupt: asyncio.Future[RequestEnded] = field(
@@ -126,6 +129,13 @@ class GenerationJob:
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now
+
+    def stage_remaining(self, now: float) -> float | None:
+        """What is left of the running attempt's Denoise call when the client gave no deadline (it
+        runs under the DiT stage's request_timeout_seconds: StagePipeline); None otherwise."""
+        if self.deadline is not None or self.stage_deadline is None:
+            return None
+        return self.stage_deadline - now
 
     def placed_pair(self) -> tuple[str, str] | None:
         """(AR replica id, DiT replica id) of the running attempt's ticket; None before placement."""

@@ -38,7 +38,7 @@ from kvrelay.broker.generations import (
     RequestEnded,
 )
 from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
-from kvrelay.broker.pipeline import StagePipeline
+from kvrelay.broker.pipeline import LINK_DEADLINE_SLACK_SECONDS, StagePipeline
 from kvrelay.broker.placement import Pair, place, serving_replicas
 from kvrelay.broker.registry import ReplicaRole
 from kvrelay.broker.tickets import Ticket, TicketOutcome
@@ -260,9 +260,16 @@ class Orchestrator:
             return "the broker is stopping"
         if job.record.state.terminal:
             return "the generation ended"
-        remaining = job.remaining(self._clock())
+        now = self._clock()
+        remaining = job.remaining(now)
         if remaining is not None and remaining <= RETRY_MIN_DEADLINE_SECONDS:
             return f"the client's deadline is {max(0.0, remaining):.2f} s away"
+        stage_left = job.stage_remaining(now)
+        if reason in TRANSFER_RETRY_REASONS and stage_left is not None and stage_left <= LINK_DEADLINE_SLACK_SECONDS:
+            # The transfer ran out of its Denoise call's own timeout (no client deadline): the DiT
+            # is too slow for that timeout, not the link broken (StagePipeline._note_link).
+            return ("its Denoise call reached the DiT stage's request_timeout_seconds "
+                    f"({self.cfg.dit_stage.request_timeout_seconds:g} s)")
         if reason in TRANSFER_RETRY_REASONS and pair is not None:
             links = {**job.failed_links, pair: [*job.failed_links.get(pair, []), reason]}
             return self._no_pair_left(job.failed_replicas, links)

@@ -51,6 +51,10 @@ _LINK_FAILURES = frozenset({"TRANSFER_TIMEOUT", "TRANSFER_FAILED"})
 # Found black-box: a public client sending requests with 0.3 s deadlines marked every pair it
 # was placed on suspect (TRANSFER_TIMEOUT after "waited 0.00s"), so placement stopped avoiding a
 # really broken pair (all suspect looks like none) and skewed load for every other client.
+# The same holds for the DiT stage's own timeout (request_timeout_seconds), which bounds a
+# Denoise call when the client gave no deadline. Found black-box: streams without a deadline
+# queued at a busy DiT past that timeout; the DiT answered TRANSFER_TIMEOUT ("waited 0.00s", the
+# writes done), and the broker marked the pair suspect and ran each of them again.
 LINK_DEADLINE_SLACK_SECONDS = 1.0
 
 
@@ -140,6 +144,7 @@ class StagePipeline:
         dit = self.core.get_replica(ticket.dit_replica_id).spec
         now = self._clock()
         remaining = job.remaining(now)
+        job.stage_deadline = now + self.denoise_timeout if remaining is None else None
         metadata = (("request_id", job.request_id), ("ticket_id", ticket.ticket_id))
         # Planned once, here: both replicas get the ticket, its rows, writes and destinations with
         # the call, so neither asks the broker for them nor runs the planner again.
@@ -378,10 +383,11 @@ class StagePipeline:
         """What this request proved about its AR -> DiT transfer link, for placement."""
         if state is not GenState.SUCCEEDED and reason not in _LINK_FAILURES:
             return
-        remaining = job.remaining(self._clock())
-        if state is not GenState.SUCCEEDED and remaining is not None and remaining <= LINK_DEADLINE_SLACK_SECONDS:
-            log.info("transfer_link_unjudged", reason=reason, deadline_left_s=round(remaining, 3))
-            return
+        now = self._clock()
+        for deadline, remaining in (("client", job.remaining(now)), ("stage", job.stage_remaining(now))):
+            if state is not GenState.SUCCEEDED and remaining is not None and remaining <= LINK_DEADLINE_SLACK_SECONDS:
+                log.info("transfer_link_unjudged", reason=reason, deadline=deadline, deadline_left_s=round(remaining, 3))
+                return
         try:
             ticket = self.core.get_ticket(job.ticket_id)
         except BrokerError:

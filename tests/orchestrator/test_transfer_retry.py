@@ -246,6 +246,39 @@ def test_a_deadline_too_close_is_not_retried(fault: str) -> None:
     run(body())
 
 
+@pytest.mark.parametrize("fault", ["timeout", "checksum"])
+def test_a_transfer_timeout_at_the_dit_stages_own_timeout_is_not_retried_and_blames_no_link(fault: str) -> None:
+    """Found black-box: 20 Generate streams without a deadline on one DiT (max_num_seqs 1, 1000
+    steps each). Every Denoise call without a client deadline runs under the DiT stage's
+    `request_timeout_seconds`; those queued at the DiT behind the others reached it and the DiT
+    answered TRANSFER_TIMEOUT ("waited 0.00s": the writes were done, the load never had a turn).
+    The broker took that for a broken AR -> DiT link: it marked the pair suspect and ran each
+    such generation again at the head of its queue (more load on a DiT already too slow). A
+    transfer that fails within LINK_DEADLINE_SLACK_SECONDS of its Denoise call's own timeout is
+    now what the client's deadline cutting it short is: no link judged, no retry."""
+
+    async def body() -> None:
+        async with cluster(transfer_timeout=0.3) as c:
+            inject(c, fault)
+            stage_timeout = c.orchestrator.cfg.dit_stage.request_timeout_seconds
+            call = c.api.Generate(request(request_id="r", seed=3))  # no client deadline
+            await wait_until(lambda: c.dit.denoise_started.is_set(), what="the denoise")
+            # The broker's clock: half a second before the Denoise call's own timeout, so the
+            # DiT gives up its 0.3 s wait with ~0.2 s of the stage's timeout left.
+            c.clock_offset[0] += stage_timeout - 0.5
+            final = (await collect(call))[-1]
+            assert final.state == FAILED and final.error.reason == REASON[fault], final.error
+            assert "(tried 1 time, not retried: its Denoise call reached the DiT stage's request_timeout_seconds" \
+                in final.error.message, final.error
+            assert c.ar.prefills == ["r"] and final.attempt == 1
+            assert c.metric(RETRIES, {"reason": REASON[fault]}) == 0
+            assert not c.core.link_suspect("ar-0", "dit-0")
+            c.ar.write_gate.set()
+            await c.wait_pool_free()
+
+    run(body())
+
+
 def test_other_failures_of_the_transfer_path_are_not_retried() -> None:
     """A rank that raised while writing (WRITE_FAILED: a bug or a broken replica, not a link) and
     a prefill that failed (PREFILL_FAILED) would fail again: one attempt, the error as it was."""
