@@ -32,7 +32,7 @@ from kvrelay.broker.generations import (
 )
 from kvrelay.broker.placement import check_ever_fits, check_image_fits, choose_ar_replica
 from kvrelay.broker.registry import ReplicaSpec
-from kvrelay.broker.tickets import Ticket
+from kvrelay.broker.tickets import BrokerError, Ticket
 from kvrelay.errors import KvRelayServerError, invalid_argument, reason_of
 from kvrelay.logging import bind_request, get_logger
 from kvrelay.security import ChannelCache
@@ -305,6 +305,16 @@ class Admission:
                 grpc.StatusCode.UNAVAILABLE, "BROKER_SHUTTING_DOWN", "the broker is stopping"
             )
         await self.queue.wait_for_admission(request_id)
+        # A ticket made by hand (BrokerService.CreateTicket) under this id while its request is
+        # live: ALREADY_EXISTS REQUEST_ID_REUSED. Checked with no await before the record exists,
+        # so a concurrent CreateTicket of this id either came first (refused here) or finds the
+        # generation (refused there): never both.
+        try:
+            self.core.check_generation_id(request_id)
+        except BrokerError as err:
+            raise KvRelayServerError(
+                grpc.StatusCode[err.code], err.reason, err.message, request_id=request_id
+            ) from None
         record, created = self.store.create_or_attach(request_id, params, seed_given)
         if not created:
             return record

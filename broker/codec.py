@@ -39,7 +39,7 @@ def ticket_to_json(t: TicketRecord) -> dict[str, Any]:
         ],
         "loads": [[k.row, k.dst_rank, v] for k, v in t.loads.items()],
         "last_resolution_time": t.last_resolution_time, "drain_start_time": t.drain_start_time,
-        "version": t.version, "orphaned": t.orphaned,
+        "version": t.version, "orphaned": t.orphaned, "by_hand": t.by_hand,
     }  # fmt: skip
 
 
@@ -72,4 +72,5 @@ def ticket_from_json(d: dict[str, Any]) -> TicketRecord:
     t.drain_start_time = d["drain_start_time"]
     t.version = d["version"]
     t.orphaned = bool(d.get("orphaned", False))  # absent in records journaled before it existed
+    t.by_hand = bool(d.get("by_hand", False))  # likewise: such a ticket was taken for a generation's
     return t

@@ -763,6 +763,7 @@ class BrokerCore:
         row_token_counts: Sequence[int],
         *,
         replaces: TicketId = "",
+        by_hand: bool = False,
     ) -> Ticket | None:
         """Reserve pages for every row (all or nothing): RESERVED. None = does not fit now.
 
@@ -770,6 +771,9 @@ class BrokerCore:
         `replaces`: the ticket of this request's earlier attempt (the orchestrator's retry after
         a replica or transfer failure), whose request is over: the new ticket gets pages of its own beside it,
         and the old one keeps its pages until it is released or drained as any ended ticket.
+        `by_hand`: made with the operator's BrokerService.CreateTicket. The two kinds never share a
+        request id while a request is live (ALREADY_EXISTS REQUEST_ID_REUSED, `_check_id_kind`); a
+        generation's ticket is made beside a hand-made one whose request is over (it may drain).
         """
         counts = [int(n) for n in row_token_counts]
         if not request_id:
@@ -783,6 +787,9 @@ class BrokerCore:
                 "(row 0 the prompt, row 1 the negative prompt)",
             )
         existing = self._by_request.get(request_id)
+        if existing is not None and self._tickets[existing].by_hand != by_hand:
+            self._check_id_kind(self._tickets[existing], by_hand)
+            replaces = existing  # a generation's, beside a hand-made ticket whose request is over
         if existing is not None and existing == replaces:
             if not self._tickets[existing].request_over:
                 raise FailedPrecondition(
@@ -841,6 +848,7 @@ class BrokerCore:
             sequence=self._sequence,
             dit_incarnation=dit.spec.incarnation_id,
             now=now,
+            by_hand=by_hand,
         )
         self._tickets[ticket_id] = t
         self._by_request[request_id] = ticket_id
@@ -1129,6 +1137,36 @@ class BrokerCore:
     def ticket_for_request(self, request_id: str) -> Ticket | None:
         tid = self._by_request.get(request_id)
         return None if tid is None else self._tickets[tid].snapshot()
+
+    def check_generation_id(self, request_id: str) -> None:
+        """Raise AlreadyExists (REQUEST_ID_REUSED) when a ticket made by hand (the operator's
+        BrokerService.CreateTicket) holds `request_id` and its request is live: a generation
+        takes an id of its own (Generate's admission asks, synchronously with its record's
+        creation, so a CreateTicket cannot slip in between). One whose request is over
+        (released, cancelled, expired, failed, or ended by a broker restart) holds the id no
+        more: the generation's ticket gets pages of its own beside it while it drains."""
+        tid = self._by_request.get(request_id)
+        if tid is not None and self._tickets[tid].by_hand:
+            self._check_id_kind(self._tickets[tid], by_hand=False)
+
+    @staticmethod
+    def _check_id_kind(held: TicketRecord, by_hand: bool) -> None:
+        """A ticket of the other kind (`by_hand` or a generation's) holds the request id."""
+        if by_hand:
+            # The orchestrator made it for a generation the broker no longer holds (forgotten
+            # after result_ttl_seconds, or lost with a restart) while its pages drain or wait.
+            raise AlreadyExists(
+                "REQUEST_ID_REUSED",
+                f"request_id {held.request_id!r} holds ticket {held.ticket_id} ({held.state.value}) of a "
+                "generation; CreateTicket takes a request id of its own",
+            )
+        if not held.request_over:
+            raise AlreadyExists(
+                "REQUEST_ID_REUSED",
+                f"request_id {held.request_id!r} is held by ticket {held.ticket_id} ({held.state.value}) made "
+                "with BrokerService.CreateTicket; a generation takes a request id of its own (or release "
+                "that ticket first: ReleaseTicket or CancelTicket)",
+            )
 
     def list_tickets(
         self, states: Iterable[TicketState] | None = None, replica_id: ReplicaId | None = None

@@ -179,9 +179,11 @@ def place(
     replicas refuse it for good).
     """
     existing = core.ticket_for_request(request_id)
-    if existing is not None and not (replaces and existing.ticket_id == replaces):
+    if existing is not None and not existing.by_hand and not (replaces and existing.ticket_id == replaces):
         # An earlier generation with this id still drains its ticket; the core keys tickets
-        # by request_id, so this one waits until that ticket is released.
+        # by request_id, so this one waits until that ticket is released. (A ticket made by hand
+        # under this id: the core places this one beside it once its request is over, and refuses
+        # while it is live, REQUEST_ID_REUSED, which Generate's admission already refused.)
         return None
     ar_id, dit_id = choose_pair(
         core, token_counts, max(width, height), exclude, avoid_pairs=avoid_pairs, exclude_pairs=exclude_pairs

@@ -733,8 +733,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 f"request_id {request.request_id!r} names a generation of this broker ({state}); "
                 "CreateTicket takes a request id of its own",
             )
+        # No await from the check above to here: a Generate admitted under this id in between
+        # would find this ticket (core.check_generation_id), and this call its generation.
         ticket = self.core.create_ticket(
-            request.request_id, request.ar_replica_id, request.dit_replica_id, list(request.row_token_counts)
+            request.request_id, request.ar_replica_id, request.dit_replica_id, list(request.row_token_counts),
+            by_hand=True,
         )
         if ticket is None:
             no_room = KvRelayServerError(

@@ -215,6 +215,9 @@ class Ticket:
     sequence: int
     version: int
     request_over: bool
+    # Made by hand with the operator's BrokerService.CreateTicket, not by the orchestrator for a
+    # generation: a generation's request id is never such a ticket's while its request is live.
+    by_hand: bool = False
 
     @property
     def page_ids(self) -> tuple[PageId, ...]:
@@ -243,7 +246,7 @@ class TicketRecord:
         "ticket_id", "request_id", "ar_replica_id", "dit_replica_id", "rows", "sequence",
         "src_shards", "dst_shards", "create_time", "update_time", "state", "outcome", "reason",
         "armed", "armed_incarnation", "dit_incarnation", "request_over", "writes", "loads",
-        "last_resolution_time", "drain_start_time", "version", "orphaned",
+        "last_resolution_time", "drain_start_time", "version", "orphaned", "by_hand",
     )  # fmt: skip
 
     def __init__(
@@ -260,6 +263,7 @@ class TicketRecord:
         sequence: int,
         dit_incarnation: str,
         now: float,
+        by_hand: bool = False,
     ) -> None:
         self.ticket_id = ticket_id
         self.request_id = request_id
@@ -289,6 +293,8 @@ class TicketRecord:
         # The request was ended by the broker's restart (`orphan`), not by anyone who saw it end:
         # the DiT's release of a READY/CONSUMING ticket then records what really happened.
         self.orphaned = False
+        # Made with BrokerService.CreateTicket (an operator's), not for a generation (journaled).
+        self.by_hand = by_hand
 
     # ------------------------------------------------------------------ queries
 
@@ -336,6 +342,7 @@ class TicketRecord:
             sequence=self.sequence,
             version=self.version,
             request_over=self.request_over,
+            by_hand=self.by_hand,
         )
 
     # ------------------------------------------------------------------ events
