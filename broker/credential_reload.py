@@ -16,6 +16,7 @@ Owns reading and deciding only; never logs a token, a secret, or anything derive
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,10 +28,14 @@ from kvrelay.security import (
     CredentialRotation,
     Credentials,
     SecurityError,
+    TlsMaterial,
     credential_sources,
+    read_tls,
     reload_tokens,
     require_bound_credential,
+    tls_files,
 )
+from kvrelay.server_tls import ServerCertificates, check_server_pair
 
 if TYPE_CHECKING:
     from kvrelay.config import SecurityConfig
@@ -41,6 +46,8 @@ RELOADED: Final = "reloaded"
 UNCHANGED: Final = "unchanged"
 NOT_RELOADABLE: Final = "not reloadable"
 FAILED: Final = "failed"
+# SourceReload.key of the server's certificate, key and CA files (security.tls).
+TLS_KEY: Final = "tls"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,25 +83,37 @@ class BrokerSecrets:
         self.cfg = cfg
         self.rotation = rotation
         self._read = read
+        # The certificate and key the broker's server presents (security.tls), swapped for the
+        # files' new pair once it is checked (kvrelay.server_tls); None: no TLS, or not reloaded.
+        self.server_certificates: ServerCertificates | None = None
         # Awaited after a rotation, before the answer: the rotation's record is on disk
         # (broker.credential_grace; broker.main gives the journal's `durable`).
         self.persisted: Callable[[], Awaitable[None]] | None = None
         # reload outcomes since the broker started, by outcome (kvrelay_broker_credential_reloads_total).
         self.outcomes: dict[str, int] = {RELOADED: 0, UNCHANGED: 0, FAILED: 0}
 
+    def _read_tls(self) -> TlsMaterial:
+        """The files' TLS material, checked as a pair a client trusting the CA file accepts."""
+        tls = read_tls(self.cfg, BROKER_CALLER_ID)
+        assert tls is not None  # server_certificates is set only with security.tls
+        check_server_pair(tls, tls_files(self.cfg))
+        return tls
+
     async def reload(self) -> SecretsReload:
         """Re-read every credential file; swap in what changed. Never raises for what a file
         holds: the answer says what was taken and what not."""
         held = self.rotation.current
         sources = credential_sources(self.cfg, BROKER_CALLER_ID)
+        certificates = self.server_certificates
         try:
             new = await asyncio.to_thread(self._read, self.cfg, held, BROKER_CALLER_ID)
             require_bound_credential(new, BROKER_CALLER_ID)
+            tls = None if certificates is None else await asyncio.to_thread(self._read_tls)
         except SecurityError as err:
             self.outcomes[FAILED] += 1
             failed = tuple(
                 SourceReload(s.key, s.describe(), FAILED if s.reloadable else NOT_RELOADABLE) for s in sources
-            )
+            ) + ((SourceReload(TLS_KEY, tls_files(self.cfg), FAILED),) if certificates is not None else ())
             log.warning("credentials_reload_failed", error=str(err),
                         consequence="nothing was taken: the broker takes the credentials it held, as before")  # fmt: skip
             return SecretsReload(failed, rotated=False, grace_seconds=self.rotation.grace_left_s(), error=str(err))
@@ -105,8 +124,20 @@ class BrokerSecrets:
                 continue
             changed = not _equal(getattr(held, s.key), getattr(new, s.key))
             answers.append(SourceReload(s.key, s.describe(), RELOADED if changed else UNCHANGED))
-        rotated = any(a.state == RELOADED for a in answers)
-        if rotated:
+        tls_changed = False
+        if certificates is not None and tls is not None:
+            tls_changed = _tls_changed(certificates.tls, tls)
+            answers.append(SourceReload(TLS_KEY, tls_files(self.cfg), RELOADED if tls_changed else UNCHANGED))
+            new = dataclasses.replace(new, tls=tls if tls_changed else held.tls)
+        tokens_changed = any(a.state == RELOADED for a in answers if a.key != TLS_KEY)
+        rotated = tokens_changed or tls_changed
+        if tls_changed:
+            assert certificates is not None and tls is not None
+            certificates.swap(tls)  # new connections from now on; those up keep theirs
+        if tls_changed and not tokens_changed:
+            self.rotation.replace_current(new)  # the same tokens: no generation replaced
+            self.outcomes[RELOADED] += 1
+        elif rotated:
             self.rotation.rotate(new)
             self.outcomes[RELOADED] += 1
             if self.persisted is not None:
@@ -124,6 +155,18 @@ class BrokerSecrets:
                     "told to re-read its token file at its next heartbeat") if rotated else "none",
         )  # fmt: skip
         return SecretsReload(tuple(answers), rotated=rotated, grace_seconds=self.rotation.grace_left_s())
+
+
+def _tls_changed(held: TlsMaterial, new: TlsMaterial) -> bool:
+    return not (
+        _equal_bytes(held.cert_chain, new.cert_chain)
+        and _equal_bytes(held.private_key, new.private_key)
+        and _equal_bytes(held.root_certificates, new.root_certificates)
+    )
+
+
+def _equal_bytes(a: bytes | None, b: bytes | None) -> bool:
+    return hmac.compare_digest(a or b"", b or b"")
 
 
 def _equal(a: str | None, b: str | None) -> bool:

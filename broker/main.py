@@ -50,6 +50,7 @@ from kvrelay.security import (
     require_bound_credential,
 )
 from kvrelay.server import GrpcServer
+from kvrelay.server_tls import ServerCertificates
 from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
@@ -109,6 +110,9 @@ async def serve(
     grace_store.restore()
     rotation.on_change = grace_store.save_quietly
     secrets.persisted = core.journal.durable
+    # The server's certificate and key, swapped by `kvrelay rotate-secrets` (kvrelay.server_tls).
+    server_certificates = ServerCertificates(creds.tls) if creds.tls is not None else None
+    secrets.server_certificates = server_certificates
     journal_failed = asyncio.Event()
     core.journal.on_failure = lambda _err: journal_failed.set()
     registry = CollectorRegistry()
@@ -145,6 +149,7 @@ async def serve(
         checks=broker_checks(core),
         insecure_bind=insecure_bind,
         credential_refusals=refusals,
+        server_certificates=server_certificates,
         credential_rotation=rotation,
     )
     await server.start()

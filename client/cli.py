@@ -988,7 +988,8 @@ def run_rotate_secrets(args: argparse.Namespace) -> int:
         print(f"kvrelay rotate-secrets: nothing taken: {_printable(answer.error)}", file=sys.stderr)
         return 1
     if answer.rotated:
-        print(f"new credentials taken; the replaced ones are still taken for {answer.grace_seconds:.0f} s")
+        print("new credentials taken" + (f"; the replaced ones are still taken for {answer.grace_seconds:.0f} s"
+                                         if answer.grace_seconds > 0 else ""))  # fmt: skip
     else:
         print("nothing changed" + (f" (the last rotation's replaced credentials are taken {answer.grace_seconds:.0f} s more)"
                                    if answer.grace_seconds > 0 else ""))  # fmt: skip

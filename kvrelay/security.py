@@ -447,21 +447,36 @@ def client_tls_from_files(ca: str | None, cert: str | None = None, key: str | No
     )
 
 
+def tls_files(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> str:
+    """Where the process `name` reads its TLS material from, in words ("" without TLS)."""
+    if cfg.tls is None:
+        return ""
+    return (f"security.tls.cert_file ({cfg.tls.cert_file.replace('{name}', name)}), security.tls.key_file "
+            f"({cfg.tls.key_file.replace('{name}', name)}), security.tls.ca_file ({cfg.tls.ca_file})")  # fmt: skip
+
+
+def read_tls(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> TlsMaterial | None:
+    """The TLS material of the process `name` (`{name}` in `cert_file` / `key_file`), each PEM
+    file read once, bounded; None without `security.tls`. At start, and again by `kvrelay
+    rotate-secrets` (the broker checks a pair before serving it: kvrelay.server_tls)."""
+    if cfg.tls is None:
+        return None
+    return TlsMaterial(
+        cert_chain=_read_pem(cfg.tls.cert_file.replace("{name}", name), "security.tls.cert_file"),
+        private_key=_read_pem(cfg.tls.key_file.replace("{name}", name), "security.tls.key_file"),
+        root_certificates=_read_pem(cfg.tls.ca_file, "security.tls.ca_file"),
+        require_client_cert=cfg.tls.require_client_cert,
+        server_name=cfg.tls.server_name,
+        operator_names=tuple(cfg.tls.operator_names),
+        replica_names=tuple(cfg.tls.replica_names),
+    )
+
+
 def load_credentials(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> Credentials:
     """Resolve the `security:` section for the process `name` (`broker`, `ar-0`, `dit-1`): tokens
     from env vars or files, PEM files read once. `{name}` in `tls.cert_file` / `tls.key_file`
     gives each process its own certificate (common name = its id: mutual TLS then binds it)."""
-    tls = None
-    if cfg.tls is not None:
-        tls = TlsMaterial(
-            cert_chain=_read_pem(cfg.tls.cert_file.replace("{name}", name), "security.tls.cert_file"),
-            private_key=_read_pem(cfg.tls.key_file.replace("{name}", name), "security.tls.key_file"),
-            root_certificates=_read_pem(cfg.tls.ca_file, "security.tls.ca_file"),
-            require_client_cert=cfg.tls.require_client_cert,
-            server_name=cfg.tls.server_name,
-            operator_names=tuple(cfg.tls.operator_names),
-            replica_names=tuple(cfg.tls.replica_names),
-        )
+    tls = read_tls(cfg, name)
     creds = Credentials(
         bound_replica_tokens=cfg.replica_tokens == "bound",
         tls=tls,
@@ -1010,6 +1025,11 @@ class CredentialRotation:
         self._generation += 1
         self.rotations += 1
         self._changed()
+
+    def replace_current(self, creds: Credentials) -> None:
+        """Hold `creds` as the current generation itself, no rotation: what changed is no
+        credential a caller presents (the broker's TLS certificate, kvrelay.server_tls)."""
+        self._current = creds
 
     def restore(self, current_generation: int, superseded: Sequence[SupersededCredentials]) -> None:
         """Take `superseded` (their deadlines on this rotation's clock) beside the current
@@ -1611,6 +1631,8 @@ __all__ = [
     "current_caller",
     "is_loopback",
     "load_credentials",
+    "read_tls",
+    "tls_files",
     "make_channel",
     "make_sync_channel",
     "node_token_env",

@@ -35,6 +35,7 @@ from kvrelay.security import (
     server_credentials,
     server_options,
 )
+from kvrelay.server_tls import ServerCertificates
 from kvrelay.stopping import ProcessStop
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
@@ -84,6 +85,9 @@ class GrpcServer:
     # What the server takes across a reload of its credentials (the broker's is shared with what
     # reloads them and with its orchestrator's channels); one of `credentials` alone by default.
     credential_rotation: CredentialRotation | None = None
+    # The certificate and key served, swappable while serving (the broker's: `kvrelay
+    # rotate-secrets`, kvrelay.server_tls); None: those of `credentials`, fixed.
+    server_certificates: ServerCertificates | None = None
     bound_port: int = 0
     bound_metrics_port: int | None = None
     _server: grpc.aio.Server | None = field(default=None, repr=False)
@@ -118,7 +122,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         _enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
         listen = f"{self.host}:{self.port}"
-        tls = server_credentials(creds)
+        tls = self.server_certificates.credentials() if self.server_certificates is not None else server_credentials(creds)
         # Checked before gRPC tries (its own failed bind also logs a multi-line C-core error): a
         # port in use names its holder, an address this host does not have says so.
         try:
