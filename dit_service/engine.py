@@ -10,7 +10,8 @@ encodes the PNG off the ranks' critical path).
 It never talks to the broker and never decides when pages are free: the service process does,
 after the rank has answered. Step progress and cancellation cross a small shared control block
 (not the command pipe, which carries one reply per command) so the service can stream steps and
-stop a denoise within one step.
+stop a denoise: on the CPU at the next transformer block once every request of the running batch
+is cancelled (the ranks agree on the block, `DitRunner.block_abort`), else at the next step.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class RunDenoise:
 class RunDenoiseBatch:
     """Denoise several admitted requests together (same size and step count): one forward per
     step over all their CFG rows. Answers one DenoiseResult per item, in order; an item whose
-    slot is cancelled stops at the next step boundary while the others go on."""
+    slot is cancelled stops at the next step boundary while the others go on; once every item is
+    cancelled, a CPU step stops at its next transformer block."""
 
     items: tuple[RunDenoise, ...]
 
@@ -94,6 +96,10 @@ class DenoiseResult:
     # previous denoise returned; 0 for the first): the replica's own dispatch overhead when
     # requests were queued, idle time otherwise.
     idle_seconds: float = 0.0
+    # (step, block) where the ranks abandoned a step mid-way because every request of the batch
+    # was cancelled (CPU, `DitRunner.block_abort`); None when the denoise stopped at a step boundary
+    # or ran to the end.
+    aborted_at: tuple[int, int] | None = None
 
 
 class DenoiseStopped(Exception):
@@ -317,10 +323,12 @@ class DitRankHandler:
             latents = self.runner.denoise(
                 prefix_rows, width=cmd.width, height=cmd.height, steps=cmd.steps,
                 guidance_scale=cmd.guidance_scale, seed=cmd.seed, on_step=on_step,
+                **self._abort_kw(lambda: self._cancelled(cmd)),
             )
         except (DenoiseStopped, DenoiseCancelled):
             return DenoiseResult(self.ctx.rank, steps_done, True, None, cmd.width, cmd.height,
-                                 copy_seconds, time.perf_counter() - start, 0.0)
+                                 copy_seconds, time.perf_counter() - start, 0.0,
+                                 aborted_at=getattr(self.runner, "last_abort", None))
         finally:
             del prefix_rows  # views into the pool: none outlives the call
         self._sync()  # the steps are queued asynchronously (graph replays): time what they cost
@@ -344,6 +352,13 @@ class DitRankHandler:
         image = self.runner.decode(latents)
         array = image.detach().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
         return np.ascontiguousarray(array)
+
+    def _abort_kw(self, abort: Any) -> dict[str, Any]:
+        """`abort=` for a runner that can stop a step at a block boundary (`DitRunner`; a
+        BAGEL-format runner stops at step boundaries only)."""
+        from kvrelay.models.dit import DitRunner
+
+        return {"abort": abort} if isinstance(self.runner, DitRunner) else {}
 
     def _cancelled(self, cmd: RunDenoise) -> bool:
         control = self.control[cmd.slot]
@@ -382,9 +397,15 @@ class DitRankHandler:
                     stop.add(j)
             return stop
 
+        def abort(active: list[int]) -> bool:
+            # Only once every request still in the batch is cancelled: a live one's rows must
+            # never see a partial step (a cancelled one among live ones stops at the step's end).
+            return all(self._cancelled(items[running[j]]) for j in active)
+
         start = time.perf_counter()
         latents = self.runner.denoise_batch(requests, width=first.width, height=first.height, steps=first.steps,
-                                            on_step=on_step) if requests else []
+                                            on_step=on_step, **self._abort_kw(abort)) if requests else []
+        aborted_at = getattr(self.runner, "last_abort", None) if requests else None
         del requests  # views into the pool: none outlives the call
         self._sync()
         denoise_seconds = time.perf_counter() - start
@@ -402,7 +423,8 @@ class DitRankHandler:
                                    denoise_seconds, decode_seconds)
         return tuple(
             r if r is not None else DenoiseResult(self.ctx.rank, steps_done[i], True, None, items[i].width,
-                                                  items[i].height, copy_seconds, denoise_seconds, 0.0)
+                                                  items[i].height, copy_seconds, denoise_seconds, 0.0,
+                                                  aborted_at=aborted_at if i in running else None)
             for i, r in enumerate(out)
         )
 

@@ -75,6 +75,23 @@ class DenoiseCancelled(Exception):
     all ranks of a replica stop after the same step, so no rank waits in a collective forever."""
 
 
+class StepAborted(DenoiseCancelled):
+    """Raised out of an eager (CPU) step at a block boundary, on every rank at the same block,
+    when the agreed abort check (``agreed_abort``) says every request of the step is cancelled:
+    the step's partial result is dropped, and no rank is left inside a collective."""
+
+    def __init__(self, block: int, blocks: int) -> None:
+        super().__init__(f"step aborted before block {block} of {blocks}")
+        self.block = block
+
+
+# abort() -> True to abandon the running step at the next block boundary. The checks a step makes
+# are collective on a multi-rank replica (``agreed_abort``): every rank calls it at the same blocks.
+AbortCheck = Callable[[], bool]
+# abort(active request indices) -> True when every one of them is to stop now (``denoise_batch``).
+BatchAbortCheck = Callable[[list[int]], bool]
+
+
 # ---------------------------------------------------------------------------------------------
 # Parallel layout
 # ---------------------------------------------------------------------------------------------
@@ -438,10 +455,16 @@ class DitModel(nn.Module):
         return out
 
     @torch.no_grad()
-    def step(self, latents: torch.Tensor, cond: StepConditioning, inputs: DitStepInputs) -> torch.Tensor:
+    def step(
+        self, latents: torch.Tensor, cond: StepConditioning, inputs: DitStepInputs, abort: AbortCheck | None = None
+    ) -> torch.Tensor:
         """Velocity ``[rows, C, h, w]`` of ``latents`` at the flow time whose conditioning is
         ``cond`` (``conditioning(t)``, shared by every row) over prepared inputs. No host
-        synchronisation and fixed buffer addresses: a CUDA graph can capture it."""
+        synchronisation and fixed buffer addresses: a CUDA graph can capture it.
+
+        ``abort`` (eager steps only, never captured): called before every block; True raises
+        ``StepAborted`` there, so a cancel stops a long CPU step within one block, not one step.
+        On a multi-rank replica it must be the agreed check (``agreed_abort``) on every rank."""
         cfg, sp = self.cfg, self.parallel.sp
         rows, _, h, w = latents.shape
         if (h, w, rows) != (inputs.h, inputs.w, inputs.kv.rows):
@@ -460,6 +483,8 @@ class DitModel(nn.Module):
         kv = inputs.kv
         run_block = self.compiled_block or _run_block
         for layer, block in enumerate(self.blocks):
+            if abort is not None and abort():
+                raise StepAborted(layer, len(self.blocks))
             x = run_block(block, x, cond.blocks[layer], inputs.cos, inputs.sin, kv.keys[layer], kv.values[layer],
                           kv.prefix_slots, kv.mask)
 
@@ -467,6 +492,13 @@ class DitModel(nn.Module):
         out = self.final_proj(self.final_norm(x) * (1 + scale) + shift)
         out = sp.all_gather(out, dim=1)[:, :n]
         return self.unpatchify(out, h, w)
+
+    def idle_blocks(self, abort: AbortCheck) -> None:
+        """What a rank that computes no rows this step (a CFG-parallel group with none) does in
+        place of ``step``: the same per-block abort checks, so the agreed ones stay in lockstep."""
+        for layer in range(len(self.blocks)):
+            if abort():
+                raise StepAborted(layer, len(self.blocks))
 
     @torch.no_grad()
     def forward(self, latents: torch.Tensor, t: float, prefix_rows: Sequence[PrefixRow]) -> torch.Tensor:
@@ -729,6 +761,9 @@ class DitRunner:
         self.expert_parallel = expert_parallel and self.cfg.is_moe and self.parallel.tp.world_size > 1
         self._graphs: OrderedDict[tuple[int, int, int, int], StepGraph] = OrderedDict()
         self._graph_pool: Any = None
+        # (step, block) at which the last denoise / denoise_batch abandoned a step (every request
+        # of it cancelled mid-step, ``StepAborted``); None when it did not.
+        self.last_abort: tuple[int, int] | None = None
         # Step conditionings by (float64 bits of t, dtype, device), LRU; see ``conditioning``.
         self._conditionings: OrderedDict[tuple[int, torch.dtype, torch.device], StepConditioning] = OrderedDict()
         self.model = DitModel(
@@ -827,12 +862,26 @@ class DitRunner:
         b = self.prefix_bucket
         return -(-longest // b) * b if b else longest
 
-    def stepper(self, prefix_rows: Sequence[PrefixRow], lat_h: int, lat_w: int) -> VelocityFn:
+    def block_abort(self, abort: AbortCheck | None) -> AbortCheck | None:
+        """The per-block abort check of this rank's eager steps: ``abort`` agreed over the replica
+        (``agreed_abort``: one tiny all-reduce per block when world > 1), or None where steps are
+        not interrupted: no ``abort`` given, or not on the CPU (on GPUs a step is tens of ms, and a
+        captured graph cannot be interrupted; a per-block host sync would only slow every step).
+        Every rank of a replica must pass an ``abort`` or none."""
+        if abort is None or self.device.type != "cpu":
+            return None
+        return agreed_abort(abort, self.parallel.replica_rank, self.parallel.replica_world)
+
+    def stepper(
+        self, prefix_rows: Sequence[PrefixRow], lat_h: int, lat_w: int, abort: AbortCheck | None = None
+    ) -> VelocityFn:
         """The velocity function ``velocity(x [rows, C, h, w], t: float) -> v`` of one denoise over
         ``prefix_rows`` (on the model's device): the prefixes are copied once into the step's K/V
         buffers, then each call runs one step at the host flow time t (every row at the same t;
         its conditioning from the cache), as a CUDA graph replay when graphs are on (the returned
-        tensor is then the graph's output buffer, valid until the next call)."""
+        tensor is then the graph's output buffer, valid until the next call). ``abort`` (from
+        ``block_abort``) is checked before every block of an eager step (``DitModel.step``); a
+        captured step ignores it."""
         longest = max(int(row[0][0].shape[1]) for row in prefix_rows)
         slots = self.prefix_slots(longest)
         if self.use_graphs:
@@ -843,7 +892,7 @@ class DitRunner:
         self.model.prepare(prefix_rows, lat_h, lat_w, into=inputs)
 
         def velocity(x: torch.Tensor, t: float) -> torch.Tensor:
-            return self.model.step(x, self.conditioning(t), inputs)
+            return self.model.step(x, self.conditioning(t), inputs, abort)
 
         return velocity
 
@@ -931,33 +980,50 @@ class DitRunner:
         guidance_scale: float,
         seed: int,
         on_step: StepCallback | None = None,
+        abort: AbortCheck | None = None,
     ) -> torch.Tensor:
         """Latents ``[C, height/8, width/8]`` (model dtype, on the model's device) after ``steps``
         flow-matching Euler steps with CFG over ``prefix_rows`` (1 row when guidance_scale == 1).
 
         ``prefix_rows[r][layer] = (k, v)``, each ``[heads_local, T_r, head_dim]`` for this rank's
         head shard. ``on_step(k, steps)`` runs after each step on every rank; if it raises on any
-        rank, every rank stops after that step (others raise ``DenoiseCancelled``).
+        rank, every rank stops after that step (others raise ``DenoiseCancelled``). ``abort()``
+        (CPU: checked before every block, see ``block_abort``; pass one on every rank or on none)
+        returning True on any rank stops every rank at the same block of the running step: they
+        raise ``StepAborted``.
         """
         self._check_prefix(prefix_rows, guidance_scale)
+        self.last_abort = None
         if self.parallel.cfg.world_size > 1:
             return self._denoise_one_cfg_parallel(
-                BatchRequest(prefix_rows, guidance_scale, seed), width, height, steps, on_step
+                BatchRequest(prefix_rows, guidance_scale, seed), width, height, steps, on_step, abort
             )
         lat_h, lat_w = self.cfg.latent_size(width, height)
         rows = [self._on_device(row) for row in prefix_rows]
         noise = initial_noise(
             seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device
         )
-        velocity = self.stepper(rows, lat_h, lat_w)
-        latents: torch.Tensor = euler_sample(
-            velocity,
-            noise,
-            steps=steps,
-            guidance_scale=guidance_scale,
-            shift=self.timestep_shift,
-            on_step=self._agreed(on_step),
-        )
+        velocity = self.stepper(rows, lat_h, lat_w, self.block_abort(abort))
+        done = 0
+
+        def counted(step: int, total: int) -> None:
+            nonlocal done
+            done = step
+            if on_step is not None:
+                on_step(step, total)
+
+        try:
+            latents: torch.Tensor = euler_sample(
+                velocity,
+                noise,
+                steps=steps,
+                guidance_scale=guidance_scale,
+                shift=self.timestep_shift,
+                on_step=self._agreed(counted),
+            )
+        except StepAborted as err:
+            self.last_abort = (done + 1, err.block)
+            raise
         return latents
 
     @torch.no_grad()
@@ -969,6 +1035,7 @@ class DitRunner:
         height: int,
         steps: int,
         on_step: BatchStepCallback | None = None,
+        abort: BatchAbortCheck | None = None,
     ) -> list[torch.Tensor | None]:
         """Several requests denoised together: every step is ONE forward over all their CFG rows
         stacked (each request's rows attend to its own prefixes), then each request's guidance and
@@ -978,7 +1045,12 @@ class DitRunner:
         ``on_step(k, steps, active)`` runs after step k with the indices of the requests still
         running and returns those to stop now; the others go on (the batch shrinks at a step
         boundary). On ``world > 1`` ranks agree on the stopped set (one small all-reduce a step).
+        ``abort(active)`` (CPU: checked before every block, see ``block_abort``; pass one on every
+        rank or on none) returning True on any rank abandons the running step at that block on
+        every rank: every active request stops there (``last_abort`` says where). It must say True
+        only when every active request is to stop: a live request's rows never see a partial step.
         """
+        self.last_abort = None
         if not requests:
             return []
         for req in requests:
@@ -989,17 +1061,23 @@ class DitRunner:
             initial_noise(req.seed, (self.cfg.latent_channels, lat_h, lat_w), dtype=self.dtype, device=self.device)
             for req in requests
         ]
-        if self.parallel.cfg.world_size > 1:
-            return self._denoise_batch_cfg_parallel(requests, rows_of, xs, lat_h, lat_w, steps, on_step)
         results: list[torch.Tensor | None] = [None] * len(requests)
         active = list(range(len(requests)))
+        # Reads `active` when called: the batch's current requests.
+        check = self.block_abort(None if abort is None else lambda: abort(list(active)))
+        if self.parallel.cfg.world_size > 1:
+            return self._denoise_batch_cfg_parallel(requests, rows_of, xs, lat_h, lat_w, steps, on_step, active, check)
         times = flow_timesteps(steps, self.timestep_shift)
-        velocity = self.stepper([row for i in active for row in rows_of[i]], lat_h, lat_w)
+        velocity = self.stepper([row for i in active for row in rows_of[i]], lat_h, lat_w, check)
         for k in range(steps):
             t, t_next = float(times[k]), float(times[k + 1])
             counts = [len(rows_of[i]) for i in active]
             batch = torch.cat([xs[i].unsqueeze(0).expand(n, *xs[i].shape) for i, n in zip(active, counts, strict=True)])
-            v_all = velocity(batch, t)
+            try:
+                v_all = velocity(batch, t)
+            except StepAborted as err:
+                self.last_abort = (k + 1, err.block)
+                return results
             for i, v in zip(active, v_all.split(counts), strict=True):
                 guided = combine_cfg(v, requests[i].guidance_scale)
                 xs[i] = (xs[i].float() + (t_next - t) * guided.float()).to(self.dtype)
@@ -1010,7 +1088,7 @@ class DitRunner:
                 if not active:
                     return results
                 if k + 1 < steps:
-                    velocity = self.stepper([row for i in active for row in rows_of[i]], lat_h, lat_w)
+                    velocity = self.stepper([row for i in active for row in rows_of[i]], lat_h, lat_w, check)
         for i in active:
             results[i] = xs[i]
         return results
@@ -1024,29 +1102,39 @@ class DitRunner:
         lat_w: int,
         steps: int,
         on_step: BatchStepCallback | None,
+        active: list[int],
+        check: AbortCheck | None,
     ) -> list[torch.Tensor | None]:
         """CFG-parallel batch: this rank's group computes its row of each request (``local_rows``:
         one row, or none of a one-row request on group 1) in ONE forward; one all-gather over the
         CFG group per step then gives every rank every row's velocity, in row order, and each rank
-        applies the same guidance and Euler update, so every rank ends with the same latents."""
+        applies the same guidance and Euler update, so every rank ends with the same latents.
+        ``check`` (``block_abort``'s, agreed over the whole replica) runs before every block; a
+        group with no rows this step runs the same checks (``DitModel.idle_blocks``). ``active``
+        (every request at first) is updated in place as requests stop: ``check`` reads it."""
         cfg = self.parallel.cfg
         shape = (self.cfg.latent_channels, lat_h, lat_w)
         results: list[torch.Tensor | None] = [None] * len(requests)
-        active = list(range(len(requests)))
         times = flow_timesteps(steps, self.timestep_shift)
 
         def build(active: list[int]) -> tuple[list[int], VelocityFn | None]:
             mine = [i for i in active if rows_of[i]]
-            return mine, (self.stepper([rows_of[i][0] for i in mine], lat_h, lat_w) if mine else None)
+            return mine, (self.stepper([rows_of[i][0] for i in mine], lat_h, lat_w, check) if mine else None)
 
         mine, velocity = build(active)
         for k in range(steps):
             t, t_next = float(times[k]), float(times[k + 1])
             local = torch.zeros(len(active), *shape, dtype=self.dtype, device=self.device)
-            if velocity is not None:
-                batch = torch.stack([xs[i] for i in mine])
-                at = torch.tensor([active.index(i) for i in mine], device=self.device)
-                local.index_copy_(0, at, velocity(batch, t).to(self.dtype))
+            try:
+                if velocity is not None:
+                    batch = torch.stack([xs[i] for i in mine])
+                    at = torch.tensor([active.index(i) for i in mine], device=self.device)
+                    local.index_copy_(0, at, velocity(batch, t).to(self.dtype))
+                elif check is not None:
+                    self.model.idle_blocks(check)
+            except StepAborted as err:
+                self.last_abort = (k + 1, err.block)
+                return results
             gathered = cfg.all_gather(local, dim=0).view(cfg.world_size, len(active), *shape)
             for j, i in enumerate(active):
                 # Row r's velocity came from group cfg_group(r): rows 0..n-1 are groups 0..n-1.
@@ -1055,7 +1143,7 @@ class DitRunner:
             stop = set(on_step(k + 1, steps, list(active))) if on_step is not None else set()
             stop = self._agreed_stop(stop, len(requests)) & set(active)
             if stop:
-                active = [i for i in active if i not in stop]
+                active[:] = [i for i in active if i not in stop]
                 if not active:
                     return results
                 if k + 1 < steps:
@@ -1065,7 +1153,8 @@ class DitRunner:
         return results
 
     def _denoise_one_cfg_parallel(
-        self, request: BatchRequest, width: int, height: int, steps: int, on_step: StepCallback | None
+        self, request: BatchRequest, width: int, height: int, steps: int, on_step: StepCallback | None,
+        abort: AbortCheck | None = None,
     ) -> torch.Tensor:
         """``denoise`` on a CFG-parallel replica: the batch path with one request, its step
         callback's stop turned into the same exceptions as ``denoise`` raises."""
@@ -1081,10 +1170,13 @@ class DitRunner:
                 return {0}
             return set()
 
-        (latents,) = self.denoise_batch([request], width=width, height=height, steps=steps, on_step=batch_step)
+        (latents,) = self.denoise_batch([request], width=width, height=height, steps=steps, on_step=batch_step,
+                                        abort=None if abort is None else lambda active: abort())
         if latents is None:
             if error:
                 raise error[0]
+            if self.last_abort is not None:
+                raise StepAborted(self.last_abort[1], self.cfg.num_layers)
             raise DenoiseCancelled(f"another rank stopped denoising of {steps} steps")
         return latents
 
@@ -1173,6 +1265,30 @@ def agreed_step_callback(
             raise error
         if int(flag.item()):
             raise DenoiseCancelled(f"another rank stopped denoising after step {step}/{total}")
+
+    return agreed
+
+
+def agreed_abort(abort: AbortCheck, rank: int, world: int) -> AbortCheck:
+    """Wrap a rank's abort check so that every rank of the replica gets the same answer at the same
+    call (one 4-byte all-reduce over the whole replica, CPU/gloo): True when ``abort()`` said True
+    on any rank. Every rank must call it at the same points (``DitModel.step`` checks before every
+    block, a rank without rows ``DitModel.idle_blocks``), or the all-reduces pair up wrongly and
+    hang; a rank whose check raises still votes (to stop), then raises."""
+    if world == 1:
+        return abort
+
+    def agreed() -> bool:
+        error: BaseException | None = None
+        try:
+            mine = bool(abort())
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the vote
+            error, mine = err, True
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        TpGroup(rank, world, None).all_reduce(flag)
+        if error is not None:
+            raise error
+        return bool(flag.item())
 
     return agreed
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrelay.models.dit import BatchRequest, DitRunner, shard_prefix
+from kvrelay.models.dit import BatchRequest, DenoiseCancelled, DitRunner, StepAborted, shard_prefix
 from kvrelay.models.moe import MoeMlp
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
 from kvrelay.worker import RankContext
@@ -27,6 +27,10 @@ class Generate:
     seed: int
     stop_on_rank: int = -1  # this rank's step callback raises after `stop_after_step`
     stop_after_step: int = 0
+    # Every rank passes an abort check (DitRunner.block_abort); this rank's says True from its
+    # `abort_at_check`-th call on (the others' never do).
+    abort_on_rank: int = -1
+    abort_at_check: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,12 @@ class DitRankHandler:
                 raise StopRequested(f"rank {self.ctx.rank} stops after step {step}/{total}")
 
         rows = self._rows_through_pages(self._my_rows(command))
+        checks: list[int] = []
+
+        def abort() -> bool:
+            checks.append(1)
+            return self.ctx.rank == command.abort_on_rank and len(checks) >= command.abort_at_check
+
         try:
             latents = self.runner.denoise(
                 rows,
@@ -136,10 +146,14 @@ class DitRankHandler:
                 guidance_scale=command.guidance_scale,
                 seed=command.seed,
                 on_step=on_step,
+                abort=abort if command.abort_on_rank >= 0 else None,
             )
         except Exception as err:
             # Carry what this rank saw, so the test can check where every rank stopped.
-            raise type(err)(f"{err} [steps_seen={seen}]") from None
+            info = f"[steps_seen={seen}] [checks={len(checks)}] [last_abort={self.runner.last_abort}]"
+            if isinstance(err, StepAborted):  # its constructor takes the block, not a message
+                raise DenoiseCancelled(f"StepAborted: {err} {info}") from None
+            raise type(err)(f"{err} {info}") from None
         experts = [m.experts.w_gate_up.shape[0] for m in self.runner.model.modules() if isinstance(m, MoeMlp)]
         return GenerateResult(
             latents.cpu(), self.runner.decode(latents), seen, self.layout.shard, experts[0] if experts else 0

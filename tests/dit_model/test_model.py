@@ -53,9 +53,9 @@ def test_guidance_one_runs_one_row(runner: DitRunner, monkeypatch) -> None:
     batch_rows: list[int] = []
     real_step = runner.model.step
 
-    def spy(latents, cond, inputs):
+    def spy(latents, cond, inputs, abort=None):
         batch_rows.append(latents.shape[0])
-        return real_step(latents, cond, inputs)
+        return real_step(latents, cond, inputs, abort)
 
     monkeypatch.setattr(runner.model, "step", spy)
     _generate(runner, guidance=1.0, steps=3)
@@ -74,9 +74,9 @@ def test_step_callback_streams_progress_and_stops_denoising(runner: DitRunner, m
     forwards: list[int] = []
     real_step = runner.model.step
 
-    def spy(latents, cond, inputs):
+    def spy(latents, cond, inputs, abort=None):
         forwards.append(1)
-        return real_step(latents, cond, inputs)
+        return real_step(latents, cond, inputs, abort)
 
     monkeypatch.setattr(runner.model, "step", spy)
 
@@ -173,3 +173,91 @@ def test_batched_denoise_matches_each_request_alone_and_drops_stopped_requests(r
         assert got is not None
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # stacked rows: other matmul shapes
     assert not torch.allclose(together[0], together[2])
+
+
+def _count_blocks(runner: DitRunner) -> tuple[list[int], list]:
+    ran: list[int] = []
+    hooks = [block.register_forward_hook(lambda *_, i=i: ran.append(i)) for i, block in enumerate(runner.model.blocks)]
+    return ran, hooks
+
+
+def test_abort_stops_the_running_step_at_the_next_block(runner: DitRunner) -> None:
+    """A cancel seen mid-step abandons the step before the next block (a long CPU step does not
+    run to its end), on the eager path; an abort check that never fires changes no bit."""
+    from kvrelay.models.dit import StepAborted
+
+    args = dict(width=64, height=64, steps=3, guidance_scale=2.0, seed=4)
+    undisturbed = runner.denoise(_rows(runner, 2.0), **args)
+    assert torch.equal(runner.denoise(_rows(runner, 2.0), abort=lambda: False, **args), undisturbed)
+    assert runner.last_abort is None
+
+    checks: list[int] = []
+
+    def abort() -> bool:
+        checks.append(1)
+        return len(checks) >= 4  # the 4th check: before block 1 of step 2 (tiny has 2 blocks)
+
+    steps_seen: list[int] = []
+    ran, hooks = _count_blocks(runner)
+    try:
+        with pytest.raises(StepAborted) as info:
+            runner.denoise(_rows(runner, 2.0), abort=abort, on_step=lambda k, n: steps_seen.append(k), **args)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert info.value.block == 1
+    assert runner.last_abort == (2, 1)
+    assert steps_seen == [1]
+    assert ran == [0, 1, 0]  # step 1 whole, then block 0 of step 2 only
+    assert len(checks) == 4
+
+
+def test_batch_aborts_mid_step_only_once_every_request_is_cancelled(runner: DitRunner) -> None:
+    """The service's rule: a cancelled request beside a live one leaves at the step's end (the live
+    one's latents are bit-equal to the same batch without the abort check); once every request
+    left is cancelled, the step is abandoned at the next block."""
+    from kvrelay.models.dit import BatchRequest
+
+    a = BatchRequest(_rows(runner, 2.0, lengths=(13, 6)), 2.0, seed=1)
+    c = BatchRequest(_rows(runner, 2.0, lengths=(5, 20)), 3.0, seed=3)
+    kwargs = dict(width=64, height=64, steps=4)
+
+    def scenario(with_abort: bool, cancel_c_at: int | None) -> tuple[list, list[list[int]], list[int]]:
+        cancelled: set[int] = set()
+        checks: list[int] = []
+        asked: list[list[int]] = []
+
+        def abort(active: list[int]) -> bool:
+            checks.append(1)
+            if len(checks) == 3:
+                cancelled.add(0)  # a's cancel lands mid-step 2 (before its block 1)
+            if cancel_c_at is not None and len(checks) == cancel_c_at:
+                cancelled.add(1)
+            asked.append(list(active))
+            return all(j in cancelled for j in active)
+
+        def on_step(step: int, total: int, active: list[int]) -> set[int]:
+            if not with_abort:  # the same arrival times, seen at the step boundary only
+                cancelled.add(0) if step >= 2 else None
+            return {j for j in active if j in cancelled}
+
+        out = runner.denoise_batch([a, c], on_step=on_step, abort=abort if with_abort else None, **kwargs)
+        return out, asked, checks
+
+    plain, _, _ = scenario(False, None)
+    mixed, asked, _ = scenario(True, None)
+    assert mixed[0] is None and plain[0] is None  # a left after step 2 in both
+    assert mixed[1] is not None and plain[1] is not None
+    assert torch.equal(mixed[1], plain[1])  # the live request: not one bit changed
+    assert runner.last_abort is None
+    assert asked[:4] == [[0, 1]] * 4 and asked[4:] == [[1]] * 4  # 2 blocks x 4 steps
+
+    ran, hooks = _count_blocks(runner)
+    try:
+        both, asked, _ = scenario(True, 6)  # c cancelled too, before block 1 of step 3
+    finally:
+        for h in hooks:
+            h.remove()
+    assert both == [None, None]
+    assert runner.last_abort == (3, 1)
+    assert ran == [0, 1, 0, 1, 0]

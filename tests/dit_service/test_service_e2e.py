@@ -262,6 +262,83 @@ def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path, tp: int) -> No
     asyncio.run(scenario())
 
 
+def _logged(lines: list[str], event: str) -> list[dict[str, Any]]:
+    """The DiT's JSON log records of `event` (structlog, one JSON object a line)."""
+    import json
+
+    records = []
+    for raw in list(lines):
+        line = raw.strip()
+        if line.startswith("{") and f'"{event}"' in line:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("event") == event:
+                    records.append(record)
+    return records
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cancel_mid_step_aborts_the_step_at_a_block(tmp_path: Path, tp: int) -> None:
+    """A CPU step of seconds (tiny at 1536x1536: 9216 image tokens) is not run to its end after a
+    cancel: the ranks (both, at the same block, with TP=2) abandon it at the next transformer
+    block, the ticket is released CANCELLED with every page back, and the replica serves the next
+    request. The caller cancels as soon as step 1 is streamed, so step 2 is running: it must
+    never count as done."""
+    config = write_config(tmp_path, transport="mooncake", tp=tp)
+    total = 20
+
+    async def scenario() -> None:
+        async with inprocess_broker() as (broker, _core):
+            dit = start_dit(config, broker.address, cwd=tmp_path)
+            try:
+                await wait_serving(dit)
+                metrics_port = dit.metrics_port()
+                assert metrics_port is not None
+                writer = ArWriter(broker.address, "tiny", "mooncake")
+                await writer.register()
+                ticket = await writer.written_ticket([12, 4], seed=5)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    stub = dit_pb2_grpc.DitServiceStub(channel)
+                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=1536, height=1536,
+                                                               num_inference_steps=total, guidance_scale=2.0,
+                                                               seed=2), timeout=300.0)
+                    loaded_at = step1_at = 0.0
+                    async for event in call:
+                        if event.phase == dit_pb2.DENOISE_PHASE_LOADED:
+                            loaded_at = time.monotonic()
+                        if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                            assert event.step == 1
+                            step1_at = time.monotonic()
+                            break
+                    call.cancel()
+                    cancelled_at = time.monotonic()
+                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 120.0)
+                stop_seconds = time.monotonic() - cancelled_at
+                assert released.state == broker_pb2.TICKET_STATE_RELEASED
+                assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+                pool = await writer.pool()
+                assert pool.free_pages == pool.total_pages
+                # Step 2 was running when the cancel came: it never finished (at a step boundary it
+                # would have: 2 steps counted), the ranks left it at a block boundary.
+                assert _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total") == 1
+                (record,) = _logged(dit.lines, "denoise_cancelled")
+                assert record["steps_done"] == 1 and record["aborted_step"] == 2, record
+                assert record["aborted_block"] in (0, 1), record  # tiny: 2 blocks
+                print(f"first step {step1_at - loaded_at:.2f}s, cancel to release {stop_seconds:.2f}s")
+                # No rank is left in a collective or a step: the next request runs to the end.
+                ticket = await writer.written_ticket([5], seed=6)
+                async with grpc.aio.insecure_channel(dit.address) as channel:
+                    events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
+                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
+                        guidance_scale=1.0, seed=0))
+                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                await writer.close()
+            finally:
+                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(("tp", "sp"), [(2, 1), (1, 2)])
 def test_tp2_and_sp2_service_images_equal_tp1(tmp_path: Path, tp: int, sp: int) -> None:
     """Two rank workers, each verifying and reading its own head shard's pages: the image equals
