@@ -108,9 +108,24 @@ REPLICA_RETRY_REASONS = ("REPLICA_UNAVAILABLE", "REPLICA_FAILED", "REPLICA_FORGO
 # ... or run again with a fresh ticket, under the same budget, because its KV did not get from
 # its AR to its DiT although both replicas answer: a write ended FAILED, NOT_STARTED or
 # WRITER_GONE (TRANSFER_FAILED), or the rows were not loaded in time (TRANSFER_TIMEOUT: a write
-# in doubt, a timed-out engine, bytes that never matched their checksum). The same AR/DiT pair
-# is used again only when no other is up, and never after it failed the generation twice.
-TRANSFER_RETRY_REASONS = ("TRANSFER_FAILED", "TRANSFER_TIMEOUT")
+# in doubt, a timed-out engine, bytes that never matched their checksum), or a rank of the AR
+# raised while writing or its answer was lost (WRITE_FAILED: the AR answers Prefill so after
+# reporting each write it knows the end of, every other one IN_DOUBT, never FAILED). The same
+# AR/DiT pair is used again only when no other is up, and never after it failed the generation
+# twice.
+# WRITE_FAILED is as safe to retry as TRANSFER_TIMEOUT, in every case the AR answers it (the only
+# place it does: ar_service/sender.py WriteProtocol.on_rank_error; the broker's own WRITE_FAILED
+# refuses a ReportLoad, which the DiT answers as TRANSFER_FAILED): the failed attempt's ticket
+# ends as before, draining while any of its writes is unresolved (a rank that raised mid-call may
+# still be writing), so none of its pages is handed out while a write may land in it; the retry's
+# ticket takes pages of its own, which no earlier write targets; and on the AR a ticket's
+# staging region stays held while an in-doubt call may read it (engine.write_rank_share), so a
+# retry on the same AR never repacks memory in flight, exactly as a client's resubmission would
+# not. What a retry can cost is a second failure when the cause is a bug on that AR, which the
+# budget and the per-pair bound cap, and placement tries another pair first. Unlike the two
+# others it marks no link suspect for other generations (pipeline._LINK_FAILURES): a rank that
+# raised says nothing of the network between the pair.
+TRANSFER_RETRY_REASONS = ("TRANSFER_FAILED", "TRANSFER_TIMEOUT", "WRITE_FAILED")
 RETRY_REASONS = REPLICA_RETRY_REASONS + TRANSFER_RETRY_REASONS
 
 

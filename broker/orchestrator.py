@@ -60,7 +60,7 @@ RETRY_MIN_DEADLINE_SECONDS = 1.0
 # that keeps failing does not get a third.
 MAX_TRANSFER_FAILURES_PER_PAIR = 2
 # `_retry_refusal`'s answer for an error that is neither a replica's nor a transfer's failure
-# (PREFILL_FAILED, WRITE_FAILED, ...: the same input fails the same way): the final error then
+# (PREFILL_FAILED, DENOISE_FAILED, ...: the same input fails the same way): the final error then
 # says nothing of retries.
 NOT_RETRYABLE = "not retryable"
 

@@ -105,7 +105,7 @@ class BrokerConfig(_Strict):
     # How many times the broker runs a generation again: on another replica after the AR or DiT
     # replica serving it stopped answering (REPLICA_UNAVAILABLE), lost a rank (REPLICA_FAILED) or
     # was forgotten by force (REPLICA_FORGOTTEN), and with a fresh ticket (another AR/DiT pair if
-    # one is up) after its KV transfer failed (TRANSFER_FAILED, TRANSFER_TIMEOUT); one budget for
+    # one is up) after its KV transfer failed (TRANSFER_FAILED, TRANSFER_TIMEOUT, WRITE_FAILED); one budget for
     # both (kvrelay.broker.orchestrator, Orchestrator.retry). 0: never (the generation fails, and
     # the client resubmits). Bounded: each retry holds a place at the queue's head.
     max_replica_retries: int = Field(1, ge=0, le=16)
