@@ -30,7 +30,7 @@ from kvrelay.broker_credential import BrokerCredentialWatch, credential_fix
 from kvrelay.config import ConfigError, KvRelayConfig, SecurityConfig, StageConfig, load_config
 from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
-from kvrelay.replica_token import ReplicaToken, TokenSource
+from kvrelay.replica_token import ReplicaToken
 from kvrelay.security import (
     CallerClass,
     Credentials,
@@ -38,6 +38,7 @@ from kvrelay.security import (
     load_credentials,
     make_channel,
     replica_token_file_for,
+    replica_token_source,
     require_bound_credential,
 )
 from kvrelay.server import GrpcServer
@@ -185,7 +186,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
 
     # The token as the process holds it now: re-read from its file when the broker refuses it
     # (a rotated secret); a swap reaches the server, the registration and the broker channel at once.
-    token = ReplicaToken(replica_id, creds, TokenSource(replica_token_file_for(cfg.security, replica_id),
+    token = ReplicaToken(replica_id, creds, replica_token_source(replica_token_file_for(cfg.security, replica_id),
                                                         cfg.security.replica_token_env))  # fmt: skip
     channel = make_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id),
                            live_metadata=token.broker_metadata)  # fmt: skip

@@ -100,7 +100,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.models.bagel import stage_preset as model_preset
     from kvrelay.models.formats import model_dir
     from kvrelay.ports import PortInUse
-    from kvrelay.replica_token import ReplicaToken, TokenSource
+    from kvrelay.replica_token import ReplicaToken
     from kvrelay.security import (
         CallerClass,
         Credentials,
@@ -109,6 +109,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         load_credentials,
         make_channel,
         replica_token_file_for,
+        replica_token_source,
         require_bound_credential,
     )
     from kvrelay.transfer.transport import RegionDescriptor
@@ -239,7 +240,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
 
         # The token as the process holds it now: re-read from its file when the broker refuses it
         # (a rotated secret); a swap reaches the server, the registration and the broker channel at once.
-        token = ReplicaToken(replica_id, creds, TokenSource(replica_token_file_for(cfg.security, replica_id),
+        token = ReplicaToken(replica_id, creds, replica_token_source(replica_token_file_for(cfg.security, replica_id),
                                                             cfg.security.replica_token_env))  # fmt: skip
         channel = make_channel(broker_address, creds.channel(CallerClass.REPLICA, replica_id),
                                live_metadata=token.broker_metadata)  # fmt: skip

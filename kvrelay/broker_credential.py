@@ -32,14 +32,15 @@ import grpc
 
 from kvrelay.errors import reason_of
 from kvrelay.logging import get_logger
-from kvrelay.replica_token import ReplicaToken, TokenSource
+from kvrelay.replica_token import ReplicaToken
+from kvrelay.security import CredentialSource
 
 log = get_logger(__name__)
 
 REPEAT_LOG_S: Final = 60.0
 
 
-def credential_fix(replica_id: str, reason: str, source: TokenSource | None = None) -> str:
+def credential_fix(replica_id: str, reason: str, source: CredentialSource | None = None) -> str:
     """What to do about a broker refusing `replica_id`'s credential with `reason`. `source` is
     where the running replica's token came from (None: a replica that is not running on, e.g. its
     first registration refused: it exits, and a restart reads its token again)."""
@@ -73,7 +74,7 @@ def credential_fix(replica_id: str, reason: str, source: TokenSource | None = No
     return f"{cause}; restart this replica with {new}"
 
 
-def superseded_fix(replica_id: str, source: TokenSource | None, *, bound: bool) -> str:
+def superseded_fix(replica_id: str, source: CredentialSource | None, *, bound: bool) -> str:
     """What to do when the broker's credentials were rotated and this replica still holds the
     token it replaced (taken until the grace ends)."""
     new = (f"the token `kvrelay token {replica_id}` prints where the broker's new secret is" if bound

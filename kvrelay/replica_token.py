@@ -34,9 +34,11 @@ from kvrelay.logging import get_logger
 from kvrelay.security import (
     CallerClass,
     Credentials,
+    CredentialSource,
     Metadata,
     SecurityError,
     read_replica_token_file,
+    replica_token_source,
 )
 
 log = get_logger(__name__)
@@ -44,26 +46,6 @@ log = get_logger(__name__)
 RELOADED: Final = "reloaded"
 UNCHANGED: Final = "unchanged"
 NOT_RELOADABLE: Final = "not reloadable"
-
-
-@dataclass(frozen=True, slots=True)
-class TokenSource:
-    """Where a replica's token came from: its file (`security.replica_token_file`, `{name}`
-    filled in), else an environment variable (`security.replica_token_env`), else nowhere."""
-
-    file: str | None = None
-    env: str | None = None
-
-    @property
-    def reloadable(self) -> bool:
-        return self.file is not None
-
-    def describe(self) -> str:
-        if self.file is not None:
-            return f"security.replica_token_file ({self.file})"
-        if self.env:
-            return f"security.replica_token_env (${self.env})"
-        return "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +70,7 @@ class ReplicaToken:
         self,
         replica_id: str,
         creds: Credentials,
-        source: TokenSource,
+        source: CredentialSource,
         *,
         on_swap: Callable[[Credentials], None] | None = None,
         read: Callable[[str], str] = read_replica_token_file,
@@ -159,4 +141,4 @@ def replica_token_for_process(replica_id: str, creds: Credentials, token_file: s
                               token_env: str | None) -> ReplicaToken:  # fmt: skip
     """The ReplicaToken of a replica process as load_credentials resolved it: from `token_file`
     when the config names one (it wins over the environment variable, as at start)."""
-    return ReplicaToken(replica_id, creds, TokenSource(file=token_file, env=None if token_file else token_env))
+    return ReplicaToken(replica_id, creds, replica_token_source(file=token_file, env=None if token_file else token_env))

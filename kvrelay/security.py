@@ -530,7 +530,9 @@ class CredentialSource:
     """Where one credential of a process comes from: `key` is the Credentials field
     (`replica_secret`, `replica_token`, `api_token`, `operator_token`); `file` when a file gives
     it (re-readable while running), else `env`, the variable read at start (a running process
-    cannot see a new value there)."""
+    cannot see a new value there), else nowhere. The broker's reload reads these
+    (`credential_sources`), and so does a replica re-reading its own token
+    (kvrelay.replica_token, `replica_token_source`)."""
 
     key: str
     file: str | None = None
@@ -543,7 +545,15 @@ class CredentialSource:
     def describe(self) -> str:
         if self.file is not None:
             return f"security.{self.key}_file ({self.file})"
-        return f"security.{self.key}_env (${self.env})"
+        if self.env:
+            return f"security.{self.key}_env (${self.env})"
+        return "none"
+
+
+def replica_token_source(file: str | None = None, env: str | None = None) -> CredentialSource:
+    """Where a replica's token comes from: its file (`security.replica_token_file`, `{name}`
+    filled in), else an environment variable (`security.replica_token_env`), else nowhere."""
+    return CredentialSource("replica_token", file, env)
 
 
 def credential_sources(cfg: SecurityConfig, name: str = BROKER_CALLER_ID) -> tuple[CredentialSource, ...]:
@@ -1631,6 +1641,7 @@ __all__ = [
     "current_caller",
     "is_loopback",
     "load_credentials",
+    "replica_token_source",
     "read_tls",
     "tls_files",
     "make_channel",

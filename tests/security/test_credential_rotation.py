@@ -20,7 +20,7 @@ from kvrelay.broker.credential_reload import BrokerSecrets
 from kvrelay.broker.tickets import Unauthenticated
 from kvrelay.broker_credential import BrokerCredentialWatch
 from kvrelay.config import SecurityConfig
-from kvrelay.replica_token import ReplicaToken, TokenSource
+from kvrelay.replica_token import ReplicaToken
 from kvrelay.security import (
     AUTHORIZATION_METADATA,
     BROKER_CALLER_ID,
@@ -34,6 +34,7 @@ from kvrelay.security import (
     load_credentials,
     put_kv_token,
     replica_token_for,
+    replica_token_source,
 )
 from tests.broker.helpers import ManualClock, ar_spec
 
@@ -247,7 +248,7 @@ def test_a_superseded_replica_rereads_its_file_and_warns_only_while_it_holds_no_
     path.write_text(old_dit0)
     swapped: list[str | None] = []
     token = ReplicaToken("dit-0", Credentials(replica_token=old_dit0, bound_replica_tokens=True),
-                         TokenSource(file=str(path)), on_swap=lambda c: swapped.append(c.replica_token))  # fmt: skip
+                         replica_token_source(file=str(path)), on_swap=lambda c: swapped.append(c.replica_token))  # fmt: skip
     clock = ManualClock()
     watch = BrokerCredentialWatch("dit-0", token=token, clock=clock)
 

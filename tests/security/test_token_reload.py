@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 from kvrelay.broker_credential import BrokerCredentialWatch
 from kvrelay.errors import KvRelayServerError, to_status
 from kvrelay.limits import MAX_SECRET_FILE_BYTES
-from kvrelay.replica_token import NOT_RELOADABLE, RELOADED, UNCHANGED, ReplicaToken, TokenSource
-from kvrelay.security import AUTHORIZATION_METADATA, Credentials, replica_token_for
+from kvrelay.replica_token import NOT_RELOADABLE, RELOADED, UNCHANGED, ReplicaToken
+from kvrelay.security import AUTHORIZATION_METADATA, Credentials, replica_token_for, replica_token_source
 
 OLD, NEW = (replica_token_for(s, "dit-0") for s in ("old-secret-0123456789", "new-secret-9876543210"))
 OPERATOR = "operator-token-0123"
@@ -50,7 +50,7 @@ def _bearer(token: ReplicaToken) -> str:
 def test_a_new_token_in_the_file_is_swapped_in_whole_and_an_unchanged_one_is_not(tmp_path: Path) -> None:
     path = _token_file(tmp_path)
     swaps: list[Credentials] = []
-    token = ReplicaToken("dit-0", _creds(OLD), TokenSource(file=str(path)), on_swap=swaps.append)
+    token = ReplicaToken("dit-0", _creds(OLD), replica_token_source(file=str(path)), on_swap=swaps.append)
     with capture_logs() as logs:
         assert asyncio.run(token.reload()).state == UNCHANGED
         assert swaps == [] and _bearer(token) == f"Bearer {OLD}"
@@ -111,7 +111,7 @@ def test_a_token_file_that_holds_no_token_keeps_the_token_held_and_says_why_once
 ) -> None:
     path = _token_file(tmp_path)
     swaps: list[Credentials] = []
-    token = ReplicaToken("dit-0", _creds(OLD), TokenSource(file=str(path)), on_swap=swaps.append)
+    token = ReplicaToken("dit-0", _creds(OLD), replica_token_source(file=str(path)), on_swap=swaps.append)
     breaks(path)
     with capture_logs() as logs:
         first = asyncio.run(token.reload())
@@ -132,7 +132,7 @@ def test_a_refusal_takes_a_new_token_from_the_file_before_it_shows_a_refusal(tmp
         async def on_change(refused: bool) -> None:
             changes.append(refused)
 
-        token = ReplicaToken("dit-0", _creds(OLD), TokenSource(file=str(path), env="KVRELAY_REPLICA_TOKEN"))
+        token = ReplicaToken("dit-0", _creds(OLD), replica_token_source(file=str(path), env="KVRELAY_REPLICA_TOKEN"))
         watch = BrokerCredentialWatch("dit-0", on_change=on_change, token=token)
         # The operator wrote the new token before the broker restarted: taken at the first
         # refusal, and the replica never turns NOT_SERVING for it.
@@ -155,7 +155,7 @@ def test_a_refusal_takes_a_new_token_from_the_file_before_it_shows_a_refusal(tmp
 
 def test_a_token_from_the_environment_cannot_be_reloaded_and_the_refusal_says_to_restart() -> None:
     async def body() -> None:
-        token = ReplicaToken("dit-0", _creds(OLD), TokenSource(env="KVRELAY_REPLICA_TOKEN"))
+        token = ReplicaToken("dit-0", _creds(OLD), replica_token_source(env="KVRELAY_REPLICA_TOKEN"))
         assert (await token.reload()).state == NOT_RELOADABLE
         watch = BrokerCredentialWatch("dit-0", token=token)
         with capture_logs() as logs:
@@ -173,13 +173,13 @@ def test_an_ars_putkv_bearer_is_the_token_it_holds_now_in_shared_mode_and_never_
     tmp_path: Path,
 ) -> None:
     path = _token_file(tmp_path, "shared-old")
-    shared = ReplicaToken("ar-0", _creds("shared-old", bound=False), TokenSource(file=str(path)))
+    shared = ReplicaToken("ar-0", _creds("shared-old", bound=False), replica_token_source(file=str(path)))
     assert shared.put_kv_bearer("") == "shared-old"
     path.write_text("shared-new")
     assert asyncio.run(shared.reload()).reloaded
     # The ranks hold no token of their own: the next write command carries the new one.
     assert shared.put_kv_bearer("") == "shared-new"
     assert shared.current.put_kv_channel("ar-0").token is None
-    bound = ReplicaToken("ar-0", _creds(OLD), TokenSource(file=str(path)))
+    bound = ReplicaToken("ar-0", _creds(OLD), replica_token_source(file=str(path)))
     assert bound.put_kv_bearer("the-brokers-write-token") == "the-brokers-write-token"
     assert bound.put_kv_bearer("") == ""  # its own token would let the DiT act as this AR
