@@ -7,8 +7,9 @@ are masked. This probe times, side by side in one process:
    given as today (bool ``[rows, 1, 1, L]``), as an additive bias ``[rows, 1, 1, L]``, as that bias
    expanded (a stride-0 view), as a materialized bias, without a mask, and FlashAttention with
    ``seqused_k`` (keys ordered ``[image | prefix | padding]``), each checked against the bool form;
-2. the whole graph-captured DiT step as the code runs it (``eager_bias``) and with the attention
-   as it was before (``traced_bool``: a bool mask, SDPA traced by inductor) patched in, each
+2. the whole graph-captured DiT step as the code runs it (``traced_bool``) and with the bias
+   built once per denoise (``traced_bias``) and the SDPA call outside inductor (``eager_bias``)
+   patched in, each
    mode in a fresh runner (the compiled block traces the patched function), with the step's
    kernel time against its wall time (the gaps) and the SM clock / power after the timed run.
 
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+import kvrelay.models.dit as dit_mod
 import kvrelay.models.paged_attention as pa
 from kvrelay.models.dit import DitRunner, random_prefix
 
@@ -104,48 +106,63 @@ def attention_alone(reps: int) -> None:
 
 
 # --- whole-step variants -------------------------------------------------------------------
-# "eager_bias": the code as it is (PrefixKv keeps an additive bias built once per denoise; the
-# SDPA call runs outside inductor). "traced_bias": the same bias, SDPA traced by inductor.
-# "traced_bool": what the code did before (a bool mask, SDPA traced by inductor).
+# "traced_bool": the code as it is (PrefixKv keeps a bool mask; inductor traces the SDPA call in
+# the compiled block and converts the mask every layer). "traced_bias": PrefixKv keeps an additive
+# bias built once per denoise instead. "eager_bias": that bias, and the SDPA call run outside
+# inductor (torch.compiler.disable: a graph break, still captured by the step's CUDA graph).
 
 _ORIG_FILL = pa.PrefixKv.fill
 _ORIG_ALLOCATE = pa.PrefixKv.allocate.__func__  # type: ignore[attr-defined]
-_ORIG_SDPA = pa._sdpa
+_ORIG_GQA = dit_mod.gqa_attention
 
 
-def _traced_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any) -> torch.Tensor:
+def _bias_allocate(cls: Any, *args: Any, **kwargs: Any) -> Any:
+    kv = _ORIG_ALLOCATE(cls, *args, **kwargs)
+    if kv.mask is not None:
+        kv.mask = torch.zeros(kv.mask.shape, dtype=kv.block.dtype, device=kv.block.device)
+    return kv
+
+
+def _bias_fill(self: Any, prefix_rows: Any, *, num_valid: int | None = None) -> None:
+    held = self.mask
+    self.mask = None  # the code's fill then leaves its bool keep-mask here (None: all valid)
+    _ORIG_FILL(self, prefix_rows, num_valid=num_valid)
+    keep = self.mask
+    self.mask = held
+    if keep is None:
+        if held is not None:
+            held.zero_()
+        return
+    bias = torch.zeros(keep.shape, dtype=self.block.dtype, device=self.block.device)
+    bias.masked_fill_(~keep, float("-inf"))
+    if held is None:
+        self.mask = bias
+    else:
+        held.copy_(bias)
+
+
+@torch.compiler.disable
+def _eager_sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any) -> torch.Tensor:
     out: torch.Tensor = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     return out
 
 
-def _bool_allocate(cls: Any, *args: Any, **kwargs: Any) -> Any:
-    kv = _ORIG_ALLOCATE(cls, *args, **kwargs)
-    if kv.mask is not None:
-        kv.mask = torch.ones(kv.mask.shape, dtype=torch.bool, device=kv.block.device)
-    return kv
-
-
-def _bool_fill(self: Any, prefix_rows: Any, *, num_valid: int | None = None) -> None:
-    held = self.mask
-    self.mask = None  # the code's fill then leaves its additive bias here (None: all valid)
-    _ORIG_FILL(self, prefix_rows, num_valid=num_valid)
-    keep = torch.ones_like(held, dtype=torch.bool) if self.mask is None else self.mask == 0
-    self.mask = held
-    if held is None:
-        self.mask = None if bool(keep.all()) else keep
-    else:
-        held.copy_(keep)
+def _gqa_eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Any = None) -> torch.Tensor:
+    rows, heads_q, n, head_dim = q.shape
+    heads_kv = keys.shape[1]
+    folded = q.reshape(rows, heads_kv, (heads_q // heads_kv) * n, head_dim)
+    return _eager_sdpa(folded, keys, values, mask).reshape(rows, heads_q, n, head_dim)
 
 
 def set_mode(mode: str) -> None:
     pa.PrefixKv.fill = _ORIG_FILL  # type: ignore[method-assign]
     pa.PrefixKv.allocate = classmethod(_ORIG_ALLOCATE)  # type: ignore[method-assign]
-    pa._sdpa = _ORIG_SDPA
-    if mode.startswith("traced"):
-        pa._sdpa = _traced_sdpa
-    if mode == "traced_bool":
-        pa.PrefixKv.fill = _bool_fill  # type: ignore[method-assign]
-        pa.PrefixKv.allocate = classmethod(_bool_allocate)  # type: ignore[method-assign]
+    dit_mod.gqa_attention = _ORIG_GQA
+    if mode.endswith("_bias"):
+        pa.PrefixKv.fill = _bias_fill  # type: ignore[method-assign]
+        pa.PrefixKv.allocate = classmethod(_bias_allocate)  # type: ignore[method-assign]
+    if mode == "eager_bias":
+        dit_mod.gqa_attention = _gqa_eager
 
 
 def kernel_time(fn: Any) -> tuple[float, float, list[tuple[str, float]]]:

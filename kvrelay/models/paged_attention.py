@@ -173,8 +173,7 @@ def gqa_attention(
     """Non-causal grouped-query attention without expanding K/V to the query heads.
 
     ``q``: ``[rows, heads_q, N, head_dim]``; ``keys``/``values``: ``[rows, heads_kv, L, head_dim]``;
-    ``mask``: ``None``, an additive bias ``[rows, 1, 1, L]`` (0 = attend, -inf = not; what
-    ``PrefixKv`` holds) or bool ``[rows, 1, 1, L]`` (True = attend). Query head h reads kv head
+    ``mask``: ``None`` or bool ``[rows, 1, 1, L]`` (True = attend). Query head h reads kv head
     ``h // (heads_q / heads_kv)`` (the Llama grouping): the group's queries are folded into the
     token axis (``[rows, heads_kv, group * N, head_dim]``), which is the same softmax per query,
     so K/V are read once per kv head instead of being copied ``group`` times.
@@ -185,19 +184,8 @@ def gqa_attention(
         raise ValueError(f"query heads {heads_q} not a multiple of kv heads {heads_kv}")
     group = heads_q // heads_kv
     folded = q.reshape(rows, heads_kv, group * n, head_dim)
-    out = _sdpa(folded, keys, values, mask)
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
     return out.reshape(rows, heads_q, n, head_dim)
-
-
-@torch.compiler.disable
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The attention kernel, run as is even inside a torch.compile'd block (a graph break, still
-    captured by a CUDA graph): traced by inductor, the DiT's prefix attention cost 187 us a layer
-    with its padding mask (a layout copy and the mask's conversion each layer) against 124 us
-    eager with the additive bias that ``PrefixKv`` keeps (bagel-7b-shape, 2 rows, H100;
-    ``benchmarks/gpu/probe_attention.py``)."""
-    out: torch.Tensor = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return out
 
 
 def prefix_attention(
@@ -252,9 +240,7 @@ class PrefixKv:
 
     So a step reads the prefix straight from these buffers, with no concatenation, and the
     buffers' addresses never change between steps (what a captured CUDA graph needs). ``mask``
-    is ``None`` when every slot is valid, else an additive bias ``[rows, 1, 1, P + N]`` in the
-    buffers' dtype (0 = attend, -inf = not): built once per denoise by ``fill``, so no step
-    converts a bool mask per layer.
+    is ``None`` when every slot is valid, else bool ``[rows, 1, 1, P + N]`` (True = attend).
     """
 
     def __init__(self, block: torch.Tensor, prefix_slots: int, mask: torch.Tensor | None) -> None:
@@ -274,7 +260,7 @@ class PrefixKv:
         captured over these buffers must always read the same mask tensor)."""
         length = prefix_slots + image_tokens
         block = torch.zeros(num_layers, 2, rows, heads_kv, length, head_dim, dtype=dtype, device=device)
-        mask = torch.zeros(rows, 1, 1, length, dtype=dtype, device=device) if masked else None
+        mask = torch.ones(rows, 1, 1, length, dtype=torch.bool, device=device) if masked else None
         return cls(block, prefix_slots, mask)
 
     @property
@@ -313,13 +299,10 @@ class PrefixKv:
         for r, t in enumerate(lengths):
             keep[r, ..., t:p] = False
         keep[..., p + num_valid :] = False
-        if self.mask is None and bool(keep.all()):
-            return
-        bias = torch.zeros(keep.shape, dtype=self.block.dtype).masked_fill_(~keep, float("-inf"))
         if self.mask is not None:
-            self.mask.copy_(bias)  # in place: a captured graph keeps reading the same tensor
-        else:
-            self.mask = bias.to(self.block.device)
+            self.mask.copy_(keep)  # in place: a captured graph keeps reading the same tensor
+        elif not bool(keep.all()):
+            self.mask = keep.to(self.keys[0].device)
 
     def with_own(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this step's image K/V ``[rows, heads_kv, N, head_dim]`` into the layer's image slots;
