@@ -222,10 +222,15 @@ class StagePipeline:
                     log.warning("prefill_reply_late", ar_replica=ar.replica_id, waited_s=grace)
                     break
                 pending -= done
-                lost = self._writer_lost_after_load(prefill, ticket.ticket_id) if prefill in done else None
-                if lost is not None and denoise not in done:
-                    # Every row is verified at the DiT: the AR has nothing more to give (its reply
-                    # only carries timings). Its loss ends neither the denoise nor the attempt.
+                lost = None
+                if prefill in done:
+                    # The image is here (this round or an earlier one), or every row is verified
+                    # at the DiT: the AR has nothing more to give (its reply only carries
+                    # timings). Its loss ends neither the denoise nor the attempt.
+                    lost = self._reply_lost_after_image(prefill, denoise)
+                    if lost is None and denoise not in done:
+                        lost = self._writer_lost_after_load(prefill, ticket.ticket_id)
+                if lost is not None:
                     log.warning("prefill_reply_lost", ar_replica=ar.replica_id, message=lost.message)
                     done.discard(prefill)
                 # The first failure ends the request; `finally` stops the other stage.
@@ -258,6 +263,17 @@ class StagePipeline:
             timings["transfer"] = reply.transfer_seconds
         timings["total"] = self._clock() - record.created_mono
         self.reporter.end(record, GenState.SUCCEEDED, image=image, timings=timings)
+
+    @staticmethod
+    def _reply_lost_after_image(prefill: asyncio.Task[Any], denoise: asyncio.Task[Any]) -> ErrorInfo | None:
+        """The error of a `prefill` that failed after the denoise returned the image (every row was
+        verified before it: the reply only carries timings); None otherwise. Found black-box: an
+        AR SIGSTOPped after its writes, then killed, FAILED a generation REPLICA_UNAVAILABLE whose
+        DiT had decoded and released its ticket (no longer READY or CONSUMING: the check below)."""
+        if not denoise.done() or denoise.cancelled() or denoise.exception() is not None:
+            return None
+        err = None if prefill.cancelled() else prefill.exception()
+        return err.error if isinstance(err, RequestEnded) else None
 
     def _writer_lost_after_load(self, prefill: asyncio.Task[Any], ticket_id: str) -> ErrorInfo | None:
         """The error of a `prefill` that failed because its AR stopped answering (REPLICA_UNAVAILABLE)

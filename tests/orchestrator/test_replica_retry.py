@@ -521,3 +521,42 @@ def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise(how:
             await c.wait_pool_free()
 
     run(body())
+
+
+@pytest.mark.parametrize("how", ["killed", "rank_failed"])
+def test_an_ar_lost_after_the_image_is_made_does_not_fail_the_generation(how: str) -> None:
+    """Found black-box (1 AR, 1 DiT, the AR SIGSTOPped just after its writes, then kill -9): the
+    DiT denoised every step, decoded and released the ticket OK, and the broker held the image
+    while it waited for the Prefill reply (it only carries timings). The AR's end then FAILED the
+    generation REPLICA_UNAVAILABLE at DENOISING 50/50, its image thrown away: the check that lets
+    an AR lost after the load go took only a ticket still READY or CONSUMING, not one the DiT had
+    already released. Now a Prefill that fails once the image is here ends nothing: SUCCEEDED,
+    without prefill/transfer timings, one attempt."""
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.reply_gate.clear()  # every write reported, the Prefill reply held
+            call = c.api.Generate(request(request_id="r", seed=5, num_inference_steps=3), timeout=20)
+            events: list[Any] = []
+            await read_until(call, DENOISING, events)
+            ticket_id = c.orchestrator.get("r").ticket_id
+            # The DiT decodes and releases the ticket OK: the broker holds the image now.
+            await wait_until(lambda: c.core.get_ticket(ticket_id).state is TicketState.RELEASED,
+                             what="the DiT's release")
+            if how == "killed":
+                assert c.ar._server is not None
+                await c.ar._server.stop(0)  # the AR goes away mid-call (kill -9), its reply never sent
+            else:
+                c.ar.fail_reply = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", "rank 0 died")
+                c.ar.reply_gate.set()
+            events += await collect(call)
+            final = events[-1]
+            assert final.state == SUCCEEDED, final.error
+            assert final.image.png and final.ticket_id == ticket_id and final.attempt == 1
+            assert final.timings.denoise_seconds > 0 and final.timings.transfer_seconds == 0
+            assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 0
+            assert c.metric("kvrelay_generations_total", {"outcome": "failed"}) == 0
+            assert_forward_only(events)
+            await c.wait_pool_free()
+
+    run(body())
