@@ -118,10 +118,11 @@ async def serve(
     registry = CollectorRegistry()
     ticket_ttl = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
     # Registrations are checked by dialling the advertised endpoint as the orchestrator will.
-    endpoint_probe = grpc_endpoint_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
+    # Asked at each probe: a TLS client certificate reloaded by `kvrelay rotate-secrets` is used.
+    endpoint_probe = grpc_endpoint_probe(lambda: rotation.current.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
     # A new incarnation takes a replica id only when the registered one does not answer at its
     # endpoint (docs/operations.md, Across hosts): asked the same way.
-    incarnation_probe = grpc_incarnation_probe(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
+    incarnation_probe = grpc_incarnation_probe(lambda: rotation.current.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
     refusals = CredentialRefusals()
     orchestrator = Orchestrator(core, cfg, registry, credential_rotation=rotation)
     broker_servicer = BrokerServicer(

@@ -364,17 +364,20 @@ EndpointProbe = Callable[[str], Awaitable[str]]
 
 
 def grpc_endpoint_probe(
-    security: ChannelSecurity | None = None, timeout_s: float = ENDPOINT_PROBE_TIMEOUT_S
+    security: ChannelSecurity | Callable[[], ChannelSecurity] | None = None, timeout_s: float = ENDPOINT_PROBE_TIMEOUT_S
 ) -> EndpointProbe:
     """A probe that dials an endpoint as the orchestrator will (same TLS, same credentials) and
     asks grpc.health.v1 once. Any answer proves the address reaches a gRPC server, whatever it
     says (a replica registers before it reports SERVING); only a call that never got through
     is a problem: UNAVAILABLE, DEADLINE_EXCEEDED, or UNKNOWN (gRPC's answer for a target it
-    cannot even build a channel to, such as an empty one; the health service never raises)."""
+    cannot even build a channel to, such as an empty one; the health service never raises).
+    `security` may be a callable, asked at each probe: the broker's TLS client certificate changes
+    with `kvrelay rotate-secrets`."""
 
     async def probe(endpoint: str) -> str:
         try:
-            channel = make_channel(endpoint, security, options=[("grpc.use_local_subchannel_pool", 1)])
+            channel = make_channel(endpoint, security() if callable(security) else security,
+                                   options=[("grpc.use_local_subchannel_pool", 1)])  # fmt: skip
         except (ValueError, TypeError) as err:
             return f"not a gRPC target: {err}"
         try:
@@ -400,7 +403,7 @@ IncarnationProbe = Callable[[str, str], Awaitable[bool]]
 
 
 def grpc_incarnation_probe(
-    security: ChannelSecurity | None = None, timeout_s: float = INCARNATION_PROBE_TIMEOUT_S
+    security: ChannelSecurity | Callable[[], ChannelSecurity] | None = None, timeout_s: float = INCARNATION_PROBE_TIMEOUT_S
 ) -> IncarnationProbe:
     """A probe that asks grpc.health.v1 at `endpoint` for the service of `incarnation_id`
     (kvrelay.server.incarnation_health_service), which only that incarnation's process serves:
@@ -409,7 +412,8 @@ def grpc_incarnation_probe(
 
     async def probe(endpoint: str, incarnation_id: str) -> bool:
         try:
-            channel = make_channel(endpoint, security, options=[("grpc.use_local_subchannel_pool", 1)])
+            channel = make_channel(endpoint, security() if callable(security) else security,
+                                   options=[("grpc.use_local_subchannel_pool", 1)])  # fmt: skip
         except (ValueError, TypeError):
             return False
         try:
