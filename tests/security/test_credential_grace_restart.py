@@ -130,3 +130,26 @@ def test_a_broker_started_with_other_credentials_or_a_damaged_record_takes_only_
     last = Broker(path, bound(S1, OPERATOR_NEW), wall)
     assert last.restored == 1 and last.takes(replica_token_for(S0, "ar-0"), "ar-0")
     last.journal.close()
+
+
+def test_shared_mode_a_restarted_broker_takes_and_hands_out_the_replaced_shared_token(tmp_path: Path) -> None:
+    wall = ManualClock(start=1_800_000_000.0)
+    path = tmp_path / "broker.sqlite"
+    old = Credentials(replica_token="grace-shared-old-token", operator_token=OPERATOR_OLD, rotation_grace_s=GRACE)
+    new = Credentials(replica_token="grace-shared-new-token", operator_token=OPERATOR_OLD, rotation_grace_s=GRACE)
+    first = Broker(path, old, wall)
+    first.rotation.rotate(new)
+    first.journal.close()
+
+    second = Broker(path, new, wall)
+    assert second.restored == 1
+    # RegisterReplicaRequest.token (kvrelay.broker.core.registration_tokens) and the interceptor.
+    assert second.rotation.shared_replica_tokens() == ("grace-shared-new-token", "grace-shared-old-token")
+    assert authenticate(second.interceptor, "grace-shared-old-token", "dit-0").superseded
+    # The DiT is on the old token: the AR is handed it as the PutKv bearer, the DiT called with it.
+    assert second.rotation.write_token("dit-0", "ar-0") == "grace-shared-old-token"
+    assert second.rotation.broker_channel("dit-0").token == "grace-shared-old-token"
+    second.advance(GRACE)
+    assert second.rotation.shared_replica_tokens() == ("grace-shared-new-token",)
+    assert not authenticate(second.interceptor, "grace-shared-old-token", "dit-0").authenticated
+    second.journal.close()
