@@ -656,12 +656,15 @@ class BrokerCore:
         self._commit(tickets, forgotten=replica_ids, tombstones=tombstones)
         log.info("replicas_forgotten", why=why, count=len(replica_ids), replica_ids=list(replica_ids[:16]))
 
-    def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str) -> None:
-        """The replica is leaving: no new tickets. Not proof that its writes are over."""
+    def deregister_replica(self, replica_id: ReplicaId, incarnation_id: str, *, by_replica: bool = True) -> None:
+        """The replica is leaving: no new tickets. Not proof that its writes are over.
+        `by_replica` False: someone else (an operator) deregistered it; if the process still runs,
+        its next heartbeat is told to register again (ReplicaRegistry.heartbeat)."""
         record = self.registry.check_incarnation(replica_id, incarnation_id)
         if record.deregistered:
             return
         record.deregistered = True
+        record.deregistered_by_other = not by_replica
         record.deregister_time = self.clock()
         self._commit((), [record])
         log.info("replica_deregistered", replica_id=replica_id, incarnation=incarnation_id)

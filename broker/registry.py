@@ -138,6 +138,10 @@ class ReplicaRecord:
     fenced: bool = False
     fence_reason: str = ""
     deregistered: bool = False
+    # Deregistered by another caller (an operator) while the process may still run: its next
+    # heartbeat is told to register again (never journaled: a restarted broker asks every replica
+    # to register again anyway).
+    deregistered_by_other: bool = False
     # When this broker saw it deregister (never journaled: a restored record is down from the
     # broker's start), for broker.forget_down_replicas_after_seconds.
     deregister_time: float | None = None
@@ -416,8 +420,16 @@ class ReplicaRegistry:
                 "REPLICA_NOT_REGISTERED",
                 f"replica {replica_id}: the broker restarted; register again with the same incarnation",
             )
-        # A deregistered replica keeps heartbeating while it finishes its writes: it still gets
-        # polled for them, but it stays out of scheduling (`up` is False once deregistered).
+        if record.deregistered and record.deregistered_by_other:
+            # Found black-box: an operator's DeregisterReplica of a live replica left it serving and
+            # heartbeating but never placed on again (every Generate NO_DIT_REPLICA) until restarted.
+            raise NotFound(
+                "REPLICA_NOT_REGISTERED",
+                f"replica {replica_id}: deregistered by an operator while it still runs; register again "
+                "with the same incarnation (stop the process to take it out of service)",
+            )
+        # A replica that deregistered itself keeps heartbeating while it finishes its writes: it
+        # still gets polled for them, but it stays out of scheduling (`up` is False once deregistered).
         record.lease_expire_time = now + lease_seconds
         return record
 

@@ -721,7 +721,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
     async def DeregisterReplica(
         self, request: broker_pb2.DeregisterReplicaRequest, context: grpc.aio.ServicerContext
     ) -> broker_pb2.DeregisterReplicaResponse:
-        self.core.deregister_replica(request.replica_id, request.incarnation_id)
+        caller = current_caller()
+        by_replica = caller is None or caller.replica_id == request.replica_id
+        self.core.deregister_replica(request.replica_id, request.incarnation_id, by_replica=by_replica)
         return broker_pb2.DeregisterReplicaResponse()
 
     @_maps_errors
