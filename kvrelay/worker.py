@@ -382,8 +382,21 @@ class ReplicaLock:
         Raises InterruptedError when `cancel` is set first (the process was asked to stop)."""
         if self._fd is not None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            # Found black-box: KVRELAY_LOCK_DIR naming a file was `kvrelay dit: /x/local_47310:
+            # Not a directory`, a path nobody typed and no word of the setting.
+            configured = os.environ.get(LOCK_DIR_ENV)
+            where = f"${LOCK_DIR_ENV}={configured}" if configured else f"its default {default_lock_dir()} (${LOCK_DIR_ENV} unset)"
+            raise OSError(
+                err.errno,
+                f"{err.strerror or err} (cannot create this replica lock: its folder comes from {where}; "
+                f"set {LOCK_DIR_ENV} to a folder this user can create and write, the same for every "
+                "AR and DiT of the host)",
+                str(self.path),
+            ) from None
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -71,6 +71,22 @@ def test_lock_excludes_a_second_holder_until_released(tmp_path):
     second.release()
 
 
+def test_a_lock_folder_that_cannot_be_made_names_kvrelay_lock_dir(tmp_path, monkeypatch):
+    """Found black-box: `KVRELAY_LOCK_DIR` naming a file (or a folder that cannot be created) made
+    `kvrelay dit` exit with `kvrelay dit: /path/local_47310: Not a directory`, a path the user
+    never typed and no word of the setting. The error (an OSError the CLI prints in one line,
+    exit 2) now says it is the replica lock and which setting to change."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("KVRELAY_LOCK_DIR", str(afile))
+    with pytest.raises(NotADirectoryError) as info:
+        ReplicaLock(replica_lock_path("dit-1", deployment="127.0.0.1:47310")).acquire()
+    err = info.value
+    assert err.filename.startswith(str(afile)) and err.filename.endswith("dit-1.lock")
+    assert "replica lock" in err.strerror and f"KVRELAY_LOCK_DIR={afile}" in err.strerror, err.strerror
+    assert err.strerror.startswith("Not a directory")
+
+
 def test_the_lock_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
     """A second `kvrelay ar --replica 0` of the same deployment started from another folder must
     wait for the first one's lock: its registration would otherwise pass for proof that the first
