@@ -637,6 +637,10 @@ def _liveness(r: Replica, now: _dt.datetime) -> str:
         return "yes"
     if r.lease_expire_time is None:
         return "no (not seen since the broker started)"
+    if r.lease_expire_time > now:
+        # Not up while its lease runs: deregistered (it still heartbeats while its stop finishes
+        # its writes). Found black-box: listed as "lease expired 0s ago" beside LEASE +1.6s.
+        return "no (deregistered)"
     return f"no (lease expired {_age(r.lease_expire_time, now)} ago)"
 
 

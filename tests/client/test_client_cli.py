@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from google.protobuf import timestamp_pb2
 from PIL import Image
 
 from kvrelay.client.cli import run_generate, run_status
@@ -262,6 +264,24 @@ def test_status_prints_replicas_pools_and_tickets_as_tables(
     assert drain_row.split()[:10] == ["tk-2", "req-2", "DRAINING", "-", "ar-0", "dit-0", "4", "0/1", "1", "0/0"]
     doubt_row = next(line for line in lines if line.startswith("tk-2") and "5-7,9" in line)
     assert doubt_row.split()[:8] == ["tk-2", "DRAINING", "dit-0", "0", "1", "0", "ar-0", "5-7,9"]
+
+
+def test_status_says_deregistered_for_a_replica_down_with_its_lease_running(
+    server: ServerThread, harness: Harness, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found black-box: a deregistered replica that still heartbeats (its own stop finishing its
+    # writes) was listed `no (lease expired 0s ago)` beside LEASE +1.6s: not up while its lease
+    # runs means deregistered.
+    _fill_status(harness)
+    lease = timestamp_pb2.Timestamp()
+    lease.FromDatetime(datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=5))
+    harness.replicas.append(
+        broker_pb2.ReplicaInfo(replica_id="dit-9", role=common_pb2.REPLICA_ROLE_DIT, endpoint="10.0.0.9:50071",
+                               incarnation_id="dddd4444", up=False, lease_expire_time=lease)
+    )
+    assert run_status(argparse.Namespace(target=server.address, json=False, token=None)) == 0
+    replica_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dit-9 "))
+    assert "no (deregistered)" in replica_row and "lease expired" not in replica_row
 
 
 def test_status_shows_journaled_replicas_that_are_not_live_as_down_and_not_capacity(
