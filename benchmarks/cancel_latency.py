@@ -5,8 +5,8 @@ baseline checkout's, side by side.
 A step of the `tiny` preset at 2048x2048 (16384 image tokens, 2 CFG rows) takes ~10-25 s on a
 shared 2-core host. The caller cancels as soon as step 1 is streamed (plus `--delay` seconds), so
 step 2 is running: a DiT that stops only at step boundaries frees its pages once that step ends;
-one that stops at the next transformer block (docs/dit_service.md, "Cancel mid-denoise") frees
-them within one block. The broker runs in this process (BrokerCore behind its servicer), each DiT
+one that stops at the next abort point (before a transformer block or between two query chunks
+of its attention: docs/dit_service.md, "Cancel mid-denoise") frees them within about one chunk. The broker runs in this process (BrokerCore behind its servicer), each DiT
 is a real `python -m kvrelay dit` process (its code through PYTHONPATH), the KV arrives over
 Mooncake TCP from a test writer: tests/dit_service/harness.py.
 

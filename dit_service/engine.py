@@ -96,10 +96,10 @@ class DenoiseResult:
     # previous denoise returned; 0 for the first): the replica's own dispatch overhead when
     # requests were queued, idle time otherwise.
     idle_seconds: float = 0.0
-    # (step, block) where the ranks abandoned a step mid-way because every request of the batch
-    # was cancelled (CPU, `DitRunner.block_abort`); None when the denoise stopped at a step boundary
-    # or ran to the end.
-    aborted_at: tuple[int, int] | None = None
+    # (step, block, attention chunk) where the ranks abandoned a step mid-way because every request
+    # of the batch was cancelled (CPU, `DitRunner.block_abort`); None when the denoise stopped at a
+    # step boundary or ran to the end.
+    aborted_at: tuple[int, int, int] | None = None
 
 
 class DenoiseStopped(Exception):

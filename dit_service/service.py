@@ -587,7 +587,8 @@ class DitServicer(dit_pb2_grpc.DitServiceServicer):
                     aborted = results[0].aborted_at
                     log.info("denoise_cancelled", steps_done=results[0].steps_done, total_steps=total,
                              aborted_step=aborted[0] if aborted else None,
-                             aborted_block=aborted[1] if aborted else None)
+                             aborted_block=aborted[1] if aborted else None,
+                             aborted_chunk=aborted[2] if aborted else None)
                 except Exception as err:  # noqa: BLE001 - already ending; the group error fail-stops
                     log.warning("denoise_stop_failed", error=str(err))
 

@@ -48,7 +48,7 @@ from kvrelay.models.layers import (
 )
 from kvrelay.models.loader import CheckpointError, full_state, load_full_state, require_dir
 from kvrelay.models.moe import RoutedExperts, build_mlp
-from kvrelay.models.paged_attention import LayerKv, PrefixBlock, PrefixKv, gqa_attention
+from kvrelay.models.paged_attention import LayerKv, PrefixBlock, PrefixKv, attention_chunks, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import DitConfig, ModelPreset, get_preset
 from kvrelay.models.sampler import (
@@ -76,13 +76,35 @@ class DenoiseCancelled(Exception):
 
 
 class StepAborted(DenoiseCancelled):
-    """Raised out of an eager (CPU) step at a block boundary, on every rank at the same block,
-    when the agreed abort check (``agreed_abort``) says every request of the step is cancelled:
-    the step's partial result is dropped, and no rank is left inside a collective."""
+    """Raised out of an eager (CPU) step at one of its abort points, on every rank at the same
+    point, when the agreed abort check (``agreed_abort``) says every request of the step is
+    cancelled: the step's partial result is dropped, and no rank is left inside a collective.
+    The points: before each block (``chunk`` 0), and inside a block's attention between its query
+    chunks (``chunk`` c: after c chunks of ``paged_attention.ATTENTION_CHUNK`` folded queries)."""
 
-    def __init__(self, block: int, blocks: int) -> None:
-        super().__init__(f"step aborted before block {block} of {blocks}")
+    def __init__(self, block: int, blocks: int, chunk: int = 0) -> None:
+        where = f"before block {block}" if chunk == 0 else f"in block {block} after attention chunk {chunk}"
+        super().__init__(f"step aborted {where} of {blocks} blocks")
         self.block = block
+        self.chunk = chunk
+
+
+class _AbortPoints:
+    """The abort points of one block of an eager step: ``start()`` before it, then the block's
+    attention calls ``self()`` between its query chunks; each asks the (agreed) check and raises
+    ``StepAborted`` where it says True."""
+
+    def __init__(self, abort: AbortCheck, block: int, blocks: int) -> None:
+        self.abort, self.block, self.blocks, self.chunk = abort, block, blocks, 0
+
+    def start(self) -> None:
+        if self.abort():
+            raise StepAborted(self.block, self.blocks)
+
+    def __call__(self) -> None:
+        self.chunk += 1
+        if self.abort():
+            raise StepAborted(self.block, self.blocks, self.chunk)
 
 
 # abort() -> True to abandon the running step at the next block boundary. The checks a step makes
@@ -248,6 +270,7 @@ class DitAttention(ParallelAttention):
         values: torch.Tensor,
         prefix_slots: int,
         mask: torch.Tensor | None,
+        between: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         rows, tokens, _ = x.shape
         q, k, v = self.project_qkv(x)
@@ -260,7 +283,11 @@ class DitAttention(ParallelAttention):
         # that was copied there once per denoise: attention reads the prefix in place.
         keys[:, :, prefix_slots:].copy_(k)
         values[:, :, prefix_slots:].copy_(v)
-        out = heads_to_seq(gqa_attention(q, keys, values, mask), self.sp)
+        # `between`: the eager CPU step's abort check between query chunks (``_AbortPoints``).
+        attended = gqa_attention(q, keys, values, mask) if between is None else gqa_attention(
+            q, keys, values, mask, between=between
+        )
+        out = heads_to_seq(attended, self.sp)
         projected: torch.Tensor = self.o_proj(
             out.transpose(1, 2).reshape(rows, tokens, self.num_heads_local * self.head_dim)
         )
@@ -296,12 +323,18 @@ class DitBlock(nn.Module):
         values: torch.Tensor,
         prefix_slots: int,
         mask: torch.Tensor | None,
+        between: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """``modulation`` ``[1, 6 * hidden]``: this block's ``self.modulation(silu(c))`` for the
-        step's flow time, computed once per t (``DitModel.conditioning``) and broadcast over rows."""
+        step's flow time, computed once per t (``DitModel.conditioning``) and broadcast over rows.
+        ``between``: called between the attention's query chunks (eager CPU steps, to cancel)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = modulation.unsqueeze(1).chunk(6, dim=-1)
         h = self.attn_norm(x) * (1 + scale1) + shift1
-        x = x + gate1 * self.attn(h, cos, sin, keys, values, prefix_slots, mask)
+        if between is None:
+            attended = self.attn(h, cos, sin, keys, values, prefix_slots, mask)
+        else:
+            attended = self.attn(h, cos, sin, keys, values, prefix_slots, mask, between)
+        x = x + gate1 * attended
         h = self.mlp_norm(x) * (1 + scale2) + shift2
         mlp_out: torch.Tensor = self.mlp(h)
         out: torch.Tensor = x + gate2 * mlp_out
@@ -462,9 +495,11 @@ class DitModel(nn.Module):
         ``cond`` (``conditioning(t)``, shared by every row) over prepared inputs. No host
         synchronisation and fixed buffer addresses: a CUDA graph can capture it.
 
-        ``abort`` (eager steps only, never captured): called before every block; True raises
-        ``StepAborted`` there, so a cancel stops a long CPU step within one block, not one step.
-        On a multi-rank replica it must be the agreed check (``agreed_abort``) on every rank."""
+        ``abort`` (eager steps only, never captured): called before every block and between the
+        query chunks of its attention (``paged_attention.ATTENTION_CHUNK``); True raises
+        ``StepAborted`` there, so a cancel stops a long CPU step within a fraction of a block, not
+        one step. On a multi-rank replica it must be the agreed check (``agreed_abort``) on every
+        rank: every rank makes the same checks (same blocks, same chunk count)."""
         cfg, sp = self.cfg, self.parallel.sp
         rows, _, h, w = latents.shape
         if (h, w, rows) != (inputs.h, inputs.w, inputs.kv.rows):
@@ -483,22 +518,31 @@ class DitModel(nn.Module):
         kv = inputs.kv
         run_block = self.compiled_block or _run_block
         for layer, block in enumerate(self.blocks):
-            if abort is not None and abort():
-                raise StepAborted(layer, len(self.blocks))
-            x = run_block(block, x, cond.blocks[layer], inputs.cos, inputs.sin, kv.keys[layer], kv.values[layer],
-                          kv.prefix_slots, kv.mask)
+            if abort is None:
+                x = run_block(block, x, cond.blocks[layer], inputs.cos, inputs.sin, kv.keys[layer],
+                              kv.values[layer], kv.prefix_slots, kv.mask)
+                continue
+            points = _AbortPoints(abort, layer, len(self.blocks))
+            points.start()
+            x = _run_block(block, x, cond.blocks[layer], inputs.cos, inputs.sin, kv.keys[layer], kv.values[layer],
+                           kv.prefix_slots, kv.mask, points)
 
         shift, scale = cond.final.unsqueeze(1).chunk(2, dim=-1)
         out = self.final_proj(self.final_norm(x) * (1 + scale) + shift)
         out = sp.all_gather(out, dim=1)[:, :n]
         return self.unpatchify(out, h, w)
 
-    def idle_blocks(self, abort: AbortCheck) -> None:
-        """What a rank that computes no rows this step (a CFG-parallel group with none) does in
-        place of ``step``: the same per-block abort checks, so the agreed ones stay in lockstep."""
+    def idle_blocks(self, abort: AbortCheck, h: int, w: int) -> None:
+        """What a rank that computes no rows this step of latents h x w (a CFG-parallel group with
+        none) does in place of ``step``: the same abort checks (before each block, between its
+        attention's query chunks), so the agreed ones stay in lockstep with the computing ranks."""
+        _, n_padded, _ = self.image_tokens(h, w)
+        chunks = attention_chunks(self.cfg.num_heads // self.cfg.num_kv_heads * n_padded)
         for layer in range(len(self.blocks)):
-            if abort():
-                raise StepAborted(layer, len(self.blocks))
+            points = _AbortPoints(abort, layer, len(self.blocks))
+            points.start()
+            for _ in range(chunks - 1):
+                points()
 
     @torch.no_grad()
     def forward(self, latents: torch.Tensor, t: float, prefix_rows: Sequence[PrefixRow]) -> torch.Tensor:
@@ -519,8 +563,12 @@ def _run_block(
     values: torch.Tensor,
     prefix_slots: int,
     mask: torch.Tensor | None,
+    between: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    out: torch.Tensor = block(x, modulation, cos, sin, keys, values, prefix_slots, mask)
+    if between is None:
+        out: torch.Tensor = block(x, modulation, cos, sin, keys, values, prefix_slots, mask)
+    else:  # eager only: the abort points of a CPU step
+        out = block(x, modulation, cos, sin, keys, values, prefix_slots, mask, between)
     return out
 
 
@@ -761,9 +809,9 @@ class DitRunner:
         self.expert_parallel = expert_parallel and self.cfg.is_moe and self.parallel.tp.world_size > 1
         self._graphs: OrderedDict[tuple[int, int, int, int], StepGraph] = OrderedDict()
         self._graph_pool: Any = None
-        # (step, block) at which the last denoise / denoise_batch abandoned a step (every request
-        # of it cancelled mid-step, ``StepAborted``); None when it did not.
-        self.last_abort: tuple[int, int] | None = None
+        # (step, block, chunk) at which the last denoise / denoise_batch abandoned a step (every
+        # request of it cancelled mid-step, ``StepAborted``); None when it did not.
+        self.last_abort: tuple[int, int, int] | None = None
         # Step conditionings by (float64 bits of t, dtype, device), LRU; see ``conditioning``.
         self._conditionings: OrderedDict[tuple[int, torch.dtype, torch.device], StepConditioning] = OrderedDict()
         self.model = DitModel(
@@ -1022,7 +1070,7 @@ class DitRunner:
                 on_step=self._agreed(counted),
             )
         except StepAborted as err:
-            self.last_abort = (done + 1, err.block)
+            self.last_abort = (done + 1, err.block, err.chunk)
             raise
         return latents
 
@@ -1076,7 +1124,7 @@ class DitRunner:
             try:
                 v_all = velocity(batch, t)
             except StepAborted as err:
-                self.last_abort = (k + 1, err.block)
+                self.last_abort = (k + 1, err.block, err.chunk)
                 return results
             for i, v in zip(active, v_all.split(counts), strict=True):
                 guided = combine_cfg(v, requests[i].guidance_scale)
@@ -1131,9 +1179,9 @@ class DitRunner:
                     at = torch.tensor([active.index(i) for i in mine], device=self.device)
                     local.index_copy_(0, at, velocity(batch, t).to(self.dtype))
                 elif check is not None:
-                    self.model.idle_blocks(check)
+                    self.model.idle_blocks(check, lat_h, lat_w)
             except StepAborted as err:
-                self.last_abort = (k + 1, err.block)
+                self.last_abort = (k + 1, err.block, err.chunk)
                 return results
             gathered = cfg.all_gather(local, dim=0).view(cfg.world_size, len(active), *shape)
             for j, i in enumerate(active):
@@ -1176,7 +1224,7 @@ class DitRunner:
             if error:
                 raise error[0]
             if self.last_abort is not None:
-                raise StepAborted(self.last_abort[1], self.cfg.num_layers)
+                raise StepAborted(self.last_abort[1], self.cfg.num_layers, self.last_abort[2])
             raise DenoiseCancelled(f"another rank stopped denoising of {steps} steps")
         return latents
 

@@ -14,7 +14,7 @@ inputs, so a paged prefix and the same prefix held densely give bit-identical ou
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -167,8 +167,23 @@ def write_prefix(
     pages.index_copy_(0, index, blocks)
 
 
+# Folded queries (query heads of a kv head x image tokens) per attention call when a caller asks to
+# be called between chunks (``gqa_attention(between=...)``: the DiT's per-chunk cancel check on the
+# CPU). Each query's softmax is its own, so chunks give the same bits as one call (tested).
+ATTENTION_CHUNK = 4096
+
+
+def attention_chunks(folded_queries: int) -> int:
+    """How many calls ``gqa_attention(between=...)`` makes for ``folded_queries`` (group * N)."""
+    return max(1, -(-folded_queries // ATTENTION_CHUNK))
+
+
 def gqa_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    between: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Non-causal grouped-query attention without expanding K/V to the query heads.
 
@@ -177,6 +192,10 @@ def gqa_attention(
     ``h // (heads_q / heads_kv)`` (the Llama grouping): the group's queries are folded into the
     token axis (``[rows, heads_kv, group * N, head_dim]``), which is the same softmax per query,
     so K/V are read once per kv head instead of being copied ``group`` times.
+
+    ``between`` (eager only): the folded queries run in ``attention_chunks`` calls of
+    ``ATTENTION_CHUNK``, and ``between()`` is called before every call but the first (it may raise
+    to abandon the attention: the DiT's cancel check on the CPU, where one call can take seconds).
     """
     rows, heads_q, n, head_dim = q.shape
     heads_kv = keys.shape[1]
@@ -184,7 +203,17 @@ def gqa_attention(
         raise ValueError(f"query heads {heads_q} not a multiple of kv heads {heads_kv}")
     group = heads_q // heads_kv
     folded = q.reshape(rows, heads_kv, group * n, head_dim)
-    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+    if between is None or attention_chunks(group * n) == 1:
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+    else:
+        out = torch.empty_like(folded)
+        for start in range(0, group * n, ATTENTION_CHUNK):
+            if start:
+                between()
+            stop = start + ATTENTION_CHUNK
+            out[:, :, start:stop] = F.scaled_dot_product_attention(
+                folded[:, :, start:stop], keys, values, attn_mask=mask
+            )
     return out.reshape(rows, heads_q, n, head_dim)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.models import paged_attention
 from kvrelay.models.dit import BatchRequest, DenoiseCancelled, DitRunner, StepAborted, shard_prefix
 from kvrelay.models.moe import MoeMlp
 from kvrelay.models.paged_attention import LayerKv, read_prefix, write_prefix
@@ -31,6 +32,7 @@ class Generate:
     # `abort_at_check`-th call on (the others' never do).
     abort_on_rank: int = -1
     abort_at_check: int = 0
+    attention_chunk: int = 0  # > 0: paged_attention.ATTENTION_CHUNK in this rank's process
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,8 @@ class DitRankHandler:
 
         rows = self._rows_through_pages(self._my_rows(command))
         checks: list[int] = []
+        if command.attention_chunk:
+            paged_attention.ATTENTION_CHUNK = command.attention_chunk
 
         def abort() -> bool:
             checks.append(1)

@@ -205,8 +205,8 @@ def test_abort_stops_the_running_step_at_the_next_block(runner: DitRunner) -> No
     finally:
         for h in hooks:
             h.remove()
-    assert info.value.block == 1
-    assert runner.last_abort == (2, 1)
+    assert (info.value.block, info.value.chunk) == (1, 0)
+    assert runner.last_abort == (2, 1, 0)
     assert steps_seen == [1]
     assert ran == [0, 1, 0]  # step 1 whole, then block 0 of step 2 only
     assert len(checks) == 4
@@ -259,5 +259,47 @@ def test_batch_aborts_mid_step_only_once_every_request_is_cancelled(runner: DitR
         for h in hooks:
             h.remove()
     assert both == [None, None]
-    assert runner.last_abort == (3, 1)
+    assert runner.last_abort == (3, 1, 0)
     assert ran == [0, 1, 0, 1, 0]
+
+
+def test_abort_points_between_attention_chunks(runner: DitRunner, monkeypatch) -> None:
+    """Inside a block, the attention's folded queries run in chunks with an abort check between
+    them: chunked attention gives the same bits as one call (a check that never fires changes no
+    bit), and a check that fires stops the step between two chunks of the block's attention."""
+    from kvrelay.models import paged_attention
+    from kvrelay.models.dit import StepAborted
+
+    args = dict(width=64, height=64, steps=2, guidance_scale=2.0, seed=4)
+    undisturbed = runner.denoise(_rows(runner, 2.0), **args)
+    monkeypatch.setattr(paged_attention, "ATTENTION_CHUNK", 8)  # 16 tokens x group 2 = 32: 4 chunks
+    calls: list[int] = []
+    real = paged_attention.F.scaled_dot_product_attention
+
+    def spy(q, keys, values, attn_mask=None):
+        calls.append(q.shape[2])
+        return real(q, keys, values, attn_mask=attn_mask)
+
+    monkeypatch.setattr(paged_attention.F, "scaled_dot_product_attention", spy)
+    checks: list[int] = []
+
+    def never() -> bool:
+        checks.append(1)
+        return False
+
+    assert torch.equal(runner.denoise(_rows(runner, 2.0), abort=never, **args), undisturbed)
+    assert calls == [8] * 16  # 4 chunks x 2 blocks x 2 steps
+    assert len(checks) == 16  # per block: 1 before it + 3 between its chunks
+
+    calls.clear()
+    checks.clear()
+
+    def at_seventh() -> bool:
+        checks.append(1)
+        return len(checks) >= 7  # block 1 of step 1: before it (5th), after chunks 1, 2 (6th, 7th)
+
+    with pytest.raises(StepAborted) as info:
+        runner.denoise(_rows(runner, 2.0), abort=at_seventh, **args)
+    assert (info.value.block, info.value.chunk) == (1, 2)
+    assert runner.last_abort == (1, 1, 2)
+    assert calls == [8] * 6  # block 0's 4 chunks, then 2 of block 1's

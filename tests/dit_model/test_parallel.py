@@ -71,16 +71,21 @@ def test_cancel_on_one_rank_stops_all_ranks_after_that_step() -> None:
 
 
 @pytest.mark.parametrize(("tp", "sp", "cfg"), [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
-def test_abort_on_one_rank_stops_every_rank_at_the_same_block(tp: int, sp: int, cfg: int) -> None:
-    """World size 2 over gloo: rank 1 alone sees the cancel, before block 1 of step 2 (its 4th
-    check: tiny has 2 blocks); every rank abandons step 2 there (the per-block vote), none is left
-    in a collective, and the group serves the next request. cfg=2 with guidance 1: rank 1's CFG
-    group has no row to compute and votes block by block beside rank 0's forward."""
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_abort_on_one_rank_stops_every_rank_at_the_same_point(tp: int, sp: int, cfg: int, chunk: int) -> None:
+    """World size 2 over gloo: rank 1 alone sees the cancel mid-step 2; every rank abandons step 2
+    at the same point (the vote at every point), none is left in a collective, and the group
+    serves the next request. chunk 0: the points are the 2 blocks of tiny (rank 1's 4th check is
+    before block 1 of step 2); chunk 8: 64x64 has 16 image tokens, 32 folded queries, so each
+    block's attention also stops between its 4 chunks (8 checks a step; the 11th is after chunk 2
+    of block 0 of step 2). cfg=2 with guidance 1: rank 1's CFG group has no row to compute and
+    makes the same checks beside rank 0's forward."""
     guidance = 1.0 if cfg == 2 else 2.5
     preset = DitRunner(PRESET).preset
     rows = (random_prefix(preset, 29, seed=10),) if cfg == 2 else _command(64, 64).full_rows
     command = Generate(full_rows=rows, width=64, height=64, steps=3, guidance_scale=guidance, seed=3,
-                       abort_on_rank=1, abort_at_check=4)
+                       abort_on_rank=1, abort_at_check=11 if chunk else 4, attention_chunk=chunk)
+    where, checks, at = ("in block 0 after attention chunk 2", 11, (2, 0, 2)) if chunk else ("before block 1", 4, (2, 1, 0))
     factory = DitRankFactory(PRESET, tp, sp, WEIGHT_SEED, cfg_parallel=cfg)
     with WorkerGroup(2, factory) as group:
         with pytest.raises(WorkerCommandError) as info:
@@ -88,8 +93,8 @@ def test_abort_on_one_rank_stops_every_rank_at_the_same_block(tp: int, sp: int, 
         errors = {e.rank: e for e in info.value.errors}
         assert sorted(errors) == [0, 1]
         for e in errors.values():
-            assert e.message.startswith("StepAborted: step aborted before block 1 of 2"), e.message
-            assert "[steps_seen=[1]] [checks=4] [last_abort=(2, 1)]" in e.message, e.message
+            assert e.message.startswith(f"StepAborted: step aborted {where} of 2 blocks"), e.message
+            assert f"[steps_seen=[1]] [checks={checks}] [last_abort={at}]" in e.message, e.message
         again = group.call_all(dataclasses.replace(command, abort_at_check=10**6), timeout_s=120)
         assert [r.steps_seen for r in again] == [[1, 2, 3], [1, 2, 3]]
         assert torch.equal(again[0].latents, again[1].latents)

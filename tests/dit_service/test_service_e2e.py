@@ -280,10 +280,10 @@ def _logged(lines: list[str], event: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_cancel_mid_step_aborts_the_step_at_a_block(tmp_path: Path, tp: int) -> None:
     """A CPU step of seconds (tiny at 1536x1536: 9216 image tokens) is not run to its end after a
-    cancel: the ranks (both, at the same block, with TP=2) abandon it at the next transformer
-    block, the ticket is released CANCELLED with every page back, and the replica serves the next
-    request. The caller cancels as soon as step 1 is streamed, so step 2 is running: it must
-    never count as done."""
+    cancel: the ranks (both, at the same point, with TP=2) abandon it at the next abort point
+    (before a transformer block, or between two query chunks of its attention), the ticket is
+    released CANCELLED with every page back, and the replica serves the next request. The caller
+    cancels as soon as step 1 is streamed, so step 2 is running: it must never count as done."""
     config = write_config(tmp_path, transport="mooncake", tp=tp)
     total = 20
 
@@ -319,11 +319,17 @@ def test_cancel_mid_step_aborts_the_step_at_a_block(tmp_path: Path, tp: int) -> 
                 pool = await writer.pool()
                 assert pool.free_pages == pool.total_pages
                 # Step 2 was running when the cancel came: it never finished (at a step boundary it
-                # would have: 2 steps counted), the ranks left it at a block boundary.
+                # would have: 2 steps counted), the ranks left it at an abort point.
                 assert _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total") == 1
                 (record,) = _logged(dit.lines, "denoise_cancelled")
-                assert record["steps_done"] == 1 and record["aborted_step"] == 2, record
-                assert record["aborted_block"] in (0, 1), record  # tiny: 2 blocks
+                assert record["steps_done"] == 1, record
+                # With TP=2, rank 1 may reach the step-1 boundary after the cancel came (rank 0 had
+                # streamed step 1 already): then the ranks' vote there stops them before step 2
+                # (aborted_step null), as good. One rank has no such race: it is inside step 2.
+                if tp == 1 or record["aborted_step"] is not None:
+                    assert record["aborted_step"] == 2, record
+                    assert record["aborted_block"] in (0, 1), record  # tiny: 2 blocks
+                    assert 0 <= record["aborted_chunk"] < 5, record  # 2 x 9216 folded queries: 5 chunks
                 print(f"first step {step1_at - loaded_at:.2f}s, cancel to release {stop_seconds:.2f}s")
                 # No rank is left in a collective or a step: the next request runs to the end.
                 ticket = await writer.written_ticket([5], seed=6)
