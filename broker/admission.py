@@ -330,7 +330,7 @@ class Admission:
         self.queue.begin_admission(request_id)
         try:
             with bind_request(request_id=request_id):
-                token_counts = await self._tokenize(params, deadline)
+                token_counts = await self._tokenize_unless_ended(record, params, deadline)
         except KvRelayServerError as err:
             # Rejected: nothing was accepted under this id. Attached streams see the error.
             end(record, GenState.FAILED, ErrorInfo(err.code.name, err.reason, err.message), counted=False)
@@ -363,7 +363,7 @@ class Admission:
             raise
         finally:
             self.queue.finish_admission(request_id)
-        if record.state.terminal:
+        if token_counts is None or record.state.terminal:
             # Ended while it was being tokenized: cancelled by its client (keep that answer), or
             # failed by stop() (then nothing is accepted any more).
             if self.stopping:
@@ -380,6 +380,30 @@ class Admission:
             "generation_queued", request_id=request_id, rows=len(token_counts), tokens=list(token_counts)
         )
         return record
+
+    async def _tokenize_unless_ended(
+        self, record: GenerationRecord, params: GenerationParams, deadline: float | None
+    ) -> tuple[int, ...] | None:
+        """`_tokenize`, or None as soon as the generation ends meanwhile (CancelGeneration): its
+        end is the answer, whatever the AR says later. Found black-box: with the AR SIGSTOPped, a
+        generation cancelled during its Tokenize kept its Generate stream waiting for Tokenize's
+        bound, then failed it AR_UNAVAILABLE and dropped the generation its cancel had ended."""
+        tokenize = asyncio.ensure_future(self._tokenize(params, deadline))
+        ended = asyncio.ensure_future(record.done.wait())
+        try:
+            await asyncio.wait({tokenize, ended}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            tokenize.cancel()
+            raise
+        finally:
+            ended.cancel()
+        if record.state.terminal:
+            if not tokenize.done():
+                tokenize.cancel()
+            elif not tokenize.cancelled():
+                tokenize.exception()  # retrieved: an AR error after the end is not logged as lost
+            return None
+        return tokenize.result()
 
     async def _tokenize(self, params: GenerationParams, deadline: float | None) -> tuple[int, ...]:
         """Tokenize the rows and check they fit the AR and some DiT: token counts per row."""

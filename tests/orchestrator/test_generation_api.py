@@ -326,6 +326,33 @@ def test_an_ar_that_does_not_answer_tokenize_is_unavailable(monkeypatch: pytest.
     run(body())
 
 
+def test_a_generation_cancelled_while_its_ar_tokenizes_ends_cancelled_at_once_and_stays() -> None:
+    """Found black-box (the AR SIGSTOPped, `grpcurl ... Generate`, then `CancelGeneration`):
+    CancelGeneration answered CANCELLED, but the Generate stream kept waiting for the AR's Tokenize
+    (up to its 10 s bound), then failed UNAVAILABLE AR_UNAVAILABLE, and the generation vanished
+    (GetGeneration NOT_FOUND) though its CANCELLED end was counted and journaled. Now the stream
+    ends with the CANCELLED event as soon as the cancel comes, and the generation stays CANCELLED."""
+
+    async def body() -> None:
+        async with cluster() as c:
+            c.ar.tokenize_gate.clear()  # the AR does not answer Tokenize (SIGSTOPped)
+            call = c.api.Generate(request(request_id="cx", seed=1, detach_timeout_seconds=60), timeout=30)
+            events_task = asyncio.ensure_future(collect(call))
+            await wait_until(lambda: c.orchestrator.store.find("cx") is not None, what="the admission")
+            cancelled = await c.api.CancelGeneration(S.CancelGenerationRequest(request_id="cx"), timeout=5)
+            assert cancelled.generation.state == S.GENERATION_STATE_CANCELLED
+            events = await asyncio.wait_for(events_task, 5)  # not Tokenize's bound, nor the AR's answer
+            assert events[-1].state == S.GENERATION_STATE_CANCELLED, events
+            assert events[-1].error.reason == "CANCELLED_BY_CLIENT"
+            c.ar.tokenize_gate.set()  # the AR answers after all: nothing changes
+            await asyncio.sleep(0.2)
+            got = await c.api.GetGeneration(S.GetGenerationRequest(request_id="cx"), timeout=5)
+            assert got.generation.state == S.GENERATION_STATE_CANCELLED
+            assert c.ar.prefills == []
+
+    run(body())
+
+
 def test_an_image_larger_than_the_dit_model_takes_is_invalid_argument() -> None:
     """The API allows sides up to 2048, but BAGEL's (and the demo's) latent position table covers
     1024 pixels: a 2048x2048 request once passed admission and failed INTERNAL (DENOISE_FAILED) in
