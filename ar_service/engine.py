@@ -26,6 +26,7 @@ from typing import Any
 
 from kvrelay.logging import get_logger
 from kvrelay.security import ChannelSecurity
+from kvrelay.server_tls import CertificateFiles
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.planner import PlannedWrite, RowSpec, staging_bytes
 from kvrelay.transfer.staging import StagingAllocator, StagingInUse
@@ -181,6 +182,8 @@ class ArRankSpec:
     # "kvrelay" (preset / Llama-family path) or "bagel" / "demo" (a BAGEL-layout directory).
     model_format: str = "kvrelay"
     channel_security: ChannelSecurity | None = None
+    # The replica's TLS files: a new PutKv channel presents the pair they hold then.
+    tls_files: CertificateFiles | None = None
 
     def __call__(self, ctx: RankContext) -> ArRankHandler:
         return ArRankHandler(ctx, self)
@@ -237,7 +240,7 @@ class ArRankHandler:
             self.sender.register(self.staging)  # type: ignore[attr-defined]
             self.session = str(self.sender.session_id)  # type: ignore[attr-defined]
         elif spec.transport == "grpc":
-            self.sender = make_sender("grpc", security=spec.channel_security)
+            self.sender = make_sender("grpc", security=spec.channel_security, tls_files=spec.tls_files)
             self.session = ""
         else:
             raise ValueError(f"transport {spec.transport!r} is not supported by the AR service")

@@ -36,12 +36,12 @@ from kvrelay.security import (
     Credentials,
     SecurityError,
     load_credentials,
-    make_channel,
     replica_token_file_for,
     replica_token_source,
     require_bound_credential,
 )
 from kvrelay.server import GrpcServer
+from kvrelay.server_tls import CertificateFiles, broker_channel, watched_certificates
 from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
 from kvrelay.v1 import ar_pb2_grpc
 
@@ -62,7 +62,8 @@ def _broker_address(args: argparse.Namespace, cfg: KvRelayConfig) -> str:
 
 
 def _rank_spec(
-    stage: StageConfig, security: SecurityConfig | None = None, replica_id: str = ""
+    stage: StageConfig, security: SecurityConfig | None = None, replica_id: str = "",
+    tls_files: CertificateFiles | None = None,
 ) -> ArRankSpec | VllmRankSpec:
     security = security or SecurityConfig.model_validate({})
     if stage.model.engine == "vllm":
@@ -97,6 +98,8 @@ def _rank_spec(
         # PutKv (the fallback transport) dials DiT replicas as this replica; each command brings
         # its bearer (Credentials.put_kv_channel).
         channel_security=load_credentials(security, replica_id).put_kv_channel(replica_id),
+        # A new PutKv channel presents the certificate the files hold then (kvrelay.server_tls).
+        tls_files=tls_files,
     )
 
 
@@ -136,7 +139,10 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     try:
         creds = load_credentials(cfg.security, replica_id)
         require_bound_credential(creds, replica_id)
-        rank_spec = _rank_spec(stage, cfg.security, replica_id)
+        # The certificate served and presented, taken again when its files are replaced.
+        certificates = watched_certificates(cfg.security, replica_id, creds.tls)
+        rank_spec = _rank_spec(stage, cfg.security, replica_id,
+                               certificates.files if certificates is not None else None)
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay ar: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -188,8 +194,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     # (a rotated secret); a swap reaches the server, the registration and the broker channel at once.
     token = ReplicaToken(replica_id, creds, replica_token_source(replica_token_file_for(cfg.security, replica_id),
                                                         cfg.security.replica_token_env))  # fmt: skip
-    channel = make_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id),
-                           live_metadata=token.broker_metadata)  # fmt: skip
+    channel = broker_channel(_broker_address(args, cfg), creds.channel(CallerClass.REPLICA, replica_id), certificates,
+                             live_metadata=token.broker_metadata)  # fmt: skip
     stub = broker_stub(channel)
     servicer = ArServicer(stub, metrics, on_fail_stop)
     server = GrpcServer(
@@ -201,6 +207,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         registrations=[(ar_pb2_grpc.add_ArServiceServicer_to_server, servicer, AR_SERVICE)],
         credentials=creds,
         insecure_bind=bool(getattr(args, "insecure_bind", False)),
+        server_certificates=certificates,
     )
     try:
         await server.start()

@@ -107,11 +107,11 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         SecurityError,
         check_bind,
         load_credentials,
-        make_channel,
         replica_token_file_for,
         replica_token_source,
         require_bound_credential,
     )
+    from kvrelay.server_tls import broker_channel, watched_certificates
     from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
     from kvrelay.worker import (
@@ -145,6 +145,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         creds = load_credentials(cfg.security, replica_id)
         require_bound_credential(creds, replica_id)
         check_bind(host, creds, insecure_bind, f"kvrelay dit ({replica_id})")
+        # The certificate served and presented, taken again when its files are replaced.
+        certificates = watched_certificates(cfg.security, replica_id, creds.tls)
     except SecurityError as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
         return 2
@@ -172,7 +174,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     server = GrpcServer(
         name=replica_id, host=host, port=port, metrics_port=metrics_port, metrics_registry=metrics.registry,
         registrations=[(dit_pb2_grpc.add_DitServiceServicer_to_server, servicer, DIT_SERVICE)],
-        credentials=creds, insecure_bind=insecure_bind,
+        credentials=creds, insecure_bind=insecure_bind, server_certificates=certificates,
     )
     memory: ReplicaMemory | None = None
     control_pool: HostPool | None = None
@@ -242,8 +244,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         # (a rotated secret); a swap reaches the server, the registration and the broker channel at once.
         token = ReplicaToken(replica_id, creds, replica_token_source(replica_token_file_for(cfg.security, replica_id),
                                                             cfg.security.replica_token_env))  # fmt: skip
-        channel = make_channel(broker_address, creds.channel(CallerClass.REPLICA, replica_id),
-                               live_metadata=token.broker_metadata)  # fmt: skip
+        channel = broker_channel(broker_address, creds.channel(CallerClass.REPLICA, replica_id), certificates,
+                                 live_metadata=token.broker_metadata)  # fmt: skip
         stub = broker_pb2_grpc.BrokerServiceStub(channel)
         state = DitReplicaState(
             replica_id=replica_id, incarnation_id=incarnation_id, stage=stage, geometry=geometry, memory=memory,

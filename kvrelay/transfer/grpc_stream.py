@@ -10,6 +10,7 @@ servicer calls it for each message. Same tickets, same pages, same bits as Moonc
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 
 from kvrelay.security import AUTHORIZATION_METADATA, ChannelSecurity, make_sync_channel
+from kvrelay.server_tls import CertificateFiles
 from kvrelay.transfer.checksum import as_memoryview, write_checksum
 from kvrelay.transfer.planner import PlannedWrite
 from kvrelay.transfer.transport import (
@@ -150,17 +152,26 @@ class _StreamProgress:
 
 
 class GrpcStreamSender:
-    """KvSender over DitService.PutKv. Channels are cached per endpoint until `close`, or until
-    a call on one ends UNAVAILABLE (`_forget`)."""
+    """KvSender over DitService.PutKv. Channels are cached per endpoint until `close`, until a
+    call on one ends UNAVAILABLE, or until `tls_files` took a replaced certificate (`_forget`):
+    a new channel presents the client certificate the files hold then (kvrelay.server_tls)."""
 
     name = "grpc"
 
-    def __init__(self, max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES, security: ChannelSecurity | None = None) -> None:
+    def __init__(
+        self,
+        max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES,
+        security: ChannelSecurity | None = None,
+        tls_files: CertificateFiles | None = None,
+    ) -> None:
         if not 0 < max_chunk_bytes <= GRPC_MAX_CHUNK_BYTES:
             raise ValueError(f"max_chunk_bytes must be in (0, {GRPC_MAX_CHUNK_BYTES}], got {max_chunk_bytes}")
         self.max_chunk_bytes = max_chunk_bytes
         self.security = security
+        self.tls_files = tls_files
         self._channels: dict[str, grpc.Channel] = {}
+        # The tls_files generation each cached channel was dialled with.
+        self._channel_generation: dict[str, int] = {}
         # Calls running on each channel (by id), so a forgotten one closes only once idle.
         self._calls: dict[int, int] = {}
         self._forgotten: dict[int, grpc.Channel] = {}
@@ -173,17 +184,34 @@ class GrpcStreamSender:
         ] = []
 
     def _acquire(self, endpoint: str) -> grpc.Channel:
+        security, generation = self.security, 0
+        if self.tls_files is not None and security is not None:
+            security = dataclasses.replace(security, tls=self.tls_files.current())
+            generation = self.tls_files.generation
+        idle: grpc.Channel | None = None
         with self._lock:
             channel = self._channels.get(endpoint)
+            if channel is not None and self._channel_generation.get(endpoint, 0) != generation:
+                # Dialled with the certificate replaced since: closed now if idle, else once its
+                # calls returned (they run on, on their connection).
+                del self._channels[endpoint]
+                if id(channel) in self._calls:
+                    self._forgotten[id(channel)] = channel
+                else:
+                    idle = channel
+                channel = None
             if channel is None:
                 # A local subchannel pool: channels to one target otherwise share gRPC's global
                 # subchannel, and a fresh channel would inherit a failed one's reconnect backoff.
                 channel = make_sync_channel(
-                    endpoint, self.security, max_request_bytes=_CHANNEL_MAX_BYTES,
+                    endpoint, security, max_request_bytes=_CHANNEL_MAX_BYTES,
                     options=[("grpc.use_local_subchannel_pool", 1)],
                 )
                 self._channels[endpoint] = channel
+                self._channel_generation[endpoint] = generation
             self._calls[id(channel)] = self._calls.get(id(channel), 0) + 1
+        if idle is not None:
+            idle.close()
         return channel
 
     def _release(self, channel: grpc.Channel) -> None:
@@ -354,8 +382,12 @@ class GrpcStreamSender:
             self._calls.clear()
 
 
-def make_sender(max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES, security: ChannelSecurity | None = None) -> GrpcStreamSender:
-    return GrpcStreamSender(max_chunk_bytes, security)
+def make_sender(
+    max_chunk_bytes: int = GRPC_MAX_CHUNK_BYTES,
+    security: ChannelSecurity | None = None,
+    tls_files: CertificateFiles | None = None,
+) -> GrpcStreamSender:
+    return GrpcStreamSender(max_chunk_bytes, security, tls_files)
 
 
 def make_receiver(endpoint: str) -> GrpcStreamReceiver:
