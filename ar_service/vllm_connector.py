@@ -194,14 +194,18 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._session = str(self._sender.session_id)
         elif transport == "grpc":
             from kvrelay.config import SecurityConfig
-            from kvrelay.security import load_credentials
+            from kvrelay.security import BROKER_CALLER_ID, load_credentials
+            from kvrelay.server_tls import CertificateFiles
 
             replica_id = str(self._extra.get("replica_id", "")) or None
             security_cfg = SecurityConfig.model_validate(self._extra.get("security") or {})
             creds = load_credentials(security_cfg, replica_id) if replica_id else load_credentials(security_cfg)
             # Its id and TLS only: each write command brings its bearer (Credentials.put_kv_channel).
             security = creds.put_kv_channel(replica_id)
-            self._sender = make_sender("grpc", security=security)
+            # A new PutKv channel presents the certificate the replica's files hold then, as the
+            # built-in engine's ranks do (kvrelay.server_tls).
+            tls_files = None if creds.tls is None else CertificateFiles(security_cfg, replica_id or BROKER_CALLER_ID, creds.tls)
+            self._sender = make_sender("grpc", security=security, tls_files=tls_files)
         else:
             raise ValueError(f"KvRelayConnector: transport {transport!r} is not supported")
 
