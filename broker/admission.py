@@ -230,8 +230,11 @@ class GenerationQueue:
         self._wake.set()
 
     def finished(self, job: GenerationJob) -> None:
-        """Its pipeline returned: it holds nothing in the queue any more."""
-        self._jobs.pop(job.request_id, None)
+        """Its pipeline returned: it holds nothing in the queue any more. (Only its own entry: a
+        later generation under the same id, admitted once this one's record was forgotten while
+        its pipeline still wound down, keeps its own.)"""
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
         self._wake.set()
 
     # -------------------------------------------------------------------- placement

@@ -767,6 +767,7 @@ class BrokerCore:
         *,
         replaces: TicketId = "",
         by_hand: bool = False,
+        beside: TicketId = "",
     ) -> Ticket | None:
         """Reserve pages for every row (all or nothing): RESERVED. None = does not fit now.
 
@@ -777,6 +778,12 @@ class BrokerCore:
         `by_hand`: made with the operator's BrokerService.CreateTicket. The two kinds never share a
         request id while a request is live (ALREADY_EXISTS REQUEST_ID_REUSED, `_check_id_kind`); a
         generation's ticket is made beside a hand-made one whose request is over (it may drain).
+        `beside`: the ticket that holds `request_id` for an EARLIER generation of this id, one the
+        orchestrator no longer runs (it ended and was forgotten, or was lost with a broker
+        restart), in whatever state (draining while a write may land, or still read by its DiT):
+        the new generation's ticket gets pages of its own beside it, as a retry's does, and takes
+        the id (`ticket_for_request`); the earlier one keeps every page until it is released or
+        drained. Without it a resubmitted id would wait for that ticket at the queue's head.
         """
         counts = [int(n) for n in row_token_counts]
         if not request_id:
@@ -793,6 +800,8 @@ class BrokerCore:
         if existing is not None and self._tickets[existing].by_hand != by_hand:
             self._check_id_kind(self._tickets[existing], by_hand)
             replaces = existing  # a generation's, beside a hand-made ticket whose request is over
+        if existing is not None and beside and existing == beside and not by_hand and not self._tickets[existing].by_hand:
+            existing = None  # an earlier generation's: pages of its own beside it (no page is shared)
         if existing is not None and existing == replaces:
             if not self._tickets[existing].request_over:
                 raise FailedPrecondition(
@@ -1400,6 +1409,13 @@ class BrokerCore:
         self._plans.pop(t.ticket_id, None)
         if self._by_request.get(t.request_id) == t.ticket_id:
             del self._by_request[t.request_id]
+            # An earlier ticket of this id still held (an earlier attempt's or generation's,
+            # draining): the id names the newest held one again, as a journal replay does (it
+            # restores tickets in sequence order), so that what holds an id never depends on
+            # whether the broker restarted in between.
+            held = [o for o in self._tickets.values() if o.request_id == t.request_id]
+            if held:
+                self._by_request[t.request_id] = max(held, key=lambda o: o.sequence).ticket_id
         self._released[t.ticket_id] = t.snapshot()
         self.released_total += 1
         while len(self._released) > self._released_history:

@@ -56,6 +56,11 @@ _LINK_FAILURES = frozenset({"TRANSFER_TIMEOUT", "TRANSFER_FAILED"})
 # queued at a busy DiT past that timeout; the DiT answered TRANSFER_TIMEOUT ("waited 0.00s", the
 # writes done), and the broker marked the pair suspect and ran each of them again.
 LINK_DEADLINE_SLACK_SECONDS = 1.0
+# A failed Prefill that ends nothing once the DiT has verified every row of the ticket (READY or
+# CONSUMING; `_writer_lost_after_load` says why the KV is then whole): the AR stopped answering
+# or lost a rank (REPLICA_UNAVAILABLE, REPLICA_FAILED), or a rank of it raised or its answer was
+# lost (WRITE_FAILED) after every write it made was final.
+LOST_AFTER_LOAD_REASONS = frozenset({"REPLICA_UNAVAILABLE", "REPLICA_FAILED", "WRITE_FAILED"})
 
 
 class StagePipeline:
@@ -276,11 +281,23 @@ class StagePipeline:
         return err.error if isinstance(err, RequestEnded) else None
 
     def _writer_lost_after_load(self, prefill: asyncio.Task[Any], ticket_id: str) -> ErrorInfo | None:
-        """The error of a `prefill` that failed because its AR stopped answering (REPLICA_UNAVAILABLE)
-        or said a rank of it died (REPLICA_FAILED) after the DiT verified every row of the ticket (READY or CONSUMING: by then every write is
-        final), so that nothing the denoise needs was lost with it; None otherwise."""
+        """The error of a `prefill` that failed because its AR stopped answering (REPLICA_UNAVAILABLE),
+        said a rank of it died (REPLICA_FAILED) or that a rank raised or its answer was lost
+        (WRITE_FAILED) after the DiT verified every row of the ticket (READY or CONSUMING), so that
+        nothing the denoise needs was lost with it; None otherwise.
+
+        Why the KV is then complete and correct whatever the AR says: a load of (row, dst_rank)
+        is accepted only when every write into it has a final OK report (TicketRecord.report_load:
+        PENDING, IN_DOUBT, FAILED, NOT_STARTED or WRITER_GONE refuse it) and, with checksums on
+        (the default for Mooncake TCP and the fallback), the DiT's checksum of the destination
+        bytes equals the one the writer reported. Final OK means the transport call returned:
+        nothing more of this ticket lands (its pages are its own: no other ticket's write targets
+        them), and an IN_DOUBT the AR settles after a rank raised cannot reopen a write already
+        final (report_write keeps the final word). With `verify_checksums: false` "loaded" is the
+        writers' final OK alone, exactly what every successful generation then rests on. So the
+        AR failing so afterwards says nothing about the bytes the denoise reads."""
         err = None if prefill.cancelled() else prefill.exception()
-        if not isinstance(err, RequestEnded) or err.error.reason not in ("REPLICA_UNAVAILABLE", "REPLICA_FAILED"):
+        if not isinstance(err, RequestEnded) or err.error.reason not in LOST_AFTER_LOAD_REASONS:
             return None
         try:
             state = self.core.get_ticket(ticket_id).state

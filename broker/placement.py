@@ -179,12 +179,18 @@ def place(
     replicas refuse it for good).
     """
     existing = core.ticket_for_request(request_id)
-    if existing is not None and not existing.by_hand and not (replaces and existing.ticket_id == replaces):
-        # An earlier generation with this id still drains its ticket; the core keys tickets
-        # by request_id, so this one waits until that ticket is released. (A ticket made by hand
-        # under this id: the core places this one beside it once its request is over, and refuses
-        # while it is live, REQUEST_ID_REUSED, which Generate's admission already refused.)
-        return None
+    beside = ""
+    if existing is not None and not existing.by_hand and existing.ticket_id != replaces:
+        # An earlier generation with this id (ended and forgotten after result_ttl_seconds or
+        # max_results, or lost with a broker restart) still holds its ticket: draining while a
+        # write of it may land, which can last until its AR's next incarnation. This one gets
+        # pages of its own beside it, as a retry beside its earlier attempt, rather than wait for
+        # it at the queue's head, holding every generation behind it. (Its own earlier attempt's
+        # ticket is `replaces`; a generation runs one attempt at a time, so any other ticket of a
+        # generation under this id is an earlier generation's. A ticket made by hand under this
+        # id: the core places this one beside it once its request is over, and refuses while it
+        # is live, REQUEST_ID_REUSED, which Generate's admission already refused.)
+        beside = existing.ticket_id
     ar_id, dit_id = choose_pair(
         core, token_counts, max(width, height), exclude, avoid_pairs=avoid_pairs, exclude_pairs=exclude_pairs
     )
@@ -200,7 +206,7 @@ def place(
     if ar_id is None or dit_id is None:
         return None
     try:
-        return core.create_ticket(request_id, ar_id, dit_id, token_counts, replaces=replaces)
+        return core.create_ticket(request_id, ar_id, dit_id, token_counts, replaces=replaces, beside=beside)
     except BrokerError as err:
         if err.code == "UNAVAILABLE":
             return None  # the replica went down between choice and reservation: next round

@@ -12,7 +12,7 @@ import pytest
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.tickets import FailedPrecondition, TicketOutcome, TicketState, WriteStatus
 
-from .helpers import ManualClock, ar_spec, dit_spec, write_all
+from .helpers import ManualClock, ar_spec, dit_spec, load_all, write_all
 
 QUIET = 2.0
 
@@ -69,5 +69,48 @@ def test_a_retry_ticket_sits_beside_the_draining_one_and_both_survive_a_restart(
         assert core.get_ticket(first.ticket_id).state is TicketState.RELEASED
         assert _accounting(core, "dit-0") == (8, 0, 0)
         assert core.ticket_for_request("r") is None
+    finally:
+        core.close()
+
+
+def test_a_later_generations_ticket_sits_beside_an_earlier_generations_and_the_id_names_the_newest_held(
+    tmp_path: Path,
+) -> None:
+    """`beside`: a new generation under the id of an earlier one whose ticket is still held (in any
+    state; here armed, then draining) gets pages of its own and takes the id; once it is released
+    the id names the earlier ticket again, live exactly as after a restart (journal replay)."""
+    clock = ManualClock()
+    path = tmp_path / "journal.sqlite"
+    core = _core(path, clock)
+    ar, dit = ar_spec(), dit_spec(num_pages=8)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    old = core.create_ticket("r", "ar-0", "dit-0", [20])
+    assert old is not None
+    core.arm_ticket(old.ticket_id, "ar-0", ar.incarnation_id)
+    new = core.create_ticket("r", "ar-0", "dit-0", [20], beside=old.ticket_id)
+    assert new is not None and new.ticket_id != old.ticket_id
+    assert not set(new.page_ids) & set(old.page_ids)
+    named = core.ticket_for_request("r")
+    assert named is not None and named.ticket_id == new.ticket_id
+    # Idempotent on the new one (it holds the id now), as without `beside`.
+    assert core.create_ticket("r", "ar-0", "dit-0", [20]) == new
+    assert core.cancel_ticket(old.ticket_id, TicketOutcome.FAILED, "WRITE_FAILED").state is TicketState.DRAINING
+    core.arm_ticket(new.ticket_id, "ar-0", ar.incarnation_id)
+    write_all(core, core.get_ticket(new.ticket_id), ar)
+    load_all(core, core.get_ticket(new.ticket_id), dit)
+    core.start_consuming(new.ticket_id)
+    core.release_ticket(new.ticket_id, TicketOutcome.OK, replica_id="dit-0")
+    assert _accounting(core, "dit-0") == (8 - 2, 0, 2)
+    named = core.ticket_for_request("r")
+    assert named is not None and named.ticket_id == old.ticket_id  # the newest still held
+    core.close()
+
+    core = _core(path, clock)
+    try:
+        named = core.ticket_for_request("r")
+        assert named is not None and named.ticket_id == old.ticket_id  # the same after the replay
+        assert core.get_ticket(old.ticket_id).state is TicketState.DRAINING
+        assert _accounting(core, "dit-0") == (8 - 2, 0, 2)
     finally:
         core.close()

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 
 from kvrelay.broker.tickets import TicketOutcome, TicketState
 from kvrelay.errors import KvRelayServerError
@@ -485,14 +486,16 @@ def test_a_broker_restart_keeps_a_retried_generation_ended_once_and_restores_no_
         core.close()
 
 
-@pytest.mark.parametrize("how", ["killed", "rank_failed"])
+@pytest.mark.parametrize("how", ["killed", "rank_failed", "write_failed"])
 def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise(how: str) -> None:
     """Found black-box (2 ARs, 1 DiT, the writing AR SIGSTOPped just after its last write): once
     the DiT verified every row (ticket READY/CONSUMING) the AR has nothing more to give, yet its
     Prefill failing UNAVAILABLE ended the attempt: the denoise was thrown away and run again from
     the start on another AR, or, with no other AR up, the generation FAILED. Now the denoise goes
     on: one attempt, the same ticket, no retry counted. Also when the AR answers REPLICA_FAILED
-    then (a rank died after its writes were final)."""
+    then (a rank died after its writes were final), or WRITE_FAILED (a rank raised, or its answer
+    was lost, after its writes were final: before, the broker threw the denoise away and retried
+    the generation with a fresh ticket although the DiT had verified every row's checksum)."""
 
     async def body() -> None:
         async with cluster() as c:
@@ -503,13 +506,20 @@ def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise(how:
             await read_until(call, DENOISING, events)
             ticket_id = c.orchestrator.get("r").ticket_id
             assert c.core.get_ticket(ticket_id).state is TicketState.CONSUMING
-            if how == "killed":
-                assert c.ar._server is not None
-                await c.ar._server.stop(0)  # the AR goes away mid-call (kill -9), its reply never sent
-            else:
-                c.ar.fail_reply = KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", "rank 0 died")
-                c.ar.reply_gate.set()
-            await asyncio.sleep(0.2)  # the broker sees the Prefill call end before the next step
+            with structlog.testing.capture_logs() as logged:
+                if how == "killed":
+                    assert c.ar._server is not None
+                    await c.ar._server.stop(0)  # the AR goes away mid-call (kill -9), its reply never sent
+                else:
+                    c.ar.fail_reply = (
+                        KvRelayServerError(grpc.StatusCode.UNAVAILABLE, "REPLICA_FAILED", "rank 0 died")
+                        if how == "rank_failed"
+                        else KvRelayServerError(grpc.StatusCode.INTERNAL, "WRITE_FAILED", "rank 0 raised")
+                    )
+                    c.ar.reply_gate.set()
+                # The broker saw the Prefill call end (and let it go) before the next step.
+                await wait_until(lambda: any(e["event"] == "prefill_reply_lost" for e in logged),
+                                 timeout=10, what="the broker to see the Prefill fail")
             c.dit.step_gate.set()
             events += await collect(call)
             final = events[-1]
@@ -517,6 +527,7 @@ def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise(how:
             assert final.ticket_id == ticket_id and final.attempt == 1
             assert c.metric(RETRIES, {"reason": "REPLICA_UNAVAILABLE"}) == 0
             assert c.metric(RETRIES, {"reason": "REPLICA_FAILED"}) == 0
+            assert c.metric(RETRIES, {"reason": "WRITE_FAILED"}) == 0
             assert_forward_only(events)
             await c.wait_pool_free()
 
