@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -103,6 +104,36 @@ def tls_problem(args: argparse.Namespace) -> str | None:
             return f"{flag} {path}: {err.strerror or err}"
         if b"-----BEGIN " not in pem:
             return f"{flag} {path}: not a PEM file (no -----BEGIN line)"
+    if cert and key:
+        return _pair_problem(cert, cert_flag, key, key_flag)
+    return None
+
+
+def _pair_problem(cert: str, cert_flag: str, key: str, key_flag: str) -> str | None:
+    """Why the client certificate and key are no pair gRPC can present, or None. Found black-box:
+    a key that was not the certificate's (or no key at all in the PEM) printed gRPC's C-core log
+    lines and then `UNAVAILABLE: empty address list`, with a hint about the broker's TLS."""
+    try:
+        cert_pem = read_bounded_file(cert, MAX_PEM_FILE_BYTES, "PEM file")
+        key_pem = read_bounded_file(key, MAX_PEM_FILE_BYTES, "PEM file")
+    except (FileRefused, OSError) as err:
+        return f"{cert_flag} {cert} / {key_flag} {key}: {err}"
+    if b"CERTIFICATE-----" not in cert_pem:
+        return f"{cert_flag} {cert}: holds no certificate (-----BEGIN CERTIFICATE-----)"
+    if b"PRIVATE KEY-----" not in key_pem:
+        return f"{key_flag} {key}: holds no private key (-----BEGIN PRIVATE KEY-----)"
+    if b"ENCRYPTED" in key_pem:
+        return f"{key_flag} {key}: the key is encrypted; the client needs it unencrypted"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        # The callback answers an encrypted key the check above missed: OpenSSL would prompt.
+        context.load_cert_chain(cert, key, password=lambda: b"\0")
+    except ssl.SSLError as err:
+        if "KEY_VALUES_MISMATCH" in str(err):
+            return f"{key_flag} {key} is not the private key of {cert_flag} {cert}"
+        return f"{cert_flag} {cert} and {key_flag} {key}: not a certificate and its private key ({err.reason or err})"
+    except OSError as err:
+        return f"{cert_flag} {cert} / {key_flag} {key}: {err.strerror or err}"
     return None
 
 

@@ -451,6 +451,39 @@ def test_tls_files_that_cannot_work_are_one_line_before_any_call(
     assert capsys.readouterr().err.startswith(f"kvrelay {name}: $KVRELAY_TLS_CERT needs --tls-key too")
 
 
+@pytest.mark.parametrize("command", [["generate", "a fox", "-q"], ["status"]])
+def test_a_client_certificate_and_key_that_are_no_pair_are_one_line_before_any_call(
+    command: list[str], tmp_path: Path, closed_port: int, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.security.certs import TestCa
+
+    for env in ("KVRELAY_TLS_CA", "KVRELAY_TLS_CERT", "KVRELAY_TLS_KEY"):
+        monkeypatch.delenv(env, raising=False)
+    ca = TestCa(tmp_path)
+    alice, bob = ca.issue("alice"), ca.issue("bob")
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_text("-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n")
+    target = ["--target", f"127.0.0.1:{closed_port}", "-o", str(tmp_path / "o.png")][: 4 if "-q" in command else 2]
+    name = command[0]
+    cases = [
+        # Found black-box against a mutual-TLS node: gRPC's C-core log lines ("Invalid private key")
+        # and then `UNAVAILABLE: empty address list`, with a hint about the broker's TLS.
+        ((alice.cert, bob.key), f"--tls-key {bob.key} is not the private key of --tls-cert {alice.cert}"),
+        ((alice.key, alice.cert), f"--tls-cert {alice.key}: holds no certificate (-----BEGIN CERTIFICATE-----)"),
+        ((alice.cert, ca.path), f"--tls-key {ca.path}: holds no private key (-----BEGIN PRIVATE KEY-----)"),
+        ((alice.cert, encrypted), f"--tls-key {encrypted}: the key is encrypted; the client needs it unencrypted"),
+    ]  # fmt: skip
+    for (cert, key), line in cases:
+        flags = ["--tls-ca", str(ca.path), "--tls-cert", str(cert), "--tls-key", str(key)]
+        assert main([*command, *target, *flags]) == 2
+        assert capsys.readouterr().err == f"kvrelay {name}: {line}\n"
+    # A true pair passes the check: the call is made (nothing listens there).
+    flags = ["--tls-ca", str(ca.path), "--tls-cert", str(alice.cert), "--tls-key", str(alice.key)]
+    assert main([*command, *target, *flags]) == 1
+    assert "nothing listens" in capsys.readouterr().err
+
+
 # --- kvrelay generate's error lines --------------------------------------------------------------
 
 
