@@ -162,6 +162,8 @@ def _shown_id(request_id: str) -> str:
 # The credential each command sends, and where it reads it from without --token.
 _API = ("the deployment's api token", f"${TOKEN_ENV}")
 _OPERATOR = ("the operator token", f"${OPERATOR_TOKEN_ENV} (else ${TOKEN_ENV})")
+# `_sent_token`'s prefix when the credential sent is a client certificate (no token).
+_CERT_SENT = "certificate:"
 _CREDENTIAL = {"generate": _API, "cancel": _API, "status": _OPERATOR, "list": _OPERATOR, "forget": _OPERATOR,
                "rotate-secrets": _OPERATOR}
 
@@ -180,7 +182,14 @@ def _sent_token(command: str, args: argparse.Namespace) -> str:
     if getattr(args, "token", None):
         return "--token"
     envs = (OPERATOR_TOKEN_ENV, TOKEN_ENV) if _CREDENTIAL.get(command) is _OPERATOR else (TOKEN_ENV,)
-    return next((f"${env}" for env in envs if os.environ.get(env)), "")
+    token = next((f"${env}" for env in envs if os.environ.get(env)), "")
+    if not token and _CREDENTIAL.get(command) is _OPERATOR:
+        # No token: a client certificate is the credential (mutual TLS, tls.operator_names).
+        if getattr(args, "tls_cert", None):
+            return f"{_CERT_SENT}--tls-cert {args.tls_cert}"
+        if os.environ.get(TLS_ENV["tls_cert"]):
+            return f"{_CERT_SENT}${TLS_ENV['tls_cert']} ({os.environ[TLS_ENV['tls_cert']]})"
+    return token
 
 
 def _print_error(
@@ -211,9 +220,17 @@ def _print_error(
         # The broker's message names the RPC and "authorization: Bearer <token>", not this
         # command's flag or variable, nor which of the deployment's tokens it wants.
         which, variables = _CREDENTIAL[command]
-        what = f"the token sent ({sent}) is not {which}" if sent else f"kvrelay {command} needs {which}"
-        print(f"  hint: {what}: pass --token TOKEN or set {variables} (docs/operations.md, Security)",
-              file=stream)  # fmt: skip
+        if sent.startswith(_CERT_SENT):
+            # Found black-box against a mutual-TLS node: a client (not operator) certificate got
+            # "needs the operator token: pass --token", which names neither the certificate nor
+            # what would make it an operator's.
+            print(f"  hint: the client certificate sent ({sent[len(_CERT_SENT):]}) is not an operator's: its "
+                  "common name must be in the node's security.tls.operator_names (default kvrelay-operator); "
+                  f"or pass --token TOKEN or set {variables} (docs/operations.md, Security)", file=stream)  # fmt: skip
+        else:
+            what = f"the token sent ({sent}) is not {which}" if sent else f"kvrelay {command} needs {which}"
+            print(f"  hint: {what}: pass --token TOKEN or set {variables} (docs/operations.md, Security)",
+                  file=stream)  # fmt: skip
     where = target or "the target"
     if err.code == "UNIMPLEMENTED" and tls is not None:
         # An AR or DiT replica (or another gRPC server) answers there, not the broker.

@@ -679,3 +679,30 @@ def test_a_command_whose_stdout_is_on_a_full_disk_says_so_in_one_line(tmp_path: 
     err = proc.stderr.decode()
     assert proc.returncode == 1, err
     assert err.strip() == f"kvrelay {argv[0]}: cannot write its output: No space left on device", err
+
+
+def test_an_operator_command_refused_a_client_certificate_hints_at_operator_names(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from kvrelay.client import KvRelayError
+    from kvrelay.client.cli import _print_error, _sent_token
+
+    for env in ("KVRELAY_TLS_CERT", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_API_TOKEN"):
+        monkeypatch.delenv(env, raising=False)
+    err = KvRelayError("PERMISSION_DENIED", "PERMISSION_DENIED", "/kvrelay.v1.BrokerService/ListReplicas needs an "
+                       "operator credential; the one presented is not")  # fmt: skip
+    # Found black-box against a mutual-TLS node: `kvrelay status --tls-cert alice.pem` (a client,
+    # not an operator, certificate) was told "needs the operator token: pass --token".
+    args = argparse.Namespace(token=None, tls_cert="alice.pem")
+    _print_error("status", err, sys.stderr, tls=True, sent=_sent_token("status", args))
+    hint = capsys.readouterr().err.splitlines()[1]
+    assert hint.startswith("  hint: the client certificate sent (--tls-cert alice.pem) is not an operator's: ")
+    assert "security.tls.operator_names" in hint
+    monkeypatch.setenv("KVRELAY_TLS_CERT", "bob.pem")
+    _print_error("list", err, sys.stderr, tls=True, sent=_sent_token("list", argparse.Namespace(token=None)))
+    assert "($KVRELAY_TLS_CERT (bob.pem)) is not an operator's" in capsys.readouterr().err
+    # A token sent with the certificate is the credential the hint names.
+    _print_error("status", err, sys.stderr, tls=True, sent=_sent_token("status", argparse.Namespace(token="t")))
+    assert "the token sent (--token) is not the operator token" in capsys.readouterr().err
