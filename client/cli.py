@@ -251,6 +251,15 @@ def _print_error(
         elif "Connection refused" in err.message:
             # Nothing listens there: no TLS setting would help.
             hint = f"nothing listens at {where}: is the node up (kvrelay up), and is --target right?"
+        elif "is not in peer certificate" in err.message:
+            # Found black-box (a broker certificate for another name): the generic TLS hint below
+            # did not say that the CA was right and the name was not.
+            hint = (f"the broker's certificate (from --tls-ca's CA) does not name the host of {where}: --target "
+                    "a host its certificate names (subjectAltName), or reissue it for this one")  # fmt: skip
+        elif "CERTIFICATE_VERIFY_FAILED" in err.message and tls:
+            # The server's certificate does not chain to --tls-ca: another CA's, expired, not yet valid.
+            hint = (f"the certificate {where} presents does not verify against --tls-ca: signed by another CA, "
+                    "expired or not yet valid? (openssl s_client -connect HOST:PORT shows it)")  # fmt: skip
         elif "before receiving SETTINGS frame" in err.message:
             # The port accepted the connection and said nothing for gRPC's 20 s connect timeout: a
             # stopped (SIGSTOP, a debugger) or wedged broker, or a server that waits for its client

@@ -706,3 +706,29 @@ def test_an_operator_command_refused_a_client_certificate_hints_at_operator_name
     # A token sent with the certificate is the credential the hint names.
     _print_error("status", err, sys.stderr, tls=True, sent=_sent_token("status", argparse.Namespace(token="t")))
     assert "the token sent (--token) is not the operator token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("last_error", "hint"),
+    [
+        # Found black-box: a broker certificate of the right CA for another name, and one that does
+        # not verify (another CA, expired) both got "does the broker serve TLS with a certificate
+        # from --tls-ca, and accept --tls-cert?".
+        ("UNKNOWN: ipv4:127.0.0.1:1: Peer name 127.0.0.1 is not in peer certificate",
+         "  hint: the broker's certificate (from --tls-ca's CA) does not name the host of 127.0.0.1:1: --target a "
+         "host its certificate names (subjectAltName), or reissue it for this one"),
+        ("UNKNOWN: ipv4:127.0.0.1:1: Ssl handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL "
+         "routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED",
+         "  hint: the certificate 127.0.0.1:1 presents does not verify against --tls-ca: signed by another CA, "
+         "expired or not yet valid? (openssl s_client -connect HOST:PORT shows it)"),
+    ],
+)  # fmt: skip
+def test_a_server_certificate_refused_by_the_client_names_why(
+    last_error: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvrelay.client import KvRelayError
+    from kvrelay.client.cli import _print_error
+
+    err = KvRelayError("UNAVAILABLE", "UNAVAILABLE", f"failed to connect to all addresses; last error: {last_error}")
+    _print_error("status", err, sys.stderr, tls=True, target="127.0.0.1:1", sent="")
+    assert capsys.readouterr().err.splitlines()[1:] == [hint]
