@@ -108,7 +108,7 @@ def main() -> None:
     step_ms = statistics.mean(results["DiT step (graph)"])
     gemm_ms = statistics.mean(results["its GEMMs only, model weights"])
     mm_ms = statistics.mean(results["bf16 8192^3 matmul"])
-    floor_ms = step_flops / (2.0 * n**3 / (mm_ms / 1e3))
+    floor_ms = step_flops / (2.0 * n**3 / mm_ms)  # ms: the step's FLOPs at the sustained matmul rate
     print(f"step / its GEMMs alone = {step_ms / gemm_ms:.3f}x; step / floor at the sustained matmul rate = "
           f"{step_ms / floor_ms:.3f}x (floor {floor_ms:.2f} ms); GEMMs alone / that floor = "
           f"{gemm_ms / floor_ms * step_flops / gemm_flops:.3f}x of their own FLOPs' floor", flush=True)
