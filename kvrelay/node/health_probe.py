@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.client._common import normalize_target
+from kvrelay.client.cli import tls_problem
 from kvrelay.security import ChannelSecurity, SecurityError, client_tls_from_files, make_sync_channel
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -52,6 +53,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except SecurityError as err:
         print(f"kvrelay health: {err}", file=sys.stderr)
+        return 2
+    if tls is not None and (problem := tls_problem(args)) is not None:
+        # A --tls-cert/--tls-key that are no pair: gRPC's C-core log lines and `UNAVAILABLE:
+        # empty address list` before (found black-box), as in kvrelay status.
+        print(f"kvrelay health: {problem}", file=sys.stderr)
         return 2
     code, line = check(args.target, args.service, args.timeout, ChannelSecurity(tls=tls))
     if code == 0:

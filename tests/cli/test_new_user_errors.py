@@ -482,6 +482,10 @@ def test_a_client_certificate_and_key_that_are_no_pair_are_one_line_before_any_c
     flags = ["--tls-ca", str(ca.path), "--tls-cert", str(alice.cert), "--tls-key", str(alice.key)]
     assert main([*command, *target, *flags]) == 1
     assert "nothing listens" in capsys.readouterr().err
+    # kvrelay health (compose's healthcheck) checks the pair too: the same C-core lines before.
+    flags = ["--tls-ca", str(ca.path), "--tls-cert", str(alice.cert), "--tls-key", str(bob.key)]
+    assert main(["health", "--target", f"127.0.0.1:{closed_port}", *flags]) == 2
+    assert capsys.readouterr().err == f"kvrelay health: {cases[0][1]}\n"
 
 
 # --- kvrelay generate's error lines --------------------------------------------------------------
