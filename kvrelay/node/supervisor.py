@@ -62,6 +62,7 @@ from kvrelay.logging import configure_logging, get_logger, quiet_grpc_core, with
 from kvrelay.metrics import NodeMetricsServer
 from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
 from kvrelay.security import (
+    BROKER_CALLER_ID,
     CallerClass,
     Credentials,
     SecurityError,
@@ -69,7 +70,10 @@ from kvrelay.security import (
     load_credentials,
     make_sync_channel,
     node_token_env,
+    read_tls,
+    tls_files,
 )
+from kvrelay.server_tls import check_server_pair
 from kvrelay.stopping import EXIT_FAST_STOP, FAST_STOP_SIGNALS
 
 log = get_logger(__name__)
@@ -1009,6 +1013,23 @@ def run_up(args: argparse.Namespace, *, command: Sequence[str] | None = None) ->
         shutil.rmtree(snapshot.parent, ignore_errors=True)
 
 
+def _check_tls_pairs(cfg: KvRelayConfig) -> None:
+    """Raise SecurityError naming the process, its files and why unless every process's TLS pair
+    (`tls.cert_file`/`tls.key_file` with `{name}` = broker, ar-N, dit-N) is one a peer trusting
+    `tls.ca_file` accepts. Found black-box: a DiT with an expired certificate started, never
+    registered (its broker refused the handshake), logged no warning, and `kvrelay up` waited for
+    its ready timeout printing gRPC C-core handshake errors, several a second."""
+    if cfg.security.tls is None:
+        return
+    names = [BROKER_CALLER_ID]
+    names += [f"ar-{i}" for i in range(cfg.ar_stage.num_replicas)]
+    names += [f"dit-{i}" for i in range(cfg.dit_stage.num_replicas)]
+    for name in names:
+        tls = read_tls(cfg.security, name)
+        if tls is not None:
+            check_server_pair(tls, f"{name}: {tls_files(cfg.security, name)}")
+
+
 def _run_up(
     args: argparse.Namespace,
     command: Sequence[str] | None,
@@ -1026,6 +1047,7 @@ def _run_up(
         for key, listen in listens.items():
             # `what` names the setting: the line is printed after "kvrelay up: " already.
             check_bind(listen, creds, bool(getattr(args, "insecure_bind", False)), key)
+        _check_tls_pairs(cfg)
     except (ConfigError, SecurityError) as err:
         print(f"kvrelay up: {err}", file=sys.stderr)
         return 2
