@@ -39,9 +39,10 @@ from kvrelay.security import (
     replica_token_file_for,
     replica_token_source,
     require_bound_credential,
+    tls_files,
 )
 from kvrelay.server import GrpcServer
-from kvrelay.server_tls import CertificateFiles, broker_channel, watched_certificates
+from kvrelay.server_tls import CertificateFiles, broker_channel, check_server_pair, watched_certificates
 from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
 from kvrelay.v1 import ar_pb2_grpc
 
@@ -139,6 +140,10 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
     try:
         creds = load_credentials(cfg.security, replica_id)
         require_bound_credential(creds, replica_id)
+        if creds.tls is not None:
+            # A pair its peers refuse (expired, another CA's): found black-box, the replica started,
+            # never registered and logged only DEADLINE_EXCEEDED until its 120 s wait gave up.
+            check_server_pair(creds.tls, f"{replica_id}: {tls_files(cfg.security, replica_id)}")
         # The certificate served and presented, taken again when its files are replaced.
         certificates = watched_certificates(cfg.security, replica_id, creds.tls)
         rank_spec = _rank_spec(stage, cfg.security, replica_id,

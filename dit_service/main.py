@@ -110,8 +110,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         replica_token_file_for,
         replica_token_source,
         require_bound_credential,
+        tls_files,
     )
-    from kvrelay.server_tls import broker_channel, watched_certificates
+    from kvrelay.server_tls import broker_channel, check_server_pair, watched_certificates
     from kvrelay.transfer.transport import RegionDescriptor
     from kvrelay.v1 import broker_pb2_grpc
     from kvrelay.worker import (
@@ -145,6 +146,10 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         creds = load_credentials(cfg.security, replica_id)
         require_bound_credential(creds, replica_id)
         check_bind(host, creds, insecure_bind, f"kvrelay dit ({replica_id})")
+        if creds.tls is not None:
+            # A pair its peers refuse (expired, another CA's): found black-box, the replica started,
+            # never registered and logged only DEADLINE_EXCEEDED until its 120 s wait gave up.
+            check_server_pair(creds.tls, f"{replica_id}: {tls_files(cfg.security, replica_id)}")
         # The certificate served and presented, taken again when its files are replaced.
         certificates = watched_certificates(cfg.security, replica_id, creds.tls)
     except SecurityError as err:

@@ -4,6 +4,8 @@ processes that its peers would refuse (found black-box: a DiT with an expired ce
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,25 @@ def test_kvrelay_up_refuses_a_process_certificate_its_peers_would_refuse(
     (tmp_path / "ar-1.key").write_bytes((tmp_path / "ar-0.key").read_bytes())
     assert main(["up", "--config", str(config), "--log-dir", str(tmp_path / "logs"), "--metrics-port", "0"]) == 2
     assert capsys.readouterr().err.startswith("kvrelay up: ar-1: security.tls.cert_file")
+
+
+@pytest.mark.parametrize("role", ["ar", "dit"])
+def test_a_replica_refuses_to_start_with_a_certificate_its_peers_would_refuse(role: str, tmp_path: Path) -> None:
+    ca = TestCa(tmp_path)
+    _expired(ca, f"{role}-0")
+    data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
+    data["security"] = {
+        "tls": {"cert_file": str(tmp_path / "{name}.pem"), "key_file": str(tmp_path / "{name}.key"),
+                "ca_file": str(ca.path), "require_client_cert": True},
+    }  # fmt: skip
+    config = tmp_path / "tls.yaml"
+    config.write_text(yaml.safe_dump(data))
+    # Before: the replica started, never registered (the broker refused its handshake) and logged
+    # only `broker_not_reachable_yet ... DEADLINE_EXCEEDED` until its wait for the broker gave up.
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrelay", role, "--config", str(config), "--replica", "0"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert (f"kvrelay {role}: {role}-0: security.tls.cert_file ({tmp_path}/{role}-0.pem)" in proc.stderr
+            and "refuses this certificate (certificate has expired)" in proc.stderr), proc.stderr[-2000:]  # fmt: skip
