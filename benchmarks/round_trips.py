@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import argparse
 import re
-import socket
 import tempfile
 import urllib.request
 from pathlib import Path
 
 import yaml
 
+from kvrelay.server import reserve_free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PER_REPLICA = {"Heartbeat", "RegisterReplica", "DeregisterReplica"}
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserve_free_port()
 
 
 def _scrape(port: int) -> dict[str, float]:

@@ -8,9 +8,11 @@ A node whose ports are taken must say so in one line before it starts a single p
 from __future__ import annotations
 
 import errno
+import random
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -111,3 +113,53 @@ def unresolvable_host(host: str, what: str) -> str | None:
             "address of this host that the broker and the other replicas can reach"
         )
     return None
+
+
+# A port picked for `port: 0` is kept across the child's restarts (same address). One from the
+# kernel's ephemeral range, which bind(0) hands out, may meanwhile become the local port of any
+# outgoing connection on the host, and the restarted child then cannot bind it: a broker restarted
+# after a journal failure exited twice with "port 58323 (broker metrics) is already in use" and
+# stayed down for a minute of backoff. So such ports are picked outside that range.
+_PICKED_PORT_FLOOR = 20000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux's default if unknown)."""
+    try:
+        low, high = (int(part) for part in Path(_EPHEMERAL_RANGE_FILE).read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+# Every port this process handed out, so two picks never return the same one (a bench node once
+# got one port for its AR's gRPC and metrics: bind(0) twice in a row may return the same port).
+_HANDED_OUT: set[int] = set()
+
+
+def pick_free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
+    """A port free a moment ago on `host`, outside the kernel's ephemeral range where there is
+    room, and never one this process handed out before (nor one in `taken`, which gets it)."""
+    taken = _HANDED_OUT if taken is None else taken
+    bare = host.strip("[]")
+    low, high = ephemeral_port_range()
+    spans = [(lo, hi) for lo, hi in ((_PICKED_PORT_FLOOR, low - 1), (high + 1, 65535)) if hi - lo >= 1000]
+    for _ in range(200 if spans else 0):
+        lo, hi = random.choice(spans)
+        port = random.randint(lo, hi)
+        if port not in taken and port not in _HANDED_OUT and is_port_free(bare, port):
+            taken.add(port)
+            _HANDED_OUT.add(port)
+            return port
+    # No room outside the ephemeral range (or all of it taken): let the kernel choose.
+    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+    for _ in range(100):
+        with socket.socket(family) as sock:
+            sock.bind((bare, 0))
+            port = int(sock.getsockname()[1])
+        if port not in taken and port not in _HANDED_OUT:
+            taken.add(port)
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no free port on {host}")

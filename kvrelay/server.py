@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvrelay.logging import get_logger, logging_interceptor
 from kvrelay.metrics import add_process_metrics, rpc_metrics_for, start_metrics_server
-from kvrelay.ports import PortInUse, in_use_message, is_port_free
+from kvrelay.ports import PortInUse, in_use_message, is_port_free, pick_free_port
 from kvrelay.security import (
     RPC_RULES,
     AuthInterceptor,
@@ -284,9 +284,6 @@ def _enable_reflection(service_names: Sequence[str], server: grpc.aio.Server) ->
 
 
 def reserve_free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for handing to child processes in tests)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port that was free a moment ago (for handing to child processes in tests and benches):
+    outside the ephemeral range, never the same twice in this process."""
+    return pick_free_port(host)

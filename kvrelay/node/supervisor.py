@@ -29,11 +29,9 @@ import contextvars
 import ctypes
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,7 +58,14 @@ from kvrelay.limits import (
 )
 from kvrelay.logging import configure_logging, get_logger, quiet_grpc_core, with_quiet_grpc_core
 from kvrelay.metrics import NodeMetricsServer
-from kvrelay.ports import Listen, PortInUse, check_ports_free, in_use_message, is_port_free
+from kvrelay.ports import (
+    Listen,
+    PortInUse,
+    check_ports_free,
+    in_use_message,
+    is_port_free,
+    pick_free_port,
+)
 from kvrelay.security import (
     BROKER_CALLER_ID,
     CallerClass,
@@ -173,44 +178,6 @@ def _connect_host(host: str) -> str:
     return host
 
 
-# A port picked for `port: 0` is kept across the child's restarts (same address). One from the
-# kernel's ephemeral range, which bind(0) hands out, may meanwhile become the local port of any
-# outgoing connection on the host, and the restarted child then cannot bind it: a broker restarted
-# after a journal failure exited twice with "port 58323 (broker metrics) is already in use" and
-# stayed down for a minute of backoff. So such ports are picked outside that range.
-_PICKED_PORT_FLOOR = 20000
-_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-
-
-def ephemeral_port_range() -> tuple[int, int]:
-    """The kernel's range for the local ports of outgoing connections (Linux's default if unknown)."""
-    try:
-        low, high = (int(part) for part in Path(_EPHEMERAL_RANGE_FILE).read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999
-    return low, high
-
-
-def _free_port(host: str, taken: set[int]) -> int:
-    bare = host.strip("[]")
-    low, high = ephemeral_port_range()
-    spans = [(lo, hi) for lo, hi in ((_PICKED_PORT_FLOOR, low - 1), (high + 1, 65535)) if hi - lo >= 1000]
-    for _ in range(200 if spans else 0):
-        lo, hi = random.choice(spans)
-        port = random.randint(lo, hi)
-        if port not in taken and is_port_free(bare, port):
-            taken.add(port)
-            return port
-    # No room outside the ephemeral range (or all of it taken): let the kernel choose.
-    family = socket.AF_INET6 if ":" in bare else socket.AF_INET
-    for _ in range(100):
-        with socket.socket(family) as sock:
-            sock.bind((bare, 0))
-            port = int(sock.getsockname()[1])
-        if port not in taken:
-            taken.add(port)
-            return port
-    raise OSError(f"no free port on {host}")
 
 
 def plan_children(
@@ -237,8 +204,8 @@ def plan_children(
 
     broker_listen = host or cfg.broker.host
     broker_connect = _connect_host(broker_listen)
-    broker_port = cfg.broker.port or _free_port(broker_connect, taken)
-    broker_metrics = cfg.broker.metrics_port or _free_port(broker_connect, taken)
+    broker_port = cfg.broker.port or pick_free_port(broker_connect, taken)
+    broker_metrics = cfg.broker.metrics_port or pick_free_port(broker_connect, taken)
     broker_address = f"{broker_connect}:{broker_port}"
     phases: list[list[ChildSpec]] = []
     if "broker" in roles:
@@ -262,8 +229,8 @@ def plan_children(
             continue
         connect = _connect_host(host or stage.host)
         for replica in range(stage.num_replicas):
-            port = stage.port_for(replica) or _free_port(connect, taken)
-            metrics = stage.metrics_port_for(replica) or _free_port(connect, taken)
+            port = stage.port_for(replica) or pick_free_port(connect, taken)
+            metrics = stage.metrics_port_for(replica) or pick_free_port(connect, taken)
             argv = (*prefix, stage.kind, "--config", cfg_arg, "--replica", str(replica))
             argv += ("--port", str(port), "--metrics-port", str(metrics), "--broker", broker_address)
             argv += ("--host", host) if host else ()

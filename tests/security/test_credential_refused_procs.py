@@ -6,7 +6,6 @@ looked healthy."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -17,6 +16,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrelay.security import replica_token_for
+from kvrelay.server import reserve_free_port
 from tests.procs import ServiceProcess, start_service
 from tests.security.harness import REPO
 
@@ -25,9 +25,7 @@ OLD, NEW = "rotation-old-secret-0123", "rotation-new-secret-4567"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserve_free_port()
 
 
 def _health(address: str) -> str:

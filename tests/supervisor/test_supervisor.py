@@ -146,8 +146,7 @@ def test_ports_picked_for_port_0_are_outside_the_ephemeral_range(tmp_path: Path)
     port of an outgoing connection, and the restarted child cannot bind it (a broker stayed down a
     minute: 'port 58323 (broker metrics) is already in use')."""
     from kvrelay.config import load_config
-    from kvrelay.node.supervisor import ephemeral_port_range
-    from kvrelay.ports import is_port_free
+    from kvrelay.ports import ephemeral_port_range, is_port_free
 
     low, high = ephemeral_port_range()
     # The hazard: a connection whose local port is P keeps a listener from binding P.

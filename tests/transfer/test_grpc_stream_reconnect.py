@@ -9,13 +9,13 @@ at once."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
+from kvrelay.server import reserve_free_port
 from kvrelay.transfer.grpc_stream import GrpcStreamSender
 from kvrelay.transfer.planner import PlannedWrite, Segment
 from kvrelay.transfer.transport import RegionDescriptor
@@ -33,9 +33,7 @@ class _Sink(dit_pb2_grpc.DitServiceServicer):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return reserve_free_port()
 
 
 def test_a_write_after_the_peer_came_back_connects_at_once() -> None:
