@@ -67,6 +67,11 @@ def quiet_grpc_core() -> None:
         os.environ.setdefault(key, value)
 
 
+# Loggers cache their processors on first use (fast). The tests turn it off (tests/conftest.py):
+# a logger cached under one test's config is not seen by a later test's capture_logs.
+CACHE_LOGGERS = True
+
+
 def configure_logging(level: str | None = None, *, process: str | None = None, json: bool | None = None) -> None:
     """Set up structlog and stdlib logging once per process.
 
@@ -104,7 +109,7 @@ def configure_logging(level: str | None = None, *, process: str | None = None, j
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=CACHE_LOGGERS,
     )
     if process:
         structlog.contextvars.bind_contextvars(process=process, pid=os.getpid())

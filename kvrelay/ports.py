@@ -8,6 +8,7 @@ A node whose ports are taken must say so in one line before it starts a single p
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 from collections.abc import Iterable
@@ -138,17 +139,30 @@ def ephemeral_port_range() -> tuple[int, int]:
 _HANDED_OUT: set[int] = set()
 
 
+def mooncake_port_range() -> tuple[int, int]:
+    """Where Mooncake engines of this process and its children draw their RPC and data ports
+    (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, Mooncake's default 15000-17000)."""
+    try:
+        return int(os.environ.get("MC_MIN_RPC_PORT", 15000)), int(os.environ.get("MC_MAX_RPC_PORT", 17000))
+    except ValueError:
+        return 15000, 17000
+
+
 def pick_free_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
-    """A port free a moment ago on `host`, outside the kernel's ephemeral range where there is
-    room, and never one this process handed out before (nor one in `taken`, which gets it)."""
+    """A port free a moment ago on `host`, outside the kernel's ephemeral range and Mooncake's
+    port range where there is room (either may take it meanwhile), and never one this process
+    handed out before (nor one in `taken`, which gets it)."""
     taken = _HANDED_OUT if taken is None else taken
     bare = host.strip("[]")
     low, high = ephemeral_port_range()
+    mc_low, mc_high = mooncake_port_range()
     spans = [(lo, hi) for lo, hi in ((_PICKED_PORT_FLOOR, low - 1), (high + 1, 65535)) if hi - lo >= 1000]
     for _ in range(200 if spans else 0):
         lo, hi = random.choice(spans)
         port = random.randint(lo, hi)
-        if port not in taken and port not in _HANDED_OUT and is_port_free(bare, port):
+        if mc_low <= port <= mc_high or port in taken or port in _HANDED_OUT:
+            continue
+        if is_port_free(bare, port):
             taken.add(port)
             _HANDED_OUT.add(port)
             return port

@@ -17,6 +17,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("KVRELAY_LOG_FORMAT", "json")
 
+# No logger of this process caches its processors: structlog.testing.capture_logs swaps them,
+# and a module logger an earlier test had used (cached under that test's configure_logging) was
+# invisible to it: whole test modules saw no event in a full run and passed alone.
+import kvrelay.logging  # noqa: E402
+
+kvrelay.logging.CACHE_LOGGERS = False
+
 try:
     import torch
 

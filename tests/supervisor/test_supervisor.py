@@ -487,3 +487,17 @@ def test_a_restarted_child_runs_the_config_kvrelay_up_started_with_not_an_edit(
             proc.wait()
     assert proc.returncode == 0 and wait_dead(pids) == []
     assert not used[0].parent.exists()  # the copy goes with the node
+
+
+def test_picked_ports_are_never_handed_out_twice_nor_in_mooncakes_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bind(0) twice in a row may return one port: a bench node got it for its AR's gRPC and
+    metrics ('port 56787 is configured twice'). Mooncake engines take ports of their range later."""
+    from kvrelay.ports import ephemeral_port_range, pick_free_port
+    from kvrelay.server import reserve_free_port
+
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "15000")
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "32000")
+    low, high = ephemeral_port_range()
+    ports = [reserve_free_port() for _ in range(200)] + [pick_free_port("127.0.0.1", set()) for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert not [p for p in ports if 15000 <= p <= 32000 or low <= p <= high]
