@@ -661,7 +661,15 @@ class Cluster:
             if pool.free == pool.total:
                 return pool
             if time.monotonic() > deadline:
-                raise AssertionError(f"pages did not come back: {pool}")
+                # Who holds them, and what the DiT did: enough to tell a leak from a slow release.
+                held = [
+                    (t.ticket_id, t.request_id, t.state.name, t.outcome, t.reason)
+                    for t in self.core.list_tickets(replica_id=self.dit.replica_id)
+                ]
+                raise AssertionError(
+                    f"pages did not come back: {pool}; live tickets {held}; "
+                    f"DiT denoised {self.dit.denoised}, released {self.dit.released}"
+                )
             await asyncio.sleep(0.02)
 
     async def add_dit(self, replica_id: str, num_pages: int, **kw: Any) -> DitReplica:
