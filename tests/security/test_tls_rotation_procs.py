@@ -9,16 +9,11 @@ and a token file changed with it is not taken either (all or nothing)."""
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import ssl
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 from kvrelay.node.cli import main
 from kvrelay.security import SecurityError, TlsMaterial
@@ -26,38 +21,11 @@ from kvrelay.server_tls import check_server_pair
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc
 from tests.broker.test_forget_replica import _md
 from tests.procs import start_service
-from tests.security.certs import Leaf, TestCa
+from tests.security.certs import TestCa, install_pair, presented, tls_security
 
 OPERATOR, OPERATOR_NEW = "tls-rotation-operator-old", "tls-rotation-operator-new"
 REPLICA = "tls-rotation-replica-token"
-
-
-@pytest.fixture(autouse=True)
-def _no_ambient_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    for env in ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_REPLICA_TOKEN", "KVRELAY_REPLICA_SECRET"):
-        monkeypatch.delenv(env, raising=False)
-
-
-def _der(leaf: Leaf) -> bytes:
-    return x509.load_pem_x509_certificate(leaf.cert.read_bytes()).public_bytes(serialization.Encoding.DER)
-
-
-def _presented(address: str, ca: Path) -> bytes:
-    """The certificate the broker presents to a new TLS connection (DER)."""
-    host, port = address.rsplit(":", 1)
-    context = ssl.create_default_context(cafile=str(ca))
-    context.set_alpn_protocols(["h2"])
-    with socket.create_connection((host, int(port)), timeout=10) as sock, \
-            context.wrap_socket(sock, server_hostname="localhost") as tls:  # fmt: skip
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return der
-
-
-def _install(live: Path, cert: Path, key: Path) -> None:
-    for src, name in ((cert, "broker.pem"), (key, "broker.key")):
-        shutil.copyfile(src, live / f"{name}.tmp")
-        os.replace(live / f"{name}.tmp", live / name)
+pytestmark = pytest.mark.usefixtures("no_ambient_tokens")
 
 
 def _write(path: Path, text: str) -> None:
@@ -92,7 +60,7 @@ def test_rotate_secrets_serves_a_new_certificate_to_new_connections_and_refuses_
     second = ca.issue("broker")
     foreign = TestCa(tmp_path / "other", name="another CA").issue("broker")
     live = tmp_path / "live"
-    _install(live, first.cert, first.key)
+    install_pair(live, "broker", first.cert, first.key)
     _write(tmp_path / "operator.token", OPERATOR)
     _write(tmp_path / "broker.token", REPLICA)
     cfg = yaml.safe_load((repo_root / "tests" / "configs" / "test-fast.yaml").read_text())
@@ -100,14 +68,14 @@ def test_rotate_secrets_serves_a_new_certificate_to_new_connections_and_refuses_
     cfg["security"] = {
         "replica_token_file": str(tmp_path / "{name}.token"),
         "operator_token_file": str(tmp_path / "operator.token"),
-        "tls": {"cert_file": str(live / "{name}.pem"), "key_file": str(live / "{name}.key"), "ca_file": str(ca.path)},
+        **tls_security(live, ca.path, require_client_cert=False),
     }
     config = tmp_path / "broker.yaml"
     config.write_text(yaml.safe_dump(cfg))
     broker = start_service(["broker", "--config", str(config), "--port", "0", "--metrics-port", "0"], cwd=repo_root)
     try:
         address = broker.address
-        assert _presented(address, ca.path) == _der(first)
+        assert presented(address, ca.path) == first.der()
         options = [("grpc.ssl_target_name_override", "localhost")]
         with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca.path.read_bytes()), options) as channel:
             stub = broker_pb2_grpc.BrokerServiceStub(channel)
@@ -116,10 +84,10 @@ def test_rotate_secrets_serves_a_new_certificate_to_new_connections_and_refuses_
             code, out, err = _rotate(capsys, address, ca.path)
             assert code == 0 and "tls: unchanged (security.tls.cert_file (" in out and "nothing changed" in out, out + err
 
-            _install(live, second.cert, second.key)
+            install_pair(live, "broker", second.cert, second.key)
             code, out, err = _rotate(capsys, address, ca.path)
             assert code == 0 and "tls: reloaded" in out and "new credentials taken" in out, out + err
-            assert _presented(address, ca.path) == _der(second)  # a new connection: the new certificate
+            assert presented(address, ca.path) == second.der()  # a new connection: the new certificate
             assert _operator_code(stub, OPERATOR) == grpc.StatusCode.OK  # the one up before goes on
 
             # Refused whole, the pair served kept: the key of another certificate, then another
@@ -127,11 +95,11 @@ def test_rotate_secrets_serves_a_new_certificate_to_new_connections_and_refuses_
             _write(tmp_path / "operator.token", OPERATOR_NEW)
             for cert, key, why in ((first.cert, second.key, "the key is not the certificate's"),
                                    (foreign.cert, foreign.key, "a client trusting security.tls.ca_file refuses")):  # fmt: skip
-                _install(live, cert, key)
+                install_pair(live, "broker", cert, key)
                 code, out, err = _rotate(capsys, address, ca.path)
                 assert code == 1 and why in err and "nothing taken" in err, out + err
                 assert "tls: failed" in out and "operator_token: failed" in out, out
-                assert _presented(address, ca.path) == _der(second)
+                assert presented(address, ca.path) == second.der()
                 assert _operator_code(stub, OPERATOR_NEW) == grpc.StatusCode.UNAUTHENTICATED
             assert _operator_code(stub, OPERATOR) == grpc.StatusCode.OK
     finally:

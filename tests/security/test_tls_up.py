@@ -20,14 +20,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
 from kvrelay.client import KvRelayClient, KvRelayError, RetryPolicy
 from kvrelay.client.cli import run_status
 from kvrelay.node.health_probe import run as run_health
-from tests.security.certs import TestCa
+from tests.security.certs import TestCa, write_tls_config
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RETRY = RetryPolicy(max_attempts=1, initial_backoff=0.01, max_backoff=0.02)
@@ -68,14 +67,7 @@ def test_kvrelay_up_with_mutual_tls_generates_an_image(tmp_path: Path, capsys: p
         ca.issue(name)
     alice = ca.issue("alice")
     operator = ca.issue("kvrelay-operator")
-    data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
-    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
-    data["security"] = {
-        "tls": {"cert_file": str(tmp_path / "{name}.pem"), "key_file": str(tmp_path / "{name}.key"),
-                "ca_file": str(ca.path), "require_client_cert": True},
-    }  # fmt: skip
-    config = tmp_path / "tls.yaml"
-    config.write_text(yaml.safe_dump(data))
+    config = write_tls_config(tmp_path, tmp_path, ca.path)
 
     up, target = _start_up(config, tmp_path)
     try:

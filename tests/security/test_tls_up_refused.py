@@ -3,34 +3,16 @@ processes that its peers would refuse (found black-box: a DiT with an expired ce
 
 from __future__ import annotations
 
-import datetime as dt
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from kvrelay.node.cli import main
-from tests.security.certs import TestCa, _name, _write_key
+from tests.security.certs import TestCa, write_tls_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _expired(ca: TestCa, common_name: str) -> None:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca.cert.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(days=3)).not_valid_after(now - dt.timedelta(days=1))
-        .sign(ca.key, hashes.SHA256())
-    )  # fmt: skip
-    (ca.folder / f"{common_name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    _write_key(key, ca.folder / f"{common_name}.key")
 
 
 def test_kvrelay_up_refuses_a_process_certificate_its_peers_would_refuse(
@@ -39,17 +21,8 @@ def test_kvrelay_up_refuses_a_process_certificate_its_peers_would_refuse(
     ca = TestCa(tmp_path)
     for name in ("broker", "ar-0", "ar-1", "dit-0"):
         ca.issue(name)
-    _expired(ca, "dit-1")
-    data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
-    data["broker"]["journal_path"] = str(tmp_path / "journal.sqlite")
-    for stage in data["stages"]:
-        stage["num_replicas"] = 2
-    data["security"] = {
-        "tls": {"cert_file": str(tmp_path / "{name}.pem"), "key_file": str(tmp_path / "{name}.key"),
-                "ca_file": str(ca.path), "require_client_cert": True},
-    }  # fmt: skip
-    config = tmp_path / "tls.yaml"
-    config.write_text(yaml.safe_dump(data))
+    ca.issue("dit-1", expired=True)
+    config = write_tls_config(tmp_path, tmp_path, ca.path, num_replicas=2)
     # Before: dit-1 started, never registered (the broker refused its handshake) and logged no
     # warning; kvrelay up waited for its ready timeout printing gRPC's handshake errors.
     assert main(["up", "--config", str(config), "--log-dir", str(tmp_path / "logs"), "--metrics-port", "0"]) == 2
@@ -69,14 +42,8 @@ def test_kvrelay_up_refuses_a_process_certificate_its_peers_would_refuse(
 @pytest.mark.parametrize("role", ["ar", "dit"])
 def test_a_replica_refuses_to_start_with_a_certificate_its_peers_would_refuse(role: str, tmp_path: Path) -> None:
     ca = TestCa(tmp_path)
-    _expired(ca, f"{role}-0")
-    data = yaml.safe_load((REPO / "tests" / "configs" / "test-fast.yaml").read_text())
-    data["security"] = {
-        "tls": {"cert_file": str(tmp_path / "{name}.pem"), "key_file": str(tmp_path / "{name}.key"),
-                "ca_file": str(ca.path), "require_client_cert": True},
-    }  # fmt: skip
-    config = tmp_path / "tls.yaml"
-    config.write_text(yaml.safe_dump(data))
+    ca.issue(f"{role}-0", expired=True)
+    config = write_tls_config(tmp_path, tmp_path, ca.path)
     # Before: the replica started, never registered (the broker refused its handshake) and logged
     # only `broker_not_reachable_yet ... DEADLINE_EXCEEDED` until its wait for the broker gave up.
     proc = subprocess.run(
