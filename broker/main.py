@@ -124,7 +124,8 @@ async def serve(
     # endpoint (docs/operations.md, Across hosts): asked the same way.
     incarnation_probe = grpc_incarnation_probe(lambda: rotation.current.channel(CallerClass.REPLICA, BROKER_CALLER_ID))
     refusals = CredentialRefusals()
-    orchestrator = Orchestrator(core, cfg, registry, credential_rotation=rotation)
+    orchestrator = Orchestrator(core, cfg, registry, credential_rotation=rotation,
+                                server_certificates=server_certificates)  # fmt: skip
     broker_servicer = BrokerServicer(
         core, ticket_ttl, endpoint_probe, incarnation_probe=incarnation_probe,
         max_watch_streams=b.max_watch_streams, max_watch_streams_per_replica=b.max_watch_streams_per_replica,

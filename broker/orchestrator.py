@@ -45,7 +45,15 @@ from kvrelay.broker.tickets import Ticket, TicketOutcome
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import failed_precondition
 from kvrelay.logging import get_logger
-from kvrelay.security import BROKER_CALLER_ID, CallerClass, ChannelCache, CredentialRotation, Credentials
+from kvrelay.security import (
+    BROKER_CALLER_ID,
+    CallerClass,
+    ChannelCache,
+    CredentialRotation,
+    Credentials,
+    make_channel,
+)
+from kvrelay.server_tls import ServerCertificates, renewing_dial
 
 log = get_logger(__name__)
 
@@ -81,6 +89,7 @@ class Orchestrator:
         clock: Callable[[], float] = time.monotonic,
         credentials: Credentials | None = None,
         credential_rotation: CredentialRotation | None = None,
+        server_certificates: ServerCertificates | None = None,
     ) -> None:
         self.core = core
         self.cfg = cfg
@@ -92,7 +101,15 @@ class Orchestrator:
         # credentials until it authenticated with the new ones: CredentialRotation).
         creds = credential_rotation.current if credential_rotation is not None else credentials or Credentials()
         rotation = credential_rotation or CredentialRotation(creds)
-        self.channels = ChannelCache(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID), rotation.broker_channel)
+        # With TLS, each channel presents the certificate the broker serves (`server_certificates`),
+        # dialled again once `kvrelay rotate-secrets` swapped in a new pair: a replica that then
+        # trusts only the new CA is still reached. A call in flight on the channel replaced runs
+        # on until its own deadline (the longest a stage call takes).
+        longest_call_s = max(cfg.ar_stage.request_timeout_seconds, cfg.dit_stage.request_timeout_seconds)
+        dial = make_channel if server_certificates is None else renewing_dial(server_certificates.client_pair(),
+                                                                               longest_call_s)  # fmt: skip
+        self.channels = ChannelCache(creds.channel(CallerClass.REPLICA, BROKER_CALLER_ID), rotation.broker_channel,
+                                     dial)  # fmt: skip
         self.store = GenerationStore(
             result_ttl_seconds=cfg.broker.result_ttl_seconds,
             max_results=cfg.broker.max_results,

@@ -845,8 +845,14 @@ def make_sync_channel(
     return grpc.intercept_channel(channel, _SyncMetadataInterceptor(md)) if md else channel
 
 
+# How a channel is dialled: `make_channel`'s signature (kvrelay.server_tls.renewing_dial: one whose
+# client certificate follows the pair the process serves).
+ChannelDial = Callable[..., grpc.aio.Channel]
+
+
 class ChannelCache:
-    """One grpc.aio channel per target, all dialed with one `ChannelSecurity` (`make_channel`).
+    """One grpc.aio channel per target, all dialed with one `ChannelSecurity` (`dial`, by default
+    `make_channel`).
 
     For a caller that reaches many peers by address, again and again (the broker dialing its AR
     and DiT replicas' endpoints): a channel is opened on first use and kept until `close`, or
@@ -857,8 +863,10 @@ class ChannelCache:
     def __init__(
         self, security: ChannelSecurity | None = None,
         per_replica: Callable[[str | None], ChannelSecurity] | None = None,
+        dial: ChannelDial = make_channel,
     ) -> None:
         self._security = security
+        self._dial = dial
         # The credential depends on the replica dialled (the broker's bound call tokens): one
         # channel per (target, replica id), so a replica moved to another's address never gets
         # the other's token.
@@ -879,8 +887,8 @@ class ChannelCache:
             live = (lambda: per_replica(replica_id).metadata()) if per_replica is not None else None
             # A local subchannel pool: by default channels to one target share gRPC's global
             # subchannel, backoff included, and a fresh channel would inherit the failed one's.
-            channel = make_channel(target, security, options=[("grpc.use_local_subchannel_pool", 1)],
-                                   live_metadata=live)  # fmt: skip
+            channel = self._dial(target, security, options=[("grpc.use_local_subchannel_pool", 1)],
+                                 live_metadata=live)  # fmt: skip
             self._channels[key] = channel
         return channel
 
@@ -1619,6 +1627,7 @@ __all__ = [
     "Caller",
     "CallerClass",
     "ChannelCache",
+    "ChannelDial",
     "ChannelSecurity",
     "CredentialRotation",
     "MAX_SUPERSEDED_GENERATIONS",

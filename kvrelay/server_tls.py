@@ -22,6 +22,12 @@ rotate-secrets' (`check_server_pair`), and taken only when they pass. A bad pair
 half-replaced (the certificate written, not yet its key), is refused with one warning and the
 pair held is kept; the files are checked again once they change again.
 
+A process's own channels present the pair it serves as their client certificate, dialled again
+once it is replaced (`RenewingChannel`, over `ServerCertificates.client_pair`): a replica's
+channel to the broker and the AR's PutKv channels (the files' pair), and the broker's channels to
+its replicas (the pair `kvrelay rotate-secrets` swapped in: `renewing_dial`). Calls made from
+then on go over the new channel; the replaced one closes once its calls returned.
+
 Owns the swap, the check and the watch only; never logs key material.
 """
 
@@ -35,12 +41,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import grpc
 
 from kvrelay.logging import get_logger
 from kvrelay.security import (
+    ChannelDial,
     ChannelSecurity,
     Metadata,
     SecurityError,
@@ -76,6 +83,24 @@ def _configuration(tls: TlsMaterial) -> grpc.ServerCertificateConfiguration:
 
 def _same_pair(a: TlsMaterial, b: TlsMaterial) -> bool:
     return (a.cert_chain, a.private_key, a.root_certificates) == (b.cert_chain, b.private_key, b.root_certificates)
+
+
+class ClientPair(Protocol):
+    """The certificate and key a process's channels present (`RenewingChannel`): `tls` now, and
+    `generation`, counting the pairs taken; `refresh` looks for a replaced one (at most when `due`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def tls(self) -> TlsMaterial: ...
+
+    def due(self) -> bool: ...
+
+    def refresh(self) -> bool: ...
 
 
 class CertificateFiles:
@@ -206,6 +231,11 @@ class ServerCertificates:
             self.tls = tls
             self.swaps += 1
 
+    def client_pair(self) -> ClientPair:
+        """What this process's channels present as their client certificate: the files' pair (a
+        replica, `watched_certificates`), else the pair served, as `swap` replaces it (the broker)."""
+        return self.files if self.files is not None else _SwappedPair(self)
+
     def _fetch(self) -> grpc.ServerCertificateConfiguration | None:
         with self._lock:
             pending, self._pending = self._pending, None
@@ -230,6 +260,30 @@ class ServerCertificates:
         return _configuration(files.tls)
 
 
+class _SwappedPair:
+    """The pair a ServerCertificates without files serves, as a ClientPair: replaced only by
+    `swap` (the broker's, by `kvrelay rotate-secrets`), so there are no files to look at."""
+
+    name = "server"
+
+    def __init__(self, certificates: ServerCertificates) -> None:
+        self._certificates = certificates
+
+    @property
+    def generation(self) -> int:
+        return self._certificates.swaps
+
+    @property
+    def tls(self) -> TlsMaterial:
+        return self._certificates.tls
+
+    def due(self) -> bool:
+        return False
+
+    def refresh(self) -> bool:
+        return False
+
+
 def watched_certificates(cfg: SecurityConfig, name: str, tls: TlsMaterial | None) -> ServerCertificates | None:
     """The certificates replica `name` serves, taken again from its files when they are replaced
     (`CertificateFiles`); None without TLS. The same `files` give its new channels their client
@@ -240,13 +294,14 @@ def watched_certificates(cfg: SecurityConfig, name: str, tls: TlsMaterial | None
 
 
 class RenewingChannel(grpc.aio.Channel):  # type: ignore[misc]
-    """A grpc.aio channel (a replica's to the broker) that presents the client certificate its
-    files hold: once `files` took a new pair, calls from then on go over a channel dialled with
-    it, and the channel before closes once its calls returned (REPLACED_CHANNEL_GRACE_S at
-    most). The files are looked at off the event loop (a thread), at most once per their check
-    interval, when a call is made; a call never waits for that look."""
+    """A grpc.aio channel that presents the client certificate `files` holds (a replica's files,
+    `CertificateFiles`; the broker's pair, `ServerCertificates.client_pair`): once it took a new
+    pair, calls from then on go over a channel dialled with it, and the channel before closes
+    once its calls returned (`close_grace_s` at most). Files are looked at off the event loop (a
+    thread), at most once per their check interval, when a call is made; a call never waits for
+    that look."""
 
-    def __init__(self, dial: Callable[[TlsMaterial], grpc.aio.Channel], files: CertificateFiles,
+    def __init__(self, dial: Callable[[TlsMaterial], grpc.aio.Channel], files: ClientPair,
                  close_grace_s: float = REPLACED_CHANNEL_GRACE_S) -> None:  # fmt: skip
         self._dial = dial
         self._files = files
@@ -331,6 +386,20 @@ class _RenewingCallable:
         return getattr(channel, self._kind)(self._method, **self._serializers)(request, **kwargs)
 
 
+def renewing_dial(pair: ClientPair, close_grace_s: float = REPLACED_CHANNEL_GRACE_S) -> ChannelDial:
+    """`make_channel`, but each channel a RenewingChannel presenting `pair` (whatever TLS material
+    the security it is given holds): for a ChannelCache (the broker's channels to its replicas,
+    `close_grace_s` the longest call it makes) or one channel (`broker_channel`)."""
+
+    def dial(target: str, security: ChannelSecurity | None = None, **kwargs: Any) -> grpc.aio.Channel:
+        security = security or ChannelSecurity()
+        return RenewingChannel(
+            lambda tls: make_channel(target, dataclasses.replace(security, tls=tls), **kwargs), pair, close_grace_s
+        )
+
+    return dial
+
+
 def broker_channel(target: str, security: ChannelSecurity, certificates: ServerCertificates | None,
                    live_metadata: Callable[[], Metadata] | None = None) -> grpc.aio.Channel:  # fmt: skip
     """A replica's channel to the broker (`make_channel`): with TLS files watched
@@ -338,9 +407,7 @@ def broker_channel(target: str, security: ChannelSecurity, certificates: ServerC
     files = certificates.files if certificates is not None else None
     if files is None:
         return make_channel(target, security, live_metadata=live_metadata)
-    return RenewingChannel(
-        lambda tls: make_channel(target, dataclasses.replace(security, tls=tls), live_metadata=live_metadata), files
-    )
+    return renewing_dial(files)(target, security, live_metadata=live_metadata)
 
 
 @contextmanager
@@ -406,4 +473,4 @@ def _handshake(server: ssl.SSLContext, client: ssl.SSLContext, where: str) -> No
     raise SecurityError(f"{where}: a TLS handshake with this pair does not complete")
 
 
-__all__ = ["REPLACED_CHANNEL_GRACE_S", "TLS_FILES_CHECK_INTERVAL_S", "CertificateFiles", "RenewingChannel", "ServerCertificates", "broker_channel", "check_server_pair", "watched_certificates"]
+__all__ = ["REPLACED_CHANNEL_GRACE_S", "TLS_FILES_CHECK_INTERVAL_S", "CertificateFiles", "ClientPair", "RenewingChannel", "ServerCertificates", "broker_channel", "check_server_pair", "renewing_dial", "watched_certificates"]
