@@ -106,12 +106,32 @@ class _WorkerState:
     released: set[str] = field(default_factory=set)
 
 
+def check_tls_pair(extra: dict[str, Any]) -> None:
+    """Refuse (SecurityError, one line naming the replica, its files and why) a TLS pair the
+    connector's PutKv peers would refuse: the key not the certificate's, not signed by
+    `tls.ca_file`, expired or not yet valid (kvrelay.server_tls.check_server_pair, as `kvrelay up`,
+    `kvrelay ar` and `kvrelay dit` check theirs at start). Checked when vLLM builds the connector,
+    before its model loads: otherwise every write failed at its handshake, long after."""
+    if str(extra.get("transport", "grpc")) != "grpc":
+        return  # Mooncake writes carry no TLS
+    from kvrelay.config import SecurityConfig
+    from kvrelay.security import BROKER_CALLER_ID, read_tls, tls_files
+    from kvrelay.server_tls import check_server_pair
+
+    security_cfg = SecurityConfig.model_validate(extra.get("security") or {})
+    name = str(extra.get("replica_id", "")) or BROKER_CALLER_ID
+    tls = read_tls(security_cfg, name)
+    if tls is not None:
+        check_server_pair(tls, f"KvRelayConnector: {name}: {tls_files(security_cfg, name)}")
+
+
 class KvRelayConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        check_tls_pair(self._extra)
         # Scheduler side: request id -> block ids of the finished requests we hold.
         self._held: dict[str, tuple[int, ...]] = {}
         # Worker side.
