@@ -40,6 +40,25 @@ def _small(cfg: dict[str, Any]) -> None:
     cfg["broker"]["max_replica_retries"] = 0
 
 
+# The test's own keepalive (security.keepalive_*_seconds, 15 s + 15 s by default): the stopped AR's
+# connections close within time + timeout, so the mid-write test waits ~10 s for it, not 30 s. Still
+# generous on a loaded 2-core machine: a running process's gRPC acks a ping without needing Python.
+KEEPALIVE_S = 5.0
+
+
+# The DiT's rank stall limit (default max(10 s, 3 x lease) = 10 s). The stopped AR's own PutKv
+# stream may end in a ping timeout when it runs again (its write then reports FAILED, not OK: seen
+# under two CPU hogs), and a FAILED write's pages wait the receiver's settle time, this + 2 s
+# (docs/broker.md, Draining). No DiT rank is stopped here; 4 s is 8 liveness beats.
+DIT_STALL_S = 4.0
+
+
+def _small_keepalive(cfg: dict[str, Any]) -> None:
+    _small(cfg)
+    cfg.setdefault("security", {}).update(keepalive_time_seconds=KEEPALIVE_S, keepalive_timeout_seconds=KEEPALIVE_S)
+    cfg["stages"][1]["rank_stall_seconds"] = DIT_STALL_S
+
+
 def _ar_processes(node: Any) -> list[psutil.Process]:
     main = psutil.Process(node.process("ar-0").pid)
     return [main, *main.children(recursive=True)]
@@ -64,7 +83,7 @@ def _ticket_states(client: KvRelayClient) -> dict[str, TicketState]:
 
 
 def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Path) -> None:
-    with running_node(tmp_path, "hung", _small) as node, KvRelayClient(node.address(), timeout=30) as client:
+    with running_node(tmp_path, "hung", _small_keepalive) as node, KvRelayClient(node.address(), timeout=30) as client:
         total = wait_pools_full(client)[0].total_pages
         procs = _ar_processes(node)
         stopped_in: dict[str, Any] = {}
@@ -106,8 +125,8 @@ def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Pa
         try:
             ticket_id = stopped_in["ticket"]
             # The whole AR process is stopped, so it answers no keepalive pings either: the broker's
-            # Prefill call ends UNAVAILABLE within 30 s (docs/operations.md, Keepalive), before the
-            # DiT's 60 s receive timeout would. Either ends the request; neither proves the write over.
+            # Prefill call ends UNAVAILABLE within 2 x KEEPALIVE_S (docs/operations.md, Keepalive),
+            # before the DiT's 60 s receive timeout would. Either ends the request; neither proves the write over.
             assert (outcome.code, outcome.reason) in {
                 ("UNAVAILABLE", "REPLICA_UNAVAILABLE"), ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT")
             }, outcome
@@ -127,15 +146,22 @@ def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Pa
         assert client.generate("after the fault", seed=1, width=64, height=64, timeout=60).result().png
 
 
-def _small_patient(cfg: dict[str, Any]) -> None:
-    # Ranks stopped for the whole request (~30 s) are a hang to wait out here, not a rank to
-    # kill (that is tests/e2e/test_stopped_rank.py): past rank_stall_seconds the AR fail-stops.
-    _small(cfg)
+def _mooncake_patient(cfg: dict[str, Any]) -> None:
+    # Nothing is written before arming, so the transport is not under test: Mooncake TCP, whose
+    # transfer_timeout (5 s, tests/configs/test-fast.yaml) ends the request, where the gRPC
+    # fallback's receive timeout is a fixed 60 s (a minute of this test, waited for nothing).
+    for stage in cfg["stages"]:
+        stage["model"] = {"preset": "small"}
+    cfg["stages"][0]["kv_cache_memory_bytes"] = 64 << 20
+    cfg["stages"][1]["kv_cache_memory_bytes"] = 32 << 20
+    cfg["broker"]["max_replica_retries"] = 0  # one attempt: this test is about its ticket (see _small)
+    # Ranks stopped for the whole request are a hang to wait out here, not a rank to kill (that
+    # is tests/e2e/test_stopped_rank.py): past rank_stall_seconds the AR fail-stops.
     cfg["stages"][0]["rank_stall_seconds"] = 300.0
 
 
 def test_writer_stopped_before_arming_rolls_back_at_once(tmp_path: Path) -> None:
-    with running_node(tmp_path, "unarmed", _small_patient) as node, KvRelayClient(node.address(), timeout=30) as client:
+    with running_node(tmp_path, "unarmed", _mooncake_patient) as node, KvRelayClient(node.address(), timeout=30) as client:
         total = wait_pools_full(client)[0].total_pages
         main, *ranks = _ar_processes(node)
         assert ranks, "the AR replica runs its model in rank worker processes"
