@@ -75,6 +75,17 @@ sys.meta_path.insert(0, _WrapWrite())
 '''
 
 
+# The DiT's rank stall limit (default max(10 s, 3 x lease) = 10 s here). The failed attempt's
+# pages wait the receiver's settle time after the AR's restart proves its writer gone: this + 2 s
+# (docs/broker.md, Draining), most of the test's wait after the restart. No DiT rank is stopped
+# here; 4 s is 8 liveness beats, as generous as tests/e2e/test_stopped_rank.py's 3 s.
+DIT_STALL_S = 4.0
+
+
+def _short_settle(cfg: dict[str, Any]) -> None:
+    cfg["stages"][1]["rank_stall_seconds"] = DIT_STALL_S
+
+
 def _generate(client: KvRelayClient, request_id: str) -> Any:
     return client.generate("a lighthouse at dusk", negative_prompt="blurry", seed=3, width=64, height=64,
                            timeout=90, request_id=request_id)  # fmt: skip
@@ -105,7 +116,7 @@ def test_a_write_failed_transfer_is_retried_with_fresh_pages_and_the_image_is_th
     monkeypatch.setenv(FAULT_ENV, str(fault))
     assert str(hook) not in sys.path  # this process is not wrapped, only the node's
 
-    with running_node(tmp_path, "wfretry") as node, KvRelayClient(node.address(), timeout=60) as client:
+    with running_node(tmp_path, "wfretry", _short_settle) as node, KvRelayClient(node.address(), timeout=60) as client:
         total = wait_pools_full(client)[0].total_pages
         undisturbed = _generate(client, "undisturbed").result()
         wait_pools_full(client)
