@@ -29,6 +29,7 @@ from kvrelay.security import replica_token_for
 from tests.procs import ServiceProcess, start_service
 from tests.security.harness import REPO
 from tests.security.test_credential_refused_procs import _free_port, _gauge, _health, _until
+from tests.security.together import start_together, stop_together
 
 pytestmark = pytest.mark.slow
 OLD, NEW = "reload-old-secret-0123", "reload-new-secret-4567"
@@ -80,13 +81,15 @@ class _Deployment:
     def start(self, secret: str) -> None:
         self.write_tokens(secret)
         self.start_broker(secret)
-        for name in ("dit-0", "ar-0"):
-            role = name.split("-")[0]
-            self.replicas[name] = start_service(
-                [role, "--config", str(self.config), "--port", "0", "--metrics-port", str(self.metrics[name]),
-                 "--broker", f"127.0.0.1:{self.port}"],
+        # Side by side: each start is mostly an interpreter importing torch and loading a model.
+        self.replicas = start_together({
+            name: lambda name=name: start_service(
+                [name.split("-")[0], "--config", str(self.config), "--port", "0", "--metrics-port",
+                 str(self.metrics[name]), "--broker", f"127.0.0.1:{self.port}"],
                 cwd=self.cwd, env=self.blank, timeout=120,
-            )  # fmt: skip
+            )
+            for name in ("dit-0", "ar-0")
+        })  # fmt: skip
         self.until_serving("SERVING", timeout=120)
 
     def start_broker(self, secret: str) -> None:
@@ -124,15 +127,19 @@ class _Deployment:
 
     def stop(self, secrets: tuple[str, ...]) -> None:
         """Stop the replicas cleanly (never fail-stopped), checking that no log holds a token."""
-        for name, proc in list(self.replicas.items()):
+        for name, proc in self.replicas.items():
             text = "".join(proc.lines)
             assert all(_token(self.mode, s, name) not in text for s in secrets), name
-            del self.replicas[name]
-            assert proc.stop(timeout=30) == 0, proc.output()
+        # Side by side: each stop is mostly its server's and drain's graces.
+        procs, self.replicas = self.replicas, {}
+        codes = stop_together(procs, timeout=30)
+        for name, proc in procs.items():
+            assert codes[name] == 0, proc.output()
 
     def close(self) -> None:
-        for proc in [*self.replicas.values(), *([self.broker] if self.broker else [])]:
-            proc.stop()
+        stop_together(self.replicas)
+        if self.broker is not None:
+            self.broker.stop()
 
 
 def _wait_registry(deployment: _Deployment, replicas: dict[str, tuple[str, bool]], timeout: float = 30.0) -> None:
