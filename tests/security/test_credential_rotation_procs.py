@@ -32,14 +32,16 @@ from kvrelay.v1 import ar_pb2, ar_pb2_grpc, broker_pb2, broker_pb2_grpc
 from tests.procs import ServiceProcess, start_service
 from tests.security.harness import REPO
 from tests.security.test_credential_refused_procs import _free_port, _gauge, _health, _until
+from tests.security.together import start_together, stop_together
 
 pytestmark = pytest.mark.slow
 OLD, NEW = "rotate-old-secret-0123", "rotate-new-secret-4567"
 OPERATOR = "rotate-operator-token"
 REPLICAS = ("ar-0", "dit-0")
-# Long enough for every replica to switch (a heartbeat every lease / 3 = 0.67 s) and for a
-# transfer handed an old write token to end, on a loaded machine; short for the test.
-GRACE_S = 15.0
+# Long enough for every replica to switch (a heartbeat every lease / 3 = 0.67 s; seen within
+# about 1 s) and for a transfer handed an old write token to end, on a loaded machine; short for
+# the test, which waits it out (it was 15 s: the switch and three generations took about 2 s).
+GRACE_S = 10.0
 
 
 def _token(mode: str, secret: str, name: str) -> str:
@@ -146,12 +148,15 @@ class _Deployment:
             ["broker", "--config", str(self.config), "--port", str(self.port), "--metrics-port", "0"],
             cwd=self.cwd, env={**self.env, "KVRELAY_OPERATOR_TOKEN": OPERATOR},
         )  # fmt: skip
-        for name in ("dit-0", "ar-0"):
-            self.replicas[name] = start_service(
+        # Side by side: each start is mostly an interpreter importing torch and loading a model.
+        self.replicas = start_together({
+            name: lambda name=name: start_service(
                 [name.split("-")[0], "--config", str(self.config), "--port", "0", "--metrics-port",
                  str(self.metrics[name]), "--broker", f"127.0.0.1:{self.port}"],
                 cwd=self.cwd, env=self.env, timeout=120,
-            )  # fmt: skip
+            )
+            for name in ("dit-0", "ar-0")
+        })  # fmt: skip
         for name, proc in self.replicas.items():
             _until(f"{name} SERVING", lambda p=proc: _health(p.address) == "SERVING", proc, timeout=120)
 
@@ -189,8 +194,9 @@ class _Deployment:
         return [r.replica_id for r in registry.credential_refusals]
 
     def close(self) -> None:
-        for proc in [*self.replicas.values(), *([self.broker] if self.broker else [])]:
-            proc.stop()
+        stop_together(self.replicas)
+        if self.broker is not None:
+            self.broker.stop()
 
 
 @pytest.mark.parametrize("mode", ["bound", "shared"])
@@ -221,6 +227,8 @@ def test_rotating_the_secret_while_generations_run_fails_none_and_refuses_the_ol
         # 4. each replica takes its new token at its next heartbeat, never refused.
         for name, proc in deployment.replicas.items():
             _until(f"{name} reloaded", lambda p=proc: _count(p, "credential_reloaded") == 1, proc, timeout=GRACE_S)
+        # Each replica's own grace started when it swapped, before this saw its line.
+        reloaded_seen = time.monotonic()
         # ar-0 holds its new token and, for its own grace, still takes the broker's call token of
         # the old one (a call the broker sent before it saw ar-0's new token).
         assert deployment.ar_takes_from_broker(OLD) == grpc.StatusCode.OK
@@ -228,8 +236,9 @@ def test_rotating_the_secret_while_generations_run_fails_none_and_refuses_the_ol
         generations.until(before + 3)
         remaining = GRACE_S - (time.monotonic() - rotated_at)
         assert remaining > 0, "the replicas switched only after the grace: the test proves nothing"
-        # Past the broker's grace and the replicas' own (they started later), plus a margin.
-        time.sleep(remaining + 3.0)
+        # Past the broker's grace (it started before rotate-secrets answered, before rotated_at)
+        # and the replicas' own (they started before reloaded_seen), plus a margin.
+        time.sleep(max(remaining, GRACE_S - (time.monotonic() - reloaded_seen)) + 1.0)
         after_grace = generations.ok
         generations.until(after_grace + 2)
         generations.stop()
