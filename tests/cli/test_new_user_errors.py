@@ -27,12 +27,16 @@ REPO = Path(__file__).resolve().parents[2]
 FAST = str(REPO / "tests/configs/test-fast.yaml")
 
 
-@pytest.fixture
-def closed_port() -> int:
+def _closed_port() -> int:
     """A loopback port where nothing listens (bound, then closed)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def closed_port() -> int:
+    return _closed_port()
 
 
 def kvrelay(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -349,27 +353,54 @@ def test_ar_registration_gives_up_on_a_silent_broker_as_unreachable() -> None:
     assert not isinstance(register(grpc.StatusCode.INVALID_ARGUMENT), BrokerUnreachable)
 
 
+# Two progress lines at least (kvrelay.broker_wait: one at the first unanswered try, then one
+# every 5 s): the DiT's first RegisterReplica to a closed port is answered DEADLINE_EXCEEDED only
+# after 5 s, its second after 10 s; 10 s was too short for it.
+_REGISTER_WAIT_S = 12
+_SILENT_BROKER_TEST = "test_a_replica_whose_broker_never_answers_says_what_it_waits_for_then_where_it_looked"
+
+
+@pytest.fixture(scope="module")
+def silent_broker_waits(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, futures.Future[tuple[str, subprocess.CompletedProcess[str]]]]]:
+    """`kvrelay ROLE` against a broker that never answers, for every role the session runs the
+    test below for, all at once: each process only waits (its own lock folder, config and port),
+    so the roles share the wait instead of taking it one after the other."""
+    roles = sorted({item.callspec.params["role"] for item in request.session.items
+                    if getattr(item, "originalname", None) == _SILENT_BROKER_TEST})  # fmt: skip
+    config = yaml.safe_load(Path(FAST).read_text())
+    config["broker"]["register_wait_seconds"] = _REGISTER_WAIT_S
+
+    def run(role: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+        tmp = tmp_path_factory.mktemp(f"silent-broker-{role}")
+        path = tmp / "wait.yaml"
+        path.write_text(yaml.safe_dump(config))
+        broker = f"127.0.0.1:{_closed_port()}"
+        return broker, kvrelay(role, "--config", str(path), "--broker", broker, env={"KVRELAY_LOCK_DIR": str(tmp)},
+                               timeout=150)  # fmt: skip
+
+    with futures.ThreadPoolExecutor(max(1, len(roles))) as pool:
+        yield {role: pool.submit(run, role) for role in roles}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("role", "exit_code"), [("dit", 3), ("ar", 1)])
 def test_a_replica_whose_broker_never_answers_says_what_it_waits_for_then_where_it_looked(
-    role: str, exit_code: int, tmp_path: Path, closed_port: int
+    role: str, exit_code: int, silent_broker_waits: dict[str, futures.Future[tuple[str, subprocess.CompletedProcess[str]]]]
 ) -> None:
     # Before: `kvrelay dit: startup failed: RegisterReplica dit-0 failed: DEADLINE_EXCEEDED: Deadline
     # Exceeded` after a logged traceback, naming neither the broker's address nor what to check;
     # and the AR waited 120 s, the DiT 30 s, both silent but for a line per retry.
     # broker.register_wait_seconds is now the one wait of both (default 120 s).
-    broker = f"127.0.0.1:{closed_port}"
-    config = yaml.safe_load(Path(FAST).read_text())
-    config["broker"]["register_wait_seconds"] = 12
-    path = tmp_path / "wait.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = kvrelay(role, "--config", str(path), "--broker", broker, env={"KVRELAY_LOCK_DIR": str(tmp_path)},
-                   timeout=150)  # fmt: skip
+    broker, proc = silent_broker_waits[role].result(timeout=200)
     assert proc.returncode == exit_code, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(f"kvrelay {role}: ")]
     assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"kvrelay {role}: the broker at {broker} did not answer RegisterReplica for 12 s (last: ")
+    assert lines[0].startswith(
+        f"kvrelay {role}: the broker at {broker} did not answer RegisterReplica for {_REGISTER_WAIT_S} s (last: "
+    ), lines[0]
     assert lines[0].endswith("is it running, and is --broker (or the config's broker.host and broker.port) right?")
     # While it waited: a progress line every 5 s or so (not one per retry), saying what it waits for.
     progress = [ln for ln in proc.stdout.splitlines() + proc.stderr.splitlines() if "broker_not_reachable_yet" in ln]
