@@ -201,13 +201,16 @@ def test_a_duplicate_replica_given_another_spelling_of_the_broker_is_refused(tmp
             assert host == "127.0.0.1"
             ar = await asyncio.to_thread(start_ar, config, broker.address, cwd=tmp_path)
             try:
-                await wait_serving(ar.address)
-                first = core.get_replica("ar-0").spec.incarnation_id
+                # The AR prints its listening line once it holds the replica lock (ar_service/main.py),
+                # before its model load: the duplicate waits out its 10 s for the lock meanwhile.
                 argv = [sys.executable, "-m", "kvrelay", "ar", "--config", str(config), "--replica", "0",
                         "--broker", f"localhost:{port}"]
-                duplicate = await asyncio.to_thread(
+                duplicate_run = asyncio.ensure_future(asyncio.to_thread(
                     subprocess.run, argv, cwd=tmp_path, capture_output=True, text=True, timeout=45
-                )
+                ))  # fmt: skip
+                await wait_serving(ar.address)
+                first = core.get_replica("ar-0").spec.incarnation_id
+                duplicate = await duplicate_run
                 assert duplicate.returncode == 2, duplicate.stdout + duplicate.stderr
                 # stderr goes through the JSON log (capture_native_output): one record per line.
                 lines = [json.loads(r).get("line", r) if r.startswith("{") else r for r in duplicate.stderr.splitlines()]
