@@ -24,6 +24,32 @@ import kvrelay.logging  # noqa: E402
 
 kvrelay.logging.CACHE_LOGGERS = False
 
+# CPython 3.11.7: ast.parse keeps one recursion counter per interpreter. A garbage collection
+# inside it (it allocates a node object per AST node) may run a finalizer that raises (grpc's
+# InterceptedCall.__del__ on a closed channel), and the unraisable hook formats that traceback,
+# which parses source again (3.11's caret anchors): the outer parse then fails with "SystemError:
+# AST constructor recursion depth mismatch" and pytest, formatting a failure, crashed the whole
+# run (INTERNALERROR, every later test unrun). No collection runs inside a parse here.
+import ast  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+
+_ast_parse = ast.parse
+
+
+@functools.wraps(_ast_parse)
+def _parse_without_gc(*args, **kwargs):  # type: ignore[no-untyped-def]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _ast_parse(*args, **kwargs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+ast.parse = _parse_without_gc
+
 try:
     import torch
 

@@ -615,7 +615,8 @@ def test_deadline_while_queued_fails_deadline_exceeded() -> None:
             c.ar.prefill_gate.clear()
             running = c.api.Generate(request(request_id="run", seed=1), timeout=20)
             await c.ar.prefill_started.wait()
-            late = c.api.Generate(request(request_id="late", seed=1), timeout=0.5)
+            # Long enough to reach the broker on a loaded CI machine (it must queue there).
+            late = c.api.Generate(request(request_id="late", seed=1), timeout=2.0)
             try:
                 events = await collect(late)
             except grpc.aio.AioRpcError as err:
