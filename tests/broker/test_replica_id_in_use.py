@@ -312,9 +312,9 @@ def test_a_refused_replica_gives_up_with_the_brokers_message(role: str) -> None:
         registration = _ar(broker) if role == "ar" else _dit(broker)
         expected = ArReplicaIdInUse if role == "ar" else DitReplicaIdInUse
         with pytest.raises(expected) as err:
-            await registration.register(broker="b:1", wait_s=5.0, in_use_wait_s=2.5)
+            await registration.register(broker="b:1", wait_s=5.0, in_use_wait_s=1.5)
         assert "replica x is in use: at 10.0.0.1:1" in str(err.value)
-        assert 2 <= broker.calls <= 4  # one try a second for the wait, then it stops asking
+        assert 2 <= broker.calls <= 4  # one try a second for the wait (tried again once), then it stops asking
         broker.calls = 0
         with pytest.raises(expected):
             await registration.register(broker="b:1", wait_s=5.0)  # no wait: the first refusal ends it
