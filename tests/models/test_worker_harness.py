@@ -348,7 +348,7 @@ async def _stop_for(pid: int, watchdog: asyncio.Future[None], group: WorkerGroup
             os.kill(pid, signal.SIGCONT)
 
 
-STALL_S = 8.0  # the stall limit of the stop test: every stop under it is tolerated
+STALL_S = 6.0  # the stall limit of the stop test: every stop under it (2.5 s) is tolerated
 OLD_PING_S = 2.5  # a stop that leaves the Ping unanswered this long: past a Ping with a shorter fixed limit
 
 
