@@ -23,6 +23,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -718,6 +719,26 @@ def scenario_config(base: dict[str, Any], preset: str, max_num_seqs: int | None 
     return data
 
 
+def stop_all(nodes: list[Any]) -> None:
+    """Stop every node at once (each waits out its services' stop graces: seconds apiece); the
+    first error is raised once all of them stopped."""
+    errors: list[BaseException] = []
+
+    def stop(node: Any) -> None:
+        try:
+            node.stop()
+        except BaseException as err:  # noqa: BLE001 - raised below, after every node stopped
+            errors.append(err)
+
+    threads = [threading.Thread(target=stop, args=(node,), name=f"bench-stop-{i}") for i, node in enumerate(nodes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 def run_scenario(
     args: argparse.Namespace, workload: Workload, impls: list[str], base: dict[str, Any], workdir: Path
 ) -> dict[str, Any]:
@@ -752,8 +773,7 @@ def run_scenario(
                 results[-1].prefill_tokens_per_s = getattr(nodes[impl], "last_prefill_tokens_per_s", None)
                 progress.end_run(results[-1])
     finally:
-        for node in nodes.values():
-            node.stop()
+        stop_all(list(nodes.values()))
     return {
         "workload": {k: v for k, v in asdict(workload).items() if k != "prompts"},
         "results": [asdict(r) for r in results],
