@@ -22,6 +22,7 @@ import grpc
 
 from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.generations import (
+    CLIENT_DEADLINE_SLACK_S,
     ErrorInfo,
     GenerationParams,
     GenerationRecord,
@@ -344,7 +345,7 @@ class Admission:
                 aborted = ErrorInfo("ABORTED", "ADMISSION_ABORTED", "admission was interrupted")
                 end(record, GenState.FAILED, aborted, counted=False)
                 self.store.discard(record)
-            elif deadline is not None and self._clock() >= deadline:
+            elif deadline is not None and self._clock() >= deadline - CLIENT_DEADLINE_SLACK_S:
                 end(
                     record,
                     GenState.FAILED,

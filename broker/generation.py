@@ -22,7 +22,13 @@ from typing import Any, Final
 import grpc
 from google.protobuf import timestamp_pb2
 
-from kvrelay.broker.generations import GenerationParams, GenerationRecord, GenerationSnapshot, GenState
+from kvrelay.broker.generations import (
+    CLIENT_DEADLINE_SLACK_S,
+    GenerationParams,
+    GenerationRecord,
+    GenerationSnapshot,
+    GenState,
+)
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import revealable
 from kvrelay.broker.tickets import BrokerError
@@ -410,7 +416,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 record.unsubscribe(queue)
                 if not finished and not record.state.terminal:
                     remaining = context.time_remaining()
-                    if remaining is not None and remaining <= 0:
+                    if remaining is not None and remaining <= CLIENT_DEADLINE_SLACK_S:
                         self.orchestrator.expire(request_id)
                     else:
                         self._detach(record, detach_seconds)

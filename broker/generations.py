@@ -34,6 +34,13 @@ RequestId = str
 # BLOB of hundreds of KB): the event loop waits for one such commit, not for a whole backlog.
 JOURNAL_DELETE_BATCH = 32
 
+# A client's own deadline fires a little before the broker's copy of it (the broker's runs from
+# when the call arrived): a stream that ends this close to its deadline ended with it (FAILED,
+# DEADLINE_EXCEEDED), not by a cancel (CANCELLED, CLIENT_DISCONNECTED). Seen on a loaded machine:
+# a stream dropped by its 2 s deadline, 2000.3 ms after its generation was made, with the
+# broker's deadline still ahead, was recorded as a cancel.
+CLIENT_DEADLINE_SLACK_S = 0.25
+
 
 class GenState(enum.IntEnum):
     """Mirrors `kvrelay.v1.GenerationState` (same numbers)."""

@@ -637,6 +637,34 @@ def test_deadline_while_queued_fails_deadline_exceeded() -> None:
     run(body())
 
 
+def test_a_stream_ending_just_before_its_deadline_ended_with_it() -> None:
+    """The client's deadline fires a little before the broker's copy (which runs from the call's
+    arrival): a queued generation whose stream ends within CLIENT_DEADLINE_SLACK_S of its deadline
+    is FAILED DEADLINE_EXCEEDED, not a client's cancel (seen on a loaded machine)."""
+    from kvrelay.broker.generations import CLIENT_DEADLINE_SLACK_S
+
+    async def body() -> None:
+        async with cluster(num_pages=3) as c:
+            c.ar.prefill_gate.clear()
+            running = c.api.Generate(request(request_id="run", seed=1), timeout=20)
+            await c.ar.prefill_started.wait()
+            late = c.api.Generate(request(request_id="late", seed=1), timeout=3.0)
+            await wait_until(lambda: c.orchestrator.store.find("late") is not None, what="late queued")
+            # What a client's deadline looks like to the broker: the stream ends, its deadline
+            # (the broker's copy) a moment ahead.
+            await asyncio.sleep(3.0 - CLIENT_DEADLINE_SLACK_S / 2 - 0.05)
+            late.cancel()
+            await wait_until(lambda: c.orchestrator.get("late").state.terminal, what="late ended")
+            snap = c.orchestrator.get("late")
+            assert snap.state.name == "FAILED" and snap.error is not None, snap
+            assert snap.error.code == "DEADLINE_EXCEEDED"
+            c.ar.prefill_gate.set()
+            assert (await collect(running))[-1].state == SUCCEEDED
+            await c.wait_pool_free()
+
+    run(body())
+
+
 def test_no_replica_is_unavailable() -> None:
     async def body() -> None:
         async with cluster() as c:
