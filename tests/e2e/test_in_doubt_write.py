@@ -177,17 +177,14 @@ def test_a_stopped_receiver_leaves_the_write_in_doubt_and_its_pages_held(tmp_pat
 
 
 ENGINE_TIMEOUT_S = 5  # MC_TRANSFER_TIMEOUT: the engine's own limit on a batch (its minimum)
+# The receiver's stall limit, far above how long the test keeps it stopped (the request's own
+# timeout, the engine's limit, the AR's report: ~10 s quiet, ~25 s seen on a loaded 2-core CI run,
+# where 20 s here let the DiT end itself as hung mid-test and take its pool file with it; at most
+# REPORT_WAIT_S + a few s by the test's own waits).
+SETTLE_STALL_S = 75.0
 # How long the AR's engine may take to give up on the batch and the AR to report it: 5 s quiet,
 # ~20 s after the request failed on a loaded CI run (ar-0 logged in_doubt_writes_returned FAILED then).
-# Longer: the test checks the in-doubt outcome instead and skips the FAILED path.
-REPORT_WAIT_S = 25.0
-# The receiver's stall limit, above the longest the test keeps it stopped (the request's own
-# timeout, the engine's limit, the AR's report: ~8 s quiet, ~25 s seen on a loaded 2-core CI run,
-# where 20 s here let the DiT end itself as hung mid-test and take its pool file with it; at most
-# TIMEOUT_S + REPORT_WAIT_S + the 2.5 s hold + a few RPCs, ~32 s, by the test's own waits). The
-# broker's settle time is this + 2 s after the FAILED report: the pages come back only then, so
-# this is most of the test's time (75 s here made it a 2-minute test on CI).
-SETTLE_STALL_S = 40.0
+REPORT_WAIT_S = 40.0
 
 
 def _engine_fails_first(cfg: dict[str, Any]) -> None:
@@ -271,7 +268,7 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
                 for p in ranks:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
-        # The stop (~8 s quiet, ~32 s at most by the waits above) is under the receiver's stall
+        # The stop (~10 s quiet, ~45 s at most by the waits above) is under the receiver's stall
         # limit, and that limit is the only one on a stopped rank (the DiT's watchdog Pings its ranks
         # too, held to the same limit: a fixed 30 s before, which fail-stopped the receiver here on a
         # loaded machine, where the engine took up to ~27 s to give up): the receiver lives on, with
