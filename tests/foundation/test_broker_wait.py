@@ -4,11 +4,8 @@ the AR and the DiT give up after the same `broker.register_wait_seconds` (they w
 
 from __future__ import annotations
 
-import pytest
-import structlog
 from structlog.testing import capture_logs
 
-from kvrelay import broker_wait
 from kvrelay.broker_wait import DEFAULT_REGISTER_WAIT_SECONDS, PROGRESS_INTERVAL_S, BrokerWait
 from kvrelay.config import BrokerConfig
 
@@ -34,11 +31,7 @@ def test_the_wait_gives_up_once_the_next_try_would_pass_the_bound_and_backs_off(
     assert wait.tries == len(delays) + 1
 
 
-def test_progress_says_what_it_waits_for_every_few_seconds_not_every_try(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A fresh logger: configure_logging caches a logger's processors on first use, so one that an
-    # earlier test in this process used (and whose logging config was replaced since) would log past
-    # capture_logs (seen in the full suite: no event captured).
-    monkeypatch.setattr(broker_wait, "log", structlog.get_logger(broker_wait.__name__))
+def test_progress_says_what_it_waits_for_every_few_seconds_not_every_try() -> None:
     now = [0.0]
     wait = BrokerWait("10.0.0.1:50051", 60.0, first_delay_s=0.1, max_delay_s=1.0, clock=lambda: now[0])
     with capture_logs() as logs:

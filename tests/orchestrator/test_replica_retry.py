@@ -17,7 +17,6 @@ import grpc
 import pytest
 import structlog
 
-from kvrelay.broker import pipeline
 from kvrelay.broker.tickets import TicketOutcome, TicketState
 from kvrelay.errors import KvRelayServerError
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2
@@ -489,7 +488,7 @@ def test_a_broker_restart_keeps_a_retried_generation_ended_once_and_restores_no_
 
 @pytest.mark.parametrize("how", ["killed", "rank_failed", "write_failed"])
 def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise(
-    how: str, monkeypatch: pytest.MonkeyPatch
+    how: str,
 ) -> None:
     """Found black-box (2 ARs, 1 DiT, the writing AR SIGSTOPped just after its last write): once
     the DiT verified every row (ticket READY/CONSUMING) the AR has nothing more to give, yet its
@@ -499,10 +498,6 @@ def test_an_ar_lost_after_the_dit_loaded_every_row_does_not_end_the_denoise(
     then (a rank died after its writes were final), or WRITE_FAILED (a rank raised, or its answer
     was lost, after its writes were final: before, the broker threw the denoise away and retried
     the generation with a fresh ticket although the DiT had verified every row's checksum)."""
-    # A fresh logger: configure_logging caches a logger's processors on first use, so the
-    # pipeline's logger, used by an earlier test in this process under another logging config,
-    # would log past capture_logs (seen in the full suite: the wait below never saw the event).
-    monkeypatch.setattr(pipeline, "log", structlog.get_logger(pipeline.__name__))
 
     async def body() -> None:
         async with cluster() as c:

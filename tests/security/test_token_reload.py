@@ -14,10 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
-from kvrelay import broker_credential, replica_token, security
 from kvrelay.broker_credential import BrokerCredentialWatch
 from kvrelay.errors import KvRelayServerError, to_status
 from kvrelay.limits import MAX_SECRET_FILE_BYTES
@@ -26,15 +24,6 @@ from kvrelay.security import AUTHORIZATION_METADATA, Credentials, replica_token_
 
 OLD, NEW = (replica_token_for(s, "dit-0") for s in ("old-secret-0123456789", "new-secret-9876543210"))
 OPERATOR = "operator-token-0123"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_loggers(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fresh module loggers: configure_logging caches a logger's processors on first use, so one
-    an earlier test in this process used under another logging config logs past capture_logs
-    (seen in the full suite: every test here saw no event)."""
-    for module in (broker_credential, replica_token, security):
-        monkeypatch.setattr(module, "log", structlog.get_logger(module.__name__))
 
 
 def _creds(token: str, *, bound: bool = True) -> Credentials:
