@@ -9,6 +9,8 @@ refusal of a non-loopback listener without credentials, and a graceful stop that
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +38,7 @@ from kvrelay.security import (
     server_options,
 )
 from kvrelay.server_tls import ServerCertificates
-from kvrelay.stopping import ProcessStop
+from kvrelay.stopping import ProcessStop, run_on_own_thread
 
 # 2048x2048 RGB PNG worst case is ~12 MiB; KV fallback chunks are <= 1 MiB.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -94,6 +96,8 @@ class GrpcServer:
     _health: Any = field(default=None, repr=False)
     _metrics: Any = field(default=None, repr=False)
     _auth: AuthInterceptor | None = field(default=None, repr=False)
+    # grpc.aio's own serving task of this server (None: not found, see _live_rpc_tasks).
+    _serving_task: asyncio.Task[Any] | None = field(default=None, repr=False)
 
     @property
     def address(self) -> str:
@@ -140,7 +144,9 @@ class GrpcServer:
             self.bound_port = 0
         if self.bound_port == 0:
             raise self._bind_error(self.port, "gRPC")
+        tasks_before = asyncio.all_tasks()
         await server.start()
+        self._serving_task = _serving_task_of(asyncio.all_tasks() - tasks_before)
         self._server = server
         await self.set_serving(False)
         if self.metrics_port is not None:
@@ -214,24 +220,88 @@ class GrpcServer:
         await self._health.set(incarnation_health_service(incarnation_id), health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float = 5.0, *, fast: ProcessStop | None = None) -> None:
-        """Stop serving: running RPCs get `grace` seconds, then are cancelled. With `fast`, a fast
-        stop (requested before or during the grace) cancels them at once instead."""
+        """Stop serving: running RPCs get `grace` seconds, then are cancelled; once none runs,
+        the stop ends (see `_stop_when_idle`). With `fast`, a fast stop (requested before or
+        during the grace) cancels them at once instead."""
         server = self._server
         if server is not None:
             if self._health is not None:
                 await self._health.enter_graceful_shutdown()
             if fast is None:
-                await server.stop(grace)
-            elif not await fast.unless_fast(server.stop(grace)):
+                await self._stop_when_idle(server, grace)
+            elif not await fast.unless_fast(self._stop_when_idle(server, grace)):
                 # A later stop with a smaller grace wins (grpc.aio.Server.stop): None cancels now.
                 await server.stop(None)
             self._server = None
         if self._metrics is not None:
-            self._metrics.shutdown()
-            self._metrics.server_close()
-            self._metrics = None
+            httpd, self._metrics = self._metrics, None
+            # Off the loop: shutdown() waits for serve_forever's next poll (kvrelay.metrics.METRICS_POLL_S).
+            await run_on_own_thread(httpd.shutdown, "kvrelay-metrics-stop")
+            httpd.server_close()
         log.info("grpc_stopped", service=self.name)
 
+    async def _stop_when_idle(self, server: grpc.aio.Server, grace: float) -> None:
+        """`server.stop(grace)`, ended as soon as no RPC runs any more (at once if none does).
+
+        grpc's graceful stop completes only when every connection to the server is closed, not
+        when its last call ended: an idle channel of another process (the supervisor's health
+        checks, the broker's channels to a replica and theirs to it) closes some seconds after
+        the GOAWAY (about 5 s; one whose process reads nothing, at the keepalive timeout), so
+        every idle stop waited out its whole grace (AR 1 s, broker 2 s, DiT 5 s). Once no RPC
+        is live, `stop(None)` cancels nothing running and closes those connections now.
+        Running RPCs still get their grace: only when the last one ended is the stop cut."""
+        stopping = asyncio.ensure_future(server.stop(grace))
+        idle = asyncio.ensure_future(self._no_live_rpc())
+        try:
+            await asyncio.wait({stopping, idle}, return_when=asyncio.FIRST_COMPLETED)
+            if not stopping.done() and idle.done() and idle.result():
+                await server.stop(None)
+            await stopping
+        finally:
+            idle.cancel()
+            if not stopping.done():  # cancelled by a fast stop: the caller stops it with None
+                stopping.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await stopping
+
+    async def _no_live_rpc(self) -> bool:
+        """True once the stopping server accepts no more calls and every call it accepted ended;
+        False if that cannot be known (then the whole grace is waited, as grpc does)."""
+        serving = self._serving_task
+        if serving is None:
+            return False
+        # Its end means grpc's last request for a call was answered: every call C-core handed
+        # over has its task (and a call that comes after the GOAWAY is refused by C-core).
+        await asyncio.wait({serving})
+        while True:
+            live = _live_rpc_tasks()
+            if not live:
+                return True
+            await asyncio.wait(live)
+
+
+# The coroutine names of grpc.aio's server internals (grpc/_cython/_cygrpc/aio/server.pyx.pxi):
+# `AioServer._server_main_loop` requests calls from C-core and makes a `_schedule_rpc_coro` task
+# of each, which lives until C-core says the call is closed (its status sent, or cancelled). No
+# public API says whether a stopping server still has calls; a grpc that renames these only
+# makes an idle stop wait out its grace again (tests/foundation/test_server_stop.py says so).
+_SERVING_LOOP = "_server_main_loop"
+_RPC_TASK = "_schedule_rpc_coro"
+
+
+def _coroutine_name(task: asyncio.Task[Any]) -> str:
+    return str(getattr(task.get_coro(), "__name__", ""))
+
+
+def _serving_task_of(started: set[asyncio.Task[Any]]) -> asyncio.Task[Any] | None:
+    found = [task for task in started if _coroutine_name(task) == _SERVING_LOOP]
+    return found[0] if len(found) == 1 else None
+
+
+def _live_rpc_tasks() -> set[asyncio.Task[Any]]:
+    """The calls of every grpc.aio server on this loop (another server's calls too: they only
+    make a stop wait longer, never shorter)."""
+    return {task for task in asyncio.all_tasks() if not task.done() and _coroutine_name(task) == _RPC_TASK}
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
