@@ -5,7 +5,8 @@ each, side by side in one process (two rounds, so drift shows):
 2. only its GEMMs: per layer qkv, o, gate_up and down at the step's shapes (2 x 1,024 tokens), over
    the model's own weights, fused as the step runs them, 28 layers (inputs: standard normal);
 3. the same GEMMs over standard-normal weights (does the data change the power?);
-4. a bf16 8192^3 matmul (what profile_steps.py's floor is measured with).
+4. a bf16 8192^3 matmul (what profile_steps.py's floor is measured with), run last in each round,
+   and the same over inputs of torch's default generator, run first.
 
 Each line gives the ms per call, the TFLOP/s, and the SM clock and power draw nvidia-smi reports
 right after the block. Run on the GPU machine:
@@ -85,8 +86,14 @@ def main() -> None:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    # The same matmul over inputs of the default generator, and run first in each round: the H200
+    # gave 666 TFLOP/s at ~690 W for the matmul here (after the step and its GEMMs) and 784 at
+    # ~550 W in sustained_dit.py (default generator, after a DiT step), minutes apart.
+    c = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    d = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     step_flops = dit_flops(args.preset, 512, 512, 2, 81)
     cases: list[tuple[str, Callable[[], object], int, float]] = [
+        ("bf16 8192^3 matmul, default generator, first", lambda: c @ d, 40, 2.0 * n**3),
         ("DiT step (graph)", lambda: step(lat, 0.5), 20, step_flops),
         ("its GEMMs only, model weights", gemms(weights), 20, gemm_flops),
         ("its GEMMs only, N(0,1) weights", gemms(normal), 20, gemm_flops),
