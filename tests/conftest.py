@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -77,19 +78,31 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # bounded (4 at once, then one per 10 s; docs/transfer.md, "Peers that restart on a dead one's
 # port"; seen twice in one CI run before that). Each test's processes get their own window of the range, in order, so
 # no receiver of a run takes a port an earlier one of the run had.
+#
+# And the MC_* variables a test sets (in its body or its function-scoped fixtures) do not reach
+# the next test: each is put back as it was before the test. Every process a test starts reads
+# the Mooncake engine's settings from the environment it gets from this one, and an endpoint made
+# in this process (kvrelay/transfer/mooncake.py) sets some in it. One it used to set
+# (MC_DISABLE_METACACHE=1) turned the descriptor cache off in the nodes of every later test of a
+# full run, never in a file run alone: to a stopped receiver a batch then blocked ~60 s instead of
+# MC_TRANSFER_TIMEOUT (tests/e2e/test_in_doubt_write.py).
 _MC_PORT_RANGE = (15000, 32000)  # below Linux's ephemeral ports (32768-60999)
 _MC_PORT_WINDOW = 40
 _mc_windows = itertools.count()
 
 
 @pytest.fixture(autouse=True)
-def _own_mooncake_ports(monkeypatch: pytest.MonkeyPatch) -> None:
-    if "MC_MIN_RPC_PORT" in os.environ:
-        return  # the caller chose a range: leave it
-    span = _MC_PORT_RANGE[1] - _MC_PORT_RANGE[0]
-    lo = _MC_PORT_RANGE[0] + (next(_mc_windows) * _MC_PORT_WINDOW) % span
-    monkeypatch.setenv("MC_MIN_RPC_PORT", str(lo))
-    monkeypatch.setenv("MC_MAX_RPC_PORT", str(lo + _MC_PORT_WINDOW - 1))
+def _own_mooncake_ports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    before = {k: v for k, v in os.environ.items() if k.startswith("MC_")}
+    if "MC_MIN_RPC_PORT" not in os.environ:  # else the caller chose a range: leave it
+        span = _MC_PORT_RANGE[1] - _MC_PORT_RANGE[0]
+        lo = _MC_PORT_RANGE[0] + (next(_mc_windows) * _MC_PORT_WINDOW) % span
+        monkeypatch.setenv("MC_MIN_RPC_PORT", str(lo))
+        monkeypatch.setenv("MC_MAX_RPC_PORT", str(lo + _MC_PORT_WINDOW - 1))
+    yield
+    for key in [k for k in os.environ if k.startswith("MC_") and k not in before]:
+        del os.environ[key]
+    os.environ.update(before)
 
 
 @pytest.fixture(scope="session")

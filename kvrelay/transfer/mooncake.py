@@ -6,6 +6,10 @@ buffer, and writes pushed from the AR's staging buffer straight into DiT pool re
 
 Facts about the engine this module relies on (mooncake-transfer-engine 0.3.13, verified by
 experiment, see docs/transfer.md):
+- Some settings are read once, when `mooncake.engine` is imported (MC_LOG_LEVEL,
+  MC_DISABLE_METACACHE; MC_TRANSFER_TIMEOUT is read by each `TransferEngine()`): one set in
+  `os.environ` after the import reaches only processes started later (MC_DISABLE_METACACHE=1
+  set between the import and the first engine left its descriptor cache on).
 - Under P2PHANDSHAKE `initialize(host, ...)` ignores any port in `host` and listens on a random
   RPC port (`get_rpc_port()`) plus a random TCP data port, on all interfaces: every process
   start gets fresh ports. `MC_TCP_BIND_ADDRESS` narrows neither listener, and the address peers
@@ -190,13 +194,12 @@ class MooncakeEndpoint:
         # the advertised host even with it set to another address. Mooncake has no
         # authentication: firewall its ports (docs/operations.md, Security).
         self.bind_address = os.environ.setdefault("MC_TCP_BIND_ADDRESS", _bind_address(hostname))
-        # The engine caches a peer's segment descriptor (its data port, its registered memory)
-        # under the peer's session name "host:rpc_port" and never refreshes it; ports come from
-        # ~2,000, so a restarted DiT sooner or later takes a dead one's. A bare engine with the
-        # cache failed every write to such a peer; without it, each batch fetches the descriptor
-        # afresh (not measurable next to a batch on loopback). See docs/transfer.md. An explicit
-        # MC_DISABLE_METACACHE wins.
-        os.environ.setdefault("MC_DISABLE_METACACHE", "1")
+        # MC_DISABLE_METACACHE is left to the environment (the engine's descriptor cache stays on
+        # by default). Setting it here reached no engine of this process (the engine reads its
+        # setting at import, above), only the processes it started later: a test process's
+        # endpoint turned the cache off in every node that later tests started. With the cache
+        # off each batch fetches the peer's descriptor from the peer first, and to a stopped
+        # receiver that fetch blocks ~60 s, past MC_TRANSFER_TIMEOUT (docs/transfer.md).
         self._engine_class = TransferEngine
         # The first engine is the one peers write to (`session_id`, `register_region`): it lives
         # as long as the endpoint. Writes go through `_sender`, the primary until a peer on a
@@ -269,9 +272,9 @@ class MooncakeEndpoint:
     def register_region(self, memory: Any, rank: int) -> RegionDescriptor:
         """Register a rank's pool (or its pinned host mirror) and describe it for senders.
 
-        Senders fetch this process's segment descriptor per batch (MC_DISABLE_METACACHE, set
-        by default in `__init__`), so memory registered later is writable too; a sender that
-        turned the cache back on keeps the descriptor of its first write."""
+        Memory registered after a sender's first write here is writable too: the receiver checks
+        each write against its registered buffers, whether or not the sender cached this
+        process's segment descriptor (tests/transfer/test_mooncake_peer_restart.py)."""
         addr, length = self.register(memory)
         return RegionDescriptor(
             rank=rank, transport="mooncake", endpoint=self.session_id, base_address=addr, length=length

@@ -206,11 +206,18 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
     stall limit + a watch interval + 1 s, docs/broker.md), and no byte of them changes after they
     are freed."""
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(ENGINE_TIMEOUT_S))
+    # The AR's engine as deployed: its segment descriptor cache on (Mooncake's default). With
+    # MC_DISABLE_METACACHE=1 each batch first fetches the receiver's descriptor from it, and from a
+    # stopped receiver that fetch blocks ~60 s (its handshake's read timeout), past the engine's
+    # limit: then no FAILED comes within REPORT_WAIT_S. Every full run had it so, set in the test
+    # process by an earlier test's endpoint (kvrelay/transfer/mooncake.py no longer sets it).
+    monkeypatch.delenv("MC_DISABLE_METACACHE", raising=False)
     with running_node(tmp_path, "failed", _engine_fails_first) as node, \
             KvRelayClient(node.address(), timeout=30) as client:
         total = wait_pools_full(client)[0].total_pages
-        # A warm connection: the engine's own limit applies to a batch on an established lane
-        # (a first write to a stopped receiver waits in the handshake until the rank is killed).
+        # A warm connection: the engine's own limit applies to a batch on an established lane with
+        # the receiver's descriptor cached (a first write to a stopped receiver waits in the
+        # handshake until the rank is killed).
         assert client.generate(SHORT, seed=7, width=64, height=64, timeout=60).result().png
         ranks = _dit_ranks(node)
         dit_pid = node.process("dit-0").pid
@@ -231,31 +238,19 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
                     t if (t := _ticket_of(client, first.request_id)) is not None and t.writes
                     and all(w.status == WriteStatus.FAILED for w in t.writes) else None), timeout=REPORT_WAIT_S)
             except AssertionError:
-                # Seen once on a loaded 2-core CI run: the engine's call, blocked on the stopped
-                # receiver, did not give up within REPORT_WAIT_S (it returned -1 only when the AR
-                # stopped). The write is then still in doubt: the other safe outcome, checked here.
-                engine_gave_up = False
-                ticket = _ticket_of(client, first.request_id)
-                in_doubt = {p for r in ticket.rows for p in r.page_ids}
-                assert ticket.state == TicketState.DRAINING, ticket
-                (pool,) = client.get_pools()
-                assert pool.draining_pages == len(in_doubt) and pool.free_pages == total - len(in_doubt), pool
-            else:
-                engine_gave_up = True
-                held = {p for r in ticket.rows for p in r.page_ids}
+                raise AssertionError(
+                    f"the engine did not give up on the batch within {REPORT_WAIT_S:.0f}s of the request's "
+                    f"failure (its limit: {ENGINE_TIMEOUT_S}s; with its descriptor cache off a batch to a stopped "
+                    f"receiver blocks ~60 s, see MC_DISABLE_METACACHE above); the ticket: "
+                    f"{_ticket_of(client, first.request_id)}"
+                ) from None
+            engine_gave_up = True
+            held = {p for r in ticket.rows for p in r.page_ids}
         finally:
             if not engine_gave_up:
                 for p in ranks:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
-        if not engine_gave_up:
-            # The receiver runs again; the write resolves either way, every page comes back, the
-            # receiver lives on and a request goes through. The FAILED path itself did not run.
-            wait_pools_full(client, timeout=SETTLE_STALL_S + 20)
-            assert node.process("dit-0").pid == dit_pid, "the receiver fail-stopped"
-            assert client.generate(SHORT, seed=7, width=64, height=64, timeout=60).result().png
-            pytest.skip(f"the engine did not give up on the batch within {REPORT_WAIT_S:.0f}s (a loaded "
-                        "machine): the in-doubt outcome was checked, the FAILED report's path did not run")
         try:
             # Past the quiet period (0.2 s) and the lease (2 s): the receiver still holds the bytes.
             time.sleep(2.5)
