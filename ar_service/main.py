@@ -43,7 +43,13 @@ from kvrelay.security import (
 )
 from kvrelay.server import GrpcServer
 from kvrelay.server_tls import CertificateFiles, broker_channel, check_server_pair, watched_certificates
-from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
+from kvrelay.stopping import (
+    EXIT_FAST_STOP,
+    ProcessStop,
+    StopRequested,
+    exit_without_teardown,
+    run_on_own_thread,
+)
 from kvrelay.v1 import ar_pb2_grpc
 
 log = get_logger(__name__)
@@ -465,4 +471,5 @@ def run(args: argparse.Namespace) -> int:
         # Fail or fast stop: do not run interpreter teardown that could block on a wedged thread.
         flush_native_output()
         os._exit(code)
-    return code
+    # Everything is stopped and logged: no interpreter teardown to wait for (seconds, with torch).
+    exit_without_teardown(code)

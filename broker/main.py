@@ -51,7 +51,7 @@ from kvrelay.security import (
 )
 from kvrelay.server import GrpcServer
 from kvrelay.server_tls import ServerCertificates
-from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop
+from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, exit_without_teardown
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     port = cfg.broker.port if args.port is None else args.port
     metrics_port = cfg.broker.metrics_port if args.metrics_port is None else args.metrics_port
     try:
-        return asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
+        code = asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
     except PortInUse as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 1
@@ -217,3 +217,5 @@ def run(args: argparse.Namespace) -> int:
     except (SecurityError, ConfigError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
         return 2
+    # Stopped, the journal closed: no interpreter teardown to wait for.
+    exit_without_teardown(code)

@@ -31,7 +31,13 @@ from kvrelay.config import ConfigError, KvRelayConfig, ModelConfig, load_config
 from kvrelay.errors import broker_unreachable_line
 from kvrelay.logging import capture_native_output, configure_logging, flush_native_output, get_logger
 from kvrelay.server import GrpcServer
-from kvrelay.stopping import EXIT_FAST_STOP, ProcessStop, StopRequested, run_on_own_thread
+from kvrelay.stopping import (
+    EXIT_FAST_STOP,
+    ProcessStop,
+    StopRequested,
+    exit_without_teardown,
+    run_on_own_thread,
+)
 from kvrelay.v1 import dit_pb2, dit_pb2_grpc
 
 log = get_logger(__name__)
@@ -411,4 +417,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         flush_native_output()
         os._exit(code)
-    return code
+    # Everything is stopped and logged: no interpreter teardown to wait for (seconds, with torch).
+    exit_without_teardown(code)

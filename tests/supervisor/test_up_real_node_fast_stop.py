@@ -1,7 +1,7 @@
 """`kvrelay up` with the real broker, AR and DiT: Ctrl-C while a 1000-step generation denoises
 starts the ordered stop (the DiT gives its Denoise 5 s of grace); a second Ctrl-C forwards a fast
 stop: the DiT kills its ranks and exits 4 instead of being drained or SIGKILLed, the broker gets
-its two SIGTERMs and exits 4, `kvrelay up` exits 4, and no process of the node (worker ranks
+its two SIGTERMs and exits 4 (or 0, its graceful stop done first), `kvrelay up` exits 4, and no process of the node (worker ranks
 included) outlives it."""
 
 from __future__ import annotations
@@ -120,5 +120,7 @@ def test_a_second_ctrl_c_fast_stops_a_real_node_mid_denoise(tmp_path: Path) -> N
     time.sleep(0.2)  # the reader thread takes the last lines
     assert _events(stderr, "child_killed") == [], "".join(stderr[-40:])
     exits = {str(r["child"]): r["returncode"] for r in _events(stderr, "child_stopped")}
-    # The DiT was draining its Denoise and the broker had not begun: both made a fast stop.
-    assert exits.get("dit-0") == EXIT_FAST_STOP and exits.get("broker") == EXIT_FAST_STOP, exits
+    # The DiT was draining its Denoise: a fast stop. The broker had not begun: it gets its two
+    # SIGTERMs 0.1 s apart, and with nothing left running its graceful stop may end before the
+    # second (it waits for running RPCs only, kvrelay/server.py): a fast stop or a clean one.
+    assert exits.get("dit-0") == EXIT_FAST_STOP and exits.get("broker") in (EXIT_FAST_STOP, 0), exits
