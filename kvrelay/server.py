@@ -282,11 +282,13 @@ class GrpcServer:
 
 # The coroutine names of grpc.aio's server internals (grpc/_cython/_cygrpc/aio/server.pyx.pxi):
 # `AioServer._server_main_loop` requests calls from C-core and makes a `_schedule_rpc_coro` task
-# of each, which lives until C-core says the call is closed (its status sent, or cancelled). No
-# public API says whether a stopping server still has calls; a grpc that renames these only
-# makes an idle stop wait out its grace again (tests/foundation/test_server_stop.py says so).
+# of each, which lives until C-core says the call is closed (its status sent, or cancelled) and
+# starts the handler's own task, `_handle_exceptions` (which may run on after its caller left: a
+# handler's `finally`). A call is live while either task is. No public API says whether a
+# stopping server still has calls; a grpc that renames these only makes an idle stop wait out
+# its grace again (tests/foundation/test_server_stop.py says so).
 _SERVING_LOOP = "_server_main_loop"
-_RPC_TASK = "_schedule_rpc_coro"
+_RPC_TASKS = frozenset({"_schedule_rpc_coro", "_handle_exceptions"})
 
 
 def _coroutine_name(task: asyncio.Task[Any]) -> str:
@@ -301,7 +303,7 @@ def _serving_task_of(started: set[asyncio.Task[Any]]) -> asyncio.Task[Any] | Non
 def _live_rpc_tasks() -> set[asyncio.Task[Any]]:
     """The calls of every grpc.aio server on this loop (another server's calls too: they only
     make a stop wait longer, never shorter)."""
-    return {task for task in asyncio.all_tasks() if not task.done() and _coroutine_name(task) == _RPC_TASK}
+    return {task for task in asyncio.all_tasks() if not task.done() and _coroutine_name(task) in _RPC_TASKS}
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 

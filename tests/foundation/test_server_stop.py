@@ -45,6 +45,7 @@ class _Slow:
         self.release = asyncio.Event()
         self.cancelled = asyncio.Event()
         self.quick = {"entered": 0, "answered": 0, "cancelled": 0}
+        self.cleaned = asyncio.Event()
 
     async def Wait(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
         self.entered.set()
@@ -54,6 +55,17 @@ class _Slow:
             self.cancelled.set()
             raise
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    async def CleanUp(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+        """Cancelled by its caller, it cleans up until released (a Denoise handing back its pages)."""
+        self.entered.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            self.cancelled.set()
+            await self.release.wait()
+            self.cleaned.set()
+        return health_pb2.HealthCheckResponse()
 
     async def Quick(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
         self.quick["entered"] += 1
@@ -72,14 +84,14 @@ def _add_slow(servicer: _Slow, server: grpc.aio.Server) -> None:
         name: grpc.unary_unary_rpc_method_handler(
             getattr(servicer, name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString
         )
-        for name in ("Wait", "Quick")
+        for name in ("Wait", "Quick", "CleanUp")
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SVC, handlers),))
 
 
 async def _serve() -> tuple[GrpcServer, _Slow]:
     slow = _Slow()
-    rules = {**RPC_RULES, **{f"/{SVC}/{m}": RpcRule(CallerClass.PUBLIC, True, "none") for m in ("Wait", "Quick")}}
+    rules = {**RPC_RULES, **{f"/{SVC}/{m}": RpcRule(CallerClass.PUBLIC, True, "none") for m in ("Wait", "Quick", "CleanUp")}}
     server = GrpcServer("test", "127.0.0.1", 0, [(_add_slow, slow, SVC)], rules=rules, metrics_port=0)
     await server.start()
     await server.set_serving(True)
@@ -139,6 +151,24 @@ def test_a_running_rpc_gets_its_grace_and_the_stop_ends_with_it() -> None:
             took = time.monotonic() - released
         assert not slow.cancelled.is_set()
         assert took < PROMPT_S, f"the stop took {took:.1f} s more after its last RPC ended"
+
+    asyncio.run(scenario())
+
+
+def test_a_handler_cleaning_up_after_its_caller_left_gets_the_grace_too() -> None:
+    async def scenario() -> None:
+        server, slow = await _serve()
+        async with _idle_client_in_another_process(server.address), grpc.aio.insecure_channel(server.address) as channel:
+            call = _call(channel, "CleanUp")
+            await asyncio.wait_for(slow.entered.wait(), 30)
+            call.cancel()
+            await asyncio.wait_for(slow.cancelled.wait(), 30)
+            stopping = asyncio.ensure_future(server.stop(GRACE_S))
+            done, _ = await asyncio.wait({stopping}, timeout=1.0)
+            assert not done, "the stop did not wait for the handler still running"
+            slow.release.set()
+            await asyncio.wait_for(stopping, GRACE_S + 30)
+        assert slow.cleaned.is_set()
 
     asyncio.run(scenario())
 
