@@ -26,8 +26,11 @@ fi
 
 need=()
 # Mooncake's transfer engine links libibverbs even for TCP. (ldconfig is in /sbin, off a
-# non-root user's PATH on Debian.)
-{ ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null; } | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
+# non-root user's PATH on Debian.) The cache is read whole before grep: `ldconfig -p | grep -q`
+# under pipefail failed now and then (grep -q stops at the match, ldconfig dies of SIGPIPE), and
+# setup then "installed" a library it had, or stopped a user without sudo.
+ld_cache="$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)"
+grep -q 'libibverbs.so.1' <<<"$ld_cache" || need+=(libibverbs1)
 # Debian and Ubuntu ship `python3 -m venv` without ensurepip unless python3-venv is installed.
 [ -x .venv/bin/python ] || "$PY" -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
 if [ "$with_compose" = 1 ]; then
