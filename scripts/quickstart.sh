@@ -15,8 +15,13 @@ mkdir -p .kvrelay/logs
 
 kvrelay up --config "$config" --log-dir .kvrelay/logs &
 up_pid=$!
-stop_node() { kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true; }
-trap stop_node EXIT INT TERM
+stop_node() {
+  [ -n "$up_pid" ] || return 0
+  kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true; up_pid=""
+}
+trap stop_node EXIT
+trap "exit 130" INT
+trap "exit 143" TERM
 
 target="$(python - "$config" <<'PY'
 import sys
@@ -27,7 +32,10 @@ PY
 )"
 echo "quickstart: waiting for the node at $target (models load, memory registers) ..."
 for _ in $(seq 1 300); do
-  if ! kill -0 "$up_pid" 2>/dev/null; then echo "quickstart: kvrelay up exited; logs in .kvrelay/logs" >&2; exit 1; fi
+  if ! kill -0 "$up_pid" 2>/dev/null; then
+    echo "quickstart: kvrelay up exited before the node served (why: its lines above; each process's log: .kvrelay/logs)" >&2
+    exit 1
+  fi
   # Ready = an AR and a DiT replica registered, up and not fenced (they register once SERVING).
   if kvrelay status --target "$target" --json 2>/dev/null | python -c '
 import json, sys
@@ -38,4 +46,7 @@ done
 kvrelay status --target "$target"
 kvrelay generate "$prompt" --target "$target" -o "$out" --steps 8 --guidance-scale 3.0
 kvrelay status --target "$target"
-echo "quickstart: wrote $out"
+# The node stops before the last line, so that line (where the image is) ends the output instead
+# of the node's stop lines.
+stop_node
+echo "quickstart: wrote $out; the node is stopped (logs: .kvrelay/logs); to keep one serving: kvrelay up (README.md, Using it)"
