@@ -90,7 +90,15 @@ def exit_without_teardown(code: int) -> NoReturn:
     last garbage collection and the teardown of every module, which free a heap that torch and
     the models make large, for nothing (the kernel frees it at once): they added 0.3-1.1 s to
     every stop of an AR, a DiT, each of their ranks and the broker, after the process had
-    logged that it stopped (multiprocessing's fork-started children skip them the same way)."""
+    logged that it stopped (multiprocessing's fork-started children skip them the same way).
+
+    A stop signal from here on is ignored: the process has stopped and exits with `code`. The
+    event loop's handlers are gone (closing the loop restores the default actions), and a second
+    SIGTERM a supervisor sends a moment after the first (a fast stop of a process whose graceful
+    stop had already ended) killed it mid-exit: exit -15 instead of its code."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
@@ -149,6 +157,11 @@ class ProcessStop:
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, self.request, sig.name)
+        # Those that came while the process started (kvrelay.early_signals), in their order.
+        from kvrelay import early_signals
+
+        for name in early_signals.take():
+            loop.call_soon(self.request, name)
 
     def request(self, signal_name: str) -> None:
         if self.fast_event.is_set():

@@ -322,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if argv is None:  # the `kvrelay` command (python -m kvrelay has caught them already)
+        from kvrelay import early_signals
+
+        early_signals.catch(sys.argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
