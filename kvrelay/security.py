@@ -971,6 +971,18 @@ def server_credentials(creds: Credentials) -> grpc.ServerCredentials | None:
 # ---------------------------------------------------------------- rotation
 
 
+# What a rotation replaces (kvrelay.security.reload_tokens reads them again): the credentials a
+# caller presents or the broker derives what it presents from. Everything else of a Credentials
+# (TLS material, limits, keepalive, the token mode) is the current one's, whichever generation a
+# peer holds: TLS material changes without a generation (CredentialRotation.replace_current).
+ROTATED_FIELDS: tuple[str, ...] = ("api_token", "replica_token", "operator_token", "replica_secret")
+
+
+def with_rotated_of(current: Credentials, held: Credentials) -> Credentials:
+    """`current` with the tokens and secret (ROTATED_FIELDS) of `held`, and nothing else of it."""
+    return dataclasses.replace(current, **{f: getattr(held, f) for f in ROTATED_FIELDS})
+
+
 @dataclass(frozen=True, slots=True)
 class SupersededCredentials:
     """One generation of credentials a rotation replaced: taken until `until` (the rotation's
@@ -993,9 +1005,10 @@ class CredentialRotation:
     presenting the token of two rotations ago works until that generation's own deadline. Past
     MAX_SUPERSEDED_GENERATIONS the oldest generation is dropped at once (logged
     `credential_generation_dropped`). The broker also presents, to each replica, what that
-    replica holds (`held_by`): the generation it last authenticated with (one not seen since
-    the first rotation of the window: the oldest still taken), so no replica is handed a token
-    derived from a secret it does not know. Touched on the event loop only (`grace_left_s`
+    replica holds (`held_by`): the tokens and secret of the generation it last authenticated with
+    (one not seen since the first rotation of the window: the oldest still taken), so no replica
+    is handed a token derived from a secret it does not know; TLS material and every other
+    setting are always the current ones. Touched on the event loop only (`grace_left_s`
     reads only, for a metrics thread); `clock` is monotonic seconds.
     """
 
@@ -1069,9 +1082,12 @@ class CredentialRotation:
         return list(self._superseded)
 
     def previous(self) -> Credentials | None:
-        """The credentials replaced by the last rotation while its grace lasts, else None."""
+        """The credentials replaced by the last rotation while its grace lasts, else None: its
+        tokens and secret, with the current TLS material and settings (`held_by`)."""
         live = self.superseded()
-        return live[0].creds if live and live[0].generation == self._generation - 1 else None
+        if live and live[0].generation == self._generation - 1:
+            return with_rotated_of(self._current, live[0].creds)
+        return None
 
     def grace_left_s(self, replica_id: str | None = None) -> float:
         """Seconds replaced credentials are still taken: of the generation `replica_id` holds
@@ -1101,11 +1117,15 @@ class CredentialRotation:
         return held if any(s.generation == held for s in live) else self._generation
 
     def held_by(self, replica_id: str | None) -> Credentials:
-        """The credentials `replica_id` is known to hold: during a grace, those of the generation
-        it last authenticated with (the oldest still taken until it has), else the current ones."""
+        """The credentials `replica_id` is known to hold: during a grace, the tokens and secret
+        (ROTATED_FIELDS) of the generation it last authenticated with (the oldest still taken
+        until it has), else the current ones. Only those: the TLS material, keepalive and limits
+        are always the current ones (a certificate or CA reloaded after the rotation replaced no
+        generation, and the broker dials every replica with what it serves now)."""
         live = self.superseded()
         held = self._held_generation(replica_id, live)
-        return next((s.creds for s in live if s.generation == held), self._current)
+        old = next((s.creds for s in live if s.generation == held), None)
+        return self._current if old is None else with_rotated_of(self._current, old)
 
     def shared_replica_tokens(self) -> tuple[str, ...]:
         """The shared replica tokens taken now (RegisterReplicaRequest.token): the current one,
@@ -1632,6 +1652,8 @@ __all__ = [
     "CredentialRotation",
     "MAX_SUPERSEDED_GENERATIONS",
     "SupersededCredentials",
+    "ROTATED_FIELDS",
+    "with_rotated_of",
     "CredentialSource",
     "Credentials",
     "DEFAULT_KEEPALIVE",

@@ -30,6 +30,8 @@ from kvrelay.security import (
     CallerClass,
     CredentialRotation,
     Credentials,
+    Keepalive,
+    TlsMaterial,
     broker_call_token,
     load_credentials,
     put_kv_token,
@@ -176,6 +178,30 @@ def test_the_broker_presents_to_each_replica_what_it_holds_until_it_shows_the_ne
     assert call_token("dit-0") == broker_call_token(new_dit0)
     clock.advance(GRACE)
     assert call_token("ar-0") == broker_call_token(replica_token_for(NEW, "ar-0"))
+
+
+def test_what_a_replica_holds_is_only_its_generations_tokens_the_tls_material_is_the_current_one() -> None:
+    # The broker's certificate and CA reloaded after the token rotation (kvrelay rotate-secrets,
+    # its TLS files changed alone: replace_current, no generation). Before, held_by gave the whole
+    # Credentials of the replaced generation: dit-0, still on its OLD token, was dialled with the
+    # TLS material (and keepalive, limits) of that generation's time, a CA it may no longer trust.
+    before = TlsMaterial(b"cert-before", b"key-before", b"ca-before", require_client_cert=True)
+    after = TlsMaterial(b"cert-after", b"key-after", b"ca-after", require_client_cert=True)
+    clock = ManualClock()
+    rotation = CredentialRotation(dataclasses.replace(bound_broker(OLD), tls=before), clock=clock)
+    rotation.rotate(dataclasses.replace(bound_broker(NEW, OPERATOR_NEW), tls=before))
+    rotation.replace_current(dataclasses.replace(rotation.current, tls=after, keepalive=Keepalive(7.0, 3.0)))
+
+    held = rotation.held_by("dit-0")  # not seen since the rotation: the OLD generation
+    assert held.replica_secret == OLD and held.operator_token == OPERATOR_OLD
+    assert held.tls is after and held.keepalive == Keepalive(7.0, 3.0)
+    assert held == dataclasses.replace(rotation.current, replica_secret=OLD, operator_token=OPERATOR_OLD)
+    channel = rotation.broker_channel("dit-0")
+    assert channel.tls is after and channel.token == broker_call_token(replica_token_for(OLD, "dit-0"))
+    previous = rotation.previous()
+    assert previous is not None and previous.replica_secret == OLD and previous.tls is after
+    clock.advance(GRACE)
+    assert rotation.held_by("dit-0") is rotation.current
 
 
 def test_shared_mode_rotates_the_shared_token_and_hands_the_token_the_dit_holds_to_the_ar() -> None:
