@@ -3,22 +3,28 @@
 broker` (bound replica tokens, the secret in a file) rotated with `kvrelay rotate-secrets`,
 killed with kill -9 right after, started again on the same journal: a replica presenting its
 token of the replaced secret still registers until the grace ends and is refused after it, and
-the journal (with its WAL) holds neither secret nor any token in plaintext."""
+the journal (with its WAL) holds neither secret nor any token in plaintext; and a replica that
+switched to its new token before the kill is called by the restarted broker with that one."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kvrelay.client import KvRelayClient, KvRelayError
 from kvrelay.node.cli import main
-from kvrelay.security import replica_token_for
-from kvrelay.v1 import broker_pb2, broker_pb2_grpc, common_pb2
+from kvrelay.security import AUTHORIZATION_METADATA, broker_call_token, replica_token_for
+from kvrelay.v1 import ar_pb2, ar_pb2_grpc, broker_pb2, broker_pb2_grpc, common_pb2
 from tests.broker.test_forget_replica import _md, _register
 from tests.broker.test_grpc import replica
 from tests.procs import ServiceProcess, start_service
@@ -59,9 +65,7 @@ def _register_code(stub: broker_pb2_grpc.BrokerServiceStub, replica_id: str, sec
     return grpc.StatusCode.OK
 
 
-def test_a_broker_killed_in_the_grace_still_takes_the_replaced_tokens_until_it_ends(
-    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _config(repo_root: Path, tmp_path: Path) -> Path:
     _write(tmp_path / "secret", OLD)
     _write(tmp_path / "operator.token", OPERATOR)
     cfg = yaml.safe_load((repo_root / "tests" / "configs" / "test-fast.yaml").read_text())
@@ -71,17 +75,27 @@ def test_a_broker_killed_in_the_grace_still_takes_the_replaced_tokens_until_it_e
                        "rotation_grace_seconds": GRACE_S}  # fmt: skip
     config = tmp_path / "broker.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    return config
 
+
+def _rotate(tmp_path: Path, address: str, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path / "secret", NEW)
+    capsys.readouterr()
+    code = main(["rotate-secrets", "--target", address, "--token", OPERATOR])
+    out, err = capsys.readouterr()
+    assert code == 0 and "replica_secret: reloaded" in out, out + err
+
+
+def test_a_broker_killed_in_the_grace_still_takes_the_replaced_tokens_until_it_ends(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(repo_root, tmp_path)
     broker = _start(repo_root, config)
     try:
         with grpc.insecure_channel(broker.address) as channel:
             stub = broker_pb2_grpc.BrokerServiceStub(channel)
             assert _register_code(stub, "ar-0", OLD) == grpc.StatusCode.OK
-            _write(tmp_path / "secret", NEW)
-            capsys.readouterr()
-            code = main(["rotate-secrets", "--target", broker.address, "--token", OPERATOR])
-            out, err = capsys.readouterr()
-            assert code == 0 and "replica_secret: reloaded" in out, out + err
+            _rotate(tmp_path, broker.address, capsys)
         # The answer came after the record was on disk: kill -9 now loses nothing.
         broker.proc.send_signal(signal.SIGKILL)
         broker.proc.wait(10)
@@ -122,3 +136,81 @@ def test_a_broker_killed_in_the_grace_still_takes_the_replaced_tokens_until_it_e
             assert _register_code(stub, "ar-4", OLD) == grpc.StatusCode.UNAUTHENTICATED
     finally:
         broker.stop()
+
+
+class _Ar(ar_pb2_grpc.ArServiceServicer):  # type: ignore[misc]
+    """An AR replica's Tokenize, as far as the broker's call token: what a real replica that
+    holds only `token` takes (kvrelay.security's bound call token of it), every bearer kept."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = broker_call_token(token)
+        self.bearers: list[str] = []
+        self.called = threading.Event()
+
+    def Tokenize(self, request: ar_pb2.TokenizeRequest, context: Any) -> ar_pb2.TokenizeResponse:  # noqa: N802
+        bearer = dict(context.invocation_metadata()).get(AUTHORIZATION_METADATA, "")
+        self.bearers.append(bearer.removeprefix("Bearer "))
+        self.called.set()
+        if self.bearers[-1] != self.expected:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "not the broker's call token of the token held here")
+        return ar_pb2.TokenizeResponse(token_counts=[4] * len(request.texts), max_tokens=1024)
+
+
+@pytest.mark.slow
+def test_a_broker_killed_in_the_grace_still_calls_a_replica_with_the_token_it_switched_to(
+    repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ar-0 registers on its token of the OLD secret, the broker rotates, ar-0 heartbeats on its
+    NEW token and restarts holding the NEW token alone; the broker is killed (kill -9) and started
+    again within the grace. The restarted broker calls ar-0 (Tokenize) with the call token of its
+    NEW token, the only one ar-0 takes: a restored replica is placed only once it registered
+    again (ReplicaRecord.needs_registration), and that registration, on the token it holds, is
+    what tells the broker which generation it holds (CredentialRotation.seen), before any call.
+    The broker calling it with what the oldest generation still taken derives from (as it does a
+    replica it has not seen since the rotation) fails here: Tokenize UNAUTHENTICATED."""
+    config = _config(repo_root, tmp_path)
+    ar = _Ar(replica_token_for(NEW, "ar-0"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    ar_pb2_grpc.add_ArServiceServicer_to_server(ar, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    info = replica("ar-0", common_pb2.REPLICA_ROLE_AR)
+    info.endpoint = f"127.0.0.1:{port}"
+    try:
+        broker = _start(repo_root, config)
+        try:
+            with grpc.insecure_channel(broker.address) as channel:
+                stub = broker_pb2_grpc.BrokerServiceStub(channel)
+                _register(stub, info, replica_token_for(OLD, "ar-0"))
+                _rotate(tmp_path, broker.address, capsys)
+                new = replica_token_for(NEW, "ar-0")
+                reply = stub.Heartbeat(broker_pb2.HeartbeatRequest(replica_id="ar-0", incarnation_id=info.incarnation_id),
+                                       timeout=10, metadata=_md(new, "ar-0"))  # fmt: skip
+                assert not reply.credential_superseded
+            broker.proc.send_signal(signal.SIGKILL)  # the heartbeat's answer came after its record
+            broker.proc.wait(10)
+        finally:
+            broker.stop()
+
+        broker = _start(repo_root, config)
+        try:
+            with grpc.insecure_channel(broker.address) as channel:
+                stub = broker_pb2_grpc.BrokerServiceStub(channel)
+                assert 0 < _grace_left(stub) <= GRACE_S, broker.output()
+                # As every replica after a broker restart: registers again (its heartbeat is told
+                # to), on the token it holds: the NEW one.
+                _register(stub, info, replica_token_for(NEW, "ar-0"))
+            with KvRelayClient(broker.address) as client:
+                # No DiT is registered: the generation fails after the Tokenize it needs.
+                with pytest.raises(KvRelayError) as err:
+                    client.generate("a lighthouse", width=64, height=64, timeout=20).result()
+            assert ar.called.is_set(), (err.value, broker.output())
+            assert ar.bearers == [ar.expected], (err.value, broker.output())
+            assert "UNAUTHENTICATED" not in str(err.value) and "Tokenize" not in str(err.value), err.value
+        finally:
+            assert broker.stop() == 0, broker.output()
+    finally:
+        server.stop(None)
