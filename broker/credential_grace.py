@@ -25,7 +25,9 @@ broker's current credential files can already act as anyone. A broker that start
 credentials than those it sealed under (files rotated while it was down) cannot open the record:
 it is dropped and logged (`credential_grace_not_restored`), and the broker takes only what it
 reads, as before this record existed. Deadlines are wall-clock seconds (the rotation's clock is
-monotonic and starts again with the process).
+monotonic and starts again with the process); a generation taken back is taken for at most
+`security.rotation_grace_seconds` (as configured now) from the start, whatever the wall clock did
+meanwhile.
 
 Format 1 (before: each generation sealed on its own, the record's own fields and the set of
 generations not authenticated, the keys derived by HMAC over the joined credentials) is opened
@@ -272,10 +274,15 @@ class CredentialGraceStore:
                 raise SealError("a record this broker cannot read" if keys is None
                                 else f"a record of format {version!r}, which this broker does not read")  # fmt: skip
             offset = self.rotation.now() - self._wall()
+            # No generation is taken longer than the grace configured now: a wall clock set back
+            # while the broker was down (a host whose clock was wrong at boot) would otherwise
+            # stretch the grace by as much, and an operator who lowered rotation_grace_seconds
+            # and restarted the broker would keep the old one.
+            latest = self.rotation.now() + self.rotation.current.rotation_grace_s
             restored = []
             for generation, deadline, values in _generations(payload, current_generation):
                 creds = dataclasses.replace(self.rotation.current, **values)  # type: ignore[arg-type]
-                restored.append(SupersededCredentials(creds, deadline + offset, generation))
+                restored.append(SupersededCredentials(creds, min(deadline + offset, latest), generation))
         except (SealError, KeyError, TypeError, ValueError, AttributeError) as err:
             log.warning("credential_grace_not_restored", error=str(err) if isinstance(err, SealError) else "a damaged record",
                         consequence="the broker takes only the credentials it read at start: replicas still on "

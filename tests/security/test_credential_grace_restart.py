@@ -6,6 +6,7 @@ process (kill -9 within the grace): test_credential_grace_restart_procs.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -101,6 +102,28 @@ def test_a_restarted_broker_takes_each_replaced_generation_until_its_own_grace_e
     assert not third.takes(replica_token_for(S1, "ar-0"), "ar-0")
     assert third.journal.meta_value(META_KEY) is None  # nothing replaced is taken: no record
     assert third.takes(replica_token_for(S2, "ar-0"), "ar-0")
+    third.journal.close()
+
+
+def test_a_restored_grace_is_never_longer_than_the_grace_configured_at_start(tmp_path: Path) -> None:
+    wall = ManualClock(start=1_800_000_000.0)
+    path = tmp_path / "broker.sqlite"
+    first = Broker(path, bound(S0, OPERATOR_OLD), wall)
+    first.rotation.rotate(bound(S1, OPERATOR_NEW))  # S0 until wall+60
+    first.journal.close()
+
+    # The host came back with its clock an hour behind: before, S0 was taken for 3660 s more.
+    wall.advance(-3600.0)
+    second = Broker(path, bound(S1, OPERATOR_NEW), wall)
+    assert second.restored == 1 and second.rotation.grace_left_s() == pytest.approx(GRACE)
+    second.journal.close()
+
+    # The operator lowered security.rotation_grace_seconds to 10 and restarted the broker.
+    third = Broker(path, dataclasses.replace(bound(S1, OPERATOR_NEW), rotation_grace_s=10.0), wall)
+    assert third.restored == 1 and third.rotation.grace_left_s() == pytest.approx(10.0)
+    assert third.takes(replica_token_for(S0, "ar-0"), "ar-0")
+    third.advance(10.0)
+    assert not third.takes(replica_token_for(S0, "ar-0"), "ar-0")
     third.journal.close()
 
 
