@@ -80,6 +80,27 @@ LINK_BACKOFF_MAX_S = 120.0
 
 Clock = Callable[[], float]
 
+
+class SteadyWallClock:
+    """The broker's default clock: seconds since the epoch that never step. The wall clock is
+    read once, when the clock is made, and from then on only CLOCK_MONOTONIC's progress is added.
+
+    Every period the core measures is a duration: leases, the quiet period, the receiver's settle
+    time (`receiver_settle_seconds`), how long a replica has been down. On `time.time` they
+    followed the wall clock's steps (NTP stepping a drifted clock, `date -s`, a VM resumed and
+    re-synced): a step forward of more than the settle time freed at once the pages of a `FAILED`
+    or `WRITER_GONE` write, while the receiving DiT rank, stopped, still held bytes of it in its
+    socket, the very case the settle time holds them for (docs/broker.md, Clock). Its readings stay
+    close to the wall clock (ticket times are shown as timestamps, and journaled ones are compared
+    after a restart, which reads the wall clock afresh)."""
+
+    def __init__(self, wall: Clock = time.time, monotonic: Clock = time.monotonic) -> None:
+        self._monotonic = monotonic
+        self._offset = wall() - monotonic()
+
+    def __call__(self) -> float:
+        return self._offset + self._monotonic()
+
 # How many ids of an unknown listing one log line names (the count is always logged).
 _LOGGED_IDS = 8
 
@@ -164,7 +185,7 @@ class BrokerCore:
         self,
         journal_path: str | Path | None,
         *,
-        clock: Clock = time.time,
+        clock: Clock | None = None,
         lease_seconds: float = 10.0,
         drain_quiet_seconds: float = 2.0,
         receiver_settle_seconds: float = 0.0,
@@ -183,7 +204,9 @@ class BrokerCore:
             ":memory:" if journal_path is None else journal_path, journal_synchronous,
             group_commit=journal_group_commit,
         )  # fmt: skip
-        self.clock = clock
+        # None: SteadyWallClock (never follows a step of the wall clock; tests pass their own).
+        clock = clock if clock is not None else SteadyWallClock()
+        self.clock: Clock = clock
         # Warnings a caller can trigger once per RPC (stale incarnations): one line per replica
         # per minute, with how many were left out.
         self._repeats = RepeatedWarnings(clock)
