@@ -1565,6 +1565,13 @@ class BrokerCore:
             self._by_request[t.request_id] = t.ticket_id
             restored.append(t)
         for t in restored:
+            # Journaled times are the previous process's clock readings: a step of the wall clock
+            # between the two runs shifts them by its size. A write whose bytes may still sit in a
+            # stopped receiver's socket (FAILED, WRITER_GONE) waits its whole settle time again from
+            # now: a restart may delay a free, never bring one forward (docs/broker.md, Clock).
+            if t.last_resolution_time is not None and t.receiver_unsettled_writes():
+                t.last_resolution_time = now
+        for t in restored:
             # The orchestrator that owned these requests died with the broker: end them. An armed
             # ticket drains until its writes are resolved; it is never silently freed.
             old = t.state

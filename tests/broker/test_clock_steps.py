@@ -84,3 +84,51 @@ def test_the_steady_clock_follows_monotonic_time_from_one_wall_clock_reading() -
     assert clock() == 1_000_002.5
     wall[0] -= 7200.0
     assert clock() == 1_000_002.5
+
+
+def test_a_step_between_two_broker_processes_does_not_end_a_failed_writes_settle_time(tmp_path: Path) -> None:
+    """Journaled times are the previous process's clock readings. A broker restarted after its
+    host's clock stepped forward read a FAILED write's last resolution as an hour old and freed its
+    pages as soon as the DiT registered again, while the receiving rank may still hold its bytes.
+    Now a restart starts that settle time again (it may delay a free, never bring one forward)."""
+    from kvrelay.broker.core import BrokerCore
+    from kvrelay.broker.tickets import TicketOutcome, TicketState, WriteStatus
+    from tests.broker.helpers import ManualClock, ar_spec, dit_spec
+
+    settle, clock, path = 30.0, ManualClock(), tmp_path / "journal.sqlite"
+
+    def broker() -> BrokerCore:
+        return BrokerCore(path, clock=clock, lease_seconds=10.0, drain_quiet_seconds=0.2,
+                          receiver_settle_seconds=settle, journal_synchronous="OFF")
+
+    core = broker()
+    ar, dit = ar_spec(), dit_spec(num_pages=16)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    t = core.create_ticket("restarted", ar.replica_id, dit.replica_id, [40])
+    assert t is not None
+    t = core.arm_ticket(t.ticket_id, ar.replica_id, ar.incarnation_id).ticket
+    for w in t.writes:
+        core.report_write(t.ticket_id, w.key, replica_id=ar.replica_id, incarnation_id=ar.incarnation_id,
+                          status=WriteStatus.FAILED, checksum=0)
+    core.cancel_ticket(t.ticket_id, TicketOutcome.TIMED_OUT)
+    clock.advance(1.0)
+    core.tick()
+    assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING
+    core.close()
+
+    clock.advance(3600.0)  # the wall clock stepped while the broker restarted
+    core = broker()
+    try:
+        core.register_replica(dit)  # the same incarnations, back within a second of the restart
+        core.register_replica(ar)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.DRAINING, "the settle time ended at the restart"
+        assert core.pool_status()[0].draining == 3
+        clock.advance(settle + 1.0)
+        core.heartbeat(dit.replica_id, dit.incarnation_id)
+        core.tick()
+        assert core.get_ticket(t.ticket_id).state is TicketState.RELEASED
+        assert core.pool_status()[0].free == 16
+    finally:
+        core.close()
