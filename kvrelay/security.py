@@ -1251,6 +1251,24 @@ class _RateLimiter:
             return True
 
 
+# The RPCs a replica serves to the broker alone (REPLICA_SERVICE_CHECKS): the orchestration of
+# generations the broker admitted, one Tokenize per Generate it admits and one Prefill/Denoise per
+# ticket. Their number follows public traffic, which no rate limit bounds (GenerationService is
+# public; broker.max_queue bounds it), so a replica does not rate-limit the broker's calls there:
+# found black-box, a public client sending ~250 Generate/s with prompts the AR refuses ran the
+# broker's bucket at the AR dry (security.rate_limit_per_second 50) and generations the broker had
+# admitted, queued and placed failed RESOURCE_EXHAUSTED / RATE_LIMITED on Prefill and Denoise,
+# other clients' too. Any other caller of a replica (an AR's PutKv) keeps its per-peer bucket.
+_BROKER_ORCHESTRATION = frozenset({_A + "Tokenize", _A + "Prefill", _D + "Denoise"})
+
+
+def _broker_orchestration(method: str, caller: Caller) -> bool:
+    """A call of the broker (authenticated as the broker: its call token, the shared replica token
+    with its id declared, its certificate) to one of _BROKER_ORCHESTRATION."""
+    return (method in _BROKER_ORCHESTRATION and CallerClass.REPLICA in caller.classes
+            and caller.replica_id == BROKER_CALLER_ID)  # fmt: skip
+
+
 def _peer_host(peer: str) -> str:
     # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path"
     kind, _, rest = peer.partition(":")
@@ -1521,7 +1539,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         if caller.replica_id and CallerClass.REPLICA in caller.classes:
             self.refusals.authenticated(caller.replica_id)
-        if rule.caller_class is not CallerClass.PUBLIC and not self._limiter.allow(_peer_host(context.peer())):
+        if (rule.caller_class is not CallerClass.PUBLIC and not _broker_orchestration(method, caller)
+                and not self._limiter.allow(_peer_host(context.peer()))):
             raise KvRelayServerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
                 f"more than {self.creds.rate_limit_per_second:g} requests/s from this peer; retry later",
