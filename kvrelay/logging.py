@@ -16,6 +16,7 @@ import re
 import select
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from datetime import UTC, datetime
@@ -333,20 +334,60 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return deserialize
 
 
-async def _reject_malformed(method: str, request: _Malformed, context: Any) -> None:
-    import grpc
+# A request that does not decode is answered before any credential is checked, so any peer can
+# send them as fast as it likes: its `malformed_request` line is written once per method per this
+# many seconds, the next one saying how many were left out (`suppressed`). Found black-box: 3000
+# junk Heartbeat requests from an anonymous peer wrote 1997 warning lines to the broker's log in
+# 3 s (a loop of them fills the disk under the log). Methods are the server's own (an unknown one
+# never reaches a handler), so the table is bounded by them.
+MALFORMED_LOG_WINDOW_S = 60.0
 
-    get_logger(__name__).warning(
-        "malformed_request", method=method, error=f"{type(request.error).__name__}: {request.error}"[:200]
-    )
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} request message could not be decoded")
 
+class _MalformedLog:
+    """One `malformed_request` line per method per MALFORMED_LOG_WINDOW_S, for one server."""
 
-async def _checked_stream(method: str, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-    async for item in requests:
-        if isinstance(item, _Malformed):
-            await _reject_malformed(method, item, context)
-        yield item
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = MALFORMED_LOG_WINDOW_S) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._lock = threading.Lock()
+        # method -> (time of the last line written, lines left out since)
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def admit(self, method: str) -> int | None:
+        """None: leave this line out (it is counted); else write it, with the number left out."""
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(method)
+            if last is not None and now - last[0] < self._window_s:
+                self._last[method] = (last[0], last[1] + 1)
+                return None
+            self._last[method] = (now, 0)
+            return 0 if last is None else last[1]
+
+    async def reject(self, method: str, request: _Malformed, context: Any) -> None:
+        import grpc
+
+        suppressed = self.admit(method)
+        if suppressed is not None:
+            get_logger(__name__).warning(
+                "malformed_request", method=method, suppressed=suppressed,
+                error=f"{type(request.error).__name__}: {request.error}"[:200],
+            )  # fmt: skip
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the {method} request message could not be decoded")
+
+    async def checked_stream(self, method: str, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for item in requests:
+            if isinstance(item, _Malformed):
+                await self.reject(method, item, context)
+            yield item
+
+    @asynccontextmanager
+    async def bind_call(self, method: str, request: Any, context: Any) -> AsyncIterator[None]:
+        if isinstance(request, _Malformed):
+            await self.reject(method, request, context)
+        ids = _ids_from_request(None if hasattr(request, "__aiter__") else request, context.invocation_metadata())
+        with bind_request(**ids):
+            yield
 
 
 Around = Callable[[str, Any, Any], AbstractAsyncContextManager[None]]
@@ -384,20 +425,14 @@ def _wrap_behavior(behavior: Callable[..., Any], method: str, around: Around) ->
     return wrapper
 
 
-@asynccontextmanager
-async def _bind_call(method: str, request: Any, context: Any) -> AsyncIterator[None]:
-    if isinstance(request, _Malformed):
-        await _reject_malformed(method, request, context)
-    ids = _ids_from_request(None if hasattr(request, "__aiter__") else request, context.invocation_metadata())
-    with bind_request(**ids):
-        yield
-
-
 def logging_interceptor() -> Any:
     """A grpc.aio server interceptor binding request_id/ticket_id (from the request message or
     metadata) to every log line a handler writes, and answering a request that cannot be decoded
-    with INVALID_ARGUMENT and one warning line (not grpc's UNKNOWN and a traceback)."""
+    with INVALID_ARGUMENT and a warning line (not grpc's UNKNOWN and a traceback), at most one per
+    method per MALFORMED_LOG_WINDOW_S."""
     import grpc
+
+    malformed = _MalformedLog()
 
     class _Interceptor(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
@@ -410,24 +445,24 @@ def logging_interceptor() -> Any:
                 for kind in ("stream_unary", "stream_stream"):
                     behavior = getattr(handler, kind)
                     if behavior is not None:
-                        handler = handler._replace(**{kind: _checking_requests(behavior, method)})
-            return wrap_handler(handler, method, _bind_call)
+                        handler = handler._replace(**{kind: _checking_requests(behavior, method, malformed)})
+            return wrap_handler(handler, method, malformed.bind_call)
 
     return _Interceptor()
 
 
-def _checking_requests(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+def _checking_requests(behavior: Callable[..., Any], method: str, malformed: _MalformedLog) -> Callable[..., Any]:
     # Client-streaming handlers get their requests through an iterator: a malformed message in
     # the middle of the stream ends the call the same way.
     if inspect.isasyncgenfunction(behavior):
 
         async def stream_wrapper(requests: Any, context: Any) -> AsyncIterator[Any]:
-            async for item in behavior(_checked_stream(method, requests, context), context):
+            async for item in behavior(malformed.checked_stream(method, requests, context), context):
                 yield item
 
         return stream_wrapper
 
     async def wrapper(requests: Any, context: Any) -> Any:
-        return await behavior(_checked_stream(method, requests, context), context)
+        return await behavior(malformed.checked_stream(method, requests, context), context)
 
     return wrapper

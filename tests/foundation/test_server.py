@@ -125,6 +125,47 @@ def test_undecodable_requests_are_invalid_argument_with_one_line(caplog: pytest.
     assert not any("Traceback" in r.getMessage() for r in caplog.records)
 
 
+def test_a_flood_of_undecodable_requests_is_one_line_per_method() -> None:
+    """A request that does not decode is answered before its credential is checked: one warning
+    line each let any peer fill the log (found black-box: 3000 junk Heartbeat requests from an
+    anonymous peer wrote 1997 `malformed_request` lines to the broker's log in 3 s). Every one is
+    still answered INVALID_ARGUMENT; one line per method per window is written."""
+
+    async def body() -> None:
+        server, echo = await _serve()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                unary = channel.unary_unary(f"/{ECHO}/Unary")
+                check = channel.unary_unary("/grpc.health.v1.Health/Check")
+                for call in [unary] * 40 + [check] * 3:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await call(GARBAGE, timeout=5)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                reply = await unary(health_pb2.HealthCheckRequest(service="b").SerializeToString(), timeout=5)
+                assert health_pb2.HealthCheckResponse.FromString(reply).status == health_pb2.HealthCheckResponse.SERVING
+                assert echo.seen == ["b"]
+        finally:
+            await server.stop(0.5)
+
+    with structlog.testing.capture_logs() as events:
+        asyncio.run(body())
+    malformed = [(e["method"], e["suppressed"]) for e in events if e["event"] == "malformed_request"]
+    assert malformed == [(f"/{ECHO}/Unary", 0), ("/grpc.health.v1.Health/Check", 0)]
+
+
+def test_the_line_after_a_quiet_window_counts_those_left_out() -> None:
+    from kvrelay.logging import MALFORMED_LOG_WINDOW_S, _MalformedLog
+
+    now = [100.0]
+    log = _MalformedLog(clock=lambda: now[0])
+    assert log.admit("/a/B") == 0
+    assert [log.admit("/a/B") for _ in range(5)] == [None] * 5
+    assert log.admit("/a/C") == 0  # each method has its own window
+    now[0] += MALFORMED_LOG_WINDOW_S
+    assert log.admit("/a/B") == 5
+    assert log.admit("/a/B") is None
+
+
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
 def test_reflection_v1_and_v1alpha(version: str) -> None:
     async def body() -> None:
