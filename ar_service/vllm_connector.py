@@ -9,8 +9,9 @@ Owns: keeping a kvrelay request's blocks after vLLM finishes it (`request_finish
 `delay_free=True`), reading those blocks out of vLLM's paged cache on each TP rank, packing them in
 the destination's page layout and writing them with kvrelay's sender (`write_rank_share`, the same
 code as the built-in AR: same staging, outcome, NOT_STARTED/FAILED and checksum rules), and handing
-the blocks back to vLLM (`get_finished` -> `finished_sending`) once every write from them has a
-final outcome or the ticket is dropped. It never talks to the broker and never decides whether a
+the blocks back to vLLM (`get_finished` -> `finished_sending`) once the rows are copied out of
+them for the write (the transport reads only the ticket's staging region, kept while a write is in
+doubt) or the ticket is dropped. It never talks to the broker and never decides whether a
 write may start: the AR service arms the ticket and sends the write command (through
 `collective_rpc`, so every TP rank gets it), and reports the outcomes returned here.
 
@@ -139,9 +140,7 @@ class KvRelayConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self._staging: torch.Tensor | None = None
         self._regions: StagingAllocator | None = None
-        # In-doubt writes: ticket -> the held requests whose blocks wait for its call to return,
-        # and the final outcomes of returned calls not collected by the service yet.
-        self._in_doubt_rows: dict[str, list[str]] = {}
+        # Final outcomes of in-doubt calls that returned, not collected by the service yet.
         self._finished: list[tuple[str, tuple[WriteOutcome, ...]]] = []
         self._sender: Any = None
         self._session = ""
@@ -273,41 +272,36 @@ class KvRelayConnector(KVConnectorBase_V1):
         return torch.stack(per_layer)
 
     def write_ticket(self, command: VllmWriteTicket) -> WriteDone:
-        """Pack and write this rank's share of the ticket, then release the rows' blocks (every
-        write of this rank has a final outcome when `write_rank_share` returns). Called through
-        collective_rpc on every TP rank, between engine steps."""
+        """Copy this rank's share of the ticket out of vLLM's blocks, hand the blocks back, then pack
+        and write the copy (`write_rank_share`). Called through collective_rpc on every TP rank,
+        between engine steps.
+
+        The blocks go back as soon as `read_row` has copied the rows out (before the transport
+        call): the transport reads only the ticket's staging region, which `write_rank_share`
+        keeps while a write is IN_DOUBT (until `collect_finished` sees its call return). Holding the
+        blocks through an in-doubt call pinned vLLM's cache for nothing, and for good when the
+        sender raised (a call nobody sees end)."""
         assert self._staging is not None and self._regions is not None, "register_kv_caches has not run"
         rank = self._tp_rank()
-        request_ids = [r.request_id for r in command.rows]
         try:
             kv_by_row = {r.row: self.read_row(r) for r in command.rows}
         except Exception as exc:  # noqa: BLE001 - reported as NOT_STARTED by write_rank_share
             log.error("kvrelay_read_failed", ticket_id=command.write.ticket_id, error=repr(exc))
             kv_by_row = None
-        done: WriteDone | None = None
-        try:
-            done = write_rank_share(
-                rank, self._staging, self._sender, kv_by_row, command.write,
-                regions=self._regions, reclaim=self._collect_returned,
-            )  # fmt: skip
         finally:
-            if done is not None and not all(o.final for o in done.outcomes):
-                # IN_DOUBT: the transport call still runs. The blocks stay lent to us until it
-                # returns (collect_finished / get_finished), whatever the staging holds.
-                self._in_doubt_rows[command.write.ticket_id] = request_ids
-            else:
-                self.release(request_ids)
-        assert done is not None
-        return done
+            # read_row returns copies (index_select, stack): nothing reads these blocks any more.
+            self.release([r.request_id for r in command.rows])
+        return write_rank_share(
+            rank, self._staging, self._sender, kv_by_row, command.write,
+            regions=self._regions, reclaim=self._collect_returned,
+        )  # fmt: skip
 
     def _collect_returned(self) -> list[tuple[str, tuple[WriteOutcome, ...]]]:
-        """In-doubt calls that returned: their final outcomes are kept for the service and their
-        tickets' blocks released."""
+        """In-doubt calls that returned: their staging regions are freed and their final outcomes
+        kept for the service."""
         if self._regions is None:
             return []
         finished = collect_returned_calls(self._sender, self._regions)
-        for ticket_id, _ in finished:
-            self.release(self._in_doubt_rows.pop(ticket_id, []))
         self._finished.extend(finished)
         return finished
 
@@ -324,10 +318,8 @@ class KvRelayConnector(KVConnectorBase_V1):
             self._worker.released.update(request_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Called every step: the held requests whose blocks this worker no longer reads (an
-        in-doubt write's requests once its transport call has returned)."""
-        if self._in_doubt_rows:
-            self._collect_returned()
+        """Called every step: the held requests whose blocks this worker no longer reads (copied
+        out for a write, or dropped)."""
         with self._lock:
             self._worker.finished.update(finished_req_ids)
             done = self._worker.finished & self._worker.released

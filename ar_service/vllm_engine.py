@@ -7,7 +7,7 @@ The handler answers the same commands as the built-in AR's rank handler (engine.
 (Prefill protocol, arming, reports, ledger) is the same code for both engines. It runs in one
 kvrelay worker process (spawned, dies with the service) that hosts vLLM's engine in-process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the handler drives the engine's steps itself, so a held
-request's blocks go back to vLLM at the step right after its writes end. vLLM's own TP workers
+request's blocks go back to vLLM at the step right after its write command copied them out. vLLM's own TP workers
 (tensor_parallel_size > 1) are vLLM's processes; every command reaches all of them through
 `collective_rpc`.
 
@@ -280,8 +280,6 @@ class VllmRankHandler:
         self.block_size = int(self.engine.vllm_config.cache_config.block_size)
         # ticket -> its rows as the connector holds them
         self._held: dict[str, tuple[Any, ...]] = {}
-        # ticket -> request ids whose blocks stay held until its in-doubt writes return
-        self._in_doubt: dict[str, list[str]] = {}
         self._descriptions = self.engine.collective_rpc(_describe)
         self._fault_tokens = _fault_tokens()
         if self._fault_tokens:
@@ -406,7 +404,7 @@ class VllmRankHandler:
         if needed > stats.free_blocks:
             raise VllmCacheFull(
                 f"the rows need {needed} KV blocks of {self.block_size} tokens; vLLM has {stats.free_blocks} "
-                f"free of {stats.total_blocks} (the others hold tickets not yet written or writes in doubt)"
+                f"free of {stats.total_blocks} (the others hold tickets not yet written)"
             )
 
     def _prefill_together(self, items: Sequence[PrefillTicket]) -> list[PrefillDone | PrefillFailed]:
@@ -520,16 +518,14 @@ class VllmRankHandler:
         try:
             done = self.engine.collective_rpc(write_on_worker, args=(VllmWriteTicket(cmd, rows),))
         finally:
-            # `done` is empty when collective_rpc raised: how far the workers got is unknown, so
-            # the blocks stay held as for an in-doubt write (the next CollectFinished settles them
-            # once no worker names the ticket in doubt).
-            if done and all(o.final for d in done for o in d.outcomes):
-                # Each worker released the rows' blocks once its writes had final outcomes; these
-                # steps let the scheduler learn it (finished_sending) and free them.
+            if done:
+                # Each worker copied the rows out and released their blocks before its transport
+                # call (an in-doubt call reads only its staging region): these steps let the
+                # scheduler learn it (finished_sending) and free them.
                 self._settle(request_ids)
             else:
-                # A write still in its transport call: the blocks stay held until it returns.
-                self._in_doubt[cmd.ticket_id] = request_ids
+                # collective_rpc raised: a worker may have failed before releasing the rows.
+                self._release(request_ids)
         return WriteDone(
             self.ctx.rank,
             tuple(o for d in done for o in d.outcomes),
@@ -540,18 +536,15 @@ class VllmRankHandler:
         )
 
     def _collect_finished(self) -> FinishedWrites:
-        """In-doubt writes whose transport calls returned, over every vLLM worker; the blocks of
-        a ticket go back to vLLM once no worker has a call of it in doubt."""
+        """In-doubt writes whose transport calls returned, over every vLLM worker (their blocks
+        went back to vLLM when the write copied them out)."""
         from kvrelay.ar_service.vllm_connector import collect_on_worker
 
         results: list[FinishedWrites] = self.engine.collective_rpc(collect_on_worker)
-        in_doubt = {t for r in results for t in r.in_doubt_tickets}
-        for ticket_id in [t for t in self._in_doubt if t not in in_doubt]:
-            self._settle(self._in_doubt.pop(ticket_id))
         return FinishedWrites(
             self.ctx.rank,
             tuple(f for r in results for f in r.finished),
-            tuple(sorted(in_doubt)),
+            tuple(sorted({t for r in results for t in r.in_doubt_tickets})),
             sum(r.staging_bytes_held for r in results),
         )
 

@@ -200,9 +200,14 @@ def test_written_pages_equal_vllm_cache_bit_for_bit(engine: WorkerGroup, checkpo
     _assert_all_blocks_free(engine)
 
 
-def test_in_doubt_write_keeps_the_blocks_until_its_call_returns(
+def test_in_doubt_write_gives_vllms_blocks_back_at_once_and_keeps_its_staging(
     engine: WorkerGroup, checkpoint: Path
 ) -> None:
+    """The write copies the rows out of vLLM's blocks before its transport call, which reads only
+    the ticket's staging region: the blocks go back to vLLM at once, even while the call is in
+    doubt (they stayed pinned until it returned, for good when the sender raised), and a prefill
+    that reuses them meanwhile does not change the bytes that land. The staging region stays
+    held until the call returns."""
     tok = VllmTokenizer(str(checkpoint))
     rows_ids = (tuple(tok.encode(PROMPT[:100])), tuple(tok.encode("dull")))
     geometry, layouts, pools, destinations, specs, plan = _destination(rows_ids)
@@ -214,11 +219,15 @@ def test_in_doubt_write_keeps_the_blocks_until_its_call_returns(
             WriteTicket("doubt", specs, geometry, 1, 2, plan, destinations, timeout_s=0.3)
         )
         assert {o.status for o in done.outcomes} == {"IN_DOUBT"}
-        # The transport call still runs: vLLM's blocks stay lent to the connector.
-        stats = _stats(engine)
-        assert len(stats.held_request_ids) == 2 and stats.free_blocks < stats.total_blocks
+        # The transport call still runs, from staging: vLLM has every block back.
+        _assert_all_blocks_free(engine)
         (collected,) = engine.call_all(CollectFinished())
         assert collected.finished == () and collected.in_doubt_tickets == ("doubt",)
+        assert collected.staging_bytes_held > 0
+        # Another ticket fills the whole cache (the blocks the in-doubt rows were read from too).
+        engine.call_all(PrefillTicket("reuse", ((9,) * 6 * 128, (8,) * 5 * 128)))  # 6 + 5 blocks
+        assert _stats(engine).free_blocks == 0
+        engine.call_all(DropTicket("reuse"))
     finally:
         engine.call_all(OnWorkers(release_transfers))
     deadline = time.monotonic() + 30
@@ -231,8 +240,10 @@ def test_in_doubt_write_keeps_the_blocks_until_its_call_returns(
     assert sorted((o.row, o.dst_rank, o.status) for o in finished[0][1]) == [
         (r, d, "OK") for r in range(2) for d in range(2)
     ]
-    # The call returned with final outcomes: now, and only now, the blocks are back.
+    (collected,) = engine.call_all(CollectFinished())
+    assert collected.in_doubt_tickets == () and collected.staging_bytes_held == 0
     _assert_all_blocks_free(engine)
+    # What landed is the doubt ticket's KV, not the reuse ticket's.
     _assert_pages_equal_cache(cache_rows, layouts, pools, specs)
 
 
