@@ -126,6 +126,17 @@ def check_tls_pair(extra: dict[str, Any]) -> None:
         check_server_pair(tls, f"KvRelayConnector: {name}: {tls_files(security_cfg, name)}")
 
 
+def unsupported_isa_fix(isa: str) -> str:
+    """What to change when vLLM's CPU attention kernel is not the 'vec' one the connector reads
+    (vllm.v1.attention.backends.cpu_attn._get_attn_isa picks it)."""
+    if isa == "amx":
+        return "bfloat16 runs the 'amx' kernel on this CPU: set model.dtype float32 or float16"
+    if isa == "vec16":
+        # head_dim 80, 112, 160 or 224 (multiples of 16, not of 32), or a block_size not a multiple of 32
+        return "vLLM picks 'vec16' for a head_dim or block_size that is not a multiple of 32: such a model is not supported"
+    return f"vLLM picks '{isa}' on this CPU architecture (not x86): not supported"
+
+
 class KvRelayConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -187,12 +198,13 @@ class KvRelayConnector(KVConnectorBase_V1):
         from vllm.v1.attention.backends import cpu_attn
 
         cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
-        isa = cpu_attn._get_attn_isa(tensor.dtype, self._block_size, tensor.shape[3] // 2, cache_dtype)
+        head_dim = int(tensor.shape[3]) // 2
+        isa = cpu_attn._get_attn_isa(tensor.dtype, self._block_size, head_dim, cache_dtype)
         if isa != "vec":
             raise NotImplementedError(
                 f"KvRelayConnector reads vLLM's CPU KV layout of the 'vec' attention kernel; this "
-                f"engine uses '{isa}' (dtype {tensor.dtype}, block_size {self._block_size}, "
-                f"kv_cache_dtype {cache_dtype}); use a float32 or float16 model dtype (docs/ar.md)"
+                f"engine uses '{isa}' (dtype {tensor.dtype}, head_dim {head_dim}, block_size "
+                f"{self._block_size}, kv_cache_dtype {cache_dtype}): {unsupported_isa_fix(isa)} (docs/ar.md)"
             )
 
     def _start_transport(self) -> None:

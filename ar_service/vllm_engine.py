@@ -69,6 +69,9 @@ REFUSED_ARGS: dict[str, str] = {
     "dtype": "set model.dtype instead",
     "tokenizer": "set model.tokenizer instead",
 }
+# Allowed only at these values: anything else makes vLLM's cache another dtype than the model's
+# (fp8), which the DiT attending over the KV cannot read.
+_ONLY: dict[str, tuple[Any, ...]] = {"kv_cache_dtype": ("auto",)}
 # Test-only fault hook (tests/vllm): comma-separated token ids; a PrefillTicket with a row that
 # contains them makes the prefill that carries it raise mid-pass (after a step that ended a row),
 # as a model error would. Read once when the engine starts; unset in production.
@@ -83,6 +86,11 @@ def check_vllm_args(args: dict[str, Any]) -> None:
     for key, value in args.items():
         if key in REFUSED_ARGS and not (key == "enable_prefix_caching" and value is False):
             raise ConfigError(f"stages[0].model.vllm_args.{key}: {REFUSED_ARGS[key]}")
+        if key in _ONLY and value not in _ONLY[key]:
+            raise ConfigError(
+                f"stages[0].model.vllm_args.{key}: {value!r} is not supported with KvRelayConnector (only "
+                f"{', '.join(map(repr, _ONLY[key]))}): the DiT reads the AR's KV in the model's dtype (model.dtype)"
+            )
         if key in _MUST_BE and value != _MUST_BE[key]:
             raise ConfigError(
                 f"stages[0].model.vllm_args.{key}: must be {_MUST_BE[key]} with KvRelayConnector"

@@ -546,6 +546,13 @@ class KvRelayConfig(_Strict):
                 )
         if ar.model.engine == "vllm" and ar.transport not in ("mooncake", "grpc"):
             raise ValueError(f"stages[0].model.engine: vllm writes over mooncake or grpc, not {ar.transport}")
+        if ar.model.engine == "vllm" and ar.device_list() != ["cpu"]:
+            # KvRelayConnector reads vLLM's CPU block layout only: on a GPU platform vLLM refused it
+            # when the cache was registered, after the model had loaded (minutes for a real one).
+            raise ValueError(
+                f"stages[0].devices: {ar.devices!r}: engine: vllm runs on vLLM's CPU platform only in this "
+                "build (KvRelayConnector reads vLLM's CPU KV block layout; docs/ar.md): set devices: cpu"
+            )
         if ar.sequence_parallel_size != 1:
             raise ValueError("stages[0].sequence_parallel_size: the AR stage supports tensor parallelism only")
         if ar.cfg_parallel_size != 1:

@@ -47,7 +47,10 @@ def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> su
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("enable_prefix_caching", True), ("speculative_config", {"method": "ngram"}), ("enable_sleep_mode", True)],
+    [("enable_prefix_caching", True), ("speculative_config", {"method": "ngram"}), ("enable_sleep_mode", True),
+     # An fp8 cache is not the model's dtype: the DiT could not read the KV (the broker refused the
+     # AR's registration after vLLM had started).
+     ("kv_cache_dtype", "fp8")],
 )
 def test_refused_vllm_setting_is_named(tmp_path: Path, setting: str, value: Any) -> None:
     _model_dir(tmp_path)
@@ -125,3 +128,42 @@ def test_vllm_runs_the_builtin_engines_dtype_unless_set(tmp_path: Path) -> None:
     data["stages"][1]["model"]["dtype"] = "bfloat16"
     config.write_text(yaml.safe_dump(data))
     assert vllm_rank_spec(load_config(config).stages[0]).engine_kwargs()["dtype"] == "bfloat16"
+
+
+def test_engine_vllm_on_gpu_devices_is_refused_at_load(tmp_path: Path) -> None:
+    """KvRelayConnector reads vLLM's CPU block layout only: a GPU config was accepted and vLLM
+    refused the connector when it registered the cache, after loading the model."""
+    from kvrelay.config import ConfigError, load_config
+
+    _model_dir(tmp_path)
+    config = write_config(tmp_path, preset="small")
+    data = yaml.safe_load(config.read_text())
+    data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path), "dtype": "float32"}
+    for stage in data["stages"]:
+        stage["devices"] = "0"
+        stage["model"]["dtype"] = "float32"
+    config.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"stages\[0\].devices: '0': engine: vllm runs on vLLM's CPU platform only"):
+        load_config(config)
+    data["stages"][0]["devices"] = "cpu"
+    config.write_text(yaml.safe_dump(data))
+    assert load_config(config).ar_stage.model.engine == "vllm"
+
+
+def test_an_unsupported_cpu_attention_kernel_names_its_real_cause() -> None:
+    """vLLM's CPU attention runs its 'vec16' kernel for a head_dim that is a multiple of 16 but not
+    of 32 (80, 112, 160, 224): the connector refused it telling the user to change the dtype."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvrelay.ar_service.vllm_connector import KvRelayConnector
+
+    fake = SimpleNamespace(_vllm_config=SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="auto")), _block_size=128)
+    with pytest.raises(NotImplementedError) as info:
+        KvRelayConnector._check_cpu_isa(fake, torch.empty(1, 1, 128, 2 * 80))  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "'vec16'" in message and "head_dim 80" in message and "not a multiple of 32" in message
+    assert "float32 or float16" not in message
+    KvRelayConnector._check_cpu_isa(fake, torch.empty(1, 1, 128, 2 * 32))  # type: ignore[arg-type]  # 'vec': read
