@@ -48,8 +48,7 @@ def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> su
 @pytest.mark.parametrize(
     ("setting", "value"),
     [("enable_prefix_caching", True), ("speculative_config", {"method": "ngram"}), ("enable_sleep_mode", True),
-     # An fp8 cache is not the model's dtype: the DiT could not read the KV (the broker refused the
-     # AR's registration after vLLM had started).
+     # An fp8 cache is not the model's dtype: the DiT could not read the KV; refused before vLLM starts.
      ("kv_cache_dtype", "fp8")],
 )
 def test_refused_vllm_setting_is_named(tmp_path: Path, setting: str, value: Any) -> None:
