@@ -95,14 +95,21 @@ class ConnectorDescription:
 
 
 class KvRelayConnectorMetadata(KVConnectorMetadata):
-    """Nothing travels per step: write commands arrive through `collective_rpc`."""
+    """What travels with each step: the requests the scheduler side began to hold since the last
+    step (those of this step's `finished_req_ids` whose blocks wait for `finished_sending`). Write
+    commands arrive through `collective_rpc`."""
+
+    def __init__(self, held: frozenset[str] = frozenset()) -> None:
+        self.held = held
 
 
 @dataclass(slots=True)
 class _WorkerState:
     kv_caches: list[torch.Tensor] = field(default_factory=list)  # per layer, in layer order
-    # Request ids the scheduler told this worker are finished (get_finished's contract: only those
-    # may be returned as finished_sending), and those whose blocks this worker no longer reads.
+    # Held request ids the scheduler told this worker are finished (get_finished's contract: only
+    # those may be returned as finished_sending; any other finished id, an aborted row's, is not
+    # kept: it was never returned and piled up here), and those whose blocks this worker no
+    # longer reads.
     finished: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)
 
@@ -144,8 +151,10 @@ class KvRelayConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         self._extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         check_tls_pair(self._extra)
-        # Scheduler side: request id -> block ids of the finished requests we hold.
+        # Scheduler side: request id -> block ids of the finished requests we hold, and those held
+        # since the last step's metadata.
         self._held: dict[str, tuple[int, ...]] = {}
+        self._newly_held: set[str] = set()
         # Worker side.
         self._worker = _WorkerState()
         self._lock = threading.Lock()
@@ -332,8 +341,10 @@ class KvRelayConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Called every step: the held requests whose blocks this worker no longer reads (copied
         out for a write, or dropped)."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        held = meta.held if isinstance(meta, KvRelayConnectorMetadata) else frozenset()
         with self._lock:
-            self._worker.finished.update(finished_req_ids)
+            self._worker.finished.update(finished_req_ids & held)
             done = self._worker.finished & self._worker.released
             self._worker.finished -= done
             self._worker.released -= done
@@ -372,7 +383,11 @@ class KvRelayConnector(KVConnectorBase_V1):
         """Nothing to load, so nothing to track after allocation."""
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KvRelayConnectorMetadata()
+        # Built in the same schedule() as scheduler_output.finished_req_ids: the requests held
+        # since the last step are among those finished ids.
+        meta = KvRelayConnectorMetadata(frozenset(self._newly_held))
+        self._newly_held = set()
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Called once per finished request, before vLLM frees its blocks. A kvrelay row that
@@ -391,6 +406,7 @@ class KvRelayConnector(KVConnectorBase_V1):
             return False, {TICKET_KEY: params[TICKET_KEY], "kvrelay_held": False}
         held = tuple(int(b) for b in block_ids)
         self._held[request.request_id] = held
+        self._newly_held.add(request.request_id)
         return True, {
             TICKET_KEY: params[TICKET_KEY],
             "kvrelay_held": True,

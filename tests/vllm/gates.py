@@ -30,3 +30,11 @@ def release_transfers(worker: Any) -> None:
         _STATE["gate"].set()
         _STATE["sender"]._transfer = _STATE.pop("real")
         _STATE.clear()
+
+
+def finished_not_returned(worker: Any) -> list[str]:
+    """The request ids the worker's connector keeps as finished but has not returned in
+    finished_sending yet (a held row waiting for its release)."""
+    from kvrelay.ar_service.vllm_connector import _worker_connector
+
+    return sorted(_worker_connector()._worker.finished)

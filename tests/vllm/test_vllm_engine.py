@@ -46,7 +46,7 @@ from kvrelay.transfer.planner import RowSpec, plan_transfer  # noqa: E402
 from kvrelay.transfer.transport import make_receiver  # noqa: E402
 from kvrelay.worker import WorkerCommandError, WorkerGroup  # noqa: E402
 from tests.vllm.checkpoint import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, build_checkpoint  # noqa: E402
-from tests.vllm.gates import hold_transfers, release_transfers  # noqa: E402
+from tests.vllm.gates import finished_not_returned, hold_transfers, release_transfers  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -259,6 +259,9 @@ def test_aborted_request_returns_its_blocks(engine: WorkerGroup, checkpoint: Pat
     engine.call_all(PrefillTicket("after", (good,)))
     engine.call_all(DropTicket("after"))
     _assert_all_blocks_free(engine)
+    # Those steps told the worker side the aborted row finished: it keeps no trace of it (such ids
+    # were kept as "finished" for good, one per aborted row, for the engine's life).
+    assert engine.call_all(OnWorkers(finished_not_returned)) == [[[]]]  # rank 0, its one vLLM worker
 
 
 def _alone(group: WorkerGroup, ticket_id: str, rows: tuple[tuple[int, ...], ...]) -> Any:
