@@ -172,7 +172,10 @@ def read_json_file(path: str | os.PathLike[str], max_bytes: int = MAX_MODEL_JSON
         data = read_bounded_file(path, max_bytes, "JSON file")
     except FileRefused as err:
         raise FileRefused(f"{os.fspath(path)}: {err}") from None
-    return json.loads(data)
+    try:
+        return json.loads(data)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError: neither names the file
+        raise ValueError(f"{os.fspath(path)}: not valid JSON ({err})") from None
 
 
 def read_file_tail(path: str | os.PathLike[str], max_bytes: int) -> bytes:

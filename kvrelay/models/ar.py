@@ -33,6 +33,8 @@ from kvrelay.models.layers import (
 from kvrelay.models.loader import (
     KeyMap,
     ar_config_to_hf,
+    check_hf_checkpoint,
+    hf_unused_tensor,
     llama_key_map,
     load_into_module,
     read_checkpoint,
@@ -143,7 +145,16 @@ class ArModel(nn.Module):
 
     def load_checkpoint(self, directory: str | Path) -> ArModel:
         """Load this rank's shards from a Llama/Qwen2-style safetensors directory."""
-        tensors = read_checkpoint(directory, self.key_map, self.tp, dtype=self.dtype, device=self.device)
+        expected = {}
+        for spec in self.key_map:
+            full = list(self.get_parameter(spec.model_key).shape)
+            if spec.shard_dim is not None:
+                full[spec.shard_dim] *= self.tp.world_size
+            expected[spec.model_key] = tuple(full)
+        tensors = read_checkpoint(
+            directory, self.key_map, self.tp, dtype=self.dtype, device=self.device,
+            strict_prefix="model.", unused=hf_unused_tensor, expected=expected,
+        )
         load_into_module(self, tensors)
         return self
 
@@ -413,6 +424,7 @@ def build_ar_model(
         return model.eval().init_random(seed)
     assert path is not None
     cfg = read_hf_config(path)
+    check_hf_checkpoint(path, cfg)  # headers against config.json, before allocating its size
     default = "bfloat16" if device.startswith("cuda") else "float32"
     model = ArModel(cfg, tp, dtype=torch_dtype(dtype or default), device=device)
     return model.eval().load_checkpoint(path)

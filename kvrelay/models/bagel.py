@@ -34,13 +34,28 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from kvrelay.limits import MAX_TOKENIZER_FILE_BYTES, read_json_file
 from kvrelay.models.fp8 import quantize_fp8_
 from kvrelay.models.layers import RMSNorm, SwiGLU, apply_rotary, attention, rope_cos_sin
-from kvrelay.models.loader import COLUMN, ROW, CheckpointError, ar_config_from_hf, require_dir, require_shards
+from kvrelay.models.loader import (
+    COLUMN,
+    ROW,
+    CheckpointError,
+    StoredTensor,
+    WeightIndex,
+    ar_config_from_file,
+    check_float,
+    check_layer_count,
+    check_shapes,
+    missing_hint,
+    no_weights_error,
+    open_safetensors,
+    read_index,
+    require_dir,
+    scan_tensors,
+)
 from kvrelay.models.paged_attention import LayerKv, prefix_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import ArConfig, DitConfig, DTypeName, ModelPreset
@@ -150,29 +165,35 @@ def stage_preset(model: Any) -> ModelPreset:
     return get_preset(model.preset)
 
 
-def weight_files(directory: str | Path) -> list[Path]:
+def weight_layout(directory: str | Path) -> tuple[list[Path], WeightIndex | None]:
     """The weight files of a BAGEL directory: `ema.safetensors` (the published release), else the
-    files of `model.safetensors.index.json`, else every `*.safetensors` except the VAE."""
+    files of `model.safetensors.index.json` (and the index), else every `*.safetensors` except
+    the VAE."""
     d = require_dir(directory)
     if (d / EMA_FILE).is_file():
-        return [d / EMA_FILE]
+        return [d / EMA_FILE], None
     if (d / INDEX_FILE).is_file():
-        names = sorted(set(read_json_file(d / INDEX_FILE)["weight_map"].values()))
-        require_shards(d / INDEX_FILE, [d / n for n in names])
-        return [d / n for n in names]
+        return read_index(d / INDEX_FILE)
     files = sorted(p for p in d.glob("*.safetensors") if p.name != VAE_FILE)
     if not files:
-        raise CheckpointError(f"{d}: no {EMA_FILE}, {INDEX_FILE} or other *.safetensors weights")
-    return files
+        raise no_weights_error(d, f"{EMA_FILE}, {INDEX_FILE} or other *.safetensors weights")
+    return files, None
 
 
-def _shapes(files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
-    out: dict[str, tuple[tuple[int, ...], Path]] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                out[key] = (tuple(f.get_slice(key).get_shape()), path)
-    return out
+def weight_files(directory: str | Path) -> list[Path]:
+    return weight_layout(directory)[0]
+
+
+def stored_tensors(directory: str | Path) -> dict[str, StoredTensor]:
+    """Every tensor of the directory's weight files (headers only; see `scan_tensors`)."""
+    return scan_tensors(*weight_layout(directory))
+
+
+def _json(path: Path, max_bytes: int | None = None) -> Any:
+    try:
+        return read_json_file(path) if max_bytes is None else read_json_file(path, max_bytes)
+    except ValueError as err:  # FileRefused, not JSON: both name the file already
+        raise CheckpointError(str(err)) from None
 
 
 def _special_ids(directory: Path) -> dict[str, int]:
@@ -181,7 +202,7 @@ def _special_ids(directory: Path) -> dict[str, int]:
     if not os.path.lexists(path):
         raise CheckpointError(f"{directory} has no tokenizer.json (the Qwen2 tokenizer of the release)")
     # The tokenizer's bound, as when the AR reads the same file (kvrelay.models.tokenizer).
-    data = read_json_file(path, MAX_TOKENIZER_FILE_BYTES)
+    data = _json(path, MAX_TOKENIZER_FILE_BYTES)
     ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
     vocab = data.get("model", {}).get("vocab", {})
     out = {}
@@ -200,27 +221,39 @@ def load_bagel_config(directory: str | Path, *, dtype: DTypeName | None = None) 
     llm_path = d / LLM_CONFIG_FILE
     if not llm_path.is_file():
         raise CheckpointError(f"{d} has no {LLM_CONFIG_FILE}: not a BAGEL checkpoint directory")
-    raw = read_json_file(llm_path)
+    raw = _json(llm_path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{llm_path}: not a JSON object")
     module = raw.get("layer_module", "Qwen2MoTDecoderLayer")
     if module != "Qwen2MoTDecoderLayer":
         raise CheckpointError(f"{llm_path}: layer_module {module!r}; only the MoT layout is supported")
-    llm = ar_config_from_hf({**raw, "architectures": raw.get("architectures") or ["Qwen2ForCausalLM"]})
+    llm = ar_config_from_file({**raw, "architectures": raw.get("architectures") or ["Qwen2ForCausalLM"]}, llm_path)
     # BAGEL's Qwen2 always has q/k/v biases (the inference code builds Qwen2 with them).
     llm = replace(llm, qkv_bias=True)
-    shapes = _shapes(weight_files(d))
+    shapes = stored_tensors(d)
     special = _special_ids(d)
-    extra: dict[str, Any] = read_json_file(d / KVRELAY_CONFIG_FILE) if (d / KVRELAY_CONFIG_FILE).is_file() else {}
+    extra: dict[str, Any] = _json(d / KVRELAY_CONFIG_FILE) if (d / KVRELAY_CONFIG_FILE).is_file() else {}
     vae = dict(extra.get("vae") or {"kind": "flux"})
     patch = int(extra.get("latent_patch_size", 2))
     if "vae2llm.weight" not in shapes:
-        raise CheckpointError(f"{d}: checkpoint has no tensor 'vae2llm.weight'")
-    patch_dim = shapes["vae2llm.weight"][0][1]
+        raise CheckpointError(f"{d}: checkpoint has no tensor 'vae2llm.weight'{missing_hint('vae2llm.weight', shapes)}")
+    if len(shapes["vae2llm.weight"].shape) != 2:
+        raise CheckpointError(f"vae2llm.weight: shape {shapes['vae2llm.weight'].shape}, a matrix expected")
+    patch_dim = shapes["vae2llm.weight"].shape[1]
+    # Headers against llm_config.json before anything of its size is built (or iterated over).
+    check_layer_count(shapes, f"{LLM}layers.", llm.num_layers, llm_path)
+    embed = shapes.get(f"{LLM}embed_tokens.weight")
+    if embed is not None and embed.shape != (llm.vocab, llm.hidden):
+        raise CheckpointError(
+            f"{LLM}embed_tokens.weight: shape {embed.shape} in {embed.path.name}, {llm_path.name} says "
+            f"vocab_size x hidden_size = {(llm.vocab, llm.hidden)}"
+        )
     if patch_dim % (patch * patch):
         raise CheckpointError(f"vae2llm.weight: input dim {patch_dim} is not latent_patch_size^2 x channels")
     channels = patch_dim // (patch * patch)
     max_latent = int(extra.get("max_latent_size", 64))
     if "latent_pos_embed.pos_embed" in shapes:
-        rows = shapes["latent_pos_embed.pos_embed"][0][0]
+        rows = shapes["latent_pos_embed.pos_embed"].shape[0]
         side = math.isqrt(rows)
         if side * side != rows:
             raise CheckpointError(f"latent_pos_embed.pos_embed: {rows} rows is not a square grid")
@@ -656,25 +689,46 @@ def dit_tensors(cfg: BagelConfig) -> tuple[Tensor, ...]:
 OPTIONAL = {"latent_pos_embed.pos_embed": "latent_pos_embed.pos_embed"}
 
 
-def check_keys(cfg: BagelConfig, files: Sequence[Path]) -> dict[str, tuple[tuple[int, ...], Path]]:
+def check_keys(cfg: BagelConfig, shapes: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
     """Every tensor name of the files, checked: the AR's and DiT's must all be present; any other
     tensor must be on the unused list. Raises CheckpointError naming the first offender."""
-    shapes = _shapes(files)
     known = {s.file_key for s in ar_tensors(cfg)} | {s.file_key for s in dit_tensors(cfg)} | set(OPTIONAL)
     for key in sorted(known - set(OPTIONAL)):
         if key not in shapes:
-            raise CheckpointError(f"BAGEL checkpoint is missing tensor {key!r}")
+            raise CheckpointError(f"BAGEL checkpoint is missing tensor {key!r}{missing_hint(key, shapes)}")
     for key in sorted(shapes):
         if key not in known and not key.startswith(UNUSED_PREFIXES):
-            raise CheckpointError(f"BAGEL checkpoint has an unexpected tensor {key!r}")
+            raise CheckpointError(f"BAGEL checkpoint has an unexpected tensor {key!r} ({shapes[key].path.name})")
     return shapes
+
+
+def check_file_shapes(module: nn.Module, specs: Sequence[Tensor], shapes: dict[str, StoredTensor], tp: TpGroup) -> None:
+    """Every spec's stored shape is the module's full shape (a `meta` module: nothing allocated)."""
+    params = dict(module.named_parameters())
+    want = {}
+    for spec in specs:
+        full = list(params[spec.model_key].shape)
+        if spec.shard_dim is not None:
+            full[spec.shard_dim] *= tp.world_size
+        want[spec.file_key] = tuple(full)
+    check_shapes(shapes, want, LLM_CONFIG_FILE)
+
+
+def precheck(directory: str | Path, cfg: BagelConfig, *, dit: bool, tp: TpGroup | None = None) -> None:
+    """Names, shapes and dtypes of the files against a `meta` copy of the AR (or DiT): refused
+    before the real model is allocated."""
+    shapes = check_keys(cfg, stored_tensors(directory))
+    if dit:
+        check_file_shapes(BagelDit(cfg, tp, dtype=torch.float32, device="meta"), dit_tensors(cfg), shapes, tp or TpGroup.single())
+    else:
+        check_file_shapes(BagelAr(cfg, tp, dtype=torch.float32, device="meta"), ar_tensors(cfg), shapes, tp or TpGroup.single())
 
 
 @torch.no_grad()
 def _load(
     module: nn.Module,
     specs: Sequence[Tensor],
-    shapes: dict[str, tuple[tuple[int, ...], Path]],
+    shapes: dict[str, StoredTensor],
     tp: TpGroup,
     world_shards: int = 1,
 ) -> None:
@@ -689,11 +743,13 @@ def _load(
             want = list(param.shape)
             if spec.shard_dim is not None:
                 want[spec.shard_dim] *= tp.world_size
-            shape, path = shapes[spec.file_key]
+            stored = shapes[spec.file_key]
+            shape, path = stored.shape, stored.path
             if tuple(want) != shape:
                 raise CheckpointError(f"{spec.file_key}: shape {shape} in {path.name}, the model expects {tuple(want)}")
+            check_float(spec.file_key, stored)
             if path not in handles:
-                handles[path] = safe_open(str(path), framework="pt").__enter__()  # type: ignore[no-untyped-call]
+                handles[path] = open_safetensors(path).__enter__()
             piece = handles[path].get_slice(spec.file_key)
             if spec.shard_dim is None or tp.world_size == 1:
                 tensor = piece[:]
@@ -709,30 +765,31 @@ def _load(
 
 def load_ar(directory: str | Path, cfg: BagelConfig, model: BagelAr) -> BagelAr:
     """Fill `model` (this rank's shards) from the directory's weights, strictly."""
-    files = weight_files(directory)
-    shapes = check_keys(cfg, files)
+    shapes = check_keys(cfg, stored_tensors(directory))
     _load(model, ar_tensors(cfg), shapes, model.tp)
     return model
 
 
 def load_dit(directory: str | Path, cfg: BagelConfig, model: BagelDit) -> BagelDit:
-    files = weight_files(directory)
-    shapes = check_keys(cfg, files)
+    shapes = check_keys(cfg, stored_tensors(directory))
     _load(model, dit_tensors(cfg), shapes, model.tp)
     embed_key = f"{LLM}embed_tokens.weight"
-    shape, path = shapes[embed_key]
-    if shape[1] != cfg.llm.hidden or max(cfg.start_of_image, cfg.end_of_image) >= shape[0]:
+    embed = shapes[embed_key]
+    shape, path = embed.shape, embed.path
+    if len(shape) != 2 or shape[1] != cfg.llm.hidden or max(cfg.start_of_image, cfg.end_of_image) >= shape[0]:
         raise CheckpointError(f"{embed_key}: shape {shape} has no rows for the image marker tokens")
-    with torch.no_grad(), safe_open(str(path), framework="pt") as f:
+    check_float(embed_key, embed)
+    with torch.no_grad(), open_safetensors(path) as f:
         piece = f.get_slice(embed_key)
         rows = [piece[i : i + 1] for i in (cfg.start_of_image, cfg.end_of_image)]
         model.marker_embed.copy_(torch.cat(rows).to(model.marker_embed.dtype))
         if "latent_pos_embed.pos_embed" in shapes:
-            pos_shape, pos_path = shapes["latent_pos_embed.pos_embed"]
+            pos = shapes["latent_pos_embed.pos_embed"]
             want = tuple(model.latent_pos_embed.pos_embed.shape)
-            if pos_shape != want:
-                raise CheckpointError(f"latent_pos_embed.pos_embed: shape {pos_shape}, the model expects {want}")
-            with safe_open(str(pos_path), framework="pt") as g:
+            if pos.shape != want:
+                raise CheckpointError(f"latent_pos_embed.pos_embed: shape {pos.shape}, the model expects {want}")
+            check_float("latent_pos_embed.pos_embed", pos)
+            with open_safetensors(pos.path) as g:
                 model.latent_pos_embed.pos_embed.copy_(g.get_tensor("latent_pos_embed.pos_embed").to(model.dtype))
     return model
 
@@ -747,6 +804,7 @@ def build_ar(
     from kvrelay.models.layers import torch_dtype
 
     cfg = load_bagel_config(directory)
+    precheck(directory, cfg, dit=False, tp=tp)
     # The checkpoint's dtype (kvrelay.json, else bfloat16) unless the stage overrides it: the DiT
     # uses the same rule, so both sides agree on the KV geometry.
     model = BagelAr(cfg, tp, dtype=torch_dtype(dtype or cfg.dtype), device=device).eval()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit
+from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit, precheck
 from kvrelay.models.dit import (
     BatchRequest,
     BatchStepCallback,
@@ -87,6 +87,7 @@ class BagelDitRunner:
         self.quantization = quantization
         check_quantization(quantization, self.device, self.dtype)
         self.parallel = DitParallel.build(rank, world, tp, sp)
+        precheck(self.directory, self.bagel, dit=True, tp=self.parallel.tp)  # before allocating
         self.model = BagelDit(
             self.bagel, self.parallel.tp, self.parallel.sp, dtype=self.dtype, device=self.device
         ).eval()

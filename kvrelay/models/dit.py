@@ -46,7 +46,15 @@ from kvrelay.models.layers import (
     init_std,
     rope_cos_sin,
 )
-from kvrelay.models.loader import CheckpointError, full_state, load_full_state, require_dir
+from kvrelay.models.loader import (
+    CheckpointError,
+    check_float,
+    full_state,
+    load_full_state,
+    open_safetensors,
+    require_dir,
+    scan_tensors,
+)
 from kvrelay.models.moe import RoutedExperts, build_mlp
 from kvrelay.models.paged_attention import LayerKv, PrefixBlock, PrefixKv, attention_chunks, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
@@ -859,15 +867,26 @@ class DitRunner:
         A quantized runner quantizes each big linear's tensor straight into its FP8 buffers, in
         place (captured step graphs stay valid), one matrix at a time: the bf16 model is never
         whole on the device."""
-        from safetensors.torch import load_file
-
         path = require_dir(directory) / DIT_CHECKPOINT_FILE
         if not path.is_file():
             raise CheckpointError(
                 f"no {DIT_CHECKPOINT_FILE} in {directory} (a preset DiT's path holds what "
                 "DitRunner.save_checkpoint writes; a BAGEL release directory is model.format: bagel)"
             )
-        tensors = load_file(str(path))
+        # Headers first (a truncated or corrupt file, a non-float tensor, a tensor this preset
+        # does not have, as a deeper model's extra blocks, are named before any weight changes).
+        stored = scan_tensors([path])
+        known = {f"model.{n}" for n, _ in self.model.named_parameters()}
+        known |= {f"decoder.{n}" for n, _ in self.decoder.named_parameters()}
+        for key in sorted(stored):
+            if key not in known:
+                raise CheckpointError(
+                    f"{path.name} has tensor {key!r}, which preset {self.preset.name!r} does not have: "
+                    f"a checkpoint of another preset?"
+                )
+            check_float(key, stored[key])
+        with open_safetensors(path) as f:
+            tensors = {key: f.get_tensor(key) for key in stored}
         self.clear_conditionings()  # also when loading fails halfway: weights may have changed
         load_full_state(self.model, tensors, "model.")
         if self.quantization is not None:

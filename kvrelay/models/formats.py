@@ -65,10 +65,42 @@ def bagel_geometry(model: Any) -> tuple[int, int, int, str] | None:
     llm = read_json_file(llm_path)
     extra_path = Path(directory) / "kvrelay.json"
     extra = read_json_file(extra_path) if extra_path.is_file() else {}
-    heads = int(llm["num_attention_heads"])
-    head_dim = int(llm.get("head_dim") or int(llm["hidden_size"]) // heads)
-    dtype = model.dtype or extra.get("dtype", "bfloat16")
-    return int(llm["num_hidden_layers"]), int(llm.get("num_key_value_heads", heads)), head_dim, str(dtype)
+    try:
+        heads = int(llm["num_attention_heads"])
+        head_dim = int(llm.get("head_dim") or int(llm["hidden_size"]) // heads)
+        layers, kv_heads = int(llm["num_hidden_layers"]), int(llm.get("num_key_value_heads", heads))
+        dtype = model.dtype or extra.get("dtype", "bfloat16")
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError) as err:
+        what = f"no {err.args[0]!r}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise ValueError(f"{llm_path} (or kvrelay.json beside it): {what}: not a BAGEL llm_config.json") from None
+    return layers, kv_heads, head_dim, str(dtype)
+
+
+# The Hugging Face families whose decoder is the built-in AR's (RMSNorm, SwiGLU, plain RoPE,
+# q/k/v biases for Qwen2). Others with the same tensor names (Gemma: scaled embeddings and
+# 1 + weight norms; Qwen3: QK-norm) would load and give another model's KV without an error.
+HF_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def hf_family_problem(config: Any) -> str | None:
+    """Why the built-in AR cannot compute the decoder a config.json describes, or None."""
+    if not isinstance(config, dict):
+        return "not a JSON object"
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in HF_FAMILIES:
+        return (
+            f"model_type {model_type!r} {config.get('architectures') or []}: the built-in AR computes "
+            f"{', '.join(HF_FAMILIES)} decoders only (engine: vllm serves other families)"
+        )
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        return f"hidden_act {act!r}: the built-in AR's MLP is SwiGLU (silu)"
+    if config.get("mlp_bias"):
+        return "mlp_bias true: the built-in AR's MLP has no biases"
+    window = config.get("sliding_window")
+    if window and (model_type == "mistral" or config.get("use_sliding_window")):
+        return f"sliding_window {window}: the built-in AR attends over the whole prompt (full attention only)"
+    return None
 
 
 def hf_geometry(model: Any, on_cpu: bool) -> tuple[int, int, int, str | None] | None:
@@ -89,6 +121,11 @@ def hf_geometry(model: Any, on_cpu: bool) -> tuple[int, int, int, str | None] | 
         raise  # it names the file and why already
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a Llama/Qwen2 config.json ({type(err).__name__}: {err})") from None
+    # The built-in AR computes the Llama family only: another model would load and run (refused
+    # here, before any process starts, rather than by the AR after the DiT has loaded).
+    problem = hf_family_problem(config) if model.engine == "builtin" else None
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}")
     return layers, kv_heads, head_dim, ar_dtype(model, on_cpu)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.loader import CheckpointError
+from kvrelay.models.loader import CheckpointError, check_float, open_safetensors, scan_tensors
 
 # FLUX.1's autoencoder (black-forest-labs/flux `AutoEncoderParams`), as diffusers names it:
 # 16 latent channels, 8x downsampling, latents scaled by (z - shift) * scale.
@@ -109,7 +109,6 @@ def load_autoencoder(
 ) -> Any:
     """A diffusers AutoencoderKL with the weights of an original-layout `ae.safetensors`."""
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-    from safetensors.torch import load_file
 
     path = Path(path)
     if not path.is_file():
@@ -117,7 +116,11 @@ def load_autoencoder(
     cfg = dict(config or FLUX_VAE_CONFIG)
     vae = build_autoencoder(cfg)
     ups = len(cfg["up_block_types"])
-    state = load_file(str(path))
+    # Headers first: a truncated or corrupt file, or non-float tensors, are named before any read.
+    for key, stored in scan_tensors([path]).items():
+        check_float(key, stored)
+    with open_safetensors(path) as f:
+        state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
     expected = {ldm_name(k, ups): tuple(v.shape) for k, v in vae.state_dict().items()}
     for key in sorted(expected):
         if key not in state:
