@@ -481,6 +481,11 @@ class Node:
                         raise SupervisorError(f"{child.spec.name}: {self._last_words(child)}")
                     if code is not None:
                         said = self._printed_reason(child)
+                        if said is None and self.log_dir is None:
+                            # Its `kvrelay dit: startup failed: ...` (a checkpoint that does not
+                            # load) went to this process's stderr: say where, as _last_words does.
+                            said = (f"its own `kvrelay {child.spec.role}: ...` line (why) is above on stderr; "
+                                    "with --log-dir, kvrelay up repeats it here")  # fmt: skip
                         raise SupervisorError(
                             f"{child.spec.name} exited with code {code} before it was SERVING"
                             + (f": {said}" if said else "") + self._log_tail(child)

@@ -92,6 +92,20 @@ def test_a_child_config_error_without_a_log_dir_says_where_its_line_is(tmp_path:
     assert wait_dead(all_pids(state_dir)) == []
 
 
+def test_a_child_failing_its_start_without_a_log_dir_says_where_its_line_is(tmp_path: Path, state_dir: Path) -> None:  # noqa: F811
+    # A DiT whose checkpoint does not load exits 3 and prints `kvrelay dit: startup failed: FILE:
+    # ...` to the terminal; the node's error said only "exited with code 3 before it was SERVING".
+    path = write_config(tmp_path, 1, 1)
+    behaviour = {"dit-0": {"exit_at_start": 3}}
+    with pytest.raises(SupervisorError) as info:
+        start_node(path, command=COMMAND, env=node_env(state_dir, behaviour))
+    assert str(info.value) == (
+        "dit-0 exited with code 3 before it was SERVING: its own `kvrelay dit: ...` line (why) is above on "
+        "stderr; with --log-dir, kvrelay up repeats it here"
+    )
+    assert wait_dead(all_pids(state_dir)) == []
+
+
 def test_a_node_not_serving_in_time_says_how_to_wait_longer(tmp_path: Path, state_dir: Path) -> None:  # noqa: F811
     # `kvrelay up --ready-timeout 1`: "not SERVING within 1s: ar-0, dit-0" and nothing more.
     path = write_config(tmp_path, 1, 1)
