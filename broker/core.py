@@ -114,6 +114,8 @@ REPLICA_FORGOTTEN = "REPLICA_FORGOTTEN"
 _FORGOTTEN_META = "forgotten_incarnations"
 # Forgotten-by-force incarnations kept refused per replica id (each forced forget adds one).
 _MAX_FORGOTTEN_PER_ID = 16
+# Idle incarnations forgotten by this process that may register again with a free pool (BrokerCore._forgotten_idle).
+_MAX_FORGOTTEN_IDLE = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +271,10 @@ class BrokerCore:
         # good is usually restarted elsewhere (incarnation ids are never reused, so keeping them
         # refuses nothing else).
         self._forgotten: dict[ReplicaId, list[str]] = {}
+        # Incarnations this process forgot idle (no ticket named them, no page held): what the
+        # broker knew of them was complete, so one registering again (`registered_before`) gets
+        # a free pool as before. Not journaled: after a restart they are unknown like any other.
+        self._forgotten_idle: OrderedDict[tuple[ReplicaId, str], None] = OrderedDict()
         self._restore()
         # With group commit the replay's own commit is queued: on disk before anyone is served,
         # and a failure to write it raised here, as without (`kvrelay broker` then exits 1).
@@ -332,6 +338,7 @@ class BrokerCore:
         held_ticket_ids: Iterable[TicketId] = (),
         owed_releases: Mapping[TicketId, tuple[TicketOutcome, str]] | None = None,
         alive_incarnation: str = "",
+        registered_before: bool = False,
     ) -> RegisterReply:
         """Register (or re-register) a replica. Idempotent for the same incarnation.
 
@@ -341,6 +348,8 @@ class BrokerCore:
         `alive_incarnation`: the incarnation that answered at the registered endpoint when the
         caller asked (`registry.takeover_needs_probe`), "" when none did: while that one is still
         the registered incarnation and may be alive, a new one is refused `REPLICA_ID_IN_USE`.
+        `registered_before` (DiT): this incarnation was registered before, by this broker or
+        another; one this broker holds no record of is answered fenced (`Registration.UNKNOWN`).
         """
         accepted = self.registration_tokens()
         # Every one compared, always: timing tells nothing about which matched.
@@ -358,6 +367,15 @@ class BrokerCore:
             return RegisterReply(self.lease_seconds, True, Registration.FORGOTTEN)
         now = self.clock()
         old = self.registry.find(spec.replica_id)
+        if registered_before and self._incarnation_unknown(spec, old):
+            # Its tickets were lost with the journal (or never in the one this broker holds):
+            # an AR's write may still land in any page of its memory, and nobody alive can say
+            # which (the writer may be stopped, the DiT never saw the ticket). Taking its pool as
+            # free would hand those pages to new tickets. Fenced and kept nowhere, it fails stop;
+            # its next incarnation (new memory, new transport ports) registers with a free pool.
+            log.error("unknown_incarnation_refused", replica_id=spec.replica_id, incarnation=spec.incarnation_id,
+                      journaled_incarnation=old.spec.incarnation_id if old is not None else None)  # fmt: skip
+            return RegisterReply(self.lease_seconds, True, Registration.UNKNOWN)
         old_was_up = old is not None and old.up(now)
         if (
             old is not None
@@ -564,6 +582,16 @@ class BrokerCore:
         incarnation id), by id, an id's oldest first (ListReplicas shows them to the operator)."""
         return [(r, i) for r in sorted(self._forgotten) for i in self._forgotten[r]]
 
+    def _incarnation_unknown(self, spec: ReplicaSpec, old: ReplicaRecord | None) -> bool:
+        """Whether a DiT incarnation that was registered before is unknown to this broker: no
+        record of its id, or one of another incarnation (a journal older than it), and not one
+        this process forgot idle (`_forgotten_idle`: nothing of it was in doubt)."""
+        if spec.role is not ReplicaRole.DIT:
+            return False  # an AR holds no pool: its in-doubt writes land in DiT memory
+        if old is not None and old.spec.incarnation_id == spec.incarnation_id:
+            return False
+        return (spec.replica_id, spec.incarnation_id) not in self._forgotten_idle
+
     def incarnation_forgotten(self, spec: ReplicaSpec) -> bool:
         """Whether `spec`'s incarnation was forgotten by force: `register_replica` answers it fenced
         and keeps nothing of it (the servicer then neither checks nor dials its endpoint)."""
@@ -671,6 +699,11 @@ class BrokerCore:
         """Drop these replicas for good, memory and journal (`forget_refusal` allowed each), in one
         commit with the `tickets` a forced forget ended and the forgotten incarnations."""
         for replica_id in replica_ids:
+            record = self.registry.find(replica_id)
+            if record is not None and not tombstones:
+                self._forgotten_idle[(replica_id, record.spec.incarnation_id)] = None
+                while len(self._forgotten_idle) > _MAX_FORGOTTEN_IDLE:
+                    self._forgotten_idle.popitem(last=False)
             self.registry.forget(replica_id)
             self._pools.pop(replica_id, None)
             self._kept_down.pop(replica_id, None)

@@ -197,6 +197,10 @@ class Registration(enum.Enum):
     # An incarnation an operator forgot by force (BrokerCore.forget_replica): answered fenced and
     # kept nowhere, so that process fails stop and only a new incarnation (new memory) returns.
     FORGOTTEN = "FORGOTTEN"
+    # A DiT incarnation registered before (RegisterReplicaRequest.registered_before) that this broker
+    # holds no record of (a lost or replaced journal, a new broker, a journal older than it):
+    # answered fenced and kept nowhere (BrokerCore.register_replica), as FORGOTTEN.
+    UNKNOWN = "UNKNOWN"
 
 
 def takeover_needs_probe(old: ReplicaRecord | None, spec: ReplicaSpec, now: float) -> bool:

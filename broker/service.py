@@ -679,6 +679,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
                 for o in request.owed_releases
             },
             alive_incarnation=alive_incarnation,
+            registered_before=request.registered_before,
         )
         return broker_pb2.RegisterReplicaResponse(lease_seconds=reply.lease_seconds, fenced=reply.fenced)
 

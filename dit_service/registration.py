@@ -133,6 +133,10 @@ class Registration:
         self.owed_releases = owed_releases
         self.lease_seconds = 0.0
         self._broker = ""  # its address, as register() was given it (re-registrations reuse it)
+        # Set once a broker took this incarnation: every later registration says so, and a broker
+        # that holds no record of it (its journal lost, replaced or older) answers fenced, since
+        # writes it no longer knows of may still land in this memory (docs/broker.md, Journal and restart).
+        self.registered_before = False
         self._task: asyncio.Task[None] | None = None
         self.credential = credential or BrokerCredentialWatch(info.replica_id)
 
@@ -151,7 +155,7 @@ class Registration:
                 reply = await self.stub.RegisterReplica(
                     broker_pb2.RegisterReplicaRequest(
                         replica=self.info.to_proto(), token=self.token, held_ticket_ids=list(self.held_tickets()),
-                        owed_releases=list(self.owed_releases()),
+                        owed_releases=list(self.owed_releases()), registered_before=self.registered_before,
                     ),
                     timeout=RPC_TIMEOUT_S,
                     wait_for_ready=True,
@@ -180,6 +184,7 @@ class Registration:
         if reply.fenced:
             self.on_fenced("registration answered fenced")
             raise RegistrationRefused(f"replica {self.info.replica_id} is fenced")
+        self.registered_before = True
         self.lease_seconds = reply.lease_seconds
         log.info("replica_registered", replica_id=self.info.replica_id, incarnation_id=self.info.incarnation_id,
                  num_pages=self.info.num_pages, transport=self.info.transport, lease_seconds=reply.lease_seconds)
