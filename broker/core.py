@@ -339,6 +339,7 @@ class BrokerCore:
         owed_releases: Mapping[TicketId, tuple[TicketOutcome, str]] | None = None,
         alive_incarnation: str = "",
         registered_before: bool = False,
+        highest_ticket_sequence: int = 0,
     ) -> RegisterReply:
         """Register (or re-register) a replica. Idempotent for the same incarnation.
 
@@ -349,7 +350,9 @@ class BrokerCore:
         caller asked (`registry.takeover_needs_probe`), "" when none did: while that one is still
         the registered incarnation and may be alive, a new one is refused `REPLICA_ID_IN_USE`.
         `registered_before` (DiT): this incarnation was registered before, by this broker or
-        another; one this broker holds no record of is answered fenced (`Registration.UNKNOWN`).
+        another; one this broker holds no record of is answered fenced (`Registration.UNKNOWN`), as
+        is one that claimed pages of a ticket numbered above the journal's last
+        (`highest_ticket_sequence`: this journal is older than what the DiT saw).
         """
         accepted = self.registration_tokens()
         # Every one compared, always: timing tells nothing about which matched.
@@ -367,14 +370,17 @@ class BrokerCore:
             return RegisterReply(self.lease_seconds, True, Registration.FORGOTTEN)
         now = self.clock()
         old = self.registry.find(spec.replica_id)
-        if registered_before and self._incarnation_unknown(spec, old):
+        if (registered_before and self._incarnation_unknown(spec, old)) or (
+            spec.role is ReplicaRole.DIT and highest_ticket_sequence > self._sequence
+        ):
             # Its tickets were lost with the journal (or never in the one this broker holds):
             # an AR's write may still land in any page of its memory, and nobody alive can say
             # which (the writer may be stopped, the DiT never saw the ticket). Taking its pool as
             # free would hand those pages to new tickets. Fenced and kept nowhere, it fails stop;
             # its next incarnation (new memory, new transport ports) registers with a free pool.
             log.error("unknown_incarnation_refused", replica_id=spec.replica_id, incarnation=spec.incarnation_id,
-                      journaled_incarnation=old.spec.incarnation_id if old is not None else None)  # fmt: skip
+                      journaled_incarnation=old.spec.incarnation_id if old is not None else None,
+                      highest_ticket_sequence=highest_ticket_sequence, journal_sequence=self._sequence)  # fmt: skip
             return RegisterReply(self.lease_seconds, True, Registration.UNKNOWN)
         old_was_up = old is not None and old.up(now)
         if (

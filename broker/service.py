@@ -680,6 +680,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             },
             alive_incarnation=alive_incarnation,
             registered_before=request.registered_before,
+            highest_ticket_sequence=request.highest_ticket_sequence,
         )
         return broker_pb2.RegisterReplicaResponse(lease_seconds=reply.lease_seconds, fenced=reply.fenced)
 

@@ -73,6 +73,9 @@ class PageFence:
 
     def __init__(self) -> None:
         self._owner: dict[PageKey, Claim] = {}
+        # The highest sequence ever claimed (0: none): told to the broker at registration, so that
+        # one on a journal older than a ticket this DiT saw fences it (docs/broker.md).
+        self.highest_sequence = 0
 
     def owner(self, page: PageKey) -> Claim | None:
         return self._owner.get(page)
@@ -90,6 +93,7 @@ class PageFence:
                 raise Superseded(ticket_id, page, owner)
         for page in pages:
             self._owner[page] = claim
+        self.highest_sequence = max(self.highest_sequence, claim.sequence)
 
     def seal(self, ticket_id: TicketId, sequence: int, pages: Iterable[PageKey]) -> None:
         """The ticket is loaded (every write final and verified): its pages take no chunk any

@@ -281,7 +281,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         registration = Registration(
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
             on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
-            owed_releases=servicer.owed_releases,
+            owed_releases=servicer.owed_releases, highest_sequence=lambda: servicer.fence.highest_sequence,
             credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused, token=token),
         )
 

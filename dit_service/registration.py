@@ -122,6 +122,7 @@ class Registration:
         on_fenced: Callable[[str], None],
         held_tickets: Callable[[], Sequence[str]] = lambda: (),
         owed_releases: Callable[[], Sequence[broker_pb2.OwedRelease]] = lambda: (),
+        highest_sequence: Callable[[], int] = lambda: 0,
         credential: BrokerCredentialWatch | None = None,
     ) -> None:
         self.stub = stub
@@ -131,6 +132,7 @@ class Registration:
         self.on_fenced = on_fenced
         self.held_tickets = held_tickets
         self.owed_releases = owed_releases
+        self.highest_sequence = highest_sequence
         self.lease_seconds = 0.0
         self._broker = ""  # its address, as register() was given it (re-registrations reuse it)
         # Set once a broker took this incarnation: every later registration says so, and a broker
@@ -156,6 +158,7 @@ class Registration:
                     broker_pb2.RegisterReplicaRequest(
                         replica=self.info.to_proto(), token=self.token, held_ticket_ids=list(self.held_tickets()),
                         owed_releases=list(self.owed_releases()), registered_before=self.registered_before,
+                        highest_ticket_sequence=self.highest_sequence(),
                     ),
                     timeout=RPC_TIMEOUT_S,
                     wait_for_ready=True,

@@ -79,20 +79,22 @@ class ReplicaInfo(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.ReplicaRole, str]] = ..., incarnation_id: _Optional[str] = ..., layout_version: _Optional[int] = ..., version: _Optional[str] = ..., endpoint: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[_common_pb2.MemoryRegion, _Mapping]]] = ..., geometry: _Optional[_Union[_common_pb2.KvGeometry, _Mapping]] = ..., parallelism: _Optional[_Union[_common_pb2.Parallelism, _Mapping]] = ..., num_pages: _Optional[int] = ..., max_tokens: _Optional[int] = ..., transport: _Optional[_Union[_common_pb2.TransportKind, str]] = ..., stage_id: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., up: bool = ..., fenced: bool = ..., lease_expire_time: _Optional[_Union[_timestamp_pb2.Timestamp, _Mapping]] = ..., max_image_side: _Optional[int] = ...) -> None: ...
 
 class RegisterReplicaRequest(_message.Message):
-    __slots__ = ("replica", "token", "unresolved_writes", "held_ticket_ids", "owed_releases", "registered_before")
+    __slots__ = ("replica", "token", "unresolved_writes", "held_ticket_ids", "owed_releases", "registered_before", "highest_ticket_sequence")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     UNRESOLVED_WRITES_FIELD_NUMBER: _ClassVar[int]
     HELD_TICKET_IDS_FIELD_NUMBER: _ClassVar[int]
     OWED_RELEASES_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    HIGHEST_TICKET_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     replica: ReplicaInfo
     token: str
     unresolved_writes: _containers.RepeatedCompositeFieldContainer[_common_pb2.WriteKey]
     held_ticket_ids: _containers.RepeatedScalarFieldContainer[str]
     owed_releases: _containers.RepeatedCompositeFieldContainer[OwedRelease]
     registered_before: bool
-    def __init__(self, replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., token: _Optional[str] = ..., unresolved_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., held_ticket_ids: _Optional[_Iterable[str]] = ..., owed_releases: _Optional[_Iterable[_Union[OwedRelease, _Mapping]]] = ..., registered_before: bool = ...) -> None: ...
+    highest_ticket_sequence: int
+    def __init__(self, replica: _Optional[_Union[ReplicaInfo, _Mapping]] = ..., token: _Optional[str] = ..., unresolved_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., held_ticket_ids: _Optional[_Iterable[str]] = ..., owed_releases: _Optional[_Iterable[_Union[OwedRelease, _Mapping]]] = ..., registered_before: bool = ..., highest_ticket_sequence: _Optional[int] = ...) -> None: ...
 
 class OwedRelease(_message.Message):
     __slots__ = ("ticket_id", "outcome", "reason")

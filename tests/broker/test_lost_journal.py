@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,11 +19,12 @@ from kvrelay.broker.core import BrokerCore
 from kvrelay.broker.registry import Registration
 from kvrelay.broker.service import BrokerServicer
 from kvrelay.broker.tickets import InvalidArgument, NotFound, WriteKey, WriteStatus
+from kvrelay.dit_service.fence import PageFence, Superseded
 from kvrelay.dit_service.registration import DitReplicaInfo, RegistrationRefused
 from kvrelay.dit_service.registration import Registration as DitRegistration
 from kvrelay.transfer.layout import KvGeometry
 from kvrelay.transfer.transport import RegionDescriptor
-from kvrelay.v1 import broker_pb2_grpc
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc
 from tests.broker.helpers import ManualClock, ar_spec, dit_spec, new_incarnation
 from tests.orchestrator.harness import run
 
@@ -101,6 +103,46 @@ def test_a_journal_restored_from_an_older_backup_fences_a_dit_incarnation_it_doe
     # The backup's own incarnation is not replaced by the refused one.
     assert restored.registry.get("dit-0").spec.incarnation_id == first.incarnation_id
     restored.close()
+
+
+def test_a_journal_older_than_a_ticket_the_dit_saw_fences_its_same_incarnation(tmp_path: Path) -> None:
+    """A backup that holds the DiT's incarnation but not the tickets reserved after it: the DiT
+    tells the highest sequence whose pages it claimed (its page fence), above the journal's last."""
+    clock = ManualClock()
+    ar, dit = ar_spec(), dit_spec(num_pages=8)
+    path = tmp_path / "broker.sqlite"
+    core = _core(path, clock)
+    core.register_replica(ar)
+    core.register_replica(dit)
+    core.close()
+    shutil.copy(path, tmp_path / "backup.sqlite")
+    core = _core(path, clock)
+    core.register_replica(ar)
+    core.register_replica(dit, registered_before=True)
+    seen = core.get_ticket(_in_doubt(core, ar, dit)).sequence
+    core.close()
+    # The journal as it is: the DiT's claim is one it knows.
+    core = _core(path, clock)
+    reply = core.register_replica(dit, registered_before=True, highest_ticket_sequence=seen)
+    assert (reply.fenced, reply.registration) == (False, Registration.SAME_INCARNATION)
+    core.close()
+    shutil.copy(tmp_path / "backup.sqlite", path)
+    for wal in tmp_path.glob("broker.sqlite-*"):
+        wal.unlink()
+    restored = _core(path, clock)
+    reply = restored.register_replica(dit, registered_before=True, highest_ticket_sequence=seen)
+    assert (reply.fenced, reply.registration) == (True, Registration.UNKNOWN)
+    restored.close()
+
+
+def test_the_page_fence_keeps_the_highest_sequence_it_claimed() -> None:
+    fence = PageFence()
+    assert fence.highest_sequence == 0
+    fence.claim("b", 7, [(0, 1)])
+    with pytest.raises(Superseded):
+        fence.claim("a", 5, [(0, 1)])
+    fence.claim("c", 6, [(0, 2)])
+    assert fence.highest_sequence == 7
 
 
 def test_a_journaled_incarnation_and_one_this_broker_forgot_idle_are_taken_back(tmp_path: Path) -> None:
@@ -187,3 +229,26 @@ def test_an_ar_registered_before_is_taken_by_a_broker_that_lost_it(tmp_path: Pat
     assert (reply.fenced, reply.registration) == (False, Registration.NEW)
     core.close()
 
+
+
+def test_the_dit_sends_what_it_saw_once_a_broker_took_it() -> None:
+    sent: list[tuple[bool, int]] = []
+
+    class Broker:
+        async def RegisterReplica(self, request: Any, **kw: Any) -> Any:  # noqa: N802
+            sent.append((request.registered_before, request.highest_ticket_sequence))
+            return broker_pb2.RegisterReplicaResponse(lease_seconds=10.0)
+
+    info = DitReplicaInfo("dit-0", "inc-1", "127.0.0.1:2", 1, KvGeometry(2, 2, 8, "float32", 4), 1, 1, 16, 1,
+                          "grpc", (RegionDescriptor(0, "grpc", "127.0.0.1:2", 0, 16 * 1024),))  # fmt: skip
+    fence = PageFence()
+    registration = DitRegistration(Broker(), info, interval_s=1.0, token=None, on_fenced=lambda _r: None,  # type: ignore[arg-type]
+                                   highest_sequence=lambda: fence.highest_sequence)  # fmt: skip
+
+    async def body() -> None:
+        await registration.register(broker="127.0.0.1:1", wait_s=1.0)
+        fence.claim("t", 9, [(0, 0)])
+        await registration.register(broker="127.0.0.1:1", wait_s=1.0)
+
+    run(body(), timeout=10)
+    assert sent == [(False, 0), (True, 9)]
