@@ -66,11 +66,12 @@ def model_max_image_side(model: ModelConfig) -> int:
     refuses a larger image at admission (INVALID_ARGUMENT) instead of the DiT failing it: a
     BAGEL-format model's latent position table covers `max_latent_size` patches per side (1024
     pixels for BAGEL-7B and the demo); 0 for the presets (2D sin-cos positions: no limit)."""
-    from kvrelay.models.bagel import load_bagel_config
     from kvrelay.models.formats import BAGEL_FORMATS, model_dir
 
     if model.format not in BAGEL_FORMATS:
         return 0
+    from kvrelay.models.bagel import load_bagel_config  # imports torch: only for a BAGEL directory
+
     directory = model_dir(model)
     assert directory is not None
     bagel = load_bagel_config(directory, dtype=model.dtype)
@@ -103,8 +104,8 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     )
     from kvrelay.dit_service.scheduler import admission_slots
     from kvrelay.dit_service.service import DitMetrics, DitReplicaState, DitServicer, control_view
-    from kvrelay.models.bagel import stage_preset as model_preset
     from kvrelay.models.formats import model_dir
+    from kvrelay.models.stage import stage_preset as model_preset
     from kvrelay.ports import PortInUse
     from kvrelay.replica_token import ReplicaToken
     from kvrelay.security import (

@@ -658,12 +658,25 @@ def collective_timeout_s(max_silence_s: float) -> float:
     return DIST_TIMEOUT_S + max_silence_s
 
 
+def choose_backend(devices: Sequence[str]) -> str:
+    """gloo for CPU ranks and for ranks that share a GPU; NCCL when every rank has its own GPU.
+
+    Here, not in kvrelay.models.parallel (which re-exports it): a service picks its ranks' backend
+    before it spawns them, and importing parallel there imported torch into the service process,
+    several seconds of its start before any rank was spawned."""
+    if not devices or any(not d.startswith("cuda") for d in devices):
+        return "gloo"
+    if len(set(devices)) < len(devices):
+        return "gloo"
+    return "nccl"
+
+
 class WorkerGroup:
     """`world_size` rank processes, each running `worker_factory(RankContext)`'s handler.
 
     Usage: `with WorkerGroup(2, factory) as group: results = group.call_all(MyCommand(...))`.
     `devices` is one device string per rank ("cpu", "cuda:0", ...); the collective backend is
-    chosen from them (models/parallel.py: choose_backend) unless given. Pass the replica's held
+    chosen from them (choose_backend) unless given. Pass the replica's held
     `lock` so the workers share it. Not thread-safe to start/stop concurrently; calls are
     serialized internally (one command in flight), so any thread may call.
     """
@@ -723,8 +736,6 @@ class WorkerGroup:
     @property
     def backend(self) -> str:
         if self._backend is None:
-            from kvrelay.models.parallel import choose_backend
-
             self._backend = choose_backend(self.devices)
         return self._backend
 

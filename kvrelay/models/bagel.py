@@ -59,6 +59,7 @@ from kvrelay.models.loader import (
 from kvrelay.models.paged_attention import LayerKv, prefix_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup
 from kvrelay.models.presets import ArConfig, DitConfig, DTypeName, ModelPreset
+from kvrelay.models.stage import stage_preset as stage_preset  # here before; torch-free there
 from kvrelay.models.ulysses import heads_to_seq, seq_to_heads
 
 LLM_CONFIG_FILE = "llm_config.json"
@@ -150,19 +151,6 @@ class BagelConfig:
             dit=dit,
             description=f"BAGEL-format checkpoint ({llm.num_layers} layers, hidden {llm.hidden})",
         )
-
-
-def stage_preset(model: Any) -> ModelPreset:
-    """The ModelPreset of a stage's ModelConfig: the named preset, or a BAGEL-format directory's
-    shape (llm_config.json, safetensors headers)."""
-    from kvrelay.models.formats import BAGEL_FORMATS, model_dir
-    from kvrelay.models.presets import get_preset
-
-    if model.format in BAGEL_FORMATS:
-        directory = model_dir(model)
-        assert directory is not None
-        return load_bagel_config(directory, dtype=model.dtype).preset(model.format)
-    return get_preset(model.preset)
 
 
 def weight_layout(directory: str | Path) -> tuple[list[Path], WeightIndex | None]:

@@ -4,7 +4,7 @@ Owns the small dispatch every process needs before it builds anything: the check
 directory of a format (the bundled demo's when `format: demo` gives no path) and the KV
 geometry it implies, from JSON files only (no torch: config validation runs in the broker
 too), and the bound check of the tokenizer files a Hugging Face library reads by path. The
-full ModelPreset of a BAGEL directory is kvrelay.models.bagel.stage_preset.
+full ModelPreset of a stage is kvrelay.models.stage.stage_preset.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ Never starts processes: the rank worker harness (kvrelay/worker.py) does that.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,6 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from kvrelay.models.fp8 import linear, quantize_into, quantize_source_
+
+# The choice lives beside the harness, which makes it in the service process (no torch there).
+from kvrelay.worker import choose_backend as choose_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +84,6 @@ class TpGroup:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)
-
-
-def choose_backend(devices: Sequence[str]) -> str:
-    """gloo for CPU ranks and for ranks that share a GPU; NCCL when every rank has its own GPU."""
-    if not devices or any(not d.startswith("cuda") for d in devices):
-        return "gloo"
-    if len(set(devices)) < len(devices):
-        return "gloo"
-    return "nccl"
 
 
 def init_process_group(

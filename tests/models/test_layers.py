@@ -117,3 +117,27 @@ def test_choose_backend():
 def test_importing_kvrelay_and_presets_does_not_import_torch():
     code = "import sys, kvrelay, kvrelay.models.presets, kvrelay.worker; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+SERVICE_START = """
+import sys
+from kvrelay.config import load_config
+from kvrelay.dit_service.main import model_max_image_side
+from kvrelay.models.stage import stage_preset
+from kvrelay.worker import WorkerGroup
+
+cfg = load_config(sys.argv[1])
+for stage in cfg.stages:
+    assert stage_preset(stage.model).name == "tiny"
+    assert model_max_image_side(stage.model) == 0
+assert WorkerGroup(1, print, devices=["cpu"]).backend == "gloo"
+assert "torch" not in sys.modules, "the service imported torch before spawning its ranks"
+"""
+
+
+def test_a_service_of_a_preset_picks_its_preset_and_rank_backend_without_torch(repo_root):
+    """What an AR or DiT service does before it spawns its ranks imports no torch: the backend
+    choice imported kvrelay.models.parallel, the DiT's preset kvrelay.models.bagel (each a torch
+    import of several seconds in the service, before ranks that import it again)."""
+    config = repo_root / "tests" / "configs" / "test-fast.yaml"
+    subprocess.run([sys.executable, "-c", SERVICE_START, str(config)], check=True)
