@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,28 @@ def _resume(procs: list[psutil.Process]) -> None:
             os.kill(proc.pid, signal.SIGCONT)
 
 
-def test_a_dit_rank_stopped_mid_denoise_fail_stops_the_replica_and_the_node_recovers(tmp_path: Path) -> None:
-    with running_node(tmp_path, "stopdit", _stall) as node, KvRelayClient(node.address(), timeout=30) as client:
+@pytest.fixture(scope="module")
+def stall_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One node for the three tests of a rank stopped forever: each ends with the node recovered
+    (a new incarnation of the replica it stopped, pools whole, an image served), so the next one
+    starts from a serving node; a node each cost a start and a stop (seconds on 2 cores)."""
+    with running_node(tmp_path_factory.mktemp("stall"), "stall", _stall) as node:
+        yield node
+
+
+def _serving(node: Any) -> tuple[Any, KvRelayClient]:
+    """The shared node, ready: every replica up (an earlier test's restart done)."""
+    client = KvRelayClient(node.address(), timeout=30)
+    deadline = time.monotonic() + 60
+    while {r.replica_id for r in client.list_replicas() if r.up} != {"ar-0", "dit-0"}:
+        assert time.monotonic() < deadline, f"the node did not serve again: {client.list_replicas()}"
+        time.sleep(0.1)
+    return node, client
+
+
+def test_a_dit_rank_stopped_mid_denoise_fail_stops_the_replica_and_the_node_recovers(stall_node: Any) -> None:
+    node, client = _serving(stall_node)
+    with client:
         total = wait_pools_full(client)[0].total_pages
         first = _incarnation(client, "dit-0")
         ranks = _ranks(node, "dit-0")
@@ -101,17 +122,19 @@ def test_a_dit_rank_stopped_mid_denoise_fail_stops_the_replica_and_the_node_reco
         assert client.generate("after the fault", seed=2, width=64, height=64, timeout=60).result().png
 
 
-def test_an_idle_stopped_dit_rank_is_found_before_requests_pile_up(tmp_path: Path) -> None:
+def test_an_idle_stopped_dit_rank_is_found_before_requests_pile_up(stall_node: Any) -> None:
     """The black-box finding: ranks stopped between requests, every request to the replica failed
     TRANSFER_TIMEOUT and drained while its service kept heartbeating."""
-    with running_node(tmp_path, "idledit", _stall) as node, KvRelayClient(node.address(), timeout=30) as client:
+    node, client = _serving(stall_node)
+    with client:
         wait_pools_full(client)
         first = _incarnation(client, "dit-0")
         ranks = _ranks(node, "dit-0")
         for proc in ranks:
             os.kill(proc.pid, signal.SIGSTOP)
         try:
-            _wait_new_incarnation(client, "dit-0", first, timeout=STALL_S + 20)
+            # (The shared node's dit-0 failed once before: its restart waits 2 s, not 1.)
+            _wait_new_incarnation(client, "dit-0", first, timeout=STALL_S + 30)
             assert all(_gone(p) for p in ranks)
         finally:
             _resume(ranks)
@@ -119,10 +142,11 @@ def test_an_idle_stopped_dit_rank_is_found_before_requests_pile_up(tmp_path: Pat
         assert client.generate("after the fault", seed=3, width=64, height=64, timeout=60).result().png
 
 
-def test_an_ar_rank_stopped_forever_fail_stops_the_ar_replica(tmp_path: Path) -> None:
+def test_an_ar_rank_stopped_forever_fail_stops_the_ar_replica(stall_node: Any) -> None:
     """The AR's commands wait for their ranks without a deadline: a stopped rank used to hang
     every later request until its deadline, with the replica still registered and serving."""
-    with running_node(tmp_path, "stopar", _stall) as node, KvRelayClient(node.address(), timeout=30) as client:
+    node, client = _serving(stall_node)
+    with client:
         total = wait_pools_full(client)[0].total_pages
         first = _incarnation(client, "ar-0")
         ranks = _ranks(node, "ar-0")
