@@ -89,10 +89,16 @@ def main() -> int:
         return 5
     server.start()
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    time.sleep(float(behaviour.get("serving_delay", 0)))
-    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    save(serving=time.time())
-    print(f"{name} listening on {args.host}:{args.port}", flush=True)
+    # A stop while still starting ends the start, as a real service's does (kvrelay/stopping.py
+    # ends its start-up waits): a plain sleep here outlived SIGTERM, and every test stopping a child
+    # in its serving_delay waited the supervisor's 10 s grace for the SIGKILL.
+    serving_at = time.monotonic() + float(behaviour.get("serving_delay", 0))
+    while not stop["requested"] and time.monotonic() < serving_at:
+        time.sleep(0.02)
+    if not stop["requested"]:
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        save(serving=time.time())
+        print(f"{name} listening on {args.host}:{args.port}", flush=True)
     crash_at = time.monotonic() + float(behaviour["crash_after"]) if "crash_after" in behaviour else None
     health_file = state_dir / f"{name}.health" if behaviour.get("health_file") else None
     shown = "SERVING"
