@@ -4,6 +4,7 @@ topology (AR TP=2 -> DiT TP=2, 20/20 sequential requests, pools full afterwards)
 from __future__ import annotations
 
 import io
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +33,17 @@ def test_same_seed_same_image_bits_over_mooncake_fallback_and_colocated(tmp_path
     from kvrelay.models.image import decode_png
     from kvrelay.node.colocated import ColocatedPipeline
 
-    images = {}
-    for name, edit in (("mooncake", None), ("grpc", fallback)):
+    def run(name: str, edit: Any) -> tuple[list[Any], Any]:
         with running_node(tmp_path, name, edit) as node:
-            states, result = _generate(node.address())
+            return _generate(node.address())
+
+    # The two nodes run side by side (as in test_demo_prompts.py): one's start-up and stop overlap
+    # the other's; neither's bits depend on the other.
+    images = {}
+    with ThreadPoolExecutor(2) as pool:
+        runs = {name: pool.submit(run, name, edit) for name, edit in (("mooncake", None), ("grpc", fallback))}
+    for name, done in runs.items():
+        states, result = done.result()
         assert states[0] == GenerationState.QUEUED and states[-1] == GenerationState.SUCCEEDED
         assert GenerationState.TRANSFERRING in states and GenerationState.DENOISING in states
         assert Image.open(io.BytesIO(result.png)).size == (64, 96)
