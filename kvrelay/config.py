@@ -226,8 +226,10 @@ class SecurityConfig(_Strict):
     tls: TlsConfig | None = None
     # Largest request message any kvrelay server accepts (replies may be larger: a PNG).
     max_receive_message_bytes: int = Field(8 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024)
-    # Requests per second (and burst) one peer address may make to non-public RPCs; 0 = no limit.
-    rate_limit_per_second: float = Field(2000.0, ge=0)
+    # Requests per second (and burst) one caller may make to non-public RPCs; 0 = no limit. A
+    # caller is its verified identity (a bound replica token, a certificate, the operator token),
+    # else its peer address (kvrelay.security.AuthInterceptor._rate_limit). Finite: `.inf` loaded.
+    rate_limit_per_second: float = Field(2000.0, ge=0, allow_inf_nan=False)
     rate_limit_burst: int = Field(4000, ge=1)
     # HTTP/2 keepalive of every channel and listener (kvrelay.security.Keepalive): ping after this
     # long without one, close the connection (its calls end UNAVAILABLE) when no ack comes within

@@ -4,8 +4,8 @@ Owns what a process presents (bearer token, replica id, client certificate) and 
 accepts: `make_channel` / `make_sync_channel` are the only way kvrelay code opens a gRPC channel,
 `server_credentials` / `server_options` the only way a server listens, and `AuthInterceptor`
 (one instance per server, shared by every service on it) gives each RPC its caller class from
-`RPC_RULES`, checks the credential in constant time, rate-limits, bounds id fields and runs the
-per-RPC ownership checks a service registers. An RPC missing from `RPC_RULES` is refused.
+`RPC_RULES`, checks the credential in constant time, rate-limits (per verified identity, else per
+peer host), bounds id fields and runs the per-RPC ownership checks a service registers. An RPC missing from `RPC_RULES` is refused.
 
 It must never hold business logic: "is this ticket yours" lives with the broker (broker/authz.py),
 which hands its checks to the interceptor.
@@ -14,6 +14,7 @@ which hands its checks to the interceptor.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -84,6 +85,11 @@ MAX_ROTATION_IDS = 4096
 # Replaced credential generations a CredentialRotation still takes, each until its own grace
 # ends: a rotation past this many within the grace drops the oldest at once (logged).
 MAX_SUPERSEDED_GENERATIONS = 3
+
+# Rate-limit buckets one server keeps, for identities and for peer hosts each (_RateLimiter):
+# identities come from verified credentials only (a bound replica token, a certificate), so
+# nobody mints them; hosts are bounded for callers that authenticate without one.
+MAX_RATE_BUCKETS = 4096
 
 AUTHORIZATION_METADATA = "authorization"
 REPLICA_ID_METADATA = "kvrelay-replica-id"
@@ -1174,6 +1180,12 @@ class Caller:
     # Authenticated only by credentials a reload replaced, still taken for the grace period
     # (CredentialRotation): the caller should take its new ones.
     superseded: bool = False
+    # Who a verified credential says the caller is, "" when none does: "replica:ID" (a bound
+    # replica token, or a certificate whose common name is the replica's id or "broker"),
+    # "client:CN" (another certificate of the CA), "operator:CN" (an operator certificate),
+    # "operator" (the operator token). The shared replica token and the api token are one for
+    # all their holders: they name nobody (`Caller.key` then falls back to the peer's address).
+    identity: str = ""
 
     @property
     def operator(self) -> bool:
@@ -1181,6 +1193,11 @@ class Caller:
         if self.trusted:
             return self.replica_id is None
         return CallerClass.OPERATOR in self.classes
+
+    def key(self, peer: str) -> str:
+        """Whose share this call counts against (rate limits, the broker's queue): its verified
+        identity, else "peer:HOST" (`peer` is grpc's context.peer())."""
+        return self.identity or peer_key(peer)
 
     def acts_as(self, replica_id: str) -> bool:
         """May this caller act on `replica_id`'s behalf (its own id; anything when trusted and
@@ -1226,29 +1243,52 @@ REPLICA_SERVICE_CHECKS: Mapping[str, RequestCheck] = {
 
 
 class _RateLimiter:
-    """A token bucket per peer host; thread-safe (sync servers share it too)."""
+    """Token buckets by key (a caller's identity, or a peer host); thread-safe (sync servers share
+    it too). Bounded: at most `max_buckets` keys; a bucket that has refilled (idle for
+    burst / rate seconds) is the same as none and is dropped first (least recently used first);
+    a new key that finds every bucket busy shares one overflow bucket, so a flood of new keys is
+    limited together instead of resetting anyone's bucket (before: past 10000 keys every bucket was
+    cleared, and a caller with many addresses refilled everyone's)."""
 
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 max_buckets: int = MAX_RATE_BUCKETS) -> None:  # fmt: skip
         self._rate = rate
         self._burst = float(burst)
         self._clock = clock
-        self._buckets: dict[str, tuple[float, float]] = {}
+        self._max = max_buckets
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
+        self._overflow: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
-    def allow(self, peer: str) -> bool:
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _refilled(self, entry: tuple[float, float], now: float) -> bool:
+        tokens, last = entry
+        return tokens + (now - last) * self._rate >= self._burst
+
+    def _take(self, entry: tuple[float, float] | None, now: float) -> tuple[bool, tuple[float, float]]:
+        tokens, last = entry if entry is not None else (self._burst, now)
+        tokens = min(self._burst, tokens + max(0.0, now - last) * self._rate)
+        if tokens < 1.0:
+            return False, (tokens, now)
+        return True, (tokens - 1.0, now)
+
+    def allow(self, key: str) -> bool:
         if self._rate <= 0:
             return True
         now = self._clock()
         with self._lock:
-            tokens, last = self._buckets.get(peer, (self._burst, now))
-            tokens = min(self._burst, tokens + (now - last) * self._rate)
-            if tokens < 1.0:
-                self._buckets[peer] = (tokens, now)
-                return False
-            self._buckets[peer] = (tokens - 1.0, now)
-            if len(self._buckets) > 10_000:
-                self._buckets.clear()  # bounded memory; a flood of peers resets everyone's bucket
-            return True
+            entry = self._buckets.get(key)
+            if entry is None:
+                while self._buckets and self._refilled(next(iter(self._buckets.values())), now):
+                    self._buckets.popitem(last=False)
+                if len(self._buckets) >= self._max:
+                    ok, self._overflow = self._take(self._overflow, now)
+                    return ok
+            ok, self._buckets[key] = self._take(entry, now)
+            self._buckets.move_to_end(key)
+            return ok
 
 
 # The RPCs a replica serves to the broker alone (REPLICA_SERVICE_CHECKS): the orchestration of
@@ -1267,6 +1307,11 @@ def _broker_orchestration(method: str, caller: Caller) -> bool:
     with its id declared, its certificate) to one of _BROKER_ORCHESTRATION."""
     return (method in _BROKER_ORCHESTRATION and CallerClass.REPLICA in caller.classes
             and caller.replica_id == BROKER_CALLER_ID)  # fmt: skip
+
+
+def peer_key(peer: str) -> str:
+    """The key of a caller known only by its address: "peer:HOST" (grpc's context.peer())."""
+    return "peer:" + _peer_host(peer)
 
 
 def _peer_host(peer: str) -> str:
@@ -1385,6 +1430,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     checks: Mapping[str, RequestCheck] = field(default_factory=dict)
     rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
     _limiter: _RateLimiter = field(init=False)
+    _host_limiter: _RateLimiter = field(init=False)
 
     _open_streams: int = field(init=False, default=0)
     # The replica ids whose calls this server refused for their credential (ListReplicas shows
@@ -1396,7 +1442,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     rotation: CredentialRotation | None = None
 
     def __post_init__(self) -> None:
+        # A bucket per verified identity, and one per peer host for callers that have none: kept
+        # apart, so callers without an identity never crowd the identities' buckets out.
         self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
+        self._host_limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
         if self.rotation is None:
             self.rotation = CredentialRotation(self.creds)
@@ -1422,6 +1471,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             elif key == REPLICA_ID_METADATA and isinstance(value, str):
                 declared = value[:MAX_ID_CHARS]
         classes = _token_classes(creds, bearer, declared)
+        # A bound replica token is valid for the id declared alone: that id is proven.
+        bound_id = creds.bound_replica_tokens and CallerClass.REPLICA in classes
         # During a rotation's grace the replaced generations too, each until its own deadline
         # (CredentialRotation): a class they alone give marks the caller superseded.
         generation = rotation.generation if CallerClass.REPLICA in classes else None
@@ -1430,6 +1481,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             taken = _token_classes(gen.creds, bearer, declared)
             if generation is None and CallerClass.REPLICA in taken:
                 generation = gen.generation
+            bound_id = bound_id or (gen.creds.bound_replica_tokens and CallerClass.REPLICA in taken)
             old |= taken
         superseded = bool(old - classes)
         classes |= old
@@ -1439,17 +1491,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if creds.bound_replica_tokens and bearer and not classes:
             refusal = self._bound_refusal(declared)
         replica_id = declared
+        identity = f"replica:{declared}" if bound_id and declared else ""
         tls = creds.tls
         cn = _common_name(auth_context) if tls is not None and tls.require_client_cert else None
         if tls is not None and cn is not None:
             if cn in tls.operator_names:
                 classes.add(CallerClass.OPERATOR)
+                identity = identity or f"operator:{cn}"
             elif _names_a_replica(cn) or cn == BROKER_CALLER_ID:
                 # A certificate per replica binds its id: claiming another one is refused.
                 if declared is not None and declared != cn:
                     raise permission_denied(f"{REPLICA_ID_METADATA} {declared!r} differs from the certificate's {cn!r}")
                 classes.add(CallerClass.REPLICA)
                 replica_id = cn
+                identity = f"replica:{cn}"
             elif cn in tls.replica_names:
                 # A node certificate shared by the node's processes binds no id: with bound replica
                 # tokens the token must (else its holder could declare any id, as with the shared token).
@@ -1457,16 +1512,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     classes.add(CallerClass.REPLICA)
             else:
                 classes.add(CallerClass.PUBLIC)  # any other certificate of the CA: a client
+                identity = identity or f"client:{cn}"
         if not creds.authenticates_replicas:
             # Development deployment: loopback-only by check_bind; trust every caller.
             return Caller(frozenset(CallerClass), replica_id, trusted=True)
+        if not identity and CallerClass.OPERATOR in classes:
+            identity = "operator"
         authenticated = bool(classes)
         # The public API takes the api token (or an operator's); a replica credential is not a
         # client's, unless the deployment leaves the public API open.
         if not creds.api_token or CallerClass.OPERATOR in classes:
             classes.add(CallerClass.PUBLIC)
         return Caller(frozenset(classes), replica_id, authenticated=authenticated, refusal=refusal,
-                      superseded=superseded)  # fmt: skip
+                      superseded=superseded, identity=identity)  # fmt: skip
 
     def _bound_refusal(self, declared: str | None) -> str:
         """Why a bearer that is no credential here was refused: one line, naming no secret."""
@@ -1539,12 +1597,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         if caller.replica_id and CallerClass.REPLICA in caller.classes:
             self.refusals.authenticated(caller.replica_id)
-        if (rule.caller_class is not CallerClass.PUBLIC and not _broker_orchestration(method, caller)
-                and not self._limiter.allow(_peer_host(context.peer()))):
-            raise KvRelayServerError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
-                f"more than {self.creds.rate_limit_per_second:g} requests/s from this peer; retry later",
-            )
+        if rule.caller_class is not CallerClass.PUBLIC and not _broker_orchestration(method, caller):
+            self._rate_limit(caller, context)
         if request is not None and hasattr(request, "ListFields"):
             check_id_lengths(request)
         if check is not None:
@@ -1552,6 +1606,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             if inspect.isawaitable(result):
                 await result
         return caller
+
+    def _rate_limit(self, caller: Caller, context: grpc.aio.ServicerContext) -> None:
+        """A bucket per verified identity (Caller.identity: a replica's own bound token or
+        certificate, an operator), else per peer host (the shared replica token, a development
+        deployment): replicas on one host no longer share one bucket. Found black-box: at
+        rate_limit_per_second 50 an AR's Heartbeat failed RATE_LIMITED under normal load, its
+        neighbours on the host having used the host's bucket at the broker."""
+        key = caller.key(str(context.peer() or ""))
+        limiter = self._limiter if caller.identity else self._host_limiter
+        if not limiter.allow(key):
+            who = f"{caller.identity.replace(':', ' ', 1)}" if caller.identity else f"address {key[5:]}"
+            raise KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
+                f"more than {self.creds.rate_limit_per_second:g} requests/s from this caller ({who}; "
+                "security.rate_limit_per_second); retry later",
+            )
 
     def _wrap_single_response(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
                               behavior: Callable[..., Any], *, request_streaming: bool) -> Callable[..., Any]:
@@ -1697,6 +1767,7 @@ __all__ = [
     "make_channel",
     "make_sync_channel",
     "node_token_env",
+    "peer_key",
     "permission_denied",
     "put_kv_token",
     "read_replica_secret",

@@ -564,3 +564,12 @@ def test_max_replica_retries_defaults_to_one_and_is_bounded(base: dict[str, Any]
         data = copy.deepcopy(base)
         data["broker"]["max_replica_retries"] = value
         _reject(data, "broker.max_replica_retries", says)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_rejects_a_rate_limit_that_is_not_a_finite_rate(base: dict[str, Any], value: float) -> None:
+    """`.inf` loaded; a rate is a finite number of requests per second."""
+    cfg = copy.deepcopy(base)
+    cfg.setdefault("security", {})["rate_limit_per_second"] = value
+    _reject(cfg, "security.rate_limit_per_second")
+
