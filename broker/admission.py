@@ -1,8 +1,9 @@
 """Admission and the queue: how a generation gets in, and waits its turn for a ticket.
 
 Owns `Admission.submit` (attach a duplicate `request_id` to its generation, bound the queue at
-`broker.max_queue`, `ArService.Tokenize` the rows on an AR replica, reject a prompt that is too
-long or can never fit, and map what interrupts admission to the generation's end) and the
+`broker.max_queue` and each client's share of it at `broker.max_queue_per_client`,
+`ArService.Tokenize` the rows on an AR replica, reject a prompt that is too long or can never fit,
+and map what interrupts admission to the generation's end) and the
 `GenerationQueue`: admitted generations in arrival order, of which only the head is ever placed,
 so a large request is never starved by smaller ones behind it. Must never choose replicas or
 reserve pages (placement.py does, through BrokerCore) and never run a stage (pipeline.py): a
@@ -101,6 +102,9 @@ class GenerationJob:
     token_counts: tuple[int, ...]
     deadline: float | None  # monotonic; None = no client deadline
     enqueued: float  # monotonic
+    # Whose share of the queue it counts against (kvrelay.security.Caller.key: a verified
+    # identity, else "peer:HOST"); "" = nobody's.
+    client: str = ""
     placed: asyncio.Future[Ticket] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     ticket_id: str = ""
     ticket_ended: bool = False
@@ -152,14 +156,18 @@ class GenerationQueue:
     Single-threaded: everything runs on the broker's event loop.
     """
 
-    def __init__(self, max_queue: int) -> None:
+    def __init__(self, max_queue: int, max_per_client: int | None = None) -> None:
         self.max_queue = max_queue
+        # Generations one client may hold (waiting or being admitted); None: max_queue.
+        self.max_per_client = max_queue if max_per_client is None else max_per_client
         # Waiting for a ticket, in arrival order: only the head is ever placed.
         self._waiting: deque[GenerationJob] = deque()
         # Every admitted generation whose pipeline has not finished, by request_id.
         self._jobs: dict[str, GenerationJob] = {}
         # request_id -> admission in progress (Tokenize), so a concurrent duplicate waits for it.
         self._admitting: dict[str, asyncio.Future[None]] = {}
+        # request_id -> the client whose admission is in progress (counts against its share).
+        self._admitting_client: dict[str, str] = {}
         self._wake = asyncio.Event()
 
     def depth(self) -> int:
@@ -169,6 +177,16 @@ class GenerationQueue:
     def full(self) -> bool:
         """The bound counts those waiting and those still being admitted."""
         return len(self._waiting) + len(self._admitting) >= self.max_queue
+
+    def held_by(self, client: str) -> int:
+        """Generations `client` holds in the queue: waiting, or being admitted. Counted when asked
+        (once per Generate; at most max_queue of each), so nothing can drift from the queue itself."""
+        waiting = sum(1 for job in self._waiting if job.client == client)
+        return waiting + sum(1 for c in self._admitting_client.values() if c == client)
+
+    def client_full(self, client: str) -> bool:
+        """`client` holds its whole share (max_per_client); "" is nobody and never is."""
+        return bool(client) and self.held_by(client) >= self.max_per_client
 
     def running_tasks(self) -> list[asyncio.Task[None]]:
         return [job.task for job in self._jobs.values() if job.task is not None]
@@ -188,10 +206,12 @@ class GenerationQueue:
             # A duplicate of a request still being admitted: its fate is this one's.
             await asyncio.shield(pending)
 
-    def begin_admission(self, request_id: str) -> None:
+    def begin_admission(self, request_id: str, client: str = "") -> None:
         self._admitting[request_id] = asyncio.get_running_loop().create_future()
+        self._admitting_client[request_id] = client
 
     def finish_admission(self, request_id: str) -> None:
+        self._admitting_client.pop(request_id, None)
         self._admitting.pop(request_id).set_result(None)
 
     # --------------------------------------------------------------------- the jobs
@@ -296,12 +316,14 @@ class Admission:
         self.stopping = False
 
     async def submit(
-        self, request_id: str, params: GenerationParams, *, seed_given: bool, timeout: float | None
+        self, request_id: str, params: GenerationParams, *, seed_given: bool, timeout: float | None,
+        client: str = "",
     ) -> GenerationRecord:
         """Admit a generation (or attach to the one with this request_id) and return its record.
 
         Raises KvRelayServerError: ALREADY_EXISTS (same id, other parameters), RESOURCE_EXHAUSTED
-        (queue full), INVALID_ARGUMENT (prompt too long, can never fit), UNAVAILABLE (no replica).
+        (CLIENT_QUEUE_FULL: `client` holds its share of the queue; QUEUE_FULL), INVALID_ARGUMENT
+        (prompt too long, can never fit), UNAVAILABLE (no replica).
         `timeout` is the client's deadline in seconds (None = none); it covers queueing too.
         """
         if self.stopping:
@@ -322,6 +344,8 @@ class Admission:
         record, created = self.store.create_or_attach(request_id, params, seed_given)
         if not created:
             return record
+        # The whole queue first: a full queue is QUEUE_FULL for everyone, as before the share
+        # existed (a client whose share is the whole queue sees no change).
         if self.queue.full():
             self.store.discard(record)
             raise KvRelayServerError(
@@ -329,9 +353,17 @@ class Admission:
                 "QUEUE_FULL",
                 f"the queue holds {self.queue.max_queue} generations (broker.max_queue); retry later",
             )
+        if self.queue.client_full(client):
+            self.store.discard(record)
+            raise KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "CLIENT_QUEUE_FULL",
+                f"this client ({_client_name(client)}) already holds {self.queue.max_per_client} generations in the "
+                "queue (broker.max_queue_per_client); retry when one of them has started or ended",
+            )
         deadline = None if timeout is None else self._clock() + timeout
         end = self.reporter.end
-        self.queue.begin_admission(request_id)
+        self.queue.begin_admission(request_id, client)
         try:
             with bind_request(request_id=request_id):
                 token_counts = await self._tokenize_unless_ended(record, params, deadline)
@@ -376,7 +408,8 @@ class Admission:
                     grpc.StatusCode.UNAVAILABLE, "BROKER_SHUTTING_DOWN", "the broker is stopping"
                 )
             return record
-        job = GenerationJob(record=record, token_counts=token_counts, deadline=deadline, enqueued=self._clock())
+        job = GenerationJob(record=record, token_counts=token_counts, deadline=deadline, enqueued=self._clock(),
+                            client=client)  # fmt: skip
         self.queue.enqueue(job)
         job.task = self.start(job)
         self.queue.wake()
@@ -449,6 +482,12 @@ class Admission:
         check_ever_fits(self.core, counts)
         check_image_fits(self.core, params.width, params.height)
         return counts
+
+
+def _client_name(client: str) -> str:
+    """"peer:10.0.0.2" -> "address 10.0.0.2", "client:alice" -> "client alice"."""
+    kind, _, name = client.partition(":")
+    return f"address {name}" if kind == "peer" else f"{kind} {name}".strip()
 
 
 # Bytes of prompt the AR is asked to tokenize per token it takes (English runs ~4 bytes a token,

@@ -45,7 +45,7 @@ from kvrelay.limits import (
     steps_problem,
 )
 from kvrelay.logging import bind_request, get_logger
-from kvrelay.security import current_caller
+from kvrelay.security import current_caller, peer_key
 from kvrelay.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = get_logger(__name__)
@@ -380,8 +380,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             detach_seconds = resolve_detach_timeout(request)
             # The client's deadline bounds the whole generation, queueing included.
             timeout = time_remaining(context)
+            # Whose share of the queue it takes (broker.max_queue_per_client): the caller's
+            # verified identity, else its peer address (the api token names no client).
+            caller, peer = current_caller(), str(context.peer() or "")
+            client = caller.key(peer) if caller is not None else peer_key(peer)
             record = await self.orchestrator.submit(
-                request_id, params, seed_given=seed_given, timeout=timeout
+                request_id, params, seed_given=seed_given, timeout=timeout, client=client
             )
             if len(record.subscribers) >= MAX_STREAMS_PER_GENERATION:
                 raise KvRelayServerError(

@@ -117,7 +117,7 @@ class Orchestrator:
             journal=core.journal,
         )
         self.compactor = JournalCompactor(core.journal, self.store)
-        self.queue = GenerationQueue(cfg.broker.max_queue)
+        self.queue = GenerationQueue(cfg.broker.max_queue, cfg.broker.queue_share_per_client)
         registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GenerationMetrics(registry, self.queue.depth)
         registry.register(JournalCollector(self.compactor))
@@ -175,10 +175,12 @@ class Orchestrator:
     # ================================================================= the API
 
     async def submit(
-        self, request_id: str, params: GenerationParams, *, seed_given: bool, timeout: float | None
+        self, request_id: str, params: GenerationParams, *, seed_given: bool, timeout: float | None,
+        client: str = "",
     ) -> GenerationRecord:
         """Admit a generation (or attach to the one with this request_id): `Admission.submit`."""
-        return await self.admission.submit(request_id, params, seed_given=seed_given, timeout=timeout)
+        return await self.admission.submit(request_id, params, seed_given=seed_given, timeout=timeout,
+                                           client=client)  # fmt: skip
 
     def cancel(
         self, request_id: str, reason: str = "CANCELLED_BY_CLIENT", message: str = ""

@@ -99,6 +99,14 @@ class BrokerConfig(_Strict):
     lease_seconds: float = Field(10.0, gt=0, allow_inf_nan=False)
     heartbeat_seconds: float | None = Field(None, gt=0, allow_inf_nan=False)
     max_queue: int = Field(256, ge=1)
+    # Generations one client may hold in the queue (waiting for a ticket, or being admitted); one
+    # more is RESOURCE_EXHAUSTED CLIENT_QUEUE_FULL (broker/admission.py). A client is the verified
+    # identity of its credential (a client or operator certificate, the operator token), else its
+    # peer address: the api token is one for every client and names none. None: three quarters of
+    # max_queue (rounded up), so a quarter always stays for other clients and one client alone
+    # is refused only past that (found black-box: one client that filled max_queue with
+    # generations it detached from got every other client QUEUE_FULL).
+    max_queue_per_client: int | None = Field(None, ge=1)
     result_ttl_seconds: float = Field(300.0, ge=0)
     max_results: int = Field(1024, ge=1)
     drain_quiet_seconds: float = Field(2.0, ge=0, allow_inf_nan=False)
@@ -155,6 +163,22 @@ class BrokerConfig(_Strict):
                 f"must be at least {MIN_LEASE_SECONDS:g} s (replicas heartbeat every lease_seconds / 3), got {value:g}"
             )
         return value
+
+    @model_validator(mode="after")
+    def _client_share_within_queue(self) -> BrokerConfig:
+        if self.max_queue_per_client is not None and self.max_queue_per_client > self.max_queue:
+            raise ValueError(
+                f"max_queue_per_client ({self.max_queue_per_client}) is above max_queue ({self.max_queue}): a "
+                "client's share is part of the queue (leave it unset for three quarters of max_queue)"
+            )
+        return self
+
+    @property
+    def queue_share_per_client(self) -> int:
+        """max_queue_per_client, or by default three quarters of max_queue (rounded up)."""
+        if self.max_queue_per_client is not None:
+            return self.max_queue_per_client
+        return self.max_queue - self.max_queue // 4
 
     @model_validator(mode="after")
     def _heartbeat_within_lease(self) -> BrokerConfig:

@@ -14,8 +14,11 @@ import contextlib
 
 
 class TcpProxy:
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(self, target_host: str, target_port: int, source_host: str | None = None) -> None:
         self._target = (target_host, target_port)
+        # The address the proxy dials the target from (e.g. 127.0.0.2: another client host, as
+        # the target sees it); None: the system's choice.
+        self._local = None if source_host is None else (source_host, 0)
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -63,7 +66,7 @@ class TcpProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            up_reader, up_writer = await asyncio.open_connection(*self._target)
+            up_reader, up_writer = await asyncio.open_connection(*self._target, local_addr=self._local)
         except OSError:
             writer.transport.abort()
             return

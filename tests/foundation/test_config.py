@@ -573,3 +573,14 @@ def test_rejects_a_rate_limit_that_is_not_a_finite_rate(base: dict[str, Any], va
     cfg.setdefault("security", {})["rate_limit_per_second"] = value
     _reject(cfg, "security.rate_limit_per_second")
 
+
+def test_a_clients_queue_share_is_part_of_the_queue(base: dict[str, Any]) -> None:
+    cfg = copy.deepcopy(base)
+    cfg.setdefault("broker", {})["max_queue"] = 10
+    assert parse_config(cfg).broker.queue_share_per_client == 8  # default: 3/4, rounded up
+    cfg["broker"]["max_queue_per_client"] = 10
+    assert parse_config(cfg).broker.queue_share_per_client == 10  # the whole queue: no share
+    cfg["broker"]["max_queue_per_client"] = 11
+    _reject(cfg, "max_queue_per_client (11) is above max_queue (10)")
+    cfg["broker"]["max_queue_per_client"] = 0
+    _reject(cfg, "broker.max_queue_per_client")
