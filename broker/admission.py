@@ -37,7 +37,7 @@ from kvrelay.broker.registry import ReplicaSpec
 from kvrelay.broker.tickets import BrokerError, Ticket
 from kvrelay.errors import KvRelayServerError, invalid_argument, reason_of
 from kvrelay.logging import bind_request, get_logger
-from kvrelay.security import ChannelCache
+from kvrelay.security import ChannelCache, key_name
 from kvrelay.v1 import ar_pb2, ar_pb2_grpc
 
 log = get_logger(__name__)
@@ -358,7 +358,7 @@ class Admission:
             raise KvRelayServerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "CLIENT_QUEUE_FULL",
-                f"this client ({_client_name(client)}) already holds {self.queue.max_per_client} generations in the "
+                f"this client ({key_name(client)}) already holds {self.queue.max_per_client} generations in the "
                 "queue (broker.max_queue_per_client); retry when one of them has started or ended",
             )
         deadline = None if timeout is None else self._clock() + timeout
@@ -482,12 +482,6 @@ class Admission:
         check_ever_fits(self.core, counts)
         check_image_fits(self.core, params.width, params.height)
         return counts
-
-
-def _client_name(client: str) -> str:
-    """"peer:10.0.0.2" -> "address 10.0.0.2", "client:alice" -> "client alice"."""
-    kind, _, name = client.partition(":")
-    return f"address {name}" if kind == "peer" else f"{kind} {name}".strip()
 
 
 # Bytes of prompt the AR is asked to tokenize per token it takes (English runs ~4 bytes a token,

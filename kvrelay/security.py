@@ -1314,6 +1314,13 @@ def peer_key(peer: str) -> str:
     return "peer:" + _peer_host(peer)
 
 
+def key_name(key: str) -> str:
+    """A share's key as a caller is told it: "peer:10.0.0.2" -> "address 10.0.0.2",
+    "replica:dit-3" -> "replica dit-3"."""
+    kind, _, name = key.partition(":")
+    return f"address {name}" if kind == "peer" else f"{kind} {name}".strip()
+
+
 def _peer_host(peer: str) -> str:
     # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:/path"
     kind, _, rest = peer.partition(":")
@@ -1616,10 +1623,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         key = caller.key(str(context.peer() or ""))
         limiter = self._limiter if caller.identity else self._host_limiter
         if not limiter.allow(key):
-            who = f"{caller.identity.replace(':', ' ', 1)}" if caller.identity else f"address {key[5:]}"
             raise KvRelayServerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
-                f"more than {self.creds.rate_limit_per_second:g} requests/s from this caller ({who}; "
+                f"more than {self.creds.rate_limit_per_second:g} requests/s from this caller ({key_name(key)}; "
                 "security.rate_limit_per_second); retry later",
             )
 
@@ -1767,6 +1773,7 @@ __all__ = [
     "make_channel",
     "make_sync_channel",
     "node_token_env",
+    "key_name",
     "peer_key",
     "permission_denied",
     "put_kv_token",
