@@ -754,9 +754,12 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
 
     class RefusingReleases(BrokerServicer):
         async def RegisterReplica(self, request: Any, context: Any) -> Any:  # noqa: N802
+            reply = await super().RegisterReplica(request, context)
             if request.replica.replica_id == "dit-0":
+                # Once the broker has applied it: the test reads the tickets as it left them (read
+                # before, a restored ticket was still CONSUMING with the orphaning's FAILED).
                 registrations.append(request)
-            return await super().RegisterReplica(request, context)
+            return reply
 
         async def ReleaseTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
             if refusing:
