@@ -241,7 +241,7 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             rank_spec,
             devices=stage.devices_for(replica)[:1],
             lock=lock,
-            env=engine_env(),
+            env=engine_env(stage.model.vllm_args),
             name=f"kvrelay-{replica_id}",
         )
     else:

@@ -43,7 +43,13 @@ from kvrelay.ar_service.engine import (
     prefill_tickets,
     row_problem,
 )
-from kvrelay.config import ConfigError, StageConfig
+from kvrelay.config import (
+    VLLM_KVCACHE_DEFAULT_GIB,
+    VLLM_KVCACHE_ENV,
+    ConfigError,
+    StageConfig,
+    check_vllm_kvcache_space,
+)
 from kvrelay.logging import get_logger
 from kvrelay.models.formats import HF_TOKENIZER_FILES, ar_dtype, check_tokenizer_files
 from kvrelay.worker import RankContext
@@ -214,15 +220,26 @@ def vllm_rank_spec(stage: StageConfig) -> VllmRankSpec:
     )
 
 
-def engine_env() -> dict[str, str]:
-    """Environment of the process that hosts vLLM (set before vLLM is imported)."""
-    return {
+def engine_env(vllm_args: dict[str, Any] | None = None) -> dict[str, str]:
+    """Environment of the process that hosts vLLM (set before vLLM is imported), for a stage with
+    these `vllm_args`. `VLLM_CPU_KVCACHE_SPACE` goes to vLLM checked (ConfigError: vLLM reads it
+    with int() deep in its start) and normalised; kvrelay's default (1 GiB) when unset or empty,
+    none at all when `vllm_args.kv_cache_memory_bytes` sizes the cache (vLLM lets the variable
+    override it)."""
+    args = vllm_args or {}
+    try:
+        space = check_vllm_kvcache_space(os.environ, args)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    env = {
         # The engine core runs in the handler's process: the handler drives its steps.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_DO_NOT_TRACK": "1",
     }
+    if "kv_cache_memory_bytes" not in args:
+        env[VLLM_KVCACHE_ENV] = str(space if space is not None else VLLM_KVCACHE_DEFAULT_GIB)
+    return env
 
 
 class VllmStartError(RuntimeError):
@@ -259,8 +276,14 @@ class VllmRankHandler:
     def __init__(self, ctx: RankContext, spec: VllmRankSpec) -> None:
         self.ctx = ctx
         self.spec = spec
-        for key, value in engine_env().items():
+        env = engine_env(spec.vllm_args)
+        for key, value in env.items():
             os.environ.setdefault(key, value)
+        # Checked and normalised (" 2 " -> "2"); gone when vllm_args.kv_cache_memory_bytes sizes
+        # the cache (an empty one inherited would override it, or fail vLLM's int()).
+        os.environ.pop(VLLM_KVCACHE_ENV, None)
+        if VLLM_KVCACHE_ENV in env:
+            os.environ[VLLM_KVCACHE_ENV] = env[VLLM_KVCACHE_ENV]
         try:
             from vllm import LLMEngine
             from vllm.config import KVTransferConfig

@@ -572,6 +572,8 @@ class KvRelayConfig(_Strict):
                 )
         if ar.model.engine == "vllm" and ar.transport not in ("mooncake", "grpc"):
             raise ValueError(f"stages[0].model.engine: vllm writes over mooncake or grpc, not {ar.transport}")
+        if ar.model.engine == "vllm":
+            check_vllm_kvcache_space(os.environ, ar.model.vllm_args)
         if ar.model.engine == "vllm" and ar.device_list() != ["cpu"]:
             # KvRelayConnector reads vLLM's CPU block layout only: on a GPU platform vLLM refused it
             # when the cache was registered, after the model had loaded (minutes for a real one).
@@ -613,6 +615,37 @@ class KvRelayConfig(_Strict):
                 f"stages[1].max_num_seqs ({dit.max_num_seqs}); a DiT replica watches one ticket per request"
             )
         return self
+
+
+VLLM_KVCACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+# kvrelay's value of VLLM_CPU_KVCACHE_SPACE for an `engine: vllm` AR when the environment has none.
+VLLM_KVCACHE_DEFAULT_GIB = 1
+
+
+def check_vllm_kvcache_space(environ: Any, vllm_args: dict[str, Any]) -> int | None:
+    """The whole GiB of vLLM's CPU KV cache an `engine: vllm` AR gets from `VLLM_CPU_KVCACHE_SPACE`
+    (None: unset or empty, kvrelay's default applies; ValueError naming the variable otherwise).
+
+    vLLM reads the variable with `int()` deep in its start (a traceback after the model load for
+    `1.5` or `512MiB`); a value it would read as no cache (0) or a negative one failed there too.
+    `vllm_args.kv_cache_memory_bytes` is vLLM's setting in bytes, for a cache that is not a whole
+    number of GiB: vLLM lets the variable override it, so both set is refused."""
+    raw = environ.get(VLLM_KVCACHE_ENV)
+    text = "" if raw is None else str(raw).strip()
+    if not text:
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ValueError(
+            f"environment variable {VLLM_KVCACHE_ENV}={raw!r}: vLLM reads it as a whole number of GiB "
+            f"(1, 2, 4, ...; kvrelay's default {VLLM_KVCACHE_DEFAULT_GIB}); for a cache of another size "
+            "unset it and set stages[0].model.vllm_args.kv_cache_memory_bytes (bytes, e.g. 536870912 for 512 MiB)"
+        )
+    if "kv_cache_memory_bytes" in vllm_args:
+        raise ValueError(
+            f"environment variable {VLLM_KVCACHE_ENV}={raw!r} and stages[0].model.vllm_args.kv_cache_memory_bytes "
+            "both size vLLM's KV cache (the variable would win): set one"
+        )
+    return int(text)
 
 
 def _annotation_at(loc: tuple[int | str, ...]) -> Any:

@@ -5,6 +5,7 @@ engine arguments, and a real vLLM start failure (exit 1, the reason on stderr)."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,9 @@ def _model_dir(path: Path) -> None:
     }))
 
 
-def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> subprocess.CompletedProcess[str]:
+def _run_ar(
+    tmp_path: Path, model: dict[str, Any], timeout: float = 240.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     config = write_config(tmp_path, preset="small")
     data = yaml.safe_load(config.read_text())
     data["stages"][0]["model"] = model
@@ -42,6 +45,7 @@ def _run_ar(tmp_path: Path, model: dict[str, Any], timeout: float = 240.0) -> su
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -166,3 +170,66 @@ def test_an_unsupported_cpu_attention_kernel_names_its_real_cause() -> None:
     assert "'vec16'" in message and "head_dim 80" in message and "not a multiple of 32" in message
     assert "float32 or float16" not in message
     KvRelayConnector._check_cpu_isa(fake, torch.empty(1, 1, 128, 2 * 32))  # type: ignore[arg-type]  # 'vec': read
+
+
+def _vllm_config(tmp_path: Path, vllm_args: dict[str, Any] | None = None) -> Path:
+    _model_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    config = write_config(tmp_path, preset="small")
+    data = yaml.safe_load(config.read_text())
+    data["stages"][0]["model"] = {"engine": "vllm", "path": str(tmp_path), "vllm_args": vllm_args or {}}
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+@pytest.mark.parametrize("value", ["1.5", "512MiB", "0", "-1", "2GiB", "²"])
+def test_a_kvcache_space_vllm_cannot_read_is_refused_when_the_config_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """vLLM reads VLLM_CPU_KVCACHE_SPACE with int() deep in its start: `1.5` or `512MiB` was a
+    vLLM traceback after the model load; 0 was no cache at all."""
+    from kvrelay.config import ConfigError, load_config
+
+    config = _vllm_config(tmp_path)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    message = str(info.value)
+    assert f"VLLM_CPU_KVCACHE_SPACE={value!r}" in message and "whole number of GiB" in message
+    assert "vllm_args.kv_cache_memory_bytes" in message
+
+
+def test_kvcache_space_accepted_values_and_kv_cache_memory_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvrelay.ar_service.vllm_engine import engine_env
+    from kvrelay.config import ConfigError, load_config
+
+    config = _vllm_config(tmp_path)
+    for value, passed in ((" 3 ", "3"), ("", "1"), (None, "1"), ("16", "16")):
+        if value is None:
+            monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", value)
+        stage = load_config(config).ar_stage
+        assert engine_env(stage.model.vllm_args)["VLLM_CPU_KVCACHE_SPACE"] == passed
+    # A cache that is not whole GiB: vLLM's own setting in bytes, and no variable to override it.
+    config = _vllm_config(tmp_path, {"kv_cache_memory_bytes": 512 << 20})
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    stage = load_config(config).ar_stage
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_env(stage.model.vllm_args)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    both = r"VLLM_CPU_KVCACHE_SPACE='2' and stages\[0\].model.vllm_args.kv_cache_memory_bytes both"
+    with pytest.raises(ConfigError, match=both):
+        load_config(config)
+    with pytest.raises(ConfigError, match="both size vLLM's KV cache"):
+        engine_env({"kv_cache_memory_bytes": 512 << 20})
+
+
+def test_kvrelay_ar_with_a_fractional_kvcache_space_exits_2_naming_it(tmp_path: Path) -> None:
+    _model_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    done = _run_ar(tmp_path, {"engine": "vllm", "path": str(tmp_path)}, env={"VLLM_CPU_KVCACHE_SPACE": "1.5"})
+    assert done.returncode == 2, done.stderr
+    assert "VLLM_CPU_KVCACHE_SPACE='1.5': vLLM reads it as a whole number of GiB" in done.stderr
+    assert "Traceback" not in done.stderr
