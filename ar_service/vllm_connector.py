@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,11 @@ log = get_logger(__name__)
 TICKET_KEY = "kvrelay_ticket"
 ROW_KEY = "kvrelay_row"
 _LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+# How long the connector's shutdown waits for in-doubt transport calls to return.
+SHUTDOWN_WAIT_S = 5.0
+# (sender, staging, regions) of a shut-down connector whose transport calls still ran: kept
+# referenced (never closed nor freed) until the process exits.
+_LEFT_RUNNING: list[tuple[Any, Any, Any]] = []
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +171,8 @@ class KvRelayConnector(KVConnectorBase_V1):
         self._sender: Any = None
         self._session = ""
         self._block_size = int(vllm_config.cache_config.block_size)
+        # How long shutdown waits for in-doubt transport calls (below WorkerGroup.stop's 10 s).
+        self._shutdown_wait_s = float(self._extra.get("shutdown_wait_s", SHUTDOWN_WAIT_S))
 
     # ==============================
     # Worker-side methods
@@ -365,11 +373,45 @@ class KvRelayConnector(KVConnectorBase_V1):
         """Nothing is saved during the forward pass."""
 
     def shutdown(self) -> None:
-        # After the last write command answered (vLLM shuts workers down between steps), so no
-        # transfer still reads the staging buffer.
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        """vLLM's worker shutdown (after the last write command answered, between steps). A write
+        reported IN_DOUBT may still have its transport call running, reading its staging region:
+        wait up to `shutdown_wait_s` for such calls to return (their final outcomes are logged:
+        the service, already drained, reports no more), then close the sender. A call still running
+        after the bound is left alone: the sender is not closed (Mooncake's close unregisters the
+        staging memory, gRPC's waits for the call without a bound) and the staging buffer is kept
+        referenced for the process's life, so nothing the call reads is freed; its writes stay
+        IN_DOUBT at the broker until this incarnation is proven gone (WRITER_GONE)."""
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return
+        for ticket_id, outcomes in self._finished:
+            # Returned after the service's last CollectFinished: never reported.
+            log.warning(
+                "kvrelay_in_doubt_write_returned_at_shutdown", ticket_id=ticket_id,
+                statuses=[o.status for o in outcomes],
+            )  # fmt: skip
+        self._finished = []
+        regions = self._regions
+        deadline = time.monotonic() + self._shutdown_wait_s
+        while regions is not None:
+            for ticket_id, outcomes in collect_returned_calls(sender, regions):
+                log.warning(
+                    "kvrelay_in_doubt_write_returned_at_shutdown", ticket_id=ticket_id,
+                    statuses=[o.status for o in outcomes],
+                )  # fmt: skip
+            if not regions.held() or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        left = [] if regions is None else regions.held()
+        if left:
+            log.error(
+                "kvrelay_writes_in_doubt_at_shutdown", tickets=[r.ticket_id for r in left],
+                staging_bytes=sum(r.length for r in left), waited_s=self._shutdown_wait_s,
+                note="sender left open and staging kept until the process exits; the broker holds their pages until this incarnation is replaced",
+            )  # fmt: skip
+            _LEFT_RUNNING.append((sender, self._staging, regions))
+            return
+        sender.close()
 
     # ==============================
     # Scheduler-side methods
