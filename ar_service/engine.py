@@ -63,6 +63,10 @@ class RankDescription:
     # Tokens of several tickets one `PrefillTickets` may carry; 0: the handler prefills one
     # ticket per command (`PrefillTicket` only).
     prefill_batch_tokens: int = 0
+    # The KV blocks (of `cache_block_size` tokens) one prefill's rows may hold at once, all of
+    # them together (vLLM's whole cache); 0: no such bound (the built-in engine).
+    cache_blocks: int = 0
+    cache_block_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

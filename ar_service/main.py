@@ -297,6 +297,8 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
             # the engine takes several per command (the built-in one; vLLM's takes one).
             max_prefill_batch=stage.max_num_seqs if first.prefill_batch_tokens > 0 else 1,
             max_prefill_batch_tokens=first.prefill_batch_tokens,
+            cache_blocks=first.cache_blocks,
+            cache_block_size=first.cache_block_size,
             put_kv_bearer=token.put_kv_bearer,
         )
         servicer.attach(state)

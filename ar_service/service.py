@@ -176,6 +176,10 @@ class ArReplicaState:
     # several per command, else 1) and their token cap (the oldest waiting ticket always goes).
     max_prefill_batch: int = 1
     max_prefill_batch_tokens: int = 0
+    # The engine's KV blocks (of cache_block_size tokens) one request's rows may hold at once
+    # (vLLM's whole cache: RankDescription.cache_blocks); 0: no such bound.
+    cache_blocks: int = 0
+    cache_block_size: int = 0
     # The bearer of a PutKv command, given the broker's write token: kvrelay.replica_token's
     # put_kv_bearer (shared replica token: the one this AR holds now, a reload included); the
     # ranks hold none of their own. By default the write token alone.
@@ -378,6 +382,20 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
                     f"rows[{i}]", f"token id {max(ids)} outside the model's vocabulary {state.vocab}"
                 )
             token_ids.append(ids)
+        if state.cache_blocks and state.cache_block_size:
+            # Deterministic: PREFILL_FAILED (INTERNAL) from the engine, after the ticket's turn.
+            size = state.cache_block_size
+            needed = sum(-(-len(ids) // size) for ids in token_ids)
+            if needed > state.cache_blocks:
+                raise KvRelayServerError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "NEVER_FITS",
+                    f"rows: the prompt rows ({[len(ids) for ids in token_ids]} tokens) need {needed} KV blocks "
+                    f"of {size} tokens at once; the vLLM AR's whole KV cache has {state.cache_blocks}: this "
+                    "request can never fit (shorten the prompt or the negative prompt, or give vLLM a larger "
+                    "cache: VLLM_CPU_KVCACHE_SPACE or model.vllm_args.kv_cache_memory_bytes, docs/ar.md)",
+                    field="rows",
+                )
         return token_ids
 
     async def _get_ticket(self, ticket_id: str, deadline: _Deadline) -> broker_pb2.Ticket:

@@ -375,6 +375,8 @@ class VllmRankHandler:
             session=",".join(d.session for d in self._descriptions),
             staging_bytes=first.staging_bytes,
             prefill_batch_tokens=self.batch_tokens,
+            cache_blocks=self._stats().total_blocks,
+            cache_block_size=self.block_size,
         )
 
     def _stats(self) -> EngineStatsReply:
@@ -424,8 +426,8 @@ class VllmRankHandler:
         if needed > total:
             return (
                 f"its rows need {needed} KV blocks of {self.block_size} tokens at once; vLLM's whole "
-                f"cache has {total} (raise VLLM_CPU_KVCACHE_SPACE / gpu_memory_utilization or lower "
-                "max_model_len)"
+                f"cache has {total} (raise VLLM_CPU_KVCACHE_SPACE or vllm_args.kv_cache_memory_bytes, or "
+                "shorten the rows)"
             )
         return None
 

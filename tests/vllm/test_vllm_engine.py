@@ -123,6 +123,8 @@ def test_description_is_the_checkpoints_geometry(engine: WorkerGroup) -> None:
     assert desc.max_tokens == 1023 and desc.transport == "mooncake" and ":" in desc.session
     # Several tickets share a scheduling step: the service sends PrefillTickets, up to the step's budget.
     assert desc.prefill_batch_tokens == 128
+    # vLLM's whole cache: the service refuses rows that need more (NEVER_FITS) before the engine.
+    assert (desc.cache_blocks, desc.cache_block_size) == (CACHE_BLOCKS, 128)
     _assert_all_blocks_free(engine)
 
 
