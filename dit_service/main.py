@@ -70,7 +70,7 @@ def model_max_image_side(model: ModelConfig) -> int:
 
     if model.format not in BAGEL_FORMATS:
         return 0
-    from kvrelay.models.bagel import load_bagel_config  # imports torch: only for a BAGEL directory
+    from kvrelay.models.bagel_config import load_bagel_config  # JSON and safetensors headers: no torch
 
     directory = model_dir(model)
     assert directory is not None

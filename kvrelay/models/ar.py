@@ -20,6 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kvrelay.models.checkpoint import ar_config_to_hf, check_hf_checkpoint, read_hf_config
 from kvrelay.models.layers import (
     ParallelAttention,
     RMSNorm,
@@ -32,13 +33,10 @@ from kvrelay.models.layers import (
 )
 from kvrelay.models.loader import (
     KeyMap,
-    ar_config_to_hf,
-    check_hf_checkpoint,
     hf_unused_tensor,
     llama_key_map,
     load_into_module,
     read_checkpoint,
-    read_hf_config,
     write_checkpoint,
 )
 from kvrelay.models.parallel import TpGroup

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from kvrelay.models.bagel import BagelConfig, BagelDit, load_bagel_config, load_dit, precheck
+from kvrelay.models.bagel import BagelDit, load_dit, precheck
+from kvrelay.models.bagel_config import BagelConfig, load_bagel_config
 from kvrelay.models.dit import (
     BatchRequest,
     BatchStepCallback,

@@ -14,7 +14,7 @@ import random
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.bagel import BagelConfig
+from kvrelay.models.bagel_config import BagelConfig
 from kvrelay.models.presets import ArConfig
 
 COLOURS: dict[str, tuple[int, int, int]] = {

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kvrelay.models.checkpoint import CheckpointError, check_float, require_dir, scan_tensors
 from kvrelay.models.fp8 import check_quantization, quantize_fp8_
 from kvrelay.models.layers import (
     ParallelAttention,
@@ -46,15 +47,7 @@ from kvrelay.models.layers import (
     init_std,
     rope_cos_sin,
 )
-from kvrelay.models.loader import (
-    CheckpointError,
-    check_float,
-    full_state,
-    load_full_state,
-    open_safetensors,
-    require_dir,
-    scan_tensors,
-)
+from kvrelay.models.loader import full_state, load_full_state, open_safetensors
 from kvrelay.models.moe import RoutedExperts, build_mlp
 from kvrelay.models.paged_attention import LayerKv, PrefixBlock, PrefixKv, attention_chunks, gqa_attention
 from kvrelay.models.parallel import ColumnParallelLinear, RowParallelLinear, TpGroup

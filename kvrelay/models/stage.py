@@ -1,9 +1,9 @@
 """A stage's full ModelPreset, in the service before it spawns its ranks.
 
-A named preset's comes from kvrelay.models.presets without torch; only a BAGEL-format directory's
-is read through kvrelay.models.bagel (its config and safetensors headers), which imports torch.
-Here and not in kvrelay.models.formats, which config validation (the broker too) imports: the
-broker never imports torch, not even behind a function.
+A named preset's comes from kvrelay.models.presets, a BAGEL-format directory's from its
+llm_config.json, tokenizer.json and safetensors headers (kvrelay.models.bagel_config): neither
+imports torch, which only the ranks do. Here and not in kvrelay.models.formats, which config
+validation (the broker too) imports: the broker reads no safetensors header.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from kvrelay.models.presets import ModelPreset, get_preset
 
 def stage_preset(model: Any) -> ModelPreset:
     """The ModelPreset of a stage's ModelConfig: the named preset, or a BAGEL-format directory's
-    shape (llm_config.json, safetensors headers). Only the latter imports torch: the DiT service
-    asks before it spawns its ranks, and a named preset's start waited a torch import there."""
+    shape (llm_config.json, safetensors headers). No torch: the DiT service asks before it spawns
+    its ranks, and a torch import there delayed every start (and restart) by seconds."""
     if model.format in BAGEL_FORMATS:
-        from kvrelay.models.bagel import load_bagel_config
+        from kvrelay.models.bagel_config import load_bagel_config
 
         directory = model_dir(model)
         assert directory is not None

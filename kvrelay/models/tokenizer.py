@@ -123,7 +123,8 @@ class BagelTokenizer:
     def __init__(self, directory: str | Path):
         from tokenizers import Tokenizer as _HfTokenizer
 
-        from kvrelay.models.bagel import BOS_TOKEN, EOS_TOKEN
+        # Not kvrelay.models.bagel (torch): the AR service builds this before it serves.
+        from kvrelay.models.bagel_config import BOS_TOKEN, EOS_TOKEN
 
         file = _tokenizer_json(directory)
         self._tok = _HfTokenizer.from_str(read_tokenizer_json(file))

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kvrelay.models.loader import CheckpointError, check_float, open_safetensors, scan_tensors
+from kvrelay.models.checkpoint import CheckpointError, check_float, scan_tensors
+from kvrelay.models.loader import open_safetensors
 
 # FLUX.1's autoencoder (black-forest-labs/flux `AutoEncoderParams`), as diffusers names it:
 # 16 latent channels, 8x downsampling, latents scaled by (z - shift) * scale.

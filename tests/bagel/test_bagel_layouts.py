@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvrelay.models.bagel import EMA_FILE, INDEX_FILE, build_ar
+from kvrelay.models.bagel import build_ar
+from kvrelay.models.bagel_config import EMA_FILE, INDEX_FILE
 from kvrelay.models.bagel_runner import BagelDitRunner
 from kvrelay.models.formats import bagel_geometry
 from kvrelay.models.loader import CheckpointError

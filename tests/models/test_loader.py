@@ -9,13 +9,11 @@ import torch
 from safetensors import safe_open
 
 from kvrelay.models.ar import ArModel, build_ar_model
+from kvrelay.models.checkpoint import CheckpointError, ar_config_from_hf, ar_config_to_hf
 from kvrelay.models.loader import (
     COLUMN,
     ROW,
-    CheckpointError,
     TensorSpec,
-    ar_config_from_hf,
-    ar_config_to_hf,
     llama_key_map,
     read_checkpoint,
     write_checkpoint,
@@ -114,9 +112,9 @@ def test_rope_settings_of_both_config_generations():
 def test_a_model_path_that_is_not_there_says_so_not_which_file_it_lacks(tmp_path):
     """A typo in `model.path` reads "does not exist", on the Llama, DiT and BAGEL loaders alike,
     not "has no config.json" (which sends a user looking for a file)."""
-    from kvrelay.models.bagel import load_bagel_config, weight_files
+    from kvrelay.models.bagel_config import load_bagel_config, weight_files
+    from kvrelay.models.checkpoint import checkpoint_files, read_hf_config
     from kvrelay.models.dit import DitRunner
-    from kvrelay.models.loader import checkpoint_files, read_hf_config
 
     missing = tmp_path / "no-such-model"
     for load in (read_hf_config, checkpoint_files, load_bagel_config, weight_files):
@@ -132,8 +130,8 @@ def test_a_model_path_that_is_not_there_says_so_not_which_file_it_lacks(tmp_path
 def test_a_sharded_index_naming_an_absent_shard_names_it(tmp_path):
     """`model.safetensors.index.json` lists a shard that was not downloaded: one error naming
     it (Llama and BAGEL layouts), not a bare "No such file" from deep inside safetensors."""
-    from kvrelay.models.bagel import INDEX_FILE, weight_files
-    from kvrelay.models.loader import checkpoint_files
+    from kvrelay.models.bagel_config import INDEX_FILE, weight_files
+    from kvrelay.models.checkpoint import checkpoint_files
 
     build_ar_model(preset="tiny", seed=3).save_checkpoint(tmp_path)
     weight_map = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",

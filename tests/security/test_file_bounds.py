@@ -115,8 +115,8 @@ def test_a_checkpoints_json_files_are_read_with_a_bound(tmp_path: Path) -> None:
     its config.json, weight index, llm_config.json and tokenizer.json are read whole, so bounded."""
     from types import SimpleNamespace
 
+    from kvrelay.models.checkpoint import CheckpointError, checkpoint_files, read_hf_config
     from kvrelay.models.formats import bagel_geometry, hf_geometry
-    from kvrelay.models.loader import CheckpointError, checkpoint_files, read_hf_config
 
     too_big = f"{MAX_MODEL_JSON_BYTES + 1} bytes: more than a JSON file may be (64 MiB)"
     for name in ("config.json", "model.safetensors.index.json", "llm_config.json"):
