@@ -598,11 +598,45 @@ class DeviceUnavailable(WorkerGroupError):
     """A configured device does not exist on this host (checked before any worker starts)."""
 
 
+def _driver_device_count() -> int | None:
+    """The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applied), asked of the driver
+    (libcuda's cuInit and cuDeviceGetCount, what torch's count runs on), without torch; None when
+    the driver does not answer (no libcuda, no device, an error)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        if lib.cuInit(0) != 0:
+            return None
+        count = ctypes.c_int(0)
+        if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return int(count.value)
+
+
+def _device_index(device: str) -> int:
+    """N of `cuda:N` (0 for a bare `cuda`, as torch's current device at start)."""
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
 def check_devices(devices: Sequence[str], where: str = "devices") -> None:
     """Raise DeviceUnavailable, in one line, when a `cuda:N` device of `devices` is not on this host
-    (a CPU-only torch, no driver, or fewer GPUs than configured)."""
+    (a CPU-only torch, no driver, or fewer GPUs than configured).
+
+    A service checks before it spawns its ranks and imports no torch (only its ranks do: seconds
+    and hundreds of MB of every start): the driver's device count is enough when it answers;
+    torch is asked only when it does not, to say why (a CPU-only torch build, no device)."""
     wanted = sorted({d for d in devices if d.startswith("cuda")})
     if not wanted:
+        return
+    count = _driver_device_count()
+    if count:
+        missing = [d for d in wanted if _device_index(d) >= count]
+        if missing:
+            raise DeviceUnavailable(
+                f"{where}: {', '.join(missing)} configured, but this host has {count} visible CUDA device(s)"
+            )
         return
     import torch
 

@@ -90,3 +90,27 @@ def test_kvrelay_up_default_services_load_no_torch_and_their_ranks_do(tmp_path: 
             assert not _loads_torch(service), f"the {name} service process imported torch"
             ranks = service.children()
             assert any(_loads_torch(rank) for rank in ranks), f"no rank of {name} loaded torch: {ranks}"
+
+
+# A GPU host's driver, faked: what a GPU config's service checks of its devices before its ranks.
+GPU_CHECK = """
+import sys
+import kvrelay.worker as worker
+
+worker._driver_device_count = lambda: 2
+worker.check_devices(["cuda:0", "cuda:1", "cpu"], "stages[1] (dit-0) devices")
+try:
+    worker.check_devices(["cuda:1", "cuda:2"], "stages[0] (ar-0) devices")
+    raise AssertionError("cuda:2 of 2 devices passed")
+except worker.DeviceUnavailable as err:
+    assert str(err) == "stages[0] (ar-0) devices: cuda:2 configured, but this host has 2 visible CUDA device(s)", err
+assert "torch" not in sys.modules, "checking the devices imported torch"
+"""
+
+
+def test_a_gpu_service_checks_its_devices_without_torch() -> None:
+    """Every GPU config (configs/h200-1gpu.yaml, debug-4gpu, reference-8gpu, compose-node) has
+    each service check its `cuda:N` devices before it spawns its ranks: through torch, that was a
+    torch import (and its CUDA libraries) in the service. The driver's count answers instead."""
+    done = subprocess.run([sys.executable, "-c", GPU_CHECK], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
