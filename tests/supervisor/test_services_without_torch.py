@@ -45,11 +45,12 @@ assert "torch" not in sys.modules, "the service imported torch before spawning i
 
 
 def _bagel_config(tmp: Path, model: dict[str, str]) -> Path:
-    """configs/single-node.yaml (the default of `kvrelay up`) on free ports, with `model`."""
+    """configs/single-node.yaml (the default of `kvrelay up`) on free ports, with `model` and the
+    page and staging memory of tests/configs/test-fast.yaml (CI's memory; no request is made)."""
     data = yaml.safe_load((REPO / DEFAULT_CONFIG).read_text())
     data["broker"].update(port=0, metrics_port=0, journal_path=str(tmp / "journal.sqlite"))
-    for stage in data["stages"]:
-        stage.update(port=0, metrics_port=0, model=model)
+    for stage, memory in zip(data["stages"], (16 << 20, 8 << 20), strict=True):
+        stage.update(port=0, metrics_port=0, model=model, kv_cache_memory_bytes=memory)
     path = tmp / "node.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
