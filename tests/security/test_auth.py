@@ -177,45 +177,30 @@ def test_rate_and_size_limits_on_a_kvrelay_server() -> None:
 
     from grpc_health.v1 import health_pb2
 
-    from kvrelay.security import RPC_RULES, RpcRule
-    from kvrelay.server import GrpcServer
+    from kvrelay.security import RPC_RULES, RpcRule, make_channel
+    from tests.security.stub_server import stub_server
 
     echo = "test.Echo"
-
-    async def unary(request: health_pb2.HealthCheckRequest, context: object) -> health_pb2.HealthCheckResponse:
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-    def add(_: object, server: grpc.aio.Server) -> None:
-        handler = grpc.unary_unary_rpc_method_handler(
-            unary, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-        )  # fmt: skip
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(echo, {"Unary": handler}),))
-
     creds = Credentials(replica_token="r", rate_limit_per_second=0.5, rate_limit_burst=2,
                         max_request_bytes=64 * 1024)  # fmt: skip
     rules = {**RPC_RULES, f"/{echo}/Unary": RpcRule(CallerClass.REPLICA, False, "none")}
 
     async def body() -> None:
-        server = GrpcServer("limits", "127.0.0.1", 0, [(add, None, echo)], credentials=creds, rules=rules)
-        await server.start()
-        try:
-            from kvrelay.security import make_channel
-
-            async with make_channel(server.address, ChannelSecurity(token="r"), max_request_bytes=1 << 20) as ch:
-                call = ch.unary_unary(f"/{echo}/Unary")
-                big = health_pb2.HealthCheckRequest(service="x" * (100 * 1024)).SerializeToString()
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call(big, timeout=5)
-                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                small = health_pb2.HealthCheckRequest(service="ok").SerializeToString()
+        async with (
+            stub_server(creds, {echo: ("Unary",)}, rules=rules, name="limits") as address,
+            make_channel(address, ChannelSecurity(token="r"), max_request_bytes=1 << 20) as ch,
+        ):
+            call = ch.unary_unary(f"/{echo}/Unary")
+            big = health_pb2.HealthCheckRequest(service="x" * (100 * 1024)).SerializeToString()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call(big, timeout=5)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            small = health_pb2.HealthCheckRequest(service="ok").SerializeToString()
+            await call(small, timeout=5)
+            await call(small, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(small, timeout=5)
-                await call(small, timeout=5)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call(small, timeout=5)
-                assert reason_of(err.value)[:2] == ("RESOURCE_EXHAUSTED", "RATE_LIMITED")
-        finally:
-            await server.stop(0.1)
+            assert reason_of(err.value)[:2] == ("RESOURCE_EXHAUSTED", "RATE_LIMITED")
 
     asyncio.run(body())
 
@@ -342,7 +327,12 @@ def test_a_token_or_secret_no_server_can_compare_is_refused_at_start(
     from kvrelay.config import SecurityConfig
     from tests.security.harness import REPO
 
-    for name in ("KVRELAY_API_TOKEN", "KVRELAY_OPERATOR_TOKEN", "KVRELAY_REPLICA_TOKEN", "KVRELAY_REPLICA_SECRET"):
+    for name in (
+        "KVRELAY_API_TOKEN",
+        "KVRELAY_OPERATOR_TOKEN",
+        "KVRELAY_REPLICA_TOKEN",
+        "KVRELAY_REPLICA_SECRET",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KVRELAY_REPLICA_TOKEN", "replica-token")
     monkeypatch.setenv("KVRELAY_OPERATOR_TOKEN", "op\udcff")
@@ -363,11 +353,19 @@ def test_a_token_or_secret_no_server_can_compare_is_refused_at_start(
     assert load_credentials(bound).replica_secret == "p\u00e4ssw\u00f6rd"
     (tmp_path / "secret").write_bytes(b"abc\xff\xfe")
     with pytest.raises(SecurityError, match="security.replica_secret_file: .* not UTF-8"):
-        load_credentials(SecurityConfig.model_validate({"replica_tokens": "bound", "replica_secret_file": str(tmp_path / "secret")}))
+        load_credentials(
+            SecurityConfig.model_validate(
+                {"replica_tokens": "bound", "replica_secret_file": str(tmp_path / "secret")}
+            )
+        )
 
     # The real broker: exit 2 naming the variable, not SERVING and failing every call.
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_") or k == "KVRELAY_LOG_FORMAT"}
-    env.update(KVRELAY_API_TOKEN="api-token", KVRELAY_REPLICA_TOKEN="replica-token", KVRELAY_OPERATOR_TOKEN="op\udcff")
+    env.update(
+        KVRELAY_API_TOKEN="api-token",
+        KVRELAY_REPLICA_TOKEN="replica-token",
+        KVRELAY_OPERATOR_TOKEN="op\udcff",
+    )
     out = subprocess.run(
         [sys.executable, "-m", "kvrelay", "broker", "--config", str(REPO / "tests/configs/test-fast.yaml"),
          "--port", "0", "--metrics-port", "0"],

@@ -6,57 +6,22 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
-from kvrelay.errors import reason_of
 from kvrelay.security import (
-    RPC_RULES,
     ChannelSecurity,
     Credentials,
     broker_call_token,
-    make_channel,
     put_kv_token,
     replica_token_for,
 )
-from kvrelay.server import GrpcServer
+from tests.security.stub_server import outcomes, stub_server
 
 SECRET = "the-brokers-secret-0123456789"
 DIT0 = replica_token_for(SECRET, "dit-0")
 
-# The methods a replica serves, each answered by a stub handler (the interceptor is what is tested).
+# The services of a replica, their methods answered by stubs (the interceptor is what is tested).
 _AR, _DIT = "kvrelay.v1.ArService", "kvrelay.v1.DitService"
-
-
-async def _ok(request: health_pb2.HealthCheckRequest, context: object) -> health_pb2.HealthCheckResponse:
-    return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-
-def _add(service: str, methods: tuple[str, ...]):  # type: ignore[no-untyped-def]
-    def add(_: object, server: grpc.aio.Server) -> None:
-        handler = grpc.unary_unary_rpc_method_handler(
-            _ok, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-        )  # fmt: skip
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, dict.fromkeys(methods, handler)),))
-
-    return add
-
-
-async def _outcomes(address: str, security: ChannelSecurity, method: str, calls: int) -> list[str]:
-    """The code and reason of `calls` calls of `method` in a row ("OK" for a success)."""
-    out = []
-    async with make_channel(address, security) as channel:
-        call = channel.unary_unary(method)
-        request = health_pb2.HealthCheckRequest().SerializeToString()
-        for _ in range(calls):
-            try:
-                await call(request, timeout=5)
-                out.append("OK")
-            except grpc.aio.AioRpcError as err:
-                out.append("/".join(reason_of(err)[:2]))
-    return out
 
 
 @pytest.mark.parametrize("mode", ["bound", "shared"])
@@ -78,23 +43,16 @@ def test_a_replica_does_not_rate_limit_the_brokers_orchestration(mode: str) -> N
         writer = ChannelSecurity(token="shared", replica_id="ar-0")
 
     async def body() -> None:
-        server = GrpcServer(
-            "replica", "127.0.0.1", 0,
-            [(_add(_AR, ("Tokenize", "Prefill")), None, _AR), (_add(_DIT, ("Denoise", "PutKv")), None, _DIT)],
-            credentials=server_creds, rules=RPC_RULES,
-        )  # fmt: skip
-        await server.start()
-        try:
+        stubs = {_AR: ("Tokenize", "Prefill"), _DIT: ("Denoise", "PutKv")}
+        async with stub_server(server_creds, stubs, name="replica") as address:
             for method in (f"/{_AR}/Tokenize", f"/{_AR}/Prefill", f"/{_DIT}/Denoise"):
-                assert await _outcomes(server.address, broker, method, 6) == ["OK"] * 6, method
+                assert await outcomes(address, broker, method, 6) == ["OK"] * 6, method
             # Another caller still has its bucket (2, then refused); on the broker's RPCs it is
             # refused for who it is once it is past the limit check.
-            assert await _outcomes(server.address, writer, f"/{_AR}/Tokenize", 3) == [
+            assert await outcomes(address, writer, f"/{_AR}/Tokenize", 3) == [
                 "PERMISSION_DENIED/PERMISSION_DENIED", "PERMISSION_DENIED/PERMISSION_DENIED",
                 "RESOURCE_EXHAUSTED/RATE_LIMITED",
             ]  # fmt: skip
-        finally:
-            await server.stop(0.1)
 
     asyncio.run(body())
 
@@ -106,14 +64,9 @@ def test_the_broker_is_rate_limited_on_the_other_rpcs_of_a_replica() -> None:
     broker = ChannelSecurity(token="shared", replica_id="broker")
 
     async def body() -> None:
-        server = GrpcServer("replica", "127.0.0.1", 0, [(_add(_DIT, ("PutKv",)), None, _DIT)],
-                            credentials=server_creds, rules=RPC_RULES)  # fmt: skip
-        await server.start()
-        try:
+        async with stub_server(server_creds, {_DIT: ("PutKv",)}, name="replica") as address:
             # PutKv is client-streaming in the real service; its rule and limit are the method's.
-            outcomes = await _outcomes(server.address, broker, f"/{_DIT}/PutKv", 2)
-            assert outcomes[1] == "RESOURCE_EXHAUSTED/RATE_LIMITED", outcomes
-        finally:
-            await server.stop(0.1)
+            got = await outcomes(address, broker, f"/{_DIT}/PutKv", 2)
+            assert got[1] == "RESOURCE_EXHAUSTED/RATE_LIMITED", got
 
     asyncio.run(body())

@@ -10,11 +10,9 @@ import asyncio
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
 from kvrelay.errors import reason_of
 from kvrelay.security import (
-    RPC_RULES,
     AuthInterceptor,
     ChannelSecurity,
     Credentials,
@@ -23,39 +21,11 @@ from kvrelay.security import (
     make_channel,
     replica_token_for,
 )
-from kvrelay.server import GrpcServer
+from tests.security.stub_server import outcomes, stub_server
 
 SECRET = "the-brokers-secret-0123456789"
 _BROKER = "kvrelay.v1.BrokerService"
 HEARTBEAT = f"/{_BROKER}/Heartbeat"
-
-
-async def _ok(request: health_pb2.HealthCheckRequest, context: object) -> health_pb2.HealthCheckResponse:
-    return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
-
-
-def _add_heartbeat(_: object, server: grpc.aio.Server) -> None:
-    # A stub Heartbeat under the real rule (replica; the interceptor is what is tested, and no
-    # ownership check is registered for it here).
-    handler = grpc.unary_unary_rpc_method_handler(
-        _ok, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-        response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-    )  # fmt: skip
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_BROKER, {"Heartbeat": handler}),))
-
-
-async def _outcomes(address: str, security: ChannelSecurity, calls: int) -> list[str]:
-    out = []
-    async with make_channel(address, security) as channel:
-        call = channel.unary_unary(HEARTBEAT)
-        request = health_pb2.HealthCheckRequest().SerializeToString()
-        for _ in range(calls):
-            try:
-                await call(request, timeout=5)
-                out.append("OK")
-            except grpc.aio.AioRpcError as err:
-                out.append("/".join(reason_of(err)[:2]))
-    return out
 
 
 LIMITED = "RESOURCE_EXHAUSTED/RATE_LIMITED"
@@ -80,15 +50,12 @@ def test_replicas_of_one_host_have_a_bucket_each_when_their_token_proves_the_id(
             return ChannelSecurity(token="shared", replica_id=rid)
 
     async def body() -> None:
-        server = GrpcServer("broker", "127.0.0.1", 0, [(_add_heartbeat, None, _BROKER)],
-                            credentials=server_creds, rules=RPC_RULES)  # fmt: skip
-        await server.start()
-        try:
-            assert await _outcomes(server.address, replica("ar-1"), 3) == ["OK", "OK", LIMITED]
-            second = await _outcomes(server.address, replica("ar-0"), 1)
+        # A stub Heartbeat under the real rule (replica; the interceptor is what is tested, and no
+        # ownership check is registered for it here).
+        async with stub_server(server_creds, {_BROKER: ("Heartbeat",)}, name="broker") as address:
+            assert await outcomes(address, replica("ar-1"), HEARTBEAT, 3) == ["OK", "OK", LIMITED]
+            second = await outcomes(address, replica("ar-0"), HEARTBEAT, 1)
             assert second == (["OK"] if mode == "bound" else [LIMITED])
-        finally:
-            await server.stop(0.1)
 
     asyncio.run(body())
 
@@ -98,19 +65,14 @@ def test_a_rate_limited_caller_is_told_whose_bucket_ran_dry() -> None:
                                rate_limit_per_second=0.01, rate_limit_burst=1)  # fmt: skip
 
     async def body() -> str:
-        server = GrpcServer("broker", "127.0.0.1", 0, [(_add_heartbeat, None, _BROKER)],
-                            credentials=server_creds, rules=RPC_RULES)  # fmt: skip
-        await server.start()
-        try:
+        async with stub_server(server_creds, {_BROKER: ("Heartbeat",)}, name="broker") as address:
             sec = ChannelSecurity(token=replica_token_for(SECRET, "dit-3"), replica_id="dit-3")
-            async with make_channel(server.address, sec) as channel:
+            async with make_channel(address, sec) as channel:
                 call = channel.unary_unary(HEARTBEAT)
                 await call(b"", timeout=5)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await call(b"", timeout=5)
                 return reason_of(err.value)[2]
-        finally:
-            await server.stop(0.1)
 
     message = asyncio.run(body())
     assert "replica dit-3" in message and "security.rate_limit_per_second" in message, message
@@ -120,7 +82,9 @@ def test_only_verified_credentials_name_an_identity() -> None:
     """Identities come from what a server verified: a bound token (for the id it was derived for),
     a certificate's common name, the operator token. The shared replica token and the api token
     are everyone's: no identity (the peer's address is the key)."""
-    bound = AuthInterceptor(Credentials(bound_replica_tokens=True, replica_secret=SECRET, operator_token="op"))
+    bound = AuthInterceptor(
+        Credentials(bound_replica_tokens=True, replica_secret=SECRET, operator_token="op")
+    )
 
     def ident(auth: AuthInterceptor, token: str, declared: str | None = None, cn: str | None = None) -> str:
         md = [("authorization", f"Bearer {token}")] + ([("kvrelay-replica-id", declared)] if declared else [])
