@@ -58,6 +58,20 @@ def wait_pools_full(client: Any, timeout: float = 20.0) -> list[Any]:
         time.sleep(0.05)
 
 
+def wait_broker(client: Any, timeout: float = 60.0) -> None:
+    """Until a (restarted) broker answers."""
+    from kvrelay.client import KvRelayError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.get_pools()
+            return
+        except KvRelayError:
+            assert time.monotonic() < deadline, "the broker did not come back"
+            time.sleep(0.1)
+
+
 def threads_of_the_ranks(config_path: Path) -> AbstractContextManager[int]:
     """torch_threads at the count the node's CPU ranks use (the node's cpu_share_env, else the
     environment's KVRELAY_THREADS_PER_RANK), for a local reference of the node's bits."""

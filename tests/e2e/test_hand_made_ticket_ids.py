@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +18,15 @@ import pytest
 from kvrelay.client import KvRelayClient, KvRelayError, ReplicaRole
 from kvrelay.errors import reason_of
 from kvrelay.v1 import broker_pb2, broker_pb2_grpc
-from tests.e2e.node import running_node, wait_pools_full
+from tests.e2e.node import running_node, wait_broker, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
 
-def _wait_broker(client: KvRelayClient, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.get_pools()
-            return
-        except KvRelayError:
-            assert time.monotonic() < deadline, "the broker did not come back"
-            time.sleep(0.1)
-
-
 def _generate(client: KvRelayClient, request_id: str) -> Any:
-    return client.generate("a red fox", seed=5, width=64, height=64, request_id=request_id, timeout=60).result()
+    return client.generate(
+        "a red fox", seed=5, width=64, height=64, request_id=request_id, timeout=60
+    ).result()
 
 
 def _refused_generate(client: KvRelayClient, request_id: str) -> str:
@@ -46,7 +36,9 @@ def _refused_generate(client: KvRelayClient, request_id: str) -> str:
     return info.value.message
 
 
-def test_generate_refuses_the_id_of_a_live_hand_made_ticket_before_and_after_a_broker_restart(tmp_path: Path) -> None:
+def test_generate_refuses_the_id_of_a_live_hand_made_ticket_before_and_after_a_broker_restart(
+    tmp_path: Path,
+) -> None:
     with running_node(tmp_path, "handids") as node, KvRelayClient(node.address(), timeout=30) as client:
         wait_pools_full(client)
         replicas = client.list_replicas()
@@ -71,7 +63,7 @@ def test_generate_refuses_the_id_of_a_live_hand_made_ticket_before_and_after_a_b
 
             broker_pid = node.process("broker").pid
             os.kill(broker_pid, signal.SIGKILL)
-            _wait_broker(client)
+            wait_broker(client)
             assert node.process("broker").pid != broker_pid
             # The restart ended the hand-made ticket's request (never armed: rolled back): the
             # id is free, and the generation made under it is served.

@@ -8,18 +8,16 @@ before the ticket is armed, rollback is legal and frees at once.
 
 from __future__ import annotations
 
-import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from kvrelay.client import GenerationState, KvRelayClient, KvRelayError, TicketState
 from tests.e2e.node import running_node, wait_pools_full
+from tests.e2e.stopped_writer import processes_of, signal_all, stop_a_writer_mid_write
 
 pytestmark = pytest.mark.slow
 
@@ -55,18 +53,10 @@ DIT_STALL_S = 4.0
 
 def _small_keepalive(cfg: dict[str, Any]) -> None:
     _small(cfg)
-    cfg.setdefault("security", {}).update(keepalive_time_seconds=KEEPALIVE_S, keepalive_timeout_seconds=KEEPALIVE_S)
+    cfg.setdefault("security", {}).update(
+        keepalive_time_seconds=KEEPALIVE_S, keepalive_timeout_seconds=KEEPALIVE_S
+    )
     cfg["stages"][1]["rank_stall_seconds"] = DIT_STALL_S
-
-
-def _ar_processes(node: Any) -> list[psutil.Process]:
-    main = psutil.Process(node.process("ar-0").pid)
-    return [main, *main.children(recursive=True)]
-
-
-def _signal_all(procs: list[psutil.Process], sig: int) -> None:
-    for proc in procs:
-        os.kill(proc.pid, sig)
 
 
 def _wait_replicas_up(client: KvRelayClient, timeout: float = 30.0) -> None:
@@ -83,52 +73,28 @@ def _ticket_states(client: KvRelayClient) -> dict[str, TicketState]:
 
 
 def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Path) -> None:
-    with running_node(tmp_path, "hung", _small_keepalive) as node, KvRelayClient(node.address(), timeout=30) as client:
+    with (
+        running_node(tmp_path, "hung", _small_keepalive) as node,
+        KvRelayClient(node.address(), timeout=30) as client,
+    ):
         total = wait_pools_full(client)[0].total_pages
-        procs = _ar_processes(node)
-        stopped_in: dict[str, Any] = {}
-        for attempt in range(6):
-            # Stop the whole AR replica (service + rank workers) the moment its ticket is armed.
-            armed = threading.Event()
-
-            def watch(armed: threading.Event = armed) -> None:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and not armed.is_set():
-                    for ticket in client.list_tickets():
-                        if ticket.state == TicketState.WRITING:
-                            _signal_all(procs, signal.SIGSTOP)
-                            stopped_in["ticket"] = ticket.ticket_id
-                            armed.set()
-                            return
-                    time.sleep(0.0005)
-
-            _wait_replicas_up(client)
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-            handle = client.generate(LONG + str(attempt), negative_prompt=LONG, seed=attempt, width=64, height=64,
-                                     timeout=60)
-            try:
-                handle.result()
-                outcome: KvRelayError | None = None
-            except KvRelayError as err:
-                outcome = err
-            armed.set()
-            watcher.join(5)
-            if "ticket" in stopped_in and outcome is not None:
-                break
-            if "ticket" in stopped_in:  # stopped just after the last report: nothing to test, retry
-                _signal_all(procs, signal.SIGCONT)
-                stopped_in.clear()
-            wait_pools_full(client)
-        else:
-            pytest.fail("never stopped the writer between arming and its reports")
+        stopped = stop_a_writer_mid_write(
+            node,
+            client,
+            lambda attempt: client.generate(
+                LONG + str(attempt), negative_prompt=LONG, seed=attempt, width=64, height=64, timeout=60
+            ),
+            before_attempt=lambda: _wait_replicas_up(client),
+        )
+        outcome = stopped.failure
         try:
-            ticket_id = stopped_in["ticket"]
+            ticket_id = stopped.ticket.ticket_id
             # The whole AR process is stopped, so it answers no keepalive pings either: the broker's
             # Prefill call ends UNAVAILABLE within 2 x KEEPALIVE_S (docs/operations.md, Keepalive),
             # before the DiT's 60 s receive timeout would. Either ends the request; neither proves the write over.
             assert (outcome.code, outcome.reason) in {
-                ("UNAVAILABLE", "REPLICA_UNAVAILABLE"), ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT")
+                ("UNAVAILABLE", "REPLICA_UNAVAILABLE"),
+                ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT"),
             }, outcome
             # The request is over, the pages are not: DRAINING, and a lease expiring proves nothing.
             time.sleep(2.5)  # > lease_seconds of the test config
@@ -137,7 +103,7 @@ def test_writer_stopped_mid_write_drains_then_late_completion_frees(tmp_path: Pa
             assert pool.draining_pages > 0 and pool.free_pages < total
             assert pool.free_pages + pool.reserved_pages + pool.draining_pages == total
         finally:
-            _signal_all(procs, signal.SIGCONT)
+            signal_all(stopped.procs, signal.SIGCONT)
         # The late completion resolves every write; after the quiet period the pages come back.
         wait_pools_full(client, timeout=30)
         assert ticket_id not in _ticket_states(client)
@@ -161,12 +127,15 @@ def _mooncake_patient(cfg: dict[str, Any]) -> None:
 
 
 def test_writer_stopped_before_arming_rolls_back_at_once(tmp_path: Path) -> None:
-    with running_node(tmp_path, "unarmed", _mooncake_patient) as node, KvRelayClient(node.address(), timeout=30) as client:
+    with (
+        running_node(tmp_path, "unarmed", _mooncake_patient) as node,
+        KvRelayClient(node.address(), timeout=30) as client,
+    ):
         total = wait_pools_full(client)[0].total_pages
-        main, *ranks = _ar_processes(node)
+        main, *ranks = processes_of(node, "ar-0")
         assert ranks, "the AR replica runs its model in rank worker processes"
         # Rank workers stopped: the prefill never finishes, ReserveTicket is never called.
-        _signal_all(ranks, signal.SIGSTOP)
+        signal_all(ranks, signal.SIGSTOP)
         try:
             handle = client.generate("never armed", seed=3, width=64, height=64, timeout=60)
             with pytest.raises(KvRelayError) as info:
@@ -176,7 +145,7 @@ def test_writer_stopped_before_arming_rolls_back_at_once(tmp_path: Path) -> None
             (pool,) = client.get_pools()
             assert pool.free_pages == total and pool.draining_pages == 0
         finally:
-            _signal_all(ranks, signal.SIGCONT)
+            signal_all(ranks, signal.SIGCONT)
         # The AR wakes up, finds its ticket over, writes nothing; the node keeps serving.
         _wait_replicas_up(client)
         result = client.generate("after the fault", seed=2, width=64, height=64, timeout=60).result()

@@ -17,25 +17,23 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
-from kvrelay.client import KvRelayClient, KvRelayError, Ticket, TicketState
-from tests.e2e.node import running_node, wait_pools_full
-from tests.e2e.test_writer_stopped_across_broker_kill import (
-    LONG_A,
+from kvrelay.client import KvRelayClient, Ticket, TicketState
+from tests.e2e.node import running_node, wait_broker, wait_pools_full
+from tests.e2e.stopped_writer import (
     LONG_B,
-    _config,
-    _generate,
-    _pages,
-    _processes,
-    _signal,
-    _wait_broker,
+    TicketWatcher,
+    generate_long,
+    pages_of,
+    processes_of,
+    signal_all,
+    stop_the_writer_of_a_long_request,
+    two_ars_one_long_request_at_a_time,
 )
 
 pytestmark = pytest.mark.slow
@@ -51,85 +49,44 @@ def _alive(procs: list[psutil.Process]) -> bool:
     return False
 
 
-class StaleMemoryWatcher(threading.Thread):
+class StaleMemoryWatcher(TicketWatcher):
     """While the writer is stopped, no live ticket may hold one of its pages in the memory of the
     DiT process it wrote to (while any process of that incarnation still lives)."""
 
-    def __init__(self, address: str, dit_id: str, dit_procs: list[psutil.Process], pages: set[tuple[int, int]]) -> None:
-        super().__init__(daemon=True)
-        self.client = KvRelayClient(address, timeout=5)
+    def __init__(
+        self, address: str, dit_id: str, dit_procs: list[psutil.Process], pages: set[tuple[int, int]]
+    ) -> None:
+        super().__init__(address)
         self.dit_id, self.dit_procs, self.pages = dit_id, dit_procs, pages
-        self.stop = threading.Event()
-        self.violations: list[str] = []
-        self.checks = 0
 
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                try:
-                    live = self.client.list_tickets()
-                except KvRelayError:  # the broker is restarting
-                    time.sleep(0.05)
-                    continue
-                for t in live:
-                    if t.dit_replica_id == self.dit_id and _pages(t) & self.pages and _alive(self.dit_procs):
-                        self.violations.append(
-                            f"ticket {t.ticket_id} ({t.state.name}) holds {len(_pages(t) & self.pages)} pages the stopped "
-                            "writer may still write, in the DiT process it writes to"
-                        )
-                self.checks += 1
-                time.sleep(0.01)
-        finally:
-            self.client.close()
+    def check(self, live: list[Ticket]) -> list[str]:
+        return [
+            f"ticket {t.ticket_id} ({t.state.name}) holds {len(pages_of(t) & self.pages)} pages the stopped "
+            "writer may still write, in the DiT process it writes to"
+            for t in live
+            if t.dit_replica_id == self.dit_id and pages_of(t) & self.pages and _alive(self.dit_procs)
+        ]
 
 
 def test_a_broker_restarted_without_its_journal_never_gives_a_stopped_writers_pages_to_a_new_ticket(
     tmp_path: Path,
 ) -> None:
-    with running_node(tmp_path, "lost", _config) as node, KvRelayClient(node.address(), timeout=30) as client:
+    with (
+        running_node(tmp_path, "lost", two_ars_one_long_request_at_a_time) as node,
+        KvRelayClient(node.address(), timeout=30) as client,
+    ):
         wait_pools_full(client)
-        reference = _generate(client, LONG_B, 11).result().png
-        stopped: dict[str, Any] = {}
-        for attempt in range(6):
-            armed = threading.Event()
-
-            def watch(armed: threading.Event = armed) -> None:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and not armed.is_set():
-                    for t in client.list_tickets():
-                        if t.state == TicketState.WRITING:
-                            procs = _processes(node, t.ar_replica_id)
-                            _signal(procs, signal.SIGSTOP)
-                            stopped.update(ticket=t, procs=procs)
-                            armed.set()
-                            return
-                    time.sleep(0.0005)
-
-            watcher = threading.Thread(target=watch, daemon=True)
-            watcher.start()
-            first = _generate(client, LONG_A + str(attempt), attempt)
-            try:
-                first.result()
-                failure: KvRelayError | None = None
-            except KvRelayError as err:
-                failure = err
-            armed.set()
-            watcher.join(5)
-            if stopped and failure is not None:
-                break
-            if stopped:  # stopped just after its last report: nothing to test, again
-                _signal(stopped["procs"], signal.SIGCONT)
-                stopped.clear()
-            wait_pools_full(client, timeout=30)
-        else:
-            pytest.fail("never stopped the writer between arming and its reports")
-        ticket: Ticket = stopped["ticket"]
-        held = _pages(ticket)
-        dit_procs = _processes(node, ticket.dit_replica_id)
+        reference = generate_long(client, LONG_B, 11).result().png
+        stopped = stop_the_writer_of_a_long_request(node, client)
+        failure, ticket = stopped.failure, stopped.ticket
+        held = pages_of(ticket)
+        dit_procs = processes_of(node, ticket.dit_replica_id)
         guard = StaleMemoryWatcher(node.address(), ticket.dit_replica_id, dit_procs, held)
         try:
             assert (failure.code, failure.reason) == ("DEADLINE_EXCEEDED", "TRANSFER_TIMEOUT"), failure
-            assert [t.state for t in client.list_tickets() if t.ticket_id == ticket.ticket_id] == [TicketState.DRAINING]
+            assert [t.state for t in client.list_tickets() if t.ticket_id == ticket.ticket_id] == [
+                TicketState.DRAINING
+            ]
             # Lose the journal: the broker stopped first, so that it cannot write it back.
             broker_pid = node.process("broker").pid
             os.kill(broker_pid, signal.SIGSTOP)
@@ -138,7 +95,7 @@ def test_a_broker_restarted_without_its_journal_never_gives_a_stopped_writers_pa
             for path in journal:
                 path.unlink()
             os.kill(broker_pid, signal.SIGKILL)
-            _wait_broker(client)
+            wait_broker(client)
             assert node.process("broker").pid != broker_pid
             guard.start()
             assert ticket.ticket_id not in {t.ticket_id for t in client.list_tickets()}  # the journal is gone
@@ -151,7 +108,7 @@ def test_a_broker_restarted_without_its_journal_never_gives_a_stopped_writers_pa
             ):
                 assert time.monotonic() < deadline, "no AR and DiT registered with the new broker"
                 time.sleep(0.05)
-            second = _generate(client, LONG_B, 11)
+            second = generate_long(client, LONG_B, 11)
             deadline = time.monotonic() + 30
             while not [t for t in client.list_tickets() if t.dit_replica_id == ticket.dit_replica_id]:
                 assert time.monotonic() < deadline, "the second request never got a ticket"
@@ -168,11 +125,13 @@ def test_a_broker_restarted_without_its_journal_never_gives_a_stopped_writers_pa
             ]:  # fmt: skip
                 time.sleep(0.005)
         finally:
-            _signal(stopped["procs"], signal.SIGCONT)
+            signal_all(stopped.procs, signal.SIGCONT)
             time.sleep(0.2)
             guard.stop.set()
         guard.join(10)
         # The canary first: the stale writer's bytes in the second request's pages change its image.
-        assert second.result().png == reference, "the second request's pages were written by the first's writer"
+        assert second.result().png == reference, (
+            "the second request's pages were written by the first's writer"
+        )
         assert guard.checks > 10 and guard.violations == [], guard.violations[:3]
         wait_pools_full(client, timeout=30)
