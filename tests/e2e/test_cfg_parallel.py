@@ -6,6 +6,7 @@ each DiT rank receives only its CFG row: half the bytes a rank of the cfg 1 repl
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,13 @@ def _no_cfg_parallel(cfg: dict[str, Any]) -> None:
 
 
 def _run(tmp_path: Path, name: str, edit: Any) -> tuple[Any, dict[int, int], Any, Any]:
-    with running_node(tmp_path, name, edit, base=CONFIG) as node, KvRelayClient(node.address(), timeout=60) as client:
-        result = client.generate(PROMPT, negative_prompt=NEGATIVE, seed=SEED, width=64, height=64, timeout=120).result()
+    with (
+        running_node(tmp_path, name, edit, base=CONFIG) as node,
+        KvRelayClient(node.address(), timeout=60) as client,
+    ):
+        result = client.generate(
+            PROMPT, negative_prompt=NEGATIVE, seed=SEED, width=64, height=64, timeout=120
+        ).result()
         pools = wait_pools_full(client)
         (ticket,) = client.list_tickets([TicketState.RELEASED])
         (dit,) = [r for r in client.list_replicas() if r.role.name == "DIT"]
@@ -40,8 +46,13 @@ def _run(tmp_path: Path, name: str, edit: Any) -> tuple[Any, dict[int, int], Any
 
 
 def test_cfg_parallel_node_image_equals_cfg1_and_halves_bytes_per_rank(tmp_path: Path) -> None:
-    plain, plain_bytes, plain_ticket, (plain_dit, plain_pools) = _run(tmp_path, "cfg1", _no_cfg_parallel)
-    split, split_bytes, split_ticket, (split_dit, split_pools) = _run(tmp_path, "cfg2", None)
+    # The two nodes run side by side (as in test_topologies.py): one's start-up and stop overlap
+    # the other's; neither's bits depend on the other (threads per rank: its own config).
+    with ThreadPoolExecutor(2) as pool:
+        plain_run = pool.submit(_run, tmp_path, "cfg1", _no_cfg_parallel)
+        split_run = pool.submit(_run, tmp_path, "cfg2", None)
+        plain, plain_bytes, plain_ticket, (plain_dit, plain_pools) = plain_run.result()
+        split, split_bytes, split_ticket, (split_dit, split_pools) = split_run.result()
 
     assert split_dit.cfg_parallel_size == 2 and plain_dit.cfg_parallel_size == 1
     # Same image: each row computed by its own rank, combined once per step (fp32; the rows are
