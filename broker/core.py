@@ -21,9 +21,10 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import secrets
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,10 @@ _FORGOTTEN_META = "forgotten_incarnations"
 _MAX_FORGOTTEN_PER_ID = 16
 # Idle incarnations forgotten by this process that may register again with a free pool (BrokerCore._forgotten_idle).
 _MAX_FORGOTTEN_IDLE = 1024
+# Probes kept per DiT replica (its heartbeat echoes the last it got; a few cover replies crossing).
+_PROBES_KEPT = 8
+# The soonest the broker asks a DiT for its next heartbeat while it waits for proof of its receivers.
+_PROOF_HEARTBEAT_MIN_SECONDS = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,12 +158,27 @@ class RegisterReply:
 
 
 @dataclass(frozen=True, slots=True)
+class ReceiverRun:
+    """What a DiT heartbeat says of its receiving processes (HeartbeatRequest.receiver_run): each
+    rank and the replica's own process had run without a stall for `stall_free_seconds` (their
+    minimum, on the replica's clock) when it was sent, after it got the reply carrying `probe`."""
+
+    probe: int
+    stall_free_seconds: float
+    ranks: int
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatReply:
     fenced: bool
     fence_reason: str
     lease_seconds: float
     # (ticket_id, write) of DRAINING tickets this replica writes: report them when they resolve.
     poll_writes: tuple[tuple[TicketId, WriteKey], ...]
+    # DiT: the number its next heartbeat echoes (ReceiverRun.probe); 0 for an AR, or proofs off.
+    probe: int = 0
+    # DiT, > 0: a ticket waits for proof that its receivers drained: heartbeat again this soon.
+    next_heartbeat_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +211,7 @@ class BrokerCore:
         lease_seconds: float = 10.0,
         drain_quiet_seconds: float = 2.0,
         receiver_settle_seconds: float = 0.0,
+        receiver_proof_window_seconds: float | None = None,
         registration_token: str | None = None,
         verify_checksums: bool = True,
         layout_version: int = LAYOUT_VERSION,
@@ -218,6 +239,24 @@ class BrokerCore:
         # proof, and for the DiT replica to be up: a stopped DiT rank may still hold the dead
         # sender's bytes in its socket buffer (KvRelayConfig.receiver_settle_seconds). 0: off.
         self.receiver_settle_seconds = receiver_settle_seconds
+        # ...unless a heartbeat of that DiT, sent this long after the resolution, proves that each
+        # of its receiving processes ran without a stall for this long
+        # (KvRelayConfig.receiver_proof_window_seconds; `_receiver_proof`). None: never (the whole
+        # settle time, always).
+        self.receiver_proof_window_seconds = receiver_proof_window_seconds
+        # The next probe number (random start: an echo of an earlier broker process's number
+        # matches nothing here), and each DiT's recent probes with when they were made, per
+        # incarnation. Not journaled: after a restart, nothing echoed before it proves anything.
+        self._probe_next = secrets.randbits(52) + 1
+        self._probes: dict[ReplicaId, tuple[str, deque[tuple[int, float]]]] = {}
+        # Tickets whose receivers were proven drained after the resolution time kept here (a later
+        # resolution needs a proof of its own). Tickets restored from the journal get none: a
+        # restart keeps the whole settle time.
+        self._receiver_drained: dict[TicketId, float] = {}
+        self._restored_unsettled: set[TicketId] = set()
+        # Tickets with a FAILED or WRITER_GONE write released after proof / after the settle time.
+        self.receiver_settled_early_total = 0
+        self.receiver_settled_full_total = 0
         # (AR, DiT) pairs whose last transfer failed: (avoid until, backoff) (`note_transfer_failed`).
         self._suspect_links: dict[tuple[ReplicaId, ReplicaId], tuple[float, float]] = {}
         self.registration_token = registration_token or None
@@ -460,9 +499,14 @@ class BrokerCore:
         )
 
     def heartbeat(
-        self, replica_id: ReplicaId, incarnation_id: str, unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = ()
+        self,
+        replica_id: ReplicaId,
+        incarnation_id: str,
+        unresolved_writes: Iterable[tuple[TicketId, WriteKey]] = (),
+        receiver_run: ReceiverRun | None = None,
     ) -> HeartbeatReply:
-        """Renew the lease; while DRAINING tickets exist, ask the writer about their writes."""
+        """Renew the lease; while DRAINING tickets exist, ask the writer about their writes. A DiT's
+        `receiver_run` may prove that its receivers drained (`_receiver_proof`)."""
         try:
             record = self.registry.heartbeat(replica_id, incarnation_id, self.clock(), self.lease_seconds)
         except FailedPrecondition as err:
@@ -492,7 +536,56 @@ class BrokerCore:
                     and t.armed_incarnation == incarnation_id
                 ):
                     poll.extend((t.ticket_id, k) for k in t.unresolved())
-        return HeartbeatReply(record.fenced, record.fence_reason, self.lease_seconds, tuple(poll))
+        probe, soon = 0, 0.0
+        if record.spec.role is ReplicaRole.DIT and self.receiver_proof_window_seconds is not None:
+            probe, soon = self._receiver_proof(record, receiver_run, self.clock())
+        return HeartbeatReply(record.fenced, record.fence_reason, self.lease_seconds, tuple(poll), probe, soon)
+
+    def _receiver_proof(self, record: ReplicaRecord, run: ReceiverRun | None, now: float) -> tuple[int, float]:
+        """A DiT heartbeat received at `now`: note the tickets of that DiT whose receivers it
+        proves drained, make its next probe, and say how soon the next heartbeat could prove more.
+
+        A ticket with a FAILED or WRITER_GONE write resolved (last) at R is proven when the
+        heartbeat echoes a probe made at or after R + window (so it was sent then or later,
+        whatever the network delayed), covers every rank, and reports each receiving process
+        stall-free for at least window: each then ran, since R or since its last stall after R,
+        for the drain margin past the longest stop its beat misses (docs/broker.md, Draining).
+        Durations only: nothing compares the replica's clock with the broker's."""
+        window = self.receiver_proof_window_seconds
+        assert window is not None
+        replica_id, incarnation = record.spec.replica_id, record.spec.incarnation_id
+        kept = self._probes.get(replica_id)
+        if kept is None or kept[0] != incarnation:
+            kept = self._probes[replica_id] = (incarnation, deque(maxlen=_PROBES_KEPT))
+        issued = None
+        if run is not None and run.probe:
+            issued = next((at for number, at in kept[1] if number == run.probe), None)
+        complete = run is not None and run.ranks == record.spec.world_size
+        stall_free = run.stall_free_seconds if run is not None and math.isfinite(run.stall_free_seconds) else 0.0
+        soonest = math.inf
+        for t in self._tickets.values():
+            resolved = t.last_resolution_time
+            if (
+                t.dit_replica_id != replica_id
+                or t.dit_incarnation != incarnation
+                or resolved is None
+                or t.ticket_id in self._restored_unsettled
+                or self._receiver_drained.get(t.ticket_id) == resolved
+                or t.unresolved()
+                or not t.receiver_unsettled_writes()
+            ):
+                continue
+            if complete and issued is not None and issued >= resolved + window and stall_free >= window:
+                self._receiver_drained[t.ticket_id] = resolved
+                log.info("receiver_drain_proven", ticket_id=t.ticket_id, replica_id=replica_id,
+                         after_seconds=round(now - resolved, 3), stall_free_seconds=round(stall_free, 3))  # fmt: skip
+            elif complete and now < resolved + self.receiver_settle_seconds:
+                # When a probe made now, echoed, could prove it (a stall-free run grows meanwhile).
+                soonest = min(soonest, max(resolved + window - now, window - stall_free))
+        number = self._probe_next
+        self._probe_next += 1
+        kept[1].append((number, now))
+        return number, 0.0 if soonest == math.inf else max(soonest, _PROOF_HEARTBEAT_MIN_SECONDS)
 
     def _forget_idle_replicas(self, now: float, keep: ReplicaId) -> None:
         """Make room in a full registry: forget every replica `forget_refusal` allows (not up, not
@@ -682,7 +775,7 @@ class BrokerCore:
                 t.end_request(TicketOutcome.FAILED, REPLICA_FORGOTTEN, now, self._quiet_seconds(t, now))
             else:
                 continue
-            self._settle(t, old)
+            self._settle(t, old, memory_gone=t.dit_replica_id == replica_id)
             changed.append(t)
         pool = self._pools.get(replica_id)
         if pool is not None:
@@ -712,6 +805,7 @@ class BrokerCore:
                     self._forgotten_idle.popitem(last=False)
             self.registry.forget(replica_id)
             self._pools.pop(replica_id, None)
+            self._probes.pop(replica_id, None)
             self._kept_down.pop(replica_id, None)
             for link in [k for k in self._suspect_links if replica_id in k]:
                 del self._suspect_links[link]
@@ -1391,11 +1485,19 @@ class BrokerCore:
             dit = self.registry.find(t.dit_replica_id)
             if dit is not None and not dit.up(now):
                 return math.inf
-            quiet = max(quiet, self.receiver_settle_seconds)
+            if not self._receiver_proven(t):
+                quiet = max(quiet, self.receiver_settle_seconds)
         return quiet
 
-    def _settle(self, t: TicketRecord, old: TicketState) -> None:
-        """Move the ticket's pages to match its new state."""
+    def _receiver_proven(self, t: TicketRecord) -> bool:
+        """Whether a heartbeat of the ticket's DiT proved its receivers drained after its last
+        resolution (`_receiver_proof`): then its pages wait only the plain quiet period."""
+        resolved = t.last_resolution_time
+        return resolved is not None and self._receiver_drained.get(t.ticket_id) == resolved
+
+    def _settle(self, t: TicketRecord, old: TicketState, *, memory_gone: bool = False) -> None:
+        """Move the ticket's pages to match its new state. `memory_gone`: released because its
+        DiT's memory is gone (a new incarnation, a forget by force), not by its quiet period."""
         new = t.state
         if old is new:
             return
@@ -1405,6 +1507,16 @@ class BrokerCore:
             pool.mark_draining(_row_pages(t))
         elif new is TicketState.RELEASED:
             pool.free(_row_pages(t))
+            if not memory_gone and self.receiver_settle_seconds > 0 and t.receiver_unsettled_writes():
+                early = self._receiver_proven(t)
+                if early:
+                    self.receiver_settled_early_total += 1
+                else:
+                    self.receiver_settled_full_total += 1
+                resolved = t.last_resolution_time
+                log.info("receiver_settle_ended", ticket_id=t.ticket_id, replica_id=t.dit_replica_id,
+                         how="proven_drained" if early else "settle_time",
+                         after_seconds=None if resolved is None else round(self.clock() - resolved, 3))  # fmt: skip
 
     def _replan(self, t: TicketRecord) -> tuple[PlannedWrite, ...]:
         dit = self.registry.get(t.dit_replica_id).spec
@@ -1468,6 +1580,8 @@ class BrokerCore:
 
     def _retire(self, t: TicketRecord) -> None:
         del self._tickets[t.ticket_id]
+        self._receiver_drained.pop(t.ticket_id, None)
+        self._restored_unsettled.discard(t.ticket_id)
         self._plans.pop(t.ticket_id, None)
         if self._by_request.get(t.request_id) == t.ticket_id:
             del self._by_request[t.request_id]
@@ -1505,7 +1619,7 @@ class BrokerCore:
                 if t.dit_replica_id == spec.replica_id:
                     old = t.state
                     t.destination_gone(DIT_REPLICA_RESTARTED, now)
-                    self._settle(t, old)
+                    self._settle(t, old, memory_gone=True)
                     changed.append(t)
             pool = self._pools.get(spec.replica_id)
             if pool is not None:
@@ -1610,6 +1724,9 @@ class BrokerCore:
             # now: a restart may delay a free, never bring one forward (docs/broker.md, Clock).
             if t.last_resolution_time is not None and t.receiver_unsettled_writes():
                 t.last_resolution_time = now
+                # No proof of its receivers counts either (none was journaled, and one made now
+                # could not tell whether they ran before the restart): the whole settle time.
+                self._restored_unsettled.add(t.ticket_id)
         for t in restored:
             # The orchestrator that owned these requests died with the broker: end them. An armed
             # ticket drains until its writes are resolved; it is never silently freed.

@@ -82,6 +82,7 @@ async def serve(
             lease_seconds=b.lease_seconds,
             drain_quiet_seconds=b.drain_quiet_seconds,
             receiver_settle_seconds=cfg.receiver_settle_seconds,
+            receiver_proof_window_seconds=cfg.receiver_proof_window_seconds,
             registration_token=creds.replica_token,
             verify_checksums=cfg.dit_stage.verify_checksums,
             # Commits are written by the journal's own thread, several per fsync, and every reply

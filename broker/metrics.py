@@ -84,6 +84,17 @@ class BrokerCollector(Collector):
             fenced.add_metric([status.spec.replica_id], 1.0 if status.fenced else 0.0)
         yield up
         yield fenced
+        # Tickets with a FAILED or WRITER_GONE write, by how their pages came back: a heartbeat of
+        # their DiT proved its receivers drained, or they waited receiver_settle_seconds.
+        settled = CounterMetricFamily(
+            "kvrelay_receiver_settle",
+            "Tickets with a FAILED or WRITER_GONE write released, by how (proven_drained: a DiT heartbeat "
+            "proved every receiver ran; settle_time: the whole receiver_settle_seconds)",
+            labels=["how"],
+        )
+        settled.add_metric(["proven_drained"], core.receiver_settled_early_total)
+        settled.add_metric(["settle_time"], core.receiver_settled_full_total)
+        yield settled
 
         if self.rpc_counts is not None:
             rpcs = CounterMetricFamily(

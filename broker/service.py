@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvrelay.broker.core import Arming, BrokerCore, PoolStatus, ReportedWrite
+from kvrelay.broker.core import Arming, BrokerCore, PoolStatus, ReceiverRun, ReportedWrite
 from kvrelay.broker.credential_reload import BrokerSecrets
 from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.registry import (
@@ -692,9 +692,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
         if request.unresolved_writes and record is not None:  # unknown: the core answers NOT_FOUND
             self.core.check_listing(record.spec, writes=len(request.unresolved_writes))
             check_listed_ids(request)
+        run = request.receiver_run
         reply = self.core.heartbeat(
             request.replica_id, request.incarnation_id,
             [_write_key(k) for k in request.unresolved_writes] if record is not None else [],
+            ReceiverRun(run.probe, run.stall_free_seconds, run.ranks) if request.HasField("receiver_run") else None,
         )  # fmt: skip
         # Its record (registered, fenced) and, for an AR, the tickets it writes (which it is polled
         # about, and which not); the lease is never journaled.
@@ -713,6 +715,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServiceServicer):
             lease_seconds=reply.lease_seconds,
             credential_superseded=superseded,
             credential_grace_seconds=grace,
+            probe=reply.probe,
+            next_heartbeat_seconds=reply.next_heartbeat_seconds,
             poll_writes=[
                 common_pb2.WriteKey(ticket_id=tid, row=k.row, src_rank=k.src_rank, dst_rank=k.dst_rank)
                 for tid, k in reply.poll_writes

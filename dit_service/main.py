@@ -125,7 +125,9 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     from kvrelay.worker import (
         DeviceUnavailable,
         ReplicaLock,
+        StallFreeRun,
         WorkerGroup,
+        beat_stall_free_run,
         check_devices,
         collective_timeout_s,
         replica_lock_path,
@@ -194,6 +196,10 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     registration: Registration | None = None
     channel = None
     watchdog: asyncio.Task[None] | None = None
+    # This process receives too (the gRPC-stream fallback's PutKv): its own stall-free run,
+    # reported with its ranks' in every heartbeat (docs/broker.md, Draining).
+    process_run = StallFreeRun()
+    process_beat = asyncio.get_running_loop().create_task(beat_stall_free_run(process_run), name="dit-process-beat")
     killing: list[asyncio.Future[None]] = []
     config_error = False
     try:
@@ -279,11 +285,16 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
             if refused or (stop.phase == "serving" and stopper.fail_reason is None and not stop.requested):
                 await server.set_serving(not refused)
 
+        def receiver_run(group: WorkerGroup = group) -> tuple[float, int]:
+            ranks = group.stall_free_s()
+            return min([process_run.seconds(), *ranks]), len(ranks)
+
         registration = Registration(
             stub, info, interval_s=cfg.broker.heartbeat_interval, token=creds.replica_token,
             on_fenced=stopper.fail_stop, held_tickets=servicer.held_tickets,
             owed_releases=servicer.owed_releases, highest_sequence=lambda: servicer.fence.highest_sequence,
             credential=BrokerCredentialWatch(replica_id, on_change=on_credential_refused, token=token),
+            receiver_run=receiver_run,
         )
 
         def on_token_swap(new: Credentials, registration: Registration = registration) -> None:
@@ -343,6 +354,7 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         stopper.fail_stop(f"startup failed: {err}")
     finally:
+        process_beat.cancel()
         if watchdog is not None:
             watchdog.cancel()
         failed = stopper.fail_reason is not None

@@ -124,8 +124,14 @@ class Registration:
         owed_releases: Callable[[], Sequence[broker_pb2.OwedRelease]] = lambda: (),
         highest_sequence: Callable[[], int] = lambda: 0,
         credential: BrokerCredentialWatch | None = None,
+        receiver_run: Callable[[], tuple[float, int]] | None = None,
     ) -> None:
         self.stub = stub
+        # (stall-free seconds, ranks): the minimum over every receiving process of this replica of
+        # how long it has run without a stall, and how many ranks it covers (docs/broker.md,
+        # Draining); sent with the last probe the broker gave (`_probe`) in every heartbeat.
+        self.receiver_run = receiver_run
+        self._probe = 0
         self.info = info
         self.interval_s = interval_s
         self.token = token or ""
@@ -195,14 +201,31 @@ class Registration:
     def start_heartbeats(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._heartbeat_loop(), name="dit-heartbeat")
 
+    def heartbeat_request(self) -> broker_pb2.HeartbeatRequest:
+        """This replica's heartbeat. Its receiver run is measured now, after the probe it echoes
+        arrived: so it holds at a moment after the broker made that probe's reply."""
+        request = broker_pb2.HeartbeatRequest(replica_id=self.info.replica_id, incarnation_id=self.info.incarnation_id)
+        if self.receiver_run is not None:
+            stall_free, ranks = self.receiver_run()
+            request.receiver_run.CopyFrom(
+                broker_pb2.ReceiverRun(probe=self._probe, stall_free_seconds=stall_free, ranks=ranks)
+            )
+        return request
+
+    def next_delay(self, reply: broker_pb2.HeartbeatResponse | None) -> float:
+        """The usual interval, or sooner when the broker waits for proof that the receivers drained
+        (HeartbeatResponse.next_heartbeat_seconds; it asks no more often than every 0.2 s)."""
+        if reply is not None and 0 < reply.next_heartbeat_seconds < self.interval_s:
+            return max(reply.next_heartbeat_seconds, 0.05)
+        return self.interval_s
+
     async def _heartbeat_loop(self) -> None:
+        delay = self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(delay)
+            delay = self.interval_s
             try:
-                reply = await self.stub.Heartbeat(
-                    broker_pb2.HeartbeatRequest(replica_id=self.info.replica_id, incarnation_id=self.info.incarnation_id),
-                    timeout=RPC_TIMEOUT_S,
-                )
+                reply = await self.stub.Heartbeat(self.heartbeat_request(), timeout=RPC_TIMEOUT_S)
             except grpc.aio.AioRpcError as err:
                 if await self.credential.answered("Heartbeat", err):
                     # A rotated replica secret, or another id's token: logged with the fix (rate
@@ -225,6 +248,9 @@ class Registration:
                 log.warning("heartbeat_failed", code=err.code().name, details=err.details())
                 continue
             await self.credential.accepted()
+            if reply.probe:
+                self._probe = reply.probe
+            delay = self.next_delay(reply)
             if reply.credential_superseded:
                 # The broker rotated its credentials: take the new token from the file before its grace ends.
                 await self.credential.superseded(reply.credential_grace_seconds)

@@ -84,6 +84,14 @@ MIN_LEASE_SECONDS = 0.5
 # The shortest rank_stall_seconds a config may set: four liveness beats (kvrelay.worker beats
 # every 0.5 s), so a beat a loaded host schedules late is not taken for a stopped rank.
 MIN_RANK_STALL_SECONDS = 2.0
+# A liveness beat gap longer than this (three of kvrelay.worker's 0.5 s beats) ends a process's
+# stall-free run: it was stopped (SIGSTOP, a frozen cgroup or VM), starved, or held in a native
+# call that long. Shorter stops go unseen, so receiver_proof_window_seconds adds this gap.
+STALL_GAP_SECONDS = 1.5
+# The receiver's drain margin: a DiT rank (or the DiT's service process, which receives the
+# gRPC-stream fallback) that runs reads what its socket holds within this long. Part of
+# receiver_settle_seconds, and of receiver_proof_window_seconds (docs/broker.md, Draining).
+RECEIVER_DRAIN_MARGIN_SECONDS = 1.0
 
 
 class BrokerConfig(_Strict):
@@ -510,8 +518,20 @@ class KvRelayConfig(_Strict):
         ended, not the receiving), the broker holds its ticket's pages, and only frees them while
         the DiT replica is up: a DiT rank stopped at that moment may hold bytes of the sender in
         its socket buffer; it either runs again (and drains them) or stays silent until its
-        watchdog kills it, within the DiT's stall limit plus one watch interval. One second of margin for the kill and the drain."""
-        return self.rank_stall_seconds_for(self.dit_stage) + self.rank_watch_interval + 1.0
+        watchdog kills it, within the DiT's stall limit plus one watch interval. One second of margin
+        for the kill and the drain (RECEIVER_DRAIN_MARGIN_SECONDS). Paid only without proof that
+        every receiver ran: `receiver_proof_window_seconds`."""
+        return self.rank_stall_seconds_for(self.dit_stage) + self.rank_watch_interval + RECEIVER_DRAIN_MARGIN_SECONDS
+
+    @property
+    def receiver_proof_window_seconds(self) -> float:
+        """How long every receiving process of a DiT replica (each rank, and its service process)
+        must have run without a stall, reported by a heartbeat sent at least this long after a
+        FAILED or WRITER_GONE write was resolved, for the broker to free that write's pages before
+        `receiver_settle_seconds`: the drain margin, plus the beat gap under which a stop goes
+        unseen (STALL_GAP_SECONDS), so that a stop shorter than that gap which
+        overlapped the resolution has ended and been drained too (docs/broker.md, Draining)."""
+        return RECEIVER_DRAIN_MARGIN_SECONDS + STALL_GAP_SECONDS
 
     def rank_stall_seconds_for(self, stage: StageConfig) -> float:
         """How long a rank of `stage` may be silent before its replica fail-stops: the stage's

@@ -40,6 +40,10 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+# A beat gap over this starts a new stall-free run (StallFreeRun); the broker's proof window adds
+# it for the stops it misses (KvRelayConfig.receiver_proof_window_seconds, docs/broker.md, Draining).
+from kvrelay.config import STALL_GAP_SECONDS
+
 if TYPE_CHECKING:
     from kvrelay.models.parallel import TpGroup
 
@@ -482,25 +486,72 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _start_beats(beats: Any, rank: int, interval_s: float) -> None:
+class StallFreeRun:
+    """The start of one process's current stall-free run, kept by its own beat (CLOCK_MONOTONIC):
+    a beat that comes more than `gap_s` after the one before starts a new run. Only its own clock
+    and its own beats: no cross-process or cross-host time."""
+
+    def __init__(self, gap_s: float = STALL_GAP_SECONDS, now: float | None = None) -> None:
+        self.gap_s = gap_s
+        self.last_beat = self.since = time.monotonic() if now is None else now
+
+    def beat(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if now - self.last_beat > self.gap_s:
+            self.since = now
+        self.last_beat = now
+
+    def seconds(self, now: float | None = None) -> float:
+        """How long it has run without a stall, 0 while it may be stalled now (no beat for `gap_s`)."""
+        return stall_free_seconds(self.last_beat, self.since, self.gap_s, now)
+
+
+def stall_free_seconds(last_beat: float, since: float, gap_s: float, now: float | None = None) -> float:
+    """How long a process whose last beat was at `last_beat` and whose run began at `since` (both
+    CLOCK_MONOTONIC) has run without a stall: 0 once its beat is silent over `gap_s` (it may be
+    stopped now; its next beat starts a new run)."""
+    now = time.monotonic() if now is None else now
+    if now - last_beat > gap_s:
+        return 0.0
+    return max(0.0, now - since)
+
+
+async def beat_stall_free_run(run: StallFreeRun, interval_s: float = 0.5) -> None:
+    """A service process's own beat, on its event loop, until cancelled: a stop of the process,
+    or a loop blocked past the gap (what it serves, the gRPC-stream fallback's PutKv included,
+    waits meanwhile), starts a new run."""
+    while True:
+        run.beat()
+        await asyncio.sleep(interval_s)
+
+
+def _start_beats(beats: Any, rank: int, interval_s: float, runs: Any = None) -> None:
     """Write this rank's liveness beat (CLOCK_MONOTONIC, one clock for every process of the host)
     from a thread of its own: it keeps beating while the main thread runs a long command, and
-    stops only when the whole process does (stopped, frozen, or dead)."""
+    stops only when the whole process does (stopped, frozen, or dead). With `runs`, also the start
+    of its stall-free run (StallFreeRun), written before the beat that ends a gap, so that a
+    reader never sees the fresh beat with the old run."""
 
     def beat() -> None:
+        last = time.monotonic()
         while True:
-            beats[rank] = time.monotonic()
+            now = time.monotonic()
+            if runs is not None and now - last > STALL_GAP_SECONDS:
+                runs[rank] = now
+            beats[rank] = now
+            last = now
             time.sleep(interval_s)
 
     threading.Thread(target=beat, name="kvrelay-rank-beat", daemon=True).start()
 
 
 def _rank_main(
-    spec: _RankSpec, conn: Connection, factory_bytes: bytes, lock_fd: int | None, beats: Any = None
+    spec: _RankSpec, conn: Connection, factory_bytes: bytes, lock_fd: int | None, beats: Any = None,
+    runs: Any = None,
 ) -> None:
     _die_with_parent(spec.parent_pid)
     if beats is not None:
-        _start_beats(beats, spec.rank, spec.beat_interval_s)
+        _start_beats(beats, spec.rank, spec.beat_interval_s, runs)
     # The service orchestrates shutdown (Stop, or PDEATHSIG when it dies); a terminal's Ctrl-C
     # reaching the workers directly would kill them mid-collective and bury the real error.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -748,6 +799,7 @@ class WorkerGroup:
         self.error_grace_s = error_grace_s
         self.beat_interval_s = beat_interval_s
         self._beats: Any = None  # ctypes double[world_size] shared with the ranks, set by start()
+        self._runs: Any = None  # each rank's stall-free run start (StallFreeRun), likewise
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._call_lock = threading.Lock()
@@ -783,8 +835,9 @@ class WorkerGroup:
         init_address = f"tcp://127.0.0.1:{free_port()}"
         lock_arg = _InheritedFd(self._lock.fileno()) if self._lock is not None else None
         self._beats = ctx.RawArray("d", self.world_size)
+        self._runs = ctx.RawArray("d", self.world_size)
         for rank in range(self.world_size):
-            self._beats[rank] = time.monotonic()  # silence is counted from the spawn
+            self._beats[rank] = self._runs[rank] = time.monotonic()  # silence is counted from the spawn
         child_conns = []
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -802,7 +855,7 @@ class WorkerGroup:
             )
             proc = ctx.Process(
                 target=_rank_main,
-                args=(spec, child_conn, self._factory_bytes, lock_arg, self._beats),
+                args=(spec, child_conn, self._factory_bytes, lock_arg, self._beats, self._runs),
                 name=f"{self._name}-{rank}",
                 daemon=True,
             )
@@ -1033,6 +1086,23 @@ class WorkerGroup:
             return [0.0] * self.world_size
         now = time.monotonic()
         return [max(0.0, now - float(self._beats[r])) for r in range(self.world_size)]
+
+    def stall_free_s(self) -> list[float]:
+        """How long each live rank has run without a stall (`stall_free_seconds`: 0 while its beat
+        is silent over STALL_GAP_SECONDS), one entry per rank that runs: none before `start()`,
+        after a stop, or for a rank that exited (its replica fails stop then)."""
+        if self._beats is None or self._runs is None or self._stopped or self._broken is not None:
+            return []
+        now = time.monotonic()
+        runs = []
+        for rank, proc in enumerate(self._procs):
+            if proc.pid is None or not proc.is_alive():
+                continue
+            # The beat first: the rank writes a new run before the beat that ends its gap, so a
+            # run read after a fresh beat is that beat's (an old beat reads as stalled anyway).
+            beat = float(self._beats[rank])
+            runs.append(stall_free_seconds(beat, float(self._runs[rank]), STALL_GAP_SECONDS, now))
+        return runs
 
     def check_alive(self, max_silence_s: float, observed_since: float | None = None) -> None:
         """Fail stop the group if a rank exited, its beat was silent over `max_silence_s`, or it left a

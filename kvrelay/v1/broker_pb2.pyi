@@ -115,30 +115,46 @@ class RegisterReplicaResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ..., fenced: bool = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("replica_id", "incarnation_id", "unresolved_writes")
+    __slots__ = ("replica_id", "incarnation_id", "unresolved_writes", "receiver_run")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     UNRESOLVED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_RUN_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     incarnation_id: str
     unresolved_writes: _containers.RepeatedCompositeFieldContainer[_common_pb2.WriteKey]
-    def __init__(self, replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., unresolved_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ...) -> None: ...
+    receiver_run: ReceiverRun
+    def __init__(self, replica_id: _Optional[str] = ..., incarnation_id: _Optional[str] = ..., unresolved_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., receiver_run: _Optional[_Union[ReceiverRun, _Mapping]] = ...) -> None: ...
+
+class ReceiverRun(_message.Message):
+    __slots__ = ("probe", "stall_free_seconds", "ranks")
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    STALL_FREE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    probe: int
+    stall_free_seconds: float
+    ranks: int
+    def __init__(self, probe: _Optional[int] = ..., stall_free_seconds: _Optional[float] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("fenced", "lease_seconds", "poll_writes", "fence_reason", "credential_superseded", "credential_grace_seconds")
+    __slots__ = ("fenced", "lease_seconds", "poll_writes", "fence_reason", "credential_superseded", "credential_grace_seconds", "probe", "next_heartbeat_seconds")
     FENCED_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     POLL_WRITES_FIELD_NUMBER: _ClassVar[int]
     FENCE_REASON_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_SUPERSEDED_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     fenced: bool
     lease_seconds: float
     poll_writes: _containers.RepeatedCompositeFieldContainer[_common_pb2.WriteKey]
     fence_reason: str
     credential_superseded: bool
     credential_grace_seconds: float
-    def __init__(self, fenced: bool = ..., lease_seconds: _Optional[float] = ..., poll_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., fence_reason: _Optional[str] = ..., credential_superseded: bool = ..., credential_grace_seconds: _Optional[float] = ...) -> None: ...
+    probe: int
+    next_heartbeat_seconds: float
+    def __init__(self, fenced: bool = ..., lease_seconds: _Optional[float] = ..., poll_writes: _Optional[_Iterable[_Union[_common_pb2.WriteKey, _Mapping]]] = ..., fence_reason: _Optional[str] = ..., credential_superseded: bool = ..., credential_grace_seconds: _Optional[float] = ..., probe: _Optional[int] = ..., next_heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class DeregisterReplicaRequest(_message.Message):
     __slots__ = ("replica_id", "incarnation_id")

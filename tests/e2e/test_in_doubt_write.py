@@ -185,6 +185,9 @@ SETTLE_STALL_S = 75.0
 # How long the AR's engine may take to give up on the batch and the AR to report it: 5 s quiet,
 # ~20 s after the request failed on a loaded CI run (ar-0 logged in_doubt_writes_returned FAILED then).
 REPORT_WAIT_S = 40.0
+# KvRelayConfig.receiver_proof_window_seconds: how long every receiver must have run since it
+# continued before a heartbeat proves it drained.
+PROOF_WINDOW_S = 2.5
 
 
 def _engine_fails_first(cfg: dict[str, Any]) -> None:
@@ -202,9 +205,11 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
     writes FAILED, final. The rank still holds part of the batch in its socket and writes it into
     the pages when it runs again. Before, the broker freed those pages `drain_quiet_seconds` after
     the report, while the rank was still stopped, and 26 of 69 pages that no ticket held (the next
-    request's) changed when it was continued. Now they wait the receiver's settle time (the DiT's
-    stall limit + a watch interval + 1 s, docs/broker.md), and no byte of them changes after they
-    are freed."""
+    request's) changed when it was continued. Now they are held while the rank is stopped, and
+    freed only once every receiver of the DiT has run the proof window (2.5 s) since it continued
+    (docs/broker.md, Draining: before, the whole settle time, the DiT's stall limit + a watch
+    interval + 1 s, 77 s here, was paid after every FAILED write), and no byte of them changes
+    after they are freed."""
     monkeypatch.setenv("MC_TRANSFER_TIMEOUT", str(ENGINE_TIMEOUT_S))
     # The AR's engine as deployed: its segment descriptor cache on (Mooncake's default). With
     # MC_DISABLE_METACACHE=1 each batch first fetches the receiver's descriptor from it, and from a
@@ -227,7 +232,7 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
         try:
             for p in ranks:
                 os.kill(p.pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
+            stopped_at = time.monotonic()  # before the write, so before its FAILED report
             first = client.generate(LONG, negative_prompt=LONG, seed=1, width=64, height=64, timeout=60)
             with pytest.raises(KvRelayError) as info:
                 first.result()
@@ -251,15 +256,18 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
                 for p in ranks:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
+        continued: float | None = None
         try:
-            # Past the quiet period (0.2 s) and the lease (2 s): the receiver still holds the bytes.
-            time.sleep(2.5)
+            # Past the quiet period (0.2 s), the lease (2 s) and the proof window (2.5 s): the
+            # receiver still holds the bytes, and its DiT's heartbeats report it stalled.
+            time.sleep(3.5)
             assert _ticket_of(client, first.request_id).state == TicketState.DRAINING
             (pool,) = client.get_pools()
             assert pool.draining_pages == len(held) and pool.free_pages == total - len(held), pool
         finally:
             stopped_for = 0.0 if stopped_at is None else time.monotonic() - stopped_at
             if stopped_at is not None:
+                continued = time.monotonic()
                 for p in ranks:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGCONT)
@@ -270,10 +278,16 @@ def test_a_write_the_engine_failed_into_a_stopped_receiver_keeps_its_pages_until
         # the bytes of the failed write in its socket.
         assert node.process("dit-0").pid == dit_pid and pool_file.exists(), (
             f"the receiver fail-stopped after a {stopped_for:.1f}s stop, under its {SETTLE_STALL_S:.0f}s stall limit")
-        # The rank runs again and drains its socket; the pages come back after the settle time,
+        # The rank runs again and drains its socket; the pages come back once the DiT's heartbeat
+        # proves it ran the proof window since (not the 77 s settle time after the FAILED report),
         # and nothing of the failed write lands in them afterwards.
         wait_pools_full(client, timeout=SETTLE_STALL_S + 20)
+        freed_after = time.monotonic() - continued if continued is not None else 0.0
         assert node.process("dit-0").pid == dit_pid, "the receiver fail-stopped after it ran again"
+        assert freed_after >= PROOF_WINDOW_S, f"freed {freed_after:.1f}s after SIGCONT: before the rank ran the window"
+        # The whole settle time would end 77 s after the report at the earliest.
+        since_stop = time.monotonic() - stopped_at if stopped_at is not None else 0.0
+        assert since_stop < SETTLE_STALL_S, f"freed {since_stop:.1f}s after the stop: the whole settle time, no proof"
         page_bytes = pool_file.stat().st_size // total
         def pages_now() -> list[bytes]:
             data = pool_file.read_bytes()

@@ -4,14 +4,16 @@ request's stream, for longer than the request's deadline, the stream's deadline 
 
 Under test (DESIGN.md section 6, docs/broker.md Draining): the AR's stream returns (its deadline
 passed) with chunks of it still unread in the stopped DiT's socket; the writes are final
-(`FAILED`), but their pages wait the receiver's settle time and are never freed while the DiT is
-down. While it is stopped, no live ticket holds any of those pages (watched continuously). After
-SIGCONT the DiT reads what its socket held; the pages come back only after that, no byte of them
-changes once they are free, and a request served right after (on pages that may include them)
-gives the image of the same request run before the fault, bit for bit.
+(`FAILED`), but their pages are never freed while the DiT is down. While it is stopped, no live
+ticket holds any of those pages (watched continuously). After SIGCONT the DiT reads what its
+socket held; the pages come back only after its heartbeat proves that its process and every rank
+ran the proof window (2.5 s) since (before, the whole `receiver_settle_seconds`, 32 s here, after
+the FAILED report), no byte of them changes once they are free, and a request served right after
+(on pages that may include them) gives the image of the same request run before the fault, bit
+for bit.
 
-Held (no defect found; written as the regression of that attack): the stream's FAILED writes wait
-`receiver_settle_seconds` and, while the stopped DiT's lease lapsed, are never freed.
+Held (no defect found; written as the regression of that attack): the stream's FAILED writes are
+never freed while the stopped DiT's lease lapsed, nor before it ran the window.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ pytestmark = pytest.mark.slow
 LONG = "a lighthouse on a cliff at sunset, oil painting, " * 18  # ~900 byte tokens per row
 SHORT = "a red fox in the snow"
 REQUEST_TIMEOUT_S = 4.0
-STALL_S = 12.0  # the DiT's rank stall limit; its settle time is this + a watch interval + 1 s
+# The DiT's rank stall limit; its settle time is this + a watch interval + 1 s, far above when the
+# proof frees the pages (~3 s after SIGCONT, ~15 s after the stop on a loaded machine).
+STALL_S = 30.0
+PROOF_WINDOW_S = 2.5  # KvRelayConfig.receiver_proof_window_seconds
 
 
 def _config(cfg: dict[str, Any]) -> None:
@@ -64,9 +69,11 @@ def test_a_dit_stopped_whole_mid_stream_keeps_the_streams_pages_until_it_read_it
         tree = _dit_tree(node)
         watcher: PageWatcher | None = None
         held: set[int] = set()
+        continued: float | None = None
         try:
             for p in tree:
                 os.kill(p.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()  # before the stream, so before its FAILED report
             first = client.generate(LONG, negative_prompt=LONG, seed=1, width=64, height=64,
                                     timeout=REQUEST_TIMEOUT_S, request_id="fallback-stopped-dit")
             with pytest.raises(KvRelayError):
@@ -89,14 +96,20 @@ def test_a_dit_stopped_whole_mid_stream_keeps_the_streams_pages_until_it_read_it
             second = client.generate(SHORT, seed=7, width=64, height=64, timeout=90, request_id="after-the-stop")
             time.sleep(1.0)
         finally:
+            continued = time.monotonic()
             for p in tree:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(p.pid, signal.SIGCONT)
             if watcher is not None:
                 watcher.writer_blocked.clear()  # running again: the release may come
         try:
-            # The DiT reads its socket and heartbeats; the pages come back after the settle time.
+            # The DiT reads its socket and heartbeats; the pages come back once a heartbeat proves
+            # that its process and its ranks ran the proof window since they continued.
             wait_pools_full(client, timeout=STALL_S + 40)
+            freed_after = time.monotonic() - continued
+            assert freed_after >= PROOF_WINDOW_S, f"freed {freed_after:.1f}s after SIGCONT: before the DiT ran the window"
+            since_stop = time.monotonic() - stopped_at
+            assert since_stop < STALL_S, f"freed {since_stop:.1f}s after the stop: the whole settle time, no proof"
             assert watcher is not None
             released = _ticket_of(client, first.request_id)
             assert released.state == TicketState.RELEASED, released

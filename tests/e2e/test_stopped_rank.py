@@ -164,8 +164,10 @@ def test_an_ar_rank_stopped_forever_fail_stops_the_ar_replica(stall_node: Any) -
 
 # Well past the longest the rank stays stopped (6 s request + an AR restart, up to ~12 s on a
 # loaded 2-core machine + 2.5 s): a shorter limit had the watchdog kill it in one loaded run.
-# (The pages still wait out part of it after the rank resumes: ~1 s of test time per 1 s here.)
+# (Before, the pages also waited out most of it after the rank resumed: the settle time, this + 2 s
+# after the writer was proven gone. Now the DiT's heartbeat proves the rank ran the proof window.)
 RECEIVER_STALL_S = 30.0
+PROOF_WINDOW_S = 2.5  # KvRelayConfig.receiver_proof_window_seconds
 
 
 def _receiver_stalls_long(cfg: dict[str, Any]) -> None:
@@ -184,13 +186,17 @@ def test_a_dead_senders_pages_stay_held_while_the_receiving_rank_is_stopped(tmp_
     """Known gap (c) of docs/transfer.md: the writer's death (a new AR incarnation) proved no
     sender alive, and the pages were freed `drain_quiet_seconds` later although the DiT rank that
     receives was stopped, with the dead sender's bytes possibly in its socket buffer. Now they
-    wait until that rank has run again (or been killed by its watchdog)."""
+    wait until that rank has run again (or been killed by its watchdog): until the DiT's heartbeat
+    proves that it ran the proof window since it continued, not the whole settle time after the
+    proof of the writer's death, and no byte of them changes once they are free."""
     with running_node(tmp_path, "deadsender", _receiver_stalls_long) as node, \
             KvRelayClient(node.address(), timeout=30) as client:
         total = wait_pools_full(client)[0].total_pages
         ar_first = _incarnation(client, "ar-0")
         dit_first = _incarnation(client, "dit-0")
         ranks = _ranks(node, "dit-0")
+        dit_pid = node.process("dit-0").pid
+        (pool_file,) = Path("/dev/shm").glob(f"kvrelay-dit-0-{dit_pid}-rank0-*")
         for proc in ranks:
             os.kill(proc.pid, signal.SIGSTOP)
         try:
@@ -201,17 +207,31 @@ def test_a_dead_senders_pages_stay_held_while_the_receiving_rank_is_stopped(tmp_
             time.sleep(1.0)
             (ticket,) = client.list_tickets()
             assert ticket.state == TicketState.DRAINING
+            held = {p for r in ticket.rows for p in r.page_ids}
+            killed = time.monotonic()  # before the writer is proven gone
             os.kill(node.process("ar-0").pid, signal.SIGKILL)  # its ranks die with it (PDEATHSIG)
             _wait_new_incarnation(client, "ar-0", ar_first, timeout=30)
-            time.sleep(1.5)  # many times drain_quiet_seconds (0.2)
+            time.sleep(3.0)  # many times drain_quiet_seconds (0.2), past the proof window (2.5)
             assert not any(_gone(p) for p in ranks), "the rank was killed: the test took too long"
             assert _incarnation(client, "dit-0") == dit_first
             (pool,) = client.get_pools()
             assert pool.draining_pages > 0 and pool.free_pages < total, pool
             assert _ticket_states(client).get(ticket.ticket_id) == TicketState.DRAINING
         finally:
+            continued = time.monotonic()
             _resume(ranks)
-        # The rank ran again (its buffer drained); the settle time after the proof frees them.
+        # The rank ran again (its buffer drained): freed once the DiT's heartbeat proves it ran the
+        # proof window since, well before the settle time (32 s after the writer's death).
         assert wait_pools_full(client, timeout=RECEIVER_STALL_S + 15)[0].free_pages == total
+        freed_after, since_kill = time.monotonic() - continued, time.monotonic() - killed
+        page_bytes = pool_file.stat().st_size // total
+        def pages_now() -> list[bytes]:
+            data = pool_file.read_bytes()
+            return [data[p * page_bytes:(p + 1) * page_bytes] for p in sorted(held)]
+        freed = pages_now()
+        assert freed_after >= PROOF_WINDOW_S, f"freed {freed_after:.1f}s after SIGCONT: before the rank ran the window"
+        assert since_kill < RECEIVER_STALL_S, f"freed {since_kill:.1f}s after the writer died: the whole settle time"
+        time.sleep(1.0)
+        assert pages_now() == freed, "bytes of the dead sender's write landed in freed pages"
         assert _incarnation(client, "dit-0") == dit_first
         assert client.generate("after the fault", seed=6, width=64, height=64, timeout=60).result().png
