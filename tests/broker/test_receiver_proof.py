@@ -12,13 +12,17 @@ is down: the whole settle time, as before.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from kvrelay.broker.core import BrokerCore, HeartbeatReply, ReceiverRun
 from kvrelay.broker.registry import ReplicaSpec
+from kvrelay.broker.service import add_broker_servicer
 from kvrelay.broker.tickets import Ticket, TicketOutcome, TicketState, WriteStatus
+from kvrelay.v1 import broker_pb2, broker_pb2_grpc
 from tests.broker.helpers import ManualClock, ar_spec, dit_spec, new_incarnation
 
 SETTLE = 30.0
@@ -266,3 +270,45 @@ def test_a_dit_without_the_field_and_a_broker_without_proofs_keep_the_settle_tim
         assert _beat(plain, dit, 0).probe == 0
     finally:
         plain.close()
+
+
+def test_the_proof_over_grpc(clock: ManualClock) -> None:
+    """HeartbeatRequest.receiver_run reaches the core, HeartbeatResponse carries the probe and the
+    hurry; a DiT that sends no receiver_run (an older binary) proves nothing."""
+
+    async def scenario() -> None:
+        core = _core(clock)
+        server = grpc.aio.server()
+        add_broker_servicer(core, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = broker_pb2_grpc.BrokerServiceStub(channel)
+        try:
+            ar, dit = _setup(core)
+            t = _failed(core, ar, dit)
+
+            async def beat(probe: int | None) -> broker_pb2.HeartbeatResponse:
+                request = broker_pb2.HeartbeatRequest(
+                    replica_id=dit.replica_id, incarnation_id=dit.incarnation_id
+                )
+                if probe is not None:
+                    request.receiver_run.CopyFrom(
+                        broker_pb2.ReceiverRun(probe=probe, stall_free_seconds=LONG_RUN, ranks=dit.world_size)
+                    )
+                return await stub.Heartbeat(request, timeout=10)
+
+            first = await beat(0)
+            assert first.probe and first.next_heartbeat_seconds == pytest.approx(WINDOW)
+            clock.advance(WINDOW)
+            old = await beat(None)  # an older DiT: no receiver_run, nothing asked of it
+            assert old.probe and old.next_heartbeat_seconds == 0.0
+            clock.advance(0.2)
+            assert (await beat(old.probe)).probe > old.probe
+            assert _state(core, t) is TicketState.RELEASED
+        finally:
+            await channel.close()
+            await server.stop(None)
+            core.close()
+
+    asyncio.run(scenario())
