@@ -151,8 +151,15 @@ def _special_ids(directory: Path) -> dict[str, int]:
         raise CheckpointError(f"{directory} has no tokenizer.json (the Qwen2 tokenizer of the release)")
     # The tokenizer's bound, as when the AR reads the same file (kvrelay.models.tokenizer).
     data = _json(path, MAX_TOKENIZER_FILE_BYTES)
-    ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
-    vocab = data.get("model", {}).get("vocab", {})
+    try:
+        ids = {t["content"]: int(t["id"]) for t in data.get("added_tokens", [])}
+        vocab = data.get("model", {}).get("vocab", {})
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        # Before the ranks start, in the DiT service: one line naming the file, not a traceback.
+        what = f"no {err.args[0]!r}" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise CheckpointError(
+            f"{path}: not a Hugging Face tokenizer.json ({what}; added_tokens: [{{content, id}}], model.vocab)"
+        ) from None
     out = {}
     for name in (BOS_TOKEN, EOS_TOKEN, START_OF_IMAGE, END_OF_IMAGE):
         token_id = ids.get(name, vocab.get(name) if isinstance(vocab, dict) else None)

@@ -188,3 +188,21 @@ def test_an_llm_config_that_is_not_the_weights_is_refused_before_allocating(
     llm.update(config)
     (d / "llm_config.json").write_text(json.dumps(llm))
     _both_refuse(d, message)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "why"),
+    [("[]", r"AttributeError"), ('{"added_tokens": [{"id": 1}]}', r"no 'content'")],
+)
+def test_a_tokenizer_json_of_another_shape_is_named(tmp_path: Path, tokenizer: str, why: str) -> None:
+    """The DiT service reads the special tokens before its ranks start (load_bagel_config): a
+    tokenizer.json that is JSON but not a tokenizer's ended its start with a bare AttributeError
+    or KeyError naming no file."""
+    from kvrelay.models.bagel_config import load_bagel_config
+    from kvrelay.models.formats import DEMO_DIR
+
+    d = _copy(DEMO_DIR, tmp_path / "demo")
+    (d / "tokenizer.json").write_text(tokenizer)
+    named = rf"demo/tokenizer.json: not a Hugging Face tokenizer.json \({why}"
+    with pytest.raises(CheckpointError, match=named):
+        load_bagel_config(d)
