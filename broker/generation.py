@@ -11,8 +11,11 @@ decides nothing about replicas, pages or tickets.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import math
+import re
 import secrets
 import uuid
 from collections import deque
@@ -24,10 +27,12 @@ from google.protobuf import timestamp_pb2
 
 from kvrelay.broker.generations import (
     CLIENT_DEADLINE_SLACK_S,
+    ErrorInfo,
     GenerationParams,
     GenerationRecord,
     GenerationSnapshot,
     GenState,
+    ListKey,
 )
 from kvrelay.broker.orchestrator import Orchestrator
 from kvrelay.broker.service import revealable
@@ -36,10 +41,10 @@ from kvrelay.broker.wire import wire_enum
 from kvrelay.config import DEFAULT_IMAGE_REPLY_BUDGET_BYTES, DEFAULT_IMAGE_REPLY_WAIT_SECONDS, BrokerConfig
 from kvrelay.errors import KvRelayServerError, abort_with, invalid_argument, time_remaining
 from kvrelay.limits import (
-    DEFAULT_LIST_PAGE_SIZE,
     MAX_LIST_PAGE_SIZE,
     MAX_PROMPT_BYTES,
     guidance_problem,
+    list_page_size,
     request_id_problem,
     side_problem,
     steps_problem,
@@ -82,6 +87,18 @@ PEER_SHARE_DIVISOR: Final = 4
 IMAGE_REPLY_WAIT_SECONDS: Final = DEFAULT_IMAGE_REPLY_WAIT_SECONDS
 # A repeated message field's tag and length prefix (a length below 2**28 takes at most 4 bytes).
 _LIST_ITEM_OVERHEAD: Final = 5
+# Generations one ListGenerations call looks at, at most: with `states` filtering, a page that
+# finds fewer than page_size before this ends there, with a next_page_token. So a call costs
+# O(page) whatever the broker holds (before: every call sorted and copied every generation held,
+# and a public caller's copied every retained prompt, 1 MiB each at most, just to blank it: a
+# flood of them took the broker's loop, found black-box, a health check took 4.9 s).
+MAX_LIST_SCAN: Final = 4 * MAX_LIST_PAGE_SIZE
+# Longest page_token taken (the broker's own are ~60 characters).
+MAX_PAGE_TOKEN_CHARS: Final = 256
+_PAGE_TOKEN_VERSION: Final = "g1"
+# An error reason a redacted view keeps (UPPER_SNAKE, as every reason the broker sets); any other
+# text (a replica's own, say) is shown as UNKNOWN.
+_REASON: Final = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
 
 # Built by name from the proto and checked both ways (broker/wire.py).
 _STATE = wire_enum(GenState, generation_pb2.GenerationState, "GENERATION_STATE_")
@@ -209,6 +226,124 @@ def generation_to_proto(snap: GenerationSnapshot, with_image: bool = True) -> ge
         update_time=_timestamp(snap.update_time),
         attempt=snap.attempt,
     )
+
+
+def _redacted_error(error: ErrorInfo | None) -> common_pb2.ErrorStatus | None:
+    """The error as anyone may see it: its code and reason, never its message (free text that
+    names tickets, replicas, hosts and paths)."""
+    if error is None:
+        return None
+    code = error.code if error.code in grpc.StatusCode.__members__ else "UNKNOWN"
+    reason = error.reason if _REASON.fullmatch(error.reason) else "UNKNOWN"
+    return common_pb2.ErrorStatus(code=code, reason=reason)
+
+
+def redacted_generation_to_proto(snap: GenerationSnapshot) -> generation_pb2.Generation:
+    """A generation as a caller that is neither an operator nor holds its request_id sees it in
+    a listing. Built from an allow-list, never by blanking a full view: no request_id (the
+    capability of Get/CancelGeneration), ticket_id, prompt, negative prompt or error message
+    (which names tickets, replicas and addresses), and no image."""
+    p = snap.params
+    return generation_pb2.Generation(
+        state=_STATE_TO_PB[snap.state],
+        params=generation_pb2.GenerationParams(
+            seed=p.seed,
+            width=p.width,
+            height=p.height,
+            num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale,
+        ),
+        step=snap.step,
+        total_steps=snap.total_steps,
+        timings=_timings(snap),
+        error=_redacted_error(snap.error),
+        create_time=_timestamp(snap.create_time),
+        update_time=_timestamp(snap.update_time),
+        attempt=snap.attempt,
+    )
+
+
+def _list_view(record: GenerationRecord, redact: bool) -> tuple[generation_pb2.Generation, int]:
+    """`record` as a listing shows it, and its size. A finished generation never changes again:
+    its views are built once and kept with the record (GenerationRecord.list_views)."""
+    key = "redacted" if redact else "full"
+    if (view := record.list_views.get(key)) is not None:
+        return view  # type: ignore[no-any-return]
+    snap = record.snapshot()
+    generation = redacted_generation_to_proto(snap) if redact else generation_to_proto(snap, with_image=False)
+    view = (generation, generation.ByteSize())
+    if record.state.terminal:
+        record.list_views[key] = view
+    return view
+
+
+# ---------------------------------------------------------------------- list pages
+
+
+class PageTokens:
+    """ListGenerations' page tokens: where the next page starts (the last listed generation's
+    ListKey), the states it was given for, and this broker process's epoch. Opaque to callers and
+    naming no generation (a request_id is a capability): forging one only picks a place to list
+    from. A ListKey's clock is this process's, so a token of another process is refused."""
+
+    def __init__(self, epoch: str | None = None) -> None:
+        self.epoch = epoch or secrets.token_hex(4)
+
+    @staticmethod
+    def _states(states: list[GenState]) -> str:
+        return "-".join(str(int(s)) for s in sorted(set(states))) or "all"
+
+    def encode(self, after: ListKey, states: list[GenState]) -> str:
+        fields = (_PAGE_TOKEN_VERSION, self.epoch, str(after[1]), after[0].hex(), self._states(states))
+        text = ":".join(fields)
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    def decode(self, token: str, states: list[GenState]) -> ListKey | None:
+        """Where the page `token` asks for starts (None: the first page), or INVALID_ARGUMENT."""
+        if not token:
+            return None
+        if len(token) > MAX_PAGE_TOKEN_CHARS:
+            raise invalid_argument("page_token", f"{len(token)} characters; a page token has at most "
+                                   f"{MAX_PAGE_TOKEN_CHARS}: pass next_page_token of the previous reply unchanged")  # fmt: skip
+        try:
+            text = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode("ascii")
+            version, epoch, seq, mono, given_states = text.split(":")
+            after = (float.fromhex(mono), int(seq))
+            if version != _PAGE_TOKEN_VERSION or not math.isfinite(after[0]):
+                raise ValueError(version)
+        except (ValueError, binascii.Error, UnicodeDecodeError):
+            raise invalid_argument(
+                "page_token",
+                "not a page token of ListGenerations: pass next_page_token of the previous "
+                "reply unchanged, or leave it empty for the first page",
+            ) from None
+        if epoch != self.epoch:
+            raise invalid_argument(
+                "page_token",
+                "given by another broker process (this one restarted since): list again from "
+                "the first page (page_token empty)",
+            )
+        if given_states != self._states(states):
+            raise invalid_argument(
+                "page_token",
+                "given for other states than these: pass the same states as the call that "
+                "returned it, or leave it empty for the first page",
+            )
+        return after
+
+
+def list_states(values: Any) -> list[GenState]:
+    """The states a ListGenerations asks for, or INVALID_ARGUMENT (an unknown value, or more
+    values than there are states: a request may carry millions, each one loop step)."""
+    if len(values) > len(_STATE_FROM_PB):
+        problem = f"{len(values)} values; at most {len(_STATE_FROM_PB)} (each state once)"
+        raise invalid_argument("states", problem)
+    states = []
+    for value in values:
+        if value not in _STATE_FROM_PB:
+            raise invalid_argument("states", f"{value} is not a generation state")
+        states.append(_STATE_FROM_PB[value])
+    return states
 
 
 # ---------------------------------------------------------------------- image replies
@@ -371,6 +506,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Generations whose last stream ended early, waiting for a re-attach: the task cancels
         # them when none comes in time, and ends (holding nothing) as soon as they end anyway.
         self._detached: dict[str, asyncio.Task[None]] = {}
+        self.page_tokens = PageTokens()
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -496,30 +632,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def ListGenerations(
         self, request: generation_pb2.ListGenerationsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ListGenerationsResponse:
-        states = []
-        for value in request.states:
-            if value not in _STATE_FROM_PB:
-                await abort_with(context, invalid_argument("states", f"{value} is not a generation state"))
-            states.append(_STATE_FROM_PB[value])
-        # Above the maximum is coerced to it (AIP-158), 0 means the default.
-        limit = min(request.page_size or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
-        reply = generation_pb2.ListGenerationsResponse()
+        """One page, newest first: O(page_size) of the broker's loop however many generations it
+        holds (GenerationStore.list_page bounds the walk, finished generations' views are built
+        once), and a reply below MAX_LIST_REPLY_BYTES whatever their prompts."""
+        try:
+            states = list_states(request.states)
+            page_size = list_page_size(request.page_size)
+            after = self.page_tokens.decode(request.page_token, states)
+        except KvRelayServerError as err:
+            await abort_with(context, err)
         # A request_id is the capability of Get/CancelGeneration, and prompts are the clients':
         # only an operator (or anyone in a development deployment) sees them in a listing.
         caller = current_caller()
         redact = caller is not None and not caller.operator
+        page = self.orchestrator.list_page(states, page_size, after, MAX_LIST_SCAN)
+        next_after = page.next_after
+        listed: list[generation_pb2.Generation] = []
         size = 0
-        for snap in self.orchestrator.list_generations(states, limit):
-            generation = generation_to_proto(snap, with_image=False)
-            if redact:
-                generation.request_id = ""
-                generation.ticket_id = ""
-                generation.params.prompt = ""
-                generation.params.negative_prompt = ""
-            size += generation.ByteSize() + _LIST_ITEM_OVERHEAD
-            if size > MAX_LIST_REPLY_BYTES:
-                break  # the newest that fit; one always does (two prompts of at most 1 MiB each)
-            reply.generations.append(generation)
+        for index, record in enumerate(page.records):
+            generation, nbytes = _list_view(record, redact)
+            size += nbytes + _LIST_ITEM_OVERHEAD
+            if size > MAX_LIST_REPLY_BYTES and listed:
+                # The newest that fit (one always does: two prompts of at most 1 MiB each); the
+                # next page starts after the last of them.
+                next_after = page.records[index - 1].list_key
+                break
+            listed.append(generation)
+        reply = generation_pb2.ListGenerationsResponse(generations=listed)
+        if next_after is not None:
+            reply.next_page_token = self.page_tokens.encode(next_after, states)
         await revealable(self.orchestrator.core, context)
         return reply
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import enum
 import itertools
 import time
@@ -29,6 +30,9 @@ from kvrelay.logging import get_logger
 log = get_logger(__name__)
 
 RequestId = str
+# A generation's place in listings: (created_mono, the store's creation counter). Newest first is
+# descending order; the counter breaks ties and never repeats within one store.
+ListKey = tuple[float, int]
 
 # Rows of forgotten generations deleted from the journal per transaction (each may carry a PNG
 # BLOB of hundreds of KB): the event loop waits for one such commit, not for a whole backlog.
@@ -208,6 +212,11 @@ class GenerationRecord:
     subscribers: list[asyncio.Queue[GenerationSnapshot]] = field(default_factory=list)
     # Set once the generation is terminal; waiters (cancel, tests) use it.
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Its place in listings (GenerationStore gives it when it takes the record).
+    list_key: ListKey = (0.0, 0)
+    # What the API layer built of a finished generation for listings (it never changes again),
+    # kept with the record so it goes when the record does. The store never reads it.
+    list_views: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_steps(self) -> int:
@@ -301,6 +310,15 @@ def record_from_json(data: dict[str, Any], finished_mono: float) -> GenerationRe
     return record
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationPage:
+    """One page of a listing, newest first: `records` with their keys, and where the next page
+    starts (`next_after`: list after this key), None when nothing older is left."""
+
+    records: list[GenerationRecord]
+    next_after: ListKey | None
+
+
 class GenerationJournal(Protocol):
     """The part of the broker's journal (kvrelay.broker.journal.Journal) this store uses."""
 
@@ -337,6 +355,10 @@ class GenerationStore:
         self._finished: OrderedDict[RequestId, GenerationRecord] = OrderedDict()
         # Forgotten generations whose journal row is not deleted yet (insertion ordered).
         self._unjournaled: dict[RequestId, None] = {}
+        # Every record held (live or finished), ascending by ListKey: a page of a listing is a
+        # bisect and a walk of its length, never a sort or a scan of every generation.
+        self._order: list[tuple[float, int, RequestId]] = []
+        self._created = itertools.count(1)
         # Journal rows deleted because their generation was forgotten (a metric).
         self.journal_rows_deleted = 0
 
@@ -358,13 +380,57 @@ class GenerationStore:
     def list_generations(
         self, states: Iterable[GenState] = (), limit: int | None = None
     ) -> list[GenerationSnapshot]:
-        """Newest first (by create time), optionally only in `states`."""
+        """Newest first (by create time), optionally only in `states`: every one (tests, tools);
+        the API lists by pages (`list_page`)."""
         self.expire()
         wanted = set(states)
-        records = [*self._live.values(), *self._finished.values()]
-        records.sort(key=lambda r: r.created_mono, reverse=True)
-        out = [r.snapshot() for r in records if not wanted or r.state in wanted]
-        return out if limit is None else out[:limit]
+        out: list[GenerationSnapshot] = []
+        for _, _, request_id in reversed(self._order):
+            if limit is not None and len(out) >= limit:
+                break
+            record = self._held(request_id)
+            if not wanted or record.state in wanted:
+                out.append(record.snapshot())
+        return out
+
+    def list_page(
+        self, states: Iterable[GenState], page_size: int, after: ListKey | None, max_scan: int
+    ) -> GenerationPage:
+        """Up to `page_size` records older than `after` (None: from the newest), newest first,
+        only in `states` (empty: all), looking at no more than `max_scan` records: the cost of
+        a page is bounded whatever the store holds and however few match."""
+        assert page_size >= 1 and max_scan >= page_size, f"list_page({page_size=}, {max_scan=})"
+        self.expire()
+        wanted = frozenset(states)
+        end = len(self._order) if after is None else bisect.bisect_left(self._order, (after[0], after[1], ""))
+        records: list[GenerationRecord] = []
+        index = end
+        while index > 0 and len(records) < page_size and end - index < max_scan:
+            index -= 1
+            record = self._held(self._order[index][2])
+            if not wanted or record.state in wanted:
+                records.append(record)
+        if index == 0:
+            return GenerationPage(records, None)
+        last = self._order[index]
+        return GenerationPage(records, (last[0], last[1]))
+
+    def _held(self, request_id: RequestId) -> GenerationRecord:
+        record = self._live.get(request_id) or self._finished.get(request_id)
+        assert record is not None, f"generation {request_id} listed but held neither live nor finished"
+        return record
+
+    def _take(self, record: GenerationRecord) -> None:
+        record.list_key = (record.created_mono, next(self._created))
+        bisect.insort(self._order, (*record.list_key, record.request_id))
+
+    def _drop(self, record: GenerationRecord) -> None:
+        entry = (*record.list_key, record.request_id)
+        index = bisect.bisect_left(self._order, entry)
+        assert index < len(self._order) and self._order[index] == entry, (
+            f"generation {record.request_id} dropped but not in the listing order"
+        )
+        del self._order[index]
 
     def counts(self) -> tuple[int, int]:
         """(live, finished retained)."""
@@ -395,15 +461,19 @@ class GenerationStore:
             created_mono=self._clock(),
         )
         self._live[request_id] = record
+        self._take(record)
         return record, True
 
     def discard(self, record: GenerationRecord) -> None:
         """Forget a generation that was rejected at admission: the caller got an error status, so
         nothing was accepted under this id and a retry is judged afresh."""
+        held = self._live.get(record.request_id) is record or self._finished.get(record.request_id) is record
         if self._live.get(record.request_id) is record:
             del self._live[record.request_id]
         if self._finished.get(record.request_id) is record:
             del self._finished[record.request_id]
+        if held:
+            self._drop(record)
 
     def update(
         self,
@@ -441,8 +511,13 @@ class GenerationStore:
         if state.terminal:
             record.finished_mono = self._clock()
             record.finished_wall = self._wall()
-            self._live.pop(record.request_id, None)
+            held = (
+                self._live.pop(record.request_id, None) is record
+                or self._finished.get(record.request_id) is record
+            )
             self._finished[record.request_id] = record
+            if not held:  # discarded before it ended (a rejected admission): held again, so listed
+                self._take(record)
             self._finished.move_to_end(record.request_id)
             self._finish_subscribers(record)
             record.done.set()
@@ -460,6 +535,7 @@ class GenerationStore:
             if not too_many and now - oldest.finished_mono < self.result_ttl_seconds:
                 break
             del self._finished[request_id]
+            self._drop(oldest)
             if oldest.persisted:
                 self._unjournaled[request_id] = None
                 forgotten = True
@@ -520,7 +596,10 @@ class GenerationStore:
                 self._unjournaled[data["request_id"]] = None
                 continue
             record = record_from_json(data, now - max(0.0, age))
+            if (held := self._finished.get(record.request_id)) is not None:
+                self._drop(held)
             self._finished[record.request_id] = record
+            self._take(record)
             restored += 1
         self.expire()
         self._delete_unjournaled(JOURNAL_DELETE_BATCH)

@@ -29,12 +29,14 @@ from kvrelay.broker.generations import (
     RETRY_REASONS,
     TRANSFER_RETRY_REASONS,
     ErrorInfo,
+    GenerationPage,
     GenerationParams,
     GenerationRecord,
     GenerationSnapshot,
     GenerationStore,
     GenState,
     ImageResult,
+    ListKey,
     RequestEnded,
 )
 from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
@@ -387,6 +389,12 @@ class Orchestrator:
         self, states: Sequence[GenState] = (), limit: int | None = None
     ) -> list[GenerationSnapshot]:
         return self.store.list_generations(states, limit)
+
+    def list_page(
+        self, states: Sequence[GenState], page_size: int, after: ListKey | None, max_scan: int
+    ) -> GenerationPage:
+        """One page of ListGenerations (GenerationStore.list_page): records, read at once."""
+        return self.store.list_page(states, page_size, after, max_scan)
 
     def queue_depth(self) -> int:
         return self.queue.depth()

@@ -54,6 +54,7 @@ from .types import (
     ErrorStatus,
     Generation,
     GenerationEvent,
+    GenerationPage,
     GenerationResult,
     GenerationState,
     PhaseTimings,
@@ -310,6 +311,21 @@ def list_generations(states: Iterable[GenerationState] | None, page_size: int) -
             states=enum_values(states, "GenerationState"), page_size=wire_unsigned("page_size", page_size, 32)
         ),
         lambda r: [generation_from_pb(g) for g in r.generations],
+    )
+
+
+def list_generations_page(
+    states: Iterable[GenerationState] | None, page_size: int, page_token: str
+) -> UnaryCall[GenerationPage]:
+    return UnaryCall(
+        "generation",
+        "ListGenerations",
+        generation_pb2.ListGenerationsRequest(
+            states=enum_values(states, "GenerationState"),
+            page_size=wire_unsigned("page_size", page_size, 32),
+            page_token=wire_text("page_token", page_token),
+        ),
+        lambda r: GenerationPage([generation_from_pb(g) for g in r.generations], r.next_page_token),
     )
 
 
@@ -784,6 +800,7 @@ __all__ = [
     "get_pools",
     "get_replica_registry",
     "list_generations",
+    "list_generations_page",
     "forget_replica",
     "list_replicas",
     "list_tickets",

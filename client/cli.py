@@ -908,9 +908,8 @@ def run_list(args: argparse.Namespace) -> int:
         # Every client's generations: an operator RPC (the api token serves a development node).
         token = _token(args, OPERATOR_TOKEN_ENV, TOKEN_ENV)
         with KvRelayClient(target, token=token, timeout=UNARY_TIMEOUT_S, **_tls(args)) as client:
-            # Without --limit, every generation the API lists: page_size 0 would be its 100.
-            limit = int(getattr(args, "limit", 0) or 0) or MAX_LIST_PAGE_SIZE
-            generations = client.list_generations(states, page_size=limit)
+            # Without --limit, every generation the broker keeps: page after page (next_page_token).
+            generations = _list_pages(client, states, int(getattr(args, "limit", 0) or 0))
     except KvRelayError as err:
         _print_error("list", err, sys.stderr, tls=bool(_tls(args)), target=_target(args), sent=_sent_token("list", args))
         return 1
@@ -922,6 +921,19 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     print(generations_table(generations, _dt.datetime.now(_dt.UTC)))
     return 0
+
+
+def _list_pages(client: KvRelayClient, states: list[GenerationState] | None, limit: int) -> list[Generation]:
+    """Generations newest first, following ListGenerations' pages until `limit` (0: all)."""
+    generations: list[Generation] = []
+    token = ""
+    while True:
+        want = MAX_LIST_PAGE_SIZE if not limit else min(MAX_LIST_PAGE_SIZE, limit - len(generations))
+        page = client.list_generations_page(states, page_size=want, page_token=token)
+        generations += page.generations
+        token = page.next_page_token
+        if not token or (limit and len(generations) >= limit):
+            return generations[:limit] if limit else generations
 
 
 def run_cancel(args: argparse.Namespace) -> int:

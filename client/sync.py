@@ -25,6 +25,7 @@ from .types import (
     CredentialsReload,
     Generation,
     GenerationEvent,
+    GenerationPage,
     GenerationResult,
     GenerationState,
     PoolStatus,
@@ -133,8 +134,21 @@ class KvRelayClient(_core.ClientBase):
         page_size: int = 0,
         timeout: float | None = None,
     ) -> list[Generation]:
-        """Generations (newest first, without images), optionally only those in ``states``."""
+        """Generations (newest first, without images), optionally only those in ``states``: the
+        first page (``list_generations_page`` reaches the rest)."""
         return self._unary(_core.list_generations(states, page_size), timeout)
+
+    def list_generations_page(
+        self,
+        states: Iterable[GenerationState] | None = None,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> GenerationPage:
+        """One page of generations: ``page_token`` "" for the first, else the previous page's
+        ``next_page_token`` with the same ``states``."""
+        return self._unary(_core.list_generations_page(states, page_size, page_token), timeout)
 
     # -- broker status (what `kvrelay status` prints) --------------------------------------------
 

@@ -227,6 +227,16 @@ class Generation:
 
 
 @dataclass(frozen=True, slots=True)
+class GenerationPage:
+    """One page of `ListGenerations`: pass `next_page_token` (with the same states) for the next
+    one; "" when there are no more. May hold fewer than the page size, even none, while a token
+    is set (the reply stays below 4 MiB; a filtered page looks at a bounded number)."""
+
+    generations: list[Generation]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
 class KvGeometry:
     num_layers: int
     num_kv_heads: int

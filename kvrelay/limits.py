@@ -32,10 +32,21 @@ MAX_PROMPT_BYTES: Final = 1 << 20
 # ListGenerations: `page_size` 0 asks for this many; more than the max is the max.
 DEFAULT_LIST_PAGE_SIZE: Final = 100
 MAX_LIST_PAGE_SIZE: Final = 1000
+# ListGenerations counts against its caller's rate-limit bucket (security.rate_limit_per_second)
+# as one request plus one per this many generations its page may hold: a page of 1000 is 101,
+# the default page (100) 11. Each listed generation costs the broker a few microseconds of its
+# event loop: at rate_limit_per_second 2000 one caller lists at most ~20,000 a second.
+LIST_GENERATIONS_PER_REQUEST: Final = 10
 # The wire's uint64, all of which every consumer takes (torch generators: up to 2**64 - 1).
 SEED_BITS: Final = 64
 # How much of a refused id a message quotes: enough to recognise it, never a wall of text.
 QUOTED_ID_CHARS: Final = 40
+
+
+def list_page_size(requested: int) -> int:
+    """The generations a ListGenerations page holds at most: 0 is the default, above the maximum
+    is the maximum (AIP-158)."""
+    return min(requested or DEFAULT_LIST_PAGE_SIZE, MAX_LIST_PAGE_SIZE)
 
 
 def request_id_problem(request_id: str) -> str | None:

@@ -36,10 +36,12 @@ import grpc
 
 from kvrelay.errors import KvRelayServerError, abort_with
 from kvrelay.limits import (
+    LIST_GENERATIONS_PER_REQUEST,
     MAX_PEM_FILE_BYTES,
     MAX_REQUEST_ID_LENGTH,
     MAX_SECRET_FILE_BYTES,
     FileRefused,
+    list_page_size,
     read_bounded_file,
     request_id_problem,
 )
@@ -114,6 +116,18 @@ class RpcRule:
     checks: str
     # Public RPCs that need no credential even when the api token is set (health, reflection).
     always_open: bool = False
+    # What one call counts for against its caller's rate-limit bucket (security.rate_limit_per_
+    # second), from its request; None: 1, and a public RPC is not rate-limited at all. A call
+    # whose cost grows with what it asks for (a ListGenerations page) counts for that cost.
+    cost: Callable[[Any], float] | None = None
+
+
+def list_generations_cost(request: Any) -> float:
+    """ListGenerations counts as one request plus one per LIST_GENERATIONS_PER_REQUEST
+    generations its page may hold (the default page of 100: 11; 1000: 101). Found black-box: a
+    client within its rate limit flooding ListGenerations took the broker's event loop (a health
+    check took 4.9 s); each listed generation costs the loop a few microseconds."""
+    return 1.0 + list_page_size(int(getattr(request, "page_size", 0))) / LIST_GENERATIONS_PER_REQUEST
 
 
 _B = "/kvrelay.v1.BrokerService/"
@@ -130,7 +144,10 @@ RPC_RULES: Mapping[str, RpcRule] = {
     # CancelGeneration: a caller that is not an operator gets every generation without its
     # request_id, ticket_id and prompts (broker/generation.py redacts them).
     _G + "ListGenerations": RpcRule(
-        CallerClass.PUBLIC, True, "states; no images; ids and prompts only for an operator"
+        CallerClass.PUBLIC, True,
+        "states, page_token; no images; ids, prompts and error messages only for an operator; rate-limited "
+        f"as 1 + page_size/{LIST_GENERATIONS_PER_REQUEST} requests",
+        cost=list_generations_cost,
     ),
     "/grpc.health.v1.Health/Check": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
     "/grpc.health.v1.Health/Watch": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
@@ -1267,16 +1284,21 @@ class _RateLimiter:
         tokens, last = entry
         return tokens + (now - last) * self._rate >= self._burst
 
-    def _take(self, entry: tuple[float, float] | None, now: float) -> tuple[bool, tuple[float, float]]:
+    def _take(
+        self, entry: tuple[float, float] | None, now: float, cost: float = 1.0
+    ) -> tuple[bool, tuple[float, float]]:
         tokens, last = entry if entry is not None else (self._burst, now)
         tokens = min(self._burst, tokens + max(0.0, now - last) * self._rate)
-        if tokens < 1.0:
+        if tokens < cost:
             return False, (tokens, now)
-        return True, (tokens - 1.0, now)
+        return True, (tokens - cost, now)
 
-    def allow(self, key: str) -> bool:
+    def allow(self, key: str, cost: float = 1.0) -> bool:
+        """Take `cost` tokens of `key`'s bucket (at most the burst: a call costlier than the burst
+        still passes on a full bucket), or False."""
         if self._rate <= 0:
             return True
+        cost = min(max(cost, 1.0), self._burst)
         now = self._clock()
         with self._lock:
             entry = self._buckets.get(key)
@@ -1284,9 +1306,9 @@ class _RateLimiter:
                 while self._buckets and self._refilled(next(iter(self._buckets.values())), now):
                     self._buckets.popitem(last=False)
                 if len(self._buckets) >= self._max:
-                    ok, self._overflow = self._take(self._overflow, now)
+                    ok, self._overflow = self._take(self._overflow, now, cost)
                     return ok
-            ok, self._buckets[key] = self._take(entry, now)
+            ok, self._buckets[key] = self._take(entry, now, cost)
             self._buckets.move_to_end(key)
             return ok
 
@@ -1438,6 +1460,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     rules: Mapping[str, RpcRule] = field(default_factory=lambda: RPC_RULES)
     _limiter: _RateLimiter = field(init=False)
     _host_limiter: _RateLimiter = field(init=False)
+    _public_limiter: _RateLimiter = field(init=False)
 
     _open_streams: int = field(init=False, default=0)
     # The replica ids whose calls this server refused for their credential (ListReplicas shows
@@ -1453,6 +1476,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         # apart, so callers without an identity never crowd the identities' buckets out.
         self._limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self._host_limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
+        # Public RPCs that are counted (RpcRule.cost: ListGenerations) have buckets of their own:
+        # a public caller's reads never spend what a replica on its host (the shared replica
+        # token, a development deployment: one bucket per host) needs for its Heartbeat.
+        self._public_limiter = _RateLimiter(self.creds.rate_limit_per_second, self.creds.rate_limit_burst)
         self.checks = {**REPLICA_SERVICE_CHECKS, **self.checks}
         if self.rotation is None:
             self.rotation = CredentialRotation(self.creds)
@@ -1604,7 +1631,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             )
         if caller.replica_id and CallerClass.REPLICA in caller.classes:
             self.refusals.authenticated(caller.replica_id)
-        if rule.caller_class is not CallerClass.PUBLIC and not _broker_orchestration(method, caller):
+        if rule.cost is not None:
+            # Streamed requests are not read here: they count 1.
+            cost = 1.0 if request is None else rule.cost(request)
+            self._rate_limit(caller, context, cost, method, public=rule.caller_class is CallerClass.PUBLIC)
+        elif rule.caller_class is not CallerClass.PUBLIC and not _broker_orchestration(method, caller):
             self._rate_limit(caller, context)
         if request is not None and hasattr(request, "ListFields"):
             check_id_lengths(request)
@@ -1614,19 +1645,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await result
         return caller
 
-    def _rate_limit(self, caller: Caller, context: grpc.aio.ServicerContext) -> None:
+    def _rate_limit(
+        self, caller: Caller, context: grpc.aio.ServicerContext, cost: float = 1.0, method: str = "",
+        *, public: bool = False,
+    ) -> None:
         """A bucket per verified identity (Caller.identity: a replica's own bound token or
         certificate, an operator), else per peer host (the shared replica token, a development
         deployment): replicas on one host no longer share one bucket. Found black-box: at
         rate_limit_per_second 50 an AR's Heartbeat failed RATE_LIMITED under normal load, its
         neighbours on the host having used the host's bucket at the broker."""
         key = caller.key(str(context.peer() or ""))
-        limiter = self._limiter if caller.identity else self._host_limiter
-        if not limiter.allow(key):
+        limiter = self._public_limiter if public else self._limiter if caller.identity else self._host_limiter
+        if not limiter.allow(key, cost):
+            counts = f"; {method.rsplit('/', 1)[-1]} counts as {cost:g}" if cost != 1.0 else ""
             raise KvRelayServerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
                 f"more than {self.creds.rate_limit_per_second:g} requests/s from this caller ({key_name(key)}; "
-                "security.rate_limit_per_second); retry later",
+                f"security.rate_limit_per_second{counts}); retry later",
             )
 
     def _wrap_single_response(self, method: str, rule: RpcRule | None, check: RequestCheck | None,

@@ -144,15 +144,19 @@ class CancelGenerationResponse(_message.Message):
     def __init__(self, generation: _Optional[_Union[Generation, _Mapping]] = ...) -> None: ...
 
 class ListGenerationsRequest(_message.Message):
-    __slots__ = ("states", "page_size")
+    __slots__ = ("states", "page_size", "page_token")
     STATES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     states: _containers.RepeatedScalarFieldContainer[GenerationState]
     page_size: int
-    def __init__(self, states: _Optional[_Iterable[_Union[GenerationState, str]]] = ..., page_size: _Optional[int] = ...) -> None: ...
+    page_token: str
+    def __init__(self, states: _Optional[_Iterable[_Union[GenerationState, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListGenerationsResponse(_message.Message):
-    __slots__ = ("generations",)
+    __slots__ = ("generations", "next_page_token")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
