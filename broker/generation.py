@@ -93,6 +93,9 @@ _LIST_ITEM_OVERHEAD: Final = 5
 # and a public caller's copied every retained prompt, 1 MiB each at most, just to blank it: a
 # flood of them took the broker's loop, found black-box, a health check took 4.9 s).
 MAX_LIST_SCAN: Final = 4 * MAX_LIST_PAGE_SIZE
+# A finished generation's full listing view (prompts included) is kept for the next listing up
+# to this size; the redacted view (no prompts, ~100 bytes) always is.
+MAX_CACHED_VIEW_BYTES: Final = 16 * 1024
 # Longest page_token taken (the broker's own are ~60 characters).
 MAX_PAGE_TOKEN_CHARS: Final = 256
 _PAGE_TOKEN_VERSION: Final = "g1"
@@ -272,7 +275,10 @@ def _list_view(record: GenerationRecord, redact: bool) -> tuple[generation_pb2.G
     snap = record.snapshot()
     generation = redacted_generation_to_proto(snap) if redact else generation_to_proto(snap, with_image=False)
     view = (generation, generation.ByteSize())
-    if record.state.terminal:
+    # A full view holds a copy of the prompts (up to 2 MiB): kept only when small, so retained
+    # generations never hold their prompts twice (a page of large ones is rebuilt, and the 4 MiB
+    # reply bound keeps that page short).
+    if record.state.terminal and (redact or view[1] <= MAX_CACHED_VIEW_BYTES):
         record.list_views[key] = view
     return view
 

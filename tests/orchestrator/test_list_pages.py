@@ -222,3 +222,29 @@ def test_a_generation_discarded_then_ended_is_listed_and_expires_cleanly() -> No
     assert [r.request_id for r in store.list_page((), 10, None, 10).records] == ["rejected"]
     clock[0] = 11.0
     assert store.list_page((), 10, None, 10).records == [] and store._order == []
+
+
+def test_a_full_view_with_large_prompts_is_not_kept() -> None:
+    """Views of finished generations are kept for the next listing, but a full one holds a copy
+    of the prompts (up to 2 MiB): kept only when small, so retained prompts are never held twice."""
+    from kvrelay.broker.generation import MAX_CACHED_VIEW_BYTES
+    from kvrelay.security import Caller, CallerClass, _current_caller
+
+    async def body() -> None:
+        async with cluster() as c:
+            assert c.generation is not None
+            store = c.orchestrator.store
+            for rid, prompt in (("small", "a cat"), ("large", "x" * MAX_CACHED_VIEW_BYTES)):
+                record, _ = store.create_or_attach(rid, GenerationParams(prompt, "", 1, 64, 64, 1, 1.0), True)
+                store.update(record, GenState.SUCCEEDED)
+            for caller in (CallerClass.OPERATOR, CallerClass.PUBLIC):
+                token = _current_caller.set(Caller(frozenset({caller}), authenticated=True))
+                try:
+                    reply = await c.generation.ListGenerations(S.ListGenerationsRequest(), None)  # type: ignore[arg-type]
+                finally:
+                    _current_caller.reset(token)
+                assert len(reply.generations) == 2
+            assert set(store.get("small").list_views) == {"full", "redacted"}
+            assert set(store.get("large").list_views) == {"redacted"}
+
+    run(body())
