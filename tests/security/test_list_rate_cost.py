@@ -73,7 +73,10 @@ def test_a_list_flood_does_not_spend_the_heartbeats_of_replicas_on_its_host() ->
     the replicas on its host beat from."""
     from grpc_health.v1 import health_pb2
 
-    from tests.security.test_rate_limit_identity import HEARTBEAT, _add_heartbeat
+    from tests.security.stub_server import stub_methods
+    from tests.security.test_rate_limit_identity import HEARTBEAT
+
+    _add_heartbeat = stub_methods("kvrelay.v1.BrokerService", ("Heartbeat",))
 
     creds = Credentials(rate_limit_per_second=0.01, rate_limit_burst=30)
     list_request = generation_pb2.ListGenerationsRequest(page_size=1000).SerializeToString()
