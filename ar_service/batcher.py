@@ -2,8 +2,9 @@
 several tickets at once").
 
 Owns one rule: when the ranks are free, the tickets waiting here go into the next batch, oldest
-first, up to `max_batch` tickets and `max_tokens` tokens (the oldest always goes, however long);
-the others wait for the batch after. It never waits for more tickets to arrive (an idle replica
+first, up to `max_batch` tickets and `max_tokens` tokens (the oldest always goes, however long),
+and, with `max_blocks`, up to that many engine KV blocks (`blocks(item)`: a vLLM AR's whole cache,
+which every ticket of a batch holds at once until its turn); the others wait for the batch after. It never waits for more tickets to arrive (an idle replica
 starts a batch of one at once). Only the prefill is shared: the batch then gives each member its
 turn with the ranks, one at a time in batch order, and holds the ranks lock (`ranks`) from the
 prefill until the last member's turn has ended, so a ticket's prefill, arming and writes never
@@ -53,6 +54,8 @@ class PrefillBatcher:
         max_batch: int,
         max_tokens: int,
         discard: Discard | None = None,
+        blocks: Callable[[Any], int] | None = None,
+        max_blocks: int = 0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -61,6 +64,10 @@ class PrefillBatcher:
         self.max_batch = max_batch
         self.max_tokens = max_tokens
         self._discard = discard
+        # 0: no block budget. A batch of tickets that each fit the engine's cache but not
+        # together failed every ticket past the free blocks (PREFILL_FAILED) instead of waiting.
+        self._blocks = blocks
+        self.max_blocks = max_blocks if blocks is not None else 0
         self._pending: list[_Member] = []
         self._loop_task: asyncio.Task[None] | None = None
         self.batch_sizes: list[int] = []  # items of every batch taken so far (tests)
@@ -92,14 +99,18 @@ class PrefillBatcher:
     def _take(self) -> list[_Member]:
         live = [m for m in self._pending if not m.result.done()]
         batch: list[_Member] = []
-        tokens = 0
+        tokens = blocks = 0
         for member in live:
             if len(batch) == self.max_batch:
                 break
             if batch and tokens + member.item.num_tokens > self.max_tokens:
                 break  # oldest first: a later, shorter ticket does not jump the queue
+            need = self._blocks(member.item) if self._blocks is not None and self.max_blocks else 0
+            if batch and blocks + need > self.max_blocks:
+                break
             batch.append(member)
             tokens += member.item.num_tokens
+            blocks += need
         self._pending = live[len(batch) :]
         return batch
 

@@ -186,6 +186,11 @@ class ArReplicaState:
     put_kv_bearer: Callable[[str], str] = str
 
 
+def _blocks_of(block_size: int) -> Callable[[Any], int]:
+    """The engine KV blocks a waiting ticket's rows hold at once (a vLLM AR's cache)."""
+    return lambda item: sum(-(-len(ids) // block_size) for ids in item.rows)
+
+
 @dataclass(slots=True)
 class _Job:
     task: asyncio.Task[ar_pb2.PrefillResponse]
@@ -277,6 +282,8 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         self.prefills = PrefillBatcher(
             self._run_prefills, self._ranks, max_batch=max(1, state.max_prefill_batch),
             max_tokens=state.max_prefill_batch_tokens, discard=self._discard_prefill,
+            blocks=_blocks_of(state.cache_block_size) if state.cache_blocks else None,
+            max_blocks=state.cache_blocks,
         )  # fmt: skip
         self.reporter = WriteReporter(self.broker, self.ledger, state.replica_id, state.incarnation_id)
 
