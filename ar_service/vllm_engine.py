@@ -87,6 +87,13 @@ PREFILL_FAULT_ENV = "KVRELAY_TEST_VLLM_PREFILL_FAULT"
 _MUST_BE: dict[str, Any] = {"pipeline_parallel_size": 1, "data_parallel_size": 1}
 
 
+def _whole_bytes(value: Any) -> bool:
+    """A byte count vLLM's EngineArgs take: an int >= 1, or its decimal digits."""
+    if isinstance(value, str) and value.isascii() and value.strip().isdigit():
+        value = int(value)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def check_vllm_args(args: dict[str, Any]) -> None:
     """Refuse the vLLM settings kvrelay cannot honour, naming the setting (ConfigError)."""
     for key, value in args.items():
@@ -96,6 +103,13 @@ def check_vllm_args(args: dict[str, Any]) -> None:
             raise ConfigError(
                 f"stages[0].model.vllm_args.{key}: {value!r} is not supported with KvRelayConnector (only "
                 f"{', '.join(map(repr, _ONLY[key]))}): the DiT reads the AR's KV in the model's dtype (model.dtype)"
+            )
+        if key == "kv_cache_memory_bytes" and not _whole_bytes(value):
+            # vLLM's CLI reads "512M"; its EngineArgs, which kvrelay hands these, take bytes only
+            # (refused ~20 s into vLLM's start), and 0 failed later, as no cache at all.
+            raise ConfigError(
+                f"stages[0].model.vllm_args.kv_cache_memory_bytes: {value!r}: vLLM's KV cache size in bytes, "
+                "a whole number >= 1 (e.g. 536870912 for 512 MiB)"
             )
         if key in _MUST_BE and value != _MUST_BE[key]:
             raise ConfigError(

@@ -233,3 +233,17 @@ def test_kvrelay_ar_with_a_fractional_kvcache_space_exits_2_naming_it(tmp_path: 
     assert done.returncode == 2, done.stderr
     assert "VLLM_CPU_KVCACHE_SPACE='1.5': vLLM reads it as a whole number of GiB" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["512MiB", "0.5", 0, -1, 1.5, True])
+def test_kv_cache_memory_bytes_must_be_bytes(value: Any) -> None:
+    """Handed to vLLM's EngineArgs as given, where only an int of bytes works (its CLI's "512M"
+    does not)."""
+    from kvrelay.ar_service.vllm_engine import check_vllm_args
+    from kvrelay.config import ConfigError
+
+    refused = r"vllm_args.kv_cache_memory_bytes: .*: vLLM's KV cache size in bytes"
+    with pytest.raises(ConfigError, match=refused):
+        check_vllm_args({"kv_cache_memory_bytes": value})
+    check_vllm_args({"kv_cache_memory_bytes": 512 << 20})
+    check_vllm_args({"kv_cache_memory_bytes": "536870912"})  # vLLM reads the digits too
