@@ -260,10 +260,25 @@ class VllmStartError(RuntimeError):
     """vLLM could not start; the message says what and how to fix it."""
 
 
+# vLLM's start failure when its KV cache cannot hold one max_model_len request; on CPU it tells to
+# raise gpu_memory_utilization, which does nothing where the cache size is set explicitly (kvrelay
+# always sets one: VLLM_CPU_KVCACHE_SPACE or vllm_args.kv_cache_memory_bytes).
+_CACHE_TOO_SMALL = "To serve at least one request with the model's max seq len"
+
+
 def start_failure(path: str, exc: BaseException) -> str:
     """vLLM's start failure on one line: the node prints the first line of a child's error, and
     some of vLLM's (transformers' tokenizer error) put their reason on the following lines."""
-    return " ".join(f"vLLM failed to start for {path}: {type(exc).__name__}: {exc}".split())
+    reason = f"{type(exc).__name__}: {exc}"
+    if _CACHE_TOO_SMALL in str(exc):
+        # Ahead of vLLM's reason: the node shows the start of a long line.
+        reason = (
+            "vLLM's KV cache cannot hold one request of max_model_len tokens: on CPU its size is "
+            f"{VLLM_KVCACHE_ENV} (GiB, kvrelay's default {VLLM_KVCACHE_DEFAULT_GIB}) or "
+            "stages[0].model.vllm_args.kv_cache_memory_bytes, not gpu_memory_utilization: raise it or "
+            f"lower vllm_args.max_model_len ({reason})"
+        )
+    return " ".join(f"vLLM failed to start for {path}: {reason}".split())
 
 
 class VllmCacheFull(RuntimeError):

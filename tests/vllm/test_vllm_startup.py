@@ -102,6 +102,25 @@ def test_a_start_failure_is_one_line() -> None:
     )
 
 
+def test_a_cache_too_small_for_max_model_len_names_kvrelays_settings() -> None:
+    """vLLM said "0.0 GiB KV cache is needed, which is larger than the available KV cache memory
+    (0.0 GiB) ... Try increasing `gpu_memory_utilization`" for kv_cache_memory_bytes 2 MiB and
+    max_model_len 1024 (black-box, kvrelay up): that setting does nothing on CPU here."""
+    from kvrelay.ar_service.vllm_engine import start_failure
+
+    exc = ValueError(
+        "To serve at least one request with the model's max seq len (1024), (0.0 GiB KV cache is needed, "
+        "which is larger than the available KV cache memory (0.0 GiB). Try increasing `gpu_memory_utilization`"
+    )
+    line = start_failure("/m", exc)
+    assert line.startswith(
+        "vLLM failed to start for /m: vLLM's KV cache cannot hold one request of max_model_len tokens: on "
+        "CPU its size is VLLM_CPU_KVCACHE_SPACE (GiB, kvrelay's default 1) or "
+        "stages[0].model.vllm_args.kv_cache_memory_bytes, not gpu_memory_utilization"
+    )
+    assert "(ValueError: To serve at least one request" in line and "\n" not in line
+
+
 @pytest.mark.slow
 def test_vllm_start_failure_is_reported(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
