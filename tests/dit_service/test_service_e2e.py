@@ -203,65 +203,70 @@ def test_reported_bytes_that_never_match_their_checksum_are_named_in_the_timeout
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_cancel_mid_denoise_stops_within_one_step(tmp_path: Path, tp: int) -> None:
+async def _next_request_runs_to_the_end(dit: Any, writer: ArWriter) -> None:
+    """No rank is left in a collective or a step: the next request runs to the end."""
+    ticket = await writer.written_ticket([5], seed=6)
+    async with grpc.aio.insecure_channel(dit.address) as channel:
+        events = await _collect(
+            dit_pb2_grpc.DitServiceStub(channel),
+            dit_pb2.DenoiseRequest(
+                ticket_id=ticket.ticket_id,
+                width=64,
+                height=64,
+                num_inference_steps=2,
+                guidance_scale=1.0,
+                seed=0,
+            ),
+        )
+    assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+
+
+async def _cancel_mid_denoise_stops_within_one_step(dit: Any, writer: ArWriter, metrics_port: int) -> None:
     """With TP=2 both ranks must stop after the same step (a rank left in a collective would hang
     the replica), and the replica must serve the next request."""
-    config = write_config(tmp_path, transport="mooncake", tp=tp)
     total = 200
-
-    async def scenario() -> None:
-        async with inprocess_broker() as (broker, _core):
-            dit = start_dit(config, broker.address, cwd=tmp_path)
-            try:
-                await wait_serving(dit)
-                metrics_port = dit.metrics_port()
-                assert metrics_port is not None
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                # One CFG row (guidance 1): a step of less CPU work than two rows' (the same 4096
-                # image tokens).
-                counts = [12]
-                ticket = await writer.written_ticket(counts, seed=5)
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    # 1024x1024 (4096 tokens): a step takes far longer than the service's 10 ms step
-                    # poll and the event's trip to us, so "seen" is at most a step behind the ranks.
-                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=1024, height=1024,
-                                                               num_inference_steps=total, guidance_scale=1.0,
-                                                               seed=2), timeout=60.0)
-                    seen = 0
-                    async for event in call:
-                        if event.phase == dit_pb2.DENOISE_PHASE_STEP:
-                            seen = event.step
-                            if seen >= 2:
-                                break
-                    call.cancel()
-                    cancelled_at = time.monotonic()
-                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
-                assert released.state == broker_pb2.TICKET_STATE_RELEASED
-                assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
-                stop_seconds = time.monotonic() - cancelled_at
-                steps_run = _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total")
-                # The ranks may be one step ahead of the stream when the caller cancels, and finish
-                # the step they are in: never more than that.
-                assert seen <= steps_run <= seen + 2, (seen, steps_run)
-                assert steps_run < total
-                assert stop_seconds < 5.0
-                pool = await writer.pool()
-                assert pool.free_pages == pool.total_pages
-                # The ranks are in step again: the next request runs to the end.
-                ticket = await writer.written_ticket([5], seed=6)
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
-                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
-                        guidance_scale=1.0, seed=0))
-                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
-                await writer.close()
-            finally:
-                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
-
-    asyncio.run(scenario())
+    steps_before = _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total")
+    # One CFG row (guidance 1): a step of less CPU work than two rows' (the same 4096
+    # image tokens).
+    counts = [12]
+    ticket = await writer.written_ticket(counts, seed=5)
+    async with grpc.aio.insecure_channel(dit.address) as channel:
+        stub = dit_pb2_grpc.DitServiceStub(channel)
+        # 1024x1024 (4096 tokens): a step takes far longer than the service's 10 ms step
+        # poll and the event's trip to us, so "seen" is at most a step behind the ranks.
+        call = stub.Denoise(
+            dit_pb2.DenoiseRequest(
+                ticket_id=ticket.ticket_id,
+                width=1024,
+                height=1024,
+                num_inference_steps=total,
+                guidance_scale=1.0,
+                seed=2,
+            ),
+            timeout=60.0,
+        )
+        seen = 0
+        async for event in call:
+            if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                seen = event.step
+                if seen >= 2:
+                    break
+        call.cancel()
+        cancelled_at = time.monotonic()
+    released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+    assert released.state == broker_pb2.TICKET_STATE_RELEASED
+    assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+    stop_seconds = time.monotonic() - cancelled_at
+    steps_run = _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total") - steps_before
+    # The ranks may be one step ahead of the stream when the caller cancels, and finish
+    # the step they are in: never more than that.
+    assert seen <= steps_run <= seen + 2, (seen, steps_run)
+    assert steps_run < total
+    assert stop_seconds < 5.0
+    pool = await writer.pool()
+    assert pool.free_pages == pool.total_pages
+    # The ranks are in step again: the next request runs to the end.
+    await _next_request_runs_to_the_end(dit, writer)
 
 
 def _logged(lines: list[str], event: str) -> list[dict[str, Any]]:
@@ -279,15 +284,72 @@ def _logged(lines: list[str], event: str) -> list[dict[str, Any]]:
     return records
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_cancel_mid_step_aborts_the_step_at_a_block(tmp_path: Path, tp: int) -> None:
+async def _cancel_mid_step_aborts_the_step_at_a_block(
+    dit: Any, writer: ArWriter, metrics_port: int, tp: int
+) -> None:
     """A CPU step of seconds (tiny at 1536x1536: 9216 image tokens) is not run to its end after a
     cancel: the ranks (both, at the same point, with TP=2) abandon it at the next abort point
     (before a transformer block, or between two query chunks of its attention), the ticket is
     released CANCELLED with every page back, and the replica serves the next request. The caller
     cancels as soon as step 1 is streamed, so step 2 is running: it must never count as done."""
-    config = write_config(tmp_path, transport="mooncake", tp=tp)
     total = 20
+    steps_before = _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total")
+    cancels_before = len(_logged(dit.lines, "denoise_cancelled"))
+    # One CFG row (guidance 1): half the CPU work of a step of two rows, the same 9216
+    # image tokens, so the same blocks and attention chunks to abort at.
+    ticket = await writer.written_ticket([12], seed=5)
+    async with grpc.aio.insecure_channel(dit.address) as channel:
+        stub = dit_pb2_grpc.DitServiceStub(channel)
+        call = stub.Denoise(
+            dit_pb2.DenoiseRequest(
+                ticket_id=ticket.ticket_id,
+                width=1536,
+                height=1536,
+                num_inference_steps=total,
+                guidance_scale=1.0,
+                seed=2,
+            ),
+            timeout=300.0,
+        )
+        loaded_at = step1_at = 0.0
+        async for event in call:
+            if event.phase == dit_pb2.DENOISE_PHASE_LOADED:
+                loaded_at = time.monotonic()
+            if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                assert event.step == 1
+                step1_at = time.monotonic()
+                break
+        call.cancel()
+        cancelled_at = time.monotonic()
+    released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 120.0)
+    stop_seconds = time.monotonic() - cancelled_at
+    assert released.state == broker_pb2.TICKET_STATE_RELEASED
+    assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
+    pool = await writer.pool()
+    assert pool.free_pages == pool.total_pages
+    # Step 2 was running when the cancel came: it never finished (at a step boundary it
+    # would have: 2 steps counted), the ranks left it at an abort point.
+    assert _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total") - steps_before == 1
+    (record,) = _logged(dit.lines, "denoise_cancelled")[cancels_before:]
+    assert record["steps_done"] == 1, record
+    # With TP=2, rank 1 may reach the step-1 boundary after the cancel came (rank 0 had
+    # streamed step 1 already): then the ranks' vote there stops them before step 2
+    # (aborted_step null), as good. One rank has no such race: it is inside step 2.
+    if tp == 1 or record["aborted_step"] is not None:
+        assert record["aborted_step"] == 2, record
+        assert record["aborted_block"] in (0, 1), record  # tiny: 2 blocks
+        assert 0 <= record["aborted_chunk"] < 5, record  # 2 x 9216 folded queries: 5 chunks
+    print(f"first step {step1_at - loaded_at:.2f}s, cancel to release {stop_seconds:.2f}s")
+    await _next_request_runs_to_the_end(dit, writer)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_cancel_stops_within_one_step_and_mid_step_at_a_block(tmp_path: Path, tp: int) -> None:
+    """Both cancels, one after the other, on one DiT replica of TP=tp (its start was most of each
+    one's time when each had a replica of its own): a cancel between steps stops the ranks within
+    one step, a cancel inside a step abandons it at the next abort point; each time the ticket is
+    released CANCELLED with every page back and the next request runs to the end."""
+    config = write_config(tmp_path, transport="mooncake", tp=tp)
 
     async def scenario() -> None:
         async with inprocess_broker() as (broker, _core):
@@ -298,50 +360,8 @@ def test_cancel_mid_step_aborts_the_step_at_a_block(tmp_path: Path, tp: int) -> 
                 assert metrics_port is not None
                 writer = ArWriter(broker.address, "tiny", "mooncake")
                 await writer.register()
-                # One CFG row (guidance 1): half the CPU work of a step of two rows, the same 9216
-                # image tokens, so the same blocks and attention chunks to abort at.
-                ticket = await writer.written_ticket([12], seed=5)
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    call = stub.Denoise(dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, width=1536, height=1536,
-                                                               num_inference_steps=total, guidance_scale=1.0,
-                                                               seed=2), timeout=300.0)
-                    loaded_at = step1_at = 0.0
-                    async for event in call:
-                        if event.phase == dit_pb2.DENOISE_PHASE_LOADED:
-                            loaded_at = time.monotonic()
-                        if event.phase == dit_pb2.DENOISE_PHASE_STEP:
-                            assert event.step == 1
-                            step1_at = time.monotonic()
-                            break
-                    call.cancel()
-                    cancelled_at = time.monotonic()
-                released = await _wait_ticket(writer, ticket.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 120.0)
-                stop_seconds = time.monotonic() - cancelled_at
-                assert released.state == broker_pb2.TICKET_STATE_RELEASED
-                assert released.outcome == broker_pb2.TICKET_OUTCOME_CANCELLED
-                pool = await writer.pool()
-                assert pool.free_pages == pool.total_pages
-                # Step 2 was running when the cancel came: it never finished (at a step boundary it
-                # would have: 2 steps counted), the ranks left it at an abort point.
-                assert _fetch_metric(metrics_port, "kvrelay_dit_denoise_steps_total") == 1
-                (record,) = _logged(dit.lines, "denoise_cancelled")
-                assert record["steps_done"] == 1, record
-                # With TP=2, rank 1 may reach the step-1 boundary after the cancel came (rank 0 had
-                # streamed step 1 already): then the ranks' vote there stops them before step 2
-                # (aborted_step null), as good. One rank has no such race: it is inside step 2.
-                if tp == 1 or record["aborted_step"] is not None:
-                    assert record["aborted_step"] == 2, record
-                    assert record["aborted_block"] in (0, 1), record  # tiny: 2 blocks
-                    assert 0 <= record["aborted_chunk"] < 5, record  # 2 x 9216 folded queries: 5 chunks
-                print(f"first step {step1_at - loaded_at:.2f}s, cancel to release {stop_seconds:.2f}s")
-                # No rank is left in a collective or a step: the next request runs to the end.
-                ticket = await writer.written_ticket([5], seed=6)
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    events = await _collect(dit_pb2_grpc.DitServiceStub(channel), dit_pb2.DenoiseRequest(
-                        ticket_id=ticket.ticket_id, width=64, height=64, num_inference_steps=2,
-                        guidance_scale=1.0, seed=0))
-                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+                await _cancel_mid_denoise_stops_within_one_step(dit, writer, metrics_port)
+                await _cancel_mid_step_aborts_the_step_at_a_block(dit, writer, metrics_port, tp)
                 await writer.close()
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
@@ -750,6 +770,7 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
     config = write_config(tmp_path, transport="mooncake")
     journal = tmp_path / "restarting-broker.sqlite"
     registrations: list[broker_pb2.RegisterReplicaRequest] = []
+    answered: list[str] = []  # the ReleaseTickets let through, answered
     refusing = True
 
     class RefusingReleases(BrokerServicer):
@@ -764,7 +785,10 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
         async def ReleaseTicket(self, request: Any, context: Any) -> Any:  # noqa: N802
             if refusing:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the broker is going down")
-            return await super().ReleaseTicket(request, context)
+            try:
+                return await super().ReleaseTicket(request, context)
+            finally:
+                answered.append(request.ticket_id)
 
     async def scenario() -> None:
         nonlocal refusing
@@ -802,7 +826,13 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
             assert (released.state, released.outcome) == (TicketState.RELEASED, TicketOutcome.OK), released
             assert core.released_total == 1
             refusing = False
-            await asyncio.sleep(2.5)  # the owed release's next try (backoff up to 2 s) gets through
+            # The owed release's next try (backoff up to 2 s) gets through, and changes nothing.
+            for _ in range(200):
+                if tid in answered:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the owed release was never tried again")
             assert core.get_ticket(tid).outcome is TicketOutcome.OK and core.released_total == 1
             pool = await writer.pool()
             assert pool.free_pages == pool.total_pages
