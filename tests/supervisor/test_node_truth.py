@@ -78,31 +78,27 @@ def test_a_child_config_error_at_start_is_one_line(tmp_path: Path, state_dir: Pa
     assert wait_dead(all_pids(state_dir)) == []
 
 
-def test_a_child_config_error_without_a_log_dir_says_where_its_line_is(tmp_path: Path, state_dir: Path) -> None:  # noqa: F811
-    # Its one line went to the terminal (stderr), unread by the supervisor; the node's error said
-    # "see its log" although there was no log file.
+@pytest.mark.parametrize(
+    ("child", "code", "message"),
+    [
+        # A config error: its one line went to the terminal (stderr), unread by the supervisor; the
+        # node's error said "see its log" although there was no log file.
+        ("ar-0", 2, "ar-0: exited with code 2 (a configuration error: its own `kvrelay ar: ...` line is above on "
+                    "stderr; with --log-dir, kvrelay up repeats it here)"),
+        # A DiT whose checkpoint does not load exits 3 and prints `kvrelay dit: startup failed: FILE:
+        # ...` to the terminal; the node's error said only "exited with code 3 before it was SERVING".
+        ("dit-0", 3, "dit-0 exited with code 3 before it was SERVING: its own `kvrelay dit: ...` line (why) is "
+                     "above on stderr; with --log-dir, kvrelay up repeats it here"),
+    ],
+)  # fmt: skip
+def test_a_child_failing_its_start_without_a_log_dir_says_where_its_line_is(
+    tmp_path: Path, state_dir: Path, child: str, code: int, message: str  # noqa: F811
+) -> None:
     path = write_config(tmp_path, 1, 1)
-    behaviour = {"ar-0": {"exit_at_start": 2}}
+    behaviour = {child: {"exit_at_start": code}}
     with pytest.raises(SupervisorError) as info:
         start_node(path, command=COMMAND, env=node_env(state_dir, behaviour))
-    assert str(info.value) == (
-        "ar-0: exited with code 2 (a configuration error: its own `kvrelay ar: ...` line is above on stderr; "
-        "with --log-dir, kvrelay up repeats it here)"
-    )
-    assert wait_dead(all_pids(state_dir)) == []
-
-
-def test_a_child_failing_its_start_without_a_log_dir_says_where_its_line_is(tmp_path: Path, state_dir: Path) -> None:  # noqa: F811
-    # A DiT whose checkpoint does not load exits 3 and prints `kvrelay dit: startup failed: FILE:
-    # ...` to the terminal; the node's error said only "exited with code 3 before it was SERVING".
-    path = write_config(tmp_path, 1, 1)
-    behaviour = {"dit-0": {"exit_at_start": 3}}
-    with pytest.raises(SupervisorError) as info:
-        start_node(path, command=COMMAND, env=node_env(state_dir, behaviour))
-    assert str(info.value) == (
-        "dit-0 exited with code 3 before it was SERVING: its own `kvrelay dit: ...` line (why) is above on "
-        "stderr; with --log-dir, kvrelay up repeats it here"
-    )
+    assert str(info.value) == message
     assert wait_dead(all_pids(state_dir)) == []
 
 
