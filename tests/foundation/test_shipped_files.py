@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.resources import resolve, shipped_names
+from tests.foundation.wheel import BuiltWheel
 
 CHECK = """
 import sys, pathlib, kvrelay
@@ -55,13 +56,8 @@ def test_resolve_prefers_an_existing_path_then_the_shipped_file(tmp_path: Path) 
 
 
 @pytest.mark.slow
-def test_the_wheel_runs_from_any_directory(repo_root: Path, tmp_path: Path) -> None:
-    wheels = tmp_path / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(repo_root)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    (wheel,) = wheels.glob("kvrelay-*.whl")
+def test_the_wheel_runs_from_any_directory(built_wheel: BuiltWheel, tmp_path: Path) -> None:
+    wheel = built_wheel.path
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"kvrelay/configs/single-node.yaml", "kvrelay/data/t2i-50.jsonl"} <= names
     site = tmp_path / "site"
@@ -80,11 +76,7 @@ def test_the_wheel_runs_from_any_directory(repo_root: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_building_the_wheel_prints_no_setuptools_warnings(repo_root: Path, tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path), str(repo_root)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    warnings = [line for line in (done.stdout + done.stderr).splitlines() if "Warning" in line or "deprecated" in line]
+def test_building_the_wheel_prints_no_setuptools_warnings(built_wheel: BuiltWheel) -> None:
+    # The build succeeded (the fixture checks its exit); here: what it printed with -v.
+    warnings = [line for line in built_wheel.output.splitlines() if "Warning" in line or "deprecated" in line]
     assert warnings == []
