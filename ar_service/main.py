@@ -467,7 +467,9 @@ def run(args: argparse.Namespace) -> int:
         # Configuration and deployment errors: one line, and an exit code the supervisor does
         # not restart (the same start would fail the same way).
         print(f"kvrelay ar: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+        # No interpreter teardown: a gRPC server of a failed start, freed by its last garbage
+        # collection, joined grpc.aio's stopped poller thread for ever (kvrelay.broker.main.run).
+        exit_without_teardown(EXIT_CONFIG)
     sys.stdout.flush()
     if code in (EXIT_FAIL_STOP, EXIT_FAST_STOP):
         # Fail or fast stop: do not run interpreter teardown that could block on a wedged thread.

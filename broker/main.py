@@ -155,7 +155,13 @@ async def serve(
         server_certificates=server_certificates,
         credential_rotation=rotation,
     )
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        # A port in use: nothing served yet. The journal is closed here (its lock released, its
+        # writer joined), not left to the interpreter's teardown with the rest (see run).
+        core.close()
+        raise
     # SIGHUP too: its default action killed the broker outright, as a closed terminal would.
     process_stop = ProcessStop("broker")
     process_stop.install()
@@ -210,13 +216,16 @@ def run(args: argparse.Namespace) -> int:
         code = asyncio.run(serve(cfg, host, port, metrics_port, creds, bool(getattr(args, "insecure_bind", False))))
     except PortInUse as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
-        return 1
+        code = 1
     except JournalWriteError as err:
         # Exit 1, not 2: a full disk may be freed, so the supervisor starts it again (with backoff).
         print(f"kvrelay broker: broker.journal_path: {err}; stopping to recover from the journal", file=sys.stderr)
-        return 1
+        code = 1
     except (SecurityError, ConfigError) as err:
         print(f"kvrelay broker: {err}", file=sys.stderr)
-        return 2
-    # Stopped, the journal closed: no interpreter teardown to wait for.
+        code = 2
+    # Failed or stopped, no interpreter teardown either way: a start that failed (a port in use)
+    # left its gRPC server in a garbage cycle, and the teardown's last collection freed it after
+    # the daemon threads were stopped: grpc.aio's shutdown joined its poller thread, which never
+    # ended. Some such brokers, started at once against one port, hung after their error line.
     exit_without_teardown(code)
