@@ -191,10 +191,11 @@ def test_a_port_in_use_is_one_line_and_the_process_exits(busy_port: int, tmp_pat
     assert_one_clear_line(proc, "up", f"port {busy_port} (node metrics, on 127.0.0.1) is already in use")
 
 
-# A broker whose port is in use, run to its exit in a process of its own: exit_without_teardown
-# records the code instead of exiting, then the journal's lock is tried.
+# A broker or AR whose port is in use, run to its exit in a process of its own:
+# exit_without_teardown records the code instead of exiting; then the journal's lock is tried.
 _FAILED_START = """
 import fcntl, os, socket, sys
+import kvrelay.ar_service.main as am
 import kvrelay.broker.main as bm
 from kvrelay.node.cli import build_parser
 
@@ -204,42 +205,47 @@ class Exited(Exception):
 def record(code):
     raise Exited(code)
 
-bm.exit_without_teardown = record
+am.exit_without_teardown = bm.exit_without_teardown = record
 config, journal, flag = sys.argv[1:]
 with socket.socket() as busy:
     busy.bind(("127.0.0.1", 0))
     busy.listen(1)
     port = str(busy.getsockname()[1])
-    ports = ["--port", "0", "--metrics-port", port]
-    if flag == "grpc":
-        ports = ["--port", port, "--metrics-port", "0"]
+    argv = {
+        "metrics": ["broker", "--port", "0", "--metrics-port", port],
+        "grpc": ["broker", "--port", port, "--metrics-port", "0"],
+        "ar": ["ar", "--port", port, "--broker", "127.0.0.1:1"],
+    }[flag]
+    main = am if flag == "ar" else bm
     try:
-        print("returned", bm.run(build_parser().parse_args(["broker", "--config", config, *ports])))
+        print("returned", main.run(build_parser().parse_args([*argv, "--config", config])))
     except Exited as exited:
         print("exit_without_teardown", exited.args[0])
-fd = os.open(journal + ".lock", os.O_RDWR)
-try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    print("journal released")
-except BlockingIOError:
-    print("journal held")
+if flag != "ar":
+    fd = os.open(journal + ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        print("journal released")
+    except BlockingIOError:
+        print("journal held")
 """
 
 
-@pytest.mark.parametrize("flag", ["metrics", "grpc"])
-def test_a_failed_broker_start_exits_without_teardown(tmp_path: Path, fast_config: str, flag: str) -> None:
+@pytest.mark.parametrize(("flag", "code"), [("metrics", 1), ("grpc", 1), ("ar", 2)])
+def test_a_failed_start_skips_teardown(fast_config: str, tmp_path: Path, flag: str, code: int) -> None:
     # Brokers started at once against one metrics port: one of six losers printed its line and
     # hung (faulthandler: grpc.aio's shutdown joining its poller thread in the interpreter's
     # last garbage collection, the gRPC server of the failed start being garbage by then).
     proc = subprocess.run(
         [sys.executable, "-c", _FAILED_START, fast_config, str(tmp_path / "journal.sqlite"), flag],
         capture_output=True, text=True, timeout=60, cwd=REPO,
-        env={**os.environ, "KVRELAY_LOG_FORMAT": "console", "KVRELAY_NATIVE_CAPTURE": "0"},
+        env={**os.environ, "KVRELAY_LOG_FORMAT": "console", "KVRELAY_NATIVE_CAPTURE": "0",
+             "KVRELAY_LOCK_DIR": str(tmp_path / "locks")},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    # Its journal is closed by the failed start itself, not left to a teardown.
-    said = proc.stdout.split("\n")[:2]
-    assert said == ["exit_without_teardown 1", "journal released"], (proc.stdout, proc.stderr)
+    # The broker's journal is closed by the failed start itself, not left to a teardown.
+    expected = [f"exit_without_teardown {code}", *([] if flag == "ar" else ["journal released"])]
+    assert proc.stdout.splitlines() == expected, (proc.stdout, proc.stderr)
     assert "is already in use" in proc.stderr
 
 
