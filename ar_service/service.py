@@ -186,9 +186,14 @@ class ArReplicaState:
     put_kv_bearer: Callable[[str], str] = str
 
 
+def _kv_blocks(rows: Sequence[Sequence[int]], block_size: int) -> int:
+    """The engine KV blocks of `block_size` tokens that `rows` hold at once (a vLLM AR's cache)."""
+    return sum(-(-len(ids) // block_size) for ids in rows)
+
+
 def _blocks_of(block_size: int) -> Callable[[Any], int]:
-    """The engine KV blocks a waiting ticket's rows hold at once (a vLLM AR's cache)."""
-    return lambda item: sum(-(-len(ids) // block_size) for ids in item.rows)
+    """The engine KV blocks a waiting ticket's rows hold at once (`_kv_blocks`)."""
+    return lambda item: _kv_blocks(item.rows, block_size)
 
 
 @dataclass(slots=True)
@@ -392,7 +397,7 @@ class ArServicer(ar_pb2_grpc.ArServiceServicer):
         if state.cache_blocks and state.cache_block_size:
             # Deterministic: PREFILL_FAILED (INTERNAL) from the engine, after the ticket's turn.
             size = state.cache_block_size
-            needed = sum(-(-len(ids) // size) for ids in token_ids)
+            needed = _kv_blocks(token_ids, size)
             if needed > state.cache_blocks:
                 raise KvRelayServerError(
                     grpc.StatusCode.INVALID_ARGUMENT,

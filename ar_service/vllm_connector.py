@@ -25,6 +25,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -384,21 +385,20 @@ class KvRelayConnector(KVConnectorBase_V1):
         sender, self._sender = self._sender, None
         if sender is None:
             return
-        for ticket_id, outcomes in self._finished:
+        def returned(finished: Iterable[tuple[str, tuple[WriteOutcome, ...]]]) -> None:
             # Returned after the service's last CollectFinished: never reported.
-            log.warning(
-                "kvrelay_in_doubt_write_returned_at_shutdown", ticket_id=ticket_id,
-                statuses=[o.status for o in outcomes],
-            )  # fmt: skip
-        self._finished = []
-        regions = self._regions
-        deadline = time.monotonic() + self._shutdown_wait_s
-        while regions is not None:
-            for ticket_id, outcomes in collect_returned_calls(sender, regions):
+            for ticket_id, outcomes in finished:
                 log.warning(
                     "kvrelay_in_doubt_write_returned_at_shutdown", ticket_id=ticket_id,
                     statuses=[o.status for o in outcomes],
                 )  # fmt: skip
+
+        returned(self._finished)
+        self._finished = []
+        regions = self._regions
+        deadline = time.monotonic() + self._shutdown_wait_s
+        while regions is not None:
+            returned(collect_returned_calls(sender, regions))
             if not regions.held() or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
