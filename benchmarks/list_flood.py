@@ -8,14 +8,16 @@ each of `--seconds`:
 
 - `idle`: the probe alone;
 - `flood`: `--threads` client threads (one process, a channel each) call ListGenerations
-  back to back (page_size `--page-size`, following next_page_token where the broker gives one).
+  back to back (page_size `--page-size`, following next_page_token where the broker gives one);
+  a refused call is made again after 1 ms, or with `--obey-retry` after the wait the refusal
+  names (google.rpc.RetryInfo), as a client that follows the broker's word does.
 
 Prints, per window, the Heartbeat and Health latency p50/p99/max, and the flood's list calls,
 generations listed and refusals per second. Not a test: it prints numbers; benchmarks/README.md
 and the commit that changed the list path record them.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/list_flood.py [--generations 1024] [--prompt-bytes 65536] \
-        [--threads 4] [--seconds 20] [--page-size 0]
+        [--threads 4] [--seconds 20] [--page-size 0] [--obey-retry]
 """
 
 from __future__ import annotations
@@ -109,7 +111,21 @@ def _metadata(token: str | None, replica_id: str | None = None) -> list[tuple[st
     return out + ([("kvrelay-replica-id", replica_id)] if replica_id and token else [])
 
 
-def flood(target: str, threads: int, seconds: float, page_size: int, token: str | None) -> None:
+def _retry_delay(err: grpc.RpcError) -> float | None:
+    """The wait a refusal names (google.rpc.RetryInfo), or None."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return float(info.retry_delay.ToNanoseconds()) / 1e9
+    return None
+
+
+def flood(target: str, threads: int, seconds: float, page_size: int, token: str | None, obey: bool) -> None:
     """Prints one JSON line: list calls, generations listed and refusals, by the window's end."""
     from kvrelay.security import channel_options
     from kvrelay.v1 import generation_pb2, generation_pb2_grpc
@@ -133,7 +149,8 @@ def flood(target: str, threads: int, seconds: float, page_size: int, token: str 
                 with lock:
                     counts["refused" if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else "failed"] += 1
                     counts["first_failure"] = counts["first_failure"] or f"{err.code().name}: {err.details()}"
-                time.sleep(0.001)
+                delay = _retry_delay(err) if obey else None
+                time.sleep(0.001 if delay is None else min(delay, max(0.0, deadline - time.monotonic())))
                 continue
             page_token = getattr(reply, "next_page_token", "")
             with lock:
@@ -197,12 +214,17 @@ def main() -> None:
         action="store_true",
         help="api/replica/operator tokens set: the flood lists as a public caller (redacted)",
     )
-    parser.add_argument("--flood", nargs=5, metavar=("TARGET", "THREADS", "SECONDS", "PAGE_SIZE", "TOKEN"),
+    parser.add_argument(
+        "--obey-retry",
+        action="store_true",
+        help="the flood waits as long as a refusal says (RetryInfo) before its next call",
+    )
+    parser.add_argument("--flood", nargs=6, metavar=("TARGET", "THREADS", "SECONDS", "PAGE_SIZE", "TOKEN", "OBEY"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     if args.flood:
-        target, threads, seconds, page_size, token = args.flood
-        flood(target, int(threads), float(seconds), int(page_size), token or None)
+        target, threads, seconds, page_size, token, obey = args.flood
+        flood(target, int(threads), float(seconds), int(page_size), token or None, obey == "1")
         return
     from kvrelay.security import channel_options
     from kvrelay.v1 import broker_pb2, broker_pb2_grpc
@@ -226,7 +248,7 @@ def main() -> None:
             idle = probe_window(target, args.seconds, args.probe_interval, replica_token)
             flooder = subprocess.Popen(
                 [sys.executable, __file__, "--flood", target, str(args.threads), str(args.seconds), str(args.page_size),
-                 api_token],
+                 api_token, "1" if args.obey_retry else "0"],
                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
             )  # fmt: skip
             time.sleep(0.5)  # the flood's threads connected
@@ -238,7 +260,8 @@ def main() -> None:
             broker.wait(30)
     print(f"broker with {args.generations} finished generations, prompts {args.prompt_bytes} B; "
           f"{args.threads} threads x {args.seconds:g} s of ListGenerations page_size {args.page_size}, "
-          + ("as a public caller (api token)" if args.tokens else "development (every caller an operator)"))  # fmt: skip
+          + ("as a public caller (api token)" if args.tokens else "development (every caller an operator)")
+          + (", obeying RetryInfo" if args.obey_retry else ""))  # fmt: skip
     print(summary("idle ", idle))
     print(summary("flood", flooded))
     per_s = {k: v / args.seconds for k, v in counts.items() if k != "first_failure"}

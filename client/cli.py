@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 from kvrelay.limits import (
@@ -62,6 +62,8 @@ TLS_ENV = {"tls_ca": "KVRELAY_TLS_CA", "tls_cert": "KVRELAY_TLS_CERT", "tls_key"
 _PHASES = ("queue", "prefill", "transfer", "load", "denoise", "decode")
 # The deadline of each call of status, list, cancel and forget (seconds).
 UNARY_TIMEOUT_S = 10.0
+# How long `kvrelay list` waits in all for pages the broker refused RATE_LIMITED (_list_pages).
+LIST_RATE_WAIT_S = 60.0
 
 
 def _token(args: argparse.Namespace, *envs: str) -> str | None:
@@ -923,17 +925,42 @@ def run_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _list_pages(client: KvRelayClient, states: list[GenerationState] | None, limit: int) -> list[Generation]:
-    """Generations newest first, following ListGenerations' pages until `limit` (0: all)."""
+def _list_pages(
+    client: KvRelayClient, states: list[GenerationState] | None, limit: int,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[Generation]:  # fmt: skip
+    """Generations newest first, following ListGenerations' pages until `limit` (0: all). A page
+    refused RATE_LIMITED is asked again after the wait the broker names (retry_after_ms), up to
+    LIST_RATE_WAIT_S in all: a page's reply counts its bytes against the caller's bucket, so a
+    walk over many retained prompts (~8 MiB/s at the default limit) waits instead of failing."""
     generations: list[Generation] = []
     token = ""
+    waited = 0.0
     while True:
         want = MAX_LIST_PAGE_SIZE if not limit else min(MAX_LIST_PAGE_SIZE, limit - len(generations))
-        page = client.list_generations_page(states, page_size=want, page_token=token)
+        try:
+            page = client.list_generations_page(states, page_size=want, page_token=token)
+        except KvRelayError as err:
+            wait = _rate_limit_wait(err)
+            if wait is None or waited + wait > LIST_RATE_WAIT_S:
+                raise
+            sleep(wait)
+            waited += wait
+            continue
         generations += page.generations
         token = page.next_page_token
         if not token or (limit and len(generations) >= limit):
             return generations[:limit] if limit else generations
+
+
+def _rate_limit_wait(err: KvRelayError) -> float | None:
+    """The seconds a RATE_LIMITED refusal says to wait (ErrorInfo metadata retry_after_ms), or None."""
+    if err.reason != "RATE_LIMITED":
+        return None
+    try:
+        return max(0.0, int(err.details["retry_after_ms"]) / 1000)
+    except (KeyError, ValueError):
+        return None
 
 
 def run_cancel(args: argparse.Namespace) -> int:

@@ -76,13 +76,18 @@ def timestamp_problem(ts: timestamp_pb2.Timestamp) -> str | None:
 
 
 class KvRelayServerError(Exception):
-    """An error to return to a gRPC caller: status code, UPPER_SNAKE reason, human message."""
+    """An error to return to a gRPC caller: status code, UPPER_SNAKE reason, human message;
+    `retry_delay_s`: when the caller may try again (google.rpc.RetryInfo), where the server knows."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str, **metadata: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, reason: str, message: str, *, retry_delay_s: float | None = None,
+        **metadata: str,
+    ) -> None:  # fmt: skip
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
+        self.retry_delay_s = retry_delay_s
         self.metadata = {k: str(v) for k, v in metadata.items()}
 
     def __str__(self) -> str:
@@ -122,7 +127,13 @@ def to_status(err: KvRelayServerError) -> Any:
     info = error_details_pb2.ErrorInfo(reason=err.reason, domain=ERROR_DOMAIN, metadata=err.metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
-    status = status_pb2.Status(code=err.code.value[0], message=bounded_message(err.message), details=[detail])
+    details = [detail]
+    if err.retry_delay_s is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromNanoseconds(round(err.retry_delay_s * 1e9))
+        details.append(any_pb2.Any())
+        details[-1].Pack(retry)
+    status = status_pb2.Status(code=err.code.value[0], message=bounded_message(err.message), details=details)
     return rpc_status.to_status(status)
 
 

@@ -37,6 +37,14 @@ MAX_LIST_PAGE_SIZE: Final = 1000
 # the default page (100) 11. Each listed generation costs the broker a few microseconds of its
 # event loop: at rate_limit_per_second 2000 one caller lists at most ~20,000 a second.
 LIST_GENERATIONS_PER_REQUEST: Final = 10
+# ...and, once its reply is built, one more per this many bytes the reply carries, taken from the
+# same bucket after the fact (it may run into debt: the next call waits until it is paid). Bytes
+# are most of a listing's cost where prompts are retained (up to 1 MiB each): an operator's 4 MiB
+# reply holds the loop ~10-20 ms, and a flood of them within the page count (~20 calls/s) held
+# a Heartbeat 240-450 ms at p99 (benchmarks/list_flood.py). 4 MiB counts 1024 more: at
+# rate_limit_per_second 2000 one caller receives ~8 MiB of listings a second; a public caller's
+# redacted page (~100 bytes a generation) counts ~25 more for 1000.
+LIST_REPLY_BYTES_PER_REQUEST: Final = 4096
 # The wire's uint64, all of which every consumer takes (torch generators: up to 2**64 - 1).
 SEED_BITS: Final = 64
 # How much of a refused id a message quotes: enough to recognise it, never a wall of text.

@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import inspect
 import ipaddress
+import math
 import os
 import resource
 import secrets
@@ -37,6 +38,7 @@ import grpc
 from kvrelay.errors import KvRelayServerError, abort_with
 from kvrelay.limits import (
     LIST_GENERATIONS_PER_REQUEST,
+    LIST_REPLY_BYTES_PER_REQUEST,
     MAX_PEM_FILE_BYTES,
     MAX_REQUEST_ID_LENGTH,
     MAX_SECRET_FILE_BYTES,
@@ -120,6 +122,11 @@ class RpcRule:
     # second), from its request; None: 1, and a public RPC is not rate-limited at all. A call
     # whose cost grows with what it asks for (a ListGenerations page) counts for that cost.
     cost: Callable[[Any], float] | None = None
+    # What its reply counts for on top, from the reply a unary handler returned: taken from the
+    # same bucket once the work is done, as debt when the bucket holds less (the caller's next
+    # call waits until it is paid). A reply whose size the request cannot tell (a ListGenerations
+    # page of retained prompts) counts for what it carried.
+    reply_cost: Callable[[Any], float] | None = None
 
 
 def list_generations_cost(request: Any) -> float:
@@ -128,6 +135,14 @@ def list_generations_cost(request: Any) -> float:
     client within its rate limit flooding ListGenerations took the broker's event loop (a health
     check took 4.9 s); each listed generation costs the loop a few microseconds."""
     return 1.0 + list_page_size(int(getattr(request, "page_size", 0))) / LIST_GENERATIONS_PER_REQUEST
+
+
+def list_generations_reply_cost(reply: Any) -> float:
+    """ListGenerations' reply counts one more request per LIST_REPLY_BYTES_PER_REQUEST bytes it
+    carries (a 4 MiB page of an operator's retained prompts: 1024). Found with
+    benchmarks/list_flood.py: an operator's flood, within the page count, held a Heartbeat
+    240-450 ms at p99 (each 4 MiB reply holds the loop ~10-20 ms)."""
+    return float(reply.ByteSize()) / LIST_REPLY_BYTES_PER_REQUEST
 
 
 _B = "/kvrelay.v1.BrokerService/"
@@ -146,8 +161,10 @@ RPC_RULES: Mapping[str, RpcRule] = {
     _G + "ListGenerations": RpcRule(
         CallerClass.PUBLIC, True,
         "states, page_token; no images; ids, prompts and error messages only for an operator; rate-limited "
-        f"as 1 + page_size/{LIST_GENERATIONS_PER_REQUEST} requests",
+        f"as 1 + page_size/{LIST_GENERATIONS_PER_REQUEST} requests, then 1 per {LIST_REPLY_BYTES_PER_REQUEST} "
+        "bytes of its reply",
         cost=list_generations_cost,
+        reply_cost=list_generations_reply_cost,
     ),
     "/grpc.health.v1.Health/Check": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
     "/grpc.health.v1.Health/Watch": RpcRule(CallerClass.PUBLIC, True, "none", always_open=True),
@@ -1285,20 +1302,19 @@ class _RateLimiter:
         return tokens + (now - last) * self._rate >= self._burst
 
     def _take(
-        self, entry: tuple[float, float] | None, now: float, cost: float = 1.0
-    ) -> tuple[bool, tuple[float, float]]:
+        self, entry: tuple[float, float] | None, now: float, cost: float, debt: bool
+    ) -> tuple[float, tuple[float, float]]:
+        """(0.0 when `cost` is taken, else the seconds until the bucket holds it; the entry after).
+        `debt`: taken whatever the bucket holds, down to the burst below zero at most."""
         tokens, last = entry if entry is not None else (self._burst, now)
         tokens = min(self._burst, tokens + max(0.0, now - last) * self._rate)
+        if debt:
+            return 0.0, (max(tokens - cost, -self._burst), now)
         if tokens < cost:
-            return False, (tokens, now)
-        return True, (tokens - cost, now)
+            return (cost - tokens) / self._rate, (tokens, now)
+        return 0.0, (tokens - cost, now)
 
-    def allow(self, key: str, cost: float = 1.0) -> bool:
-        """Take `cost` tokens of `key`'s bucket (at most the burst: a call costlier than the burst
-        still passes on a full bucket), or False."""
-        if self._rate <= 0:
-            return True
-        cost = min(max(cost, 1.0), self._burst)
+    def _apply(self, key: str, cost: float, debt: bool) -> float:
         now = self._clock()
         with self._lock:
             entry = self._buckets.get(key)
@@ -1306,11 +1322,30 @@ class _RateLimiter:
                 while self._buckets and self._refilled(next(iter(self._buckets.values())), now):
                     self._buckets.popitem(last=False)
                 if len(self._buckets) >= self._max:
-                    ok, self._overflow = self._take(self._overflow, now, cost)
-                    return ok
-            ok, self._buckets[key] = self._take(entry, now, cost)
+                    wait, self._overflow = self._take(self._overflow, now, cost, debt)
+                    return wait
+            wait, self._buckets[key] = self._take(entry, now, cost, debt)
             self._buckets.move_to_end(key)
-            return ok
+            return wait
+
+    def take(self, key: str, cost: float = 1.0) -> float:
+        """Take `cost` tokens of `key`'s bucket (at most the burst: a call costlier than the burst
+        still passes on a full bucket): 0.0, or the seconds until the bucket holds them (refused,
+        nothing taken)."""
+        if self._rate <= 0:
+            return 0.0
+        return self._apply(key, min(max(cost, 1.0), self._burst), debt=False)
+
+    def allow(self, key: str, cost: float = 1.0) -> bool:
+        """`take`, as whether it was taken."""
+        return self.take(key, cost) == 0.0
+
+    def charge(self, key: str, cost: float) -> None:
+        """Take `cost` tokens of `key`'s bucket after the fact (the work is done): whatever it
+        holds, into debt down to the burst below zero, so that the caller's next calls are refused
+        until it has refilled (at most 2 x burst / rate seconds)."""
+        if self._rate > 0 and cost > 0:
+            self._apply(key, cost, debt=True)
 
 
 # The RPCs a replica serves to the broker alone (REPLICA_SERVICE_CHECKS): the orchestration of
@@ -1654,15 +1689,37 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         deployment): replicas on one host no longer share one bucket. Found black-box: at
         rate_limit_per_second 50 an AR's Heartbeat failed RATE_LIMITED under normal load, its
         neighbours on the host having used the host's bucket at the broker."""
-        key = caller.key(str(context.peer() or ""))
-        limiter = self._public_limiter if public else self._limiter if caller.identity else self._host_limiter
-        if not limiter.allow(key, cost):
+        limiter, key = self._bucket(caller, context, public)
+        if wait := limiter.take(key, cost):
             counts = f"; {method.rsplit('/', 1)[-1]} counts as {cost:g}" if cost != 1.0 else ""
+            if public and (rule := self.rules.get(method)) is not None and rule.reply_cost is not None:
+                counts += " and its reply's bytes after it"
+            # The client may wait exactly this long (google.rpc.RetryInfo, and ErrorInfo's
+            # metadata retry_after_ms for the SDK's KvRelayError.details), never guess.
+            wait_ms = max(1, math.ceil(wait * 1000))
             raise KvRelayServerError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "RATE_LIMITED",
                 f"more than {self.creds.rate_limit_per_second:g} requests/s from this caller ({key_name(key)}; "
-                f"security.rate_limit_per_second{counts}); retry later",
+                f"security.rate_limit_per_second{counts}); retry in {wait_ms / 1000:.3f} s",
+                retry_delay_s=wait_ms / 1000,
+                retry_after_ms=str(wait_ms),
             )
+
+    def _bucket(
+        self, caller: Caller, context: grpc.aio.ServicerContext, public: bool
+    ) -> tuple[_RateLimiter, str]:
+        """The bucket a call counts against, and its key there (see _rate_limit)."""
+        limiter = self._public_limiter if public else self._limiter if caller.identity else self._host_limiter
+        return limiter, caller.key(str(context.peer() or ""))
+
+    def _charge_reply(
+        self, rule: RpcRule | None, caller: Caller, context: grpc.aio.ServicerContext, reply: Any
+    ) -> None:
+        """The reply's share of its call's cost (RpcRule.reply_cost), taken after the fact."""
+        if rule is None or rule.reply_cost is None or reply is None:
+            return
+        limiter, key = self._bucket(caller, context, rule.caller_class is CallerClass.PUBLIC)
+        limiter.charge(key, rule.reply_cost(reply))
 
     def _wrap_single_response(self, method: str, rule: RpcRule | None, check: RequestCheck | None,
                               behavior: Callable[..., Any], *, request_streaming: bool) -> Callable[..., Any]:
@@ -1676,9 +1733,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await abort_with(context, err)
             token = _current_caller.set(caller)
             try:
-                return await behavior(request, context)
+                reply = await behavior(request, context)
             finally:
                 _current_caller.reset(token)
+            self._charge_reply(rule, caller, context, reply)
+            return reply
 
         return wrapper
 

@@ -67,3 +67,40 @@ def test_kvrelay_list_follows_pages_to_its_limit(total: int, limit: int, listed:
     got = _list_pages(client, None, limit)  # type: ignore[arg-type]
     assert [g.request_id for g in got] == [f"g{i}" for i in range(listed)]
     assert all(size >= 1 for size, _ in client.asked)
+
+
+@dataclass
+class _RateLimitedPages(_Pages):
+    """`_Pages` whose broker refuses the listed calls (by number) RATE_LIMITED, naming the wait."""
+
+    refused: tuple[int, ...] = ()
+    retry_after_ms: str = "250"
+    calls: int = 0
+
+    def list_generations_page(self, states: object, *, page_size: int, page_token: str) -> GenerationPage:
+        self.calls += 1
+        if self.calls in self.refused:
+            raise KvRelayError("RESOURCE_EXHAUSTED", "RATE_LIMITED", "slow down",
+                               {"retry_after_ms": self.retry_after_ms})  # fmt: skip
+        return super().list_generations_page(states, page_size=page_size, page_token=page_token)
+
+
+def test_kvrelay_list_waits_out_a_rate_limited_page_for_as_long_as_the_broker_says() -> None:
+    """A page's reply counts its bytes against the caller's bucket (kvrelay.security.
+    list_generations_reply_cost): a walk over many retained prompts is refused RATE_LIMITED part
+    way, and `kvrelay list` asks the same page again after the named wait instead of failing."""
+    client = _RateLimitedPages(5, refused=(2, 3))
+    slept: list[float] = []
+    got = _list_pages(client, None, 0, sleep=slept.append)  # type: ignore[arg-type]
+    assert [g.request_id for g in got] == [f"g{i}" for i in range(5)]
+    assert slept == [0.25, 0.25]
+    assert [token for _, token in client.asked] == ["", "2", "4"]
+
+
+@pytest.mark.parametrize("retry_after_ms", ["", "120000"])
+def test_kvrelay_list_gives_up_on_a_refusal_without_a_wait_or_past_its_patience(retry_after_ms: str) -> None:
+    client = _RateLimitedPages(5, refused=(2,), retry_after_ms=retry_after_ms)
+    slept: list[float] = []
+    with pytest.raises(KvRelayError, match="slow down"):
+        _list_pages(client, None, 0, sleep=slept.append)  # type: ignore[arg-type]
+    assert slept == []
