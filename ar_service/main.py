@@ -273,9 +273,16 @@ async def serve(args: argparse.Namespace, cfg: KvRelayConfig) -> int:
         )
         first = infos[0]
         if isinstance(rank_spec, VllmRankSpec):
-            from kvrelay.ar_service.vllm_engine import VllmTokenizer
+            from kvrelay.ar_service.vllm_engine import service_tokenizer
+            from kvrelay.ar_service.vllm_tokenizer import DescribeTokenizer, EngineTokenizer
 
-            tokenizer: Tokenizer = VllmTokenizer(stage.model.tokenizer or rank_spec.path)
+            # vLLM's own tokenizer, described by its engine process: the service runs its pipeline
+            # without torch when that gives vLLM's ids (docs/ar.md, "The service's tokenizer").
+            (engine_tokenizer,) = await stop.until_stopped(
+                asyncio.to_thread(group.call_all, DescribeTokenizer()), abort=group.kill
+            )
+            assert isinstance(engine_tokenizer, EngineTokenizer)
+            tokenizer: Tokenizer = service_tokenizer(engine_tokenizer, stage.model.tokenizer or rank_spec.path)
         else:
             tokenizer = load_tokenizer(stage.model.tokenizer, model=stage.model)
             if stage.model.path is not None and isinstance(tokenizer, ByteTokenizer) and first.vocab != tokenizer.vocab_size:

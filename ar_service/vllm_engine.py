@@ -43,6 +43,13 @@ from kvrelay.ar_service.engine import (
     prefill_tickets,
     row_problem,
 )
+from kvrelay.ar_service.vllm_tokenizer import (
+    PROBE_TEXTS,
+    BackendTokenizer,
+    DescribeTokenizer,
+    EngineTokenizer,
+    torch_free_problem,
+)
 from kvrelay.config import (
     VLLM_KVCACHE_DEFAULT_GIB,
     VLLM_KVCACHE_ENV,
@@ -369,6 +376,12 @@ class VllmRankHandler:
             return None
         if isinstance(command, DescribeRank):
             return self._describe()
+        if isinstance(command, DescribeTokenizer):
+            try:
+                tok = self.engine.get_tokenizer()
+            except Exception as exc:  # vllm_args.skip_tokenizer_init: vLLM loaded none
+                return EngineTokenizer("", 0, None, None, (), None, f"vLLM has no tokenizer ({exc})")
+            return describe_engine_tokenizer(tok)
         if isinstance(command, HeldTickets):
             return sorted(self._held)
         if isinstance(command, CollectFinished):
@@ -648,10 +661,11 @@ def _describe(worker: Any) -> Any:
 
 
 class VllmTokenizer:
-    """vLLM's tokenizer for a model directory, in the AR service process (Tokenize and Prefill's
-    validation): the Hugging Face tokenizer vLLM loads (`AutoTokenizer`), ids with special tokens
-    as vLLM adds them to a completion prompt. Prefill sends vLLM these ids, never the text, so the
-    counts the broker reserved are the tokens vLLM computes."""
+    """vLLM's tokenizer for a model directory through transformers' `AutoTokenizer` (imports
+    torch): the AR service's fallback when vllm_tokenizer.BackendTokenizer cannot give vLLM's ids
+    without it (kvrelay.ar_service.vllm_tokenizer.service_tokenizer). Ids with special tokens as
+    vLLM adds them to a completion prompt. Prefill sends vLLM the service's ids, never the text, so
+    the counts the broker reserved are the tokens vLLM computes."""
 
     def __init__(self, directory: str) -> None:
         from transformers import AutoTokenizer
@@ -669,3 +683,89 @@ class VllmTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+# -- the service's tokenizer ---------------------------------------------------------------------
+
+# What the ids of `encode` go through, below vLLM's pass-through wrappers: a tokenizer class that
+# defines any of these may compute other ids than its Rust backend.
+ENCODE_PATH_METHODS = frozenset({
+    "encode", "encode_plus", "_encode_plus", "batch_encode_plus", "_batch_encode_plus", "__call__",
+    "_get_padding_truncation_strategies", "set_truncation_and_padding", "tokenize", "_tokenize",
+    "prepare_for_tokenization",
+})  # fmt: skip
+# vLLM's wrappers around the transformers tokenizer it loaded (caching, a thread pool of copies):
+# their encode calls the wrapped class's.
+_VLLM_WRAPPER_MODULE = "vllm.tokenizers.hf"
+
+
+def describe_engine_tokenizer(tok: Any) -> EngineTokenizer:
+    """Runs in vLLM's engine process, on vLLM's own tokenizer (`LLMEngine.get_tokenizer()`)."""
+    # Serialized before any encode: as loaded, with what tokenizer.json enables (truncation,
+    # padding), which transformers' encode turns off per call and BackendTokenizer turns off.
+    backend_json, reason = _backend_json(tok)
+    probe_ids = tuple(
+        tuple(int(i) for i in tok.encode(text, add_special_tokens=True)) for text in PROBE_TEXTS
+    )
+    return EngineTokenizer(
+        class_name=next(c.__name__ for c in type(tok).__mro__ if c.__module__ != _VLLM_WRAPPER_MODULE),
+        vocab_size=len(tok),
+        bos_id=_optional_int(getattr(tok, "bos_token_id", None)),
+        eos_id=_optional_int(getattr(tok, "eos_token_id", None)),
+        probe_ids=probe_ids,
+        backend_json=backend_json,
+        reason=reason,
+        split_special_tokens=bool(getattr(tok, "split_special_tokens", False)),
+    )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _backend_json(tok: Any) -> tuple[str | None, str]:
+    """(the backend's JSON, "") when `tok.encode` computes exactly its backend's ids, else (None, why)."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers import TokenizersBackend
+    except ImportError as exc:
+        return None, f"cannot check vLLM's tokenizer class ({exc})"
+    name = type(tok).__name__
+    if not isinstance(tok, TokenizersBackend):
+        return None, f"vLLM's tokenizer is {name} (not a transformers TokenizersBackend with a Rust backend)"
+    for cls in type(tok).__mro__:
+        if cls is TokenizersBackend:
+            break
+        if cls.__module__ == _VLLM_WRAPPER_MODULE:
+            continue
+        overridden = sorted(ENCODE_PATH_METHODS & set(vars(cls)))
+        if overridden:
+            return (
+                None,
+                f"{cls.__module__}.{cls.__qualname__} defines {', '.join(overridden)} (its own encode path)",
+            )
+    backend = tok.backend_tokenizer
+    if not isinstance(backend, Tokenizer):
+        return None, f"vLLM's tokenizer backend is {type(backend).__name__}, not a tokenizers.Tokenizer"
+    return str(backend.to_str()), ""
+
+
+def service_tokenizer(engine: EngineTokenizer, directory: str) -> BackendTokenizer | VllmTokenizer:
+    """The tokenizer of the vLLM AR's service process: BackendTokenizer (no torch) when it gives
+    vLLM's ids, else transformers' AutoTokenizer of `directory` (imports torch), logged with why."""
+    problem = torch_free_problem(engine)
+    if problem is None:
+        log.info("vllm_tokenizer_in_service", backend="tokenizers", tokenizer_class=engine.class_name)
+        return BackendTokenizer(engine)
+    log.warning(
+        "vllm_tokenizer_in_service", backend="transformers", tokenizer_class=engine.class_name,
+        reason=problem, effect="the AR service process imports torch",
+    )  # fmt: skip
+    fallback = VllmTokenizer(directory)
+    for text, theirs in zip(PROBE_TEXTS, engine.probe_ids, strict=False):  # none without vLLM's tokenizer
+        if tuple(fallback.encode(text)) != theirs:
+            # vLLM gets the service's ids either way (the broker's counts stay exact); its own
+            # text tokenization (a tokenizer_mode in vllm_args, a Mistral tokenizer) differs.
+            log.warning("vllm_tokenizer_ids_differ", text=text[:40], service=fallback.encode(text)[:8], vllm=list(theirs[:8]))
+            break
+    return fallback

@@ -33,11 +33,14 @@ REPO = Path(__file__).resolve().parents[1]
 SERVICES = ("ar-0", "dit-0")
 
 
-def start_once(tree: Path, config: str | None) -> tuple[float, dict[str, int]]:
+def start_once(
+    tree: Path, config: str | None, metrics_port: int | None = None
+) -> tuple[float, dict[str, int]]:
     """(seconds to the `try:` line, {service: RSS MiB}) of one `kvrelay up` of `tree`'s code."""
     cwd = tempfile.mkdtemp(prefix="kvrelay-start-")
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "kvrelay", "up", *(["--config", config] if config else [])]
+    argv += ["--metrics-port", str(metrics_port)] if metrics_port is not None else []
     started = time.monotonic()
     up = subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
@@ -74,13 +77,14 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout (git archive) to measure beside this one")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--config", help="the config `kvrelay up` gets (default: none, its own default)")
+    parser.add_argument("--metrics-port", type=int, help="`kvrelay up --metrics-port` (0: a free one)")
     parser.add_argument("--pause", type=float, default=3.0, help="seconds between runs (ports, shm freed)")
     args = parser.parse_args()
     trees = {"baseline": args.baseline, "this": REPO} if args.baseline else {"this": REPO}
     times: dict[str, list[float]] = {name: [] for name in trees}
     for run in range(1, args.runs + 1):
         for name, tree in trees.items():
-            seconds, rss = start_once(tree, args.config)
+            seconds, rss = start_once(tree, args.config, args.metrics_port)
             times[name].append(seconds)
             load = os.getloadavg()[0]
             print(

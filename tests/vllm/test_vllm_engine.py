@@ -39,6 +39,7 @@ from kvrelay.ar_service.vllm_engine import (  # noqa: E402
     VllmTokenizer,
     engine_env,
 )
+from kvrelay.ar_service.vllm_tokenizer import BackendTokenizer, DescribeTokenizer, torch_free_problem  # noqa: E402
 from kvrelay.models.ar import build_ar_model  # noqa: E402
 from kvrelay.transfer.layout import KvGeometry, PageLayout  # noqa: E402
 from kvrelay.transfer.pack import read_row  # noqa: E402
@@ -136,6 +137,17 @@ def test_tokenizer_is_vllms(checkpoint: Path) -> None:
     for text in (PROMPT, "", "héllo wörld ✓"):
         assert ours.encode(text) == list(theirs.encode(text))
     assert ours.encode("")[0] == ours.bos_id
+
+
+def test_the_engine_describes_its_tokenizer_for_the_service(engine: WorkerGroup, checkpoint: Path) -> None:
+    """DescribeTokenizer: the service builds vLLM's own tokenizer pipeline from the engine's
+    description, without torch, and it gives the ids of transformers' path (VllmTokenizer)."""
+    (described,) = engine.call_all(DescribeTokenizer())
+    assert torch_free_problem(described) is None, described.reason
+    ours, theirs = BackendTokenizer(described), VllmTokenizer(str(checkpoint))
+    for text in (PROMPT, "", "héllo wörld ✓", "<s>x</s>"):
+        assert ours.encode(text) == theirs.encode(text)
+    assert (ours.vocab_size, ours.bos_id, ours.eos_id) == (theirs.vocab_size, theirs.bos_id, theirs.eos_id)
 
 
 def test_kv_matches_builtin_ar_and_drop_returns_blocks(engine: WorkerGroup, checkpoint: Path) -> None:

@@ -53,7 +53,7 @@ def vllm_node_config(tmp_path: Path, checkpoint: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, int]]:
     tmp_path = tmp_path_factory.mktemp("vllm-node")
     checkpoint = build_checkpoint(tmp_path / "llama", seed=5)
     config = vllm_node_config(tmp_path, checkpoint)
@@ -77,7 +77,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
         text = "".join(lines)
         match = re.search(r"--target (\S+)", text)
         assert match, f"kvrelay up did not come up:\n{text}\n{up.stderr.read() if up.poll() is not None else ''}"
-        yield match.group(1), tmp_path / "logs"
+        yield match.group(1), tmp_path / "logs", up.pid
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0
     finally:
@@ -86,7 +86,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]
             up.wait()
 
 
-def test_generates_images_and_frees_every_page(node: tuple[str, Path]) -> None:
+def test_generates_images_and_frees_every_page(node: tuple[str, Path, int]) -> None:
     with KvRelayClient(node[0]) as client:
         # Two CFG rows (guidance 2.0), then one (guidance 1.0).
         first = client.generate("a red fox in the snow", seed=11, width=64, height=64, timeout=180).result()
@@ -107,14 +107,30 @@ def test_generates_images_and_frees_every_page(node: tuple[str, Path]) -> None:
         assert all(p.free_pages == p.total_pages for p in pools), pools
 
 
+def test_the_vllm_ar_service_loads_no_torch_and_its_engine_does(node: tuple[str, Path, int]) -> None:
+    """Once SERVING, the `kvrelay ar` process of an `engine: vllm` stage has no libtorch mapped (its
+    tokenizer runs vLLM's pipeline with `tokenizers`: kvrelay.ar_service.vllm_tokenizer), and its
+    vLLM engine process has. Before, the service loaded transformers' AutoTokenizer, and torch with it."""
+    import psutil
+
+    (ar,) = [c for c in psutil.Process(node[2]).children() if c.cmdline()[3:4] == ["ar"]]
+    assert "libtorch" not in Path(f"/proc/{ar.pid}/maps").read_text(), "the vLLM AR service process imported torch"
+    engines = ar.children()
+    assert any("libtorch" in Path(f"/proc/{e.pid}/maps").read_text() for e in engines), engines
+    # The service tokenized every request above with it, and said so at start.
+    lines = [json.loads(line) for line in (node[1] / "ar-0.log").read_text().splitlines() if line.startswith("{")]
+    (chosen,) = [line for line in lines if line.get("event") == "vllm_tokenizer_in_service"]
+    assert chosen["backend"] == "tokenizers", chosen
+
+
 def _prefill_batches(log_dir: Path) -> list[dict[str, object]]:
     lines = [line for f in log_dir.glob("*.log") for line in f.read_text().splitlines()]
     events = [json.loads(line) for line in lines if '"prefill_batch"' in line and line.startswith("{")]
     return [e for e in events if e.get("event") == "prefill_batch"]
 
 
-def test_concurrent_requests_share_a_vllm_prefill(node: tuple[str, Path]) -> None:
-    target, log_dir = node
+def test_concurrent_requests_share_a_vllm_prefill(node: tuple[str, Path, int]) -> None:
+    target, log_dir, _ = node
     with KvRelayClient(target) as client:
         # Tickets that reach the AR while it serves one wait and go together in the next batch.
         for _ in range(3):
@@ -137,8 +153,8 @@ def _wait_all_pages_free(client: KvRelayClient) -> None:
     assert all(p.free_pages == p.total_pages for p in pools), pools
 
 
-def test_a_fault_mid_shared_prefill_fails_only_its_request(node: tuple[str, Path]) -> None:
-    target, log_dir = node
+def test_a_fault_mid_shared_prefill_fails_only_its_request(node: tuple[str, Path, int]) -> None:
+    target, log_dir, _ = node
     with KvRelayClient(target) as client:
         for _ in range(3):
             # Tickets that queue behind the first share the next prefill, the faulty one among them.
