@@ -236,3 +236,25 @@ def test_the_service_falls_back_to_transformers_when_a_probe_differs(tmp_path: P
     fallback = service_tokenizer(wrong, str(tmp_path))
     assert isinstance(fallback, VllmTokenizer)
     assert fallback.encode(PROBE_TEXTS[4]) == list(engine.probe_ids[4])
+
+
+def test_an_engine_without_a_tokenizer_leaves_the_service_on_transformers(tmp_path: Path) -> None:
+    """vllm_args.skip_tokenizer_init: vLLM loads no tokenizer and get_tokenizer raises; the engine
+    describes that (the service's start must not fail on it) and the service falls back."""
+    from types import SimpleNamespace
+
+    from kvrelay.ar_service.vllm_engine import VllmRankHandler
+    from kvrelay.ar_service.vllm_tokenizer import DescribeTokenizer
+
+    def no_tokenizer() -> None:
+        raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")  # vLLM's words
+
+    handler = object.__new__(VllmRankHandler)
+    handler.engine = SimpleNamespace(get_tokenizer=no_tokenizer)
+    described = handler.handle(DescribeTokenizer())
+    assert described.backend_json is None and described.probe_ids == ()
+    assert (
+        described.reason == "vLLM has no tokenizer (Tokenizer not available when `skip_tokenizer_init=True`)"
+    )
+    build_tokenizer(tmp_path)
+    assert isinstance(service_tokenizer(described, str(tmp_path)), VllmTokenizer)
