@@ -190,6 +190,20 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
         registrations=[(dit_pb2_grpc.add_DitServiceServicer_to_server, servicer, DIT_SERVICE)],
         credentials=creds, insecure_bind=insecure_bind, server_certificates=certificates,
     )
+    try:
+        await server.start()
+    except PortInUse as err:
+        # A failed start (a port in use): one line and exit 2, as the AR and the broker, nothing
+        # started to stop. Before, the stop of a running replica followed it and logged three more
+        # lines (fail_stop, grpc_stopped, dit_stopped). run() exits without interpreter teardown.
+        print(f"kvrelay dit: {err}", file=sys.stderr)
+        lock.release()
+        return 2
+    except Exception as err:  # noqa: BLE001 - as a failed start below: one line, exit 3
+        log.exception("dit_failed", error=str(err))
+        print(f"kvrelay dit: startup failed: {(str(err) or type(err).__name__).splitlines()[0]}", file=sys.stderr)
+        lock.release()
+        return EXIT_FAIL_STOP
     memory: ReplicaMemory | None = None
     control_pool: HostPool | None = None
     group: WorkerGroup | None = None
@@ -203,7 +217,6 @@ async def serve(cfg: KvRelayConfig, args: argparse.Namespace) -> int:
     killing: list[asyncio.Future[None]] = []
     config_error = False
     try:
-        await server.start()
         # Answered from now on: the broker's proof that this incarnation is alive when another
         # process registers under our id (docs/operations.md, Across hosts).
         await server.announce_incarnation(incarnation_id)
@@ -424,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
         code = asyncio.run(serve(cfg, args))
     except LockTimeout as err:
         print(f"kvrelay dit: {err}", file=sys.stderr)
-        return 2
+        exit_without_teardown(2)  # as the AR's (kvrelay.broker.main.run says why)
     if code == EXIT_FAST_STOP:
         # Everything that keeps the contract is done: no interpreter teardown to wait on.
         sys.stdout.flush()
