@@ -8,12 +8,13 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -192,6 +193,146 @@ async def wait_serving(dit: DitProcess, timeout: float = 90.0) -> None:
                     return
             await asyncio.sleep(0.2)
     raise TimeoutError(f"DiT at {dit.address} not SERVING after {timeout}s")
+
+
+# ------------------------------------------------------------------------------------------------
+# One broker and one DiT shared by the tests of a module
+# ------------------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class SharedReplica:
+    """An in-process broker and a `kvrelay dit` that the tests of a module share: for tests that
+    only call the DiT's RPCs and end every ticket they make, never for one that stops, kills,
+    fences or restarts the DiT or the broker, or needs a broker servicer of its own. A DiT's start
+    (its rank process, torch, Mooncake) is most of such a test's time.
+
+    The broker and every test's scenario (`run`) run on one event loop, on a thread of its own:
+    the broker answers the DiT's heartbeats between tests too, and a scenario may use the core
+    (`core.get_ticket`, `core.waiters`) as it would on its own loop. Started by the first test
+    that uses it (within that test's Mooncake port window, tests/conftest.py). After each test
+    (`test`), every page must be free and every ticket released with the DiT still running, or
+    the pair is stopped (the next test starts a fresh one) and the test fails: no test sees what
+    an earlier one left behind. The DiT's clean exit (0) is checked when the module ends."""
+
+    def __init__(self, tmp_path: Path, **config: Any) -> None:
+        self.tmp_path = tmp_path
+        self.config = write_config(tmp_path, **config)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._broker: contextlib.AbstractAsyncContextManager[Any] | None = None
+        self.broker: Any = None
+        self.core: Any = None
+        self.dit: DitProcess | None = None
+        # Index into dit.lines where the running test's lines start.
+        self.first_line = 0
+        # Every line of the DiTs stopped so far (a failed test's replica is replaced).
+        self.all_lines: list[str] = []
+
+    def run(self, scenario: Coroutine[Any, Any, T]) -> T:
+        """Run `scenario` on the shared loop; returns its result or raises its exception."""
+        assert self._loop is not None, "SharedReplica.run outside SharedReplica.test()"
+        future = asyncio.run_coroutine_threadsafe(scenario, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # a timeout or an interrupt in this thread: the scenario stops too
+            raise
+
+    def test_lines(self) -> list[str]:
+        """The DiT's output lines printed since the running test started."""
+        assert self.dit is not None
+        return self.dit.lines[self.first_line :]
+
+    @contextlib.contextmanager
+    def test(self) -> Iterator[SharedReplica]:
+        if self.dit is None:
+            self._start()
+        assert self.dit is not None
+        self.first_line = len(self.dit.lines)
+        try:
+            yield self
+        except BaseException:
+            self.stop()  # whatever the failed test left, the next one starts afresh
+            raise
+        leftover = self.run(self._leftover())
+        if leftover:
+            self.stop()
+            raise AssertionError(f"the test left the shared DiT replica unclean: {leftover}")
+
+    async def _leftover(self, timeout: float = 10.0) -> str:
+        """'' once every page is free and every ticket released (drain quiet periods pass), else
+        what is left."""
+        from kvrelay.broker.tickets import TicketState
+
+        assert self.dit is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.dit.proc.poll() is not None:
+                return f"the DiT exited {self.dit.proc.returncode}:\n" + "".join(self.dit.lines[-30:])
+            live = [t for t in self.core.list_tickets() if t.state is not TicketState.RELEASED]
+            (pool,) = self.core.pool_status("dit-0")
+            if not live and pool.free == pool.total and not pool.fenced:
+                return ""
+            if time.monotonic() > deadline:
+                return f"tickets {[(t.ticket_id, t.state.name) for t in live]}, pool {pool}"
+            await asyncio.sleep(0.05)
+
+    def _start(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="shared-replica-loop", daemon=True)
+        self._thread.start()
+        self._broker = inprocess_broker()
+        self.broker, self.core = self.run(self._broker.__aenter__())
+        self.dit = start_dit(self.config, self.broker.address, cwd=self.tmp_path)
+        self.run(wait_serving(self.dit))
+
+    def stop(self) -> int | None:
+        """Stop the DiT, then the broker and the loop; the DiT's exit code (None if none ran)."""
+        code = None
+        if self._loop is None:
+            return code
+        try:
+            if self.dit is not None:
+                # On the loop's executor: the DiT releases and deregisters with the broker on its way out.
+                code = self.run(asyncio.to_thread(self.dit.stop))
+        finally:
+            if self.dit is not None:
+                self.all_lines += self.dit.lines
+            self.dit = None
+            try:
+                if self._broker is not None:
+                    self.run(self._broker.__aexit__(None, None, None))
+            finally:
+                self._broker = None
+                self.run(_end_of_loop())  # as asyncio.run ends its loop
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                assert self._thread is not None
+                self._thread.join(10)
+                self._loop.close()
+                self._loop = self._thread = None
+        return code
+
+    def __enter__(self) -> SharedReplica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        lines = self.dit.lines[-30:] if self.dit is not None else []
+        code = self.stop()
+        assert code in (None, 0), f"the shared DiT exited {code}:\n" + "".join(lines)
+
+
+async def _end_of_loop() -> None:
+    """What asyncio.run does before it closes its loop: cancel what is left, close the async
+    generators (a request stream a test left suspended), stop the default executor."""
+    loop = asyncio.get_running_loop()
+    left = [t for t in asyncio.all_tasks(loop) if t is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+    await loop.shutdown_asyncgens()
+    await loop.shutdown_default_executor()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
 from tests.dit_service.harness import (
     ArWriter,
     DitProcess,
+    SharedReplica,
     inprocess_broker,
     start_dit,
     wait_serving,
@@ -36,7 +37,7 @@ Replica = tuple[Any, DitProcess, ArWriter, dit_pb2_grpc.DitServiceStub]
 
 
 @contextlib.asynccontextmanager
-async def _replica(tmp_path: Path, transfer_timeout: float = 5.0) -> AsyncIterator[Replica]:
+async def _replica(tmp_path: Path, transfer_timeout: float) -> AsyncIterator[Replica]:
     """Broker core + one DiT replica with one slot + the writer; the DiT must stop cleanly, with no
     task of a request left behind."""
     config = write_config(tmp_path, transport="mooncake", max_num_seqs=1, transfer_timeout=transfer_timeout)
@@ -51,11 +52,42 @@ async def _replica(tmp_path: Path, transfer_timeout: float = 5.0) -> AsyncIterat
             await writer.close()
         finally:
             assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
-        # (A stream handler's interceptor may log a ContextVar error of its own when its caller
-        # cancels: only the load's tasks count here.)
-        leaked = [line for line in dit.lines
-                  if ("never retrieved" in line or "Task was destroyed" in line) and "_load" in line]
-        assert not leaked, leaked
+        _assert_no_load_task_leaked(dit.lines)
+
+
+def _assert_no_load_task_leaked(lines: list[str]) -> None:
+    # (A stream handler's interceptor may log a ContextVar error of its own when its caller
+    # cancels: only the load's tasks count here.)
+    leaked = [line for line in lines if ("never retrieved" in line or "Task was destroyed" in line) and "_load" in line]
+    assert not leaked, leaked
+
+
+# transfer_timeout 30 s: no test that shares it waits for a load to time out.
+@pytest.fixture(scope="module")
+def shared_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedReplica]:
+    with SharedReplica(tmp_path_factory.mktemp("shared-dit"), transport="mooncake", max_num_seqs=1,
+                       transfer_timeout=30.0) as shared:  # fmt: skip
+        yield shared
+    # Stopped: what a load task left unretrieved is logged by now.
+    _assert_no_load_task_leaked(shared.all_lines)
+
+
+@pytest.fixture
+def replica(shared_replica: SharedReplica) -> Iterator[SharedReplica]:
+    with shared_replica.test():
+        yield shared_replica
+
+
+@contextlib.asynccontextmanager
+async def _shared(replica: SharedReplica) -> AsyncIterator[Replica]:
+    """`_replica` on the module's shared DiT (one slot, transfer_timeout 30 s)."""
+    assert replica.dit is not None
+    writer = ArWriter(replica.broker.address, "tiny", "mooncake")
+    await writer.register()
+    async with grpc.aio.insecure_channel(replica.dit.address) as channel:
+        yield replica.core, replica.dit, writer, dit_pb2_grpc.DitServiceStub(channel)
+    await writer.close()
+    _assert_no_load_task_leaked(replica.test_lines())
 
 
 async def _written(writer: ArWriter, counts: list[int], *, report_rows: set[int] | None = None,
@@ -137,13 +169,13 @@ def _request(ticket: broker_pb2.Ticket, rows: int = 1) -> dit_pb2.DenoiseRequest
                                   guidance_scale=1.0 if rows == 1 else 2.0, seed=0)
 
 
-def test_queued_requests_load_while_the_slot_is_taken_and_keep_reservation_order(tmp_path: Path) -> None:
+def test_queued_requests_load_while_the_slot_is_taken_and_keep_reservation_order(replica: SharedReplica) -> None:
     """B and C (B reserved first, C calling first) are verified and READY while A holds the only
     slot; once it frees, B is admitted before C, and each LOADED reports its load's own time, not
     its wait for the slot."""
 
     async def scenario() -> None:
-        async with _replica(tmp_path) as (core, _dit, writer, stub):
+        async with _shared(replica) as (core, _dit, writer, stub):
             holder, held, a_steps = await _hold_the_slot(stub, writer)
             b = await writer.create_ticket([6])
             c = await writer.create_ticket([6])
@@ -187,7 +219,7 @@ def test_queued_requests_load_while_the_slot_is_taken_and_keep_reservation_order
             pool = await writer.pool()
             assert pool.free_pages == pool.total_pages
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
 def test_queued_request_whose_writer_never_writes_times_out_while_queued(tmp_path: Path) -> None:
@@ -222,14 +254,14 @@ def test_queued_request_whose_writer_never_writes_times_out_while_queued(tmp_pat
     asyncio.run(scenario())
 
 
-def test_cancel_while_queued_stops_the_load_before_the_release(tmp_path: Path) -> None:
+def test_cancel_while_queued_stops_the_load_before_the_release(replica: SharedReplica) -> None:
     """B is queued with its load in flight (row 0 verified and reported, row 1 not reported yet):
     its caller cancels. The ticket is released CANCELLED while A still runs, B's load task ends
     with the call (`_replica` checks that no task was left to fail unseen), nothing of B is left
     in the queue, and the next request is served."""
 
     async def scenario() -> None:
-        async with _replica(tmp_path, transfer_timeout=30.0) as (core, _dit, writer, stub):
+        async with _shared(replica) as (core, _dit, writer, stub):
             holder, held, _ = await _hold_the_slot(stub, writer)
             b, armed = await _written(writer, [6, 3], report_rows={0})
             call = stub.Denoise(_request(b, rows=2), timeout=60.0)
@@ -258,16 +290,16 @@ def test_cancel_while_queued_stops_the_load_before_the_release(tmp_path: Path) -
             pool = await writer.pool()
             assert pool.free_pages == pool.total_pages
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
-def test_a_standby_cancelled_before_its_batch_never_reaches_the_ranks(tmp_path: Path) -> None:
+def test_a_standby_cancelled_before_its_batch_never_reaches_the_ranks(replica: SharedReplica) -> None:
     """A denoises; B is admitted as its standby (LOADED, ticket CONSUMING, its command queued
     behind A's). B's caller cancels: B is taken back from the batcher at once (no rank sees it),
     its ticket is released CANCELLED while A still runs, and the replica serves the next call."""
 
     async def scenario() -> None:
-        async with _replica(tmp_path) as (core, dit, writer, stub):
+        async with _shared(replica) as (core, dit, writer, stub):
             a, _ = await _written(writer, [6])
             a_steps: asyncio.Queue[int] = asyncio.Queue()
 
@@ -291,7 +323,7 @@ def test_a_standby_cancelled_before_its_batch_never_reaches_the_ranks(tmp_path: 
             assert ended.outcome is TicketOutcome.CANCELLED
             assert not holder.done(), "B was released while A still ran"
             await asyncio.sleep(0.2)
-            assert any("denoise_withdrawn" in line for line in dit.lines), "".join(dit.lines[-20:])
+            assert any("denoise_withdrawn" in line for line in replica.test_lines()), "".join(dit.lines[-20:])
             await _free_the_slot(holder)
             c, _ = await _written(writer, [5], seed=2)
             events = [e async for e in stub.Denoise(_request(c), timeout=60.0)]
@@ -299,7 +331,7 @@ def test_a_standby_cancelled_before_its_batch_never_reaches_the_ranks(tmp_path: 
             pool = await writer.pool()
             assert pool.free_pages == pool.total_pages
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
 def test_queued_ready_tickets_survive_a_broker_restart(tmp_path: Path) -> None:

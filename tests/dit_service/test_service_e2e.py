@@ -9,6 +9,7 @@ import dataclasses
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from kvrelay.models.image import decode_png
 from kvrelay.v1 import broker_pb2, dit_pb2, dit_pb2_grpc
 from tests.dit_service.harness import (
     ArWriter,
+    SharedReplica,
     broker_process,
     inprocess_broker,
     start_dit,
@@ -32,59 +34,77 @@ from tests.dit_service.harness import (
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def shared_replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedReplica]:
+    """The broker and DiT (TP=1, the harness's config) of the tests below that take `replica`."""
+    with SharedReplica(tmp_path_factory.mktemp("shared-dit"), transport="mooncake") as shared:
+        yield shared
+
+
+@pytest.fixture
+def replica(shared_replica: SharedReplica) -> Iterator[SharedReplica]:
+    with shared_replica.test():
+        yield shared_replica
+
+
 async def _collect(stub: dit_pb2_grpc.DitServiceStub, request: dit_pb2.DenoiseRequest,
                    timeout: float = 60.0) -> list[dit_pb2.DenoiseEvent]:
     return [event async for event in stub.Denoise(request, timeout=timeout)]
 
 
-# quantization fp8: the stage's `model.quantization` reaches the ranks (`kvrelay dit` -> DitRankSpec
-# -> DitRunner): the image is the local FP8 runner's.
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_denoise_over_mooncake_matches_local_and_frees_pages(
-    tmp_path: Path, repo_root: Path, quantization: str | None
-) -> None:
-    config = write_config(tmp_path, transport="mooncake", quantization=quantization)
+async def _denoise_matches_local_and_frees_pages(broker: Any, dit: Any, quantization: str | None) -> None:
+    writer = ArWriter(broker.address, "tiny", "mooncake")
+    await writer.register()
+    counts = [21, 5]
+    ticket = await writer.create_ticket(counts)
+    armed = await writer.arm(ticket.ticket_id)
+    prefixes = writer.rows_kv(counts, seed=7)
+    async with grpc.aio.insecure_channel(dit.address) as channel:
+        stub = dit_pb2_grpc.DitServiceStub(channel)
+        request = dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, request_id=ticket.request_id,
+                                         width=64, height=64, num_inference_steps=3,
+                                         guidance_scale=2.0, seed=11)
+        denoise = asyncio.ensure_future(_collect(stub, request))
+        outcomes = await asyncio.to_thread(writer.write, armed, prefixes)
+        assert all(o.ok for o in outcomes), outcomes
+        await writer.report(ticket.ticket_id, outcomes)
+        events = await denoise
+    phases = [e.phase for e in events]
+    assert phases == [dit_pb2.DENOISE_PHASE_LOADING, dit_pb2.DENOISE_PHASE_LOADED,
+                      *[dit_pb2.DENOISE_PHASE_STEP] * 3, dit_pb2.DENOISE_PHASE_DECODED], phases
+    assert [e.step for e in events if e.phase == dit_pb2.DENOISE_PHASE_STEP] == [1, 2, 3]
+    final = events[-1]
+    assert final.bytes_loaded == sum(o.bytes for o in outcomes) > 0
+    image = decode_png(final.image.png)
+    local = DitRunner("tiny", quantization=quantization).generate(
+        prefixes, width=64, height=64, steps=3, guidance_scale=2.0, seed=11).numpy()
+    assert image.shape == (64, 64, 3)
+    # Different thread counts may round matmuls differently; the prefix itself is exact
+    # (test_transfer_bits), so the image agrees to within one level.
+    assert int(np.abs(image.astype(int) - local.astype(int)).max()) <= 1
+    pool = await writer.pool()
+    assert (pool.free_pages, pool.reserved_pages, pool.draining_pages) == (pool.total_pages, 0, 0)
+    released = await writer.ticket(ticket.ticket_id)
+    assert released.state == broker_pb2.TICKET_STATE_RELEASED
+    assert released.outcome == broker_pb2.TICKET_OUTCOME_OK
+    await writer.close()
+
+
+def test_denoise_over_mooncake_matches_local_and_frees_pages(replica: SharedReplica) -> None:
+    replica.run(_denoise_matches_local_and_frees_pages(replica.broker, replica.dit, None))
+
+
+def test_denoise_over_mooncake_in_fp8_matches_the_local_fp8_image(tmp_path: Path) -> None:
+    """The stage's `model.quantization` reaches the ranks (`kvrelay dit` -> DitRankSpec ->
+    DitRunner): the image is the local FP8 runner's."""
+    config = write_config(tmp_path, transport="mooncake", quantization="fp8")
 
     async def scenario() -> None:
         async with inprocess_broker() as (broker, _core):
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
                 await wait_serving(dit)
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                counts = [21, 5]
-                ticket = await writer.create_ticket(counts)
-                armed = await writer.arm(ticket.ticket_id)
-                prefixes = writer.rows_kv(counts, seed=7)
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    request = dit_pb2.DenoiseRequest(ticket_id=ticket.ticket_id, request_id=ticket.request_id,
-                                                     width=64, height=64, num_inference_steps=3,
-                                                     guidance_scale=2.0, seed=11)
-                    denoise = asyncio.ensure_future(_collect(stub, request))
-                    outcomes = await asyncio.to_thread(writer.write, armed, prefixes)
-                    assert all(o.ok for o in outcomes), outcomes
-                    await writer.report(ticket.ticket_id, outcomes)
-                    events = await denoise
-                phases = [e.phase for e in events]
-                assert phases == [dit_pb2.DENOISE_PHASE_LOADING, dit_pb2.DENOISE_PHASE_LOADED,
-                                  *[dit_pb2.DENOISE_PHASE_STEP] * 3, dit_pb2.DENOISE_PHASE_DECODED], phases
-                assert [e.step for e in events if e.phase == dit_pb2.DENOISE_PHASE_STEP] == [1, 2, 3]
-                final = events[-1]
-                assert final.bytes_loaded == sum(o.bytes for o in outcomes) > 0
-                image = decode_png(final.image.png)
-                local = DitRunner("tiny", quantization=quantization).generate(
-                    prefixes, width=64, height=64, steps=3, guidance_scale=2.0, seed=11).numpy()
-                assert image.shape == (64, 64, 3)
-                # Different thread counts may round matmuls differently; the prefix itself is exact
-                # (test_transfer_bits), so the image agrees to within one level.
-                assert int(np.abs(image.astype(int) - local.astype(int)).max()) <= 1
-                pool = await writer.pool()
-                assert (pool.free_pages, pool.reserved_pages, pool.draining_pages) == (pool.total_pages, 0, 0)
-                released = await writer.ticket(ticket.ticket_id)
-                assert released.state == broker_pb2.TICKET_STATE_RELEASED
-                assert released.outcome == broker_pb2.TICKET_OUTCOME_OK
-                await writer.close()
+                await _denoise_matches_local_and_frees_pages(broker, dit, "fp8")
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
@@ -343,26 +363,33 @@ async def _cancel_mid_step_aborts_the_step_at_a_block(
     await _next_request_runs_to_the_end(dit, writer)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_cancel_stops_within_one_step_and_mid_step_at_a_block(tmp_path: Path, tp: int) -> None:
-    """Both cancels, one after the other, on one DiT replica of TP=tp (its start was most of each
-    one's time when each had a replica of its own): a cancel between steps stops the ranks within
-    one step, a cancel inside a step abandons it at the next abort point; each time the ticket is
-    released CANCELLED with every page back and the next request runs to the end."""
-    config = write_config(tmp_path, transport="mooncake", tp=tp)
+async def _both_cancels(broker: Any, dit: Any, tp: int) -> None:
+    metrics_port = dit.metrics_port()
+    assert metrics_port is not None
+    writer = ArWriter(broker.address, "tiny", "mooncake")
+    await writer.register()
+    await _cancel_mid_denoise_stops_within_one_step(dit, writer, metrics_port)
+    await _cancel_mid_step_aborts_the_step_at_a_block(dit, writer, metrics_port, tp)
+    await writer.close()
+
+
+def test_a_cancel_stops_within_one_step_and_mid_step_at_a_block(replica: SharedReplica) -> None:
+    """Both cancels, one after the other, on one DiT replica (TP=1; TP=2 below): a cancel between
+    steps stops the ranks within one step, a cancel inside a step abandons it at the next abort
+    point; each time the ticket is released CANCELLED with every page back and the next request
+    runs to the end."""
+    replica.run(_both_cancels(replica.broker, replica.dit, 1))
+
+
+def test_a_cancel_stops_both_tp2_ranks_within_one_step_and_mid_step_at_a_block(tmp_path: Path) -> None:
+    config = write_config(tmp_path, transport="mooncake", tp=2)
 
     async def scenario() -> None:
         async with inprocess_broker() as (broker, _core):
             dit = start_dit(config, broker.address, cwd=tmp_path)
             try:
                 await wait_serving(dit)
-                metrics_port = dit.metrics_port()
-                assert metrics_port is not None
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                await _cancel_mid_denoise_stops_within_one_step(dit, writer, metrics_port)
-                await _cancel_mid_step_aborts_the_step_at_a_block(dit, writer, metrics_port, tp)
-                await writer.close()
+                await _both_cancels(broker, dit, 2)
             finally:
                 assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
 
@@ -484,59 +511,53 @@ def test_dead_rank_fails_stop(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-def test_admission_in_reservation_order_through_the_service(tmp_path: Path) -> None:
+def test_admission_in_reservation_order_through_the_service(replica: SharedReplica) -> None:
     """max_num_seqs=1: while ticket A denoises and S (reserved last, but the only caller then)
     waits as its standby, ticket C's Denoise arrives before B's; B was reserved first, so B is
     admitted (LOADING) before C."""
-    config = write_config(tmp_path, transport="mooncake", max_num_seqs=1)
+    broker, dit = replica.broker, replica.dit
 
     async def scenario() -> None:
-        async with inprocess_broker() as (broker, _core):
-            dit = start_dit(config, broker.address, cwd=tmp_path)
-            try:
-                await wait_serving(dit)
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                tickets = [await writer.create_ticket([6]) for _ in range(4)]  # A, B, C, S in reservation order
-                for t in tickets:
-                    armed = await writer.arm(t.ticket_id)
-                    outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv([6], seed=0))
-                    await writer.report(t.ticket_id, outcomes)
-                order: list[str] = []
+        writer = ArWriter(broker.address, "tiny", "mooncake")
+        await writer.register()
+        tickets = [await writer.create_ticket([6]) for _ in range(4)]  # A, B, C, S in reservation order
+        for t in tickets:
+            armed = await writer.arm(t.ticket_id)
+            outcomes = await asyncio.to_thread(writer.write, armed, writer.rows_kv([6], seed=0))
+            await writer.report(t.ticket_id, outcomes)
+        order: list[str] = []
 
-                async def run(ticket: broker_pb2.Ticket, name: str, steps: int, started: asyncio.Event) -> None:
-                    size = 512 if steps > 1 else 64
-                    async for event in stub.Denoise(dit_pb2.DenoiseRequest(
-                            ticket_id=ticket.ticket_id, width=size, height=size, num_inference_steps=steps,
-                            guidance_scale=1.0, seed=0), timeout=60.0):
-                        if event.phase == dit_pb2.DENOISE_PHASE_LOADING:
-                            order.append(name)
-                        if event.phase == dit_pb2.DENOISE_PHASE_STEP:
-                            started.set()
+        async def run(ticket: broker_pb2.Ticket, name: str, steps: int, started: asyncio.Event) -> None:
+            size = 512 if steps > 1 else 64
+            async for event in stub.Denoise(dit_pb2.DenoiseRequest(
+                    ticket_id=ticket.ticket_id, width=size, height=size, num_inference_steps=steps,
+                    guidance_scale=1.0, seed=0), timeout=60.0):
+                if event.phase == dit_pb2.DENOISE_PHASE_LOADING:
+                    order.append(name)
+                if event.phase == dit_pb2.DENOISE_PHASE_STEP:
+                    started.set()
 
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    a_running, unused = asyncio.Event(), asyncio.Event()
-                    # A runs until the test cancels it, so B and C surely both wait for its slot.
-                    a = asyncio.ensure_future(run(tickets[0], "A", 1000, a_running))
-                    await a_running.wait()
-                    s = asyncio.ensure_future(run(tickets[3], "S", 1, unused))
-                    await asyncio.sleep(0.3)
-                    c = asyncio.ensure_future(run(tickets[2], "C", 1, unused))
-                    await asyncio.sleep(0.3)
-                    b = asyncio.ensure_future(run(tickets[1], "B", 1, unused))
-                    await asyncio.sleep(0.3)
-                    assert order == ["A", "S"] and not s.done()  # S waits for A's ranks, admitted
-                    a.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await a
-                    await asyncio.gather(s, b, c)
-                assert order == ["A", "S", "B", "C"]
-                await writer.close()
-            finally:
-                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+        async with grpc.aio.insecure_channel(dit.address) as channel:
+            stub = dit_pb2_grpc.DitServiceStub(channel)
+            a_running, unused = asyncio.Event(), asyncio.Event()
+            # A runs until the test cancels it, so B and C surely both wait for its slot.
+            a = asyncio.ensure_future(run(tickets[0], "A", 1000, a_running))
+            await a_running.wait()
+            s = asyncio.ensure_future(run(tickets[3], "S", 1, unused))
+            await asyncio.sleep(0.3)
+            c = asyncio.ensure_future(run(tickets[2], "C", 1, unused))
+            await asyncio.sleep(0.3)
+            b = asyncio.ensure_future(run(tickets[1], "B", 1, unused))
+            await asyncio.sleep(0.3)
+            assert order == ["A", "S"] and not s.done()  # S waits for A's ranks, admitted
+            a.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await a
+            await asyncio.gather(s, b, c)
+        assert order == ["A", "S", "B", "C"]
+        await writer.close()
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
 def test_sigterm_during_denoise_releases_and_exits_cleanly(tmp_path: Path) -> None:
@@ -846,52 +867,46 @@ def test_a_release_owed_across_a_broker_restart_is_recorded_with_the_calls_outco
     asyncio.run(scenario())
 
 
-def test_a_second_denoise_of_a_ticket_never_releases_it_under_the_first(tmp_path: Path) -> None:
+def test_a_second_denoise_of_a_ticket_never_releases_it_under_the_first(replica: SharedReplica) -> None:
     """The broker sends one Denoise per ticket. A second one for a ticket a call is reading (a
     replay, a caller that holds the replica token) is refused FAILED_PRECONDITION TICKET_BUSY
     before it owns anything: before, it queued behind the first, and its end (its deadline here)
     released the ticket CANCELLED while the first call's ranks still read the pages."""
     from kvrelay.broker.tickets import TicketOutcome, TicketState
 
-    config = write_config(tmp_path, transport="mooncake")
+    broker, core, dit = replica.broker, replica.core, replica.dit
 
     async def scenario() -> None:
-        async with inprocess_broker() as (broker, core):
-            dit = start_dit(config, broker.address, cwd=tmp_path)
-            try:
-                await wait_serving(dit)
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                t = await writer.create_ticket([5])
-                armed = await writer.arm(t.ticket_id)
-                await writer.report(t.ticket_id,
-                                    await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
-                request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=256, height=256,
-                                                 num_inference_steps=60, guidance_scale=1.0, seed=0)
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    first = asyncio.ensure_future(_collect(stub, request))
-                    for _ in range(400):
-                        if core.get_ticket(t.ticket_id).state is TicketState.CONSUMING:
-                            break
-                        await asyncio.sleep(0.01)
-                    assert core.get_ticket(t.ticket_id).state is TicketState.CONSUMING
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
-                        await _collect(stub, request, timeout=1.0)
-                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_BUSY"), info.value
-                    assert core.get_ticket(t.ticket_id).state is TicketState.CONSUMING
-                    events = await first
-                assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
-                done = core.get_ticket(t.ticket_id)
-                assert (done.state, done.outcome) == (TicketState.RELEASED, TicketOutcome.OK)
-                await writer.close()
-            finally:
-                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+        writer = ArWriter(broker.address, "tiny", "mooncake")
+        await writer.register()
+        t = await writer.create_ticket([5])
+        armed = await writer.arm(t.ticket_id)
+        await writer.report(t.ticket_id,
+                            await asyncio.to_thread(writer.write, armed, writer.rows_kv([5], seed=6)))
+        request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=256, height=256,
+                                         num_inference_steps=60, guidance_scale=1.0, seed=0)
+        async with grpc.aio.insecure_channel(dit.address) as channel:
+            stub = dit_pb2_grpc.DitServiceStub(channel)
+            first = asyncio.ensure_future(_collect(stub, request))
+            for _ in range(400):
+                if core.get_ticket(t.ticket_id).state is TicketState.CONSUMING:
+                    break
+                await asyncio.sleep(0.01)
+            assert core.get_ticket(t.ticket_id).state is TicketState.CONSUMING
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, request, timeout=1.0)
+            assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "TICKET_BUSY"), info.value
+            assert core.get_ticket(t.ticket_id).state is TicketState.CONSUMING
+            events = await first
+        assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+        done = core.get_ticket(t.ticket_id)
+        assert (done.state, done.outcome) == (TicketState.RELEASED, TicketOutcome.OK)
+        await writer.close()
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
-def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
+def test_a_plan_that_is_not_the_brokers_claims_no_page(replica: SharedReplica) -> None:
     """Denoise carries the broker's plan, and the load claims the plan's pages with its ticket's
     sequence. A plan that is not the broker's (a forged sequence here: a caller that holds the
     replica token) is refused FAILED_PRECONDITION PLAN_MISMATCH before any page is claimed:
@@ -899,43 +914,42 @@ def test_a_plan_that_is_not_the_brokers_claims_no_page(tmp_path: Path) -> None:
     ticket of those pages (TICKET_ENDED) for good. The next ticket on them is served."""
     from kvrelay.broker.service import plan_to_proto
 
-    config = write_config(tmp_path, transport="mooncake")
+    broker, core, dit = replica.broker, replica.core, replica.dit
 
     async def scenario() -> None:
-        async with inprocess_broker() as (broker, core):
-            dit = start_dit(config, broker.address, cwd=tmp_path)
-            try:
-                await wait_serving(dit)
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    t = await writer.written_ticket([5], seed=6)
-                    forged = plan_to_proto(core.plan_for(t.ticket_id))
-                    forged.ticket.sequence += 10**12
-                    request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
-                                                     num_inference_steps=1, guidance_scale=1.0, seed=0, plan=forged)
-                    with pytest.raises(grpc.aio.AioRpcError) as info:
-                        await _collect(stub, request, timeout=10.0)
-                    assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), info.value
-                    await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
-                    u = None
-                    for _ in range(64):
-                        candidate = await writer.written_ticket([5], seed=6)
-                        if set(candidate.rows[0].page_ids) & set(t.rows[0].page_ids):
-                            u = candidate
-                            break
-                    assert u is not None, "no later ticket got the pages"
-                    request = dit_pb2.DenoiseRequest(ticket_id=u.ticket_id, width=64, height=64,
-                                                     num_inference_steps=1, guidance_scale=1.0, seed=0,
-                                                     plan=plan_to_proto(core.plan_for(u.ticket_id)))
-                    events = await _collect(stub, request, timeout=20.0)
-                    assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
-                await writer.close()
-            finally:
-                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+        writer = ArWriter(broker.address, "tiny", "mooncake")
+        await writer.register()
+        async with grpc.aio.insecure_channel(dit.address) as channel:
+            stub = dit_pb2_grpc.DitServiceStub(channel)
+            t = await writer.written_ticket([5], seed=6)
+            forged = plan_to_proto(core.plan_for(t.ticket_id))
+            forged.ticket.sequence += 10**12
+            request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
+                                             num_inference_steps=1, guidance_scale=1.0, seed=0, plan=forged)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _collect(stub, request, timeout=10.0)
+            assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), info.value
+            await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+            u = None
+            passed_over = []
+            for _ in range(64):
+                candidate = await writer.written_ticket([5], seed=6)
+                if set(candidate.rows[0].page_ids) & set(t.rows[0].page_ids):
+                    u = candidate
+                    break
+                passed_over.append(candidate)
+            assert u is not None, "no later ticket got the pages"
+            for other in passed_over:  # written, never denoised: the replica is shared
+                await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                    ticket_id=other.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED), timeout=5.0)
+            request = dit_pb2.DenoiseRequest(ticket_id=u.ticket_id, width=64, height=64,
+                                             num_inference_steps=1, guidance_scale=1.0, seed=0,
+                                             plan=plan_to_proto(core.plan_for(u.ticket_id)))
+            events = await _collect(stub, request, timeout=20.0)
+            assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+        await writer.close()
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
 def _forge_writes(plan: broker_pb2.TicketPlan, forgery: str, page_bytes: int, pool_bytes: int) -> None:
@@ -964,7 +978,7 @@ def _forge_writes(plan: broker_pb2.TicketPlan, forgery: str, page_bytes: int, po
         raise AssertionError(forgery)
 
 
-def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: Path) -> None:
+def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(replica: SharedReplica) -> None:
     """The DiT verifies each write's segments (offsets and lengths in its pools) from its own plan
     of the ticket's rows; a Denoise plan with the genuine ticket but other segments is refused
     FAILED_PRECONDITION PLAN_MISMATCH at once. Found black-box (a caller holding the replica
@@ -978,64 +992,58 @@ def test_a_plan_whose_writes_are_not_the_dits_own_is_refused_at_once(tmp_path: P
     from kvrelay.transfer.convert import geometry_from_proto
     from kvrelay.transfer.layout import PageLayout
 
-    config = write_config(tmp_path, transport="mooncake")
+    broker, core, dit = replica.broker, replica.core, replica.dit
 
     async def scenario() -> None:
-        async with inprocess_broker() as (broker, core):
-            dit = start_dit(config, broker.address, cwd=tmp_path)
-            try:
-                await wait_serving(dit)
-                writer = ArWriter(broker.address, "tiny", "mooncake")
-                await writer.register()
-                pool = await writer.pool()
-                async with grpc.aio.insecure_channel(dit.address) as channel:
-                    stub = dit_pb2_grpc.DitServiceStub(channel)
-                    for forgery in ("outside_the_pool", "other_pages", "write_named_twice",
-                                    "a_source_rank_the_heads_do_not_split_into", "pages_outside_the_pool"):
-                        t = await writer.written_ticket([5], seed=6)
-                        plan = plan_to_proto(core.plan_for(t.ticket_id))
-                        layout = PageLayout(geometry_from_proto(plan.dit_geometry), 1, 0)
-                        _forge_writes(plan, forgery, layout.page_bytes, layout.pool_bytes(plan.dit_num_pages))
-                        request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
-                                                         num_inference_steps=1, guidance_scale=1.0, seed=0, plan=plan)
-                        with pytest.raises(grpc.aio.AioRpcError) as info:
-                            await _collect(stub, request, timeout=30.0)
-                        assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), (
-                            forgery, info.value)
-                        if forgery == "pages_outside_the_pool":
-                            assert "outside the pool" in (info.value.details() or ""), info.value.details()
-                        ended = await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
-                        assert ended.state == broker_pb2.TICKET_STATE_RELEASED, (forgery, ended)
-                    # A deadline_time outside Timestamp's range: INVALID_ARGUMENT naming it (was
-                    # UNKNOWN, a ValueError from Timestamp.ToNanoseconds()).
-                    t = await writer.written_ticket([5], seed=6)
-                    for stamp in (Timestamp(seconds=2**62), Timestamp(seconds=10**9, nanos=-5)):
-                        with pytest.raises(grpc.aio.AioRpcError) as info:
-                            await _collect(stub, dit_pb2.DenoiseRequest(
-                                ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1,
-                                guidance_scale=1.0, seed=0, plan=plan_to_proto(core.plan_for(t.ticket_id)),
-                                deadline_time=stamp), timeout=30.0)
-                        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
-                        assert (info.value.details() or "").startswith("deadline_time:"), info.value.details()
-                    # Bad input leaves the ticket untouched (dit_service.md): its caller ends it.
-                    await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
-                        ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED, reason="test"), timeout=5.0)
-                    t = await writer.written_ticket([5], seed=6)
-                    events = await _collect(stub, dit_pb2.DenoiseRequest(
-                        ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1, guidance_scale=1.0,
-                        seed=0, plan=plan_to_proto(core.plan_for(t.ticket_id))), timeout=30.0)
-                    assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
-                await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
-                for _ in range(100):
-                    if (await writer.pool()).free_pages == pool.total_pages:
-                        break
-                    await asyncio.sleep(0.05)
-                assert (await writer.pool()).free_pages == pool.total_pages
-                await writer.close()
-            finally:
-                assert await asyncio.to_thread(dit.stop) == 0, "".join(dit.lines[-30:])
+        writer = ArWriter(broker.address, "tiny", "mooncake")
+        await writer.register()
+        pool = await writer.pool()
+        async with grpc.aio.insecure_channel(dit.address) as channel:
+            stub = dit_pb2_grpc.DitServiceStub(channel)
+            for forgery in ("outside_the_pool", "other_pages", "write_named_twice",
+                            "a_source_rank_the_heads_do_not_split_into", "pages_outside_the_pool"):
+                t = await writer.written_ticket([5], seed=6)
+                plan = plan_to_proto(core.plan_for(t.ticket_id))
+                layout = PageLayout(geometry_from_proto(plan.dit_geometry), 1, 0)
+                _forge_writes(plan, forgery, layout.page_bytes, layout.pool_bytes(plan.dit_num_pages))
+                request = dit_pb2.DenoiseRequest(ticket_id=t.ticket_id, width=64, height=64,
+                                                 num_inference_steps=1, guidance_scale=1.0, seed=0, plan=plan)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _collect(stub, request, timeout=30.0)
+                assert reason_of(info.value)[:2] == ("FAILED_PRECONDITION", "PLAN_MISMATCH"), (
+                    forgery, info.value)
+                if forgery == "pages_outside_the_pool":
+                    assert "outside the pool" in (info.value.details() or ""), info.value.details()
+                ended = await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+                assert ended.state == broker_pb2.TICKET_STATE_RELEASED, (forgery, ended)
+            # A deadline_time outside Timestamp's range: INVALID_ARGUMENT naming it (was
+            # UNKNOWN, a ValueError from Timestamp.ToNanoseconds()).
+            t = await writer.written_ticket([5], seed=6)
+            for stamp in (Timestamp(seconds=2**62), Timestamp(seconds=10**9, nanos=-5)):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _collect(stub, dit_pb2.DenoiseRequest(
+                        ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1,
+                        guidance_scale=1.0, seed=0, plan=plan_to_proto(core.plan_for(t.ticket_id)),
+                        deadline_time=stamp), timeout=30.0)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                assert (info.value.details() or "").startswith("deadline_time:"), info.value.details()
+            # Bad input leaves the ticket untouched (dit_service.md): its caller ends it.
+            await writer.stub.CancelTicket(broker_pb2.CancelTicketRequest(
+                ticket_id=t.ticket_id, outcome=broker_pb2.TICKET_OUTCOME_CANCELLED, reason="test"), timeout=5.0)
+            t = await writer.written_ticket([5], seed=6)
+            events = await _collect(stub, dit_pb2.DenoiseRequest(
+                ticket_id=t.ticket_id, width=64, height=64, num_inference_steps=1, guidance_scale=1.0,
+                seed=0, plan=plan_to_proto(core.plan_for(t.ticket_id))), timeout=30.0)
+            assert events[-1].phase == dit_pb2.DENOISE_PHASE_DECODED
+        await _wait_ticket(writer, t.ticket_id, broker_pb2.TICKET_STATE_RELEASED, 10.0)
+        for _ in range(100):
+            if (await writer.pool()).free_pages == pool.total_pages:
+                break
+            await asyncio.sleep(0.05)
+        assert (await writer.pool()).free_pages == pool.total_pages
+        await writer.close()
 
-    asyncio.run(scenario())
+    replica.run(scenario())
 
 
 def test_a_broker_that_does_not_answer_start_consuming_is_broker_unavailable(tmp_path: Path) -> None:
