@@ -962,6 +962,15 @@ class ChannelCache:
 # within this is closed. gRPC's default is 120 s: an anonymous peer that opened ~20000 TCP
 # connections and sent nothing left the broker without file descriptors, refusing every client.
 SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
+# A call whose request message has not arrived within this after its headers is ended
+# (DEADLINE_EXCEEDED / REQUEST_MESSAGE_TIMEOUT; RequestMessageDeadline). grpc.aio keeps a task per
+# call waiting for the message, before any credential is checked: an anonymous peer that sent
+# 20000 streams' headers and never their messages grew the broker by 445 MB, for as long as it
+# held them. A real client sends the message with the headers.
+REQUEST_MESSAGE_TIMEOUT_S = 10.0
+# ... and at most this many calls of one peer host wait for theirs at once (one connection's
+# streams, grpc.max_concurrent_streams below): a peer cannot hold more by opening connections.
+MAX_WAITING_CALLS_PER_HOST = 1024
 # File descriptors a server keeps for itself beyond its incoming connections: the journal, its
 # own channels to replicas, the metrics listener, worker pipes, model files.
 RESERVED_FDS = 256
@@ -979,6 +988,86 @@ def max_incoming_connections() -> int:
     if limit == resource.RLIM_INFINITY:
         return 1 << 20
     return max(MIN_INCOMING_CONNECTIONS, limit - RESERVED_FDS)
+
+
+class RequestMessageDeadline(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The outermost interceptor but metrics: serves each unary-request method as a
+    client-streaming one that reads its one message itself, within REQUEST_MESSAGE_TIMEOUT_S
+    (else DEADLINE_EXCEEDED / REQUEST_MESSAGE_TIMEOUT), with at most
+    MAX_WAITING_CALLS_PER_HOST calls of one peer host waiting for theirs (one more is
+    RESOURCE_EXHAUSTED / TOO_MANY_WAITING_CALLS at once); a call half-closed with no message is
+    INVALID_ARGUMENT / NO_REQUEST_MESSAGE. grpc.aio itself waits for a unary request's message
+    with no bound but the caller's own deadline, in a task of its own per call, before any
+    interceptor sees the request (so before any credential is checked), and a call half-closed
+    with no message it left open, with no status, until the caller went away. The wire is the
+    same: a client cannot tell a method served so from one served unary."""
+
+    def __init__(self) -> None:
+        self._waiting: collections.Counter[str] = collections.Counter()
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        method: str = details.method
+        read = self._the_request
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def single(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await unary(await read(method, context), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                single, handler.request_deserializer, handler.response_serializer
+            )
+        streamed = handler.unary_stream
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            result = streamed(await read(method, context), context)
+            if not inspect.isasyncgen(result):
+                await result  # a handler that writes with context.write
+                return
+            try:
+                async for item in result:
+                    yield item
+            finally:
+                await result.aclose()
+
+        return grpc.stream_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+
+    async def _the_request(self, method: str, context: grpc.aio.ServicerContext) -> Any:
+        """The one request message of a unary-request call, read within the bounds above."""
+        host = _peer_host(str(context.peer() or ""))
+        if self._waiting[host] >= MAX_WAITING_CALLS_PER_HOST:
+            await abort_with(context, KvRelayServerError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "TOO_MANY_WAITING_CALLS",
+                f"{method}: {MAX_WAITING_CALLS_PER_HOST} calls from this host already wait for their request "
+                "message (kvrelay.security.MAX_WAITING_CALLS_PER_HOST); send each message with its call",
+            ))  # fmt: skip
+        self._waiting[host] += 1
+        try:
+            async with asyncio.timeout(REQUEST_MESSAGE_TIMEOUT_S):  # no task of its own, as wait_for makes
+                request = await context.read()
+        except TimeoutError:
+            await abort_with(context, KvRelayServerError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "REQUEST_MESSAGE_TIMEOUT",
+                f"{method}: the request message did not arrive within {REQUEST_MESSAGE_TIMEOUT_S:g} s of the "
+                "call's start (kvrelay.security.REQUEST_MESSAGE_TIMEOUT_S); send it with the call",
+            ))  # fmt: skip
+        finally:
+            self._waiting[host] -= 1
+            if self._waiting[host] <= 0:
+                del self._waiting[host]
+        if request is grpc.aio.EOF:
+            await abort_with(context, KvRelayServerError(
+                grpc.StatusCode.INVALID_ARGUMENT, "NO_REQUEST_MESSAGE",
+                f"{method}: the call ended its requests without the one request message this method takes",
+            ))  # fmt: skip
+        return request
+
+    def waiting(self) -> int:
+        """Calls that wait for their request message now, of every host."""
+        return sum(self._waiting.values())
 
 
 def server_options(creds: Credentials) -> list[tuple[str, Any]]:

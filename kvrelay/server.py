@@ -32,6 +32,7 @@ from kvrelay.security import (
     CredentialRotation,
     Credentials,
     RequestCheck,
+    RequestMessageDeadline,
     RpcRule,
     check_bind,
     server_credentials,
@@ -96,6 +97,7 @@ class GrpcServer:
     _health: Any = field(default=None, repr=False)
     _metrics: Any = field(default=None, repr=False)
     _auth: AuthInterceptor | None = field(default=None, repr=False)
+    _requests: RequestMessageDeadline | None = field(default=None, repr=False)
     # grpc.aio's own serving task of this server (None: not found, see _live_rpc_tasks).
     _serving_task: asyncio.Task[Any] | None = field(default=None, repr=False)
 
@@ -112,7 +114,9 @@ class GrpcServer:
             self.credential_rotation = CredentialRotation(creds)
         self._auth = AuthInterceptor(creds, self.checks, self.rules, self.credential_refusals,
                                      rotation=self.credential_rotation)  # fmt: skip
-        interceptors: list[Any] = [logging_interceptor(), self._auth]
+        # Outermost but metrics: a unary request is read (within a bound) before anything else.
+        self._requests = RequestMessageDeadline()
+        interceptors: list[Any] = [self._requests, logging_interceptor(), self._auth]
         registry = self._registry()
         if registry is not None:
             add_process_metrics(registry)
