@@ -43,6 +43,7 @@ from kvrelay.broker.metrics import GenerationMetrics, JournalCollector
 from kvrelay.broker.pipeline import LINK_DEADLINE_SLACK_SECONDS, StagePipeline
 from kvrelay.broker.placement import Pair, place, serving_replicas
 from kvrelay.broker.registry import ReplicaRole
+from kvrelay.broker.stalls import LoopStalls
 from kvrelay.broker.tickets import Ticket, TicketOutcome
 from kvrelay.config import KvRelayConfig
 from kvrelay.errors import failed_precondition
@@ -134,6 +135,7 @@ class Orchestrator:
             denoise_timeout=cfg.dit_stage.request_timeout_seconds,
             clock=clock,
             write_token=rotation.write_token,
+            stalls=LoopStalls(clock),
         )
         self._tasks: list[asyncio.Task[None]] = []
         core.on_request_cancelled = self.ticket_cancelled
@@ -149,6 +151,7 @@ class Orchestrator:
             asyncio.create_task(self.queue.run_placement(self._place), name="orchestrator-placement"),
             asyncio.create_task(self._core_change_relay(), name="orchestrator-core-changes"),
             asyncio.create_task(self.compactor.run(), name="orchestrator-journal-compaction"),
+            asyncio.create_task(self.pipeline.stalls.run(), name="orchestrator-loop-stalls"),
         ]
 
     async def stop(self, grace_s: float = STOP_GRACE_SECONDS) -> None:

@@ -28,6 +28,7 @@ from kvrelay.broker.generations import ErrorInfo, GenState, ImageResult, Request
 from kvrelay.broker.journal import JournalWriteError
 from kvrelay.broker.registry import ReplicaSpec
 from kvrelay.broker.service import plan_to_proto
+from kvrelay.broker.stalls import STALL_SECONDS, LoopStalls
 from kvrelay.broker.tickets import BrokerError, Ticket, TicketOutcome, TicketState
 from kvrelay.errors import reason_of
 from kvrelay.logging import bind_request, get_logger
@@ -76,8 +77,11 @@ class StagePipeline:
         denoise_timeout: float,
         clock: Callable[[], float],
         write_token: Callable[[str, str], str] = lambda _dit, _ar: "",
+        stalls: LoopStalls | None = None,
     ) -> None:
         self.core = core
+        # When the broker's own loop did not run (its ticking task is the orchestrator's).
+        self.stalls = stalls if stalls is not None else LoopStalls(clock)
         # (DiT replica id, AR replica id) -> the AR's PutKv credential at that DiT (bound
         # replica tokens, Credentials.write_token; "" otherwise).
         self.write_token = write_token
@@ -306,12 +310,14 @@ class StagePipeline:
         return err.error if state in (TicketState.READY, TicketState.CONSUMING) else None
 
     async def _prefill(self, call: Any, spec: ReplicaSpec) -> ar_pb2.PrefillResponse:
+        started = self._clock()
         try:
             reply: ar_pb2.PrefillResponse = await call
         except grpc.aio.AioRpcError as err:
             note_connection_failure(self.core, self.channels, spec, err)
+            stall = self.stalls.longest_since(started)
             raise RequestEnded(
-                stage_error(err, "Prefill", "AR", spec.replica_id), replica_id=spec.replica_id, replica_role="AR"
+                stage_error(err, "Prefill", "AR", spec.replica_id, stall), replica_id=spec.replica_id, replica_role="AR"
             ) from None
         return reply
 
@@ -321,6 +327,7 @@ class StagePipeline:
         replica_id = spec.replica_id
         record = job.record
         total = record.params.num_inference_steps
+        started = self._clock()
         advance = self.reporter.advance
         try:
             async for event in call:
@@ -361,8 +368,9 @@ class StagePipeline:
                     )
         except grpc.aio.AioRpcError as err:
             note_connection_failure(self.core, self.channels, spec, err)
+            stall = self.stalls.longest_since(started)
             raise RequestEnded(
-                stage_error(err, "Denoise", "DiT", replica_id), replica_id=replica_id, replica_role="DIT"
+                stage_error(err, "Denoise", "DiT", replica_id, stall), replica_id=replica_id, replica_role="DIT"
             ) from None
         raise RequestEnded(
             ErrorInfo(
@@ -438,8 +446,12 @@ def raise_if_interrupted(job: GenerationJob) -> None:
         raise job.interrupt.result()
 
 
-def stage_error(err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str) -> ErrorInfo:
-    """A stage call's gRPC error as the generation's error, naming the RPC and the replica."""
+def stage_error(
+    err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str, own_stall_s: float = 0.0
+) -> ErrorInfo:
+    """A stage call's gRPC error as the generation's error, naming the RPC and the replica.
+    `own_stall_s`: the longest the broker itself did not run while the call was open
+    (broker/stalls.py); a connection lost then may be the broker's doing, not the replica's."""
     code, reason, message = reason_of(err)
     if code == "UNAVAILABLE" and reason == "UNAVAILABLE":
         reason = "REPLICA_UNAVAILABLE"
@@ -450,8 +462,13 @@ def stage_error(err: grpc.aio.AioRpcError, rpc: str, role: str, replica_id: str)
         code, reason = "UNAVAILABLE", "REPLICA_UNAVAILABLE"
     if reason == "REPLICA_UNAVAILABLE":
         # gRPC's own words ("recvmsg:Connection reset by peer") do not say what happened or what to do.
-        message = (f"{message} (the {role} replica stopped answering: it exited, restarted or is unreachable; "
-                   "the generation can be retried, other replicas take it)")
+        if own_stall_s >= STALL_SECONDS:
+            message = (f"{message} (this broker itself did not run for {own_stall_s:.0f} s while the call was open: "
+                       "stopped (SIGSTOP) or starved of CPU, so the connection may have timed out for that and "
+                       f"the {role} replica be fine; the generation can be retried)")
+        else:
+            message = (f"{message} (the {role} replica stopped answering: it exited, restarted or is unreachable; "
+                       "the generation can be retried, other replicas take it)")
     return ErrorInfo(code, reason, f"{rpc} on {role} replica {replica_id}: {message}")
 
 

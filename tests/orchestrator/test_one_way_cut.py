@@ -59,11 +59,15 @@ def test_denoise_over_a_one_way_cut_fails_within_the_keepalive_bound() -> None:
 
     async def body() -> None:
         async with cluster(
-            credentials=Credentials(keepalive=BROKER_KEEPALIVE), dit_proxy=True, dit_server_options=PERMITS_PINGS
+            credentials=Credentials(keepalive=BROKER_KEEPALIVE),
+            dit_proxy=True,
+            dit_server_options=PERMITS_PINGS,
         ) as c:
             final, took = await _cut_mid_denoise(c)
             assert final.state == S.GENERATION_STATE_FAILED, final
-            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE"), final.error
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE"), (
+                final.error
+            )
             assert "Denoise on DiT replica dit-0" in final.error.message
             assert took < BROKER_KEEPALIVE.detect_within_s + 3.0 < DEADLINE_S, took
             # The request is over, the pages are not: the DiT may still be reading them, and
@@ -105,5 +109,39 @@ def test_a_dit_whose_caller_is_cut_off_cancels_its_denoise_and_releases() -> Non
             assert c.dit.released == [(final.ticket_id, broker_pb2.TICKET_OUTCOME_CANCELLED)]
             assert c.core.get_ticket(final.ticket_id).state is TicketState.RELEASED
             assert _pages(c, "free") == c.pool().total
+
+    run(body())
+
+
+def test_a_connection_lost_while_the_broker_itself_did_not_run_does_not_blame_the_dit() -> None:
+    """Found black-box: a broker SIGSTOPped for 40 s mid-Denoise, then continued, failed the
+    generation with 'the DiT replica stopped answering' (its keepalive ping went unanswered
+    because the broker itself was not running), while the DiT had run all along. Here the
+    broker's clock jumps 6 s between two ticks of its stall watch (broker/stalls.py), as it does
+    for a stopped process, before the connection is lost."""
+
+    async def body() -> None:
+        async with cluster(
+            credentials=Credentials(keepalive=BROKER_KEEPALIVE),
+            dit_proxy=True,
+            dit_server_options=PERMITS_PINGS,
+        ) as c:
+            register_broker_metrics(c.core, c.registry)
+            c.dit.step_gate.clear()
+            call = c.api.Generate(request(seed=5), timeout=DEADLINE_S)
+            await c.dit.loaded.wait()
+            c.clock_offset[0] += 6.0
+            await asyncio.sleep(1.0)  # the stall watch ticks (every 0.5 s)
+            assert c.dit_proxy is not None
+            c.dit_proxy.blackhole("to_target")
+            final = (await collect(call))[-1]
+            assert (final.error.code, final.error.reason) == ("UNAVAILABLE", "REPLICA_UNAVAILABLE"), (
+                final.error
+            )
+            assert "this broker itself did not run for 6 s" in final.error.message, final.error.message
+            assert "stopped answering" not in final.error.message
+            c.dit.step_gate.set()
+            await wait_until(lambda: c.dit.released != [], what="the DiT's release")
+            await c.wait_pool_free()
 
     run(body())
