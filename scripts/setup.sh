@@ -59,15 +59,27 @@ fi
 stamp=.venv/.kvrelay-setup
 want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing Python packages into .venv (torch CPU build, grpc, mooncake, ...)"
+  echo "setup: installing Python packages into .venv (about 1.7 GB; 2-3 minutes on a fresh machine, one line per step)"
   # pip's and setuptools' chatter (multi-line build warnings) goes to a log, shown when it failed.
+  # Each step says what it installs before it starts and how long it took when done: the whole
+  # install was one line followed by minutes of silence, which looked like a hang.
   log=.venv/setup-pip.log
   : > "$log"
-  pip_install() { .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1 || echo "setup: pip install $* failed" >&2; }
-  pip_install --upgrade pip
+  pip_step() {
+    local what="$1" started=$SECONDS
+    shift
+    echo "setup: $what ..."
+    if .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1; then
+      echo "setup: $what: done ($((SECONDS - started)) s)"
+    else
+      echo "setup: pip install $* failed (log: $log)" >&2
+    fi
+  }
+  pip_step "[1/3] pip itself" --upgrade pip
   # The pinned CPU torch first: an unpinned torch could pull a multi-GB CUDA build.
-  pip_install torch==2.13.0
-  pip_install -c requirements/constraints.txt -e ".[dev]"
+  pip_step "[2/3] torch==2.13.0 (the CPU build)" torch==2.13.0
+  pip_step "[3/3] kvrelay and its dev extras (grpc, mooncake, transformers, pytest, mypy, ...)" \
+    -c requirements/constraints.txt -e ".[dev]"
   if ! .venv/bin/python -c "import torch, grpc, mooncake.engine, kvrelay.node.cli"; then
     tail -n 30 "$log" >&2
     echo "setup: the Python packages did not install (above: the end of $log)" >&2

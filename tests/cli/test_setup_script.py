@@ -29,8 +29,13 @@ exit 1
 """
 
 
-def _run_setup(tmp_path: Path, *, has_libibverbs: bool) -> tuple[subprocess.CompletedProcess[str], str]:
+def _run_setup(
+    tmp_path: Path, *, has_libibverbs: bool, keep: bool = False
+) -> tuple[subprocess.CompletedProcess[str], str]:
+    """Run setup.sh in a copy of the layout under tmp_path (keep: in the one a former call made)."""
     root = tmp_path / "repo"
+    if keep:
+        return _run(root, tmp_path / "bin", tmp_path / "installers.log")
     (root / "scripts").mkdir(parents=True)
     shutil.copy(REPO / "scripts/setup.sh", root / "scripts/setup.sh")
     (root / "requirements").mkdir()
@@ -61,6 +66,10 @@ def _run_setup(tmp_path: Path, *, has_libibverbs: bool) -> tuple[subprocess.Comp
     for name, text in tools.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    return _run(root, bin_dir, log)
+
+
+def _run(root: Path, bin_dir: Path, log: Path) -> tuple[subprocess.CompletedProcess[str], str]:
     env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(root / "scripts/setup.sh")],
@@ -87,3 +96,35 @@ def test_setup_still_installs_a_missing_libibverbs(tmp_path: Path) -> None:
     # and fails it, which stops setup.sh (set -e) before anything else.
     assert installers.startswith(("apt-get update", "sudo apt-get update")), installers
     assert proc.returncode != 0
+
+
+# A venv python that records each `-m pip install` and answers every import check.
+RECORDING_PYTHON = """#!/bin/bash
+if [ "$1 $2" = "-m pip" ]; then echo "$*" >> "{log}"; fi
+exit 0
+"""
+
+
+def test_setup_names_each_install_step_and_pins_the_cpu_torch(tmp_path: Path) -> None:
+    """A fresh machine's setup printed one line, then 2-3 minutes of pip in silence (its output goes
+    to a log): each step now says what it installs before it starts and how long it took. The
+    CPU torch is installed pinned and first, so kvrelay's own `torch>=` cannot pull a CUDA build."""
+    proc, _ = _run_setup(tmp_path, has_libibverbs=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    root, pip_log = tmp_path / "repo", tmp_path / "pip.log"
+    (root / ".venv/bin/python").write_text(RECORDING_PYTHON.format(log=pip_log))
+    (root / ".venv/.kvrelay-setup").write_text("an older setup\n")
+    proc, _ = _run_setup(tmp_path, has_libibverbs=True, keep=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("setup: [")]
+    assert [line.split("]")[0] for line in steps] == ["setup: [1/3", "setup: [1/3", "setup: [2/3", "setup: [2/3",
+                                                       "setup: [3/3", "setup: [3/3"], proc.stdout  # fmt: skip
+    assert steps[2] == "setup: [2/3] torch==2.13.0 (the CPU build) ...", steps
+    assert steps[3].startswith("setup: [2/3] torch==2.13.0 (the CPU build): done (") and steps[3].endswith(
+        " s)"
+    )
+    installs = pip_log.read_text().splitlines()
+    assert installs[1] == "-m pip install -q torch==2.13.0", installs
+    assert "-c requirements/constraints.txt" in installs[2], installs
+    assert "torch==2.13.0" in (REPO / "requirements/constraints.txt").read_text().split()
