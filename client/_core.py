@@ -543,9 +543,11 @@ class Fail:
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    """Sleep `seconds` (a cancel may cut it short), then ask `wait_over()`."""
+    """Sleep `seconds` (a cancel may cut it short), then ask `wait_over()`. `error` is why the
+    stream ended (a face may tell its user what it waits out)."""
 
     seconds: float
+    error: KvRelayError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -661,7 +663,7 @@ class GenerationCore:
         if delay is None:
             self.failure = error
             return Fail(error)
-        return Wait(delay)
+        return Wait(delay, error)
 
     def wait_over(self) -> AfterWait:
         """The backoff is over (or a cancel cut it short)."""

@@ -295,8 +295,10 @@ class _Progress:
         self._bar: Any = None
         self._started = time.monotonic()
         self._last: tuple[GenerationState, int, int] | None = None
+        self._waiting: tuple[str, str] | None = None
 
     def update(self, event: GenerationEvent) -> None:
+        self._waiting = None
         if not self._enabled or (event.state, event.step, event.attempt) == self._last:
             return
         retried = self._last is not None and event.attempt > self._last[2]
@@ -337,6 +339,21 @@ class _Progress:
         elif event.state == GenerationState.SUCCEEDED and bar.total:
             bar.n = bar.total
         bar.refresh()
+
+    def waiting(self, error: KvRelayError, seconds: float) -> None:
+        """The stream ended retryably and is opened again after `seconds`: say why, once per
+        reason until an event arrives. Before, a generate sent while the node still started (its
+        replicas not registered yet: NO_AR_REPLICA) printed nothing until QUEUED, 8-20 s later."""
+        if not self._enabled or (error.code, error.reason) == self._waiting:
+            return
+        self._waiting = (error.code, error.reason)
+        elapsed = time.monotonic() - self._started
+        what = f"{error.code} {error.reason}" if error.reason != error.code else error.code
+        line = f"[{elapsed:7.2f}s] waiting: {what}: {error.message} (asking again; Ctrl-C cancels)"
+        if self._bar is not None:
+            self._bar.write(line, file=self._stream)
+        else:
+            print(line, file=self._stream, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -503,6 +520,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 request_id=getattr(args, "request_id", None) or uuid.uuid4().hex,
                 timeout=getattr(args, "timeout", None),
             )
+            handle._on_wait = progress.waiting
             for event in handle.events():
                 progress.update(event)
             progress.close()

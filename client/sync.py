@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -246,6 +246,9 @@ class GenerationHandle(_core.HandleBase):
         # suspended follows the generation again from where it is now.
         self._result_reads = 0
         self._cancel_event = threading.Event()
+        # Told each re-attach wait (why the stream ended, seconds to wait): `kvrelay generate`
+        # shows it, so a node still starting is not minutes of silence before QUEUED.
+        self._on_wait: Callable[[KvRelayError, float], None] | None = None
         self._call = client._open_generate(core)
 
     def events(self) -> Iterator[GenerationEvent]:
@@ -366,6 +369,8 @@ class GenerationHandle(_core.HandleBase):
                     error = _core.client_closed_error(core.request_id)
             decision: _core.StreamEnd | _core.AfterWait = core.on_stream_end(error)
             if isinstance(decision, _core.Wait):
+                if self._on_wait is not None and decision.error is not None:
+                    self._on_wait(decision.error, decision.seconds)
                 self._cancel_event.wait(decision.seconds)  # a cancel() ends the wait early
                 with self._lock:  # so that cancel() either sees the new call or stops the reopen
                     decision = core.wait_over()
