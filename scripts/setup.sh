@@ -72,7 +72,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     if .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1; then
       echo "setup: $what: done ($((SECONDS - started)) s)"
     else
-      echo "setup: pip install $* failed (log: $log)" >&2
+      # Stop at the first failed step, with pip's reason: the next steps cannot fix it, and their
+      # import check's traceback came before the log that said why.
+      tail -n 30 "$log" >&2
+      echo "setup: pip install $* failed after $((SECONDS - started)) s (above: the end of $log)" >&2
+      exit 1
     fi
   }
   pip_step "[1/3] pip itself" --upgrade pip

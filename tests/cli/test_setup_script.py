@@ -128,3 +128,30 @@ def test_setup_names_each_install_step_and_pins_the_cpu_torch(tmp_path: Path) ->
     assert installs[1] == "-m pip install -q torch==2.13.0", installs
     assert "-c requirements/constraints.txt" in installs[2], installs
     assert "torch==2.13.0" in (REPO / "requirements/constraints.txt").read_text().split()
+
+
+# A venv python whose pip fails on the torch step, as with no index reachable.
+FAILING_PIP_PYTHON = """#!/bin/bash
+if [ "$1 $2" = "-m pip" ]; then
+  echo "$*" >> "{log}"
+  case "$*" in *torch==*) echo "ERROR: No matching distribution found for torch==2.13.0"; exit 1 ;; esac
+fi
+exit 0
+"""
+
+
+def test_setup_stops_at_the_first_failed_install_step_with_pips_reason(tmp_path: Path) -> None:
+    """Before: a failed step went on to the next ones, and the import check's traceback
+    (`No module named 'grpc'`) came before the end of pip's log that said why."""
+    _run_setup(tmp_path, has_libibverbs=True)
+    root, pip_log = tmp_path / "repo", tmp_path / "pip.log"
+    (root / ".venv/bin/python").write_text(FAILING_PIP_PYTHON.format(log=pip_log))
+    (root / ".venv/.kvrelay-setup").write_text("an older setup\n")
+    proc, _ = _run_setup(tmp_path, has_libibverbs=True, keep=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert len(pip_log.read_text().splitlines()) == 2  # pip, torch; never kvrelay
+    assert "[3/3]" not in proc.stdout
+    err = proc.stderr.splitlines()
+    assert err[-2] == "ERROR: No matching distribution found for torch==2.13.0", proc.stderr
+    assert err[-1].startswith("setup: pip install torch==2.13.0 failed after "), proc.stderr
+    assert (root / ".venv/.kvrelay-setup").read_text() == "an older setup\n"
