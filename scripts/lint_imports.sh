@@ -31,4 +31,4 @@ missing = sorted(
 if missing:
     sys.exit("lint-imports: contracts name modules that do not exist: " + ", ".join(missing))
 PY
-PYTHONPATH="$stage" "${LINT_IMPORTS:-$OLDPWD/.venv/bin/lint-imports}" --config pyproject.toml --no-cache
+PYTHONPATH="$stage" "${LINT_IMPORTS:-$OLDPWD/.venv/bin/lint-imports}" --no-cache  # finds ./pyproject.toml (--config is deprecated: a DeprecationWarning on every run)
