@@ -140,6 +140,10 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         # The faults `fail_after_arming`, `corrupt_writes` and the `write_gate` hold apply to the
         # first N Prefills only (a transient failure: the next attempt goes through); None: to all.
         self.faulty_prefills: int | None = None
+        # False: `stop` leaves the writes held at `write_gate` unresolved (a broker stopped with
+        # them in flight restores them so); the test cancels them (`abandon_writes`) afterwards.
+        self.resolve_writes_on_stop = True
+        self._abandoned = False
         # Before failing with `fail_prefill`: roll the ticket back (CancelTicket FAILED) and wait
         # this long, as the real AR does; the DiT sees the ticket end before the AR's reply.
         self.rollback_before_failing_s: float | None = None
@@ -186,9 +190,10 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
         self.tokenize_gate.set()
         self.reply_gate.set()
         self.prefill_gate.set()
-        self.write_gate.set()
-        if self._writers:
-            await asyncio.wait(self._writers, timeout=5)
+        if self.resolve_writes_on_stop:
+            self.write_gate.set()
+            if self._writers:
+                await asyncio.wait(self._writers, timeout=5)
         if self._server is not None:
             await self._server.stop(0)
         if self._channel is not None:
@@ -263,6 +268,15 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
             transfer_seconds=time.monotonic() - t0,
         )
 
+    async def abandon_writes(self) -> None:
+        """After the cluster stopped: end the writes `stop` left held, unreported (no broker
+        is left to report them to)."""
+        self._abandoned = True
+        writers = list(self._writers)
+        for writer in writers:
+            writer.cancel()
+        await asyncio.gather(*writers, return_exceptions=True)
+
     def _staging(self, request: ar_pb2.PrefillRequest, writes: tuple[PlannedWrite, ...]) -> bytes:
         size = max((s.src_offset + s.length for w in writes for s in w.segments), default=0)
         pattern = f"{request.seed}:{'|'.join(request.rows)}".encode() or b"\x00"
@@ -296,7 +310,7 @@ class ArReplica(ar_pb2_grpc.ArServiceServicer):
                 total += w.num_bytes
         finally:
             for i, w in enumerate(writes):
-                if i not in reported:
+                if i not in reported and not self._abandoned:
                     await self._report(ticket_id, w, common_pb2.WRITE_STATUS_NOT_STARTED, 0, 0)
         return total
 

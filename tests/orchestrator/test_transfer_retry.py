@@ -386,6 +386,11 @@ def test_a_broker_restart_keeps_a_transfer_retried_generation_ended_once_and_its
 
     async def body() -> tuple[str, str]:
         async with cluster(journal_path=path, transfer_timeout=0.5) as c:
+            ar = c.ar
+            # The teardown stops the AR before the broker: it must not let the held write of
+            # "live"'s first attempt land then (the broker resolved it and, timing permitting,
+            # freed its ticket before its stop: RELEASED after the restart).
+            ar.resolve_writes_on_stop = False
             # "done": its first transfer fails, the retry succeeds.
             inject(c, "failed")
             c.ar.faulty_prefills = 1
@@ -402,8 +407,21 @@ def test_a_broker_restart_keeps_a_transfer_retried_generation_ended_once_and_its
             await attempt_reached(call, 2, [])
             first_live = c.orchestrator.queue.job("live").ended_ticket_ids[-1]  # type: ignore[union-attr]
             c.ar.faulty_prefills = 0  # the retry's write goes through
-            await wait_until(lambda: len(c.ar.prefills) == 2, what="the retry's prefill")
-            return first_live, c.orchestrator.get("live").ticket_id
+            # The retry loaded (its ticket CONSUMING) and waits for its first step: the cluster's
+            # teardown stops the AR before the broker, and an AR stopped while the retry's Prefill
+            # was still in flight ended "live" FAILED REPLICA_UNAVAILABLE (journaled) and freed
+            # the first ticket's pages before the broker stopped. Once loaded, the AR is no
+            # longer needed (the pipeline's _writer_lost_after_load).
+            def retry_denoising() -> bool:
+                live = c.orchestrator.get("live")
+                return live.attempt == 2 and live.state == S.GENERATION_STATE_DENOISING
+
+            await wait_until(retry_denoising, timeout=15, what="the retry held before its first step")
+            assert c.ar.prefills == ["live", "live"]
+            ticket_id = c.orchestrator.get("live").ticket_id
+            assert c.core.get_ticket(ticket_id).state is TicketState.CONSUMING
+        await ar.abandon_writes()
+        return first_live, ticket_id
 
     first_live, _ = run(body())
     core, store = _reopened(path)
