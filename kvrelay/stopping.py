@@ -253,6 +253,13 @@ class ProcessStop:
         finally:
             stopped.cancel()
         if task.done():
+            if self.event.is_set() and not task.cancelled() and task.exception() is not None:
+                # It ended together with the stop, and with an error: the stop's doing (a thread
+                # wait that polls `thread_event` raised InterruptedError before this loop ran the
+                # stop's wake-up; a loaded host, tests/foundation/test_stopping.py).
+                error = task.exception()
+                log.info("wait_interrupted", phase=self.phase, outcome=f"{type(error).__name__}: {error}")
+                raise StopRequested(self.signal_name or "stop", self.phase)
             return task.result()
         if abort is not None:
             await asyncio.to_thread(abort)
