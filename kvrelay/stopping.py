@@ -253,15 +253,12 @@ class ProcessStop:
         finally:
             stopped.cancel()
         if task.done():
-            if self.event.is_set() and not task.cancelled() and task.exception() is not None:
-                # It ended together with the stop, and with an error: the stop's doing (a thread
-                # wait that polls `thread_event` raised InterruptedError before this loop ran the
-                # stop's wake-up; a loaded host, tests/foundation/test_stopping.py).
-                error = task.exception()
-                log.info("wait_interrupted", phase=self.phase, outcome=f"{type(error).__name__}: {error}")
-                raise StopRequested(self.signal_name or "stop", self.phase)
-            return task.result()
-        if abort is not None:
+            # Done with an error together with the stop is the stop's doing, told below as an
+            # interrupted wait (a thread wait that polls `thread_event` raised InterruptedError
+            # before this loop ran the stop's wake-up; a loaded host, tests/foundation/test_stopping.py).
+            if not self.event.is_set() or task.cancelled() or task.exception() is None:
+                return task.result()
+        elif abort is not None:
             await asyncio.to_thread(abort)
         else:
             task.cancel()
